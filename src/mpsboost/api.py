@@ -1,0 +1,437 @@
+"""patch / unpatch / patched / plan.
+
+Data flows one way: ``patch(obj)`` -> targets (pipeline components, or the module tree of an
+``nn.Module``) -> each recipe's ``find`` -> ``decide`` (the gate is asked there) -> ``apply``, as one
+transaction -> :class:`~mpsboost.report.PatchReport`. ``plan`` stops before ``apply``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+
+from .errors import (
+    IrreversiblePatchError,
+    NotPatchedError,
+    PatchError,
+    RecipeSkippedError,
+    UnsupportedTargetError,
+)
+from .gate import Env
+from .registry import Decision, Match, Recipe, Undo, all_recipes, class_path, get_recipe, is_patched_by, matches_class
+from .report import ALREADY_PATCHED, APPLIED, NOT_APPLICABLE, SKIPPED, WOULD_APPLY, PatchReport, Row
+
+__all__ = ["patch", "unpatch", "patched", "plan", "last_report", "FP8_GRANULARITIES"]
+
+log = logging.getLogger("mpsboost")
+
+FP8_GRANULARITIES = ("rowwise", "tensorwise")
+_PIPELINE_CLASS = "diffusers.pipelines.pipeline_utils.DiffusionPipeline"
+_ACCEPTED = "a diffusers DiffusionPipeline or a torch.nn.Module (transformers and diffusers models included)"
+
+# Patching and unpatching are serialised process-wide: two threads patching the same (or different)
+# objects never interleave their changes.
+_LOCK = threading.RLock()
+
+
+@dataclass
+class _Applied:
+    recipe: Recipe
+    match: Match
+    undo: Undo
+
+
+@dataclass
+class _Record:
+    report: PatchReport
+    applied: list[_Applied] = field(default_factory=list)
+
+
+# id(obj) -> (weakref to obj, [records]); ids are reused, so the weakref is checked on every lookup.
+_STATE: dict[int, tuple["weakref.ref[Any]", list[_Record]]] = {}
+
+
+def _records(obj: Any) -> list[_Record] | None:
+    entry = _STATE.get(id(obj))
+    if entry is None or entry[0]() is not obj:
+        return None
+    return entry[1]
+
+
+def _add_record(obj: Any, rec: _Record) -> None:
+    recs = _records(obj)
+    if recs is None:
+        key = id(obj)
+        recs = []
+        _STATE[key] = (weakref.ref(obj, lambda _r, key=key: _STATE.pop(key, None)), recs)
+    recs.append(rec)
+
+
+# ------------------------------------------------------------------------------------------ targets
+
+def _is_pipeline(obj: Any) -> bool:
+    return matches_class(obj, (_PIPELINE_CLASS,))
+
+
+def _targets(obj: Any) -> list[tuple[str, torch.nn.Module]]:
+    """(prefix, root module) pairs: one for a module, one per module component of a pipeline."""
+    if isinstance(obj, torch.nn.Module):
+        return [("", obj)]
+    if _is_pipeline(obj):
+        comps = getattr(obj, "components", {}) or {}
+        found, seen = [], set()
+        for name, comp in comps.items():
+            if isinstance(comp, torch.nn.Module) and id(comp) not in seen:
+                seen.add(id(comp))
+                found.append((name, comp))
+        if not found:
+            raise UnsupportedTargetError(
+                f"{type(obj).__name__} has no torch.nn.Module among its components "
+                f"({', '.join(comps) or 'none'}); load its models first, then patch"
+            )
+        return found
+    raise UnsupportedTargetError(
+        f"mpsboost cannot patch a {type(obj).__module__}.{type(obj).__qualname__}; it accepts {_ACCEPTED}"
+    )
+
+
+def _first_param_device(targets: list[tuple[str, torch.nn.Module]]) -> torch.device | None:
+    for _, root in targets:
+        for t in _tensors(root):
+            return t.device
+    return None
+
+
+def _tensors(root: torch.nn.Module) -> Iterator[torch.Tensor]:
+    yield from root.parameters()
+    yield from root.buffers()
+
+
+def _execution_device(obj: Any, targets: list[tuple[str, torch.nn.Module]]) -> torch.device | None:
+    """Where the model will compute: the pipeline's execution device under offloading, else its weights'."""
+    for _, root in targets:
+        hook = getattr(root, "_hf_hook", None)
+        dev = getattr(hook, "execution_device", None)
+        if dev is not None:
+            return torch.device(dev) if not isinstance(dev, torch.device) else dev
+    if _is_pipeline(obj):
+        try:
+            dev = obj._execution_device
+            if dev is not None:
+                return torch.device(dev)
+        except Exception:  # diffusers raises on pipelines whose components have no device yet
+            log.debug("pipeline has no _execution_device; using its weights' device")
+    return _first_param_device(targets)
+
+
+def _env_for(obj: Any, targets, device: Any) -> Env:
+    if device is None:
+        dev = _execution_device(obj, targets)
+        if dev is None or dev.type == "meta":
+            return Env.detect("cpu")
+        return Env.detect(dev)
+    if isinstance(device, Env):
+        return device
+    if isinstance(device, (str, torch.device)):
+        return Env.detect(device)
+    raise TypeError(f"device must be None, a str such as 'mps', or a torch.device; got {type(device).__name__}: {device!r}")
+
+
+def _check_not_meta(targets) -> None:
+    for prefix, root in targets:
+        for t in _tensors(root):
+            if t.device.type == "meta":
+                where = prefix or type(root).__name__
+                raise UnsupportedTargetError(
+                    f"{where} has tensors on the meta device (no data): patch() needs real weights. "
+                    "Load or materialise the model first; plan() works on meta models."
+                )
+            break
+
+
+# ------------------------------------------------------------------------------------------ selection
+
+def _select(recipes: Sequence[str] | str | None, exclude: Sequence[str], fp8: str | None) -> tuple[list[Recipe], set[str]]:
+    if fp8 is not None and fp8 not in FP8_GRANULARITIES:
+        raise ValueError(f"fp8 must be None, 'rowwise' or 'tensorwise'; got {fp8!r}")
+    if isinstance(exclude, str):
+        exclude = (exclude,)
+    if not isinstance(exclude, (list, tuple, set, frozenset)):
+        raise TypeError(f"exclude must be a list of recipe names, got {type(exclude).__name__}")
+    excluded = {get_recipe(n).name for n in exclude}
+    if recipes is None:
+        chosen = [r for r in all_recipes() if r.default and r.lossless]
+        if fp8 is not None:
+            chosen += [r for r in all_recipes() if getattr(r, "enabled_by", None) == "fp8" and r not in chosen]
+        requested: set[str] = set()
+    else:
+        if isinstance(recipes, str):
+            recipes = (recipes,)
+        if not isinstance(recipes, (list, tuple, set, frozenset)):
+            raise TypeError(f"recipes must be None or a list of recipe names, got {type(recipes).__name__}")
+        chosen = [get_recipe(n) for n in recipes]
+        if fp8 is not None:
+            chosen += [r for r in all_recipes() if getattr(r, "enabled_by", None) == "fp8" and r not in chosen]
+        requested = {r.name for r in chosen}
+    chosen = [r for r in chosen if r.name not in excluded]
+    chosen.sort(key=lambda r: (r.order, r.name))
+    return chosen, requested
+
+
+def _options(recipe: Recipe, fp8: str | None, options: Mapping[str, Mapping[str, Any]] | None) -> dict:
+    opts: dict[str, Any] = {"fp8": fp8}
+    if options:
+        if not isinstance(options, Mapping):
+            raise TypeError(f"options must map recipe names to dicts, got {type(options).__name__}")
+        for name in options:
+            get_recipe(name)  # unknown names raise with the registered list
+        opts.update(options.get(recipe.name, {}))
+    return opts
+
+
+# ------------------------------------------------------------------------------------------ planning
+
+def _plan_rows(chosen, targets, env, fp8, options, *, mode: str) -> tuple[list[Row], list[tuple[Recipe, Match, Decision, dict]]]:
+    rows: list[Row] = []
+    actions: list[tuple[Recipe, Match, Decision, dict]] = []
+    for recipe in chosen:
+        opts = _options(recipe, fp8, options)
+        seen: set[int] = set()
+        found = False
+        for prefix, root in targets:
+            for match in recipe.find(root, prefix):
+                if id(match.module) in seen:
+                    continue
+                seen.add(id(match.module))
+                found = True
+                if is_patched_by(match.module, recipe.name):
+                    rows.append(Row(recipe.name, match.path, ALREADY_PATCHED, reason="patched by an earlier call"))
+                    continue
+                try:
+                    decision = recipe.decide(match, env, opts)
+                except Exception as exc:
+                    raise PatchError(
+                        f"recipe {recipe.name} could not decide for {match.path}: {exc}", recipe=recipe.name, target=match.path
+                    ) from exc
+                if decision.applicable:
+                    rows.append(Row(recipe.name, match.path, APPLIED if mode == "patch" else WOULD_APPLY,
+                                    decision.backing, decision.reason, dict(decision.details)))
+                    actions.append((recipe, match, decision, opts))
+                else:
+                    rows.append(Row(recipe.name, match.path, SKIPPED, reason=decision.reason, details=dict(decision.details)))
+        if not found:
+            targets_text = ", ".join(t.rsplit(".", 1)[-1] for t in recipe.targets) or "its targets"
+            rows.append(Row(recipe.name, "-", NOT_APPLICABLE, reason=f"no {targets_text} in this object"))
+    return rows, actions
+
+
+def plan(
+    obj: Any,
+    *,
+    device: str | None = None,
+    torch_version: str | None = None,
+    capability: tuple[int, int] | None = None,
+    env: Env | None = None,
+    recipes: Sequence[str] | None = None,
+    exclude: Sequence[str] = (),
+    fp8: str | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> PatchReport:
+    """What :func:`patch` would do, for this environment or a simulated one; changes nothing.
+
+    ``plan(pipe, device="mps", torch_version="2.14.1")`` simulates an Apple machine on torch 2.14.1;
+    ``device="cuda:8.0"`` (or ``capability=(8, 0)``) a CUDA GPU of that compute capability. Works on
+    models on the meta device.
+    """
+    targets = _targets(obj)
+    if env is None:
+        if device is not None or torch_version is not None or capability is not None:
+            if device is None:
+                device = _env_for(obj, targets, None).device_type
+            if not isinstance(device, str):
+                raise TypeError(f"device must be a str such as 'mps' or 'cuda:9.0', got {type(device).__name__}")
+            env = Env.simulate(device, torch_version, capability=capability)
+        else:
+            env = _env_for(obj, targets, None)
+    elif not isinstance(env, Env):
+        raise TypeError(f"env must be an mpsboost.Env, got {type(env).__name__}")
+    chosen, _ = _select(recipes, exclude, fp8)
+    with _LOCK:
+        rows, _ = _plan_rows(chosen, targets, env, fp8, options, mode="plan")
+    return PatchReport.from_rows("plan", env, rows, target_type=type(obj).__name__)
+
+
+# ------------------------------------------------------------------------------------------ patching
+
+def patch(
+    obj: Any,
+    *,
+    recipes: Sequence[str] | None = None,
+    exclude: Sequence[str] = (),
+    fp8: str | None = None,
+    strict: bool = False,
+    device: str | torch.device | None = None,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> PatchReport:
+    """Patch ``obj`` (a diffusers pipeline or any ``nn.Module``) with every recipe that fits.
+
+    By default every registered lossless recipe whose gate passes on the device ``obj`` computes on;
+    ``recipes=[...]`` picks by name, ``exclude=[...]`` drops some, ``fp8="rowwise"|"tensorwise"`` opts
+    in to FP8 weight storage (lossy, irreversible). ``strict=True`` turns any skip of a selected recipe
+    into :class:`RecipeSkippedError` before anything changes. ``options={"recipe": {...}}`` passes
+    recipe-specific settings.
+
+    One transaction: if any recipe fails while applying, every change made by this call is undone and
+    :class:`PatchError` names the recipe and module. Patching again is a no-op (rows say "already patched").
+    """
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    targets = _targets(obj)
+    chosen, requested = _select(recipes, exclude, fp8)
+    with _LOCK:
+        _check_not_meta(targets)
+        env = _env_for(obj, targets, device)
+        rows, actions = _plan_rows(chosen, targets, env, fp8, options, mode="patch")
+        skipped = [r for r in rows if r.status == SKIPPED or (r.status == NOT_APPLICABLE and r.recipe in requested)]
+        if skipped:
+            if strict:
+                lines = "; ".join(f"{r.recipe} on {r.target}: {r.reason}" for r in skipped[:10])
+                raise RecipeSkippedError(
+                    f"strict=True and {len(skipped)} selected recipe target(s) would be skipped ({lines}). "
+                    "Nothing was changed. Drop strict or exclude those recipes."
+                )
+            for name in sorted({r.recipe for r in skipped if r.recipe in requested}):
+                reason = next(r.reason for r in skipped if r.recipe == name)
+                warnings.warn(f"mpsboost: requested recipe {name} was skipped: {reason}", stacklevel=2)
+        rec = _Record(report=PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__))
+        try:
+            for recipe, match, decision, opts in actions:
+                undo = recipe.apply(match, decision, env, opts)
+                if not isinstance(undo, Undo):
+                    raise TypeError(f"{recipe.name}.apply must return an mpsboost.registry.Undo, got {type(undo).__name__}")
+                if not recipe.reversible:
+                    undo.reversible = False
+                rec.applied.append(_Applied(recipe, match, undo))
+                log.debug("applied %s to %s via %s", recipe.name, match.path, decision.backing)
+        except BaseException as exc:
+            failed_recipe, failed_path = recipe.name, match.path
+            rollback_errors = _rollback(rec.applied)
+            extra = f" Rolling back also failed: {rollback_errors}" if rollback_errors else ""
+            raise PatchError(
+                f"recipe {failed_recipe} failed on {failed_path}: {type(exc).__name__}: {exc}. "
+                f"Every change made by this patch() call was undone.{extra}",
+                recipe=failed_recipe,
+                target=failed_path,
+            ) from exc
+        for a in rec.applied:
+            a.undo.commit()
+        if rec.applied:
+            _add_record(obj, rec)
+        elif _records(obj) is not None:
+            _records(obj).append(rec)  # keep the latest report reachable even for a no-op
+        else:
+            _add_record(obj, rec)
+        note = "nothing changed: already patched" if rec.report.noop and rec.report.by_status(ALREADY_PATCHED) else ""
+        if note:
+            rec.report = PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__, note=note)
+        return rec.report
+
+
+def _rollback(applied: list[_Applied]) -> list[str]:
+    errors = []
+    for a in reversed(applied):
+        try:
+            a.undo()
+        except Exception as e:  # keep undoing the rest; report every failure
+            errors.append(f"{a.recipe.name} on {a.match.path}: {type(e).__name__}: {e}")
+    applied.clear()
+    return errors
+
+
+def unpatch(obj: Any) -> None:
+    """Undo every patch mpsboost applied to ``obj``; the original forwards are the very same objects again.
+
+    Raises :class:`NotPatchedError` if ``obj`` was never patched, and :class:`IrreversiblePatchError`
+    (changing nothing) if a recipe that converted weights in place was applied.
+    """
+    _targets(obj)  # type check with the usual message
+    with _LOCK:
+        recs = _records(obj)
+        if not recs or not any(r.applied for r in recs):
+            raise NotPatchedError(
+                f"this {type(obj).__name__} was not patched by mpsboost (or was already unpatched); nothing to undo"
+            )
+        _unpatch_records(obj, list(recs))
+
+
+def _unpatch_records(obj: Any, recs: list[_Record]) -> None:
+    irreversible = [a for r in recs for a in r.applied if not a.undo.reversible]
+    if irreversible:
+        names = sorted({a.recipe.name for a in irreversible})
+        paths = [a.match.path for a in irreversible]
+        shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+        hints = "; ".join(sorted({a.recipe.unpatch_hint() for a in irreversible}))
+        raise IrreversiblePatchError(
+            f"cannot unpatch this {type(obj).__name__}: {', '.join(names)} converted weights in place "
+            f"({shown}); the original values are gone. Nothing was changed. To get the original model: {hints}."
+        )
+    errors = []
+    for rec in reversed(recs):
+        errors += _rollback(rec.applied)
+    all_recs = _records(obj)
+    if all_recs is not None:
+        for rec in recs:
+            if rec in all_recs:
+                all_recs.remove(rec)
+        if not all_recs:
+            _STATE.pop(id(obj), None)
+    if errors:
+        raise PatchError("unpatch could not restore everything: " + "; ".join(errors))
+
+
+@contextlib.contextmanager
+def patched(obj: Any, **kw: Any) -> Iterator[PatchReport]:
+    """``with mpsboost.patched(model) as report: ...``: patched inside, unpatched on exit (even on error).
+
+    Only what this block applied is undone; patches made before the block stay.
+    """
+    report = patch(obj, **kw)
+    recs = _records(obj) or []
+    mine = [r for r in recs if r.report is report]
+    try:
+        yield report
+    finally:
+        with _LOCK:
+            if mine and mine[0].applied:
+                _unpatch_records(obj, mine)
+            elif mine:
+                recs.remove(mine[0])
+
+
+def last_report(obj: Any) -> PatchReport:
+    """The report of the latest patch() of ``obj``."""
+    recs = _records(obj)
+    if not recs:
+        raise NotPatchedError(f"this {type(obj).__name__} was not patched by mpsboost")
+    return recs[-1].report
+
+
+def applied_undos(obj: Any) -> list[tuple[str, str, Undo]]:
+    """(recipe, module path, undo) of every live patch on ``obj`` (for diagnostics and tests)."""
+    recs = _records(obj) or []
+    return [(a.recipe.name, a.match.path, a.undo) for r in recs for a in r.applied]
+
+
+def is_patched(obj: Any) -> bool:
+    recs = _records(obj)
+    return bool(recs) and any(r.applied for r in recs)
+
+
+def _class_name(obj: Any) -> str:
+    return class_path(type(obj))

@@ -1,0 +1,49 @@
+"""mpsboost's exceptions. Each message says what was passed, what is accepted, and what to do."""
+from __future__ import annotations
+
+
+class MpsboostError(Exception):
+    """Base class of every mpsboost error."""
+
+
+class GateError(MpsboostError, ValueError):
+    """A version string, device or feature name the gate cannot read."""
+
+
+class PatchError(MpsboostError):
+    """A recipe failed while applying; everything applied so far was undone.
+
+    ``recipe`` and ``target`` name where; the original exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, recipe: str | None = None, target: str | None = None):
+        super().__init__(message)
+        self.recipe = recipe
+        self.target = target
+
+
+class UnsupportedTargetError(MpsboostError, TypeError):
+    """The object handed to patch/unpatch/plan is not something mpsboost can patch."""
+
+
+class UnknownRecipeError(MpsboostError, KeyError):
+    """A recipe name that is not registered."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class RecipeSkippedError(MpsboostError):
+    """strict=True and a requested recipe was skipped."""
+
+
+class NotPatchedError(MpsboostError):
+    """unpatch() on an object that mpsboost never patched."""
+
+
+class IrreversiblePatchError(MpsboostError):
+    """unpatch() met a recipe that cannot be undone (weights converted in place)."""
+
+
+class ConcurrentPatchError(MpsboostError):
+    """Another thread is patching or unpatching the same object."""
