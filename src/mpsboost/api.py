@@ -79,12 +79,15 @@ def _is_pipeline(obj: Any) -> bool:
     return matches_class(obj, (_PIPELINE_CLASS,))
 
 
-def _targets(obj: Any) -> list[tuple[str, torch.nn.Module]]:
-    """(prefix, root module) pairs: one for a module, one per module component of a pipeline."""
+def _targets(obj: Any, *, allow_mapping: bool = False) -> list[tuple[str, torch.nn.Module]]:
+    """(prefix, root module) pairs: one for a module, one per module component of a pipeline.
+
+    ``allow_mapping`` (plan only) also takes a plain {component name: module} mapping.
+    """
     if isinstance(obj, torch.nn.Module):
         return [("", obj)]
-    if _is_pipeline(obj):
-        comps = getattr(obj, "components", {}) or {}
+    if _is_pipeline(obj) or (allow_mapping and isinstance(obj, Mapping)):
+        comps = (obj if isinstance(obj, Mapping) else getattr(obj, "components", {})) or {}
         found, seen = [], set()
         for name, comp in comps.items():
             if isinstance(comp, torch.nn.Module) and id(comp) not in seen:
@@ -245,11 +248,14 @@ def plan(
 ) -> PatchReport:
     """What :func:`patch` would do, for this environment or a simulated one; changes nothing.
 
+    ``obj`` is what patch() takes, or a {component name: module} mapping (e.g. models built on the
+    meta device from a pipeline folder's configs).
+
     ``plan(pipe, device="mps", torch_version="2.14.1")`` simulates an Apple machine on torch 2.14.1;
     ``device="cuda:8.0"`` (or ``capability=(8, 0)``) a CUDA GPU of that compute capability. Works on
     models on the meta device.
     """
-    targets = _targets(obj)
+    targets = _targets(obj, allow_mapping=True)
     if env is None:
         if device is not None or torch_version is not None or capability is not None:
             if device is None:

@@ -466,15 +466,17 @@ FEATURES: dict[str, Feature] = {
         Feature(
             "metal_attention",
             "attention fully on Metal kernels",
-            {"mps": (Rule(since="2.16", nightly_only=True, upstream="2.16 nightlies (main docs only)"),)},
+            {"mps": (Rule(since="2.16", nightly_only=True, upstream="documented on the main branch only"),)},
         ),
         Feature(
             "histc_int",
             "torch.histc on integer input",
             {
+                # Not implemented for integer dtypes on CPU either ("histogram_cpu" not implemented for
+                # 'Long', checked on 2.13); CUDA has it. Count with scatter_add or histc on float instead.
                 "mps": (Rule(never=True, upstream="ostris/ai-toolkit#858"),),
                 "cuda": _ALWAYS,
-                "cpu": _ALWAYS,
+                "cpu": (Rule(never=True, note="'histogram_cpu' not implemented for integer dtypes"),),
             },
         ),
     ]

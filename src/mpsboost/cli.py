@@ -1,0 +1,236 @@
+"""The ``mpsboost`` command: doctor, plan, demo, bench."""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main"]
+
+
+# ------------------------------------------------------------------------------------------ doctor
+
+def _torch_build() -> dict[str, Any]:
+    import torch
+
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "git": getattr(torch.version, "git_version", None),
+        "debug": bool(getattr(torch.version, "debug", False)),
+        "mps_built": torch.backends.mps.is_built(),
+    }
+
+
+def _devices() -> list[dict[str, Any]]:
+    import torch
+
+    devs: list[dict[str, Any]] = [{"type": "cpu", "name": platform.processor() or platform.machine()}]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            cap = torch.cuda.get_device_capability(i)
+            devs.append({"type": "cuda", "index": i, "name": torch.cuda.get_device_name(i), "capability": f"{cap[0]}.{cap[1]}"})
+    if torch.backends.mps.is_available():
+        devs.append({"type": "mps", "name": f"Apple MPS ({platform.machine()})"})
+    return devs
+
+
+def _env_from_args(args: argparse.Namespace):
+    from .gate import Env
+
+    if args.device is None and args.torch is None:
+        return Env.detect()
+    import torch
+
+    device = args.device or ("mps" if torch.backends.mps.is_available() else "cuda" if torch.cuda.is_available() else "cpu")
+    return Env.simulate(device, args.torch)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from . import __version__
+    from .gate import matrix
+    from .registry import all_recipes
+
+    env = _env_from_args(args)
+    verdicts = matrix(env)
+    info = {
+        "mpsboost": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch_build": _torch_build(),
+        "devices": _devices(),
+        "env": env.to_dict(),
+        "features": {k: {"available": v.ok, "reason": v.reason} for k, v in verdicts.items()},
+        "recipes": [
+            {"name": r.name, "summary": r.summary, "lossless": r.lossless, "reversible": r.reversible, "default": r.default}
+            for r in all_recipes()
+        ],
+    }
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    tb = info["torch_build"]
+    print(f"mpsboost {__version__}  python {info['python']}  {info['platform']}")
+    print(f"torch {tb['torch']}  cuda {tb['cuda'] or '-'}  git {str(tb['git'] or '-')[:12]}  mps built: {tb['mps_built']}")
+    print("devices: " + "; ".join(
+        f"{d['type']}{':' + str(d['index']) if 'index' in d else ''} {d['name']}" + (f" (sm {d['capability']})" if "capability" in d else "")
+        for d in info["devices"]))
+    print(f"\ngate for {env.describe()}:")
+    width = max(len(k) for k in verdicts)
+    for name, v in verdicts.items():
+        print(f"  {name.ljust(width)}  {'yes' if v.ok else 'no '}  {v.reason}")
+    if info["recipes"]:
+        print("\nrecipes:")
+        w = max(len(r["name"]) for r in info["recipes"])
+        for r in info["recipes"]:
+            tags = ", ".join(t for t, on in (("lossless", r["lossless"]), ("reversible", r["reversible"]), ("default", r["default"])) if on) or "opt-in, lossy, irreversible"
+            print(f"  {r['name'].ljust(w)}  {r['summary']} [{tags}]")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+def _build_meta_components(path: Path) -> tuple[str, dict[str, Any]]:
+    """Build the modules of a local diffusers pipeline folder or model folder on the meta device."""
+    try:
+        from accelerate import init_empty_weights
+    except ImportError:  # accelerate is in both extras; without it, torch's meta device context
+        import torch
+
+        def init_empty_weights():
+            return torch.device("meta")
+
+    if not path.is_dir():
+        raise SystemExit(f"mpsboost plan: {path} is not a folder (give a local diffusers pipeline or model folder)")
+    index = path / "model_index.json"
+    if index.is_file():
+        spec = json.loads(index.read_text())
+        comps: dict[str, Any] = {}
+        for name, value in spec.items():
+            if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] is None:
+                continue
+            library, cls_name = value
+            sub = path / name
+            if not (sub / "config.json").is_file():
+                continue  # tokenizers, schedulers, processors: nothing to patch
+            with init_empty_weights():
+                comps[name] = _build_one(library, cls_name, sub)
+        if not comps:
+            raise SystemExit(f"mpsboost plan: no model component with a config.json under {path}")
+        return spec.get("_class_name", "pipeline"), comps
+    config = path / "config.json"
+    if not config.is_file():
+        raise SystemExit(f"mpsboost plan: {path} has neither model_index.json (pipeline) nor config.json (model)")
+    data = json.loads(config.read_text())
+    if "_class_name" in data:
+        library, cls_name = "diffusers", data["_class_name"]
+    elif data.get("architectures"):
+        library, cls_name = "transformers", data["architectures"][0]
+    else:
+        raise SystemExit(f"mpsboost plan: {config} names no class ('_class_name' or 'architectures')")
+    with init_empty_weights():
+        return cls_name, {"": _build_one(library, cls_name, path)}
+
+
+def _build_one(library: str, cls_name: str, folder: Path):
+    import importlib
+
+    try:
+        lib = importlib.import_module(library)
+    except ImportError:
+        raise SystemExit(f"mpsboost plan: {folder} needs {library}; install mpsboost[{library}]") from None
+    cls = getattr(lib, cls_name, None)
+    if cls is None:
+        raise SystemExit(f"mpsboost plan: {library} {getattr(lib, '__version__', '')} has no class {cls_name} (from {folder})")
+    if library == "transformers":
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(folder)
+        return cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
+    if hasattr(cls, "load_config") and hasattr(cls, "from_config"):
+        return cls.from_config(cls.load_config(folder))
+    raise SystemExit(f"mpsboost plan: cannot build {library}.{cls_name} from a config")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .api import plan
+
+    name, comps = _build_meta_components(Path(args.path))
+    kw: dict[str, Any] = {"recipes": args.recipes or None, "exclude": tuple(args.exclude or ()), "fp8": args.fp8}
+    if args.device is not None or args.torch is not None:
+        kw["env"] = _env_from_args(args)
+    else:
+        from .gate import Env
+
+        kw["env"] = Env.detect()
+    target = comps[""] if "" in comps else comps
+    report = plan(target, **kw)
+    if args.json:
+        d = report.to_dict()
+        d["target_type"] = name
+        print(json.dumps(d, indent=2, default=str))
+    else:
+        print(str(report).replace(f"for {report.target_type}:", f"for {name}:", 1))
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ main
+
+def _build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = argparse.ArgumentParser(prog="mpsboost", description="Fast, lean, correct diffusers/transformers pipelines on PyTorch MPS.")
+    p.add_argument("--version", action="version", version=f"mpsboost {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    d = sub.add_parser("doctor", help="torch build, devices, and the gate matrix (every feature, available or not, and why)")
+    d.add_argument("--device", help="simulate this device: mps, cpu, cuda or cuda:MAJOR.MINOR")
+    d.add_argument("--torch", help="simulate this torch version string, e.g. 2.14.1 or 2.16.0.dev20261101")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.set_defaults(func=_doctor)
+
+    pl = sub.add_parser("plan", help="what patch() would do to a local pipeline or model folder (built on the meta device; no weights read)")
+    pl.add_argument("path", help="a local diffusers pipeline folder (model_index.json) or model folder (config.json)")
+    pl.add_argument("--device", help="simulate this device: mps, cpu, cuda or cuda:MAJOR.MINOR")
+    pl.add_argument("--torch", help="simulate this torch version string")
+    pl.add_argument("--recipes", nargs="*", help="only these recipes")
+    pl.add_argument("--exclude", nargs="*", help="leave these recipes out")
+    pl.add_argument("--fp8", choices=("rowwise", "tensorwise"), help="include FP8 weight storage")
+    pl.add_argument("--json", action="store_true", help="machine-readable output")
+    pl.set_defaults(func=_plan)
+
+    sub.add_parser("demo", help="the main job: real architectures with random weights, stock vs patched, four records", add_help=False)
+    sub.add_parser("bench", help="run a recipe's benchmark (stock vs mpsboost vs peers)", add_help=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # demo and bench own their arguments.
+    if argv and argv[0] == "demo":
+        from .demo import main as demo_main
+
+        return int(demo_main(argv[1:]) or 0)
+    if argv and argv[0] == "bench":
+        from .bench.cli import main as bench_main
+
+        return int(bench_main(argv[1:]) or 0)
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from .errors import MpsboostError
+
+    try:
+        return int(args.func(args) or 0)
+    except MpsboostError as e:
+        print(f"mpsboost {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
