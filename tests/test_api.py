@@ -1,0 +1,369 @@
+"""patch / unpatch / patched / plan machinery, exercised with test-only recipes."""
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import mpsboost
+from mpsboost import registry
+from mpsboost.errors import (
+    IrreversiblePatchError,
+    NotPatchedError,
+    PatchError,
+    RecipeSkippedError,
+    UnknownRecipeError,
+    UnsupportedTargetError,
+)
+from mpsboost.gate import check
+from mpsboost.registry import Decision, Recipe, Undo, bind_forward, original_forward
+
+LINEAR = "torch.nn.modules.linear.Linear"
+
+
+class _Scale(Recipe):
+    """Multiplies each Linear's output by 2 (so the effect is visible)."""
+
+    name = "t_scale"
+    summary = "test: double Linear outputs"
+    targets = (LINEAR,)
+    default = False
+    fail_at: int | None = None
+    calls = 0
+
+    def decide(self, match, env, options):
+        return Decision.apply("times two", f"test on {env.device_type}")
+
+    def apply(self, match, decision, env, options):
+        type(self).calls += 1
+        if self.fail_at is not None and type(self).calls == self.fail_at:
+            raise RuntimeError("injected failure")
+        def forward(mod, x):
+            return 2 * original_forward(mod, "t_scale")(x)
+
+        return bind_forward(match.module, self.name, forward)
+
+
+class _NeedsMps215(Recipe):
+    name = "t_gated"
+    summary = "test: only where pad_constant_native passes"
+    targets = (LINEAR,)
+    default = False
+
+    def decide(self, match, env, options):
+        v = check("pad_constant_native", env)
+        return Decision.apply("native pad", v.reason) if v.ok else Decision.skip(v.reason)
+
+    def apply(self, match, decision, env, options):
+        return bind_forward(match.module, self.name, lambda mod, x: original_forward(mod, "t_gated")(x))
+
+
+class _Irreversible(Recipe):
+    name = "t_irrev"
+    summary = "test: converts a weight in place"
+    targets = (LINEAR,)
+    default = False
+    lossless = False
+    reversible = False
+
+    def decide(self, match, env, options):
+        return Decision.apply("in place", "test")
+
+    def apply(self, match, decision, env, options):
+        mod = match.module
+        old = mod.weight
+        mod.weight = nn.Parameter(old.detach().half().float())
+
+        def undo():
+            mod.weight = old
+
+        return Undo(undo, reversible=False)
+
+    def unpatch_hint(self):
+        return "rebuild the test model"
+
+
+@pytest.fixture
+def recipes():
+    _Scale.fail_at = None
+    _Scale.calls = 0
+    for cls in (_Scale, _NeedsMps215, _Irreversible):
+        registry.register(cls)
+    yield
+    for cls in (_Scale, _NeedsMps215, _Irreversible):
+        registry.unregister(cls.name)
+
+
+def _model() -> nn.Module:
+    # Bias-free linears and ReLU are positively homogeneous: doubling each linear scales the output by 8.
+    return nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False)))
+
+
+def _snapshot(m: nn.Module) -> dict:
+    """Every parameter/buffer value and every module's instance dict keys and forward."""
+    return {
+        "tensors": {k: v.detach().clone() for k, v in m.state_dict().items()},
+        "dicts": {n: (sorted(mod.__dict__), mod.__dict__.get("forward")) for n, mod in m.named_modules()},
+        "params": {n: id(p) for n, p in m.named_parameters()},
+    }
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (
+        a["dicts"] == b["dicts"]
+        and a["params"] == b["params"]
+        and a["tensors"].keys() == b["tensors"].keys()
+        and all(torch.equal(a["tensors"][k], b["tensors"][k]) for k in a["tensors"])
+    )
+
+
+def test_patch_changes_outputs_and_unpatch_restores_identity(recipes):
+    m = _model()
+    x = torch.randn(5, 8)
+    ref = m(x)
+    report = mpsboost.patch(m, recipes=["t_scale"])
+    assert [r.target for r in report.applied] == ["0", "2.0", "2.1"]
+    assert all(r.backing == "times two" for r in report.applied)
+    assert "forward" in m[0].__dict__
+    torch.testing.assert_close(m(x), ref * 8, rtol=1e-6, atol=1e-6)  # three linears, each doubled
+    mpsboost.unpatch(m)
+    for lin in (m[0], m[2][0], m[2][1]):
+        assert "forward" not in lin.__dict__
+        assert lin.forward.__func__ is nn.Linear.forward
+        assert registry.ATTR not in lin.__dict__
+    torch.testing.assert_close(m(x), ref, rtol=0, atol=0)
+
+
+def test_unpatch_restores_a_preexisting_instance_forward(recipes):
+    # accelerate's hooks put an instance forward in place; unpatch must give back that very object.
+    m = _model()
+    hook_fwd = types.MethodType(lambda self, x: nn.Linear.forward(self, x), m[0])
+    m[0].forward = hook_fwd
+    mpsboost.patch(m, recipes=["t_scale"])
+    assert m[0].forward is not hook_fwd
+    mpsboost.unpatch(m)
+    assert m[0].__dict__["forward"] is hook_fwd
+
+
+def test_rollback_on_third_target_leaves_module_exactly_as_before(recipes):
+    m = _model()
+    before = _snapshot(m)
+    _Scale.fail_at = 3
+    with pytest.raises(PatchError) as info:
+        mpsboost.patch(m, recipes=["t_scale"])
+    err = info.value
+    assert err.recipe == "t_scale" and err.target == "2.1"
+    assert "t_scale" in str(err) and "2.1" in str(err) and "undone" in str(err)
+    assert isinstance(err.__cause__, RuntimeError)
+    assert _same(before, _snapshot(m))
+    with pytest.raises(NotPatchedError):
+        mpsboost.unpatch(m)
+
+
+@pytest.mark.parametrize("position", [1, 2, 3])
+def test_rollback_at_every_position_across_two_recipes(recipes, position):
+    # t_irrev runs on all three linears first (alphabetical at equal order), then t_scale fails.
+    m = _model()
+    before = _snapshot(m)
+    _Scale.fail_at = position
+    with pytest.raises(PatchError):
+        mpsboost.patch(m, recipes=["t_irrev", "t_scale"])
+    assert _same(before, _snapshot(m))
+
+
+def test_patching_twice_is_a_reported_noop(recipes):
+    m = _model()
+    mpsboost.patch(m, recipes=["t_scale"])
+    fwd = m[0].forward
+    again = mpsboost.patch(m, recipes=["t_scale"])
+    assert again.noop
+    assert {r.status for r in again.rows} == {"already patched"}
+    assert "already patched" in str(again)
+    assert m[0].forward == fwd
+    x = torch.randn(2, 8)
+    mpsboost.unpatch(m)
+    assert all("forward" not in l.__dict__ for l in m.modules() if isinstance(l, nn.Linear))
+    assert torch.isfinite(m(x)).all()
+
+
+def test_unpatch_of_unpatched_and_of_wrong_type():
+    with pytest.raises(NotPatchedError, match="not patched"):
+        mpsboost.unpatch(_model())
+    with pytest.raises(UnsupportedTargetError, match="builtins.str"):
+        mpsboost.unpatch("model")
+
+
+@pytest.mark.parametrize("bad", [3, "pipe", None, [nn.Linear(2, 2)], {"a": nn.Linear(2, 2)}])
+def test_wrong_object_types(bad):
+    with pytest.raises(TypeError) as info:
+        mpsboost.patch(bad)
+    msg = str(info.value)
+    assert type(bad).__name__ in msg and "DiffusionPipeline" in msg and "torch.nn.Module" in msg
+
+
+def test_unknown_recipe_names_list_registered_and_closest(recipes):
+    with pytest.raises(UnknownRecipeError) as info:
+        mpsboost.patch(_model(), recipes=["t_scal"])
+    msg = str(info.value)
+    assert "'t_scale'" in msg and "t_gated" in msg
+    with pytest.raises(UnknownRecipeError):
+        mpsboost.patch(_model(), exclude=["nope"])
+    with pytest.raises(TypeError, match="recipe names"):
+        mpsboost.patch(_model(), recipes=[3])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="rowwise"):
+        mpsboost.patch(_model(), fp8="int4")
+    with pytest.raises(TypeError, match="strict"):
+        mpsboost.patch(_model(), strict="yes")
+    with pytest.raises(TypeError, match="device"):
+        mpsboost.patch(_model(), device=3)
+
+
+def test_context_manager_unpatches_on_exception(recipes):
+    m = _model()
+    x = torch.randn(3, 8)
+    ref = m(x)
+    with pytest.raises(ZeroDivisionError):
+        with mpsboost.patched(m, recipes=["t_scale"]) as report:
+            assert report.applied
+            assert not torch.equal(m(x), ref)
+            1 / 0
+    assert all("forward" not in l.__dict__ for l in m.modules())
+    torch.testing.assert_close(m(x), ref, rtol=0, atol=0)
+
+
+def test_context_manager_keeps_earlier_patches(recipes):
+    m = _model()
+    mpsboost.patch(m, recipes=["t_gated"])
+    with mpsboost.patched(m, recipes=["t_scale"]):
+        assert registry.is_patched_by(m[0], "t_scale")
+    assert not registry.is_patched_by(m[0], "t_scale")
+    assert registry.is_patched_by(m[0], "t_gated")
+    mpsboost.unpatch(m)
+    assert "forward" not in m[0].__dict__
+
+
+def test_plan_changes_nothing_and_simulates(recipes):
+    m = _model()
+    before = _snapshot(m)
+    old = mpsboost.plan(m, recipes=["t_gated", "t_scale"], device="mps", torch_version="2.14.1")
+    new = mpsboost.plan(m, recipes=["t_gated", "t_scale"], device="mps", torch_version="2.15.0")
+    assert _same(before, _snapshot(m))
+    assert old.mode == "plan" and old.env.simulated and old.env.device_type == "mps"
+    gated_old = old.rows_for("t_gated")
+    assert {r.status for r in gated_old} == {"skipped"} and "pytorch#195368" in gated_old[0].reason
+    assert {r.status for r in new.rows_for("t_gated")} == {"would apply"}
+    assert {r.status for r in old.rows_for("t_scale")} == {"would apply"}
+    with pytest.raises(NotPatchedError):
+        mpsboost.unpatch(m)
+
+
+def test_plan_works_on_meta_models_and_patch_refuses_them(recipes):
+    with torch.device("meta"):
+        m = _model()
+    report = mpsboost.plan(m, recipes=["t_scale"], device="mps", torch_version="2.15.0")
+    assert len(report.applied) == 3
+    with pytest.raises(UnsupportedTargetError, match="meta"):
+        mpsboost.patch(m, recipes=["t_scale"])
+
+
+def test_strict_turns_skips_into_errors_before_any_change(recipes):
+    m = _model()
+    before = _snapshot(m)
+    with pytest.raises(RecipeSkippedError, match="t_gated"):
+        mpsboost.patch(m, recipes=["t_scale", "t_gated"], strict=True, device=mpsboost.Env.simulate("mps", "2.14.1"))
+    assert _same(before, _snapshot(m))
+
+
+def test_requested_skip_warns(recipes):
+    m = _model()
+    with pytest.warns(UserWarning, match="t_gated was skipped"):
+        report = mpsboost.patch(m, recipes=["t_gated"], device=mpsboost.Env.simulate("mps", "2.14.1"))
+    assert report.noop and report.skipped
+
+
+def test_irreversible_unpatch_explains_and_changes_nothing(recipes):
+    m = _model()
+    mpsboost.patch(m, recipes=["t_scale", "t_irrev"])
+    snap = _snapshot(m)
+    with pytest.raises(IrreversiblePatchError) as info:
+        mpsboost.unpatch(m)
+    msg = str(info.value)
+    assert "t_irrev" in msg and "rebuild the test model" in msg and "Nothing was changed" in msg
+    assert _same(snap, _snapshot(m))
+
+
+def test_report_reachable_and_serialisable(recipes):
+    m = _model()
+    report = mpsboost.patch(m, recipes=["t_scale"])
+    assert mpsboost.last_report(m) is report
+    d = report.to_dict()
+    assert d["mode"] == "patch" and len(d["rows"]) == 3 and d["env"]["device_type"] == "cpu"
+    import json
+
+    assert json.loads(report.to_json())["rows"][0]["recipe"] == "t_scale"
+    text = str(report)
+    assert "t_scale" in text and "times two" in text and "3 applied" in text
+
+
+def test_not_applicable_row_when_no_targets(recipes):
+    m = nn.Sequential(nn.ReLU())
+    report = mpsboost.plan(m, recipes=["t_scale"])
+    assert [r.status for r in report.rows] == ["not applicable"]
+
+
+def test_pipeline_components_are_reported_by_name(recipes):
+    from diffusers import DiffusionPipeline
+
+    class TinyPipe(DiffusionPipeline):
+        def __init__(self, unet, text_encoder):
+            super().__init__()
+            self.register_modules(unet=unet, text_encoder=text_encoder)
+
+    pipe = TinyPipe(_model(), nn.Linear(4, 4))
+    report = mpsboost.patch(pipe, recipes=["t_scale"])
+    assert sorted(r.target for r in report.applied) == ["text_encoder", "unet.0", "unet.2.0", "unet.2.1"]
+    mpsboost.unpatch(pipe)
+    assert "forward" not in pipe.text_encoder.__dict__
+
+    empty = TinyPipe(None, None)
+    with pytest.raises(UnsupportedTargetError, match="no torch.nn.Module"):
+        mpsboost.patch(empty)
+
+
+def test_patching_one_model_leaves_another_of_the_same_class_alone(recipes):
+    a, b = _model(), _model()
+    mpsboost.patch(a, recipes=["t_scale"])
+    assert "forward" not in b[0].__dict__
+    assert nn.Linear.forward is nn.Linear.__dict__["forward"]
+    mpsboost.unpatch(a)
+
+
+def test_two_threads_patching_are_serialised(recipes):
+    m = _model()
+    errors: list[BaseException] = []
+    reports = []
+
+    def work():
+        try:
+            reports.append(mpsboost.patch(m, recipes=["t_scale"]))
+        except BaseException as e:  # collected and asserted on below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sum(not r.noop for r in reports) == 1  # exactly one applied; the others saw it patched
+    x = torch.randn(2, 8)
+    ref = _model()
+    ref.load_state_dict(m.state_dict())
+    torch.testing.assert_close(m(x), ref(x) * 8)
+    mpsboost.unpatch(m)
