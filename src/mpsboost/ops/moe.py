@@ -1,0 +1,462 @@
+"""Routed mixture-of-experts on the device: routing, grouped linear layers, the whole experts call.
+
+Every function here is free of host synchronisation: no ``.item()``, ``.tolist()``, ``nonzero``,
+``bincount`` (it syncs on CUDA) and no Python loop whose trip count depends on tensor values. Shapes
+are the only host-side facts used to choose a path, so the same code runs under CUDA graphs and
+``torch.compile(fullgraph=True)``.
+
+Vocabulary:
+
+* ``N`` tokens, ``k`` experts per token (top-k), ``S = N * k`` routed (token, expert) pairs, ``E`` experts.
+* Weight layouts follow transformers' ``use_experts_implementation``: ``transposed=False`` means
+  ``weight[E, out, in]`` (Qwen3-MoE, Mixtral, DeepSeek-V3, ...); ``transposed=True`` means
+  ``weight[E, in, out]`` (gpt-oss).
+
+The public API, stable for other recipes (FP8 expert weights reuse it):
+
+* :func:`route` -> :class:`Routing`: pairs sorted by expert, int32 offsets from a device-side histogram.
+* :func:`grouped_linear`: ``x_sorted @ weight[e]`` for each row's expert, by one of :data:`PATHS`.
+* :func:`unroute`: back to token order, weighted and summed over the top-k slots.
+* :func:`routed_experts`: the whole experts call (up or gate/up, activation, down, routing weights).
+* :func:`choose_path` with :data:`THRESHOLDS`: which path for a token count, device and torch build.
+
+This module never imports diffusers or transformers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "PATHS",
+    "BACKING",
+    "Routing",
+    "route",
+    "expert_counts",
+    "grouped_linear",
+    "unroute",
+    "routed_experts",
+    "native_grouped_mm_ok",
+    "Thresholds",
+    "THRESHOLDS",
+    "thresholds_for",
+    "choose_path",
+]
+
+# The three ways to run routed experts, and the words the patch report uses for them.
+PATHS = ("grouped_mm", "batched_mm", "fallback")
+BACKING = {
+    "grouped_mm": "grouped_mm, offsets on device",
+    "batched_mm": "batched_mm",
+    "fallback": "sync-free fallback",
+}
+
+# Rows per chunk of the dense fallback: bounds its [E, rows, out] intermediate. A constant (not a
+# function of the data), so the chunk loop is a fixed Python loop over the input's shape.
+_FALLBACK_CHUNK_ROWS = 256
+
+
+# ----------------------------------------------------------------------------------------- routing
+
+@dataclass(frozen=True)
+class Routing:
+    """Routed pairs sorted by expert. All tensors live on the device of the routing input.
+
+    ``perm[i]`` is the index, in the flattened ``(token, slot)`` order of ``top_k_index.reshape(-1)``,
+    of the i-th sorted pair; ``sorted_token_idx = perm // top_k``. ``expert_of_sorted`` is ascending;
+    ids ``>= num_experts`` (transformers' expert-parallel sentinels) sort last and are not counted,
+    so rows past ``offsets[-1]`` belong to no expert. ``counts[e]`` pairs go to expert ``e`` and
+    ``offsets`` are the int32 cumulative ends (``offsets[e] = counts[:e + 1].sum()``), the format of
+    ``torch.nn.functional.grouped_mm(..., offs=offsets)``.
+    """
+
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    perm: torch.Tensor
+    sorted_token_idx: torch.Tensor
+    sorted_weights: torch.Tensor
+    expert_of_sorted: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+
+    @property
+    def num_pairs(self) -> int:
+        return self.num_tokens * self.top_k
+
+
+def expert_counts(expert_ids: torch.Tensor, num_experts: int, *, method: str = "scatter_add", histc_int: bool = False) -> torch.Tensor:
+    """Pairs per expert as int32 ``[num_experts]``, computed on the device; ids ``>= num_experts`` are dropped.
+
+    ``method="scatter_add"`` (default) adds ones into ``num_experts + 1`` int32 bins, the last one
+    collecting out-of-range ids: exact, deterministic, and available on CPU, CUDA and MPS.
+    ``method="histc"`` uses ``torch.histc``; it takes integer input only where the gate's
+    ``histc_int`` says so (not on MPS: ostris/ai-toolkit#858), float input otherwise. ``bincount``
+    is not offered: it reads its maximum on the host (a sync on CUDA).
+    """
+    ids = expert_ids.reshape(-1)
+    if method == "scatter_add":
+        bins = ids.clamp(min=0, max=num_experts).to(torch.int64)
+        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
+        counts.scatter_add_(0, bins, torch.ones_like(bins, dtype=torch.int32))
+        return counts[:num_experts]
+    if method == "histc":
+        src = ids if histc_int else ids.float()
+        return torch.histc(src, bins=num_experts, min=0, max=num_experts - 1).to(torch.int32)
+    raise ValueError(f"expert_counts(method={method!r}): accepted methods are 'scatter_add' and 'histc'")
+
+
+def route(
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    num_experts: int,
+    *,
+    counts_method: str = "scatter_add",
+    histc_int: bool = False,
+) -> Routing:
+    """Sort the ``[N, k]`` routing by expert and compute the group offsets, all on the device.
+
+    ``top_k_index`` ``[N, k]`` integer expert ids, ``top_k_weights`` ``[N, k]`` routing weights.
+    The sort is stable, so pairs of one expert keep token order (reproducible results).
+    """
+    if top_k_index.dim() != 2 or top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            f"route() needs top_k_index and top_k_weights of the same shape [num_tokens, top_k]; got "
+            f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
+        )
+    n, k = top_k_index.shape
+    ids = top_k_index.reshape(-1)
+    expert_of_sorted, perm = torch.sort(ids, stable=True)
+    counts = expert_counts(expert_of_sorted, num_experts, method=counts_method, histc_int=histc_int)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    return Routing(
+        num_tokens=n,
+        top_k=k,
+        num_experts=num_experts,
+        perm=perm,
+        sorted_token_idx=torch.div(perm, k, rounding_mode="floor"),
+        sorted_weights=top_k_weights.reshape(-1)[perm],
+        expert_of_sorted=expert_of_sorted,
+        counts=counts,
+        offsets=offsets,
+    )
+
+
+def unroute(pair_out: torch.Tensor, routing: Routing, *, weighted: bool = True) -> torch.Tensor:
+    """``[S, H]`` rows in sorted order -> ``[N, H]``: multiply by the routing weight, sum the k slots.
+
+    The sum runs over a ``[N, k, H]`` view (not ``index_add_``), so it is deterministic on CUDA and
+    accumulates in fp32 inside the reduction even for bf16 rows, as transformers' grouped_mm does.
+    Rows of sentinel pairs (expert id >= num_experts) are zeroed before the sum.
+    """
+    if weighted:
+        pair_out = pair_out * routing.sorted_weights.unsqueeze(-1)
+    valid = (routing.expert_of_sorted < routing.num_experts).unsqueeze(-1)
+    pair_out = torch.where(valid, pair_out, torch.zeros((), dtype=pair_out.dtype, device=pair_out.device))
+    inv = torch.empty_like(routing.perm).scatter_(
+        0, routing.perm, torch.arange(routing.perm.numel(), device=routing.perm.device)
+    )
+    flat = pair_out.index_select(0, inv)
+    return flat.view(routing.num_tokens, routing.top_k, -1).sum(dim=1)
+
+
+# ----------------------------------------------------------------------------------------- grouped linear
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def native_grouped_mm_ok(x: torch.Tensor, weight_kn: torch.Tensor) -> bool:
+    """Whether the native grouped matmul runs ``x @ weight_kn[e]`` here without a host sync or an error.
+
+    Static facts only (device, dtype, strides, alignment). The torch version and compute capability
+    are the gate's business (feature ``grouped_mm``), decided before this is called:
+
+    * CUDA: only bf16 reaches the CUTLASS kernel that reads offsets on the device; other dtypes go
+      to ATen's fallback, which copies ``offs`` to the host.
+    * CPU (torch >= 2.10): every non-unit stride must be a multiple of 16 bytes and the data 16-byte
+      aligned, else ``grouped_mm`` raises "strides should be multiple of 16 bytes".
+    * under ``torch.compile``: the meta kernel accepts bf16 only (any device).
+    """
+    if x.dtype != weight_kn.dtype:
+        return False
+    if _compiling():
+        return x.dtype == torch.bfloat16
+    dev = weight_kn.device.type
+    if dev == "cuda":
+        return x.dtype == torch.bfloat16
+    if dev == "cpu":
+        if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+        es = x.element_size()
+        for t in (x, weight_kn):
+            if t.data_ptr() % 16:
+                return False
+            for size, stride in zip(t.shape, t.stride()):
+                if stride != 1 and size > 1 and (stride * es) % 16:
+                    return False
+        return True
+    if dev == "mps":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return False
+
+
+def _grouped_mm_fn() -> Callable[..., torch.Tensor] | None:
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+def _as_kn(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``weight`` as ``[E, in, out]`` (a view; no copy)."""
+    return weight if transposed else weight.transpose(-2, -1)
+
+
+def _batched_rows(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``x[s] @ weight[ids[s]]`` for every row, by gathering one weight copy per row.
+
+    Eager: one gather and one ``bmm`` (transformers' batched_mm). Under ``torch.compile`` the same
+    product is written as multiply-and-sum over the gathered weights: inductor fuses the gather into
+    the reduction, so no weight copy is materialised and each selected expert is read once (a
+    matrix-vector product per row, the decode case). fp32 accumulation, like ``bmm``.
+    """
+    w = weight[ids]  # [S, out, in] or [S, in, out]
+    if _compiling():
+        if transposed:
+            return (x.float().unsqueeze(-1) * w.float()).sum(dim=1).to(x.dtype)
+        return (w.float() * x.float().unsqueeze(1)).sum(dim=-1).to(x.dtype)
+    if transposed:
+        return torch.bmm(x.unsqueeze(1), w).squeeze(1)
+    return torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+
+
+def _dense_rows(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """``x[s] @ weight[ids[s]]`` by multiplying every row with every expert, then picking each row's.
+
+    The fallback of :func:`grouped_linear` where no native grouped kernel exists: E times the FLOPs,
+    but each expert's weight is read once per chunk and nothing leaves the device. Rows whose id is
+    out of range get zeros.
+    """
+    e = weight.shape[0]
+    w_kn = _as_kn(weight, transposed)  # [E, in, out]
+    outs = []
+    for start in range(0, x.shape[0], _FALLBACK_CHUNK_ROWS):  # static trip count: the input's shape
+        xs = x[start:start + _FALLBACK_CHUNK_ROWS]
+        idx = ids[start:start + _FALLBACK_CHUNK_ROWS]
+        y = torch.matmul(xs.unsqueeze(0), w_kn)  # [E, rows, out]
+        pick = idx.clamp(0, e - 1).view(1, -1, 1).expand(1, xs.shape[0], y.shape[-1])
+        sel = y.gather(0, pick).squeeze(0)
+        outs.append(torch.where((idx < e).unsqueeze(-1), sel, torch.zeros((), dtype=sel.dtype, device=sel.device)))
+    if not outs:
+        return x.new_zeros(0, w_kn.shape[-1])
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def grouped_linear(
+    x_sorted: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor | None = None,
+    *,
+    path: str = "grouped_mm",
+    bias: torch.Tensor | None = None,
+    expert_of_sorted: torch.Tensor | None = None,
+    transposed: bool = False,
+) -> torch.Tensor:
+    """Per-expert linear layer over rows grouped by expert: ``y[s] = x_sorted[s] @ W[e(s)] (+ b[e(s)])``.
+
+    ``x_sorted`` ``[S, in]``; ``weight`` ``[E, out, in]`` (``transposed=True``: ``[E, in, out]``);
+    ``bias`` ``[E, out]``. Paths:
+
+    * ``"grouped_mm"``: one native grouped matmul reading ``offsets`` (int32 cumulative ends, from
+      :func:`route`) on the device. Rows past ``offsets[-1]`` come back uninitialised. The caller
+      checks :func:`native_grouped_mm_ok` (and the gate) first.
+    * ``"batched_mm"``: gathers each row's expert weight (needs ``expert_of_sorted``); rows need not
+      be sorted. Cheapest for a handful of rows (decoding).
+    * ``"fallback"``: dense over all experts, then each row's pick (needs ``expert_of_sorted``).
+
+    ``expert_of_sorted`` is also needed for ``bias``.
+    """
+    if weight.dim() != 3 or x_sorted.dim() != 2:
+        raise ValueError(
+            f"grouped_linear needs x_sorted [S, in] and weight [E, out, in] (or [E, in, out] with transposed=True); "
+            f"got {tuple(x_sorted.shape)} and {tuple(weight.shape)}"
+        )
+    x = x_sorted.to(weight.dtype)
+    if path == "grouped_mm":
+        if offsets is None:
+            raise ValueError("grouped_linear(path='grouped_mm') needs offsets (int32 cumulative ends, see route())")
+        fn = _grouped_mm_fn()
+        if fn is None:
+            raise RuntimeError(
+                f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm; "
+                "use path='batched_mm' or 'fallback'"
+            )
+        out = fn(x, _as_kn(weight, transposed), offs=offsets)
+    elif path in ("batched_mm", "fallback"):
+        if expert_of_sorted is None:
+            raise ValueError(f"grouped_linear(path={path!r}) needs expert_of_sorted (each row's expert id)")
+        rows = _batched_rows if path == "batched_mm" else _dense_rows
+        ids = expert_of_sorted.clamp(0, weight.shape[0] - 1) if path == "batched_mm" else expert_of_sorted
+        out = rows(x, weight, ids, transposed)
+    else:
+        raise ValueError(f"grouped_linear(path={path!r}): accepted paths are {', '.join(PATHS)}")
+    if bias is not None:
+        if expert_of_sorted is None:
+            raise ValueError("grouped_linear(bias=...) needs expert_of_sorted to pick each row's bias")
+        out = out + bias[expert_of_sorted.clamp(0, weight.shape[0] - 1)]
+    return out
+
+
+# ----------------------------------------------------------------------------------------- the experts call
+
+def routed_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    transposed: bool = False,
+    post: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    path: str = "grouped_mm",
+    counts_method: str = "scatter_add",
+    histc_int: bool = False,
+) -> torch.Tensor:
+    """``sum_j w[n, j] * down(activation(up(x[n])))`` over each token's experts ``top_k_index[n, j]``.
+
+    ``hidden_states`` ``[N, H]``; ``up_weight`` ``[E, U, H]`` (gate and up stacked as transformers
+    stores them; ``activation`` maps ``[S, U] -> [S, I]``, e.g. transformers' ``_apply_gate``);
+    ``down_weight`` ``[E, H, I]`` (``transposed=True``: both ``[E, in, out]``). ``post`` is an optional
+    per-pair function after the down projection (a post-expert norm). Returns ``[N, H]`` in
+    ``hidden_states.dtype``.
+
+    ``path`` as in :func:`grouped_linear`; ``"fallback"`` runs the dense form over tokens (E x N rows
+    instead of E x S) and ``"batched_mm"`` skips the sort entirely.
+    """
+    if path not in PATHS:
+        raise ValueError(f"routed_experts(path={path!r}): accepted paths are {', '.join(PATHS)}")
+    n, hdim = hidden_states.shape
+    k = top_k_index.shape[-1]
+    num_experts = up_weight.shape[0]
+    if n == 0:
+        return hidden_states.new_zeros(0, hdim)
+
+    if path == "batched_mm":
+        # Pairs stay in (token, slot) order: no sort, no histogram, no unsort.
+        ids = top_k_index.reshape(-1)
+        valid = ids < num_experts
+        x = hidden_states.unsqueeze(1).expand(n, k, hdim).reshape(n * k, hdim)
+        h = grouped_linear(x, up_weight, path="batched_mm", bias=up_bias, expert_of_sorted=ids, transposed=transposed)
+        h = activation(h)
+        y = grouped_linear(h, down_weight, path="batched_mm", bias=down_bias, expert_of_sorted=ids, transposed=transposed)
+        if post is not None:
+            y = post(y)
+        y = y * top_k_weights.reshape(-1, 1)
+        y = torch.where(valid.unsqueeze(-1), y, torch.zeros((), dtype=y.dtype, device=y.device))
+        return y.view(n, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    if path == "fallback" and post is None:
+        return _dense_experts(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, activation,
+                              up_bias, down_bias, transposed)
+
+    routing = route(top_k_index, top_k_weights, num_experts, counts_method=counts_method, histc_int=histc_int)
+    x = hidden_states.index_select(0, routing.sorted_token_idx)
+    h = grouped_linear(x, up_weight, routing.offsets, path=path, bias=up_bias,
+                       expert_of_sorted=routing.expert_of_sorted, transposed=transposed)
+    h = activation(h)
+    y = grouped_linear(h, down_weight, routing.offsets, path=path, bias=down_bias,
+                       expert_of_sorted=routing.expert_of_sorted, transposed=transposed)
+    if post is not None:
+        y = post(y)
+    return unroute(y, routing).to(hidden_states.dtype)
+
+
+def _dense_experts(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, activation,
+                   up_bias, down_bias, transposed) -> torch.Tensor:
+    """Every expert on every token, combined with a dense ``[N, E]`` weight matrix (zeros off the top-k).
+
+    Used where no native grouped kernel exists (MPS before torch 2.15): static shapes, no host
+    sync, each expert's weights read once per chunk of tokens; E/k times the FLOPs of routed work.
+    """
+    n, hdim = hidden_states.shape
+    e = up_weight.shape[0]
+    valid = top_k_index < e
+    dense_w = torch.zeros(n, e + 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
+    dense_w.scatter_add_(1, top_k_index.clamp(0, e).to(torch.int64), torch.where(valid, top_k_weights, torch.zeros_like(top_k_weights)))
+    dense_w = dense_w[:, :e]
+    up_kn = _as_kn(up_weight, transposed)
+    down_kn = _as_kn(down_weight, transposed)
+    outs = []
+    for start in range(0, n, _FALLBACK_CHUNK_ROWS):  # static trip count: the input's shape
+        xs = hidden_states[start:start + _FALLBACK_CHUNK_ROWS].to(up_kn.dtype)
+        rows = xs.shape[0]
+        h = torch.matmul(xs.unsqueeze(0), up_kn)  # [E, rows, U]
+        if up_bias is not None:
+            h = h + up_bias.unsqueeze(1)
+        h = activation(h.reshape(e * rows, -1))
+        y = torch.matmul(h.view(e, rows, -1).to(down_kn.dtype), down_kn)  # [E, rows, H]
+        if down_bias is not None:
+            y = y + down_bias.unsqueeze(1)
+        w = dense_w[start:start + rows].transpose(0, 1).unsqueeze(-1)  # [E, rows, 1]
+        outs.append((y * w).sum(dim=0))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+    return out.to(hidden_states.dtype)
+
+
+# ----------------------------------------------------------------------------------------- choosing a path
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When to leave the grouped path for batched_mm: at or below ``batched_max_tokens`` routed pairs
+    (tokens x top-k) per experts call. ``compiled_batched_max_tokens`` is the same bound while
+    ``torch.compile`` traces (the batched form becomes a fused gather + matrix-vector reduction
+    there). ``source`` says where the numbers come from."""
+
+    batched_max_tokens: int
+    compiled_batched_max_tokens: int
+    source: str
+
+
+# The one place the thresholds live. Keys: (device type, "native" | "no_native"), where "native"
+# means the gate's grouped_mm feature passed for this env. Measured entries name their records in
+# benchmarks/results; users override with options={"moe_experts": {"batched_max_tokens": N}}.
+THRESHOLDS: dict[tuple[str, str], Thresholds] = {
+    ("cuda", "native"): Thresholds(16, 64, "to be measured on the H200 (benchmarks/moe.py sweep)"),
+    ("cuda", "no_native"): Thresholds(64, 64, "same bound as the native case; the dense fallback replaces grouped_mm above it"),
+    ("cpu", "native"): Thresholds(16, 64, "to be measured on CPU (benchmarks/moe.py sweep)"),
+    ("cpu", "no_native"): Thresholds(64, 64, "dense fallback above it"),
+    # MPS, torch >= 2.15 (native grouped_mm, pytorch#194917/#194933): not measured on Apple hardware.
+    # batched_mm moves each selected expert's weights three times (gather read, copy write, bmm read),
+    # grouped_mm once, and unified memory makes bytes the cost: grouped_mm from the first token.
+    ("mps", "native"): Thresholds(0, 64, "default, not measured on Apple hardware: byte count favours grouped_mm"),
+    # MPS before 2.15: no grouped kernel on the device. batched_mm reads 3 x S expert weights, the dense
+    # fallback reads all E once but does E/k times the routed FLOPs: batched_mm while 3*S < E (S ~ 40
+    # for 128 experts), dense above. Not measured on Apple hardware.
+    ("mps", "no_native"): Thresholds(32, 64, "default, not measured on Apple hardware: bytes of 3*S gathered experts vs E dense"),
+}
+
+
+def thresholds_for(device_type: str, native: bool) -> Thresholds:
+    key = (device_type, "native" if native else "no_native")
+    if key not in THRESHOLDS:
+        raise ValueError(f"no MoE thresholds for device type {device_type!r}; known: {sorted({d for d, _ in THRESHOLDS})}")
+    return THRESHOLDS[key]
+
+
+def choose_path(num_pairs: int, *, native: bool, batched_max_tokens: int, compiled_batched_max_tokens: int | None = None,
+                compiling: bool | None = None) -> str:
+    """The path for one experts call of ``num_pairs`` routed pairs.
+
+    ``native``: the gate allows the native grouped matmul here and :func:`native_grouped_mm_ok`
+    holds for these tensors. A static decision (shapes only), so no host sync.
+    """
+    if compiling is None:
+        compiling = _compiling()
+    bound = compiled_batched_max_tokens if (compiling and compiled_batched_max_tokens is not None) else batched_max_tokens
+    if num_pairs <= bound:
+        return "batched_mm"
+    return "grouped_mm" if native else "fallback"
