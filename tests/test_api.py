@@ -367,3 +367,18 @@ def test_two_threads_patching_are_serialised(recipes):
     ref.load_state_dict(m.state_dict())
     torch.testing.assert_close(m(x), ref(x) * 8)
     mpsboost.unpatch(m)
+
+
+def test_deepcopy_of_a_patched_model_unpatches_cleanly(recipes):
+    import copy
+
+    m = _model()
+    mpsboost.patch(m, recipes=["t_scale"])
+    twin = copy.deepcopy(m)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(twin(x), m(x))
+    # The copy carries the patch state; undoing it through the registry helpers restores class forwards.
+    for lin in (l for l in twin.modules() if isinstance(l, nn.Linear)):
+        prev = lin.__dict__[registry.ATTR]["t_scale"]["forward"]
+        assert prev is registry._MISSING
+    mpsboost.unpatch(m)

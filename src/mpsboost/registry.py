@@ -249,7 +249,30 @@ def get_recipe(name: str) -> Recipe:
 
 # ---------------------------------------------------------------------- the one way to patch a forward
 
-_MISSING = object()
+class _Missing:
+    """Marks "the instance had no such attribute". One object, kept through copy, deepcopy and pickle."""
+
+    _instance: "_Missing | None" = None
+
+    def __new__(cls) -> "_Missing":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self):
+        return (_Missing, ())
+
+    def __copy__(self) -> "_Missing":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "_Missing":
+        return self
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
 
 
 def bind_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[..., Any], **saved: Any) -> Undo:
