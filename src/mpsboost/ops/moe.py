@@ -315,12 +315,13 @@ def routed_experts(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     *,
-    up_weight: torch.Tensor,
+    up_weight: torch.Tensor | tuple[torch.Tensor, ...],
     down_weight: torch.Tensor,
-    activation: Callable[[torch.Tensor], torch.Tensor],
+    activation: Callable[..., torch.Tensor],
     up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     transposed: bool = False,
+    down_transposed: bool | None = None,
     post: Callable[[torch.Tensor], torch.Tensor] | None = None,
     path: str = "grouped_mm",
     counts_method: str = "scatter_add",
@@ -329,9 +330,11 @@ def routed_experts(
     """``sum_j w[n, j] * down(activation(up(x[n])))`` over each token's experts ``top_k_index[n, j]``.
 
     ``hidden_states`` ``[N, H]``; ``up_weight`` ``[E, U, H]`` (gate and up stacked as transformers
-    stores them; ``activation`` maps ``[S, U] -> [S, I]``, e.g. transformers' ``_apply_gate``);
-    ``down_weight`` ``[E, H, I]`` (``transposed=True``: both ``[E, in, out]``). ``post`` is an optional
-    per-pair function after the down projection (a post-expert norm). Returns ``[N, H]`` in
+    stores them; ``activation`` maps ``[S, U] -> [S, I]``, e.g. transformers' ``_apply_gate``), or a
+    tuple of such weights (DBRX's separate gate and up), whose outputs ``activation`` receives as
+    separate arguments. ``down_weight`` ``[E, H, I]``. ``transposed=True``: weights are
+    ``[E, in, out]``; ``down_transposed`` overrides it for the down projection. ``post`` is an
+    optional per-pair function after the down projection (a post-expert norm). Returns ``[N, H]`` in
     ``hidden_states.dtype``.
 
     ``path`` as in :func:`grouped_linear`; ``"fallback"`` runs the dense form over tokens (E x N rows
@@ -339,65 +342,71 @@ def routed_experts(
     """
     if path not in PATHS:
         raise ValueError(f"routed_experts(path={path!r}): accepted paths are {', '.join(PATHS)}")
+    ups = up_weight if isinstance(up_weight, tuple) else (up_weight,)
+    dt = transposed if down_transposed is None else down_transposed
     n, hdim = hidden_states.shape
     k = top_k_index.shape[-1]
-    num_experts = up_weight.shape[0]
+    num_experts = ups[0].shape[0]
     if n == 0:
         return hidden_states.new_zeros(0, hdim)
+
+    if path == "fallback" and post is None:
+        return _dense_experts(hidden_states, top_k_index, top_k_weights, ups, down_weight, activation,
+                              up_bias, down_bias, transposed, dt)
 
     if path == "batched_mm":
         # Pairs stay in (token, slot) order: no sort, no histogram, no unsort.
         ids = top_k_index.reshape(-1)
-        valid = ids < num_experts
         x = hidden_states.unsqueeze(1).expand(n, k, hdim).reshape(n * k, hdim)
-        h = grouped_linear(x, up_weight, path="batched_mm", bias=up_bias, expert_of_sorted=ids, transposed=transposed)
-        h = activation(h)
-        y = grouped_linear(h, down_weight, path="batched_mm", bias=down_bias, expert_of_sorted=ids, transposed=transposed)
+        hs = [grouped_linear(x, w, path="batched_mm", bias=up_bias, expert_of_sorted=ids, transposed=transposed) for w in ups]
+        h = activation(*hs)
+        y = grouped_linear(h, down_weight, path="batched_mm", bias=down_bias, expert_of_sorted=ids, transposed=dt)
         if post is not None:
             y = post(y)
         y = y * top_k_weights.reshape(-1, 1)
-        y = torch.where(valid.unsqueeze(-1), y, torch.zeros((), dtype=y.dtype, device=y.device))
+        valid = (ids < num_experts).unsqueeze(-1)
+        y = torch.where(valid, y, torch.zeros((), dtype=y.dtype, device=y.device))
         return y.view(n, k, -1).sum(dim=1).to(hidden_states.dtype)
-
-    if path == "fallback" and post is None:
-        return _dense_experts(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, activation,
-                              up_bias, down_bias, transposed)
 
     routing = route(top_k_index, top_k_weights, num_experts, counts_method=counts_method, histc_int=histc_int)
     x = hidden_states.index_select(0, routing.sorted_token_idx)
-    h = grouped_linear(x, up_weight, routing.offsets, path=path, bias=up_bias,
-                       expert_of_sorted=routing.expert_of_sorted, transposed=transposed)
-    h = activation(h)
+    hs = [grouped_linear(x, w, routing.offsets, path=path, bias=up_bias,
+                         expert_of_sorted=routing.expert_of_sorted, transposed=transposed) for w in ups]
+    h = activation(*hs)
     y = grouped_linear(h, down_weight, routing.offsets, path=path, bias=down_bias,
-                       expert_of_sorted=routing.expert_of_sorted, transposed=transposed)
+                       expert_of_sorted=routing.expert_of_sorted, transposed=dt)
     if post is not None:
         y = post(y)
     return unroute(y, routing).to(hidden_states.dtype)
 
 
-def _dense_experts(hidden_states, top_k_index, top_k_weights, up_weight, down_weight, activation,
-                   up_bias, down_bias, transposed) -> torch.Tensor:
+def _dense_experts(hidden_states, top_k_index, top_k_weights, ups, down_weight, activation,
+                   up_bias, down_bias, transposed, down_transposed) -> torch.Tensor:
     """Every expert on every token, combined with a dense ``[N, E]`` weight matrix (zeros off the top-k).
 
     Used where no native grouped kernel exists (MPS before torch 2.15): static shapes, no host
     sync, each expert's weights read once per chunk of tokens; E/k times the FLOPs of routed work.
     """
     n, hdim = hidden_states.shape
-    e = up_weight.shape[0]
+    e = ups[0].shape[0]
     valid = top_k_index < e
     dense_w = torch.zeros(n, e + 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
-    dense_w.scatter_add_(1, top_k_index.clamp(0, e).to(torch.int64), torch.where(valid, top_k_weights, torch.zeros_like(top_k_weights)))
+    dense_w.scatter_add_(1, top_k_index.clamp(0, e).to(torch.int64),
+                         torch.where(valid, top_k_weights, torch.zeros_like(top_k_weights)))
     dense_w = dense_w[:, :e]
-    up_kn = _as_kn(up_weight, transposed)
-    down_kn = _as_kn(down_weight, transposed)
+    ups_kn = [_as_kn(w, transposed) for w in ups]
+    down_kn = _as_kn(down_weight, down_transposed)
     outs = []
     for start in range(0, n, _FALLBACK_CHUNK_ROWS):  # static trip count: the input's shape
-        xs = hidden_states[start:start + _FALLBACK_CHUNK_ROWS].to(up_kn.dtype)
+        xs = hidden_states[start:start + _FALLBACK_CHUNK_ROWS].to(ups_kn[0].dtype)
         rows = xs.shape[0]
-        h = torch.matmul(xs.unsqueeze(0), up_kn)  # [E, rows, U]
-        if up_bias is not None:
-            h = h + up_bias.unsqueeze(1)
-        h = activation(h.reshape(e * rows, -1))
+        hs = []
+        for w_kn in ups_kn:
+            h = torch.matmul(xs.unsqueeze(0), w_kn)  # [E, rows, U]
+            if up_bias is not None:
+                h = h + up_bias.unsqueeze(1)
+            hs.append(h.reshape(e * rows, -1))
+        h = activation(*hs)
         y = torch.matmul(h.view(e, rows, -1).to(down_kn.dtype), down_kn)  # [E, rows, H]
         if down_bias is not None:
             y = y + down_bias.unsqueeze(1)
