@@ -1,0 +1,311 @@
+"""Recipe moe_experts on tiny configs of every covered transformers class (random weights, CPU)."""
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import pytest
+import torch
+
+import mpsboost
+from mpsboost.ops import moe as moe_ops
+from mpsboost.recipes import moe_experts as recipe_mod
+from test_moe_zoo import ALL_NAMES, HF_NAMES, build, routing, tiny_causal_lm
+
+FP32_TOL = 1e-5   # relative, patched vs transformers eager, fp32
+BF16_TOL = 2e-2   # relative, patched vs transformers eager, bf16 (different accumulation order and rounding points)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+@contextlib.contextmanager
+def _patched(module, **options):
+    report = mpsboost.patch(module, recipes=["moe_experts"], options={"moe_experts": options} if options else None)
+    try:
+        yield report
+    finally:
+        mpsboost.unpatch(module)
+
+
+SCENARIOS = [
+    # (scenario, tokens, top_k): top_k = num_experts (8) and = 1 included
+    ("random", 13, 2),
+    ("zero_tokens", 9, 2),       # experts 2..7 receive no token at all
+    ("one_expert_all", 11, 2),   # expert 3 takes every token
+    ("one_expert_all", 7, 1),    # top-1, every token to expert 3
+    ("random", 5, 8),            # top-k = number of experts
+    ("random", 1, 2),            # one decoding token
+]
+
+
+@pytest.mark.parametrize("name", ALL_NAMES)
+def test_patched_matches_eager_fp32_on_every_path(name, rng_seed):
+    for scenario, n, k in SCENARIOS:
+        case = build(name, top_k=k)
+        x = torch.randn(n, case.hidden)
+        idx, w = routing(n, case.num_experts, k, scenario=scenario)
+        ref = case.call(case.module, x, idx, w)
+        for path in ("auto", "grouped_mm", "batched_mm", "fallback"):
+            with _patched(case.module, path=path):
+                out = case.call(case.module, x, idx, w)
+            assert out.shape == ref.shape and out.dtype == ref.dtype
+            err = _rel(out, ref)
+            assert err <= FP32_TOL, f"{name} {scenario} n={n} k={k} path={path}: rel error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "dbrx"])
+def test_patched_matches_eager_bf16(name, rng_seed):
+    case = build(name, hidden=64, inter=32, dtype=torch.bfloat16)
+    for n in (3, 40):
+        x = torch.randn(n, case.hidden, dtype=torch.bfloat16)
+        idx, w = routing(n, case.num_experts, case.top_k, dtype=torch.bfloat16)
+        ref = case.call(case.module, x, idx, w)
+        with _patched(case.module) as report:
+            out = case.call(case.module, x, idx, w)
+        assert report.rows[0].status == "applied"
+        assert out.dtype == torch.bfloat16
+        assert _rel(out, ref) <= BF16_TOL
+
+
+def test_odd_hidden_size_breaks_the_16_byte_rule_and_still_runs(rng_seed):
+    """bf16 hidden 33: 66-byte rows. CPU grouped_mm would raise; the recipe must pick a path that works."""
+    case = build("qwen3_moe", hidden=33, inter=17, dtype=torch.bfloat16)
+    x = torch.randn(50, 33, dtype=torch.bfloat16)
+    idx, w = routing(50, case.num_experts, case.top_k, dtype=torch.bfloat16)
+    ref = case.call(case.module, x, idx, w)
+    with _patched(case.module) as report:
+        row = report.rows[0]
+        assert row.backing.startswith("sync-free fallback") and "16 bytes" in row.reason
+        out = case.call(case.module, x, idx, w)
+        # Forcing the native path must not crash either: it falls back at call time.
+        mpsboost.unpatch(case.module)
+        mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"path": "grouped_mm"}})
+        forced = case.call(case.module, x, idx, w)
+    assert _rel(out, ref) <= BF16_TOL and _rel(forced, ref) <= BF16_TOL
+
+
+def test_batch_above_one_whole_model_and_unpatch_identity(rng_seed):
+    model = tiny_causal_lm("qwen3_moe").eval()
+    experts = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts"]
+    assert len(experts) == 2
+    class_forward = type(experts[0]).forward
+    ids = torch.randint(0, 96, (3, 10))
+    with torch.no_grad():
+        ref = model(ids).logits
+        report = mpsboost.patch(model)
+        rows = [r for r in report.rows if r.recipe == "moe_experts"]
+        assert len(rows) == 2 and all(r.status == "applied" for r in rows)
+        assert all("forward" in m.__dict__ for m in experts)
+        out = model(ids).logits
+    assert _rel(out, ref) <= FP32_TOL
+    mpsboost.unpatch(model)
+    for m in experts:
+        assert "forward" not in m.__dict__
+        assert m.forward.__func__ is class_forward
+        assert recipe_mod.NAME not in m.__dict__.get("_mpsboost_patches", {})
+
+
+def test_unpatch_restores_an_instance_forward_object_exactly():
+    case = build("mixtral")
+    sentinel = case.module.forward  # a bound method object set on the instance, like accelerate's hooks do
+    case.module.forward = sentinel
+    with _patched(case.module):
+        assert case.module.__dict__["forward"] is not sentinel
+    assert case.module.__dict__["forward"] is sentinel
+
+
+def test_jetmoe_router_keeps_sizes_on_device_and_matches(rng_seed):
+    model = tiny_causal_lm("jetmoe").eval()
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        ref = model(ids).logits
+        originals = {id(m): m.forward for m in model.modules() if type(m).__name__ in ("JetMoeTopKGating", "JetMoeParallelExperts")}
+        for path in ("auto", "batched_mm", "fallback"):
+            with _patched(model, path=path) as report:
+                rows = [r for r in report.rows if r.recipe == "moe_experts"]
+                assert {r.target.rsplit(".", 1)[-1] for r in rows} == {"mlp", "experts"}
+                router = model.model.layers[0].mlp.router
+                sizes = router(torch.randn(5, 32))[3]
+                assert isinstance(sizes, torch.Tensor) and sizes.dtype == torch.int32
+                out = model(ids).logits
+            assert _rel(out, ref) <= FP32_TOL, path
+    for m in model.modules():
+        if id(m) in originals:
+            assert "forward" not in m.__dict__
+
+
+def test_patched_forward_compiles_fullgraph(rng_seed):
+    """No graph break (so no .item()/.tolist()/nonzero host sync) on each path, fp32 and bf16."""
+    torch._dynamo.reset()
+    for name, dtype, n in (("qwen3_moe", torch.bfloat16, 40), ("gpt_oss", torch.float32, 40), ("qwen3_moe", torch.float32, 3)):
+        case = build(name, dtype=dtype)
+        x = torch.randn(n, case.hidden, dtype=dtype)
+        idx, w = routing(n, case.num_experts, case.top_k, dtype=dtype)
+        ref = case.call(case.module, x, idx, w)
+        with _patched(case.module):
+            compiled = torch.compile(case.module, fullgraph=True, dynamic=False)
+            out = compiled(x, idx, w)
+        assert _rel(out, ref) <= (BF16_TOL if dtype == torch.bfloat16 else FP32_TOL), name
+
+
+def _force_decode_switch(original):
+    """generate()'s decode-time switch runs only off CPU; make it run here by showing it a CUDA device."""
+
+    @contextlib.contextmanager
+    def forced(self):
+        with mock.patch.object(type(self), "device", new=property(lambda s: torch.device("cuda"))):
+            cm = original(self)
+            cm.__enter__()
+        try:
+            yield
+        finally:
+            cm.__exit__(None, None, None)
+
+    return forced
+
+
+def test_generate_keeps_the_chosen_path_through_the_decode_switch(rng_seed):
+    from transformers.generation.utils import GenerationMixin
+    from transformers.integrations import moe as hf_moe
+
+    model = tiny_causal_lm("qwen3_moe").eval()
+    ids = torch.randint(0, 96, (1, 12))
+    seen_paths, seen_impl = [], []
+    real = moe_ops.routed_experts
+
+    def spy(*args, **kwargs):
+        seen_paths.append(kwargs["path"])
+        return real(*args, **kwargs)
+
+    interface_calls = []
+    real_get = hf_moe.ExpertsInterface.get_interface
+
+    def get_spy(self, impl, default):
+        interface_calls.append(impl)
+        return real_get(self, impl, default)
+
+    with torch.no_grad():
+        stock = model.generate(ids, max_new_tokens=6, do_sample=False)
+        # Prefill 12 tokens x top-2 = 24 pairs -> grouped_mm; decode 2 pairs -> batched_mm (CPU thresholds).
+        with _patched(model, batched_max_tokens=4):
+            experts = model.model.layers[0].mlp.experts
+            orig_cfg_impl = experts.config._experts_implementation
+            with mock.patch.object(GenerationMixin, "_optimize_model_for_decode", _force_decode_switch(GenerationMixin._optimize_model_for_decode)), \
+                    mock.patch.object(recipe_mod.moe_ops, "routed_experts", spy), \
+                    mock.patch.object(hf_moe.ExpertsInterface, "get_interface", get_spy):
+                real_fwd = experts.forward
+
+                def record_impl(*a, **k):
+                    seen_impl.append(experts.config._experts_implementation)
+                    return real_fwd(*a, **k)
+
+                experts.__dict__["forward"] = record_impl
+                try:
+                    patched = model.generate(ids, max_new_tokens=6, do_sample=False)
+                finally:
+                    experts.__dict__["forward"] = real_fwd
+    assert orig_cfg_impl == "grouped_mm"
+    assert "batched_mm" in seen_impl, "the decode switch did not run; the test proves nothing"
+    assert interface_calls == [], "transformers' experts interface was consulted by a patched module"
+    # 2 layers: prefill (grouped_mm) once each, then 5 decode steps (batched_mm) each.
+    assert seen_paths[:2] == ["grouped_mm", "grouped_mm"] and set(seen_paths[2:]) == {"batched_mm"}
+    assert len(seen_paths) == 12
+    assert torch.equal(patched, stock)
+
+
+def test_greedy_tokens_identical_fp32_over_32_steps(rng_seed):
+    model = tiny_causal_lm("qwen3_moe", experts=16, top_k=4).eval()
+    ids = torch.randint(0, 96, (2, 7))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        stock = model.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+        with _patched(model):
+            patched = model.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+    assert patched.shape == (2, 39)
+    assert torch.equal(patched, stock)
+
+
+@pytest.mark.parametrize(
+    "device,version,expected",
+    [
+        (("mps", "2.14.1"), None, "sync-free fallback"),
+        (("mps", "2.15.0"), None, "grouped_mm, offsets on device"),
+        (("mps", "2.16.0.dev20261201"), None, "grouped_mm, offsets on device"),
+        (("cpu", "2.9.0"), None, "sync-free fallback"),
+        (("cpu", "2.13.0"), None, "grouped_mm, offsets on device"),
+        (("cuda:9.0", "2.11.0"), "bf16", "grouped_mm, offsets on device"),
+        (("cuda:9.0", "2.11.0"), "fp32", "sync-free fallback"),
+        (("cuda:7.5", "2.11.0"), "bf16", "sync-free fallback"),
+    ],
+)
+def test_plan_on_simulated_envs(device, version, expected):
+    dtype = torch.float32 if version in (None, "fp32") else torch.bfloat16
+    with torch.device("meta"):
+        model = tiny_causal_lm("qwen3_moe", dtype=dtype)
+    report = mpsboost.plan(model, device=device[0], torch_version=device[1], recipes=["moe_experts"])
+    rows = [r for r in report.rows if r.recipe == "moe_experts"]
+    assert len(rows) == 2 and all(r.status == "would apply" for r in rows)
+    assert rows[0].backing.startswith(expected), rows[0].backing
+    if device == ("mps", "2.14.1"):
+        assert "pytorch#194917" in rows[0].reason and "batched_mm at <= 32" in rows[0].backing
+    if device == ("mps", "2.15.0"):
+        assert "batched_mm" not in rows[0].backing  # grouped_mm from the first token on MPS 2.15
+
+
+def test_every_use_experts_implementation_class_is_found():
+    """The recipe finds experts by transformers' decorator, so every decorated class is covered."""
+    import importlib
+
+    names = ("qwen3_moe", "qwen3_5_moe", "qwen3_next", "mixtral", "deepseek_v3", "gpt_oss", "olmoe", "qwen2_moe")
+    for mod_name in names:
+        mod = importlib.import_module(f"transformers.models.{mod_name}.modeling_{mod_name}")
+        classes = [c for c in vars(mod).values()
+                   if isinstance(c, type) and c.__name__.endswith("Experts") and c.__module__ == mod.__name__]
+        assert classes, mod_name
+        for cls in classes:
+            inst = cls.__new__(cls)  # no __init__: only the class's forward matters for detection
+            torch.nn.Module.__init__(inst)
+            inst.down_proj = torch.nn.Parameter(torch.empty(0))
+            assert recipe_mod._is_hf_experts(inst), cls
+
+    class LookAlike(torch.nn.Module):  # same attributes, no decorator
+        def __init__(self):
+            super().__init__()
+            self.down_proj = torch.nn.Parameter(torch.empty(0))
+
+        def forward(self, x):
+            return x
+
+    assert not recipe_mod._is_hf_experts(LookAlike())
+
+
+def test_option_errors_name_what_is_accepted():
+    case = build("qwen3_moe")
+    with pytest.raises(mpsboost.PatchError, match="batched_max_tokens=-1"):
+        mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"batched_max_tokens": -1}})
+    with pytest.raises(mpsboost.PatchError, match="expected 'auto' or one of grouped_mm, batched_mm, fallback"):
+        mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"path": "loop"}})
+    with pytest.raises(mpsboost.PatchError, match="unknown moe_experts option"):
+        mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"threshold": 3}})
+    assert "forward" not in case.module.__dict__
+
+
+def test_user_threshold_override_changes_the_path(rng_seed):
+    case = build("qwen3_moe")
+    x = torch.randn(4, case.hidden)
+    idx, w = routing(4, case.num_experts, case.top_k)
+    seen = []
+    real = moe_ops.routed_experts
+
+    def spy(*a, **k):
+        seen.append(k["path"])
+        return real(*a, **k)
+
+    with mock.patch.object(recipe_mod.moe_ops, "routed_experts", spy):
+        for bound in (0, 8):
+            with _patched(case.module, batched_max_tokens=bound) as report:
+                case.module(x, idx, w)
+                assert report.rows[0].details["batched_max_tokens"] == bound
+    assert seen == ["grouped_mm", "batched_mm"]
