@@ -1,0 +1,64 @@
+"""Attention in the layout the Metal SDPA kernels of torch 2.16 nightlies take.
+
+On MPS, ``F.scaled_dot_product_attention`` runs a Metal kernel (decode vector kernels for query length
+<= 8, flash-style prefill kernels above) only when (aten/src/ATen/native/mps/operations/Attention.mm on
+main): q/k/v are ``[B, H, L, D]`` with a contiguous last dim, q and v share a head dim the kernels were
+instantiated for, K/V keep their own (fewer) heads for grouped-query attention (the kernels broadcast by
+``gqa_factor``; a repeated K/V only costs memory traffic), any mask is bool or of the query's dtype, no
+dropout, and not ``is_causal`` together with a mask. Anything else falls back to the MPSGraph path,
+which materialises the full score matrix.
+
+:func:`sdpa` normalises its inputs to that layout, then calls SDPA: on CPU and CUDA it is an ordinary SDPA
+call (which is how the path is tested there).
+
+``ops`` never imports diffusers or transformers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["sdpa", "METAL_HEAD_DIMS", "METAL_DECODE_HEAD_DIMS", "metal_head_dim_ok"]
+
+# Head dims with a Metal kernel: prefill kernels (query length > 8) and decode vector kernels (<= 8).
+METAL_HEAD_DIMS = (32, 64, 72, 80, 96, 128, 256)
+METAL_DECODE_HEAD_DIMS = (64, 96, 128, 256)
+
+
+def metal_head_dim_ok(head_dim: int) -> bool:
+    return int(head_dim) in METAL_HEAD_DIMS
+
+
+def sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """SDPA on ``[B, H, Lq, D]`` query and ``[B, Hkv, Lk, D]`` key/value, ``Hkv`` dividing ``H``.
+
+    K/V are never repeated: grouped-query attention goes through ``enable_gqa``. A float mask of another
+    dtype is cast to the query's dtype (the Metal kernels take bool or query-dtype masks), clamped so that
+    a large negative fp32 value does not overflow to -inf in fp16. ``is_causal`` with a mask becomes the
+    mask alone, combined with the causal pattern (the kernels take one or the other).
+    """
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    h, hkv = q.shape[-3], k.shape[-3]
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
+            attn_mask = attn_mask.to(q.dtype).clamp_(min=torch.finfo(q.dtype).min)
+        if is_causal:
+            lq, lk = q.shape[-2], k.shape[-2]
+            causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril_()
+            if attn_mask.dtype == torch.bool:
+                attn_mask = attn_mask & causal
+            else:
+                attn_mask = attn_mask.masked_fill(~causal, torch.finfo(q.dtype).min)
+            is_causal = False
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=h != hkv
+    )

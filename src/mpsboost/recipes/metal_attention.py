@@ -1,0 +1,216 @@
+"""metal_attention: attention of transformers and diffusers models on the Metal SDPA kernels (MPS, 2.16 nightlies).
+
+- transformers models on ``eager`` or ``sdpa`` attention are switched to the attention function
+  ``"mpsboost_metal"`` (registered once in transformers' ``AttentionInterface`` and
+  ``AttentionMaskInterface``, its documented extension point; the mask is transformers' own SDPA mask):
+  :func:`mpsboost.ops.attention.sdpa` with K/V left grouped, bool or query-dtype masks. Cases it does not
+  cover (softcap, position bias, attention sinks, returned attention weights) go to transformers' own SDPA
+  function unchanged. ``unpatch`` restores each config's previous implementation.
+- diffusers ``Attention`` modules on the matmul processors (``AttnProcessor``, ``SlicedAttnProcessor``
+  from ``enable_attention_slicing()``, and their added-KV variants) get diffusers' SDPA processors; the
+  flash-style Metal prefill kernels keep memory linear in sequence length, which is what slicing was for.
+  Processors already on SDPA are left as they are.
+
+Gated by the ``metal_attention`` feature: MPS on 2.16 nightlies. On 2.15 and older the recipe skips with
+the gate's reason; on CPU and CUDA it does not apply. ``options={"metal_attention": {"force": True}}``
+applies it on any env (the code path is ordinary SDPA there; used by the tests).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from ..gate import Env, check
+from ..ops.attention import METAL_HEAD_DIMS, metal_head_dim_ok, sdpa
+from ..registry import Decision, Match, Recipe, Undo, class_path, matches_class, register, set_instance_attr
+
+IMPLEMENTATION = "mpsboost_metal"
+_PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
+_MODELMIXIN = "diffusers.models.modeling_utils.ModelMixin"
+_DIFFUSERS_ATTENTION = "diffusers.models.attention_processor.Attention"
+# matmul processor -> its SDPA counterpart (diffusers.models.attention_processor)
+_SDPA_PROCESSOR = {
+    "AttnProcessor": "AttnProcessor2_0",
+    "SlicedAttnProcessor": "AttnProcessor2_0",
+    "AttnAddedKVProcessor": "AttnAddedKVProcessor2_0",
+    "SlicedAttnAddedKVProcessor": "AttnAddedKVProcessor2_0",
+}
+_SWITCHABLE = ("eager", "sdpa")
+
+
+def metal_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: ``[B, H, L, D]`` in, ``[B, L, H, D]`` out, as ``sdpa_attention_forward``."""
+    if (
+        kwargs.get("softcap") is not None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("s_aux") is not None
+        or kwargs.get("sinks") is not None
+        or kwargs.get("output_attentions", False)
+    ):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # As transformers' SDPA function: the causal flag only for a prefill without mask; an empty static
+    # cache's slots past the prompt are cropped (upper-left aligned causal mask).
+    causal = bool(q_len > 1 and attention_mask is None and causal)
+    if causal and kv_len > q_len:
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out = sdpa(query, key, value, attention_mask, dropout_p=dropout if module.training else 0.0, is_causal=causal, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_REGISTERED = False
+
+
+def _register_with_transformers() -> None:
+    """Add ``"mpsboost_metal"`` to transformers' attention and mask interfaces (idempotent, adds a key only)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(IMPLEMENTATION, metal_attention_forward)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+    _REGISTERED = True
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    """The model's config and every sub-config (identity-deduplicated)."""
+    out, seen = [], set()
+    todo = [getattr(model, "config", None)]
+    while todo:
+        cfg = todo.pop()
+        if cfg is None or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        out.append(cfg)
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            todo.append(getattr(cfg, key, None))
+    return out
+
+
+def _head_dim(cfg: Any) -> int | None:
+    hd = getattr(cfg, "head_dim", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    hidden, heads = getattr(cfg, "hidden_size", None), getattr(cfg, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
+
+
+@register
+class MetalAttention(Recipe):
+    name = "metal_attention"
+    summary = "attention on the Metal SDPA kernels of 2.16 nightlies: grouped K/V, bool or same-dtype masks, no matmul/sliced processors"
+    targets = (_PRETRAINED, _DIFFUSERS_ATTENTION)
+    lossless = True
+    reversible = True
+    requires = ()
+    default = True
+    order = 100
+
+    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
+        covered: list[torch.nn.Module] = []
+        for name, mod in root.named_modules():
+            path = ".".join(p for p in (prefix, name) if p) or "<root>"
+            if matches_class(mod, (_PRETRAINED,)):
+                # The outermost transformers model only: its implementation setting reaches every layer.
+                if any(mod is c or _contains(c, mod) for c in covered):
+                    continue
+                covered.append(mod)
+                yield Match(mod, path, {"kind": "transformers"})
+            elif matches_class(mod, (_DIFFUSERS_ATTENTION,)):
+                yield Match(mod, path, {"kind": "diffusers"})
+
+    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+        kind = match.data.get("kind")
+        found = self._decide_transformers(match) if kind == "transformers" else self._decide_diffusers(match)
+        if not found.applicable:
+            return found
+        if options.get("force", False):
+            return Decision.apply(found.backing, f"forced by options (force=True); {found.reason}", **found.details)
+        v = check("metal_attention", env)
+        if not v.ok:
+            return Decision.skip(v.reason)
+        return Decision.apply(found.backing, f"{v.reason}; {found.reason}", **found.details)
+
+    # -------------------------------------------------------------- what the model allows
+    def _decide_transformers(self, match: Match) -> Decision:
+        model = match.module
+        cfg = getattr(model, "config", None)
+        impl = getattr(cfg, "_attn_implementation", None)
+        if impl == IMPLEMENTATION:
+            return Decision.skip("already on mpsboost_metal attention")
+        if impl not in _SWITCHABLE:
+            return Decision.skip(f"attention implementation {impl!r} chosen for this model; left alone")
+        if not getattr(type(model), "_supports_sdpa", False):
+            return Decision.skip(f"{class_path(type(model))} does not support SDPA attention")
+        can = getattr(model, "_can_set_attn_implementation", None)
+        if callable(can) and not can():
+            return Decision.skip(f"{class_path(type(model))} cannot switch attention implementation at run time")
+        hd = _head_dim(cfg)
+        if hd is not None and not metal_head_dim_ok(hd):
+            return Decision.skip(f"head_dim {hd} has no Metal kernel (kernels: {METAL_HEAD_DIMS}); stock kept")
+        return Decision.apply("sdpa, grouped K/V (transformers attention function)", f"was {impl!r}", previous=impl)
+
+    def _decide_diffusers(self, match: Match) -> Decision:
+        attn = match.module
+        proc = getattr(attn, "processor", None)
+        pname = type(proc).__name__
+        if type(proc).__module__ != "diffusers.models.attention_processor" or pname not in _SDPA_PROCESSOR:
+            return Decision.skip(f"processor {pname} is not a matmul processor this recipe replaces; left alone")
+        if not getattr(attn, "scale_qk", True):
+            return Decision.skip("scale_qk=False: the SDPA processors always scale q.k; matmul processor kept")
+        heads = getattr(attn, "heads", None)
+        inner = getattr(getattr(attn, "to_q", None), "out_features", None)
+        if isinstance(heads, int) and isinstance(inner, int) and heads > 0:
+            hd = inner // heads
+            if not metal_head_dim_ok(hd):
+                return Decision.skip(f"head_dim {hd} has no Metal kernel (kernels: {METAL_HEAD_DIMS}); stock kept")
+        return Decision.apply(f"sdpa ({_SDPA_PROCESSOR[pname]})", f"was {pname}", processor=_SDPA_PROCESSOR[pname])
+
+    # -------------------------------------------------------------- applying
+    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+        if match.data.get("kind") == "transformers":
+            return self._apply_transformers(match.module)
+        import diffusers.models.attention_processor as ap
+
+        processor = getattr(ap, decision.details["processor"])()
+        return set_instance_attr(match.module, self.name, "processor", processor)
+
+    def _apply_transformers(self, model: torch.nn.Module) -> Undo:
+        _register_with_transformers()
+        before = [(cfg, cfg.__dict__.get("_attn_implementation_internal")) for cfg in _configs(model)]
+        model.set_attn_implementation(IMPLEMENTATION)
+        if getattr(model.config, "_attn_implementation", None) != IMPLEMENTATION:
+            # Restore whatever set_attn_implementation touched before reporting.
+            for cfg, value in before:
+                cfg._attn_implementation_internal = value
+            raise RuntimeError(f"{class_path(type(model))} did not accept attention implementation {IMPLEMENTATION!r}")
+        undo_attr = set_instance_attr(model, self.name, "_mpsboost_attention_before", tuple(v for _, v in before))
+
+        def undo() -> None:
+            for cfg, value in before:
+                cfg._attn_implementation_internal = value
+            undo_attr()
+
+        return Undo(undo, description="metal_attention: restore attention implementations")
+
+
+def _contains(parent: torch.nn.Module, child: torch.nn.Module) -> bool:
+    return any(m is child for m in parent.modules())

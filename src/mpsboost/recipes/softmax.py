@@ -1,0 +1,155 @@
+"""softmax: the token-sampling step of transformers ``generate(do_sample=True)`` on the fastest correct path.
+
+Stock, each generated token runs ``probs = softmax(scores)`` then ``torch.multinomial(probs, 1)``,
+whose input check costs two host syncs and five extra full-vocabulary reductions per token (see
+:mod:`mpsboost.ops.sampling`). The patched model draws the very same exponential race without the syncs
+(same generator calls, so the same tokens for the same seed) and checks the rows once per ``generate()``.
+On MPS before torch 2.15, whose softmax still ran through MPSGraph (pytorch#196071 moved it to a Metal
+kernel in 2.15), the race runs on the logits and no softmax is computed at all (Gumbel-max: the same
+distribution).
+
+How it is bound: ``generate()`` looks its decoding method up on ``type(model)`` (transformers 5), so an
+instance attribute would be ignored. The recipe gives this one model instance a subclass of its own
+class (same name and module) whose ``_sample`` is transformers' own function, its code untouched, with
+``torch.multinomial`` and ``nn.functional.softmax`` resolved to the draws above. transformers, torch and
+every other instance are unchanged; ``unpatch`` restores the original class. Pickling a whole patched
+model object (not its ``state_dict``) needs ``unpatch`` first.
+
+Options (``options={"softmax": {...}}``): ``path``: ``"auto"`` (default), ``"probs"`` (native softmax,
+sync-free draw) or ``"logits"`` (no softmax), forced on any env.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import types
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from ..gate import Env, check
+from ..ops.sampling import CURRENT, SamplingState, sampling_globals, with_globals
+from ..registry import ATTR, Decision, Match, Recipe, Undo, class_path, matches_class, register
+
+_GENERATIVE = "transformers.generation.utils.GenerationMixin"
+_PATHS = ("auto", "probs", "logits")
+_SOFTMAX_LINE = re.compile(r"(\w+)\s*=\s*nn\.functional\.softmax\(\s*next_token_scores\s*,\s*dim\s*=\s*-1\s*\)")
+_DRAW_LINE = r"torch\.multinomial\(\s*{probs}\s*,\s*num_samples\s*=\s*1\s*\)"
+
+
+@functools.lru_cache(maxsize=16)
+def _known_sampling_step(fn: types.FunctionType) -> str | None:
+    """None when ``fn`` (a ``_sample``) has the sampling step this recipe knows, else why not.
+
+    Known: ``probs = nn.functional.softmax(next_token_scores, dim=-1)`` whose result is used exactly once,
+    by ``torch.multinomial(probs, num_samples=1)``. That single use is what allows the logits path to hand
+    the logits on in place of the probabilities.
+    """
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return "the source of its _sample is not available to verify the sampling step"
+    m = _SOFTMAX_LINE.search(src)
+    if m is None:
+        return "its _sample has no 'nn.functional.softmax(next_token_scores, dim=-1)' step"
+    name = m.group(1)
+    if not re.search(_DRAW_LINE.format(probs=re.escape(name)), src):
+        return f"its _sample does not draw with torch.multinomial({name}, num_samples=1)"
+    uses = len(re.findall(rf"\b{re.escape(name)}\b", src))
+    if uses != 2:
+        return f"its _sample uses '{name}' {uses} times (expected: computed once, drawn from once)"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _subclass(cls: type, logits_path: bool) -> type:
+    """``cls`` with a ``_sample`` that draws without host syncs. Cached: one subclass per class and path."""
+    stock = cls._sample
+    rebound = with_globals(stock, sampling_globals())
+
+    @functools.wraps(stock)
+    def _sample(self, *args: Any, **kwargs: Any) -> Any:
+        state = SamplingState(logits_path)
+        token = CURRENT.set(state)
+        try:
+            out = rebound(self, *args, **kwargs)
+        finally:
+            CURRENT.reset(token)
+        state.check.check()
+        return out
+
+    namespace = {
+        "_sample": _sample,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+        "_mpsboost_base_class": cls,
+    }
+    return type(cls.__name__, (cls,), namespace)
+
+
+@register
+class Softmax(Recipe):
+    name = "softmax"
+    summary = "sampling step of generate(): native softmax and a sync-free multinomial draw (no softmax at all on MPS < 2.15)"
+    targets = (_GENERATIVE,)
+    lossless = True
+    reversible = True
+    requires = ()
+    default = True
+    order = 100
+
+    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
+        for name, mod in root.named_modules():
+            if matches_class(mod, self.targets) and hasattr(type(mod), "_sample"):
+                yield Match(mod, ".".join(p for p in (prefix, name) if p) or "<root>")
+
+    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+        path = options.get("path", "auto")
+        if path not in _PATHS:
+            raise ValueError(f"softmax option 'path' must be one of {_PATHS}, got {path!r}")
+        cls = type(match.module)
+        if getattr(cls, "_mpsboost_base_class", None) is not None:
+            return Decision.skip("this model's class was already given the sync-free sampling step")
+        fn = getattr(cls, "_sample", None)
+        if not isinstance(fn, types.FunctionType):
+            return Decision.skip(f"{class_path(cls)}._sample is not a plain function; left alone")
+        unknown = _known_sampling_step(fn)
+        if unknown is not None:
+            return Decision.skip(f"{class_path(cls)}: {unknown}; this transformers version is left alone")
+
+        syncs = "torch.multinomial's two host syncs per token removed, rows checked once per generate()"
+        if path == "probs":
+            return Decision.apply("native softmax, sync-free draw", f"forced by options (path='probs'); {syncs}", logits=False)
+        if path == "logits":
+            return Decision.apply("draw on logits (no softmax), sync-free", f"forced by options (path='logits'); {syncs}", logits=True)
+        v = check("softmax_native", env)
+        if env.device_type == "mps" and not v.ok:
+            return Decision.apply("draw on logits (no softmax), sync-free", f"{v.reason}; {syncs}", logits=True)
+        return Decision.apply("native softmax, sync-free draw", f"{v.reason}; {syncs}", logits=False)
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+        model = match.module
+        original = type(model)
+        sub = _subclass(original, bool(decision.details.get("logits", False)))
+        store = model.__dict__.setdefault(ATTR, {})
+        if self.name in store:
+            raise RuntimeError("softmax already patched this model")
+        store[self.name] = {"class": original}
+        model.__class__ = sub
+
+        def undo() -> None:
+            entry = model.__dict__.get(ATTR, {}).pop(self.name, None)
+            if entry is None:
+                return
+            if type(model) is not sub:
+                raise RuntimeError(
+                    f"the class of this model was changed after mpsboost patched it (now {class_path(type(model))}); "
+                    f"cannot restore {class_path(entry['class'])}"
+                )
+            model.__class__ = entry["class"]
+            if not model.__dict__.get(ATTR):
+                model.__dict__.pop(ATTR, None)
+
+        return Undo(undo, description="softmax: restore the model's class")
