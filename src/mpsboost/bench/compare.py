@@ -130,7 +130,7 @@ def speed_ratio(stock: Throughput | OpTime | None, variant: Throughput | OpTime 
     return None
 
 
-def _sig(x: float, digits: int = 4) -> str:
+def fmt_number(x: float | None, digits: int = 4) -> str:
     if x is None:
         return NA
     if math.isnan(x):
@@ -182,7 +182,11 @@ def _rows(group: Group) -> list[tuple[str, list[str]]]:
             if t is None:
                 cells.append(NA)
                 continue
-            text = f"{_sig(t.value)} {t.unit}"
+            text = f"{fmt_number(t.value)} {t.unit}"
+            iqr = t.spread.get("iqr_s") if t.spread else None
+            if iqr is not None and t.seconds_per_call:
+                # The spread of the per-call time, relative: noise on a shared machine shows here.
+                text += f" ±{100 * iqr / 2 / t.seconds_per_call:.0f}%"
             if r is not base and base is not None and base.throughput is not None:
                 ratio = speed_ratio(base.throughput, t)
                 if ratio is None and base.throughput.unit != t.unit:
@@ -190,7 +194,7 @@ def _rows(group: Group) -> list[tuple[str, list[str]]]:
                 else:
                     text += _ratio_text(ratio, "speed")
             cells.append(text)
-        rows.append(("throughput", cells))
+        rows.append(("throughput (median, ±IQR/2)", cells))
 
     op_names: list[str] = []
     for r in variants:
@@ -218,10 +222,10 @@ def _rows(group: Group) -> list[tuple[str, list[str]]]:
             refs.append(r.correctness.reference)
     for ref in refs:
         for metric, label, fmt in (
-            ("psnr_db", "PSNR dB", lambda v: _sig(v)),
-            ("sqnr_db", "SQNR dB", lambda v: _sig(v)),
-            ("rel_error", "rel error", lambda v: _sig(v, 3)),
-            ("max_abs", "max abs", lambda v: _sig(v, 3)),
+            ("psnr_db", "PSNR dB", lambda v: fmt_number(v)),
+            ("sqnr_db", "SQNR dB", lambda v: fmt_number(v)),
+            ("rel_error", "rel error", lambda v: fmt_number(v, 3)),
+            ("max_abs", "max abs", lambda v: fmt_number(v, 3)),
         ):
             values = [
                 getattr(r.correctness, metric) if r.correctness is not None and r.correctness.reference == ref else None

@@ -202,9 +202,11 @@ def cpu_reference(
         raise QualityError("pass either method= or fn=, not both")
     if any(p.device.type == "meta" for p in module.parameters()):
         raise QualityError("the module has parameters on the meta device (not loaded); load its weights before taking a reference")
-    ref_module = copy.deepcopy(module).to("cpu")
-    # Cast floating parameters and buffers only: integer buffers (position ids) keep their dtype.
-    ref_module = ref_module.to(dtype)
+    ref_module = copy.deepcopy(module)
+    # torch.nn.Module.to itself, not the library override: diffusers' ModelMixin.to warns about
+    # casting on every call, and the cast of a throwaway reference copy is exactly what we want.
+    # Module.to casts floating parameters and buffers only; integer buffers keep their dtype.
+    torch.nn.Module.to(ref_module, device="cpu", dtype=dtype)
     ref_module.eval()
     cargs = to_cpu_fp32(args, dtype)
     ckw = to_cpu_fp32(kwargs, dtype)

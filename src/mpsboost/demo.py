@@ -1,0 +1,466 @@
+"""``mpsboost demo``: the main job on an embedded default, stock vs patched, four separate records.
+
+On the best device present (mps, then cuda, then cpu; ``--device`` overrides) it builds two real
+architectures with random weights, at widths that finish in well under two minutes on a 2-core
+CPU:
+
+* a Wan2.2-architecture video VAE (diffusers ``AutoencoderKLWan`` with the Wan2.2 structure:
+  residual blocks, patch size 2, z_dim 48, 12 in/out channels, 16x spatial / 4x temporal
+  compression) with reduced channel widths, decoding a latent video;
+* a Qwen3-MoE-architecture causal LM (transformers ``Qwen3MoeForCausalLM``) with a small config:
+  a prefill of a prompt and a greedy decode of a few tokens with the KV cache.
+
+Each runs stock, then ``mpsboost.patch(...)``-ed with the default recipes (the patch report is
+printed), and the records are printed side by side: throughput, time of the main operator,
+correctness against a CPU fp32 reference (and patched against stock), and memory peaks. Timing and
+memory are separate passes. Weights are random: the figures show the machinery, not a checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+__all__ = ["main", "run_demo", "WAN22_DEMO_CONFIG", "QWEN3_MOE_DEMO_CONFIG"]
+
+# The Wan2.2-TI2V-5B VAE structure (FACTS.md: base_dim 160, decoder_base_dim 256, z_dim 48,
+# dim_mult [1,2,4,4], 2 res blocks, temporal downsample [F,T,T], residual, 12 channels, patch 2)
+# with the widths divided by 20 and 16 so that a decode takes well under a second on a CPU core.
+# (The encoder is not run by the demo; base_dim only sizes its weights.)
+WAN22_DEMO_CONFIG: dict[str, Any] = dict(
+    base_dim=8,
+    decoder_base_dim=16,
+    z_dim=48,
+    dim_mult=[1, 2, 4, 4],
+    num_res_blocks=2,
+    temperal_downsample=[False, True, True],
+    is_residual=True,
+    in_channels=12,
+    out_channels=12,
+    patch_size=2,
+    scale_factor_spatial=16,
+    scale_factor_temporal=4,
+    latents_mean=[0.0] * 48,
+    latents_std=[1.0] * 48,
+)
+# Latent (frames, height, width): 3 latent frames -> 9 video frames; 8x8 -> 128x128 pixels.
+WAN22_DEMO_LATENT = (3, 8, 8)
+
+# The Qwen3-30B-A3B layout (every layer sparse, top-k routing over many small experts, GQA with
+# head_dim set apart from hidden/heads) at toy widths.
+QWEN3_MOE_DEMO_CONFIG: dict[str, Any] = dict(
+    vocab_size=2048,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_experts=16,
+    num_experts_per_tok=4,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=1024,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+)
+PROMPT_TOKENS = 128
+DECODE_TOKENS = 16
+
+
+def _need(package: str, extra: str):
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise SystemExit(
+            f"mpsboost demo needs {package}, which is not installed: pip install 'mpsboost[{extra}]'"
+        ) from None
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Capturing the main operator's inputs, counting F.pad on 5-D tensors
+
+
+@dataclass
+class _OpCall:
+    module: Any = None
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    size: int = -1
+
+
+@contextlib.contextmanager
+def _capture_largest_call(root, class_name: str, out: _OpCall):
+    """Keep the inputs of the largest call (by first-input numel) to any submodule of class
+    ``class_name`` during the block, to time that operator alone afterwards on the same inputs."""
+    import torch
+
+    handles = []
+
+    def hook(module, args, kwargs):
+        x = args[0] if args else next(iter(kwargs.values()), None)
+        n = x.numel() if isinstance(x, torch.Tensor) else 0
+        if n > out.size:
+            clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+            out.module, out.size = module, n
+            out.args = tuple(clone(a) for a in args)
+            out.kwargs = {k: clone(v) for k, v in kwargs.items()}
+
+    for m in root.modules():
+        if type(m).__name__ == class_name:
+            handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield out
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _count_pad5d(counter: dict):
+    """Count ``F.pad`` calls on 5-D tensors with a TorchFunctionMode (nothing is reassigned)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    pads = {torch.nn.functional.pad, torch._C._nn.pad}
+
+    class _Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in pads and args and isinstance(args[0], torch.Tensor) and args[0].dim() == 5:
+                counter["pad_calls_5d"] = counter.get("pad_calls_5d", 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with _Mode():
+        yield counter
+
+
+# --------------------------------------------------------------------------------------------------
+# One measured job
+
+
+@dataclass
+class _Job:
+    name: str  # workload name
+    shape: dict
+    run: Callable[[], Any]  # the whole job, returns the output compared for correctness
+    items: float  # units per call, for throughput
+    unit: str  # "frames/s", "tokens/s"
+    op_name: str
+    op_class: str  # class name of the main operator's module
+    psnr: bool
+    data_range: float | None
+    root: Any = None  # the model, to find the operator's modules in
+    count_pads: bool = False
+
+
+def _measure(job: _Job, variant: str, env, device: str, *, ref_cpu, stock_out, op: _OpCall, repeats: int, warmup: int):
+    import torch
+
+    from .bench import Record, Workload, correctness, measure_memory, time_fn
+    from .bench.quality import as_tensor
+
+    extra: dict[str, Any] = {}
+    # 1. output pass (untimed): the output for correctness, the operator's inputs, F.pad count
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        counter: dict = {}
+        with contextlib.ExitStack() as stack:
+            if op.module is None:
+                stack.enter_context(_capture_largest_call(job.root, job.op_class, op))
+            if job.count_pads:
+                stack.enter_context(_count_pad5d(counter))
+            out = as_tensor(job.run())
+        if job.count_pads:
+            extra["pad_calls_5d"] = counter.get("pad_calls_5d", 0)
+    extra["first_call_s"] = time.perf_counter() - t0
+
+    # 2. timing pass of the whole job
+    with torch.no_grad():
+        timing = time_fn(job.run, device=device, warmup=warmup, repeats=repeats)
+        throughput = timing.throughput(job.items, job.unit)
+        op_time = {}
+        if op.module is not None:
+            module, args, kwargs = op.module, op.args, op.kwargs
+            op_timing = time_fn(lambda: module(*args, **kwargs), device=device, warmup=max(warmup, 1), repeats=max(repeats, 5))
+            op_time[job.op_name] = op_timing.op_time()
+            extra["op_input_shape"] = list(args[0].shape) if args and hasattr(args[0], "shape") else None
+
+    # 3. memory pass, separate from timing
+    with torch.no_grad(), measure_memory(device) as probe:
+        job.run()
+    memory = probe.peaks()
+
+    # 4. correctness against the CPU fp32 reference; patched also against stock
+    corr = correctness(out, ref_cpu, reference="cpu-fp32", data_range=job.data_range, psnr_too=job.psnr)
+    if stock_out is not None:
+        vs = correctness(out, stock_out, reference="stock", data_range=job.data_range, psnr_too=job.psnr)
+        extra["vs_stock"] = {k: v for k, v in vs.to_dict().items() if k != "reference"}
+    rec = Record(
+        workload=Workload(job.name, job.shape),
+        variant=variant,
+        env=env,
+        throughput=throughput,
+        op_time=op_time or None,
+        correctness=corr,
+        memory=memory,
+        extra=extra,
+    )
+    return rec, out
+
+
+# --------------------------------------------------------------------------------------------------
+# The two models
+
+
+def _wan_vae(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
+    import torch
+
+    diffusers = _need("diffusers", "diffusers")
+    vae = diffusers.AutoencoderKLWan(**WAN22_DEMO_CONFIG).eval()
+    # torch.nn.Module.to: ModelMixin.to warns on every dtype cast about _keep_in_fp32_modules,
+    # which this VAE does not have.
+    torch.nn.Module.to(vae, device=device, dtype=dtype)
+    t, h, w = WAN22_DEMO_LATENT
+    z = torch.randn(1, WAN22_DEMO_CONFIG["z_dim"], t, h, w, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    frames = 1 + (t - 1) * WAN22_DEMO_CONFIG["scale_factor_temporal"]
+    size = (h * WAN22_DEMO_CONFIG["scale_factor_spatial"], w * WAN22_DEMO_CONFIG["scale_factor_spatial"])
+    job = _Job(
+        name="wan22_vae_decode",
+        shape={"arch": "Wan2.2 VAE (reduced widths)", "latent": [1, WAN22_DEMO_CONFIG["z_dim"], t, h, w], "frames": frames, "height": size[0], "width": size[1]},
+        run=lambda: vae.decode(z).sample,
+        items=frames,
+        unit="frames/s",
+        op_name="WanCausalConv3d",
+        op_class="WanCausalConv3d",
+        psnr=True,
+        data_range=2.0,  # the decoder clamps its output to [-1, 1]
+        root=vae,
+        count_pads=True,
+    )
+
+    def reference():
+        from .bench import cpu_reference
+
+        return cpu_reference(vae, z, fn=lambda m, zz: m.decode(zz).sample)
+
+    return vae, [job], reference
+
+
+def _qwen3_moe(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
+    import torch
+
+    transformers = _need("transformers", "transformers")
+    config = transformers.Qwen3MoeConfig(**QWEN3_MOE_DEMO_CONFIG)
+    torch.manual_seed(2)
+    lm = transformers.Qwen3MoeForCausalLM(config).eval().to(device=device, dtype=dtype)
+    vocab = config.vocab_size
+    ids = torch.randint(0, vocab, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(3)).to(device)
+
+    def prefill():
+        return lm(input_ids=ids, use_cache=False).logits
+
+    # Decode feeds fixed next tokens (teacher forcing) rather than each variant's own argmax, so
+    # that stock, patched and the reference follow one token path and their logits compare.
+    new_ids = torch.randint(0, vocab, (1, DECODE_TOKENS), generator=torch.Generator().manual_seed(4)).to(device)
+
+    def decode_steps(m, prompt, new):
+        out = m(input_ids=prompt, use_cache=True)
+        past, steps = out.past_key_values, []
+        for i in range(new.shape[1]):
+            out = m(input_ids=new[:, i : i + 1], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            steps.append(out.logits[:, -1])
+        return torch.stack(steps, 1)
+
+    def decode():
+        return decode_steps(lm, ids, new_ids)
+
+    jobs = [
+        _Job(
+            name="qwen3_moe_prefill",
+            shape={"arch": "Qwen3-MoE (toy widths)", "batch": 1, "prompt": PROMPT_TOKENS, "experts": config.num_experts, "top_k": config.num_experts_per_tok, "layers": config.num_hidden_layers},
+            run=prefill,
+            items=PROMPT_TOKENS,
+            unit="tokens/s",
+            op_name="Qwen3MoeExperts",
+            op_class="Qwen3MoeExperts",
+            psnr=False,
+            data_range=None,
+            root=lm,
+        ),
+        _Job(
+            name="qwen3_moe_decode",
+            shape={"arch": "Qwen3-MoE (toy widths)", "batch": 1, "prompt": PROMPT_TOKENS, "new_tokens": DECODE_TOKENS, "experts": config.num_experts, "top_k": config.num_experts_per_tok, "layers": config.num_hidden_layers},
+            run=decode,
+            items=DECODE_TOKENS,  # the prefill inside is part of the job; tokens/s counts new tokens
+            unit="tokens/s",
+            op_name="Qwen3MoeExperts",
+            op_class="Qwen3MoeExperts",
+            psnr=False,
+            data_range=None,
+            root=lm,
+        ),
+    ]
+
+    def reference():
+        from .bench import cpu_reference
+
+        def run_ref(m, ii, new):
+            return {"qwen3_moe_prefill": m(input_ids=ii, use_cache=False).logits, "qwen3_moe_decode": decode_steps(m, ii, new)}
+
+        return cpu_reference(lm, ids, new_ids, fn=run_ref)
+
+    return lm, jobs, reference
+
+
+# --------------------------------------------------------------------------------------------------
+# Driver
+
+
+def _default_dtype(device: str):
+    import torch
+
+    # bf16 is what pipelines run in on GPUs; fp32 on the CPU, where bf16 convolutions are slow.
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def run_demo(device: str, dtype=None, *, repeats: int = 3, warmup: int = 1, models: Sequence[str] = ("wan_vae", "qwen3_moe")):
+    """Run the demo; returns (records, reports). Prints progress and reports as it goes."""
+    import torch
+
+    import mpsboost
+
+    from .bench import RecordEnv
+
+    dtype = _default_dtype(device) if dtype is None else dtype
+    env = RecordEnv.capture(device, dtype)
+    records, reports = [], []
+    builders = {"wan_vae": _wan_vae, "qwen3_moe": _qwen3_moe}
+    for key in models:
+        t0 = time.perf_counter()
+        _say(f"[{key}] building the model with random weights on {device} ({str(dtype).replace('torch.', '')})")
+        torch.manual_seed(0)
+        model, jobs, reference = builders[key](device, dtype)
+        n_params = sum(p.numel() for p in model.parameters())
+        _say(f"[{key}] {type(model).__name__}, {n_params / 1e6:.1f}M parameters; CPU fp32 reference run")
+        ref = reference()
+        refs = ref if isinstance(ref, dict) else {jobs[0].name: ref}
+        ops = {j.name: _OpCall() for j in jobs}
+        stock_outs = {}
+        for j in jobs:
+            _say(f"[{key}] stock: {j.name}")
+            rec, out = _measure(j, "stock", env, device, ref_cpu=refs[j.name], stock_out=None, op=ops[j.name], repeats=repeats, warmup=warmup)
+            records.append(rec)
+            stock_outs[j.name] = out
+        report = mpsboost.patch(model)
+        reports.append((key, report))
+        _say(f"[{key}] mpsboost.patch report:\n{report}")
+        try:
+            for j in jobs:
+                _say(f"[{key}] mpsboost: {j.name}")
+                rec, _ = _measure(j, "mpsboost", env, device, ref_cpu=refs[j.name], stock_out=stock_outs[j.name], op=ops[j.name], repeats=repeats, warmup=warmup)
+                records.append(rec.replace(extra={**rec.extra, "patched": [f"{r.recipe} @ {r.target or '(root)'}" for r in _applied_rows(report)]}))
+        finally:
+            # Nothing to undo when no recipe applied (unpatch would say so with an error).
+            from .api import is_patched
+
+            if is_patched(model):
+                mpsboost.unpatch(model)
+                _say(f"[{key}] unpatched")
+        _say(f"[{key}] done in {time.perf_counter() - t0:.1f} s")
+        del model, jobs
+    return records, reports
+
+
+def _applied_rows(report) -> list:
+    rows = getattr(report, "rows", None) or []
+    return [r for r in rows if r.status == "applied"]
+
+
+def _vs_stock_lines(records) -> list[str]:
+    lines = []
+    for r in records:
+        vs = r.extra.get("vs_stock")
+        if not vs:
+            continue
+        parts = []
+        from .bench.compare import fmt_number
+
+        for k, label in (("psnr_db", "PSNR dB"), ("sqnr_db", "SQNR dB"), ("rel_error", "rel error"), ("max_abs", "max abs")):
+            v = vs.get(k)
+            if v is not None:
+                parts.append(f"{label} {fmt_number(float(v), 3)}")
+        lines.append(f"  {r.workload.name}: {r.variant} vs stock: " + ", ".join(parts))
+    pads = [(r.workload.name, r.variant, r.extra["pad_calls_5d"]) for r in records if "pad_calls_5d" in r.extra]
+    for name, variant, n in pads:
+        lines.append(f"  {name}: {variant}: {n} F.pad calls on 5-D tensors per decode")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``mpsboost demo``; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="mpsboost demo",
+        description="Real architectures with random weights (a Wan2.2-architecture VAE, a Qwen3-MoE-architecture LM), "
+        "stock vs mpsboost.patch(), with four separate records: throughput, op time, correctness, memory.",
+    )
+    parser.add_argument("--device", choices=("mps", "cuda", "cpu"), help="default: the best present (mps, cuda, cpu)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: float32 on cpu, bfloat16 elsewhere")
+    parser.add_argument("--only", choices=("wan_vae", "qwen3_moe"), action="append", help="run only this model (repeatable)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per job (default 3)")
+    parser.add_argument("--out", help="also write demo.jsonl, demo.txt (and demo.png with matplotlib) into this folder")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+
+    import torch
+
+    from .bench.cli import best_device, check_device
+    from .bench.compare import compare_table
+    from .bench.errors import BenchError
+
+    device = args.device or best_device()
+    try:
+        check_device(device)
+    except BenchError as exc:
+        print(f"mpsboost demo: {exc}", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    t0 = time.perf_counter()
+    records, _ = run_demo(device, dtype, repeats=args.repeats, models=tuple(args.only or ("wan_vae", "qwen3_moe")))
+    table = compare_table(records)
+    _say("\n" + "=" * 100)
+    _say("records (random weights: the figures show the harness and the recipes, not a checkpoint's quality)\n")
+    _say(table)
+    lines = _vs_stock_lines(records)
+    if lines:
+        _say("patched against stock, and structure:")
+        _say("\n".join(lines))
+    if args.out:
+        from .bench import write_jsonl
+        from .bench.cli import _plot_or_explain
+
+        out = Path(args.out)
+        path = write_jsonl(out / "demo.jsonl", records)
+        (out / "demo.txt").write_text(table + "\n".join(lines) + "\n", encoding="utf-8")
+        _say(f"\nrecords: {path}")
+        png = _plot_or_explain(records, out / "demo.png", _say)
+        if png is not None:
+            _say(f"chart:   {png}")
+    _say(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
