@@ -1,0 +1,331 @@
+"""FP8 weight storage: quantise, encode, decode and multiply, on every device.
+
+Format: ``float8_e4m3fn`` codes with float32 scales, one per output row (``rowwise``) or one per
+tensor (``tensorwise``; for 3-D expert stacks one per expert). ``scale = amax / 448`` so that the
+largest magnitude of a row maps to the largest finite e4m3fn value; values are divided by the scale,
+clamped to +-448 (saturation: rounding can never produce a NaN code) and rounded to nearest-even.
+An all-zero row gets scale 1.0 (its codes are all zero, so any finite scale decodes to zeros).
+
+Where float8 tensors cannot live on the device (MPS before torch 2.15, pytorch#194074), the same
+bytes are stored as ``uint8`` and encoded/decoded here with integer arithmetic on sign, exponent and
+mantissa: :func:`encode_e4m3` is bit-identical to ``x.clamp(-448, 448).to(torch.float8_e4m3fn)``
+and :func:`decode_e4m3` to ``codes.view(torch.float8_e4m3fn).to(dtype)``, so both storages hold and
+compute exactly the same numbers.
+
+Forward paths (chosen by :func:`choose_linear_path` from the gate, and per call by M, the number of
+input rows):
+
+* ``fused`` (CUDA, compute capability >= 8.9, Triton): M <= ``gemv_max_m`` through the fp8 GEMV of
+  :mod:`mpsboost.ops.fp8_triton` (fp8 weight loaded, widened and accumulated in fp32 in registers,
+  scale and bias in the epilogue); larger M through one fused activation-quantisation kernel plus
+  ``torch._scaled_mm`` with rowwise scales;
+* ``mps_scaled_mm`` (MPS, only where the gate's ``fp8_gemv`` says the small-M kernel exists):
+  ``scaled_mm`` for M <= 4, otherwise dequantise then ``F.linear``;
+* ``dequant`` (everything else): dequantise this one layer to the compute dtype, then ``F.linear``.
+
+This module never imports diffusers or transformers, and imports Triton only on the fused path.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..gate import Env, check
+
+__all__ = [
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "GRANULARITIES",
+    "STORAGES",
+    "encode_e4m3",
+    "decode_e4m3",
+    "compute_scale",
+    "quantize",
+    "dequantize",
+    "storage_for",
+    "LinearPath",
+    "choose_linear_path",
+    "fp8_linear",
+    "quantize_rows",
+    "stored_bytes",
+    "sqnr_db",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+GRANULARITIES = ("rowwise", "tensorwise")
+STORAGES = ("float8", "uint8")
+
+# Quantisation works on slices of at most this many elements, so that its float32 scratch stays
+# small next to the layer (the conversion-peak promise: model size + one layer).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+# --------------------------------------------------------------------------------- integer codecs
+
+def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """float32 (or any float) -> uint8 e4m3fn codes with integer ops; saturating, round-to-nearest-even.
+
+    Bit-identical to ``x.float().clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)``; NaN
+    gives the NaN code 0x7F (with the sign bit of the NaN). Runs where float8 tensors cannot exist.
+    """
+    xf = x.float()
+    neg = torch.signbit(xf)
+    a = xf.abs().clamp_(max=FP8_MAX)  # NaN stays NaN through clamp
+    bits = a.view(torch.int32)
+    # Normal range (|x| >= 2^-6): rebias the exponent (127 -> 7) and round the 23-bit mantissa to 3
+    # bits, nearest-even: add 0x7FFFF plus the lowest kept bit, then drop 20 bits (as c10 does).
+    normal = (bits + ((7 - 127) << 23) + 0x7FFFF + ((bits >> 20) & 1)) >> 20
+    # Subnormal range: the code is |x| / 2^-9 rounded half-to-even (torch.round), 0..8; 8 is the
+    # smallest normal, whose code is indeed 8 (exponent 1, mantissa 0).
+    sub = torch.round(a * 512.0).to(torch.int32)
+    code = torch.where(bits < (121 << 23), sub, normal)
+    code = torch.where(torch.isnan(a), torch.full_like(code, 0x7F), code)
+    code = code | (neg.to(torch.int32) << 7)
+    return code.to(torch.uint8)
+
+
+def decode_e4m3(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 e4m3fn codes -> ``dtype`` with integer ops on sign, exponent and mantissa.
+
+    Bit-identical to ``codes.view(torch.float8_e4m3fn).to(dtype)`` for every code (NaN codes decode
+    to NaN). 16-bit outputs are built in 16-bit integers (the bytes of one layer, not four times them).
+    """
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"decode_e4m3 takes uint8 codes, got {codes.dtype}")
+    if dtype == torch.float32:
+        itype, exp_shift, bias, mant_shift = torch.int32, 23, 127, 20
+    elif dtype == torch.bfloat16:
+        itype, exp_shift, bias, mant_shift = torch.int16, 7, 127, 4
+    elif dtype == torch.float16:
+        itype, exp_shift, bias, mant_shift = torch.int16, 10, 15, 7
+    else:
+        raise TypeError(f"decode_e4m3 decodes to float32, bfloat16 or float16, not {dtype}")
+    c = codes.to(itype)
+    mag = c & 0x7F
+    # Normal codes: exponent e (bias 7) becomes e - 7 + bias; the 3 mantissa bits move to the top of
+    # the target mantissa. Adding (bias - 7) << exp_shift to the shifted magnitude does both at once.
+    val = ((mag << mant_shift) + ((bias - 7) << exp_shift)).view(dtype)
+    # Exponent 0: subnormal, value = mantissa * 2^-9, exact in every target dtype.
+    val = torch.where(mag < 8, mag.to(dtype) * (2.0 ** -9), val)
+    val = torch.where(mag == 0x7F, torch.full_like(val, float("nan")), val)
+    return torch.where((c & 0x80) != 0, -val, val)
+
+
+# --------------------------------------------------------------------------------- quantisation
+
+def storage_for(env: Env) -> str:
+    """``"float8"`` where float8 tensors can live on the device (gate ``float8_storage``), else ``"uint8"``."""
+    return "float8" if check("float8_storage", env).ok else "uint8"
+
+
+def _check_args(granularity: str, storage: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"fp8 granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    if storage not in STORAGES:
+        raise ValueError(f"fp8 storage must be one of {STORAGES}, got {storage!r}")
+
+
+def _slices(n: int, per: int):
+    step = max(1, per)
+    for start in range(0, n, step):
+        yield slice(start, min(n, start + step))
+
+
+def compute_scale(w: torch.Tensor, granularity: str, *, k_dim: int = -1) -> torch.Tensor:
+    """float32 scales of ``w`` (2-D ``[N, K]`` or 3-D ``[E, N, K]``; ``k_dim`` is the reduced input dim).
+
+    rowwise: one per output row (``k_dim`` reduced, kept as size 1); tensorwise: one per 2-D matrix
+    (shape ``()`` for 2-D, ``[E, 1, 1]`` for 3-D). amax is taken in the weight's own dtype (exact).
+    """
+    if w.dim() not in (2, 3):
+        raise ValueError(f"fp8 weights are 2-D [N, K] or 3-D [E, N, K]; got shape {tuple(w.shape)}")
+    k_dim = k_dim % w.dim()
+    if k_dim == 0:
+        raise ValueError("k_dim 0 would mix rows of different outputs; the reduced dim is 1 or 2")
+    # Slices along dim 0 (rows of a matrix, experts of a stack) so that abs() never materialises
+    # more than a chunk of the weight.
+    per = max(1, _CHUNK_ELEMENTS // max(1, w[0].numel()))
+    if granularity == "rowwise":
+        amax = torch.cat([w[s].abs().amax(dim=k_dim, keepdim=True) for s in _slices(w.shape[0], per)], dim=0)
+    elif granularity == "tensorwise":
+        if w.dim() == 2:
+            amax = torch.stack([w[s].abs().amax() for s in _slices(w.shape[0], per)]).amax()
+        else:
+            amax = torch.cat([w[s].abs().amax(dim=(1, 2), keepdim=True) for s in _slices(w.shape[0], per)], dim=0)
+    else:
+        raise ValueError(f"fp8 granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    amax = amax.float()
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def quantize(
+    w: torch.Tensor,
+    granularity: str = "rowwise",
+    storage: str = "float8",
+    *,
+    k_dim: int = -1,
+    out_device: "torch.device | str | None" = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``w`` to (codes, float32 scale); codes are float8_e4m3fn or (``storage="uint8"``) their bytes.
+
+    Works slice by slice (about 16M elements of float32 scratch at a time), so the only new memory of
+    substance is the 1-byte codes. ``out_device`` puts the codes elsewhere (e.g. CPU for saving).
+    """
+    _check_args(granularity, storage)
+    if not w.is_floating_point() or w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"quantize takes a float32/bfloat16/float16 weight, got {w.dtype}")
+    scale = compute_scale(w, granularity, k_dim=k_dim)
+    dev = torch.device(out_device) if out_device is not None else w.device
+    qdtype = FP8_DTYPE if storage == "float8" else torch.uint8
+    q = torch.empty(w.shape, dtype=qdtype, device=dev)
+    # Slice along dim 0 (rows of a matrix, experts of a stack); scales broadcast per slice.
+    per = max(1, _CHUNK_ELEMENTS // max(1, w[0].numel()))
+    for s in _slices(w.shape[0], per):
+        sc = scale if scale.dim() == 0 else scale[s]
+        y = w[s].float().div_(sc).clamp_(-FP8_MAX, FP8_MAX)
+        codes = y.to(FP8_DTYPE) if storage == "float8" else encode_e4m3(y)
+        q[s].copy_(codes)
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Codes and scale -> a ``dtype`` tensor of the same shape (one layer at a time, never a model)."""
+    if q.dtype == torch.uint8:
+        w = decode_e4m3(q, dtype)
+    elif q.dtype == FP8_DTYPE:
+        w = q.to(dtype)  # exact: every e4m3fn value is representable in bf16/fp16/fp32
+    else:
+        raise TypeError(f"dequantize takes float8_e4m3fn or uint8 codes, got {q.dtype}")
+    if dtype == torch.float16:
+        # fp16 cannot hold small scales precisely (subnormal below 6e-5): multiply in float32.
+        return (w.float() * scale).to(dtype)
+    return w.mul_(scale.to(dtype))
+
+
+def stored_bytes(*tensors: Optional[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Signal-to-quantisation-noise ratio of ``x`` against ``ref`` in dB (float64)."""
+    r = ref.double()
+    noise = (x.double() - r).pow(2).sum().item()
+    signal = r.pow(2).sum().item()
+    if noise == 0:
+        return math.inf
+    return 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+# --------------------------------------------------------------------------------- activations
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise fp8 quantisation of a 2-D activation in plain torch ops: (codes [M, K], scales [M, 1]).
+
+    The fused CUDA path uses one Triton kernel instead (:func:`mpsboost.ops.fp8_triton.quantize_rows`).
+    """
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+# --------------------------------------------------------------------------------- forward paths
+
+@dataclass(frozen=True)
+class LinearPath:
+    """How a converted linear layer computes in one environment."""
+
+    kind: str  # "fused", "mps_scaled_mm", "dequant"
+    backing: str  # the report's backing path text
+    reason: str
+    storage: str  # "float8" or "uint8"
+    gemv_max_m: int = 16
+
+
+def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype) -> LinearPath:
+    """The forward path for an ``[n, k]`` layer computing in ``dtype`` in ``env`` (pure: asks only the gate)."""
+    storage = storage_for(env)
+    st = check("float8_storage", env)
+    if env.device_type == "cuda":
+        sm = check("scaled_mm", env)
+        gv = check("fp8_gemv", env)
+        if sm.ok and gv.ok:
+            aligned = n % 16 == 0 and k % 16 == 0
+            large = (
+                "fused activation quantisation + scaled_mm rowwise"
+                if aligned and dtype == torch.bfloat16
+                else "dequantize then linear" + ("" if aligned else " (shape not 16-aligned for scaled_mm)")
+                + ("" if dtype == torch.bfloat16 else f" ({str(dtype)[6:]} output: scaled_mm rowwise gives bf16 only)")
+            )
+            return LinearPath(
+                "fused",
+                f"fp8 GEMV (triton) for M<=16; {large} above",
+                f"{gv.reason}; {sm.reason}",
+                storage,
+            )
+        why = sm.reason if not sm.ok else gv.reason
+        return LinearPath("dequant", "dequantize then linear", f"no fused fp8 path here: {why}", storage)
+    if env.device_type == "mps":
+        if not st.ok:
+            return LinearPath(
+                "dequant",
+                "uint8 storage, integer decode then linear",
+                f"{st.reason}; the fp8 bytes are kept as uint8 and decoded with integer ops",
+                "uint8",
+            )
+        gv = check("fp8_gemv", env)
+        sm = check("scaled_mm", env)
+        if gv.ok and sm.ok:
+            return LinearPath("mps_scaled_mm", "scaled_mm for M<=4; dequantize then linear above", f"{gv.reason}; {sm.reason}", storage, 4)
+        return LinearPath(
+            "dequant",
+            "dequantize then linear",
+            f"{st.reason}; FP8 is a storage format here: {gv.reason if not gv.ok else sm.reason}",
+            storage,
+        )
+    return LinearPath("dequant", "dequantize then linear", f"{env.device_type}: FP8 is a storage format; each layer is dequantised just before its matmul", storage)
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    *,
+    kind: str,
+    compute_dtype: torch.dtype,
+    gemv_max_m: int = 16,
+) -> torch.Tensor:
+    """``F.linear(x, dequantize(q, scale), bias)`` by the path ``kind`` (see :func:`choose_linear_path`)."""
+    if kind == "fused" and x.is_cuda:
+        from . import fp8_triton
+
+        n, k = q.shape
+        m = _rows(x)
+        x2 = x.reshape(m, k)
+        if m <= gemv_max_m:
+            y = fp8_triton.fp8_gemv(x2, q, scale, bias)
+        elif x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
+            xq, xs = fp8_triton.quantize_rows(x2)
+            ws = scale.reshape(1, n) if scale.numel() == n else scale.reshape(1, 1).expand(1, n).contiguous()
+            y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=torch.bfloat16)
+        else:
+            return F.linear(x, dequantize(q, scale, compute_dtype), bias)
+        return y.reshape(*x.shape[:-1], n)
+    if kind == "mps_scaled_mm" and _rows(x) <= gemv_max_m and q.dtype == FP8_DTYPE and x.dtype == torch.bfloat16:
+        n, k = q.shape
+        x2 = x.reshape(-1, k)
+        xq, xs = quantize_rows(x2)
+        ws = scale.reshape(1, n) if scale.numel() == n else scale.reshape(1, 1).expand(1, n).contiguous()
+        y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=torch.bfloat16)
+        return y.reshape(*x.shape[:-1], n)
+    return F.linear(x, dequantize(q, scale, compute_dtype), bias)

@@ -1,0 +1,222 @@
+"""Routed experts whose 3-D weights are stored in fp8 (:mod:`mpsboost.ops.fp8` format), on every device.
+
+In MoE models most bytes sit in the stacked expert weights (``gate_up_proj [E, 2I, H]``,
+``down_proj [E, H, I]`` of transformers' experts modules), so they are stored like linear weights:
+e4m3fn codes (or their uint8 bytes) with float32 scales per expert and output row (``[E, N, 1]``;
+``[E, 1, N]`` for the transposed gpt-oss layout), or one per expert (``[E, 1, 1]``).
+
+Routing is :mod:`mpsboost.ops.moe`'s (pairs sorted by expert, int32 offsets from a device-side
+histogram, :func:`~mpsboost.ops.moe.unroute`). Paths (:data:`PATHS`):
+
+* ``"scaled_grouped_mm"`` (CUDA with an fp8 grouped kernel, gate ``scaled_grouped_mm``): activations
+  quantised per row, one ``torch._scaled_grouped_mm`` per projection reading the fp8 stack and the
+  offsets on the device; no weight is ever dequantised.
+* ``"gather"`` (few routed pairs, e.g. decoding; every device): each pair's expert is gathered in fp8
+  and dequantised (only the experts the tokens hit), then one ``bmm``. No host sync.
+* ``"hit"`` (many pairs, no fp8 grouped kernel): the experts with at least one routed pair are found
+  (one host read of the per-expert counts) and only those are dequantised: into a compact stack for
+  the native grouped matmul where the gate has one, else one expert at a time (rows sliced by the
+  counts already on the host). Never the whole stack unless every expert is hit.
+
+:func:`dequantize_experts` is the one place expert weights are dequantised, so tests can see which
+experts were touched. This module never imports diffusers or transformers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from . import moe as moe_ops
+from .fp8 import FP8_DTYPE, dequantize, quantize_rows
+
+__all__ = ["PATHS", "BACKING", "Fp8Stack", "dequantize_experts", "fp8_routed_experts", "scaled_grouped_ok"]
+
+PATHS = ("scaled_grouped_mm", "gather", "hit")
+BACKING = {
+    "scaled_grouped_mm": "scaled_grouped_mm rowwise on the fp8 stack, offsets on device",
+    "gather": "fp8 gather of the routed experts, dequantise, bmm",
+    "hit": "dequantise only the hit experts, then grouped matmul",
+}
+
+
+@dataclass(frozen=True)
+class Fp8Stack:
+    """One stacked expert weight in fp8: codes ``[E, out, in]`` (or ``[E, in, out]`` when transposed) and scales."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    transposed: bool = False
+
+
+def dequantize_experts(stack: Fp8Stack, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The experts ``experts`` (int64 ids, any order, repeats allowed) of ``stack``, dequantised to ``dtype``.
+
+    Reads only those experts' codes and scales: the selective dequantisation of the issue.
+    """
+    q = stack.q.index_select(0, experts)
+    s = stack.scale if stack.scale.shape[0] == 1 else stack.scale.index_select(0, experts)
+    return dequantize(q, s, dtype)
+
+
+def scaled_grouped_ok(stack: Fp8Stack, dtype: torch.dtype) -> bool:
+    """Static facts for ``torch._scaled_grouped_mm``: float8 codes, [E, out, in] layout, 16-aligned, bf16 out."""
+    e, n, k = stack.q.shape
+    return (
+        stack.q.dtype == FP8_DTYPE
+        and not stack.transposed
+        and stack.q.is_contiguous()
+        and n % 16 == 0
+        and k % 16 == 0
+        and dtype == torch.bfloat16
+        and hasattr(torch, "_scaled_grouped_mm")
+    )
+
+
+def _quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.is_cuda:
+        from . import fp8_triton
+
+        return fp8_triton.quantize_rows(x)
+    return quantize_rows(x)
+
+
+def _scale_en(stack: Fp8Stack) -> torch.Tensor:
+    """Weight scales as ``[E, out]`` float32 contiguous (what scaled_grouped_mm reads)."""
+    e, n, _ = stack.q.shape
+    s = stack.scale
+    if s.shape[1] == n:
+        return s.reshape(e, n)
+    return s.reshape(e, 1).expand(e, n).contiguous()
+
+
+def _scaled_grouped(x: torch.Tensor, stack: Fp8Stack, offsets: torch.Tensor) -> torch.Tensor:
+    xq, xs = _quant_rows(x)
+    return torch._scaled_grouped_mm(
+        xq, stack.q.transpose(-2, -1), xs.reshape(-1), _scale_en(stack), offs=offsets, out_dtype=torch.bfloat16
+    )
+
+
+def _mm_rows(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return x @ w if transposed else x @ w.t()
+
+
+def _bmm_rows(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    if transposed:
+        return torch.bmm(x.unsqueeze(1), w).squeeze(1)
+    return torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+
+
+def fp8_routed_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    up: Fp8Stack,
+    down: Fp8Stack,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    compute_dtype: torch.dtype,
+    up_bias: Optional[torch.Tensor] = None,
+    down_bias: Optional[torch.Tensor] = None,
+    post: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    path: str = "hit",
+    native_grouped: bool = False,
+    histc_int: bool = False,
+) -> torch.Tensor:
+    """``sum_j w[n, j] * down(activation(up(x[n])))`` over the top-k experts, weights in fp8.
+
+    ``hidden_states`` ``[N, H]``, ``top_k_index``/``top_k_weights`` ``[N, k]``. ``path`` is one of
+    :data:`PATHS` (the caller chooses from the gate and the pair count); ``native_grouped`` says that
+    the gate allows the native (non-fp8) grouped matmul for the ``"hit"`` path. Returns ``[N, H]`` in
+    ``hidden_states.dtype``.
+    """
+    if path not in PATHS:
+        raise ValueError(f"fp8_routed_experts(path={path!r}): accepted paths are {', '.join(PATHS)}")
+    n, hdim = hidden_states.shape
+    k = top_k_index.shape[-1]
+    num_experts = up.q.shape[0]
+    if n == 0:
+        return hidden_states.new_zeros(0, hdim)
+    x_in = hidden_states.to(compute_dtype)
+
+    if path == "gather":
+        # Pairs in (token, slot) order: gather each pair's expert in fp8, dequantise just those.
+        ids = top_k_index.reshape(-1).clamp(0, num_experts - 1).to(torch.int64)
+        x = x_in.unsqueeze(1).expand(n, k, hdim).reshape(n * k, hdim)
+        h = _bmm_rows(x, dequantize_experts(up, ids, compute_dtype), up.transposed)
+        if up_bias is not None:
+            h = h + up_bias[ids]
+        h = activation(h)
+        y = _bmm_rows(h.to(compute_dtype), dequantize_experts(down, ids, compute_dtype), down.transposed)
+        if down_bias is not None:
+            y = y + down_bias[ids]
+        if post is not None:
+            y = post(y)
+        y = y * top_k_weights.reshape(-1, 1).to(y.dtype)
+        valid = (top_k_index.reshape(-1) < num_experts).unsqueeze(-1)
+        y = torch.where(valid, y, torch.zeros((), dtype=y.dtype, device=y.device))
+        return y.view(n, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    routing = moe_ops.route(top_k_index, top_k_weights, num_experts, histc_int=histc_int)
+    x = x_in.index_select(0, routing.sorted_token_idx)
+    eos = routing.expert_of_sorted
+
+    if path == "scaled_grouped_mm":
+        h = _scaled_grouped(x, up, routing.offsets)
+        if up_bias is not None:
+            h = h + up_bias[eos.clamp(0, num_experts - 1)]
+        h = activation(h)
+        y = _scaled_grouped(h.to(torch.bfloat16).contiguous(), down, routing.offsets)
+        if down_bias is not None:
+            y = y + down_bias[eos.clamp(0, num_experts - 1)]
+    else:
+        # "hit": one host read of the per-expert counts names the experts to dequantise.
+        counts = routing.counts.tolist()
+        hit_list = [e for e, c in enumerate(counts) if c]
+        rows = sum(counts)  # pairs of expert-parallel sentinels (ids >= E) sort last and are not counted
+        if native_grouped:
+            hit = torch.tensor(hit_list, dtype=torch.int64, device=x.device)
+            ends, acc = [], 0
+            for e in hit_list:
+                acc += counts[e]
+                ends.append(acc)
+            offs = torch.tensor(ends, dtype=torch.int32, device=x.device)
+        y = None
+        if native_grouped and hit_list:
+            w_up = dequantize_experts(up, hit, compute_dtype)
+            if moe_ops.native_grouped_mm_ok(x, moe_ops._as_kn(w_up, up.transposed)):
+                h = moe_ops.grouped_linear(x, w_up, offs, path="grouped_mm", transposed=up.transposed)
+                del w_up
+                if up_bias is not None:
+                    h = h + up_bias[eos.clamp(0, num_experts - 1)]
+                h = activation(h).to(compute_dtype)
+                w_down = dequantize_experts(down, hit, compute_dtype)
+                y = moe_ops.grouped_linear(h, w_down, offs, path="grouped_mm", transposed=down.transposed)
+                del w_down
+                if down_bias is not None:
+                    y = y + down_bias[eos.clamp(0, num_experts - 1)]
+            else:
+                del w_up
+        if y is None:
+            # One expert at a time: the smallest dequantised footprint, exact FLOPs, rows sliced by
+            # the counts already on the host.
+            y = x.new_zeros(x.shape[0], down.q.shape[-2] if not down.transposed else down.q.shape[-1])
+            start = 0
+            for e in hit_list:
+                c = counts[e]
+                idx = torch.tensor([e], dtype=torch.int64, device=x.device)
+                h = _mm_rows(x[start:start + c], dequantize_experts(up, idx, compute_dtype)[0], up.transposed)
+                if up_bias is not None:
+                    h = h + up_bias[e]
+                h = activation(h).to(compute_dtype)
+                ye = _mm_rows(h, dequantize_experts(down, idx, compute_dtype)[0], down.transposed)
+                if down_bias is not None:
+                    ye = ye + down_bias[e]
+                y[start:start + c] = ye.to(y.dtype)
+                start += c
+        if rows < y.shape[0]:
+            y[rows:] = 0
+    if post is not None:
+        y = post(y)
+    return moe_ops.unroute(y, routing).to(hidden_states.dtype)

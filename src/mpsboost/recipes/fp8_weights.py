@@ -1,0 +1,449 @@
+"""fp8_weights: float8_e4m3fn weight storage with per-row or per-tensor float32 scales, fast on every device.
+
+Opt-in and lossy: ``mpsboost.patch(model, fp8="rowwise" | "tensorwise")``. Converts, in place:
+
+* every plain ``torch.nn.Linear`` (exact type: subclasses such as ``MultiheadAttention``'s
+  ``out_proj`` read their weight directly and are left alone) of the denoiser/transformer and text
+  encoders. Skipped, each with its reason in the report: layers inside diffusers VAEs, the modules a
+  model keeps in high precision (``_keep_in_fp32_modules``, diffusers'
+  ``_skip_layerwise_casting_patterns``: norms, embeddings, condition embedders), the output
+  embedding (``lm_head``; ``include_lm_head=True`` converts it), MoE routers, tied or shared
+  weights, and weights that are not plain floating tensors (already quantised);
+* the stacked 3-D expert weights of transformers' experts modules (``gate_up_proj``/``up_proj`` and
+  ``down_proj`` of every ``use_experts_implementation`` class: Qwen3-MoE, Qwen3.5/3.6-MoE, Mixtral,
+  DeepSeek-V3, gpt-oss, ...), where most bytes of an MoE model sit.
+
+After conversion a linear module holds ``weight`` (a buffer: e4m3fn codes, or their uint8 bytes
+where float8 cannot live on the device) and ``weight_scale`` (float32, ``[N, 1]`` or ``[]``); an
+experts module holds ``<name>`` and ``<name>_scale`` the same way; biases stay in the compute dtype.
+Forward paths by device, torch build and the input's row count: see :mod:`mpsboost.ops.fp8` and
+:mod:`mpsboost.ops.fp8_moe`; the report names the one each module takes.
+
+Conversion and memory: ``apply`` only validates (shapes, dtypes, finite values, real device) and
+binds the forward; nothing is converted while the ``patch()`` transaction can still roll back, so a
+rollback restores the very same weights. The transaction's commit then converts layer by layer,
+dropping each original weight as soon as its codes exist: the peak during conversion is the model
+plus one layer's codes and about 80 MB of scratch, never a second copy of the model.
+
+Options (``mpsboost.patch(m, fp8="rowwise", options={"fp8_weights": {...}})``):
+``include`` / ``exclude``: glob patterns (``fnmatch``) on the module path in the report (e.g.
+``"transformer.blocks.*.ffn.*"``); ``include_lm_head`` (bool); ``experts`` (bool, default True);
+``gemv_max_m`` (CUDA: rows at or below which the fp8 GEMV runs, default 16);
+``moe_gather_max_pairs`` (routed pairs at or below which experts are gathered per pair, default 16);
+``moe_path`` ("auto", "scaled_grouped_mm", "gather", "hit").
+"""
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import re
+import warnings
+from collections import Counter
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from ..gate import Env, check
+from ..ops import fp8 as fp8_ops
+from ..ops import fp8_moe
+from ..registry import Decision, Match, Recipe, Undo, _join, bind_forward, original_forward, register
+
+NAME = "fp8_weights"
+log = logging.getLogger("mpsboost")
+
+_OPTION_KEYS = ("fp8", "include", "exclude", "include_lm_head", "experts", "gemv_max_m", "moe_gather_max_pairs", "moe_path", "load")
+_VAE_PREFIX = "diffusers.models.autoencoders."
+_EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+_ROUTER_NAMES = ("gate", "router")
+
+
+# ------------------------------------------------------------------------------------------ finding
+
+def _is_hf_experts(module: torch.nn.Module) -> bool:
+    """An instance of a class decorated by transformers' ``use_experts_implementation``.
+
+    The decorator replaces the class's ``forward`` by its dispatcher in ``integrations/moe.py``
+    (``functools.wraps`` keeps the original's name, not its code). Same test as moe_experts uses.
+    """
+    fwd = getattr(type(module), "forward", None)
+    code = getattr(fwd, "__code__", None)
+    if code is None:
+        return False
+    if os.path.normpath(code.co_filename).split(os.sep)[-2:] != ["integrations", "moe.py"]:
+        return False
+    qual = getattr(code, "co_qualname", "use_experts_implementation.<locals>.wrapper.<locals>.forward")
+    return "use_experts_implementation" in qual and hasattr(module, "down_proj")
+
+
+def _expert_weight_names(module: torch.nn.Module) -> tuple[str, str]:
+    up = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+    return up, "down_proj"
+
+
+def _class_paths(mod: torch.nn.Module) -> list[str]:
+    return [f"{c.__module__}.{c.__qualname__}" for c in type(mod).__mro__]
+
+
+def _plain_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and type(t.data) is torch.Tensor and t.is_floating_point() and t.dtype not in (
+        torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class _Context:
+    """Facts about the model tree that decide which layers stay in high precision (static)."""
+
+    def __init__(self, root: torch.nn.Module):
+        self.param_uses = Counter(id(p) for _, p in root.named_parameters(remove_duplicate=False))
+        self.owners: list[tuple[str, torch.nn.Module]] = []
+        self.vae: list[str] = []
+        self.output_embeddings: set[int] = set()
+        for name, mod in root.named_modules():
+            if any(p.startswith(_VAE_PREFIX) for p in _class_paths(mod)):
+                self.vae.append(name)
+            if hasattr(mod, "_keep_in_fp32_modules") or hasattr(mod, "_skip_layerwise_casting_patterns"):
+                self.owners.append((name, mod))
+            get_out = getattr(mod, "get_output_embeddings", None)
+            if callable(get_out):
+                try:
+                    oe = get_out()
+                except Exception:  # models without an LM head raise NotImplementedError or similar
+                    oe = None
+                if isinstance(oe, torch.nn.Module):
+                    self.output_embeddings.add(id(oe))
+
+    @staticmethod
+    def _under(name: str, prefix: str) -> bool:
+        return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+    def skip_reason(self, name: str, mod: torch.nn.Module, tensors: list[tuple[str, Any]], parent: torch.nn.Module | None) -> str | None:
+        for v in self.vae:
+            if self._under(name, v):
+                return "inside a VAE: kept in the compute dtype (image quality; its linear bytes are few)"
+        for oname, owner in self.owners:
+            if not self._under(name, oname):
+                continue
+            rel = name[len(oname) + 1:] if oname else name
+            parts = rel.split(".")
+            for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+                keep = getattr(owner, attr, None) or ()
+                hit = next((k for k in keep if k in parts), None)
+                if hit:
+                    return f"{type(owner).__name__}.{attr} keeps {hit!r} in high precision"
+            for pat in getattr(owner, "_skip_layerwise_casting_patterns", None) or ():
+                if re.search(pat, rel):
+                    return f"{type(owner).__name__}._skip_layerwise_casting_patterns keeps {pat!r} in high precision"
+        if id(mod) in self.output_embeddings:
+            return "output embedding (lm_head): kept in the compute dtype; options include_lm_head=True converts it"
+        last = name.rsplit(".", 1)[-1]
+        if parent is not None and last in _ROUTER_NAMES and hasattr(parent, "experts"):
+            return "MoE router: kept in the compute dtype (expert selection is sensitive to rounding)"
+        for tname, t in tensors:
+            if t is None:
+                return f"{tname} is missing"
+            if not _plain_float(t):
+                kind = type(t.data).__name__ if isinstance(t, torch.Tensor) else type(t).__name__
+                dt = getattr(t, "dtype", "?")
+                return f"{tname} is not a plain floating tensor ({kind}, {dt}): already quantised or wrapped"
+            if self.param_uses.get(id(t), 0) > 1:
+                return f"{tname} is shared with another module (tied weights): converting it would change both"
+        return None
+
+
+# ------------------------------------------------------------------------------------------ options
+
+def _patterns(value: Any, key: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError(f"fp8_weights option {key}={value!r}: expected a glob pattern or a list of them, e.g. ['*.attn.*']")
+
+
+def _parse(options: Mapping[str, Any]) -> dict:
+    unknown = sorted(set(options) - set(_OPTION_KEYS))
+    if unknown:
+        raise ValueError(f"unknown fp8_weights option(s) {unknown}; accepted: {', '.join(k for k in _OPTION_KEYS if k not in ('fp8', 'load'))}")
+    gran = options.get("fp8") or "rowwise"
+    if gran not in fp8_ops.GRANULARITIES:
+        raise ValueError(f"fp8 granularity must be one of {fp8_ops.GRANULARITIES}, got {gran!r}")
+    out = {
+        "granularity": gran,
+        "include": _patterns(options.get("include"), "include"),
+        "exclude": _patterns(options.get("exclude"), "exclude"),
+        "load": options.get("load"),
+    }
+    for key, default in (("include_lm_head", False), ("experts", True)):
+        v = options.get(key, default)
+        if not isinstance(v, bool):
+            raise ValueError(f"fp8_weights option {key}={v!r}: expected True or False")
+        out[key] = v
+    for key, default in (("gemv_max_m", 16), ("moe_gather_max_pairs", 16)):
+        v = options.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"fp8_weights option {key}={v!r}: expected an int >= 0")
+        out[key] = v
+    mp = options.get("moe_path", "auto")
+    if mp not in ("auto", *fp8_moe.PATHS):
+        raise ValueError(f"fp8_weights option moe_path={mp!r}: expected 'auto' or one of {', '.join(fp8_moe.PATHS)}")
+    out["moe_path"] = mp
+    return out
+
+
+# ------------------------------------------------------------------------------------------ forwards
+
+class _State:
+    """Per-module facts the bound forward needs; ``converted`` flips at the transaction's commit."""
+
+    __slots__ = ("kind", "compute_dtype", "granularity", "gemv_max_m", "converted", "large_path", "gather_max", "native_grouped", "histc_int")
+
+    def __init__(self, **kw: Any):
+        self.converted = False
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+def _cast_error(module: torch.nn.Module, name: str, t: torch.Tensor) -> Exception:
+    from ..fp8_io import Fp8StateError
+
+    return Fp8StateError(
+        f"{type(module).__name__}.{name} was converted to fp8 by mpsboost but is now {t.dtype} (the model was cast "
+        "with .to(dtype)/.half() after patching?). Cast the model before mpsboost.patch(..., fp8=...), or reload it."
+    )
+
+
+def _linear_forward(state: _State):
+    def forward(self, input, *args, **kwargs):
+        if not state.converted:
+            return original_forward(self, NAME)(input, *args, **kwargs)
+        w = self.weight
+        if w.dtype not in (torch.float8_e4m3fn, torch.uint8):
+            raise _cast_error(self, "weight", w)
+        return fp8_ops.fp8_linear(input, w, self.weight_scale, self.bias, kind=state.kind,
+                                  compute_dtype=state.compute_dtype, gemv_max_m=state.gemv_max_m)
+
+    return forward
+
+
+def _experts_forward(state: _State):
+    def forward(self, hidden_states, *args, **kwargs):
+        if not state.converted:
+            return original_forward(self, NAME)(hidden_states, *args, **kwargs)
+        # gpt-oss names its arguments router_indices / routing_weights.
+        rest = list(args)
+        top_k_index = rest.pop(0) if rest else kwargs.pop("top_k_index", kwargs.pop("router_indices", None))
+        top_k_weights = rest.pop(0) if rest else kwargs.pop("top_k_weights", kwargs.pop("routing_weights", None))
+        up_name, down_name = _expert_weight_names(self)
+        up_q, down_q = getattr(self, up_name), getattr(self, down_name)
+        for n_, t in ((up_name, up_q), (down_name, down_q)):
+            if t.dtype not in (torch.float8_e4m3fn, torch.uint8):
+                raise _cast_error(self, n_, t)
+        tr = bool(getattr(self, "is_transposed", False))
+        up = fp8_moe.Fp8Stack(up_q, getattr(self, up_name + "_scale"), tr)
+        down = fp8_moe.Fp8Stack(down_q, getattr(self, down_name + "_scale"), tr)
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        idx = top_k_index.reshape(x.shape[0], -1)
+        wts = top_k_weights.reshape(x.shape[0], -1)
+        has_bias = bool(getattr(self, "has_bias", False))
+        up_b = getattr(self, up_name + "_bias", None) if has_bias else None
+        down_b = getattr(self, "down_proj_bias", None) if has_bias else None
+        act = self._apply_gate if getattr(self, "has_gate", True) else self.act_fn
+        post = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
+        path = "gather" if idx.numel() <= state.gather_max else state.large_path
+        if path == "scaled_grouped_mm" and not (x.is_cuda and fp8_moe.scaled_grouped_ok(up, state.compute_dtype)
+                                                and fp8_moe.scaled_grouped_ok(down, state.compute_dtype)):
+            path = "hit"
+        out = fp8_moe.fp8_routed_experts(
+            x, idx, wts, up=up, down=down, activation=act, compute_dtype=state.compute_dtype, up_bias=up_b,
+            down_bias=down_b, post=post, path=path, native_grouped=state.native_grouped, histc_int=state.histc_int,
+        )
+        return out.reshape(shape)
+
+    return forward
+
+
+# ------------------------------------------------------------------------------------------ conversion
+
+def _replace_with_buffers(module: torch.nn.Module, name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
+    # The parameter leaves the module first, so the original tensor is freed as soon as nothing else
+    # holds it (the caller's local reference ends with its frame): one layer at a time.
+    delattr(module, name)
+    module.register_buffer(name, q)
+    module.register_buffer(name + "_scale", scale)
+
+
+def _convert(module: torch.nn.Module, names: tuple[str, ...], granularity: str, storage: str, k_dims: tuple[int, ...], load: Any, path: str) -> None:
+    for name, k_dim in zip(names, k_dims):
+        w = getattr(module, name)
+        if load is not None:
+            q, scale = load.tensors(path, name, storage=storage, device=w.device)
+        else:
+            q, scale = fp8_ops.quantize(w.detach(), granularity, storage, k_dim=k_dim)
+        del w
+        _replace_with_buffers(module, name, q, scale)
+
+
+# ------------------------------------------------------------------------------------------ the recipe
+
+@register
+class Fp8Weights(Recipe):
+    name = NAME
+    summary = "float8_e4m3fn weights with per-row or per-tensor fp32 scales; fused fp8 GEMV/scaled_mm on CUDA, per-layer dequantise elsewhere"
+    targets = (
+        "torch.nn.modules.linear.Linear",
+        # Experts modules are found by transformers' use_experts_implementation decorator, e.g.:
+        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts",
+        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeExperts",
+        "transformers.models.mixtral.modeling_mixtral.MixtralExperts",
+        "transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts",
+    )
+    lossless = False
+    reversible = False
+    default = False
+    enabled_by = "fp8"
+    requires = ()
+    order = 200
+
+    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
+        ctx = None
+        modules = dict(root.named_modules())
+        for name, mod in modules.items():
+            if type(mod) is torch.nn.Linear:
+                kind, tensors = "linear", [("weight", mod.weight)]
+            elif _is_hf_experts(mod):
+                kind = "experts"
+                tensors = [(n, getattr(mod, n, None)) for n in _expert_weight_names(mod)]
+            else:
+                continue
+            if ctx is None:
+                ctx = _Context(root)
+            parent = modules.get(name.rsplit(".", 1)[0] if "." in name else "") if name else None
+            skip = ctx.skip_reason(name, mod, tensors, parent)
+            if skip is None and kind == "experts" and getattr(mod, "_is_expert_parallel", False):
+                skip = "expert-parallel experts (sentinel routing across ranks) are not converted"
+            if skip is None and kind == "experts" and any(t.dim() != 3 for _, t in tensors):
+                skip = "expert weights are not 3-D [E, out, in] stacks"
+            yield Match(mod, _join(prefix, name), {"kind": kind, "skip": skip,
+                                                   "lm_head": skip is not None and skip.startswith("output embedding")})
+
+    # ------------------------------------------------------------------ deciding
+    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+        opts = _parse(options)
+        data, mod, path = match.data, match.module, match.path
+        skip = data["skip"]
+        if skip is not None and not (data["lm_head"] and opts["include_lm_head"]):
+            return Decision.skip(skip)
+        load = opts["load"]
+        if load is not None and not load.has(path):
+            return Decision.skip(f"not in the fp8 file {load.name}")
+        if opts["include"] and not any(fnmatch.fnmatchcase(path, p) for p in opts["include"]):
+            return Decision.skip(f"not matched by include patterns {list(opts['include'])}")
+        hit = next((p for p in opts["exclude"] if fnmatch.fnmatchcase(path, p)), None)
+        if hit is not None:
+            return Decision.skip(f"excluded by pattern {hit!r}")
+        gran = load.granularity(path) if load is not None else opts["granularity"]
+        storage = fp8_ops.storage_for(env)
+        if data["kind"] == "linear":
+            w = mod.weight
+            n, k = w.shape
+            lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=w.dtype)
+            before = w.numel() * w.element_size()
+            after = w.numel() + (4 * n if gran == "rowwise" else 4)
+            return Decision.apply(
+                lp.backing, f"{gran} scales, {lp.storage} storage: {lp.reason}",
+                kind="linear", granularity=gran, storage=lp.storage, compute_dtype=str(w.dtype).replace("torch.", ""),
+                bytes_before=before, bytes_after=after, path_kind=lp.kind,
+            )
+        if not opts["experts"]:
+            return Decision.skip("expert weights excluded by option experts=False")
+        names = _expert_weight_names(mod)
+        ws = [getattr(mod, n) for n in names]
+        tr = bool(getattr(mod, "is_transposed", False))
+        large, why = self._experts_path(env, ws, tr, storage, opts)
+        gather = opts["moe_gather_max_pairs"] if opts["moe_path"] == "auto" else (1 << 62 if opts["moe_path"] == "gather" else 0)
+        backing = fp8_moe.BACKING[large]
+        if large != "gather" and gather > 0:
+            backing += f" (gather at <= {gather} routed pairs)"
+        before = sum(w.numel() * w.element_size() for w in ws)
+        after = sum(w.numel() + 4 * (w.numel() // w.shape[2 if not tr else 1] if gran == "rowwise" else w.shape[0]) for w in ws)
+        return Decision.apply(
+            backing, f"{gran} scales per expert, {storage} storage: {why}",
+            kind="experts", granularity=gran, storage=storage, compute_dtype=str(ws[0].dtype).replace("torch.", ""),
+            bytes_before=before, bytes_after=after, large_path=large, gather_max_pairs=gather,
+        )
+
+    @staticmethod
+    def _experts_path(env: Env, ws: list[torch.Tensor], transposed: bool, storage: str, opts: dict) -> tuple[str, str]:
+        forced = opts["moe_path"]
+        sg = check("scaled_grouped_mm", env)
+        aligned = all(w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0 for w in ws)
+        sg_ok = sg.ok and storage == "float8" and not transposed and aligned and ws[0].dtype == torch.bfloat16
+        if forced not in ("auto", "gather"):
+            if forced == "scaled_grouped_mm" and not sg_ok:
+                return "hit", f"moe_path=scaled_grouped_mm cannot run here ({sg.reason if not sg.ok else 'layout, alignment or dtype'}); hit experts instead"
+            return forced, "forced by option moe_path"
+        if sg_ok:
+            return "scaled_grouped_mm", sg.reason
+        if not sg.ok:
+            why = sg.reason
+        elif transposed:
+            why = "transposed [E, in, out] layout: scaled_grouped_mm needs [E, out, in]"
+        elif not aligned:
+            why = "expert dims are not multiples of 16"
+        else:
+            why = f"{ws[0].dtype} weights: scaled_grouped_mm gives bf16 only"
+        gm = check("grouped_mm", env)
+        return "hit", f"no fp8 grouped kernel ({why}); hit experts then {'native grouped_mm' if gm.ok else 'one expert at a time'}"
+
+    # ------------------------------------------------------------------ applying
+    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+        from ..fp8_io import Fp8ConversionError
+
+        opts = _parse(options)
+        mod, d = match.module, decision.details
+        names = ("weight",) if d["kind"] == "linear" else _expert_weight_names(mod)
+        tr = bool(getattr(mod, "is_transposed", False))
+        k_dims = (1,) if d["kind"] == "linear" else ((1 if tr else 2),) * 2
+        load = opts["load"]
+        # Validate now, while the transaction can still roll back: after this, conversion at commit
+        # cannot fail on the data.
+        for n in names:
+            t = getattr(mod, n)
+            if t.device.type == "meta":
+                raise Fp8ConversionError(f"{match.path}.{n} is on the meta device (no data); load the weights first")
+            if load is None and not bool(torch.isfinite(t).all()):
+                raise Fp8ConversionError(
+                    f"{match.path}.{n} holds inf or NaN values; FP8 scales need finite weights. Fix the checkpoint, "
+                    f"or exclude this module: options={{'fp8_weights': {{'exclude': [{match.path!r}]}}}}"
+                )
+        compute_dtype = getattr(mod, names[0]).dtype
+        if d["kind"] == "linear":
+            state = _State(kind=d["path_kind"], compute_dtype=compute_dtype, granularity=d["granularity"], gemv_max_m=opts["gemv_max_m"])
+            fwd = _linear_forward(state)
+        else:
+            state = _State(kind="experts", compute_dtype=compute_dtype, granularity=d["granularity"], large_path=d["large_path"],
+                           gather_max=d["gather_max_pairs"], native_grouped=check("grouped_mm", env).ok,
+                           histc_int=check("histc_int", env).ok)
+            fwd = _experts_forward(state)
+        # The state rides along in the module's mpsboost record, where save_fp8 finds it.
+        undo_fwd = bind_forward(mod, NAME, fwd, fp8=state)
+
+        def commit() -> None:
+            try:
+                _convert(mod, names, d["granularity"], d["storage"], k_dims, load, match.path)
+            except Exception as exc:  # out of memory at commit: keep this layer as it was, say so
+                undo_fwd()
+                warnings.warn(f"mpsboost: fp8_weights could not convert {match.path} ({type(exc).__name__}: {exc}); "
+                              "it keeps its original weights and forward", stacklevel=3)
+                return
+            state.converted = True
+
+        return Undo(undo_fwd, commit=commit, reversible=False, description=f"{NAME}: {match.path}")
+
+    def unpatch_hint(self) -> str:
+        return ("reload the model from its checkpoint (from_pretrained); to skip the conversion next time, save the "
+                "converted weights once with mpsboost.save_fp8(model, path) and load them into a freshly loaded model "
+                "with mpsboost.load_fp8(model, path)")
