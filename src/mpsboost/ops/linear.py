@@ -44,7 +44,7 @@ def make_triton_forward(*, graph_only: bool) -> Callable[[torch.nn.Linear, torch
     launch costs nothing on the host, while in eager mode Triton's Python launcher costs more host time
     than cuBLAS's, and decoding small models in eager mode is bound by exactly that host time.
     """
-    from .gemv_triton import gemv
+    from . import gemv_triton
 
     is_capturing = torch.cuda.is_current_stream_capturing
 
@@ -59,7 +59,7 @@ def make_triton_forward(*, graph_only: bool) -> Callable[[torch.nn.Linear, torch
             and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
             and (not graph_only or is_capturing())
         ):
-            out = gemv(input.reshape(1, k), weight, self.bias)
+            out = gemv_triton.gemv(input.reshape(1, k), weight, self.bias)
             return out.view(*input.shape[:-1], weight.shape[0])
         return F.linear(input, weight, self.bias)
 

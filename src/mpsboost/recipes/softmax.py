@@ -20,6 +20,7 @@ sync-free draw) or ``"logits"`` (no softmax), forced on any env.
 """
 from __future__ import annotations
 
+import copyreg
 import functools
 import inspect
 import re
@@ -79,14 +80,38 @@ def _subclass(cls: type, logits_path: bool) -> type:
         state.check.check()
         return out
 
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # A copy or pickle of a patched model is a plain, unpatched instance of the original class (the
+        # dynamic subclass cannot be found by name when unpickling).
+        rv = super(sub, self).__reduce_ex__(protocol)
+        if not isinstance(rv, tuple) or len(rv) < 2:
+            return rv
+        if rv[0] in (copyreg.__newobj__, getattr(copyreg, "__newobj_ex__", None)):
+            # pickle insists that __newobj__ builds type(self): rebuild through the protocol-0 route.
+            func, args = copyreg._reconstructor, (cls, object, None)
+        else:
+            func, args = rv[0], tuple(cls if a is sub else a for a in rv[1])
+        rest = list(rv[2:])
+        if rest and isinstance(rest[0], dict) and ATTR in rest[0]:
+            state = dict(rest[0])
+            store = {k: v for k, v in state[ATTR].items() if k != "softmax"}
+            if store:
+                state[ATTR] = store
+            else:
+                del state[ATTR]
+            rest[0] = state
+        return (func, args, *rest)
+
     namespace = {
+        "__reduce_ex__": __reduce_ex__,
         "_sample": _sample,
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
         "_mpsboost_base_class": cls,
     }
-    return type(cls.__name__, (cls,), namespace)
+    sub = type(cls.__name__, (cls,), namespace)
+    return sub
 
 
 @register
@@ -140,7 +165,7 @@ class Softmax(Recipe):
         model.__class__ = sub
 
         def undo() -> None:
-            entry = model.__dict__.get(ATTR, {}).pop(self.name, None)
+            entry = model.__dict__.get(ATTR, {}).get(self.name)
             if entry is None:
                 return
             if type(model) is not sub:
@@ -149,6 +174,7 @@ class Softmax(Recipe):
                     f"cannot restore {class_path(entry['class'])}"
                 )
             model.__class__ = entry["class"]
+            model.__dict__[ATTR].pop(self.name, None)
             if not model.__dict__.get(ATTR):
                 model.__dict__.pop(ATTR, None)
 

@@ -1,0 +1,186 @@
+"""softmax: the token-sampling step of generation, stock vs mpsboost.
+
+Three workloads, each stock vs mpsboost, device-synchronised:
+
+* ``softmax.row``: the seed's own micro-benchmark, one fp32 row of 128,256 logits through ``F.softmax``
+  (mpsboost runs the native kernel on CUDA, CPU and MPS >= 2.15, so both variants time the same op there:
+  the pair shows the spread of the measurement);
+* ``softmax.sampling_step``: logits -> ``softmax`` -> one multinomial draw, and the same after
+  transformers' warpers (temperature 0.6, top-k 20, top-p 0.95, as Qwen3's generation config); stock
+  is ``torch.multinomial``, mpsboost the sync-free draw of :mod:`mpsboost.ops.sampling`. Timed as a
+  loop of steps, host clock around a device sync at the end, so the host syncs inside
+  ``torch.multinomial`` count as they do in generation;
+* ``softmax.generate`` (``size="real"``): ``generate(do_sample=True)`` of a Qwen3-0.6B-shaped model with
+  random bf16 weights, 64 new tokens, tokens/s, stock vs ``mpsboost.patch(model, recipes=["softmax"])``;
+  the same seed must give the same tokens.
+
+Correctness: the draws of stock and mpsboost from the same generator state are compared token by token.
+
+    python benchmarks/softmax.py --device cuda --size real --out benchmarks/results
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from mpsboost.bench import Correctness, Record, RecordEnv, Throughput, Workload, synchronize, time_fn
+from mpsboost.ops.sampling import draw, draw_from_logits
+
+VOCAB = 128256
+
+
+def _logits(rows: int, vocab: int, device: str) -> torch.Tensor:
+    # Real logits come out of a bf16 lm_head: bf16-quantised values, a few dominant tokens.
+    x = torch.randn(rows, vocab, device=device) * 2.5
+    x[:, :16] += 8.0
+    return x.to(torch.bfloat16).to(torch.float32)
+
+
+def _warpers():
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    return LogitsProcessorList([TemperatureLogitsWarper(0.6), TopKLogitsWarper(20), TopPLogitsWarper(0.95)])
+
+
+def _step_time(fn, device: str, steps: int, repeats: int) -> list[float]:
+    """Seconds per step of ``steps`` back-to-back calls, host clock, one device sync at the end."""
+    for _ in range(3):
+        fn()
+    synchronize(device)
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        synchronize(device)
+        out.append((time.perf_counter() - t0) / steps)
+    return sorted(out)
+
+
+def _throughput(secs: list[float]) -> Throughput:
+    med = secs[len(secs) // 2]
+    return Throughput(value=1.0 / med, unit="steps/s", seconds_per_call=med, items_per_call=1, repeats=len(secs), warmup=3,
+                      spread={"min_s": secs[0], "max_s": secs[-1]})
+
+
+def run(device: str, size: str, out: Path) -> list[Record]:
+    env = RecordEnv.capture(device, torch.float32)
+    vocab = VOCAB if size != "tiny" else 4096
+    steps = {"tiny": 20, "small": 100, "real": 200}[size]
+    repeats = 5 if size != "tiny" else 3
+    records: list[Record] = []
+    lines = []
+    torch.manual_seed(0)
+    x = _logits(1, vocab, device)
+    input_ids = torch.zeros(1, 8, dtype=torch.long, device=device)
+
+    # 1. the micro-benchmark: one fp32 row through softmax
+    wl = Workload("softmax.row", {"rows": 1, "vocab": vocab, "dtype": "float32"})
+    for variant in ("stock", "mpsboost"):
+        t = time_fn(lambda: torch.softmax(x, dim=-1), device=device, warmup=5, repeats=repeats * 4, calls=50)
+        records.append(Record(wl, variant, env, op_time={"softmax": t.op_time()}, extra={"path": "native softmax (both variants)"}))
+        lines.append(("softmax row", variant, t.median_us))
+
+    # 2. the sampling step, with and without warpers
+    warp = _warpers()
+
+    def stock_plain():
+        return torch.multinomial(torch.softmax(x, dim=-1), num_samples=1)
+
+    def ours_plain():
+        return draw(torch.softmax(x, dim=-1))[0]
+
+    def stock_warped():
+        s = warp(input_ids, x)
+        return torch.multinomial(torch.softmax(s, dim=-1), num_samples=1)
+
+    def ours_warped():
+        s = warp(input_ids, x)
+        return draw(torch.softmax(s, dim=-1))[0]
+
+    for name, pair in (("plain", (stock_plain, ours_plain)), ("warped", (stock_warped, ours_warped))):
+        wl = Workload("softmax.sampling_step", {"rows": 1, "vocab": vocab, "warpers": "temperature 0.6, top-k 20, top-p 0.95" if name == "warped" else "none"})
+        # same generator state -> same tokens?
+        same = 0
+        n_check = 200
+        for i in range(n_check):
+            torch.manual_seed(1000 + i)
+            a = pair[0]()
+            torch.manual_seed(1000 + i)
+            b = pair[1]()
+            same += int(torch.equal(a, b))
+        for variant, fn in zip(("stock", "mpsboost"), pair):
+            secs = _step_time(fn, device, steps, repeats)
+            records.append(Record(wl, variant, env, throughput=_throughput(secs),
+                                  correctness=Correctness("stock, same generator state", rel_error=1.0 - same / n_check),
+                                  extra={"identical_draws": f"{same}/{n_check}", "path": "torch.multinomial" if variant == "stock" else "sync-free exponential race"}))
+            lines.append((f"step {name}", variant, secs[len(secs) // 2] * 1e6))
+
+    # 2b. the logits form (what MPS < 2.15 runs): timed for the record, same distribution
+    wl = Workload("softmax.sampling_step", {"rows": 1, "vocab": vocab, "warpers": "none", "form": "logits (no softmax)"})
+    secs = _step_time(lambda: draw_from_logits(x)[0], device, steps, repeats)
+    records.append(Record(wl, "mpsboost-logits", env, throughput=_throughput(secs)))
+    lines.append(("step plain", "mpsboost-logits", secs[len(secs) // 2] * 1e6))
+
+    if size == "real" and device.startswith("cuda"):
+        records += _generate(device, lines)
+
+    print(f"\n{'workload':14s} {'variant':16s} {'us':>10s}")
+    for w, v, us in lines:
+        print(f"{w:14s} {v:16s} {us:10.2f}")
+    return records
+
+
+def _generate(device: str, lines: list) -> list[Record]:
+    import mpsboost
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    gen = GenerationConfig(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, max_new_tokens=64, min_new_tokens=64, pad_token_id=0)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 32), device=device)
+    env = RecordEnv.capture(device, torch.bfloat16)
+    wl = Workload("softmax.generate", {"model": "Qwen3-0.6B-shaped (random weights)", "prompt": 32, "new_tokens": 64,
+                                       "sampling": "temperature 0.6, top-k 20, top-p 0.95"})
+    records, tokens = [], {}
+    for variant in ("stock", "mpsboost"):
+        report = mpsboost.patch(model, recipes=["softmax"]) if variant == "mpsboost" else None
+        model.generate(prompt, generation_config=gen)  # warm-up
+        secs = []
+        for r in range(5):
+            torch.manual_seed(77 + r)
+            synchronize(device)
+            t0 = time.perf_counter()
+            out = model.generate(prompt, generation_config=gen)
+            synchronize(device)
+            secs.append(time.perf_counter() - t0)
+            if r == 0:
+                tokens[variant] = out
+        secs.sort()
+        med = secs[len(secs) // 2]
+        same = bool(torch.equal(tokens[variant], tokens["stock"]))
+        records.append(Record(wl, variant, env,
+                              throughput=Throughput(value=64 / med, unit="tokens/s", seconds_per_call=med, items_per_call=64, repeats=5, warmup=1,
+                                                    spread={"min_s": secs[0], "max_s": secs[-1]}),
+                              correctness=Correctness("stock, same seed", rel_error=0.0 if same else 1.0),
+                              extra={"same_tokens_as_stock": same, "report": str(report) if report else ""}))
+        lines.append(("generate", variant, med / 64 * 1e6))
+        if report is not None:
+            mpsboost.unpatch(model)
+    return records
+
+
+if __name__ == "__main__":
+    from mpsboost.bench.cli import script_main
+
+    raise SystemExit(script_main(__file__, run))
