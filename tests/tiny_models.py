@@ -1,0 +1,523 @@
+"""Tiny real diffusers and transformers models with random weights, for the cross-recipe tests.
+
+Every entry of :data:`TINY` builds a real library class (``AutoencoderKLWan``, ``Qwen3MoeForCausalLM``,
+``WanPipeline``, ...) from a small config, seeded, in fp32 on the CPU, and knows how to run it on
+fresh inputs drawn from a seed. The cross-recipe tests (compatibility, reliability, properties) never
+name a recipe's targets themselves: :func:`covering` asks each registered recipe's own ``find`` which
+tiny models hold its targets, so a recipe that lands later is covered without editing the tests, and
+:func:`uncovered_recipes` names a recipe whose targets no tiny model holds (that test fails, pointing
+here).
+
+Shapes: each entry has a ``space`` (parameter -> allowed values) that the property tests draw from
+with hypothesis, and a ``default`` shape for everything else. Sizes are chosen so that one run takes
+well under a second on a 2-core CPU.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+__all__ = [
+    "Tiny",
+    "TINY",
+    "build",
+    "run",
+    "modules_of",
+    "covering",
+    "uncovered_recipes",
+    "snapshot",
+    "same_snapshot",
+    "diff_snapshot",
+    "relative_error",
+]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Tiny:
+    """One tiny model: how to build it and how to run it on inputs drawn from a seed."""
+
+    name: str
+    library: str  # "diffusers" or "transformers"
+    kind: str  # "vae", "dit", "lm", "encoder", "pipeline"
+    make: Callable[[], Any]  # a fresh fp32 instance on the CPU, weights from a fixed seed
+    runner: Callable[..., torch.Tensor]  # runner(obj, seed, **shape) -> output tensor
+    default: Mapping[str, Any] = field(default_factory=dict)
+    space: Mapping[str, tuple] = field(default_factory=dict)  # for hypothesis: parameter -> values
+
+
+# ------------------------------------------------------------------------------------ diffusers VAEs
+
+def _wan21_vae():
+    from diffusers import AutoencoderKLWan
+
+    # diffusers' own test config for the Wan2.1 VAE (tests/pipelines/wan/test_wan_22.py, A14B part).
+    return AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+
+
+def _wan22_vae():
+    from diffusers import AutoencoderKLWan
+
+    # The Wan2.2 TI2V-5B structure (residual, patch size 2, z 48, spatial factor 16) at base_dim 3,
+    # as in diffusers' Wan225BPipelineFastTests.
+    return AutoencoderKLWan(
+        base_dim=3,
+        z_dim=48,
+        in_channels=12,
+        out_channels=12,
+        is_residual=True,
+        patch_size=2,
+        latents_mean=[0.0] * 48,
+        latents_std=[1.0] * 48,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        temperal_downsample=[False, True, True],
+    )
+
+
+def _qwen_image_vae():
+    from diffusers import AutoencoderKLQwenImage
+
+    # diffusers' tests/pipelines/qwenimage/test_qwenimage.py.
+    return AutoencoderKLQwenImage(
+        base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
+        latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+    )
+
+
+def _run_vae(vae, seed: int, *, frames: int = 5, size: int = 32, tiled: bool = False, dtype: str = "float32", mode: str = "roundtrip") -> torch.Tensor:
+    """Encode and decode a random video/image (``mode="roundtrip"``) or decode a random latent.
+
+    ``tiled`` turns on the VAE's own tiling with tiles smaller than the input, so the tile loop and
+    its blending run; tiling is switched back off afterwards.
+    """
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    cfg = vae.config
+    if tiled:
+        vae.enable_tiling(tile_sample_min_height=size // 2, tile_sample_min_width=size // 2,
+                          tile_sample_stride_height=size // 4, tile_sample_stride_width=size // 4)
+    try:
+        with torch.no_grad():
+            if mode == "decode":
+                spatial = vae.spatial_compression_ratio if hasattr(vae, "spatial_compression_ratio") else 8
+                lat_t = (frames - 1) // 4 + 1
+                z = torch.randn(1, cfg.z_dim, lat_t, size // spatial, size // spatial, generator=g).to(dt)
+                return vae.decode(z).sample.float()
+            x = (torch.rand(1, 3, frames, size, size, generator=g) * 2 - 1).to(dt)
+            return vae(x, sample_posterior=False).sample.float()
+    finally:
+        if tiled:
+            vae.disable_tiling()
+
+
+_VAE_SPACE = {"frames": (1, 5, 9), "size": (32, 64), "tiled": (False, True), "dtype": ("float32", "bfloat16"), "mode": ("roundtrip", "decode")}
+
+# ------------------------------------------------------------------------------------ diffusers DiTs
+
+def _wan_transformer(in_channels: int = 48):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels, out_channels=in_channels,
+        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+
+
+def _run_wan_transformer(tr, seed: int, *, batch: int = 1, frames: int = 2, size: int = 4, text: int = 7, dtype: str = "float32") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    c = tr.config.in_channels
+    hs = torch.randn(batch, c, frames, size, size, generator=g).to(dt)
+    enc = torch.randn(batch, text, tr.config.text_dim, generator=g).to(dt)
+    t = torch.randint(0, 1000, (batch,), generator=g)
+    with torch.no_grad():
+        return tr(hidden_states=hs, timestep=t, encoder_hidden_states=enc, return_dict=False)[0].float()
+
+
+def _qwen_image_transformer():
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
+        joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+    )
+
+
+def _run_qwen_image_transformer(tr, seed: int, *, batch: int = 1, size: int = 4, text: int = 7, dtype: str = "float32") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    dt = DTYPES[dtype]
+    hs = torch.randn(batch, size * size, tr.config.in_channels, generator=g).to(dt)
+    enc = torch.randn(batch, text, tr.config.joint_attention_dim, generator=g).to(dt)
+    mask = torch.ones(batch, text, dtype=torch.long)
+    t = torch.rand(batch, generator=g).to(dt)
+    with torch.no_grad():
+        return tr(hidden_states=hs, encoder_hidden_states=enc, encoder_hidden_states_mask=mask, timestep=t,
+                  img_shapes=[[(1, size, size)]] * batch, return_dict=False)[0].float()
+
+
+# ------------------------------------------------------------------------------------ transformers LMs
+
+# head_dim 32: the smallest head size with a Metal attention kernel (mpsboost.ops.attention), so that
+# metal_attention applies to these models too; two query heads share one K/V head (GQA).
+_LM_COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(**_LM_COMMON, head_dim=32, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+                         num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(**_LM_COMMON, head_dim=32, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)
+    return MixtralForCausalLM(cfg)
+
+
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(**_LM_COMMON, head_dim=32, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+                       layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return GptOssForCausalLM(cfg)
+
+
+def _deepseek_v3():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    common = dict(_LM_COMMON, num_key_value_heads=2)
+    cfg = DeepseekV3Config(**common, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
+                           num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+                           kv_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return DeepseekV3ForCausalLM(cfg)
+
+
+def _qwen3_dense():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(**_LM_COMMON, head_dim=32, intermediate_size=64))
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**_LM_COMMON, intermediate_size=64))
+
+
+def _run_lm(model, seed: int, *, batch: int = 2, prompt: int = 6, steps: int = 3, dtype: str = "float32") -> torch.Tensor:
+    """Teacher-forced logits: a prefill of ``prompt`` tokens, then ``steps`` one-token decode steps.
+
+    Teacher forcing (the next token is drawn in advance, not the argmax) keeps stock and patched runs
+    on the same tokens even when a tiny rounding difference would flip a greedy choice, and it runs
+    both phases: the many-token prefill and the one-token decode with a KV cache.
+    """
+    del dtype  # the model was cast by build(); ids are integers
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(3, vocab, (batch, prompt + steps), generator=g)
+    outs = []
+    # transformers >= 5.2x names the cache argument `cache` (past_key_values is deprecated there).
+    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :prompt], use_cache=True)
+        outs.append(out.logits.float())
+        past = getattr(out, key, None) if getattr(out, key, None) is not None else out.past_key_values
+        for i in range(steps):
+            out = model(input_ids=ids[:, prompt + i : prompt + i + 1], use_cache=True, **{key: past})
+            past = getattr(out, key, None) if getattr(out, key, None) is not None else out.past_key_values
+            outs.append(out.logits.float())
+    return torch.cat(outs, dim=1)
+
+
+def generate(model, seed: int, *, batch: int = 2, prompt: int = 5, new_tokens: int = 4, do_sample: bool = False) -> torch.Tensor:
+    """``model.generate`` on random prompt tokens (greedy by default); the generated ids."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=g)
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=do_sample, pad_token_id=0)
+
+
+_LM_SPACE = {"batch": (1, 2, 3), "prompt": (1, 5, 12), "steps": (0, 1, 3), "dtype": ("float32", "bfloat16")}
+
+
+def _umt5_encoder():
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    return UMT5EncoderModel(UMT5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_heads=4,
+                                       relative_attention_num_buckets=8, pad_token_id=0))
+
+
+def _run_encoder(model, seed: int, *, batch: int = 2, tokens: int = 7, dtype: str = "float32") -> torch.Tensor:
+    del dtype
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, model.config.vocab_size, (batch, tokens), generator=g)
+    with torch.no_grad():
+        return model(input_ids=ids).last_hidden_state.float()
+
+
+# ------------------------------------------------------------------------------------ pipelines
+
+def _wan22_ti2v_pipeline():
+    """WanPipeline shaped like Wan2.2 TI2V-5B: one transformer, the z-48 VAE, expand_timesteps."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    torch.manual_seed(0)
+    vae = _wan22_vae()
+    tr = _wan_transformer(48)
+    enc = _umt5_encoder()
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return WanPipeline(tokenizer=None, text_encoder=enc, vae=vae, scheduler=sched, transformer=tr, transformer_2=None,
+                       boundary_ratio=None, expand_timesteps=True)
+
+
+def _wan22_a14b_pipeline():
+    """WanPipeline shaped like Wan2.2 T2V-A14B: two transformers (high/low noise), the z-16 VAE."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    torch.manual_seed(0)
+    vae = _wan21_vae()
+    tr, tr2 = _wan_transformer(16), _wan_transformer(16)
+    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    return WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=sched, transformer=tr, transformer_2=tr2,
+                       boundary_ratio=0.875)
+
+
+def _qwen_image_pipeline():
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    torch.manual_seed(0)
+    return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_qwen_image_vae(), text_encoder=None,
+                             tokenizer=None, transformer=_qwen_image_transformer())
+
+
+def _text_dim(pipe) -> int:
+    tr = pipe.transformer
+    return tr.config.text_dim if hasattr(tr.config, "text_dim") else tr.config.joint_attention_dim
+
+
+def _run_pipeline(pipe, seed: int, *, frames: int = 5, size: int = 32, steps: int = 2, dtype: str = "float32", output_type: str = "pt") -> torch.Tensor:
+    """The whole pipeline from precomputed (random) prompt embeddings: no tokenizer, no network."""
+    del dtype
+    g = torch.Generator().manual_seed(seed)
+    dim = _text_dim(pipe)
+    emb = torch.randn(1, 8, dim, generator=g)
+    neg = torch.randn(1, 8, dim, generator=g)
+    kw: dict[str, Any] = dict(num_inference_steps=steps, height=size, width=size, output_type=output_type,
+                              generator=torch.Generator().manual_seed(seed))
+    if hasattr(pipe, "set_progress_bar_config"):
+        pipe.set_progress_bar_config(disable=True)
+    name = type(pipe).__name__
+    with torch.no_grad():
+        if name.startswith("QwenImage"):
+            mask = torch.ones(1, 8, dtype=torch.long)
+            out = pipe(prompt_embeds=emb, prompt_embeds_mask=mask, negative_prompt_embeds=neg,
+                       negative_prompt_embeds_mask=mask, true_cfg_scale=2.0, **kw)
+            return torch.as_tensor(out.images).float()
+        out = pipe(prompt_embeds=emb, negative_prompt_embeds=neg, num_frames=frames, guidance_scale=3.0, **kw)
+        return torch.as_tensor(out.frames).float()
+
+
+_PIPE_SPACE = {"frames": (1, 5), "size": (32,), "steps": (1, 2)}
+
+# ------------------------------------------------------------------------------------ the table
+
+TINY: dict[str, Tiny] = {
+    t.name: t
+    for t in [
+        Tiny("wan21_vae", "diffusers", "vae", _wan21_vae, _run_vae, {"frames": 5, "size": 32}, _VAE_SPACE),
+        Tiny("wan22_vae", "diffusers", "vae", _wan22_vae, _run_vae, {"frames": 5, "size": 32}, _VAE_SPACE),
+        Tiny("qwen_image_vae", "diffusers", "vae", _qwen_image_vae, _run_vae, {"frames": 1, "size": 32},
+             dict(_VAE_SPACE, frames=(1, 1, 5))),  # mostly single images: the Qwen-Image case
+        Tiny("wan_transformer", "diffusers", "dit", _wan_transformer, _run_wan_transformer, {},
+             {"batch": (1, 2), "frames": (1, 2, 3), "size": (2, 4), "text": (1, 7), "dtype": ("float32", "bfloat16")}),
+        Tiny("qwen_image_transformer", "diffusers", "dit", _qwen_image_transformer, _run_qwen_image_transformer, {},
+             {"batch": (1, 2), "size": (2, 4), "text": (1, 7), "dtype": ("float32", "bfloat16")}),
+        Tiny("qwen3_moe", "transformers", "lm", _qwen3_moe, _run_lm, {}, _LM_SPACE),
+        Tiny("mixtral", "transformers", "lm", _mixtral, _run_lm, {}, _LM_SPACE),
+        Tiny("gpt_oss", "transformers", "lm", _gpt_oss, _run_lm, {}, _LM_SPACE),
+        Tiny("deepseek_v3", "transformers", "lm", _deepseek_v3, _run_lm, {}, _LM_SPACE),
+        Tiny("qwen3", "transformers", "lm", _qwen3_dense, _run_lm, {}, _LM_SPACE),
+        Tiny("llama", "transformers", "lm", _llama, _run_lm, {}, _LM_SPACE),
+        Tiny("umt5_encoder", "transformers", "encoder", _umt5_encoder, _run_encoder, {},
+             {"batch": (1, 2), "tokens": (1, 7, 16), "dtype": ("float32", "bfloat16")}),
+        Tiny("wan22_ti2v_pipeline", "diffusers", "pipeline", _wan22_ti2v_pipeline, _run_pipeline, {"frames": 5}, _PIPE_SPACE),
+        Tiny("wan22_a14b_pipeline", "diffusers", "pipeline", _wan22_a14b_pipeline, _run_pipeline, {"frames": 5}, _PIPE_SPACE),
+        Tiny("qwen_image_pipeline", "diffusers", "pipeline", _qwen_image_pipeline, _run_pipeline, {"frames": 1}, _PIPE_SPACE),
+    ]
+}
+
+
+def build(name: str, dtype: str = "float32", seed: int = 0) -> Any:
+    """A fresh instance of ``TINY[name]`` (weights from ``seed``), cast to ``dtype``, in eval mode."""
+    spec = TINY[name]
+    torch.manual_seed(seed)
+    obj = spec.make()
+    cast = dtype != "float32"  # built in fp32 already; casting to it only prints diffusers' warnings
+    if isinstance(obj, torch.nn.Module):
+        obj = (obj.to(DTYPES[dtype]) if cast else obj).eval()
+    else:  # a pipeline: cast its module components
+        if cast:
+            obj.to(dtype=DTYPES[dtype])
+        for comp in obj.components.values():
+            if isinstance(comp, torch.nn.Module):
+                comp.eval()
+    return obj
+
+
+def run(name: str, obj: Any, seed: int, **shape: Any) -> torch.Tensor:
+    """Run ``obj`` (built from ``TINY[name]``) on inputs drawn from ``seed``; shape defaults filled in."""
+    spec = TINY[name]
+    kw = dict(spec.default)
+    kw.update(shape)
+    return spec.runner(obj, seed, **kw)
+
+
+def modules_of(obj: Any) -> list[tuple[str, torch.nn.Module]]:
+    """(prefix, root module) pairs, as mpsboost sees them: one for a model, one per pipeline component."""
+    if isinstance(obj, torch.nn.Module):
+        return [("", obj)]
+    return [(n, c) for n, c in obj.components.items() if isinstance(c, torch.nn.Module)]
+
+
+@functools.lru_cache(maxsize=None)
+def _probe(name: str) -> Any:
+    # Built once and only searched (recipe.find), never patched or run.
+    return build(name)
+
+
+def covering(recipe: Any, names: Iterable[str] | None = None, *, kinds: Iterable[str] | None = None) -> list[str]:
+    """Names of the tiny models in which ``recipe.find`` finds at least one target."""
+    wanted = set(kinds) if kinds is not None else None
+    out = []
+    for name in names if names is not None else TINY:
+        if wanted is not None and TINY[name].kind not in wanted:
+            continue
+        obj = _probe(name)
+        if any(True for prefix, root in modules_of(obj) for _ in recipe.find(root, prefix)):
+            out.append(name)
+    return out
+
+
+def uncovered_recipes(recipes: Iterable[Any]) -> list[str]:
+    return [r.name for r in recipes if not covering(r)]
+
+
+# ------------------------------------------------------------------------------------ state snapshots
+
+_MISSING = object()
+
+
+def snapshot(obj: Any) -> dict:
+    """Everything a patch may change, for exact before/after comparison.
+
+    Per module: the identity, dtype, device, shape and value (cloned) of every parameter and buffer,
+    the keys of the instance ``__dict__`` and the identity of an instance ``forward`` (or its absence).
+    """
+    mods: dict[str, Any] = {}
+    tensors: dict[str, tuple] = {}
+    for prefix, root in modules_of(obj):
+        for mname, mod in root.named_modules():
+            key = f"{prefix}.{mname}" if mname else (prefix or "<root>")
+            fwd = mod.__dict__.get("forward", _MISSING)
+            # The forward object itself: compared with `is`, since bound methods compare equal by value.
+            mods[key] = ((type(mod), sorted(mod.__dict__), sorted(mod._parameters), sorted(mod._buffers),
+                          sorted(mod._modules), sorted(mod._forward_hooks), sorted(mod._forward_pre_hooks)), fwd)
+            for pname, p in list(mod._parameters.items()) + list(mod._buffers.items()):
+                if p is None:
+                    tensors[f"{key}:{pname}"] = (None,)
+                    continue
+                tensors[f"{key}:{pname}"] = (id(p), p.dtype, p.device, tuple(p.shape), type(p), p.detach().clone())
+    return {"modules": mods, "tensors": tensors}
+
+
+def diff_snapshot(a: dict, b: dict) -> list[str]:
+    """What differs between two snapshots (empty when they are the same)."""
+    out = []
+    for k in sorted(set(a["modules"]) | set(b["modules"])):
+        x, y = a["modules"].get(k), b["modules"].get(k)
+        if x is None or y is None:
+            out.append(f"module {k}: present in only one snapshot")
+        elif x[0] != y[0]:
+            out.append(f"module {k}: {x[0]} != {y[0]}")
+        elif x[1] is not y[1]:
+            out.append(f"module {k}: instance forward {x[1]!r} is not {y[1]!r}")
+    for k in sorted(set(a["tensors"]) | set(b["tensors"])):
+        x, y = a["tensors"].get(k), b["tensors"].get(k)
+        if x is None or y is None or x[:-1] != y[:-1]:
+            out.append(f"tensor {k}: {x and x[:-1]} != {y and y[:-1]}")
+        elif len(x) > 1 and not torch.equal(x[-1], y[-1]):
+            out.append(f"tensor {k}: values differ")
+    return out
+
+
+def same_snapshot(a: dict, b: dict) -> bool:
+    return not diff_snapshot(a, b)
+
+
+def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in fp64 (0 when both are zero)."""
+    x, ref = x.double(), ref.double()
+    den = ref.norm().item()
+    num = (x - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def clone(obj: Any) -> Any:
+    """A deep copy (the stock twin of a model that a test patches)."""
+    return copy.deepcopy(obj)
+
+
+# ------------------------------------------------------------------------------------ environments
+
+def candidate_envs(*, runnable_on_cpu: bool) -> list[tuple[str, Any]]:
+    """Environments to patch a CPU model for, real first, then simulated ones (label, env).
+
+    A simulated env makes a recipe take the path it would take there (e.g. the MPS 2.14 layout
+    fix); with ``runnable_on_cpu`` only envs whose paths run on CPU tensors are listed (a simulated
+    CUDA env may pick a Triton kernel, which needs a GPU).
+    """
+    from mpsboost.gate import Env
+
+    envs: list[tuple[str, Any]] = [
+        ("cpu (real)", Env.detect("cpu")),
+        ("mps 2.14.1 (simulated)", Env.simulate("mps", "2.14.1")),
+        ("mps 2.15.0 (simulated)", Env.simulate("mps", "2.15.0")),
+        ("mps 2.16 nightly (simulated)", Env.simulate("mps", "2.16.0.dev20271231")),
+    ]
+    if not runnable_on_cpu:
+        envs += [("cuda sm90 (simulated)", Env.simulate("cuda:9.0")), ("cuda sm89 (simulated)", Env.simulate("cuda:8.9"))]
+    return envs
+
+
+def fp8_for(recipe: Any) -> str | None:
+    """The ``fp8=`` argument a recipe needs to be selected (FP8 recipes are opt-in by granularity)."""
+    return "rowwise" if getattr(recipe, "enabled_by", None) == "fp8" else None
+
+
+def applying_env(recipe: Any, obj: Any, *, runnable_on_cpu: bool, options: Mapping | None = None) -> tuple[str, Any, int] | None:
+    """The first candidate env in which ``recipe`` would apply to ``obj``: (label, env, how many targets)."""
+    import mpsboost
+
+    for label, env in candidate_envs(runnable_on_cpu=runnable_on_cpu):
+        report = mpsboost.plan(obj, recipes=[recipe.name], env=env, fp8=fp8_for(recipe), options=options)
+        n = sum(1 for r in report.rows if r.recipe == recipe.name and r.status == "would apply")
+        if n:
+            return label, env, n
+    return None
