@@ -112,6 +112,12 @@ class DecodeLinear(Recipe):
     def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
         if decision.backing.startswith("triton"):
             fwd = forward_triton_gemv if decision.details.get("eager", False) else forward_triton_gemv_graph
+            w = match.module.weight
+            if w.is_cuda and not torch.cuda.is_current_stream_capturing():
+                # Compile and load the kernel now: a first launch inside CUDA-graph capture would have to
+                # compile there. One launch per distinct (block, bias) configuration, cached by Triton.
+                with torch.no_grad():
+                    gemv_triton.gemv(torch.ones(1, w.shape[1], device=w.device, dtype=w.dtype), w, match.module.bias)
         else:
             fwd = forward_fold_rows
         return bind_forward(match.module, self.name, fwd)
