@@ -51,6 +51,7 @@ __all__ = [
     "choose_linear_path",
     "fp8_linear",
     "quantize_rows",
+    "scaled_mm_rowwise",
     "stored_bytes",
     "sqnr_db",
 ]
@@ -291,6 +292,24 @@ def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype) -> Linea
     return LinearPath("dequant", "dequantize then linear", f"{env.device_type}: FP8 is a storage format; each layer is dequantised just before its matmul", storage)
 
 
+_SCALED_MM_BIAS = [True]  # cleared once if this torch build refuses a bias with rowwise scales
+
+
+def scaled_mm_rowwise(xq: torch.Tensor, q: torch.Tensor, xs: torch.Tensor, scale: torch.Tensor,
+                      bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``torch._scaled_mm`` of row-quantised activations ``[M, K]`` and a weight ``[N, K]`` (any scales), bf16 out."""
+    n = q.shape[0]
+    ws = scale.reshape(1, n) if scale.numel() == n and scale.dim() > 0 else scale.reshape(1, 1).expand(1, n).contiguous()
+    if bias is not None and _SCALED_MM_BIAS[0]:
+        try:
+            return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=torch.bfloat16)
+        except RuntimeError:
+            # Some builds take no bias together with rowwise scales: add it after the product instead.
+            _SCALED_MM_BIAS[0] = False
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
+    return y if bias is None else y.add_(bias)
+
+
 def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
@@ -316,8 +335,7 @@ def fp8_linear(
             y = fp8_triton.fp8_gemv(x2, q, scale, bias)
         elif x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
             xq, xs = fp8_triton.quantize_rows(x2)
-            ws = scale.reshape(1, n) if scale.numel() == n else scale.reshape(1, 1).expand(1, n).contiguous()
-            y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=torch.bfloat16)
+            y = scaled_mm_rowwise(xq, q, xs, scale, bias)
         else:
             return F.linear(x, dequantize(q, scale, compute_dtype), bias)
         return y.reshape(*x.shape[:-1], n)
@@ -325,7 +343,5 @@ def fp8_linear(
         n, k = q.shape
         x2 = x.reshape(-1, k)
         xq, xs = quantize_rows(x2)
-        ws = scale.reshape(1, n) if scale.numel() == n else scale.reshape(1, 1).expand(1, n).contiguous()
-        y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=torch.bfloat16)
-        return y.reshape(*x.shape[:-1], n)
+        return scaled_mm_rowwise(xq, q, xs, scale, bias).reshape(*x.shape[:-1], n)
     return F.linear(x, dequantize(q, scale, compute_dtype), bias)
