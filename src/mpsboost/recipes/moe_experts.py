@@ -111,7 +111,8 @@ def _hf_forward(choice: _Choice):
         down_b = getattr(self, "down_proj_bias", None)
         if not self.has_bias:
             up_b = down_b = None
-        post = self.post_expert_norm if self.has_post_expert_norm else None
+        # has_post_expert_norm is newer than transformers 5.17; absent means no post norm.
+        post = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
         path = choice.path(idx.numel(), x, moe_ops._as_kn(up_w, self.is_transposed))
         out = moe_ops.routed_experts(
             x, idx, wts, up_weight=up_w, down_weight=self.down_proj, activation=act, up_bias=up_b,
