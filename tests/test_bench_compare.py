@@ -221,3 +221,18 @@ def test_script_main_matches_the_command(bench_dir, tmp_path):
 def test_records_written_by_write_jsonl_compare_after_reading(tmp_path, env):
     path = write_jsonl(tmp_path / "r.jsonl", [_rec(env, "stock"), _rec(env, "mpsboost", value=30.0)])
     assert "[3.00x]" in compare_table(read_jsonl(path))
+
+
+def test_many_workloads_get_the_compact_chart(tmp_path, env):
+    from mpsboost.bench import compare as compare_mod
+
+    recs = []
+    for n in range(compare_mod.MAX_DETAILED_GROUPS + 4):
+        w = Workload("linear", {"n": n})
+        recs += [_rec(env, "stock", workload=w), _rec(env, "mpsboost", workload=w, us=50.0)]
+    path = plot(recs, tmp_path / "many.png")
+    import struct
+
+    data = path.read_bytes()
+    width, height = struct.unpack(">II", data[16:24])  # PNG IHDR
+    assert data[:4] == b"\x89PNG" and height <= 1300  # one row of three panels, not one row per workload

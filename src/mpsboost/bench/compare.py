@@ -29,6 +29,8 @@ __all__ = ["Group", "group_records", "check_comparable", "compare_table", "plot"
 
 BASELINE = "stock"
 NA = "n/a"
+#: Above this many workloads the chart switches to one row of three panels, workloads on the x axis.
+MAX_DETAILED_GROUPS = 8
 
 
 @dataclass
@@ -330,6 +332,8 @@ def plot(records: Iterable[Record], path: str | os.PathLike, *, title: str | Non
         raise RecordError("plot() got no records")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if len(groups) > MAX_DETAILED_GROUPS:
+        return _plot_compact(groups, path, plt, title)
     n = len(groups)
     fig, axes = plt.subplots(n, 3, figsize=(15, 3.6 * n), squeeze=False)
     for row, g in enumerate(groups):
@@ -428,5 +432,79 @@ def plot(records: Iterable[Record], path: str | os.PathLike, *, title: str | Non
     fig.suptitle(title or f"{env.device_type} ({env.device_name}), torch {env.torch_version}, {env.dtype}, {env.compile}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _primary_speed(rec: Record | None, base: Record | None) -> float | None:
+    """Speedup vs stock of a record's main speed figure: throughput, else its first operator."""
+    if rec is None or base is None:
+        return None
+    if rec.throughput is not None and base.throughput is not None:
+        return speed_ratio(base.throughput, rec.throughput)
+    for op, t in (rec.op_time or {}).items():
+        return speed_ratio((base.op_time or {}).get(op), t)
+    return None
+
+
+def _bars(ax, xs, ys, width, label, color) -> None:
+    pts = [(x, y) for x, y in zip(xs, ys) if y is not None]
+    if pts:  # an empty bar call would still add a legend entry
+        ax.bar([p[0] for p in pts], [p[1] for p in pts], width, label=label, color=color)
+
+
+def _plot_compact(groups: list[Group], path: Path, plt, title: str | None) -> Path:
+    """Many workloads (a sweep of layer shapes): per workload, one bar per non-stock variant.
+
+    Each bar is a ratio within its own workload; nothing is averaged across workloads.
+    """
+    variants: list[str] = []
+    for g in groups:
+        for v in g.variants:
+            if v != BASELINE and v not in variants:
+                variants.append(v)
+    n = len(groups)
+    width_in = min(max(12.0, 0.35 * n * max(len(variants), 1)), 120.0)
+    fig, axes = plt.subplots(3, 1, figsize=(width_in, 12), squeeze=False)
+    labels = [g.workload.describe() for g in groups]
+    w = 0.8 / max(len(variants), 1)
+    for j, v in enumerate(variants):
+        color = plt.cm.tab10(j % 10)
+        xs = [i + j * w for i in range(n)]
+        speed = [_primary_speed(g.variants.get(v), g.baseline) for g in groups]
+        _bars(axes[0][0], xs, speed, w, v, color)
+        mem = []
+        for g in groups:
+            r, b = g.variants.get(v), g.baseline
+            m = None
+            if r is not None and b is not None and r.memory is not None and b.memory is not None:
+                for attr in ("driver_level", "allocator_reserved", "tensor_allocated"):
+                    mv, bv = getattr(r.memory, attr), getattr(b.memory, attr)
+                    if mv is not None and bv:
+                        m = mv / bv
+                        break
+            mem.append(m)
+        _bars(axes[1][0], xs, mem, w, v, color)
+        db = []
+        for g in groups:
+            c = g.variants[v].correctness if v in g.variants else None
+            val = None if c is None else (c.psnr_db if c.psnr_db is not None else c.sqnr_db)
+            db.append(None if val is None or not math.isfinite(val) else val)
+        _bars(axes[2][0], xs, db, w, v, color)
+    for ax, ylabel in zip(
+        (axes[0][0], axes[1][0], axes[2][0]),
+        ("speedup vs stock (>1 faster)", "peak memory / stock's (driver-level first)", "correctness dB (PSNR, else SQNR; identical not drawn)"),
+    ):
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_xticks([i + w * (len(variants) - 1) / 2 for i in range(n)])
+        ax.set_xticklabels(labels, fontsize=6, rotation=75, ha="right")
+        if ax.containers:
+            ax.legend(fontsize=7)
+    axes[0][0].axhline(1.0, color="grey", lw=0.8, ls="--")
+    axes[1][0].axhline(1.0, color="grey", lw=0.8, ls="--")
+    env = groups[0].env
+    fig.suptitle(title or f"{env.device_type} ({env.device_name}), torch {env.torch_version}, {env.dtype}, {env.compile}: {n} workloads", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
