@@ -184,3 +184,16 @@ def test_mps_timing_synchronises():
     a = torch.randn(1024, 1024, device="mps")
     t = time_fn(lambda: a @ a, device="mps", repeats=5)
     assert t.method == "mps_synchronize" and t.median_s > 0
+
+
+def test_importing_the_harness_stays_light():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, mpsboost.bench, mpsboost.bench.compare, mpsboost.bench.cli, mpsboost.demo; "
+        "print(sorted(m for m in ('matplotlib', 'pynvml', 'diffusers', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -24,6 +24,7 @@ from .errors import (
     TimingError,
 )
 from .memory import MemoryProbe, measure_memory
+from .progress import progress
 from .quality import as_tensor, correctness, cpu_reference, max_abs, psnr, relative_error, sqnr
 from .records import (
     SCHEMA_VERSION,
@@ -71,6 +72,7 @@ __all__ = [
     "synchronize",
     "measure_memory",
     "MemoryProbe",
+    "progress",
     "psnr",
     "relative_error",
     "sqnr",
