@@ -197,3 +197,17 @@ def test_importing_the_harness_stays_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_progress_bar_counts_timed_samples_only_when_enabled(monkeypatch):
+    from mpsboost.bench import progressbar
+
+    monkeypatch.setenv("MPSBOOST_PROGRESS", "1")
+    with progressbar.activity("bench"):
+        time_fn(lambda: None, device="cpu", warmup=2, repeats=7)
+        assert progressbar._ACTIVE.n == 7  # warm-up calls are not samples
+    assert progressbar._ACTIVE is None
+    monkeypatch.setenv("MPSBOOST_PROGRESS", "0")
+    with progressbar.activity("bench"):
+        assert progressbar._ACTIVE is None
+    assert list(progressbar.progress(range(3))) == [0, 1, 2]

@@ -24,7 +24,7 @@ from .errors import (
     TimingError,
 )
 from .memory import MemoryProbe, measure_memory
-from .progress import progress
+from .progressbar import progress
 from .quality import as_tensor, correctness, cpu_reference, max_abs, psnr, relative_error, sqnr
 from .records import (
     SCHEMA_VERSION,

@@ -147,7 +147,10 @@ def run_benchmark(
     check_device(device)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    records = run(device, size, out)
+    from .progressbar import activity
+
+    with activity(f"{name} ({device}, {size})"):
+        records = run(device, size, out)
     if records is None or isinstance(records, (str, bytes)) or not hasattr(records, "__iter__"):
         raise BenchError(f"benchmark {name}: run() returned {type(records).__name__}; it must return a list of Record")
     records = list(records)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import CudaGraphCaptureError, TimingError
+from .progressbar import tick
 from .records import OpTime, Throughput
 
 __all__ = ["Timing", "time_fn", "synchronize", "device_type_of"]
@@ -233,6 +234,7 @@ def time_fn(
                 fn()
             torch.mps.synchronize()
             samples.append(time.perf_counter() - t0)
+            tick()
             if progress is not None:
                 progress(i)
         return _summarise(samples, calls=calls, warmup=warmup, method="mps_synchronize")
@@ -241,6 +243,7 @@ def time_fn(
         for _ in range(calls):
             fn()
         samples.append(time.perf_counter() - t0)
+        tick()
         if progress is not None:
             progress(i)
     return _summarise(samples, calls=calls, warmup=warmup, method="perf_counter")
@@ -262,6 +265,7 @@ def _time_cuda_events(fn, *, warmup: int, repeats: int, calls: int, progress) ->
         if progress is not None:
             progress(i)
     torch.cuda.synchronize()
+    tick(repeats)  # after the timed region: host work between events would skew device time
     samples = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]  # elapsed_time is in ms
     return _summarise(samples, calls=calls, warmup=warmup, method="cuda_events")
 
@@ -307,6 +311,7 @@ def _time_cuda_graph(fn, *, warmup: int, repeats: int, calls: int, progress) -> 
         if progress is not None:
             progress(i)
     torch.cuda.synchronize()
+    tick(repeats)
     samples = [s.elapsed_time(e) / 1e3 for s, e in zip(starts, ends)]
     del graph
     return _summarise(samples, calls=calls, warmup=warmup, method="cuda_graph")
