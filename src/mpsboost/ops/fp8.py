@@ -188,7 +188,8 @@ def quantize(
     per = max(1, _CHUNK_ELEMENTS // max(1, w[0].numel()))
     for s in _slices(w.shape[0], per):
         sc = scale if scale.dim() == 0 else scale[s]
-        y = w[s].float().div_(sc).clamp_(-FP8_MAX, FP8_MAX)
+        # Out of place: for a float32 weight .float() is the weight itself, which must not change.
+        y = (w[s].float() / sc).clamp_(-FP8_MAX, FP8_MAX)
         codes = y.to(FP8_DTYPE) if storage == "float8" else encode_e4m3(y)
         q[s].copy_(codes)
     return q, scale

@@ -133,11 +133,7 @@ class _Context:
             for pat in getattr(owner, "_skip_layerwise_casting_patterns", None) or ():
                 if re.search(pat, rel):
                     return f"{type(owner).__name__}._skip_layerwise_casting_patterns keeps {pat!r} in high precision"
-        if id(mod) in self.output_embeddings:
-            return "output embedding (lm_head): kept in the compute dtype; options include_lm_head=True converts it"
-        last = name.rsplit(".", 1)[-1]
-        if parent is not None and last in _ROUTER_NAMES and hasattr(parent, "experts"):
-            return "MoE router: kept in the compute dtype (expert selection is sensitive to rounding)"
+        # Tensor facts first: a tied lm_head stays skipped even with include_lm_head=True.
         for tname, t in tensors:
             if t is None:
                 return f"{tname} is missing"
@@ -147,6 +143,11 @@ class _Context:
                 return f"{tname} is not a plain floating tensor ({kind}, {dt}): already quantised or wrapped"
             if self.param_uses.get(id(t), 0) > 1:
                 return f"{tname} is shared with another module (tied weights): converting it would change both"
+        if id(mod) in self.output_embeddings:
+            return "output embedding (lm_head): kept in the compute dtype; options include_lm_head=True converts it"
+        last = name.rsplit(".", 1)[-1]
+        if parent is not None and last in _ROUTER_NAMES and hasattr(parent, "experts"):
+            return "MoE router: kept in the compute dtype (expert selection is sensitive to rounding)"
         return None
 
 
