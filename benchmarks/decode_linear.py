@@ -6,10 +6,11 @@ Per shape (``size="real"``: the 96 distinct ``(N, K, bias)`` layer shapes of the
 * ``cublas`` (stock ``nn.Linear``) and ``triton`` (the recipe's Triton GEMV, forced) timed by CUDA-graph
   replay: one graph of as many calls as there are weight copies, the copies rotated so that together
   they exceed the 60 MB L2 (every call reads its weight from HBM, as in a real decode step). Each path is
-  timed in two independent halves, A and B, interleaved. The recipe's table
-  (:data:`mpsboost.ops.gemv_triton.MEASURED`) selects the Triton kernel for a shape on half A (at least
-  ``MIN_SPEEDUP`` faster); the figures reported for ``stock`` and ``mpsboost`` are from half B, so the
-  selection does not grade itself.
+  timed in two independent halves, A and B, interleaved. A shape counts as a Triton win (the recipe's
+  table :data:`mpsboost.ops.gemv_triton.MEASURED`) when it is at least ``MIN_SPEEDUP`` faster in both
+  halves; the figures reported are from half B. (The 2026-11-29 run selected on half A alone; its
+  ``mpsboost`` records therefore pick Triton for 10 large layers that half B shows at 0.97-1.01x. The
+  committed table applies the both-halves rule to those records.)
 * eager launches (CUDA events over 64 back-to-back calls): stock vs Triton, to see what the host-side
   launch costs;
 * the fraction of the bandwidth limit: bytes moved (weight, input, bias, output) over time, against the
@@ -213,9 +214,11 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                 s_a, t_a = res["stock"]["graph_A"].median_s, res["triton"]["graph_A"].median_s
                 s_b, t_b = res["stock"]["graph_B"].median_s, res["triton"]["graph_B"].median_s
                 speed_a = s_a / t_a
-                from mpsboost.ops.gemv_triton import MIN_SPEEDUP
+                from mpsboost.ops.gemv_triton import MIN_SPEEDUP, measured_speedup
 
-                chosen = "triton" if speed_a >= MIN_SPEEDUP else "cublas"
+                # The run that filled the recipe's table found the first half biased for the largest layers
+                # (cuBLAS timed first after allocation), so a shape must win in both halves.
+                chosen = "triton" if speed_a >= MIN_SPEEDUP and s_b / t_b >= MIN_SPEEDUP else "cublas"
                 m_b = t_b if chosen == "triton" else s_b
                 for variant, secs, rel, ops in (
                     ("stock", s_b, res["stock"]["rel"], {"linear_graph": res["stock"]["graph_B"].op_time(), "linear_eager": res["stock"]["eager"].op_time()}),
@@ -233,7 +236,8 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                         "speedup_vs_stock_half_B": s_b / t_b,
                     }
                     if variant == "mpsboost":
-                        extra.update({"chosen": chosen, "selection": "half A (graph replay); figures from half B"})
+                        extra.update({"chosen": chosen, "selection": ">= MIN_SPEEDUP in both halves (graph replay); figures from half B",
+                                      "in_recipe_table": measured_speedup(n, k, bias, dtype) is not None})
                     records.append(Record(workload, variant, env, op_time=ops,
                                           correctness=Correctness(ref_name, rel_error=rel), extra=extra))
                 table.append((lab, n, k, bias, s_b * 1e6, t_b * 1e6, speed_a, s_b / m_b, (bytes_moved / s_b) / bw, (bytes_moved / m_b) / bw,

@@ -7,9 +7,10 @@ Three workloads, each stock vs mpsboost, device-synchronised:
   the pair shows the spread of the measurement);
 * ``softmax.sampling_step``: logits -> ``softmax`` -> one multinomial draw, and the same after
   transformers' warpers (temperature 0.6, top-k 20, top-p 0.95, as Qwen3's generation config); stock
-  is ``torch.multinomial``, mpsboost the sync-free draw of :mod:`mpsboost.ops.sampling`. Timed as a
-  loop of steps, host clock around a device sync at the end, so the host syncs inside
-  ``torch.multinomial`` count as they do in generation;
+  is ``torch.multinomial``; ``mpsboost`` is the sync-free draw of :mod:`mpsboost.ops.sampling` in the
+  form the recipe picks on this env (after the softmax, or on the logits), the other form is recorded as
+  ``mpsboost-probs`` / ``mpsboost-logits``. Timed as a loop of steps, host clock around a device sync at
+  the end, so the host syncs inside ``torch.multinomial`` count as they do in generation;
 * ``softmax.generate`` (``size="real"``): ``generate(do_sample=True)`` of a Qwen3-0.6B-shaped model with
   random bf16 weights, 48 new tokens, tokens/s, stock vs ``mpsboost.patch(model, recipes=["softmax"])``;
   the same seed must give the same tokens.
@@ -48,6 +49,19 @@ def _warpers():
     )
 
     return LogitsProcessorList([TemperatureLogitsWarper(0.6), TopKLogitsWarper(20), TopPLogitsWarper(0.95)])
+
+
+def _recipe_uses_logits(device: str) -> bool:
+    """Which form the softmax recipe picks on this env (asked from its own decision, on a meta model)."""
+    import mpsboost
+    from mpsboost.gate import Env
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    (row,) = mpsboost.plan(model, env=Env.detect(device), recipes=["softmax"]).rows
+    return bool(row.details.get("logits", False))
 
 
 def _step_time(fn, device: str, steps: int, repeats: int) -> list[float]:
@@ -89,46 +103,38 @@ def run(device: str, size: str, out: Path) -> list[Record]:
         records.append(Record(wl, variant, env, op_time={"softmax": t.op_time()}, extra={"path": "native softmax (both variants)"}))
         lines.append(("softmax row", variant, t.median_us))
 
-    # 2. the sampling step, with and without warpers
+    # 2. the sampling step, with and without warpers; "mpsboost" is the form the recipe picks on this env
     warp = _warpers()
+    logits_here = _recipe_uses_logits(device)
+    forms = {
+        "probs": lambda s: draw(torch.softmax(s, dim=-1))[0],
+        "logits": lambda s: draw_from_logits(s)[0],
+    }
 
-    def stock_plain():
-        return torch.multinomial(torch.softmax(x, dim=-1), num_samples=1)
-
-    def ours_plain():
-        return draw(torch.softmax(x, dim=-1))[0]
-
-    def stock_warped():
-        s = warp(input_ids, x)
+    def stock_step(s):
         return torch.multinomial(torch.softmax(s, dim=-1), num_samples=1)
 
-    def ours_warped():
-        s = warp(input_ids, x)
-        return draw(torch.softmax(s, dim=-1))[0]
-
-    for name, pair in (("plain", (stock_plain, ours_plain)), ("warped", (stock_warped, ours_warped))):
+    for name in ("plain", "warped"):
+        prep = (lambda: warp(input_ids, x)) if name == "warped" else (lambda: x)
         wl = Workload("softmax.sampling_step", {"rows": 1, "vocab": vocab, "warpers": "temperature 0.6, top-k 20, top-p 0.95" if name == "warped" else "none"})
-        # same generator state -> same tokens?
-        same = 0
-        n_check = 200
-        for i in range(n_check):
-            torch.manual_seed(1000 + i)
-            a = pair[0]()
-            torch.manual_seed(1000 + i)
-            b = pair[1]()
-            same += int(torch.equal(a, b))
-        for variant, fn in zip(("stock", "mpsboost"), pair):
-            secs = _step_time(fn, device, steps, repeats)
+        variants = {"stock": stock_step}
+        for form, fn in forms.items():
+            variants["mpsboost" if (form == "logits") == logits_here else f"mpsboost-{form}"] = fn
+        for variant, fn in variants.items():
+            # same generator state -> same tokens as torch.multinomial?
+            same, n_check = 0, 200
+            for i in range(n_check):
+                torch.manual_seed(1000 + i)
+                a = stock_step(prep())
+                torch.manual_seed(1000 + i)
+                b = fn(prep())
+                same += int(torch.equal(a, b))
+            secs = _step_time(lambda: fn(prep()), device, steps, repeats)
+            path = "torch.multinomial" if variant == "stock" else f"sync-free exponential race on {'logits' if fn is forms['logits'] else 'probs'}"
             records.append(Record(wl, variant, env, throughput=_throughput(secs),
                                   correctness=Correctness("stock, same generator state", rel_error=1.0 - same / n_check),
-                                  extra={"identical_draws": f"{same}/{n_check}", "path": "torch.multinomial" if variant == "stock" else "sync-free exponential race"}))
+                                  extra={"identical_draws": f"{same}/{n_check}", "path": path}))
             lines.append((f"step {name}", variant, secs[len(secs) // 2] * 1e6))
-
-    # 2b. the logits form (what MPS < 2.15 runs): timed for the record, same distribution
-    wl = Workload("softmax.sampling_step", {"rows": 1, "vocab": vocab, "warpers": "none", "form": "logits (no softmax)"})
-    secs = _step_time(lambda: draw_from_logits(x)[0], device, steps, repeats)
-    records.append(Record(wl, "mpsboost-logits", env, throughput=_throughput(secs)))
-    lines.append(("step plain", "mpsboost-logits", secs[len(secs) // 2] * 1e6))
 
     if size == "real" and device.startswith("cuda"):
         records += _generate(device, lines)

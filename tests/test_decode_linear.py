@@ -64,6 +64,22 @@ def test_plan_cuda_follows_the_measured_table(qwen3, monkeypatch):
     assert "sm_80 keeps cuBLAS" in rows80[0].reason
 
 
+def test_committed_h200_table_picks_small_projections():
+    """The committed table: Qwen2.5-0.5B's q/k/o projections won on the H200, its MLP and lm_head did not."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=1, num_attention_heads=14,
+                      num_key_value_heads=2)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    rows = {r.target.rsplit(".", 1)[-1]: r for r in mpsboost.plan(model, device="cuda:9.0", torch_version="2.11.0", recipes=["decode_linear"]).rows}
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert rows[name].status == "would apply" and rows[name].backing == "triton GEMV, fused bias", rows[name]
+        assert "inside CUDA graphs only" in rows[name].reason
+    for name in ("gate_proj", "up_proj", "down_proj", "lm_head"):
+        assert rows[name].status == "skipped" and "cuBLAS measured as fast or faster" in rows[name].reason
+
+
 def test_only_model_linears_are_targets():
     stray = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
     rows = mpsboost.plan(stray, device="mps", torch_version="2.14.1", recipes=["decode_linear"]).rows

@@ -51,13 +51,15 @@ def make_triton_forward(*, graph_only: bool) -> Callable[[torch.nn.Linear, torch
     def forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         k = weight.shape[1]
+        # Cheapest and most selective tests first: prefill (rows > 1) leaves after one numel() compare,
+        # an eager decode step (graph_only) after one capture query.
         if (
             input.numel() == k
+            and (not graph_only or is_capturing())
             and input.is_cuda
             and input.dtype == weight.dtype
             and input.stride(-1) == 1
             and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
-            and (not graph_only or is_capturing())
         ):
             out = gemv_triton.gemv(input.reshape(1, k), weight, self.bias)
             return out.view(*input.shape[:-1], weight.shape[0])
