@@ -52,11 +52,12 @@ def make_triton_forward(*, graph_only: bool) -> Callable[[torch.nn.Linear, torch
         weight = self.weight
         k = weight.shape[1]
         # Cheapest and most selective tests first: prefill (rows > 1) leaves after one numel() compare,
-        # an eager decode step (graph_only) after one capture query.
+        # an eager decode step (graph_only) after one capture query (asked of CUDA tensors only: a
+        # CPU-only torch build has no capture state to ask).
         if (
             input.numel() == k
-            and (not graph_only or is_capturing())
             and input.is_cuda
+            and (not graph_only or is_capturing())
             and input.dtype == weight.dtype
             and input.stride(-1) == 1
             and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
