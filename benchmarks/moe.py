@@ -233,6 +233,61 @@ def _threshold(times: dict[tuple[str, int], float], s: dict) -> int:
     return bound
 
 
+# ----------------------------------------------------------------------------------------- stage 2b: compiled forms
+
+COMPILED_FORMS = {
+    # name -> moe_experts options that select it while torch.compile traces
+    "batched_mm fused gather-GEMV": {"compiled_batched_form": "fused", "compiled_batched_max_tokens": 1 << 20},
+    "batched_mm bmm": {"compiled_batched_form": "bmm", "compiled_batched_max_tokens": 1 << 20},
+    "grouped_mm": {"compiled_batched_max_tokens": 0},
+}
+
+
+def _compiled_forms(run: _Run, s: dict, dtype: torch.dtype, tokens: tuple[int, ...]) -> dict:
+    """One experts call under torch.compile(fullgraph=True), device time by CUDA-graph replay, per
+    compiled formulation; returns the options of the fastest one for decoding (the first token count)."""
+    dev = run.device
+    m = _experts_module(s, dev, dtype)
+    env = _env(dev, dtype, compile="default, fullgraph")
+    best: dict[int, tuple[float, str]] = {}
+    for n in tokens:
+        x = torch.randn(n, s["hidden"], device=dev, dtype=dtype)
+        idx, w = _routing(n, s, dev, dtype)
+        for name, opts in [*COMPILED_FORMS.items(), ("transformers batched_mm", None)]:
+            if run.left() < 60:
+                break
+            torch._dynamo.reset()
+            if opts is None:
+                _set_variant(m, "transformers:batched_mm")
+            else:
+                _set_variant(m, "mpsboost", opts)
+            f = torch.compile(m, fullgraph=True, dynamic=False)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                f(x, idx, w)
+                compile_s = time.perf_counter() - t0
+                t = time_fn(lambda: f(x, idx, w), device=dev, warmup=2, repeats=20,
+                            cuda_graph=dev.startswith("cuda"))
+            run.add(Record(
+                workload=Workload("moe-experts-call-compiled", {"tokens": n, "routed_tokens": n * s["top_k"], "hidden": s["hidden"],
+                                                                "moe_intermediate": s["inter"], "experts": s["experts"], "top_k": s["top_k"]}),
+                variant=("transformers:batched_mm" if opts is None else f"mpsboost:{name}"), env=env,
+                op_time={"experts_call": t.op_time()}, extra={"compile_s": compile_s, "options": opts},
+            ))
+            run.log(f"compiled experts n={n} {name}: {t.median_s * 1e6:.1f} us (compile {compile_s:.1f}s)")
+            if opts is not None and (n not in best or t.median_s < best[n][0]):
+                best[n] = (t.median_s, name)
+    _set_variant(m, "transformers:grouped_mm")
+    del m
+    torch._dynamo.reset()
+    if not best:
+        return {}
+    first = tokens[0]
+    name = best[first][1]
+    run.summary.append(f"fastest compiled experts form at {first} token(s): {name} ({best[first][0] * 1e6:.1f} us)")
+    return dict(COMPILED_FORMS[name], **({"compiled_batched_max_tokens": 64} if "batched" in name else {}))
+
+
 # ----------------------------------------------------------------------------------------- stage 3: sync and graphs
 
 def _sync_and_graph(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> None:
@@ -415,9 +470,13 @@ def _active_bytes_per_token(model, s: dict) -> int:
     return int(total)
 
 
-def _compiled_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict, bw: float, bw_source: str) -> None:
+def _compiled_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict, bw: float, bw_source: str, layers: int,
+                    variants: tuple[str, ...], need_s: float) -> None:
     dev = run.device
-    layers = s["compiled_layers"]
+    if run.left() < need_s:
+        run.log(f"compiled stage, {layers} layers: skipped, budget")
+        run.summary.append(f"compiled {layers} layers: not run (time budget)")
+        return
     model = _build_model(s, layers, dev, dtype)
     limit_s = _active_bytes_per_token(model, s) / bw
     env = _env(dev, dtype, compile="reduce-overhead, static cache (transformers generate)")
@@ -436,8 +495,8 @@ def _compiled_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict, bw: f
             return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool, device=input_ids.device)
 
     max_length = s["prompt"] + n2
-    for v in ("mpsboost", STOCK, "transformers:batched_mm"):
-        if run.left() < 45:
+    for v in variants:
+        if run.left() < need_s / 2:
             run.log(f"compiled {v}: skipped, budget")
             run.summary.append(f"compiled {v}: not run (time budget)")
             continue
@@ -494,7 +553,7 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     dtype = torch.bfloat16 if device.startswith(("cuda", "mps")) or size != "tiny" else torch.float32
     budget = float(os.environ.get("MPSBOOST_MOE_BUDGET_S", "1e9"))
     compiled = os.environ.get("MPSBOOST_MOE_COMPILED", "0" if size == "tiny" else "1") == "1"
-    stages = set(os.environ.get("MPSBOOST_MOE_STAGES", "sweep,sync,model,greedy,compiled").split(","))
+    stages = set(os.environ.get("MPSBOOST_MOE_STAGES", "sweep,forms,sync,model,greedy,compiled").split(","))
     r = _Run(device, Path(out), budget)
     torch.manual_seed(0)
     bw, bw_source = _copy_bandwidth(device)
@@ -507,6 +566,10 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                  extra={"batched_max_tokens": bound, "rule": "largest routed-token count of the sweep up to which mpsboost batched_mm <= grouped_mm (CUDA events, eager)"}))
     r.summary.append(f"measured batched_max_tokens = {bound} routed tokens")
     r.log(f"threshold: batched_mm at <= {bound} routed tokens")
+    if "forms" in stages and compiled:
+        options.update(_compiled_forms(r, s, dtype, (1, 8)))
+        r.add(Record(workload=Workload("moe-compiled-choice", {"hidden": s["hidden"], "experts": s["experts"], "top_k": s["top_k"]}),
+                     variant="mpsboost", env=_env(device, dtype), extra={"options": dict(options)}))
     if device.startswith("cuda") and "sync" in stages:
         _sync_and_graph(r, s, dtype, options)
     if "model" in stages:
@@ -514,7 +577,9 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     if r.left() > 30 and "greedy" in stages:
         _greedy_stage(r, s, options)
     if compiled and "compiled" in stages:
-        _compiled_stage(r, s, dtype, options, bw, bw_source)
+        _compiled_stage(r, s, dtype, options, bw, bw_source, s["compiled_layers"], ("mpsboost", STOCK), 60)
+        if s["compiled_layers"] != s["layers"]:
+            _compiled_stage(r, s, dtype, options, bw, bw_source, s["layers"], ("mpsboost", STOCK), 150)
     print("\n".join(["", "moe summary:"] + r.summary), flush=True)
     return r.records
 

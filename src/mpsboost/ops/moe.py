@@ -67,9 +67,9 @@ class Routing:
     ``perm[i]`` is the index, in the flattened ``(token, slot)`` order of ``top_k_index.reshape(-1)``,
     of the i-th sorted pair; ``sorted_token_idx = perm // top_k``. ``expert_of_sorted`` is ascending;
     ids ``>= num_experts`` (transformers' expert-parallel sentinels) sort last and are not counted,
-    so rows past ``offsets[-1]`` belong to no expert. ``counts[e]`` pairs go to expert ``e`` and
-    ``offsets`` are the int32 cumulative ends (``offsets[e] = counts[:e + 1].sum()``), the format of
-    ``torch.nn.functional.grouped_mm(..., offs=offsets)``.
+    so rows past ``offsets[-1]`` belong to no expert. ``offsets`` are the int32 cumulative ends
+    (``offsets[e]`` = pairs of experts ``0..e``), the format of
+    ``torch.nn.functional.grouped_mm(..., offs=offsets)``; :attr:`counts` are the pairs per expert.
     """
 
     num_tokens: int
@@ -79,12 +79,16 @@ class Routing:
     sorted_token_idx: torch.Tensor
     sorted_weights: torch.Tensor
     expert_of_sorted: torch.Tensor
-    counts: torch.Tensor
     offsets: torch.Tensor
 
     @property
     def num_pairs(self) -> int:
         return self.num_tokens * self.top_k
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Pairs per expert, int32 ``[num_experts]`` (computed on access, on the device)."""
+        return torch.diff(self.offsets, prepend=self.offsets.new_zeros(1))
 
 
 def expert_counts(expert_ids: torch.Tensor, num_experts: int, *, method: str = "scatter_add", histc_int: bool = False) -> torch.Tensor:
@@ -113,13 +117,15 @@ def route(
     top_k_weights: torch.Tensor,
     num_experts: int,
     *,
-    counts_method: str = "scatter_add",
+    counts_method: str = "searchsorted",
     histc_int: bool = False,
 ) -> Routing:
     """Sort the ``[N, k]`` routing by expert and compute the group offsets, all on the device.
 
     ``top_k_index`` ``[N, k]`` integer expert ids, ``top_k_weights`` ``[N, k]`` routing weights.
     The sort is stable, so pairs of one expert keep token order (reproducible results).
+    ``counts_method``: ``"searchsorted"`` (default: the offsets are the positions in the sorted ids
+    where each expert ends, two kernels) or a method of :func:`expert_counts` followed by a cumsum.
     """
     if top_k_index.dim() != 2 or top_k_weights.shape != top_k_index.shape:
         raise ValueError(
@@ -129,8 +135,12 @@ def route(
     n, k = top_k_index.shape
     ids = top_k_index.reshape(-1)
     expert_of_sorted, perm = torch.sort(ids, stable=True)
-    counts = expert_counts(expert_of_sorted, num_experts, method=counts_method, histc_int=histc_int)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    if counts_method == "searchsorted":
+        bounds = torch.arange(num_experts, device=ids.device, dtype=expert_of_sorted.dtype)
+        offsets = torch.searchsorted(expert_of_sorted, bounds, right=True, out_int32=True)
+    else:
+        counts = expert_counts(expert_of_sorted, num_experts, method=counts_method, histc_int=histc_int)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     return Routing(
         num_tokens=n,
         top_k=k,
@@ -139,26 +149,30 @@ def route(
         sorted_token_idx=torch.div(perm, k, rounding_mode="floor"),
         sorted_weights=top_k_weights.reshape(-1)[perm],
         expert_of_sorted=expert_of_sorted,
-        counts=counts,
         offsets=offsets,
     )
 
 
-def unroute(pair_out: torch.Tensor, routing: Routing, *, weighted: bool = True) -> torch.Tensor:
+def unroute(pair_out: torch.Tensor, routing: Routing, *, weighted: bool = True, sentinels: bool = True) -> torch.Tensor:
     """``[S, H]`` rows in sorted order -> ``[N, H]``: multiply by the routing weight, sum the k slots.
 
     The sum runs over a ``[N, k, H]`` view (not ``index_add_``), so it is deterministic on CUDA and
     accumulates in fp32 inside the reduction even for bf16 rows, as transformers' grouped_mm does.
-    Rows of sentinel pairs (expert id >= num_experts) are zeroed before the sum.
+    ``sentinels=True`` zeroes rows of pairs routed to ids >= num_experts (their rows past
+    ``offsets[-1]`` are uninitialised by grouped_mm); pass False when no id can be out of range.
     """
     if weighted:
         pair_out = pair_out * routing.sorted_weights.unsqueeze(-1)
-    valid = (routing.expert_of_sorted < routing.num_experts).unsqueeze(-1)
-    pair_out = torch.where(valid, pair_out, torch.zeros((), dtype=pair_out.dtype, device=pair_out.device))
-    inv = torch.empty_like(routing.perm).scatter_(
-        0, routing.perm, torch.arange(routing.perm.numel(), device=routing.perm.device)
-    )
-    flat = pair_out.index_select(0, inv)
+    if sentinels:
+        pair_out = pair_out.masked_fill((routing.expert_of_sorted >= routing.num_experts).unsqueeze(-1), 0)
+    if torch.are_deterministic_algorithms_enabled():
+        inv = torch.empty_like(routing.perm).scatter_(
+            0, routing.perm, torch.arange(routing.perm.numel(), device=routing.perm.device)
+        )
+        flat = pair_out.index_select(0, inv)
+    else:
+        # perm is a permutation (unique indices): one scatter of rows back to (token, slot) order.
+        flat = torch.empty_like(pair_out).index_copy_(0, routing.perm, pair_out)
     return flat.view(routing.num_tokens, routing.top_k, -1).sum(dim=1)
 
 
@@ -213,16 +227,23 @@ def _as_kn(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
     return weight if transposed else weight.transpose(-2, -1)
 
 
-def _batched_rows(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, transposed: bool) -> torch.Tensor:
+BATCHED_FORMS = ("auto", "bmm", "fused")
+
+
+def _batched_rows(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, transposed: bool, form: str = "auto") -> torch.Tensor:
     """``x[s] @ weight[ids[s]]`` for every row, by gathering one weight copy per row.
 
-    Eager: one gather and one ``bmm`` (transformers' batched_mm). Under ``torch.compile`` the same
-    product is written as multiply-and-sum over the gathered weights: inductor fuses the gather into
-    the reduction, so no weight copy is materialised and each selected expert is read once (a
-    matrix-vector product per row, the decode case). fp32 accumulation, like ``bmm``.
+    ``form="bmm"``: one gather and one ``bmm`` (transformers' batched_mm). ``form="fused"``: the
+    same product as multiply-and-sum over the gathered weights; under ``torch.compile`` inductor
+    fuses the gather into the reduction, so no weight copy is materialised and each selected expert
+    is read once (a matrix-vector product per row, the decode case); in eager mode it would
+    materialise the product, so ``"auto"`` means fused while compiling and bmm otherwise. fp32
+    accumulation either way, like ``bmm``.
     """
+    if form not in BATCHED_FORMS:
+        raise ValueError(f"batched form {form!r}: accepted {', '.join(BATCHED_FORMS)}")
     w = weight[ids]  # [S, out, in] or [S, in, out]
-    if _compiling():
+    if form == "fused" or (form == "auto" and _compiling()):
         if transposed:
             return (x.float().unsqueeze(-1) * w.float()).sum(dim=1).to(x.dtype)
         return (w.float() * x.float().unsqueeze(1)).sum(dim=-1).to(x.dtype)
@@ -262,6 +283,8 @@ def grouped_linear(
     bias: torch.Tensor | None = None,
     expert_of_sorted: torch.Tensor | None = None,
     transposed: bool = False,
+    batched_form: str = "auto",
+    sentinels: bool = True,
 ) -> torch.Tensor:
     """Per-expert linear layer over rows grouped by expert: ``y[s] = x_sorted[s] @ W[e(s)] (+ b[e(s)])``.
 
@@ -275,7 +298,9 @@ def grouped_linear(
       be sorted. Cheapest for a handful of rows (decoding).
     * ``"fallback"``: dense over all experts, then each row's pick (needs ``expert_of_sorted``).
 
-    ``expert_of_sorted`` is also needed for ``bias``.
+    ``expert_of_sorted`` is also needed for ``bias``. ``batched_form`` picks the batched_mm
+    formulation (see ``_batched_rows``). ``sentinels=False`` promises every id is < E and saves the
+    clamps that keep out-of-range ids (expert-parallel sentinels) in bounds.
     """
     if weight.dim() != 3 or x_sorted.dim() != 2:
         raise ValueError(
@@ -296,15 +321,17 @@ def grouped_linear(
     elif path in ("batched_mm", "fallback"):
         if expert_of_sorted is None:
             raise ValueError(f"grouped_linear(path={path!r}) needs expert_of_sorted (each row's expert id)")
-        rows = _batched_rows if path == "batched_mm" else _dense_rows
-        ids = expert_of_sorted.clamp(0, weight.shape[0] - 1) if path == "batched_mm" else expert_of_sorted
-        out = rows(x, weight, ids, transposed)
+        if path == "batched_mm":
+            ids = expert_of_sorted.clamp(0, weight.shape[0] - 1) if sentinels else expert_of_sorted
+            out = _batched_rows(x, weight, ids, transposed, batched_form)
+        else:
+            out = _dense_rows(x, weight, expert_of_sorted, transposed)
     else:
         raise ValueError(f"grouped_linear(path={path!r}): accepted paths are {', '.join(PATHS)}")
     if bias is not None:
         if expert_of_sorted is None:
             raise ValueError("grouped_linear(bias=...) needs expert_of_sorted to pick each row's bias")
-        out = out + bias[expert_of_sorted.clamp(0, weight.shape[0] - 1)]
+        out = out + bias[expert_of_sorted.clamp(0, weight.shape[0] - 1) if sentinels else expert_of_sorted]
     return out
 
 
@@ -324,8 +351,10 @@ def routed_experts(
     down_transposed: bool | None = None,
     post: Callable[[torch.Tensor], torch.Tensor] | None = None,
     path: str = "grouped_mm",
-    counts_method: str = "scatter_add",
+    counts_method: str = "searchsorted",
     histc_int: bool = False,
+    batched_form: str = "auto",
+    sentinels: bool = True,
 ) -> torch.Tensor:
     """``sum_j w[n, j] * down(activation(up(x[n])))`` over each token's experts ``top_k_index[n, j]``.
 
@@ -338,7 +367,9 @@ def routed_experts(
     ``hidden_states.dtype``.
 
     ``path`` as in :func:`grouped_linear`; ``"fallback"`` runs the dense form over tokens (E x N rows
-    instead of E x S) and ``"batched_mm"`` skips the sort entirely.
+    instead of E x S) and ``"batched_mm"`` skips the sort entirely. ``sentinels=True`` (default)
+    lets ids >= E (transformers' expert-parallel sentinels) contribute nothing; False saves the
+    masking kernels when every id is in range.
     """
     if path not in PATHS:
         raise ValueError(f"routed_experts(path={path!r}): accepted paths are {', '.join(PATHS)}")
@@ -358,26 +389,31 @@ def routed_experts(
         # Pairs stay in (token, slot) order: no sort, no histogram, no unsort.
         ids = top_k_index.reshape(-1)
         x = hidden_states.unsqueeze(1).expand(n, k, hdim).reshape(n * k, hdim)
-        hs = [grouped_linear(x, w, path="batched_mm", bias=up_bias, expert_of_sorted=ids, transposed=transposed) for w in ups]
+        if sentinels:
+            valid = ids < num_experts
+            ids = ids.clamp(0, num_experts - 1)
+        hs = [grouped_linear(x, w, path="batched_mm", bias=up_bias, expert_of_sorted=ids, transposed=transposed,
+                             batched_form=batched_form, sentinels=False) for w in ups]
         h = activation(*hs)
-        y = grouped_linear(h, down_weight, path="batched_mm", bias=down_bias, expert_of_sorted=ids, transposed=dt)
+        y = grouped_linear(h, down_weight, path="batched_mm", bias=down_bias, expert_of_sorted=ids, transposed=dt,
+                           batched_form=batched_form, sentinels=False)
         if post is not None:
             y = post(y)
         y = y * top_k_weights.reshape(-1, 1)
-        valid = (ids < num_experts).unsqueeze(-1)
-        y = torch.where(valid, y, torch.zeros((), dtype=y.dtype, device=y.device))
+        if sentinels:
+            y = y.masked_fill(~valid.unsqueeze(-1), 0)
         return y.view(n, k, -1).sum(dim=1).to(hidden_states.dtype)
 
     routing = route(top_k_index, top_k_weights, num_experts, counts_method=counts_method, histc_int=histc_int)
     x = hidden_states.index_select(0, routing.sorted_token_idx)
-    hs = [grouped_linear(x, w, routing.offsets, path=path, bias=up_bias,
-                         expert_of_sorted=routing.expert_of_sorted, transposed=transposed) for w in ups]
+    hs = [grouped_linear(x, w, routing.offsets, path=path, bias=up_bias, expert_of_sorted=routing.expert_of_sorted,
+                         transposed=transposed, sentinels=sentinels) for w in ups]
     h = activation(*hs)
     y = grouped_linear(h, down_weight, routing.offsets, path=path, bias=down_bias,
-                       expert_of_sorted=routing.expert_of_sorted, transposed=dt)
+                       expert_of_sorted=routing.expert_of_sorted, transposed=dt, sentinels=sentinels)
     if post is not None:
         y = post(y)
-    return unroute(y, routing).to(hidden_states.dtype)
+    return unroute(y, routing, sentinels=sentinels).to(hidden_states.dtype)
 
 
 def _dense_experts(hidden_states, top_k_index, top_k_weights, ups, down_weight, activation,
@@ -423,11 +459,15 @@ class Thresholds:
     """When to leave the grouped path for batched_mm: at or below ``batched_max_tokens`` routed pairs
     (tokens x top-k) per experts call. ``compiled_batched_max_tokens`` is the same bound while
     ``torch.compile`` traces (the batched form becomes a fused gather + matrix-vector reduction
-    there). ``source`` says where the numbers come from."""
+    there). ``source`` says where the numbers come from; ``compiled_batched_form`` which batched
+    formulation runs while compiling."""
 
     batched_max_tokens: int
     compiled_batched_max_tokens: int
     source: str
+    # The batched_mm formulation while torch.compile traces: "fused" (gather fused into a
+    # matrix-vector reduction) or "bmm" (gathered weights, then bmm).
+    compiled_batched_form: str = "fused"
 
 
 # The one place the thresholds live. Keys: (device type, "native" | "no_native"), where "native"

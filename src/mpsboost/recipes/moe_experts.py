@@ -18,6 +18,7 @@ and JetMoE (``JetMoeMoE``/``JetMoeMoA``, whose router reads expert sizes on the 
 Options (``mpsboost.patch(m, options={"moe_experts": {...}})``):
 ``batched_max_tokens`` (int >= 0): routed pairs at or below which batched_mm runs in eager mode;
 ``compiled_batched_max_tokens`` (int >= 0): the same while ``torch.compile`` traces;
+``compiled_batched_form`` ("fused", "bmm"): the batched_mm formulation while ``torch.compile`` traces;
 ``path`` ("auto", "grouped_mm", "batched_mm", "fallback"): force one path for every call.
 Defaults: :data:`mpsboost.ops.moe.THRESHOLDS`.
 """
@@ -41,7 +42,7 @@ _JETMOE = (
     "transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE",
     "transformers.models.jetmoe.modeling_jetmoe.JetMoeMoA",
 )
-_OPTION_KEYS = ("fp8", "batched_max_tokens", "compiled_batched_max_tokens", "path")
+_OPTION_KEYS = ("fp8", "batched_max_tokens", "compiled_batched_max_tokens", "compiled_batched_form", "path")
 
 
 def _is_hf_experts(module: torch.nn.Module) -> bool:
@@ -70,6 +71,12 @@ class _Choice:
     compiled_batched_max_tokens: int
     forced: str | None  # a path the user forced, or None for auto
     histc_int: bool
+    compiled_form: str  # batched_mm formulation under torch.compile: "fused" or "bmm"
+
+    @property
+    def batched_form(self) -> str:
+        # "auto" is fused while compiling and bmm in eager mode (fused would materialise there).
+        return "auto" if self.compiled_form == "fused" else "bmm"
 
     def path(self, num_pairs: int, x: torch.Tensor, weight_kn: torch.Tensor) -> str:
         # Static facts only: shapes, dtype, strides, whether dynamo is tracing.
@@ -117,6 +124,7 @@ def _hf_forward(choice: _Choice):
         out = moe_ops.routed_experts(
             x, idx, wts, up_weight=up_w, down_weight=self.down_proj, activation=act, up_bias=up_b,
             down_bias=down_b, transposed=self.is_transposed, post=post, path=path, histc_int=choice.histc_int,
+            batched_form=choice.batched_form, sentinels=getattr(self, "_is_expert_parallel", False),
         )
         return out.reshape(shape)
 
@@ -131,6 +139,7 @@ def _stacked_forward(choice: _Choice):
         return moe_ops.routed_experts(
             hidden_states, top_k_index, top_k_weights, up_weight=self.gate_up_proj, down_weight=self.down_proj,
             activation=self._apply_gate, path=path, histc_int=choice.histc_int,
+            batched_form=choice.batched_form, sentinels=False,
         )
 
     return forward
@@ -151,6 +160,7 @@ def _dbrx_forward(choice: _Choice):
         out = moe_ops.routed_experts(
             x, top_k_index, top_k_weights, up_weight=(w1, v1), down_weight=w2, down_transposed=True,
             activation=lambda g, u: act(g) * u, path=path, histc_int=choice.histc_int,
+            batched_form=choice.batched_form, sentinels=False,
         )
         return out.view(batch, -1, h)
 
@@ -182,7 +192,8 @@ def _jetmoe_experts_forward(choice: _Choice):
         if path != "grouped_mm":
             rows = torch.arange(inputs.shape[0], device=inputs.device, dtype=torch.int32)
             ids = torch.searchsorted(offsets, rows, right=True)
-        return moe_ops.grouped_linear(inputs, self.weight, offsets, path=path, expert_of_sorted=ids)
+        return moe_ops.grouped_linear(inputs, self.weight, offsets, path=path, expert_of_sorted=ids,
+                                      batched_form=choice.batched_form, sentinels=False)
 
     return forward
 
@@ -238,7 +249,10 @@ class MoeExperts(Recipe):
             compiled_batched_max_tokens=_int_option(options, "compiled_batched_max_tokens", thr.compiled_batched_max_tokens),
             forced=None if forced == "auto" else forced,
             histc_int=check("histc_int", env).ok,
+            compiled_form=options.get("compiled_batched_form", thr.compiled_batched_form),
         )
+        if choice.compiled_form not in ("fused", "bmm"):
+            raise ValueError(f"moe_experts option compiled_batched_form={choice.compiled_form!r}: expected 'fused' or 'bmm'")
         return choice, f"{native.reason}; thresholds: {thr.source}"
 
     @staticmethod
