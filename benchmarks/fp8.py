@@ -63,6 +63,10 @@ DIFFUSERS = [
 ]
 N_SHAPES = 96
 L2_BYTES = 60 * 2**20
+# MPSBOOST_FP8_SECTIONS=decode,gemm,models picks sections; MPSBOOST_FP8_PEER_COPIES caps the weight copies
+# of a shape on which the peers are timed (0: no peers in the decode section).
+_SECTIONS = tuple(os.environ.get("MPSBOOST_FP8_SECTIONS", "decode,gemm,models").split(","))
+_PEER_MAX_COPIES = int(os.environ.get("MPSBOOST_FP8_PEER_COPIES", "64"))
 
 
 def layer_shapes() -> list[tuple[str, int, int, bool]]:
@@ -216,7 +220,7 @@ def _decode(device: str, size: str, env: RecordEnv, emit, budget: _Budget, bw: f
     cuda = device.startswith("cuda")
     rows = []
     for i, (label, n, k, bias) in enumerate(shapes):
-        if budget.left(0.45) < 0:
+        if budget.left(float(os.environ.get("MPSBOOST_FP8_DECODE_FRACTION", "0.45"))) < 0:
             print(f"decode: budget reached after {i} shapes")
             break
         g = torch.Generator(device=device).manual_seed(i)
@@ -259,7 +263,7 @@ def _decode(device: str, size: str, env: RecordEnv, emit, budget: _Budget, bw: f
                     correctness=Correctness("float64 F.linear of the bf16 layer", sqnr_db=sq), extra=extra))
         peer_us = {}
         # Peers on every 6th shape whose rotation needs at most 64 copies (their setup is per copy).
-        if i % 6 == 0 and copies <= 64 and size == "real":
+        if i % 6 == 0 and copies <= _PEER_MAX_COPIES and size == "real":
             for kind in PEERS:
                 try:
                     pm = []
@@ -605,9 +609,11 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     bw = _copy_bandwidth(device)
     print(f"device copy bandwidth: {bw / 1e12:.2f} TB/s" if bw else "device copy bandwidth: n/a")
     summary: list[str] = []
-    for name, fn in (("decode", lambda: _decode(device, size, env, emit, budget, bw)),
-                     ("gemm", lambda: _gemm(device, size, env, emit, budget)),
-                     ("models", lambda: _models(device, size, env, emit, budget))):
+    sections = {"decode": lambda: _decode(device, size, env, emit, budget, bw),
+                "gemm": lambda: _gemm(device, size, env, emit, budget),
+                "models": lambda: _models(device, size, env, emit, budget)}
+    for name in _SECTIONS:  # in the order given
+        fn = sections[name]
         t0 = time.monotonic()
         try:
             res = fn()
