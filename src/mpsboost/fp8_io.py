@@ -161,7 +161,7 @@ def _write_safetensors(target: Path, tensors: list[tuple[str, torch.Tensor]], me
             fh.write(raw)
             for _, t in tensors:
                 cpu = t.detach().to("cpu").contiguous()
-                fh.write(memoryview(cpu.view(torch.uint8).reshape(-1).numpy()))
+                fh.write(memoryview(cpu.reshape(-1).view(torch.uint8).numpy()))
         os.replace(tmp, target)
     finally:
         if tmp.exists():
