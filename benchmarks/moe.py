@@ -24,7 +24,9 @@ Stages, each writing records (and appending them to ``OUT/moe.partial.jsonl`` as
 ``MPSBOOST_MOE_BUDGET_S`` (seconds) makes later stages skip, with a record saying so, once the
 budget is spent; ``MPSBOOST_MOE_COMPILED=0/1`` turns stage 6 off/on (default: on except for size tiny);
 ``MPSBOOST_MOE_STAGES`` (comma list of sweep, sync, model, greedy, compiled; default all) and
-``MPSBOOST_MOE_SWEEP_MAX`` (largest token count of the sweep) shorten a run, e.g. for a CPU sweep.
+``MPSBOOST_MOE_SWEEP_MAX`` (largest token count of the sweep) shorten a run, e.g. for a CPU sweep;
+``MPSBOOST_MOE_COMPILED_LAYERS`` (comma list, default "8,48" at size real) and
+``MPSBOOST_MOE_COMPILED_VARIANTS`` (default "mpsboost,stock") pick the compiled runs.
 """
 from __future__ import annotations
 
@@ -577,9 +579,10 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     if r.left() > 30 and "greedy" in stages:
         _greedy_stage(r, s, options)
     if compiled and "compiled" in stages:
-        _compiled_stage(r, s, dtype, options, bw, bw_source, s["compiled_layers"], ("mpsboost", STOCK), 60)
-        if s["compiled_layers"] != s["layers"]:
-            _compiled_stage(r, s, dtype, options, bw, bw_source, s["layers"], ("mpsboost", STOCK), 150)
+        variants = tuple(os.environ.get("MPSBOOST_MOE_COMPILED_VARIANTS", f"mpsboost,{STOCK}").split(","))
+        layer_counts = os.environ.get("MPSBOOST_MOE_COMPILED_LAYERS", f"{s['compiled_layers']},{s['layers']}").split(",")
+        for i, layers in enumerate(dict.fromkeys(int(n) for n in layer_counts)):
+            _compiled_stage(r, s, dtype, options, bw, bw_source, layers, variants, 60 if i == 0 else 150)
     print("\n".join(["", "moe summary:"] + r.summary), flush=True)
     return r.records
 

@@ -474,8 +474,16 @@ class Thresholds:
 # means the gate's grouped_mm feature passed for this env. Measured entries name their records in
 # benchmarks/results; users override with options={"moe_experts": {"batched_max_tokens": N}}.
 THRESHOLDS: dict[tuple[str, str], Thresholds] = {
-    ("cuda", "native"): Thresholds(16, 64, "to be measured on the H200 (benchmarks/moe.py sweep)"),
-    ("cuda", "no_native"): Thresholds(64, 64, "same bound as the native case; the dense fallback replaces grouped_mm above it"),
+    # H200, torch 2.11.0+cu130, bf16, Qwen3-30B-A3B experts shape (benchmarks/results/moe-cuda-2026-11-29.jsonl),
+    # one experts call, eager, CUDA events: batched_mm 184/190/264 us vs grouped_mm 251/245/496 us at
+    # 8/16/32 routed tokens, 468 vs 264 us at 64: batched_mm up to 32. Device time alone (CUDA-graph
+    # replay) crosses earlier (75 vs 90 us at 8, 138 vs 124 us at 16): eager launch overhead favours
+    # batched_mm's fewer kernels. Compiled (CUDA-graph replay): 8 routed tokens, fused gather-GEMV
+    # 35.4 us, grouped_mm 64.2 us, bmm 66.1 us, transformers batched_mm 69.1 us; 64: fused 204 us,
+    # grouped_mm 203 us.
+    ("cuda", "native"): Thresholds(32, 64, "measured on an H200 (benchmarks/results/moe-cuda-2026-11-29.jsonl)", "fused"),
+    # Same sweep: batched_mm 184/468 us vs the sync-free fallback 316/331 us at 8/64 routed tokens.
+    ("cuda", "no_native"): Thresholds(32, 64, "measured on an H200 (benchmarks/results/moe-cuda-2026-11-29.jsonl)", "fused"),
     ("cpu", "native"): Thresholds(16, 64, "to be measured on CPU (benchmarks/moe.py sweep)"),
     ("cpu", "no_native"): Thresholds(64, 64, "dense fallback above it"),
     # MPS, torch >= 2.15 (native grouped_mm, pytorch#194917/#194933): not measured on Apple hardware.
