@@ -1,0 +1,374 @@
+"""Applying the causal-VAE treatment to one module tree: what the Wan and Qwen-Image recipes share.
+
+The recipes describe their diffusers classes by dotted path (:class:`VaeClasses`); this module finds
+the instances by class path (no diffusers import), binds the new forwards on each instance, and
+returns one :class:`~mpsboost.registry.Undo` that restores every original object.
+
+Per instance, by option:
+
+* every causal ``Conv3d``: :func:`~mpsboost.ops.causal_conv.causal_conv3d` (padding fold, zero
+  slab, 2-D convolution for a single frame);
+* ``AvgDown3D`` (Wan2.2 encoder): time padding as a zero slab;
+* ``ZeroPad2d((0, 1, 0, 1))`` in the resample blocks: a buffer copy;
+* ``layout="channels_last"`` (the CUDA default): every convolution weight of the tree in
+  channels-last layout (same values; cuDNN's native layout), so activations stay channels-last;
+* ``fused_norm``: the channel RMS norms as one ``F.rms_norm`` over the dense channel axis, and
+  the SiLU that follows each of them in place;
+* ``tile_loop`` (a whole VAE only): ``_encode``, ``_decode``, ``tiled_encode``, ``tiled_decode``
+  replaced by :mod:`~mpsboost.ops.vae_tiles`.
+"""
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from ..gate import Env, check
+from ..registry import Decision, Match, Undo, bind_forward, class_path, matches_class, original_forward, set_instance_attr
+from . import vae_tiles
+from .causal_conv import avg_down3d, causal_conv3d, pad_right_bottom, rms_norm_channels, silu_inplace
+
+__all__ = [
+    "VaeClasses",
+    "VaeOptions",
+    "WAN",
+    "QWEN",
+    "MODULES",
+    "LAYOUTS",
+    "parse_options",
+    "count_modules",
+    "patch_tree",
+    "bind_module_forward",
+    "loop_spec",
+    "find_targets",
+    "decide",
+]
+
+LAYOUTS = ("auto", "channels_last", "contiguous")
+_OPTION_KEYS = ("layout", "fused_norm", "single_frame_2d", "tile_loop")
+
+
+@dataclass(frozen=True)
+class VaeClasses:
+    """The diffusers classes of one VAE family, by dotted path (matched against each MRO)."""
+
+    family: str  # "wan" / "qwen"
+    vae: str
+    conv: str
+    norm: str
+    resample: str
+    blocks: tuple[str, ...]  # classes whose `nonlinearity` follows one of the norms
+    avg_down: str | None
+    first_chunk: bool  # decoder takes first_chunk=
+    clamp_tiled: bool  # tiled_decode clamps
+    patchify: bool  # module has patchify / unpatchify (Wan2.2 patch_size)
+
+
+@dataclass(frozen=True)
+class VaeOptions:
+    layout: str  # "channels_last" or "contiguous" (resolved)
+    fused_norm: bool
+    single_frame_2d: bool
+    tile_loop: bool
+
+    @property
+    def channels_last(self) -> bool:
+        return self.layout == "channels_last"
+
+    def describe(self) -> dict:
+        return {"layout": self.layout, "fused_norm": self.fused_norm, "single_frame_2d": self.single_frame_2d, "tile_loop": self.tile_loop}
+
+
+def _bool_option(recipe: str, key: str, value: Any, default: bool) -> bool:
+    if value is None or value == "auto":
+        return default
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"{recipe} option {key}={value!r} is not accepted; pass True, False or 'auto'")
+
+
+def parse_options(recipe: str, options: Mapping[str, Any], device_type: str) -> VaeOptions:
+    """The recipe's options resolved for ``device_type``; unknown keys or values raise ValueError.
+
+    Defaults: channels-last layout and the fused norm on CUDA (where cuDNN and the fused RMS-norm
+    kernel are known); the contiguous layout elsewhere (the MPS and CPU paths change only what the
+    pad fold needs). The single-frame 2-D convolution and the tile loop everywhere.
+    """
+    unknown = sorted(k for k in options if k != "fp8" and k not in _OPTION_KEYS)
+    if unknown:
+        raise ValueError(f"{recipe} does not know option(s) {unknown}; accepted: {', '.join(_OPTION_KEYS)}")
+    layout = options.get("layout", "auto")
+    if layout not in LAYOUTS:
+        raise ValueError(f"{recipe} option layout={layout!r} is not accepted; pass one of {', '.join(LAYOUTS)}")
+    if layout == "auto":
+        layout = "channels_last" if device_type == "cuda" else "contiguous"
+    fused = _bool_option(recipe, "fused_norm", options.get("fused_norm"), layout == "channels_last")
+    sf = _bool_option(recipe, "single_frame_2d", options.get("single_frame_2d"), True)
+    tl = _bool_option(recipe, "tile_loop", options.get("tile_loop"), True)
+    return VaeOptions(layout=layout, fused_norm=fused, single_frame_2d=sf, tile_loop=tl)
+
+
+def _is_right_bottom_pad(m: torch.nn.Module) -> bool:
+    return isinstance(m, torch.nn.ZeroPad2d) and tuple(m.padding) == (0, 1, 0, 1)
+
+
+def _resample_pads(root: torch.nn.Module, classes: VaeClasses) -> Iterator[torch.nn.Module]:
+    for m in root.modules():
+        if matches_class(m, (classes.resample,)):
+            for sub in m.modules():
+                if _is_right_bottom_pad(sub):
+                    yield sub
+
+
+def _block_activations(root: torch.nn.Module, classes: VaeClasses) -> Iterator[torch.nn.Module]:
+    for m in root.modules():
+        if matches_class(m, classes.blocks):
+            act = getattr(m, "nonlinearity", None)
+            if isinstance(act, torch.nn.SiLU):
+                yield act
+
+
+def count_modules(root: torch.nn.Module, classes: VaeClasses) -> dict:
+    """How many of each target the tree holds (for the report and for tests)."""
+    return {
+        "causal_convs": sum(1 for m in root.modules() if matches_class(m, (classes.conv,))),
+        "avg_down": sum(1 for m in root.modules() if classes.avg_down and matches_class(m, (classes.avg_down,))),
+        "zero_pads": sum(1 for _ in _resample_pads(root, classes)),
+        "norms": sum(1 for m in root.modules() if matches_class(m, (classes.norm,))),
+    }
+
+
+_WAN = "diffusers.models.autoencoders.autoencoder_kl_wan"
+_QWEN = "diffusers.models.autoencoders.autoencoder_kl_qwenimage"
+
+#: diffusers 0.42.1's Wan2.1 / Wan2.2 VAE classes.
+WAN = VaeClasses(
+    family="wan",
+    vae=f"{_WAN}.AutoencoderKLWan",
+    conv=f"{_WAN}.WanCausalConv3d",
+    norm=f"{_WAN}.WanRMS_norm",
+    resample=f"{_WAN}.WanResample",
+    blocks=(f"{_WAN}.WanResidualBlock", f"{_WAN}.WanEncoder3d", f"{_WAN}.WanDecoder3d"),
+    avg_down=f"{_WAN}.AvgDown3D",
+    first_chunk=True,
+    clamp_tiled=True,
+    patchify=True,
+)
+
+#: diffusers 0.42.1's Qwen-Image VAE classes (the Wan2.1 design without AvgDown3D or patches).
+QWEN = VaeClasses(
+    family="qwen",
+    vae=f"{_QWEN}.AutoencoderKLQwenImage",
+    conv=f"{_QWEN}.QwenImageCausalConv3d",
+    norm=f"{_QWEN}.QwenImageRMS_norm",
+    resample=f"{_QWEN}.QwenImageResample",
+    blocks=(f"{_QWEN}.QwenImageResidualBlock", f"{_QWEN}.QwenImageEncoder3d", f"{_QWEN}.QwenImageDecoder3d"),
+    avg_down=None,
+    first_chunk=False,
+    clamp_tiled=False,  # diffusers' tiled_decode of this VAE does not clamp; kept as is
+    patchify=False,
+)
+
+#: diffusers module of each family (imported by the recipes, never here).
+MODULES = {"wan": _WAN, "qwen": _QWEN}
+
+
+# ----------------------------------------------------------------------------------------- binding
+
+def bind_module_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[..., Any]) -> Undo:
+    """Bind ``new_forward`` on this instance, under an accelerate hook where there is one.
+
+    accelerate's ``add_hook_to_module`` replaces ``forward`` by a wrapper that moves weights to the
+    execution device and then calls ``module._old_forward``; replacing that inner forward keeps the
+    hook (offloading keeps working). Otherwise the forward itself is bound.
+    """
+    if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__:
+        return set_instance_attr(module, recipe, "_old_forward", types.MethodType(new_forward, module))
+    return bind_forward(module, recipe, new_forward)
+
+
+def _inner_forward(module: torch.nn.Module, recipe: str) -> Callable[..., Any]:
+    """The forward the recipe replaced (for fallbacks), hook or not."""
+    store = module.__dict__.get("_mpsboost_patches", {})
+    entry = store.get(f"{recipe}:_old_forward")
+    if entry is not None:
+        return entry["value"]
+    return original_forward(module, recipe)
+
+
+def _convert_weights(root: torch.nn.Module, channels_last: bool) -> Undo:
+    """Conv weights of ``root`` in channels-last layout; the undo puts the contiguous layout back.
+
+    The Parameter objects stay the same (only ``.data`` is re-laid); values are unchanged.
+    """
+    changed: list[torch.nn.Parameter] = []
+    if channels_last:
+        for m in root.modules():
+            if isinstance(m, (torch.nn.Conv3d, torch.nn.Conv2d)) and isinstance(m.weight, torch.nn.Parameter):
+                w = m.weight
+                fmt = torch.channels_last_3d if w.dim() == 5 else torch.channels_last
+                if w.device.type != "meta" and not w.is_contiguous(memory_format=fmt):
+                    with torch.no_grad():
+                        w.data = w.data.contiguous(memory_format=fmt)
+                    changed.append(w)
+
+    def undo() -> None:
+        with torch.no_grad():
+            for w in changed:
+                w.data = w.data.contiguous()
+
+    return Undo(undo, description="conv weights back to the contiguous layout")
+
+
+def loop_spec(
+    root: torch.nn.Module,
+    classes: VaeClasses,
+    *,
+    patchify: Callable[..., torch.Tensor] | None = None,
+    unpatchify: Callable[..., torch.Tensor] | None = None,
+) -> vae_tiles.VaeLoopSpec:
+    """The loop description of a VAE instance. The recipe passes diffusers' ``patchify`` /
+    ``unpatchify`` functions (ops never import diffusers)."""
+    counts = getattr(root, "_cached_conv_counts", None) or {}
+    enc = counts.get("encoder")
+    dec = counts.get("decoder")
+    if enc is None:
+        enc = sum(1 for m in root.encoder.modules() if matches_class(m, (classes.conv,)))
+    if dec is None:
+        dec = sum(1 for m in root.decoder.modules() if matches_class(m, (classes.conv,)))
+    return vae_tiles.VaeLoopSpec(
+        family=classes.family,
+        first_chunk=classes.first_chunk,
+        clamp_tiled=classes.clamp_tiled,
+        enc_convs=int(enc),
+        dec_convs=int(dec),
+        patchify=patchify if classes.patchify else None,
+        unpatchify=unpatchify if classes.patchify else None,
+    )
+
+
+def patch_tree(
+    root: torch.nn.Module,
+    classes: VaeClasses,
+    opts: VaeOptions,
+    recipe: str,
+    *,
+    spec: vae_tiles.VaeLoopSpec | None = None,
+    decoder_output: Callable[..., Any] | None = None,
+) -> Undo:
+    """Apply the treatment to every target under ``root``; one undo for all of it.
+
+    ``spec`` and ``decoder_output`` (diffusers' ``DecoderOutput``) are given for a whole VAE: with
+    ``opts.tile_loop`` its frame and tile loops are replaced too. On an exception part-way, what
+    was applied so far is undone before re-raising.
+    """
+    undos: list[Undo] = []
+    try:
+        sf, cl = opts.single_frame_2d, opts.channels_last
+
+        def conv_forward(self: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+            return causal_conv3d(self, x, cache_x, single_frame_2d=sf, channels_last=cl)
+
+        def avg_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return avg_down3d(self, x)
+
+        def pad_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            if x.dim() != 4:
+                return _inner_forward(self, recipe)(x)
+            return pad_right_bottom(x)
+
+        def norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            y = rms_norm_channels(self, x)
+            return y if y is not None else _inner_forward(self, recipe)(x)
+
+        def silu_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return silu_inplace(x)
+
+        for m in root.modules():
+            if matches_class(m, (classes.conv,)):
+                undos.append(bind_module_forward(m, recipe, conv_forward))
+            elif classes.avg_down and matches_class(m, (classes.avg_down,)):
+                undos.append(bind_module_forward(m, recipe, avg_forward))
+            elif opts.fused_norm and matches_class(m, (classes.norm,)):
+                undos.append(bind_module_forward(m, recipe, norm_forward))
+        for pad in _resample_pads(root, classes):
+            undos.append(bind_module_forward(pad, recipe, pad_forward))
+        if opts.fused_norm:
+            # Each of these SiLUs receives the fresh output of a norm: in place is safe there.
+            for act in _block_activations(root, classes):
+                undos.append(bind_module_forward(act, recipe, silu_forward))
+        undos.append(_convert_weights(root, cl))
+
+        if spec is not None and decoder_output is not None and opts.tile_loop:
+
+            def _decode(self: Any, z: torch.Tensor, return_dict: bool = True) -> Any:
+                dec = vae_tiles.decode(self, z, spec)
+                return decoder_output(sample=dec) if return_dict else (dec,)
+
+            def _encode(self: Any, x: torch.Tensor) -> torch.Tensor:
+                return vae_tiles.encode(self, x, spec)
+
+            def tiled_decode(self: Any, z: torch.Tensor, return_dict: bool = True) -> Any:
+                dec = vae_tiles.tiled_decode(self, z, spec)
+                return decoder_output(sample=dec) if return_dict else (dec,)
+
+            def tiled_encode(self: Any, x: torch.Tensor) -> torch.Tensor:
+                return vae_tiles.tiled_encode(self, x, spec)
+
+            for name, fn in (("_decode", _decode), ("_encode", _encode), ("tiled_decode", tiled_decode), ("tiled_encode", tiled_encode)):
+                undos.append(set_instance_attr(root, recipe, name, types.MethodType(fn, root)))
+    except BaseException:
+        for u in reversed(undos):
+            u()
+        raise
+    return Undo.chain(undos, description=f"{recipe}: restore {class_path(type(root))}")
+
+
+# ----------------------------------------------------------------------------------------- recipe glue
+
+def find_targets(root: torch.nn.Module, prefix: str, classes: VaeClasses) -> Iterator[Match]:
+    """Each whole VAE under ``root`` (one match, one report row); or, when ``root`` holds causal
+    convolutions but no VAE (a bare encoder or decoder), ``root`` itself as a module-tree match."""
+    found = False
+    for name, mod in root.named_modules():
+        if matches_class(mod, (classes.vae,)):
+            found = True
+            yield Match(mod, _join(prefix, name), {"vae": True})
+    if not found and any(matches_class(m, (classes.conv,)) for m in root.modules()):
+        yield Match(root, prefix or "<root>", {"vae": False})
+
+
+def _join(prefix: str, name: str) -> str:
+    if not prefix:
+        return name or "<root>"
+    return f"{prefix}.{name}" if name else prefix
+
+
+def decide(recipe: str, classes: VaeClasses, match: Match, env: Env, options: Mapping[str, Any], backing: str) -> Decision:
+    """The shared decision: always applicable (lossless), with the reason for this environment."""
+    opts = parse_options(recipe, options, env.device_type)
+    extras = []
+    if opts.channels_last:
+        extras.append("channels-last")
+    if opts.fused_norm:
+        extras.append("fused RMS norm")
+    full_backing = backing + (" + " + ", ".join(extras) if extras else "")
+    pad = check("pad_constant_native", env)
+    rank5 = check("pad_rank5_correct", env)
+    if not pad.ok or not rank5.ok:
+        bad = "; ".join(v.reason for v in (pad, rank5) if not v.ok)
+        reason = (
+            "avoids pytorch#195368 (MPSGraph pad: 270 GiB driver memory in a Wan2.2 tiled decode) and "
+            f"pytorch#194922 (wrong time padding of rank-5 tensors with H*W >= 65536) on this build: {bad}"
+        )
+    else:
+        reason = (
+            "applied for speed: F.pad is native and correct on this build (pytorch#195368, #194922); "
+            "folding saves one copy of the activation per causal convolution"
+        )
+        if opts.channels_last:
+            reason += "; activations stay channels-last (cuDNN's native layout)"
+    counts = count_modules(match.module, classes)
+    return Decision.apply(full_backing, reason, **counts, **opts.describe(), whole_vae=bool(match.data.get("vae")))

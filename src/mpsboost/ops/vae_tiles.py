@@ -1,0 +1,298 @@
+"""The frame and tile loops of the Wan / Qwen-Image VAEs, rewritten to compute the same values.
+
+diffusers' loops (``_encode``, ``_decode``, ``tiled_encode``, ``tiled_decode`` of
+``AutoencoderKLWan`` and ``AutoencoderKLQwenImage``) are reproduced step for step, with four
+changes that leave every value as it was:
+
+* the causal cache is a local list per call (as in diffusers, one per tile) instead of VAE state;
+* a single latent frame (an image) runs without the cache: with one frame the cached and uncached
+  paths compute the same thing, and the uncached one copies no activation into the cache;
+* decoded frames are gathered in a list and concatenated once, not re-concatenated per frame;
+* tiles are blended as soon as they are decoded, with vectorised blend weights that round exactly
+  like diffusers' per-row loop, and written straight into the output; only the edge strips the
+  next tiles blend with are kept, not every tile of the image.
+
+``side`` (an :class:`~mpsboost.ops.streams.SideStream`) moves the blending and the copy into the
+output to a side stream: tile i+1 computes while tile i is blended and written out.
+
+Nothing here imports diffusers: the VAE's attributes and a :class:`VaeLoopSpec` describe it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .streams import SideStream
+
+__all__ = [
+    "VaeLoopSpec",
+    "blend_",
+    "decode_latents",
+    "encode_frames",
+    "decode",
+    "encode",
+    "tiled_decode",
+    "tiled_encode",
+]
+
+
+@dataclass(frozen=True)
+class VaeLoopSpec:
+    """What differs between the Wan and the Qwen-Image loops (read from diffusers 0.42.1)."""
+
+    family: str  # "wan" or "qwen", for messages
+    first_chunk: bool  # the decoder takes first_chunk= (Wan)
+    clamp_tiled: bool  # tiled_decode clamps to [-1, 1] (Wan does; Qwen-Image's does not)
+    enc_convs: int  # causal convolutions in the encoder / decoder (length of the cache lists)
+    dec_convs: int
+    patchify: Callable[[torch.Tensor, int], torch.Tensor] | None = None  # Wan2.2 (patch_size 2)
+    unpatchify: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+
+
+def _patch_size(vae: Any, spec: VaeLoopSpec) -> int | None:
+    return getattr(vae.config, "patch_size", None) if spec.patchify is not None else None
+
+
+# ----------------------------------------------------------------------------------------- blend
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def blend_(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> None:
+    """diffusers' ``blend_v`` (``dim=-2``) / ``blend_h`` (``dim=-1``), in place on ``b``, vectorised.
+
+    ``a`` may be only the trailing strip of the neighbour tile (at least ``extent`` long, or all of
+    it). diffusers multiplies each row by a Python float, which the kernel applies in the opmath
+    type (fp32 for fp32/bf16/fp16) before rounding to the tensor's dtype; the weights here are the
+    same floats as an fp32 tensor, and each product is rounded to ``b``'s dtype before the sum, so
+    the result is bit-identical.
+    """
+    e = min(a.shape[dim], b.shape[dim], extent)
+    if e <= 0:
+        return
+    op = _opmath(b.dtype)
+    w_b = torch.tensor([y / e for y in range(e)], dtype=torch.float64).to(op)
+    w_a = torch.tensor([1 - y / e for y in range(e)], dtype=torch.float64).to(op)
+    shape = [e] + [1] * (-dim - 1)
+    w_a = w_a.reshape(shape).to(b.device)
+    w_b = w_b.reshape(shape).to(b.device)
+    a_part = a.narrow(dim, a.shape[dim] - e, e)
+    b_part = b.narrow(dim, 0, e)
+    mixed = (a_part * w_a).to(b.dtype) + (b_part * w_b).to(b.dtype)
+    b_part.copy_(mixed)
+
+
+# ----------------------------------------------------------------------------------------- frames
+
+def decode_latents(vae: Any, x: torch.Tensor, spec: VaeLoopSpec, *, post_quant_per_frame: bool) -> torch.Tensor:
+    """Decode every latent frame of ``x`` with a fresh causal cache; frames concatenated on dim 2.
+
+    ``post_quant_per_frame``: apply ``post_quant_conv`` to each frame slice (as ``tiled_decode``
+    does) or to all frames at once before the loop (as ``_decode`` does).
+    """
+    frames = x.shape[2]
+    if not post_quant_per_frame:
+        x = vae.post_quant_conv(x)
+    if frames == 1:
+        # One frame: the cache would only be filled, never read. Same values, no cache copies.
+        if post_quant_per_frame:
+            x = vae.post_quant_conv(x)
+        kw = {"first_chunk": True} if spec.first_chunk else {}
+        return vae.decoder(x, **kw)
+    cache: list = [None] * spec.dec_convs
+    out = []
+    for k in range(frames):
+        xk = x[:, :, k : k + 1]
+        if post_quant_per_frame:
+            xk = vae.post_quant_conv(xk)
+        kw = {"first_chunk": k == 0} if spec.first_chunk else {}
+        out.append(vae.decoder(xk, feat_cache=cache, feat_idx=[0], **kw))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
+def encode_frames(vae: Any, x: torch.Tensor, spec: VaeLoopSpec, *, quant_per_chunk: bool) -> torch.Tensor:
+    """Encode ``x`` in diffusers' chunks (1 frame, then 4 at a time) with a fresh causal cache.
+
+    ``quant_per_chunk``: apply ``quant_conv`` per chunk (``tiled_encode``) or once at the end
+    (``_encode``).
+    """
+    frames = x.shape[2]
+    chunks = 1 + (frames - 1) // 4
+    if chunks == 1:
+        out = vae.encoder(x[:, :, :1])
+        return vae.quant_conv(out)
+    cache: list = [None] * spec.enc_convs
+    parts = []
+    for i in range(chunks):
+        chunk = x[:, :, :1] if i == 0 else x[:, :, 1 + 4 * (i - 1) : 1 + 4 * i]
+        y = vae.encoder(chunk, feat_cache=cache, feat_idx=[0])
+        parts.append(vae.quant_conv(y) if quant_per_chunk else y)
+    out = torch.cat(parts, dim=2)
+    return out if quant_per_chunk else vae.quant_conv(out)
+
+
+# ----------------------------------------------------------------------------------------- untiled
+
+def decode(vae: Any, z: torch.Tensor, spec: VaeLoopSpec) -> torch.Tensor:
+    """``vae._decode(z)``'s sample (tiled when diffusers would tile)."""
+    _, _, _, height, width = z.shape
+    scr = vae.spatial_compression_ratio
+    if vae.use_tiling and (width > vae.tile_sample_min_width // scr or height > vae.tile_sample_min_height // scr):
+        # Through the instance, so that a side-stream tile loop set there is used.
+        return vae.tiled_decode(z, return_dict=False)[0]
+    out = decode_latents(vae, z, spec, post_quant_per_frame=False)
+    p = _patch_size(vae, spec)
+    if p is not None:
+        out = spec.unpatchify(out, patch_size=p)
+    # A fresh tensor either way (decoder output, concatenation, or unpatchify's copy): clamp in place.
+    out = out.clamp_(-1.0, 1.0) if not torch.is_grad_enabled() else torch.clamp(out, -1.0, 1.0)
+    # diffusers returns the contiguous layout; a channels-last decoder output is converted once here.
+    return out.contiguous()
+
+
+def encode(vae: Any, x: torch.Tensor, spec: VaeLoopSpec) -> torch.Tensor:
+    """``vae._encode(x)`` (tiled when diffusers would tile)."""
+    _, _, _, height, width = x.shape
+    p = _patch_size(vae, spec)
+    tiled = vae.use_tiling and (width > vae.tile_sample_min_width or height > vae.tile_sample_min_height)
+    if p is not None:
+        # Wan decides on the pixel size, then tiles the patchified input.
+        x = spec.patchify(x, patch_size=p)
+    if tiled:
+        return vae.tiled_encode(x)
+    return encode_frames(vae, x, spec, quant_per_chunk=False).contiguous()
+
+
+# ----------------------------------------------------------------------------------------- tiles
+
+def _place(
+    tile: torch.Tensor,
+    out: torch.Tensor,
+    above: torch.Tensor | None,
+    left: torch.Tensor | None,
+    y0: int,
+    x0: int,
+    crop_h: int,
+    crop_w: int,
+    blend_h: int,
+    blend_w: int,
+    keep_bottom: bool,
+    keep_right: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Blend ``tile`` with its finished neighbours, write its crop into ``out``, return its strips."""
+    if above is not None:
+        blend_(above, tile, blend_h, dim=-2)
+    if left is not None:
+        blend_(left, tile, blend_w, dim=-1)
+    hh = min(crop_h, tile.shape[-2], out.shape[-2] - y0)
+    ww = min(crop_w, tile.shape[-1], out.shape[-1] - x0)
+    if hh > 0 and ww > 0:
+        out[..., y0 : y0 + hh, x0 : x0 + ww].copy_(tile[..., :hh, :ww])
+    bottom = tile[..., -blend_h:, :].clone() if keep_bottom and blend_h > 0 else None
+    right = tile[..., :, -blend_w:].clone() if keep_right and blend_w > 0 else None
+    return bottom, right
+
+
+def _tile_grid(
+    vae: Any,
+    src: torch.Tensor,
+    *,
+    tile_h: int,
+    tile_w: int,
+    step_h: int,
+    step_w: int,
+    crop_h: int,
+    crop_w: int,
+    blend_h: int,
+    blend_w: int,
+    out_h: int,
+    out_w: int,
+    run_tile: Callable[[torch.Tensor], torch.Tensor],
+    side: SideStream | None,
+) -> torch.Tensor:
+    height, width = src.shape[-2], src.shape[-1]
+    rows = list(range(0, height, step_h))
+    cols = list(range(0, width, step_w))
+    out: torch.Tensor | None = None
+    above: list[torch.Tensor | None] = [None] * len(cols)
+    for ri, i in enumerate(rows):
+        left: torch.Tensor | None = None
+        below: list[torch.Tensor | None] = [None] * len(cols)
+        for cj, j in enumerate(cols):
+            tile = run_tile(src[..., i : i + tile_h, j : j + tile_w])
+            if out is None:
+                n, c, t = tile.shape[:3]
+                out = torch.empty((n, c, t, out_h, out_w), dtype=tile.dtype, device=tile.device)
+            args = (tile, out, above[cj], left, ri * crop_h, cj * crop_w, crop_h, crop_w, blend_h, blend_w,
+                    ri + 1 < len(rows), cj + 1 < len(cols))
+            if side is None:
+                below[cj], left = _place(*args)
+            else:
+                side.fork()
+                with side:
+                    below[cj], left = _place(*args)
+                side.keep(tile)
+            del tile, args
+        above = below
+    if side is not None:
+        side.join()
+    assert out is not None  # internal: the grid has at least one tile (range over a positive size)
+    return out
+
+
+def tiled_decode(vae: Any, z: torch.Tensor, spec: VaeLoopSpec, *, side: SideStream | None = None) -> torch.Tensor:
+    """``vae.tiled_decode(z)``'s sample."""
+    _, _, _, height, width = z.shape
+    scr = vae.spatial_compression_ratio
+    sample_h, sample_w = height * scr, width * scr
+    tile_h = vae.tile_sample_min_height // scr
+    tile_w = vae.tile_sample_min_width // scr
+    step_h = vae.tile_sample_stride_height // scr
+    step_w = vae.tile_sample_stride_width // scr
+    crop_h, crop_w = vae.tile_sample_stride_height, vae.tile_sample_stride_width
+    p = _patch_size(vae, spec)
+    if p is not None:
+        sample_h, sample_w = sample_h // p, sample_w // p
+        crop_h, crop_w = crop_h // p, crop_w // p
+        blend_h = vae.tile_sample_min_height // p - crop_h
+        blend_w = vae.tile_sample_min_width // p - crop_w
+    else:
+        blend_h = vae.tile_sample_min_height - crop_h
+        blend_w = vae.tile_sample_min_width - crop_w
+
+    def run_tile(t: torch.Tensor) -> torch.Tensor:
+        return decode_latents(vae, t, spec, post_quant_per_frame=True)
+
+    dec = _tile_grid(vae, z, tile_h=tile_h, tile_w=tile_w, step_h=step_h, step_w=step_w, crop_h=crop_h, crop_w=crop_w,
+                     blend_h=blend_h, blend_w=blend_w, out_h=sample_h, out_w=sample_w, run_tile=run_tile, side=side)
+    if spec.clamp_tiled:
+        # Clamping commutes with unpatchify's permutation; doing it first, in place, saves a buffer.
+        dec = dec.clamp_(-1.0, 1.0) if not torch.is_grad_enabled() else torch.clamp(dec, -1.0, 1.0)
+    if p is not None:
+        dec = spec.unpatchify(dec, patch_size=p)
+    return dec
+
+
+def tiled_encode(vae: Any, x: torch.Tensor, spec: VaeLoopSpec, *, side: SideStream | None = None) -> torch.Tensor:
+    """``vae.tiled_encode(x)`` (``x`` already patchified where the VAE patchifies)."""
+    _, _, _, height, width = x.shape
+    ratio = vae.spatial_compression_ratio
+    p = _patch_size(vae, spec)
+    if p is not None:
+        ratio = ratio // p
+    latent_h, latent_w = height // ratio, width // ratio
+    t_min_h = vae.tile_sample_min_height // ratio
+    t_min_w = vae.tile_sample_min_width // ratio
+    t_step_h = vae.tile_sample_stride_height // ratio
+    t_step_w = vae.tile_sample_stride_width // ratio
+
+    def run_tile(t: torch.Tensor) -> torch.Tensor:
+        return encode_frames(vae, t, spec, quant_per_chunk=True)
+
+    return _tile_grid(vae, x, tile_h=vae.tile_sample_min_height, tile_w=vae.tile_sample_min_width,
+                      step_h=vae.tile_sample_stride_height, step_w=vae.tile_sample_stride_width,
+                      crop_h=t_step_h, crop_w=t_step_w, blend_h=t_min_h - t_step_h, blend_w=t_min_w - t_step_w,
+                      out_h=latent_h, out_w=latent_w, run_tile=run_tile, side=side)

@@ -1,0 +1,79 @@
+"""Recipe ``mps_streams``: the tiled VAE decode overlaps blending with the next tile on a side stream.
+
+In diffusers' tiled decode the tiles are independent until they are blended: here tile i is
+blended with its finished neighbours and written into the output on a side stream while tile i+1
+decodes on the main stream. Written with device-generic stream APIs (``torch.Stream``,
+``torch.accelerator``, ``Tensor.record_stream``), so the same code runs on CUDA now and on MPS in
+the 2.16 nightlies that have user streams (pytorch#191415 ``torch.mps.Stream``, #193464
+``record_stream``, #194111 multi-stream events): the gate feature ``device_streams`` decides.
+The output is the stock one, value for value.
+
+Targets: the Wan and Qwen-Image VAEs (``tiled_decode``). With ``wan_vae_pad`` / ``qwen_image_vae``
+applied as well, their convolutions are used inside the same tile loop.
+"""
+from __future__ import annotations
+
+import importlib
+import types
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from ..gate import Env, check
+from ..ops import vae_patch, vae_tiles
+from ..ops.streams import SideStream
+from ..registry import Decision, Match, Recipe, Undo, matches_class, register, set_instance_attr
+
+_FAMILIES = (vae_patch.WAN, vae_patch.QWEN)
+
+
+def _family(module: torch.nn.Module) -> vae_patch.VaeClasses | None:
+    for fam in _FAMILIES:
+        if matches_class(module, (fam.vae,)):
+            return fam
+    return None
+
+
+@register
+class MpsStreams(Recipe):
+    name = "mps_streams"
+    summary = "tiled VAE decode: tile i is blended and written out on a side stream while tile i+1 decodes"
+    targets = tuple(f.vae for f in _FAMILIES)
+    lossless = True
+    reversible = True
+    requires = ("device_streams",)
+    default = True
+    order = 110  # after wan_vae_pad / qwen_image_vae, whose tile loop this one replaces
+
+    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
+        for name, mod in root.named_modules():
+            fam = _family(mod)
+            if fam is not None:
+                path = f"{prefix}.{name}" if prefix and name else (prefix or name or "<root>")
+                yield Match(mod, path, {"family": fam.family})
+
+    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+        unknown = sorted(k for k in options if k != "fp8")
+        if unknown:
+            raise ValueError(f"{self.name} takes no options; got {unknown}")
+        v = check("device_streams", env)
+        if not v.ok:
+            return Decision.skip(v.reason)
+        return Decision.apply(
+            "side stream: blend and copy-out overlap the next tile",
+            f"{v.reason}; applies when the VAE decodes tiled (vae.enable_tiling())",
+            use_tiling=bool(getattr(match.module, "use_tiling", False)),
+        )
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+        fam = _family(match.module)
+        mod = importlib.import_module(vae_patch.MODULES[fam.family])
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        spec = vae_patch.loop_spec(match.module, fam, patchify=getattr(mod, "patchify", None), unpatchify=getattr(mod, "unpatchify", None))
+
+        def tiled_decode(self: Any, z: torch.Tensor, return_dict: bool = True) -> Any:
+            dec = vae_tiles.tiled_decode(self, z, spec, side=SideStream(z.device))
+            return DecoderOutput(sample=dec) if return_dict else (dec,)
+
+        return set_instance_attr(match.module, self.name, "tiled_decode", types.MethodType(tiled_decode, match.module))

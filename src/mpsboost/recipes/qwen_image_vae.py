@@ -1,0 +1,51 @@
+"""Recipe ``qwen_image_vae``: the Qwen-Image VAE without ``F.pad``, and 2-D for single images.
+
+Same treatment as ``wan_vae_pad`` (the Qwen-Image VAE is the Wan2.1 design): spatial padding folded
+into each causal convolution, time padding as cached frames or a zero slab, the downsampling
+``ZeroPad2d`` as a buffer copy. On MPS before torch 2.15 this avoids pytorch#195368 (MPSGraph pad
+memory) and pytorch#194922 (wrong time padding of rank-5 tensors once H*W >= 65536: roundtrips far
+from the CPU result, ComfyUI#16433). For an image (one frame) every 3x3x3 causal convolution sees
+``[0, 0, x]`` in time, which is exactly a 2-D convolution with the last time slice of the weight:
+about a third of the FLOPs, and no cache copies since nothing follows the frame.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from ..gate import Env
+from ..ops import vae_patch
+from ..registry import Decision, Match, Recipe, Undo, register
+
+CLASSES = vae_patch.QWEN
+
+
+@register
+class QwenImageVae(Recipe):
+    name = "qwen_image_vae"
+    summary = "Qwen-Image VAE: no F.pad (padding fold, zero slab); single frames as 2-D convolutions"
+    targets = (CLASSES.vae, CLASSES.conv)
+    lossless = True
+    reversible = True
+    requires = ()
+    default = True
+    order = 100
+
+    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
+        return vae_patch.find_targets(root, prefix, CLASSES)
+
+    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+        opts = vae_patch.parse_options(self.name, options, env.device_type)
+        backing = "conv padding fold" + (", 2-D conv for single frame" if opts.single_frame_2d else "")
+        return vae_patch.decide(self.name, CLASSES, match, env, options, backing)
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+        opts = vae_patch.parse_options(self.name, options, env.device_type)
+        spec = out_cls = None
+        if match.data.get("vae"):
+            from diffusers.models.autoencoders.vae import DecoderOutput
+
+            spec = vae_patch.loop_spec(match.module, CLASSES)
+            out_cls = DecoderOutput
+        return vae_patch.patch_tree(match.module, CLASSES, opts, self.name, spec=spec, decoder_output=out_cls)
