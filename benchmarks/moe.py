@@ -390,7 +390,11 @@ def _model_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> None:
             continue
         _set_variant(model, v, options if v == "mpsboost" else None)
         slow = v == "transformers:eager"
-        # Memory pass (also the warm-up), then timing.
+        # Memory pass (also the warm-up), then timing. Empty the allocator's cache first, so that the
+        # reserved and driver-level peaks are this variant's and not what an earlier one left cached.
+        gc.collect()
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
         with measure_memory(dev) as probe:
             logits, _ = _prefill(model, prompt)
         mem = probe.peaks()

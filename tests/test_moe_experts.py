@@ -309,3 +309,44 @@ def test_user_threshold_override_changes_the_path(rng_seed):
                 case.module(x, idx, w)
                 assert report.rows[0].details["batched_max_tokens"] == bound
     assert seen == ["grouped_mm", "batched_mm"]
+
+
+def test_expert_parallel_sentinels_contribute_nothing(rng_seed):
+    """Under transformers' expert parallelism, ids == num_experts mark pairs owned by another rank."""
+    case = build("qwen3_moe")
+    case.module._is_expert_parallel = True
+    x = torch.randn(12, case.hidden)
+    idx, w = routing(12, case.num_experts, case.top_k)
+    idx[::3, 1] = case.num_experts
+    ref = case.call(case.module, x, idx, w)  # transformers' eager loop skips the sentinel expert
+    for path in ("grouped_mm", "batched_mm", "fallback"):
+        with _patched(case.module, path=path):
+            out = case.call(case.module, x, idx, w)
+        assert torch.isfinite(out).all() and _rel(out, ref) <= FP32_TOL, path
+
+
+def test_deterministic_mode_gives_the_same_result(rng_seed):
+    case = build("mixtral")
+    x = torch.randn(30, case.hidden)
+    idx, w = routing(30, case.num_experts, case.top_k)
+    with _patched(case.module, path="grouped_mm"):
+        fast = case.call(case.module, x, idx, w)
+        torch.use_deterministic_algorithms(True)
+        try:
+            det = case.call(case.module, x, idx, w)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert torch.equal(fast, det)
+
+
+def test_compiled_batched_form_option(rng_seed):
+    case = build("qwen3_moe")
+    x = torch.randn(2, case.hidden)
+    idx, w = routing(2, case.num_experts, case.top_k)
+    ref = case.call(case.module, x, idx, w)
+    torch._dynamo.reset()
+    with _patched(case.module, compiled_batched_form="bmm"):
+        out = torch.compile(case.module, fullgraph=True)(x, idx, w)
+    assert _rel(out, ref) <= FP32_TOL
+    with pytest.raises(mpsboost.PatchError, match="compiled_batched_form='gemv'"):
+        mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"compiled_batched_form": "gemv"}})
