@@ -69,7 +69,8 @@ def _add_record(obj: Any, rec: _Record) -> None:
     if recs is None:
         key = id(obj)
         recs = []
-        _STATE[key] = (weakref.ref(obj, lambda _r, key=key: _STATE.pop(key, None)), recs)
+        # The callback binds the dict itself: at interpreter shutdown the module global may already be None.
+        _STATE[key] = (weakref.ref(obj, lambda _r, key=key, state=_STATE: state.pop(key, None)), recs)
     recs.append(rec)
 
 
