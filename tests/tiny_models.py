@@ -102,13 +102,17 @@ def _run_vae(vae, seed: int, *, frames: int = 5, size: int = 32, tiled: bool = F
     g = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
     cfg = vae.config
+    spatial = _spatial_factor(vae)
     if tiled:
-        vae.enable_tiling(tile_sample_min_height=size // 2, tile_sample_min_width=size // 2,
-                          tile_sample_stride_height=size // 4, tile_sample_stride_width=size // 4)
+        # Tiles of twice the compression factor in pixels with half-tile stride; the input
+        # is grown to at least two tiles per side so that the tile loop and its blending really run.
+        tile = 2 * spatial
+        size = max(size, 2 * tile)
+        vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
+                          tile_sample_stride_height=tile // 2, tile_sample_stride_width=tile // 2)
     try:
         with torch.no_grad():
             if mode == "decode":
-                spatial = vae.spatial_compression_ratio if hasattr(vae, "spatial_compression_ratio") else 8
                 lat_t = (frames - 1) // 4 + 1
                 z = torch.randn(1, cfg.z_dim, lat_t, size // spatial, size // spatial, generator=g).to(dt)
                 return vae.decode(z).sample.float()
@@ -119,7 +123,12 @@ def _run_vae(vae, seed: int, *, frames: int = 5, size: int = 32, tiled: bool = F
             vae.disable_tiling()
 
 
-_VAE_SPACE = {"frames": (1, 5, 9), "size": (32, 64), "tiled": (False, True), "dtype": ("float32", "bfloat16"), "mode": ("roundtrip", "decode")}
+def _spatial_factor(vae) -> int:
+    """Pixels per latent pixel: 8, times the patch size of the Wan2.2 VAE (2)."""
+    return int(getattr(vae.config, "scale_factor_spatial", None) or 8 * (getattr(vae.config, "patch_size", None) or 1))
+
+
+_VAE_SPACE = {"frames": (1, 5), "size": (32,), "tiled": (False, True), "dtype": ("float32", "bfloat16"), "mode": ("roundtrip", "decode")}
 
 # ------------------------------------------------------------------------------------ diffusers DiTs
 
