@@ -26,7 +26,8 @@ budget is spent; ``MPSBOOST_MOE_COMPILED=0/1`` turns stage 6 off/on (default: on
 ``MPSBOOST_MOE_STAGES`` (comma list of sweep, sync, model, greedy, compiled; default all) and
 ``MPSBOOST_MOE_SWEEP_MAX`` (largest token count of the sweep) shorten a run, e.g. for a CPU sweep;
 ``MPSBOOST_MOE_COMPILED_LAYERS`` (comma list, default "8,48" at size real) and
-``MPSBOOST_MOE_COMPILED_VARIANTS`` (default "mpsboost,stock") pick the compiled runs.
+``MPSBOOST_MOE_COMPILED_VARIANTS`` (default "mpsboost,stock") pick the compiled runs;
+``MPSBOOST_MOE_CLOCK=process`` times the CPU sweep by process CPU time (a CPU shared with other jobs).
 """
 from __future__ import annotations
 
@@ -187,6 +188,8 @@ def _sweep(run: _Run, s: dict, dtype: torch.dtype) -> dict[tuple[str, int], floa
     env = _env(dev, dtype)
     times: dict[tuple[str, int], float] = {}
     variants = ["transformers:eager", "transformers:batched_mm", STOCK] + ["mpsboost:grouped_mm", "mpsboost:batched_mm", "mpsboost:fallback", "mpsboost"]
+    if dev == "cpu":
+        variants.insert(-1, "mpsboost:cpu_loop")
     sweep_max = int(os.environ.get("MPSBOOST_MOE_SWEEP_MAX", "1000000"))
     for n in [n for n in s["sweep"] if n <= sweep_max]:
         if run.left() < 0:
@@ -203,7 +206,10 @@ def _sweep(run: _Run, s: dict, dtype: torch.dtype) -> dict[tuple[str, int], floa
                 if ref is None:
                     ref = out.float()
                 eager_reps = 5 if v == "transformers:eager" else 15
-                t = time_fn(fn, device=dev, warmup=2, repeats=eager_reps)
+                if dev == "cpu" and os.environ.get("MPSBOOST_MOE_CLOCK") == "process":
+                    t = _process_time(fn, warmup=1, repeats=eager_reps)
+                else:
+                    t = time_fn(fn, device=dev, warmup=2, repeats=eager_reps)
                 ops = {"experts_call": t.op_time()}
                 if dev.startswith("cuda") and v.startswith("mpsboost"):
                     g = time_fn(fn, device=dev, warmup=2, repeats=15, cuda_graph="auto")
@@ -219,6 +225,21 @@ def _sweep(run: _Run, s: dict, dtype: torch.dtype) -> dict[tuple[str, int], floa
     _set_variant(m, "transformers:grouped_mm")
     del m
     return times
+
+
+def _process_time(fn: Callable[[], Any], *, warmup: int, repeats: int):
+    """CPU time of this process per call (``time.process_time``), for a CPU shared with other jobs:
+    unlike wall-clock time it does not count the time other processes hold the cores."""
+    from mpsboost.bench.timing import _summarise
+
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        samples.append(time.process_time() - t0)
+    return _summarise(samples, calls=1, warmup=warmup, method="process_time")
 
 
 def _threshold(times: dict[tuple[str, int], float], s: dict) -> int:

@@ -148,6 +148,8 @@ def test_choose_path_thresholds():
     assert moe.choose_path(8, native=True, batched_max_tokens=16, compiling=False) == "batched_mm"
     assert moe.choose_path(17, native=True, batched_max_tokens=16, compiling=False) == "grouped_mm"
     assert moe.choose_path(17, native=False, batched_max_tokens=16, compiling=False) == "fallback"
+    assert moe.choose_path(17, native=False, batched_max_tokens=16, compiling=False, device_type="cpu") == "cpu_loop"
+    assert moe.choose_path(17, native=False, batched_max_tokens=16, compiling=True, device_type="cpu") == "fallback"
     assert moe.choose_path(40, native=True, batched_max_tokens=16, compiled_batched_max_tokens=64, compiling=True) == "batched_mm"
     assert moe.choose_path(1, native=True, batched_max_tokens=0, compiling=False) == "grouped_mm"
     for dev in ("cpu", "cuda", "mps"):

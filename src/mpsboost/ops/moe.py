@@ -46,11 +46,14 @@ __all__ = [
 ]
 
 # The three ways to run routed experts, and the words the patch report uses for them.
-PATHS = ("grouped_mm", "batched_mm", "fallback")
+PATHS = ("grouped_mm", "batched_mm", "fallback", "cpu_loop")
 BACKING = {
     "grouped_mm": "grouped_mm, offsets on device",
     "batched_mm": "batched_mm",
     "fallback": "sync-free fallback",
+    # CPU tensors only: reading offsets there is no device synchronisation, and one matmul per
+    # expert beats the dense fallback by far (measured, benchmarks/results/moe-cpu-*.jsonl).
+    "cpu_loop": "per-expert loop (CPU, offsets read on the host)",
 }
 
 # Rows per chunk of the dense fallback: bounds its [E, rows, out] intermediate. A constant (not a
@@ -297,6 +300,8 @@ def grouped_linear(
     * ``"batched_mm"``: gathers each row's expert weight (needs ``expert_of_sorted``); rows need not
       be sorted. Cheapest for a handful of rows (decoding).
     * ``"fallback"``: dense over all experts, then each row's pick (needs ``expert_of_sorted``).
+    * ``"cpu_loop"``: CPU tensors only: one ``mm`` per expert, group bounds read from ``offsets``
+      on the host (no device exists to synchronise with). Not traceable by ``torch.compile``.
 
     ``expert_of_sorted`` is also needed for ``bias``. ``batched_form`` picks the batched_mm
     formulation (see ``_batched_rows``). ``sentinels=False`` promises every id is < E and saves the
@@ -318,6 +323,18 @@ def grouped_linear(
                 "use path='batched_mm' or 'fallback'"
             )
         out = fn(x, _as_kn(weight, transposed), offs=offsets)
+    elif path == "cpu_loop":
+        if offsets is None or x.device.type != "cpu" or offsets.device.type != "cpu":
+            raise ValueError("grouped_linear(path='cpu_loop') needs CPU tensors and offsets; on a device use 'fallback'")
+        w_kn = _as_kn(weight, transposed)
+        pieces, start = [], 0
+        for e, end in enumerate(offsets.tolist()):  # host memory: no device to wait for
+            if end > start:
+                pieces.append(x[start:end] @ w_kn[e])
+            start = end
+        if start < x.shape[0]:  # rows of no expert (sentinels): zeros
+            pieces.append(x.new_zeros(x.shape[0] - start, w_kn.shape[-1]))
+        out = torch.cat(pieces) if pieces else x.new_zeros(0, w_kn.shape[-1])
     elif path in ("batched_mm", "fallback"):
         if expert_of_sorted is None:
             raise ValueError(f"grouped_linear(path={path!r}) needs expert_of_sorted (each row's expert id)")
@@ -484,8 +501,13 @@ THRESHOLDS: dict[tuple[str, str], Thresholds] = {
     ("cuda", "native"): Thresholds(32, 64, "measured on an H200 (benchmarks/results/moe-cuda-2026-11-29.jsonl)", "fused"),
     # Same sweep: batched_mm 184/468 us vs the sync-free fallback 316/331 us at 8/64 routed tokens.
     ("cuda", "no_native"): Thresholds(32, 64, "measured on an H200 (benchmarks/results/moe-cuda-2026-11-29.jsonl)", "fused"),
-    ("cpu", "native"): Thresholds(16, 64, "to be measured on CPU (benchmarks/moe.py sweep)"),
-    ("cpu", "no_native"): Thresholds(64, 64, "dense fallback above it"),
+    # CPU (2 cores, shared), torch 2.13.0+cpu, bf16, one thread, process CPU time per call
+    # (benchmarks/results/moe-cpu-2026-11-29.jsonl): batched_mm 53/132/262 ms vs grouped_mm 9/17/30 ms
+    # at 8/16/32 routed tokens: gathering weight copies never pays on CPU. Compiled: not measured; the
+    # fused gather-GEMV reads each selected expert once, while fp32 (no grouped_mm under compile) would
+    # otherwise take the dense fallback (117 ms at 8 routed tokens, eager).
+    ("cpu", "native"): Thresholds(0, 64, "measured on CPU (benchmarks/results/moe-cpu-2026-11-29.jsonl)", "fused"),
+    ("cpu", "no_native"): Thresholds(0, 64, "measured on CPU (benchmarks/results/moe-cpu-2026-11-29.jsonl): per-expert loop", "fused"),
     # MPS, torch >= 2.15 (native grouped_mm, pytorch#194917/#194933): not measured on Apple hardware.
     # batched_mm moves each selected expert's weights three times (gather read, copy write, bmm read),
     # grouped_mm once, and unified memory makes bytes the cost: grouped_mm from the first token.
@@ -505,15 +527,19 @@ def thresholds_for(device_type: str, native: bool) -> Thresholds:
 
 
 def choose_path(num_pairs: int, *, native: bool, batched_max_tokens: int, compiled_batched_max_tokens: int | None = None,
-                compiling: bool | None = None) -> str:
+                compiling: bool | None = None, device_type: str = "") -> str:
     """The path for one experts call of ``num_pairs`` routed pairs.
 
     ``native``: the gate allows the native grouped matmul here and :func:`native_grouped_mm_ok`
-    holds for these tensors. A static decision (shapes only), so no host sync.
+    holds for these tensors. A static decision (shapes only), so no host sync. Without a native
+    kernel, CPU tensors in eager mode take the per-expert loop (nothing to synchronise with on the
+    host); everything else, and CPU under ``torch.compile``, takes the sync-free fallback.
     """
     if compiling is None:
         compiling = _compiling()
     bound = compiled_batched_max_tokens if (compiling and compiled_batched_max_tokens is not None) else batched_max_tokens
     if num_pairs <= bound:
         return "batched_mm"
-    return "grouped_mm" if native else "fallback"
+    if native:
+        return "grouped_mm"
+    return "cpu_loop" if device_type == "cpu" and not compiling else "fallback"

@@ -19,7 +19,8 @@ Options (``mpsboost.patch(m, options={"moe_experts": {...}})``):
 ``batched_max_tokens`` (int >= 0): routed pairs at or below which batched_mm runs in eager mode;
 ``compiled_batched_max_tokens`` (int >= 0): the same while ``torch.compile`` traces;
 ``compiled_batched_form`` ("fused", "bmm"): the batched_mm formulation while ``torch.compile`` traces;
-``path`` ("auto", "grouped_mm", "batched_mm", "fallback"): force one path for every call.
+``path`` ("auto", "grouped_mm", "batched_mm", "fallback", "cpu_loop"): force one path for every call
+(a forced path that cannot run on these tensors falls back to one that can).
 Defaults: :data:`mpsboost.ops.moe.THRESHOLDS`.
 """
 from __future__ import annotations
@@ -70,6 +71,7 @@ class _Choice:
     batched_max_tokens: int
     compiled_batched_max_tokens: int
     forced: str | None  # a path the user forced, or None for auto
+    device_type: str
     histc_int: bool
     compiled_form: str  # batched_mm formulation under torch.compile: "fused" or "bmm"
 
@@ -81,12 +83,17 @@ class _Choice:
     def path(self, num_pairs: int, x: torch.Tensor, weight_kn: torch.Tensor) -> str:
         # Static facts only: shapes, dtype, strides, whether dynamo is tracing.
         native = self.native and moe_ops.native_grouped_mm_ok(x.to(weight_kn.dtype), weight_kn)
+        on_cpu = x.device.type == "cpu"
         if self.forced is not None:
             if self.forced == "grouped_mm" and not native:
-                return "fallback"  # a forced native path that cannot run here must not crash
+                # A forced native path that cannot run here must not crash.
+                return "cpu_loop" if on_cpu and not moe_ops._compiling() else "fallback"
+            if self.forced == "cpu_loop" and (not on_cpu or moe_ops._compiling()):
+                return "fallback"
             return self.forced
         return moe_ops.choose_path(num_pairs, native=native, batched_max_tokens=self.batched_max_tokens,
-                                   compiled_batched_max_tokens=self.compiled_batched_max_tokens)
+                                   compiled_batched_max_tokens=self.compiled_batched_max_tokens,
+                                   device_type=x.device.type)
 
 
 def _int_option(options: Mapping[str, Any], key: str, default: int) -> int:
@@ -248,6 +255,7 @@ class MoeExperts(Recipe):
             batched_max_tokens=_int_option(options, "batched_max_tokens", thr.batched_max_tokens),
             compiled_batched_max_tokens=_int_option(options, "compiled_batched_max_tokens", thr.compiled_batched_max_tokens),
             forced=None if forced == "auto" else forced,
+            device_type=env.device_type,
             histc_int=check("histc_int", env).ok,
             compiled_form=options.get("compiled_batched_form", thr.compiled_batched_form),
         )
@@ -284,8 +292,11 @@ class MoeExperts(Recipe):
                 bad = [n for n in (width, w_kn.shape[-1]) if (n * es) % 16]
                 if bad or w_kn.stride(-2) * es % 16 and w_kn.stride(-1) * es % 16:
                     native, limit = False, f"; CPU grouped_mm needs row strides that are multiples of 16 bytes, widths {sorted(set(bad))} x {es} bytes are not"
-        large = choice.forced or ("grouped_mm" if native else "fallback")
+        unforced = "grouped_mm" if native else ("cpu_loop" if env.device_type == "cpu" else "fallback")
+        large = choice.forced or unforced
         if choice.forced == "grouped_mm" and not native:
+            large = unforced
+        if choice.forced == "cpu_loop" and env.device_type != "cpu":
             large = "fallback"
         backing = moe_ops.BACKING[large]
         if choice.forced is None and choice.batched_max_tokens > 0:
