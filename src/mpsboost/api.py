@@ -149,14 +149,13 @@ def _env_for(obj: Any, targets, device: Any) -> Env:
 
 def _check_not_meta(targets) -> None:
     for prefix, root in targets:
-        for t in _tensors(root):
+        for name, t in list(root.named_parameters()) + list(root.named_buffers()):
             if t.device.type == "meta":
-                where = prefix or type(root).__name__
+                where = ".".join(p for p in (prefix, name) if p)
                 raise UnsupportedTargetError(
-                    f"{where} has tensors on the meta device (no data): patch() needs real weights. "
+                    f"{where} is on the meta device (no data): patch() needs real weights. "
                     "Load or materialise the model first; plan() works on meta models."
                 )
-            break
 
 
 # ------------------------------------------------------------------------------------------ selection
