@@ -1,0 +1,165 @@
+"""Benchmark of ``qwen_image_vae``: Qwen-Image VAE encode+decode roundtrips, stock vs mpsboost.
+
+Workloads (size "real": the Qwen-Image VAE config, i.e. the class defaults, random weights):
+
+* ``qwen_image_vae_roundtrip`` of one image at 1024x1024 and 1328x1328, untiled (as the Qwen-Image
+  pipelines run it), and 1024x1024 tiled (36 tiles of 256 px);
+* ``qwen_image_vae_roundtrip_ref``: a 128x128 roundtrip against a CPU fp32 reference.
+
+fp32 and bf16, variants stock and mpsboost (and, on CUDA, mpsboost without the channels-last
+layout), one run. Records: time, pad-call count, correctness (mpsboost vs stock of the same run:
+PSNR and relative error; the reduced roundtrip vs CPU fp32), memory peaks of a separate pass.
+
+    python benchmarks/qwen_image_vae.py --device cuda --size real --out benchmarks/results
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from wan_vae import DTYPES, _ref_with_label, budget_left, cpu_fp32_copy, free, guarded, log, measure, patched, report_rows, stream_record, top_ops  # noqa: E402
+
+from mpsboost.bench import Record, RecordEnv, Workload  # noqa: E402
+
+QWEN_TINY = dict(base_dim=4, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
+                 latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+QWEN_SMALL = dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+
+
+def build_qwen(size: str, device: str) -> torch.nn.Module:
+    from diffusers import AutoencoderKLQwenImage
+
+    cfg = {"real": {}, "small": QWEN_SMALL, "tiny": QWEN_TINY}[size]
+    torch.manual_seed(0)
+    with torch.device(device):
+        vae = AutoencoderKLQwenImage(**cfg)
+    return vae.eval().requires_grad_(False)
+
+
+def roundtrip(vae: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    z = vae.encode(x).latent_dist.mode()
+    return vae.decode(z).sample
+
+
+def _workloads(size: str) -> list[dict]:
+    if size == "real":
+        return [{"label": "1024x1024", "hw": (1024, 1024), "tiled": False},
+                {"label": "1328x1328", "hw": (1328, 1328), "tiled": False},
+                {"label": "1024x1024 tiled", "hw": (1024, 1024), "tiled": True}]
+    if size == "small":
+        return [{"label": "256x256", "hw": (256, 256), "tiled": False}, {"label": "256x256 tiled", "hw": (256, 256), "tiled": True}]
+    return [{"label": "64x64", "hw": (64, 64), "tiled": False}, {"label": "64x64 tiled", "hw": (64, 64), "tiled": True}]
+
+
+def _tiling(vae: torch.nn.Module, size: str, on: bool) -> None:
+    vae.use_tiling = False
+    if on:
+        if size == "real":
+            vae.enable_tiling()
+        else:
+            vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=24, tile_sample_stride_width=24)
+
+
+def _variants(device: str) -> list[tuple[str, list[str] | None, dict | None]]:
+    v: list[tuple[str, list[str] | None, dict | None]] = [("stock", None, None), ("mpsboost", ["qwen_image_vae"] if os.environ.get("MPSBOOST_BENCH_NO_STREAMS") else ["qwen_image_vae", "mps_streams"], None)]
+    if device.startswith("cuda"):
+        v.append(("mpsboost:contiguous", ["qwen_image_vae"], {"qwen_image_vae": {"layout": "contiguous", "fused_norm": False}}))
+    return v
+
+
+def run(device: str, size: str, out: Path) -> list[Record]:
+    records: list[Record] = []
+    vae = build_qwen(size, device)
+    repeats = 5 if size == "real" else 2
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    work = _workloads(size)
+    images = {w["label"]: torch.rand((1, 3, 1, *w["hw"]), generator=gen) * 2 - 1 for w in work}
+    ref_hw = (128, 128) if size != "tiny" else (32, 32)
+    ref_img = torch.rand((1, 3, 1, *ref_hw), generator=gen) * 2 - 1
+
+    log("CPU fp32 reference (reduced roundtrip)")
+    cpu_vae = cpu_fp32_copy(vae)
+    with torch.no_grad():
+        cpu_ref = roundtrip(cpu_vae, ref_img)
+    del cpu_vae
+    free(device)
+
+    for dname, dtype in DTYPES.items():
+        vae.to(dtype)
+        ref_in = ref_img.to(device, dtype)
+        ref_corr: dict[str, Any] = {}
+        for variant, recipes, options in _variants(device):
+            with guarded(f"reduced roundtrip {variant} {dname}"):
+                ctx = patched(vae, recipes, options) if recipes else contextlib.nullcontext(None)
+                with ctx as report:
+                    _tiling(vae, size, False)
+                    wl = Workload("qwen_image_vae_roundtrip_ref", {"image": list(ref_img.shape), "dtype": dname, "tiled": False, "reference": "cpu-fp32"})
+                    rec, _ = measure(workload=wl, variant=variant, device=device, dtype=dtype, fn=lambda: roundtrip(vae, ref_in),
+                                     repeats=repeats, reference=cpu_ref, reference_name="cpu-fp32",
+                                     extra={"patch": report_rows(report) if report else []})
+                    records.append(rec)
+                    ref_corr[variant] = rec.correctness
+        for w in work:
+            if budget_left() < 30:
+                log(f"budget: skipping {w['label']} {dname}")
+                continue
+            x = images[w["label"]].to(device, dtype)
+            wl = Workload("qwen_image_vae_roundtrip", {"image": w["label"], "shape": [1, 3, 1, *w["hw"]], "dtype": dname, "tiled": w["tiled"]})
+            stock_out = None
+            for variant, recipes, options in _variants(device):
+                if variant == "mpsboost:contiguous" and w["label"] != "1024x1024":
+                    continue
+                if variant != "stock" and stock_out is None:
+                    log(f"no stock output for {w['label']} {dname}: skipping {variant}")
+                    continue
+                with guarded(f"{w['label']} {variant} {dname}"):
+                    ctx = patched(vae, recipes, options) if recipes else contextlib.nullcontext(None)
+                    with ctx as report:
+                        _tiling(vae, size, w["tiled"])
+                        if variant == "stock":
+                            rec, stock_out = measure(workload=wl, variant=variant, device=device, dtype=dtype,
+                                                     fn=lambda: roundtrip(vae, x), repeats=repeats)
+                            rec = rec.replace(correctness=_ref_with_label(
+                                ref_corr.get("stock"), f"cpu-fp32, reduced roundtrip {ref_hw[0]}x{ref_hw[1]} (qwen_image_vae_roundtrip_ref)"))
+                        else:
+                            cref = ref_corr.get(variant)
+                            rec, o = measure(workload=wl, variant=variant, device=device, dtype=dtype, fn=lambda: roundtrip(vae, x),
+                                             repeats=repeats, reference=stock_out,
+                                             extra={"patch": report_rows(report), "cpu_ref_reduced": cref.to_dict() if cref else None})
+                            del o
+                        records.append(rec)
+                free(device)
+            del stock_out, x
+            free(device)
+        _tiling(vae, size, False)
+    if device.startswith("cuda") and size == "real" and budget_left() > 45:
+        vae.to(torch.float32)
+        x = images[work[0]["label"]].to(device)
+        for variant, recipes, options in _variants(device)[:2]:
+            with guarded(f"profile {variant}"):
+                ctx = patched(vae, recipes, options) if recipes else contextlib.nullcontext(None)
+                with ctx:
+                    with torch.no_grad():
+                        roundtrip(vae, x)
+                    ops = top_ops(lambda: roundtrip(vae, x), device)
+                rec = Record(workload=Workload("qwen_image_vae_roundtrip_profile", {"image": work[0]["label"], "dtype": "fp32", "tiled": False}),
+                             variant=variant, env=RecordEnv.capture(device, torch.float32), extra={"top_device_ops": ops})
+                stream_record(rec)
+                records.append(rec)
+                log(f"profile {variant}: " + "; ".join(f"{o['op']} {o['self_us'] / 1e3:.1f} ms x{o['calls']}" for o in ops[:8]))
+    del vae
+    free(device)
+    return records
+
+
+if __name__ == "__main__":
+    from mpsboost.bench.cli import script_main
+
+    raise SystemExit(script_main(__file__, run))

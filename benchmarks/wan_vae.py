@@ -1,0 +1,380 @@
+"""Benchmark of ``wan_vae_pad``: the Wan2.2 VAE decode, stock vs mpsboost, fp32 and bf16.
+
+Workloads (size "real": the Wan2.2-TI2V-5B VAE config of FACTS.md, random weights):
+
+* ``wan22_vae_decode`` 480x832, 81 frames (latent 21x30x52), tiled (15 tiles of 256 px, stride 192)
+  and untiled;
+* ``wan22_vae_decode`` 704x1280 tiled (28 tiles), 21 frames (latent 6x44x80): fewer frames than a
+  full clip so that the run fits the device time it is given (the tile count is the real one);
+* ``wan22_vae_decode_ref``: a reduced decode (latent 2x4x4) against a CPU fp32 reference.
+
+Every record keeps the four kinds apart: time (median of repeats after a warm-up), the count of
+``torch.nn.functional.pad`` calls in one decode (counted by wrapping the function in this script
+only), correctness (mpsboost vs stock of the same run; stock vs the CPU fp32 reference of the
+reduced decode), and the memory peaks of a separate pass. Sizes "tiny" and "small" run the same
+code on small configs (tiny finishes in seconds on a CPU).
+
+    python benchmarks/wan_vae.py --device cuda --size real --out benchmarks/results
+    mpsboost bench wan_vae --device cuda --size real
+
+The helpers below are shared by ``qwen_image_vae.py`` and ``mps_streams.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+from unittest import mock
+
+import torch
+
+import mpsboost
+from mpsboost.bench import Record, RecordEnv, Workload, correctness, measure_memory, time_fn
+
+# ------------------------------------------------------------------------------------------ shared
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_T0 = time.monotonic()
+
+
+def budget_left() -> float:
+    """Seconds left of ``MPSBOOST_BENCH_BUDGET_S`` (counted from import); inf when unset."""
+    total = os.environ.get("MPSBOOST_BENCH_BUDGET_S")
+    if not total:
+        return float("inf")
+    return float(total) - (time.monotonic() - _T0)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
+
+
+@contextlib.contextmanager
+def count_pad_calls() -> Iterator[list[int]]:
+    """Count calls of ``torch.nn.functional.pad`` inside the block (diffusers calls it as ``F.pad``;
+    ``nn.ZeroPad2d`` calls it too)."""
+    real = torch.nn.functional.pad
+    counter = [0]
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counter[0] += 1
+        return real(*args, **kwargs)
+
+    with mock.patch("torch.nn.functional.pad", counting):
+        yield counter
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    elif device == "mps":
+        torch.mps.synchronize()
+
+
+def free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    elif device == "mps":
+        torch.mps.empty_cache()
+
+
+def measure(
+    *,
+    workload: Workload,
+    variant: str,
+    device: str,
+    dtype: torch.dtype,
+    fn: Callable[[], torch.Tensor],
+    repeats: int,
+    reference: torch.Tensor | None = None,
+    reference_name: str = "stock",
+    extra: dict | None = None,
+    data_range: float = 2.0,
+) -> tuple[Record, torch.Tensor]:
+    """One workload in one variant: a memory pass (also the warm-up, with the pad count), then
+    ``repeats`` timed calls. Returns the record and the output of the memory pass."""
+    with torch.no_grad():
+        with count_pad_calls() as pads, measure_memory(device) as probe:
+            out = fn()
+        mem = probe.peaks()
+        sync(device)
+        timing = time_fn(fn, device=device, warmup=0, repeats=repeats)
+    corr = None
+    if reference is not None:
+        corr = correctness(out, reference, reference=reference_name, data_range=data_range)
+    rec = Record(
+        workload=workload,
+        variant=variant,
+        env=RecordEnv.capture(device, dtype),
+        throughput=timing.throughput(unit="s/call"),
+        correctness=corr,
+        memory=mem,
+        extra={"pad_calls": pads[0], **(extra or {})},
+    )
+    stream_record(rec)
+    log(f"{workload.describe()} {variant} {str(dtype).replace('torch.', '')}: {timing.median_s:.4f} s/call, "
+        f"{pads[0]} pad calls, peak {mem.tensor_allocated or 0:,} B allocated"
+        + (f", rel err vs {reference_name} {corr.rel_error:.2e}, PSNR {corr.psnr_db:.1f} dB" if corr else ""))
+    return rec, out
+
+
+def stream_record(rec: Record) -> None:
+    """Append ``rec`` at once to ``$MPSBOOST_BENCH_STREAM_JSONL`` when set, so that an interrupted
+    run keeps what it measured."""
+    path = os.environ.get("MPSBOOST_BENCH_STREAM_JSONL")
+    if path:
+        from mpsboost.bench import append_jsonl
+
+        append_jsonl(path, [rec])
+
+
+@contextlib.contextmanager
+def guarded(what: str) -> Iterator[None]:
+    """Run one workload; on an error, log it and carry on with the next (a long device run should
+    not lose every later workload to one failure)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - reported, then the run continues
+        import traceback
+
+        log(f"FAILED {what}: {type(exc).__name__}: {exc}")
+        traceback.print_exc()
+        if os.environ.get("MPSBOOST_BENCH_STRICT"):
+            raise
+
+
+def patched(model: torch.nn.Module, recipes: list[str], options: dict | None = None):
+    """``mpsboost.patched`` for the named recipes; the report's rows go into the records' extra."""
+    return mpsboost.patched(model, recipes=recipes, options=options)
+
+
+def report_rows(report: Any) -> list[dict]:
+    return [{"recipe": r.recipe, "target": r.target, "status": r.status, "backing": r.backing} for r in report.rows]
+
+
+def top_ops(fn: Callable[[], Any], device: str, n: int = 12) -> list[dict]:
+    """The ``n`` operators with the most self device time in one call of ``fn`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with torch.no_grad(), profile(activities=acts) as prof:
+        fn()
+        sync(device)
+    rows = []
+    key = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    for ev in sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)[:n]:
+        rows.append({"op": ev.key, "calls": ev.count, "self_us": round(float(getattr(ev, key, 0.0)), 1)})
+    return rows
+
+
+def summary(paths: list[Path]) -> str:
+    """A short table of every workload: stock vs each variant (time ratio, pads, peaks, error)."""
+    from mpsboost.bench import read_jsonl
+
+    lines = [f"{'workload':58s} {'variant':20s} {'s/call':>8s} {'x stock':>7s} {'pads':>6s} {'alloc GiB':>9s} {'resv GiB':>8s} {'rel err':>8s} {'PSNR':>6s}"]
+    for path in paths:
+        if not Path(path).exists():
+            continue
+        recs = read_jsonl(path)
+        stock = {r.workload.key: r for r in recs if r.variant == "stock" and r.throughput}
+        for r in recs:
+            if r.throughput is None:
+                continue
+            st = stock.get(r.workload.key)
+            ratio = (st.throughput.value / r.throughput.value) if st and r.variant != "stock" else None
+            gib = lambda b: f"{b / 2**30:9.2f}" if b else f"{'-':>9s}"  # noqa: E731
+            c = r.correctness
+            sh = r.workload.shape
+            what = f"{r.workload.name} {sh.get('video') or sh.get('image') or sh.get('label') or sh.get('latent')} {sh.get('dtype', '')}"
+            lines.append(
+                f"{what[:58]:58s} {r.variant[:20]:20s} {r.throughput.value:8.4f} "
+                + (f"{ratio:7.2f}" if ratio else f"{'':>7s}")
+                + f" {r.extra.get('pad_calls', '-'):>6} {gib(r.memory.tensor_allocated if r.memory else None)}"
+                + f" {gib(r.memory.allocator_reserved if r.memory else None)[1:]}"
+                + (f" {c.rel_error:8.1e} {c.psnr_db:6.1f}" if c and c.rel_error is not None and c.psnr_db is not None else "")
+            )
+    return "\n".join(lines)
+
+
+def cpu_fp32_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A stock copy of ``model`` on the CPU in fp32 (the model must not be patched)."""
+    import copy
+
+    if mpsboost.api.is_patched(model):
+        raise RuntimeError("take the CPU reference from the stock (unpatched) model")
+    ref = copy.deepcopy(model).to("cpu", torch.float32).eval()
+    return ref
+
+
+# ------------------------------------------------------------------------------------------ Wan2.2
+
+WAN22_REAL = dict(
+    base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+    temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+    patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+    latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
+)
+WAN22_TINY = dict(
+    base_dim=3, decoder_base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+    temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+    patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+    latents_mean=[0.0] * 16, latents_std=[1.0] * 16,
+)
+WAN22_SMALL = dict(WAN22_TINY, base_dim=16, decoder_base_dim=24, num_res_blocks=2)
+
+
+def build_wan22(size: str, device: str) -> torch.nn.Module:
+    from diffusers import AutoencoderKLWan
+
+    cfg = {"real": WAN22_REAL, "small": WAN22_SMALL, "tiny": WAN22_TINY}[size]
+    torch.manual_seed(0)
+    # Random init directly on the device: 705M parameters initialise in well under a second there.
+    with torch.device(device):
+        vae = AutoencoderKLWan(**cfg)
+    return vae.eval().requires_grad_(False)
+
+
+def wan_workloads(size: str) -> list[dict]:
+    """(name, latent shape, tiled, note) of each decode workload at ``size``."""
+    if size == "real":
+        return [
+            {"label": "480x832x81 tiled", "latent": (1, 48, 21, 30, 52), "tiled": True, "frames": 81},
+            {"label": "480x832x81 untiled", "latent": (1, 48, 21, 30, 52), "tiled": False, "frames": 81},
+            {"label": "704x1280x21 tiled", "latent": (1, 48, 6, 44, 80), "tiled": True, "frames": 21,
+             "note": "21 of 81 frames to fit the device time; 28 tiles as at full length"},
+        ]
+    if size == "small":
+        return [
+            {"label": "128x160x9 tiled", "latent": (1, 16, 3, 8, 10), "tiled": True, "frames": 9},
+            {"label": "128x160x9 untiled", "latent": (1, 16, 3, 8, 10), "tiled": False, "frames": 9},
+        ]
+    return [
+        {"label": "64x96x5 tiled", "latent": (1, 16, 2, 4, 6), "tiled": True, "frames": 5},
+        {"label": "64x96x5 untiled", "latent": (1, 16, 2, 4, 6), "tiled": False, "frames": 5},
+    ]
+
+
+def tiling(vae: torch.nn.Module, size: str, on: bool) -> None:
+    vae.use_tiling = False
+    if on:
+        if size == "real":
+            vae.enable_tiling()  # diffusers' defaults: 256 px tiles, stride 192
+        else:
+            vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32, tile_sample_stride_width=48)
+
+
+def _variants(device: str) -> list[tuple[str, list[str] | None, dict | None]]:
+    v: list[tuple[str, list[str] | None, dict | None]] = [("stock", None, None), ("mpsboost", ["wan_vae_pad"] if os.environ.get("MPSBOOST_BENCH_NO_STREAMS") else ["wan_vae_pad", "mps_streams"], None)]
+    if device.startswith("cuda"):
+        # What the channels-last layout and the fused norm add on top of the fold and the tile loop.
+        v.append(("mpsboost:contiguous", ["wan_vae_pad"], {"wan_vae_pad": {"layout": "contiguous", "fused_norm": False}}))
+    return v
+
+
+def _ref_with_label(c: Any, label: str) -> Any:
+    return None if c is None else c.__class__(**{**c.to_dict(), "reference": label})
+
+
+def run(device: str, size: str, out: Path) -> list[Record]:
+    records: list[Record] = []
+    vae = build_wan22(size, device)
+    repeats = 2
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    work = wan_workloads(size)
+    latents = {w["label"]: torch.randn(w["latent"], generator=gen) for w in work}
+    ref_shape = (1, vae.config.z_dim, 2, 4, 4) if size != "tiny" else (1, vae.config.z_dim, 2, 2, 2)
+    ref_latent = torch.randn(ref_shape, generator=gen)
+    ref_label = "x".join(str(d) for d in ref_shape[2:])
+
+    # CPU fp32 reference of a reduced decode (stock model), taken before anything is patched.
+    log("CPU fp32 reference (reduced decode)")
+    cpu_vae = cpu_fp32_copy(vae)
+    with torch.no_grad():
+        cpu_ref = cpu_vae.decode(ref_latent).sample
+    del cpu_vae
+    free(device)
+
+    for dname, dtype in DTYPES.items():
+        vae.to(dtype)
+        ref_in = ref_latent.to(device, dtype)
+        ref_corr: dict[str, Any] = {}
+        for variant, recipes, options in _variants(device):
+            with guarded(f"reduced decode {variant} {dname}"):
+                ctx = patched(vae, recipes, options) if recipes else contextlib.nullcontext(None)
+                with ctx as report:
+                    tiling(vae, size, False)
+                    wl = Workload("wan22_vae_decode_ref", {"latent": list(ref_shape), "dtype": dname, "tiled": False, "reference": "cpu-fp32"})
+                    rec, _ = measure(workload=wl, variant=variant, device=device, dtype=dtype,
+                                     fn=lambda: vae.decode(ref_in).sample, repeats=repeats, reference=cpu_ref,
+                                     reference_name="cpu-fp32", extra={"patch": report_rows(report) if report else []})
+                    records.append(rec)
+                    ref_corr[variant] = rec.correctness
+        for w in work:
+            if budget_left() < 60:
+                log(f"budget: skipping {w['label']} {dname}")
+                continue
+            z = latents[w["label"]].to(device, dtype)
+            shape = {"video": w["label"], "latent": list(w["latent"]), "dtype": dname, "tiled": w["tiled"], "frames": w["frames"]}
+            if "note" in w:
+                shape["note"] = w["note"]
+            wl = Workload("wan22_vae_decode", shape)
+            stock_out = None
+            for variant, recipes, options in _variants(device):
+                if variant == "mpsboost:contiguous" and not (w["tiled"] and w["frames"] == 81):
+                    continue
+                if variant != "stock" and stock_out is None:
+                    log(f"no stock output for {w['label']} {dname}: skipping {variant}")
+                    continue
+                with guarded(f"{w['label']} {variant} {dname}"):
+                    ctx = patched(vae, recipes, options) if recipes else contextlib.nullcontext(None)
+                    with ctx as report:
+                        tiling(vae, size, w["tiled"])
+                        if variant == "stock":
+                            rec, stock_out = measure(workload=wl, variant=variant, device=device, dtype=dtype,
+                                                     fn=lambda: vae.decode(z).sample, repeats=repeats)
+                            # The stock record's correctness: the reduced decode against CPU fp32.
+                            rec = rec.replace(correctness=_ref_with_label(
+                                ref_corr.get("stock"), f"cpu-fp32, reduced decode of latent {ref_label} (wan22_vae_decode_ref)"))
+                        else:
+                            cref = ref_corr.get(variant)
+                            rec, o = measure(workload=wl, variant=variant, device=device, dtype=dtype,
+                                             fn=lambda: vae.decode(z).sample, repeats=repeats, reference=stock_out,
+                                             extra={"patch": report_rows(report), "cpu_ref_reduced": cref.to_dict() if cref else None})
+                            del o
+                        records.append(rec)
+                free(device)
+            del stock_out, z
+            free(device)
+        tiling(vae, size, False)
+    if device.startswith("cuda") and size == "real" and budget_left() > 90:
+        # Where the time goes: one profile of a 2-frame tiled decode per variant.
+        vae.to(torch.float32)
+        z = latents[work[0]["label"]][:, :, :2].to(device)
+        tiling(vae, size, True)
+        for variant, recipes, options in _variants(device)[:2]:
+            with guarded(f"profile {variant}"):
+                ctx = patched(vae, recipes, options) if recipes else contextlib.nullcontext(None)
+                with ctx:
+                    with torch.no_grad():
+                        vae.decode(z)
+                    ops = top_ops(lambda: vae.decode(z), device)
+                rec = Record(workload=Workload("wan22_vae_decode_profile", {"latent": list(z.shape), "dtype": "fp32", "tiled": True}),
+                             variant=variant, env=RecordEnv.capture(device, torch.float32), extra={"top_device_ops": ops})
+                stream_record(rec)
+                records.append(rec)
+                log(f"profile {variant}: " + "; ".join(f"{o['op']} {o['self_us'] / 1e3:.1f} ms x{o['calls']}" for o in ops[:8]))
+    del vae
+    free(device)
+    return records
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from mpsboost.bench.cli import script_main
+
+    raise SystemExit(script_main(__file__, run))
