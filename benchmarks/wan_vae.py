@@ -351,7 +351,7 @@ def run(device: str, size: str, out: Path) -> list[Record]:
             del stock_out, z
             free(device)
         tiling(vae, size, False)
-    if device.startswith("cuda") and size == "real" and budget_left() > 90:
+    if device.startswith("cuda") and size == "real" and budget_left() > 40:
         # Where the time goes: one profile of a 2-frame tiled decode per variant.
         vae.to(torch.float32)
         z = latents[work[0]["label"]][:, :, :2].to(device)
