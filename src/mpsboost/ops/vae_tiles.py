@@ -61,6 +61,26 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+_WEIGHTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _blend_weights(e: int, dtype: torch.dtype, device: torch.device, trailing: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blend weights ``1 - y/e`` and ``y/e`` (y < e) as Python computes them, cast to ``dtype``,
+    on ``device``, shaped to broadcast over ``trailing`` axes. Cached: a host-to-device copy of
+    pageable memory synchronises the stream, which must not happen once per tile."""
+    key = (e, dtype, device.type, device.index, trailing)
+    hit = _WEIGHTS.get(key)
+    if hit is None:
+        shape = [e] + [1] * trailing
+        w_a = torch.tensor([1 - y / e for y in range(e)], dtype=torch.float64).to(dtype).reshape(shape)
+        w_b = torch.tensor([y / e for y in range(e)], dtype=torch.float64).to(dtype).reshape(shape)
+        hit = (w_a.to(device), w_b.to(device))
+        if len(_WEIGHTS) > 256:  # tile sizes are few; keep the cache from growing without bound
+            _WEIGHTS.clear()
+        _WEIGHTS[key] = hit
+    return hit
+
+
 def blend_(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> None:
     """diffusers' ``blend_v`` (``dim=-2``) / ``blend_h`` (``dim=-1``), in place on ``b``, vectorised.
 
@@ -73,12 +93,7 @@ def blend_(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> None:
     e = min(a.shape[dim], b.shape[dim], extent)
     if e <= 0:
         return
-    op = _opmath(b.dtype)
-    w_b = torch.tensor([y / e for y in range(e)], dtype=torch.float64).to(op)
-    w_a = torch.tensor([1 - y / e for y in range(e)], dtype=torch.float64).to(op)
-    shape = [e] + [1] * (-dim - 1)
-    w_a = w_a.reshape(shape).to(b.device)
-    w_b = w_b.reshape(shape).to(b.device)
+    w_a, w_b = _blend_weights(e, _opmath(b.dtype), b.device, -dim - 1)
     a_part = a.narrow(dim, a.shape[dim] - e, e)
     b_part = b.narrow(dim, 0, e)
     mixed = (a_part * w_a).to(b.dtype) + (b_part * w_b).to(b.dtype)
