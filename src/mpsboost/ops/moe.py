@@ -501,11 +501,13 @@ THRESHOLDS: dict[tuple[str, str], Thresholds] = {
     ("cuda", "native"): Thresholds(32, 64, "measured on an H200 (benchmarks/results/moe-cuda-2026-11-29.jsonl)", "fused"),
     # Same sweep: batched_mm 184/468 us vs the sync-free fallback 316/331 us at 8/64 routed tokens.
     ("cuda", "no_native"): Thresholds(32, 64, "measured on an H200 (benchmarks/results/moe-cuda-2026-11-29.jsonl)", "fused"),
-    # CPU (2 cores, shared), torch 2.13.0+cpu, bf16, one thread, process CPU time per call
-    # (benchmarks/results/moe-cpu-2026-11-29.jsonl): batched_mm 53/132/262 ms vs grouped_mm 9/17/30 ms
-    # at 8/16/32 routed tokens: gathering weight copies never pays on CPU. Compiled: not measured; the
-    # fused gather-GEMV reads each selected expert once, while fp32 (no grouped_mm under compile) would
-    # otherwise take the dense fallback (117 ms at 8 routed tokens, eager).
+    # CPU (2 shared cores), torch 2.13.0+cpu, bf16, one thread, process CPU time per call, Qwen3-30B-A3B
+    # experts shape (benchmarks/results/moe-cpu-2026-11-29.jsonl; command in its .log): batched_mm
+    # 51/121/259 ms vs grouped_mm 8.5/17.2/30.1 ms at 8/16/32 routed tokens: gathering weight copies
+    # never pays on CPU. Without a usable grouped_mm (torch < 2.10, or odd widths), the per-expert loop
+    # (9.1/16.7/29.4 ms) beats the dense fallback (119/106/117 ms). Compiled: not measured; the fused
+    # gather-GEMV reads each selected expert once, while fp32 (no grouped_mm under compile) would
+    # otherwise take the dense fallback.
     ("cpu", "native"): Thresholds(0, 64, "measured on CPU (benchmarks/results/moe-cpu-2026-11-29.jsonl)", "fused"),
     ("cpu", "no_native"): Thresholds(0, 64, "measured on CPU (benchmarks/results/moe-cpu-2026-11-29.jsonl): per-expert loop", "fused"),
     # MPS, torch >= 2.15 (native grouped_mm, pytorch#194917/#194933): not measured on Apple hardware.

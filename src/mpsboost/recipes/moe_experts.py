@@ -71,7 +71,6 @@ class _Choice:
     batched_max_tokens: int
     compiled_batched_max_tokens: int
     forced: str | None  # a path the user forced, or None for auto
-    device_type: str
     histc_int: bool
     compiled_form: str  # batched_mm formulation under torch.compile: "fused" or "bmm"
 
@@ -210,7 +209,7 @@ def _jetmoe_experts_forward(choice: _Choice):
 @register
 class MoeExperts(Recipe):
     name = NAME
-    summary = "routed experts by one grouped matmul with offsets on the device; grouped_mm / batched_mm / sync-free fallback per call"
+    summary = "routed experts by one grouped matmul with offsets on the device; grouped_mm / batched_mm / sync-free fallback (CPU: per-expert loop) chosen per call"
     targets = (
         # Found by transformers' use_experts_implementation decorator (every such class), e.g.:
         "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts",
@@ -255,7 +254,6 @@ class MoeExperts(Recipe):
             batched_max_tokens=_int_option(options, "batched_max_tokens", thr.batched_max_tokens),
             compiled_batched_max_tokens=_int_option(options, "compiled_batched_max_tokens", thr.compiled_batched_max_tokens),
             forced=None if forced == "auto" else forced,
-            device_type=env.device_type,
             histc_int=check("histc_int", env).ok,
             compiled_form=options.get("compiled_batched_form", thr.compiled_batched_form),
         )
