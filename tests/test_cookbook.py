@@ -1,0 +1,89 @@
+"""The cookbook (recipes/*.py) in its tiny offline mode, as a user runs it: subprocesses, real output.
+
+Each script builds its real architecture from the shipped tiny config with random weights, runs the
+job stock and patched, prints the patch report and the records, and writes them as JSON Lines; the
+records must carry all four sections (throughput, operator time, correctness, memory) and the
+correctness of the lossless recipes must be at rounding level.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpsboost.bench import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+SCRIPTS = {
+    "wan22_video": ["wan22_video"],
+    "qwen_image": ["qwen_image_vae_roundtrip", "qwen_image_generate"],
+    "qwen3_moe_chat": ["qwen3_moe_chat"],
+    "fp8_any": ["fp8_any"],
+}
+
+
+def _run(script: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, str(RECIPES / f"{script}.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_every_cookbook_script_is_tested():
+    scripts = {p.stem for p in RECIPES.glob("*.py") if not p.name.startswith("_")}
+    assert scripts == set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_script_runs_offline_and_writes_the_four_records(script, tmp_path):
+    proc = _run(script, "--random-weights", "tiny", "--device", "cpu", "--repeats", "1", "--warmup", "0",
+                "--out", str(tmp_path), "--plan", "mps:2.14.1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "mpsboost plan for" in out and "torch 2.14.1 on mps" in out  # --plan: the simulated dry run
+    assert "mpsboost patch for" in out  # the patch report of this machine
+    records = read_jsonl(tmp_path / f"{script}.jsonl")
+    by_workload: dict = {}
+    for r in records:
+        by_workload.setdefault(r.workload.name, {})[r.variant] = r
+    assert set(by_workload) == set(SCRIPTS[script])
+    for name, variants in by_workload.items():
+        assert "stock" in variants and len(variants) == 2, variants.keys()
+        patched = next(v for k, v in variants.items() if k != "stock")
+        for r in variants.values():
+            assert r.throughput is not None and r.throughput.value > 0
+            assert r.memory is not None and r.memory.driver_level is not None
+            assert r.env.device_type == "cpu"
+            assert "random" in str(r.workload.shape.get("weights", r.workload.shape.get("model")))
+        assert patched.correctness is not None
+        if name != "qwen_image_generate":
+            assert patched.op_time, f"{name}: no operator time"
+        tol = 0.1 if script == "fp8_any" else 1e-4  # fp8 storage is lossy; the rest is lossless
+        assert patched.correctness.rel_error <= tol, (name, patched.correctness)
+    if script == "fp8_any":
+        assert "reloaded output identical to the converted model: True" in out
+        assert patched.extra["weight_bytes_fp8"] < patched.extra["weight_bytes_stock"]
+
+
+def test_fp8_any_saves_where_asked_and_reloads_other_architectures(tmp_path):
+    target = tmp_path / "wan.fp8.safetensors"
+    proc = _run("fp8_any", "--random-weights", "tiny", "--arch", "wan_transformer", "--granularity", "tensorwise",
+                "--repeats", "1", "--warmup", "0", "--save", str(target))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert target.is_file() and target.stat().st_size > 0
+    assert "reloaded output identical to the converted model: True" in proc.stdout
+
+
+def test_missing_local_model_fails_with_a_clear_message(tmp_path):
+    missing = tmp_path / "no-such-model"
+    proc = _run("qwen3_moe_chat", "--model", str(missing), "--device", "cpu", timeout=60)
+    assert proc.returncode != 0
+    assert str(missing) in proc.stderr or "no-such-model" in proc.stderr
+
+
+def test_model_and_random_weights_exclude_each_other():
+    proc = _run("wan22_video", "--model", "x", "--random-weights", "tiny", timeout=60)
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
