@@ -64,7 +64,7 @@ def _roots(obj: Any) -> list[tuple[str, torch.nn.Module]]:
 def _converted(obj: Any) -> Iterator[tuple[str, torch.nn.Module, tuple[str, ...], Any]]:
     """(report path, module, tensor names, recipe state) of every module whose weights fp8_weights converted."""
     from .recipes.fp8_weights import _expert_weight_names
-    from .registry import ATTR, _join
+    from .registry import ATTR, join_path
 
     for prefix, root in _roots(obj):
         for name, mod in root.named_modules():
@@ -73,11 +73,11 @@ def _converted(obj: Any) -> Iterator[tuple[str, torch.nn.Module, tuple[str, ...]
             if state is None or not state.converted:
                 continue
             names = ("weight",) if isinstance(mod, torch.nn.Linear) else _expert_weight_names(mod)
-            yield _join(prefix, name), mod, names, state
+            yield join_path(prefix, name), mod, names, state
 
 
 def _module_at(obj: Any, path: str) -> torch.nn.Module | None:
-    from .registry import _join
+    from .registry import join_path
 
     for prefix, root in _roots(obj):
         if prefix and not (path == prefix or path.startswith(prefix + ".")):

@@ -41,6 +41,7 @@ __all__ = [
     "all_recipes",
     "class_path",
     "matches_class",
+    "join_path",
     "bind_forward",
     "ATTR",
 ]
@@ -158,7 +159,7 @@ class Recipe:
         """Every module under ``root`` whose class matches ``targets`` (MRO by class path)."""
         for name, mod in root.named_modules():
             if matches_class(mod, self.targets):
-                yield Match(mod, _join(prefix, name))
+                yield Match(mod, join_path(prefix, name))
 
     # ------------------------------------------------------------------ deciding
     def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
@@ -185,11 +186,14 @@ class Recipe:
         return f"<recipe {self.name}>"
 
 
-def _join(prefix: str, name: str) -> str:
+def join_path(prefix: str, name: str) -> str:
+    """The dotted report path of module ``name`` under a component ``prefix`` (for custom ``find``)."""
     if not prefix:
         return name or "<root>"
     return f"{prefix}.{name}" if name else prefix
 
+
+_join = join_path  # former private name, kept for recipes written against it
 
 _REGISTRY: dict[str, Recipe] = {}
 

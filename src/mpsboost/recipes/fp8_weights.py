@@ -49,7 +49,7 @@ import torch
 from ..gate import Env, check
 from ..ops import fp8 as fp8_ops
 from ..ops import fp8_moe
-from ..registry import Decision, Match, Recipe, Undo, _join, bind_forward, original_forward, register
+from ..registry import Decision, Match, Recipe, Undo, join_path, bind_forward, original_forward, register
 
 NAME = "fp8_weights"
 log = logging.getLogger("mpsboost")
@@ -336,7 +336,7 @@ class Fp8Weights(Recipe):
                 skip = "expert-parallel experts (sentinel routing across ranks) are not converted"
             if skip is None and kind == "experts" and any(t.dim() != 3 for _, t in tensors):
                 skip = "expert weights are not 3-D [E, out, in] stacks"
-            yield Match(mod, _join(prefix, name), {"kind": kind, "skip": skip,
+            yield Match(mod, join_path(prefix, name), {"kind": kind, "skip": skip,
                                                    "lm_head": skip is not None and skip.startswith("output embedding")})
 
     # ------------------------------------------------------------------ deciding

@@ -33,7 +33,7 @@ import torch
 
 from ..gate import Env, check
 from ..ops import moe as moe_ops
-from ..registry import Decision, Match, Recipe, Undo, _join, bind_forward, matches_class, register
+from ..registry import Decision, Match, Recipe, Undo, join_path, bind_forward, matches_class, register
 
 NAME = "moe_experts"
 
@@ -231,13 +231,13 @@ class MoeExperts(Recipe):
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
         for name, mod in root.named_modules():
             if _is_hf_experts(mod):
-                yield Match(mod, _join(prefix, name), {"kind": "hf"})
+                yield Match(mod, join_path(prefix, name), {"kind": "hf"})
             elif matches_class(mod, (_DBRX,)):
-                yield Match(mod, _join(prefix, name), {"kind": "dbrx"})
+                yield Match(mod, join_path(prefix, name), {"kind": "dbrx"})
             elif matches_class(mod, (_STEP3P7,)):
-                yield Match(mod, _join(prefix, name), {"kind": "stacked"})
+                yield Match(mod, join_path(prefix, name), {"kind": "stacked"})
             elif matches_class(mod, _JETMOE):
-                yield Match(mod, _join(prefix, name), {"kind": "jetmoe"})
+                yield Match(mod, join_path(prefix, name), {"kind": "jetmoe"})
 
     # ------------------------------------------------------------------ deciding
     def _choice(self, env: Env, options: Mapping[str, Any]) -> tuple[_Choice, str]:
