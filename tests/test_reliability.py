@@ -272,15 +272,16 @@ def test_meta_device_model_plans_but_is_not_patched(model_name):
     assert all(after[k][0] == before[k][0] and after[k][1] is before[k][1] for k in before)
 
 
-@pytest.mark.xfail(strict=True, reason="api._check_not_meta looks at the first tensor of each root only; "
-                   "a partly loaded model (meta tensors after the first) is patched. Remove this mark once fixed.")
-def test_partly_meta_model_is_refused():
+def test_partly_meta_model_is_refused_naming_the_tensor():
     model = _lm()
     # The embedding (first parameter) is real; the last layer is left on the meta device, as when a
     # checkpoint was loaded only in part into a model built under init_empty_weights.
     model.model.layers[-1].to_empty(device="meta")
-    with pytest.raises(UnsupportedTargetError, match="meta"):
+    before = tm.snapshot(model)
+    with pytest.raises(UnsupportedTargetError, match="meta") as info:
         mpsboost.patch(model, device=mpsboost.Env.simulate("mps", "2.14.1"))
+    assert f"layers.{len(model.model.layers) - 1}." in str(info.value)
+    assert not tm.diff_snapshot(before, tm.snapshot(model))
 
 
 # ---------------------------------------------------------------------------------- fp8 files

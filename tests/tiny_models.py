@@ -452,7 +452,8 @@ def snapshot(obj: Any) -> dict:
                 if p is None:
                     tensors[f"{key}:{pname}"] = (None,)
                     continue
-                tensors[f"{key}:{pname}"] = (id(p), p.dtype, p.device, tuple(p.shape), type(p), p.detach().clone())
+                value = None if p.device.type == "meta" else p.detach().clone()  # meta tensors have no values
+                tensors[f"{key}:{pname}"] = (id(p), p.dtype, p.device, tuple(p.shape), type(p), value)
     return {"modules": mods, "tensors": tensors}
 
 
@@ -471,7 +472,7 @@ def diff_snapshot(a: dict, b: dict) -> list[str]:
         x, y = a["tensors"].get(k), b["tensors"].get(k)
         if x is None or y is None or x[:-1] != y[:-1]:
             out.append(f"tensor {k}: {x and x[:-1]} != {y and y[:-1]}")
-        elif len(x) > 1 and not torch.equal(x[-1], y[-1]):
+        elif len(x) > 1 and x[-1] is not None and not torch.equal(x[-1], y[-1]):
             out.append(f"tensor {k}: values differ")
     return out
 
