@@ -15,7 +15,6 @@ PSNR and relative error; the reduced roundtrip vs CPU fp32), memory peaks of a s
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,7 +67,7 @@ def _tiling(vae: torch.nn.Module, size: str, on: bool) -> None:
 
 
 def _variants(device: str) -> list[tuple[str, list[str] | None, dict | None]]:
-    v: list[tuple[str, list[str] | None, dict | None]] = [("stock", None, None), ("mpsboost", ["qwen_image_vae"] if os.environ.get("MPSBOOST_BENCH_NO_STREAMS") else ["qwen_image_vae", "mps_streams"], None)]
+    v: list[tuple[str, list[str] | None, dict | None]] = [("stock", None, None), ("mpsboost", ["qwen_image_vae"], None)]
     if device.startswith("cuda"):
         v.append(("mpsboost:contiguous", ["qwen_image_vae"], {"qwen_image_vae": {"layout": "contiguous", "fused_norm": False}}))
     return v
@@ -154,7 +153,7 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                 stream_record(rec)
                 records.append(rec)
                 log(f"profile {variant}: " + "; ".join(f"{o['op']} {o['self_us'] / 1e3:.1f} ms x{o['calls']}" for o in ops[:8]))
-    del vae
+    vae = None  # noqa: F841 - release the model before the next benchmark
     free(device)
     return records
 

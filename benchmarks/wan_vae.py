@@ -269,7 +269,7 @@ def tiling(vae: torch.nn.Module, size: str, on: bool) -> None:
 
 
 def _variants(device: str) -> list[tuple[str, list[str] | None, dict | None]]:
-    v: list[tuple[str, list[str] | None, dict | None]] = [("stock", None, None), ("mpsboost", ["wan_vae_pad"] if os.environ.get("MPSBOOST_BENCH_NO_STREAMS") else ["wan_vae_pad", "mps_streams"], None)]
+    v: list[tuple[str, list[str] | None, dict | None]] = [("stock", None, None), ("mpsboost", ["wan_vae_pad"], None)]
     if device.startswith("cuda"):
         # What the channels-last layout and the fused norm add on top of the fold and the tile loop.
         v.append(("mpsboost:contiguous", ["wan_vae_pad"], {"wan_vae_pad": {"layout": "contiguous", "fused_norm": False}}))
@@ -368,7 +368,7 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                 stream_record(rec)
                 records.append(rec)
                 log(f"profile {variant}: " + "; ".join(f"{o['op']} {o['self_us'] / 1e3:.1f} ms x{o['calls']}" for o in ops[:8]))
-    del vae
+    vae = None  # noqa: F841 - release the model before the next benchmark
     free(device)
     return records
 

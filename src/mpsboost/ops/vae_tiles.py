@@ -9,11 +9,12 @@ changes that leave every value as it was:
   paths compute the same thing, and the uncached one copies no activation into the cache;
 * decoded frames are gathered in a list and concatenated once, not re-concatenated per frame;
 * tiles are blended as soon as they are decoded, with vectorised blend weights that round exactly
-  like diffusers' per-row loop, and written straight into the output; only the edge strips the
-  next tiles blend with are kept, not every tile of the image.
+  like diffusers' per-row loop, and cropped at once; only the crops and the edge strips the next
+  tiles blend with are kept, not every tile of the image, and no full-size buffer is held while
+  tiles are being computed.
 
 ``side`` (an :class:`~mpsboost.ops.streams.SideStream`) moves the blending and the copy into the
-output to a side stream: tile i+1 computes while tile i is blended and written out.
+assembly to a side stream: tile i+1 computes while tile i is blended and cropped.
 
 Nothing here imports diffusers: the VAE's attributes and a :class:`VaeLoopSpec` describe it.
 """
@@ -185,11 +186,11 @@ def encode(vae: Any, x: torch.Tensor, spec: VaeLoopSpec) -> torch.Tensor:
 
 def _place(
     tile: torch.Tensor,
-    out: torch.Tensor,
+    crops: list[torch.Tensor],
     above: torch.Tensor | None,
     left: torch.Tensor | None,
-    y0: int,
-    x0: int,
+    rows_left: int,
+    cols_left: int,
     crop_h: int,
     crop_w: int,
     blend_h: int,
@@ -197,15 +198,20 @@ def _place(
     keep_bottom: bool,
     keep_right: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Blend ``tile`` with its finished neighbours, write its crop into ``out``, return its strips."""
+    """Blend ``tile`` with its finished neighbours, append its crop to ``crops``, return its strips.
+
+    ``rows_left`` / ``cols_left``: output rows / columns not yet covered, so that the crop never
+    reaches past the output (diffusers crops the concatenation at the end instead; same values).
+    """
     if above is not None:
         blend_(above, tile, blend_h, dim=-2)
     if left is not None:
         blend_(left, tile, blend_w, dim=-1)
-    hh = min(crop_h, tile.shape[-2], out.shape[-2] - y0)
-    ww = min(crop_w, tile.shape[-1], out.shape[-1] - x0)
+    hh = max(0, min(crop_h, tile.shape[-2], rows_left))
+    ww = max(0, min(crop_w, tile.shape[-1], cols_left))
     if hh > 0 and ww > 0:
-        out[..., y0 : y0 + hh, x0 : x0 + ww].copy_(tile[..., :hh, :ww])
+        # A copy, not a view: the tile's memory is released as soon as its strips are taken.
+        crops.append(tile[..., :hh, :ww].contiguous())
     bottom = tile[..., -blend_h:, :].clone() if keep_bottom and blend_h > 0 else None
     right = tile[..., :, -blend_w:].clone() if keep_right and blend_w > 0 else None
     return bottom, right
@@ -228,21 +234,27 @@ def _tile_grid(
     run_tile: Callable[[torch.Tensor], torch.Tensor],
     side: SideStream | None,
 ) -> torch.Tensor:
+    """Run ``run_tile`` over the tile grid of ``src``; blend, crop and assemble as diffusers does.
+
+    The output is assembled row by row (each finished row concatenated once, the rows at the end),
+    so that no full-size buffer is held while tiles are still being computed.
+    """
     height, width = src.shape[-2], src.shape[-1]
     rows = list(range(0, height, step_h))
     cols = list(range(0, width, step_w))
-    out: torch.Tensor | None = None
+    done_rows: list[torch.Tensor] = []
+    y_done = 0
     above: list[torch.Tensor | None] = [None] * len(cols)
     for ri, i in enumerate(rows):
         left: torch.Tensor | None = None
         below: list[torch.Tensor | None] = [None] * len(cols)
+        crops: list[torch.Tensor] = []
         for cj, j in enumerate(cols):
             tile = run_tile(src[..., i : i + tile_h, j : j + tile_w])
-            if out is None:
-                n, c, t = tile.shape[:3]
-                out = torch.empty((n, c, t, out_h, out_w), dtype=tile.dtype, device=tile.device)
-            args = (tile, out, above[cj], left, ri * crop_h, cj * crop_w, crop_h, crop_w, blend_h, blend_w,
-                    ri + 1 < len(rows), cj + 1 < len(cols))
+            # Offsets are the sizes of the crops before this one, as in diffusers' concatenation.
+            x_done = sum(c.shape[-1] for c in crops)
+            args = (tile, crops, above[cj], left, out_h - y_done, out_w - x_done, crop_h, crop_w,
+                    blend_h, blend_w, ri + 1 < len(rows), cj + 1 < len(cols))
             if side is None:
                 below[cj], left = _place(*args)
             else:
@@ -251,11 +263,18 @@ def _tile_grid(
                     below[cj], left = _place(*args)
                 side.keep(tile)
             del tile, args
+        if crops:
+            if side is None:
+                done_rows.append(torch.cat(crops, dim=-1))
+            else:
+                with side:
+                    done_rows.append(torch.cat(crops, dim=-1))
+            y_done += done_rows[-1].shape[-2]
+        del crops
         above = below
     if side is not None:
         side.join()
-    assert out is not None  # internal: the grid has at least one tile (range over a positive size)
-    return out
+    return done_rows[0] if len(done_rows) == 1 else torch.cat(done_rows, dim=-2)
 
 
 def tiled_decode(vae: Any, z: torch.Tensor, spec: VaeLoopSpec, *, side: SideStream | None = None) -> torch.Tensor:

@@ -8,6 +8,11 @@ the 2.16 nightlies that have user streams (pytorch#191415 ``torch.mps.Stream``, 
 ``record_stream``, #194111 multi-stream events): the gate feature ``device_streams`` decides.
 The output is the stock one, value for value.
 
+On CUDA it is opt-in (``options={"mps_streams": {"on_cuda": True}}``): on an H200 the side stream
+left a stock tiled decode's time unchanged and made the ``wan_vae_pad`` one slower (see
+``benchmarks/results/mps_streams-cuda-*.jsonl``). There it exists to measure the code that MPS
+2.16 will run.
+
 Targets: the Wan and Qwen-Image VAEs (``tiled_decode``). With ``wan_vae_pad`` / ``qwen_image_vae``
 applied as well, their convolutions are used inside the same tile loop.
 """
@@ -53,12 +58,23 @@ class MpsStreams(Recipe):
                 yield Match(mod, path, {"family": fam.family})
 
     def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
-        unknown = sorted(k for k in options if k != "fp8")
+        unknown = sorted(k for k in options if k not in ("fp8", "on_cuda"))
         if unknown:
-            raise ValueError(f"{self.name} takes no options; got {unknown}")
+            raise ValueError(f"{self.name} does not know option(s) {unknown}; accepted: on_cuda (True/False)")
+        on_cuda = options.get("on_cuda", False)
+        if not isinstance(on_cuda, bool):
+            raise ValueError(f"{self.name} option on_cuda={on_cuda!r} is not accepted; pass True or False")
         v = check("device_streams", env)
         if not v.ok:
             return Decision.skip(v.reason)
+        if env.device_type == "cuda" and not on_cuda:
+            # Measured on one H200 (torch 2.11.0+cu130, Wan2.2 VAE 480x832x21 tiled, fp32): the side
+            # stream alone left the time unchanged (1.833 s vs 1.841 s stock), but together with
+            # wan_vae_pad it was slower than wan_vae_pad alone (1.479 s vs 1.189 s).
+            return Decision.skip(
+                f"{v.reason}, but on CUDA the side stream measured slower next to wan_vae_pad (H200: 1.48 s vs "
+                "1.19 s per Wan2.2 480x832x21 tiled decode); opt in with options={'mps_streams': {'on_cuda': True}}"
+            )
         return Decision.apply(
             "side stream: blend and copy-out overlap the next tile",
             f"{v.reason}; applies when the VAE decodes tiled (vae.enable_tiling())",
