@@ -147,14 +147,24 @@ def _env_for(obj: Any, targets, device: Any) -> Env:
     raise TypeError(f"device must be None, a str such as 'mps', or a torch.device; got {type(device).__name__}: {device!r}")
 
 
+def _offloaded(module: torch.nn.Module) -> bool:
+    """True when an accelerate hook on ``module`` keeps its weights elsewhere (sequential CPU offload,
+    disk offload): its tensors sit on the meta device by design and the hook loads them for each call."""
+    hook = module.__dict__.get("_hf_hook")
+    hooks = getattr(hook, "hooks", None) or ((hook,) if hook is not None else ())
+    return any(getattr(h, "offload", False) or getattr(h, "weights_map", None) is not None for h in hooks)
+
+
 def _check_not_meta(targets) -> None:
     for prefix, root in targets:
-        for name, t in list(root.named_parameters()) + list(root.named_buffers()):
-            if t.device.type == "meta":
-                where = ".".join(p for p in (prefix, name) if p)
+        for mod_name, mod in root.named_modules():
+            tensors = list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False))
+            meta = [n for n, t in tensors if t.device.type == "meta"]
+            if meta and not _offloaded(mod):
+                where = ".".join(p for p in (prefix, mod_name, meta[0]) if p)
                 raise UnsupportedTargetError(
-                    f"{where} is on the meta device (no data): patch() needs real weights. "
-                    "Load or materialise the model first; plan() works on meta models."
+                    f"{where} is on the meta device (no data) and no accelerate offload hook manages it: "
+                    "patch() needs real weights. Load or materialise the model first; plan() works on meta models."
                 )
 
 

@@ -279,33 +279,60 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def bind_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[..., Any], **saved: Any) -> Undo:
-    """Bind ``new_forward(self, *args, **kw)`` as ``module.forward`` on this instance only.
+# accelerate's add_hook_to_module keeps the wrapped forward on this attribute and calls it from its
+# hook (after moving weights onto the execution device). A recipe's forward belongs there, inside the
+# hook, never outside it.
+_ACCELERATE_SLOT = "_old_forward"
 
-    The previous instance attribute (if any: accelerate hooks set one) is kept under
-    ``module._mpsboost_patches[recipe]`` and put back by the returned undo, so that after the undo
-    ``module.forward`` resolves to the very same function object as before. ``saved`` lets a recipe
-    keep more state for its forward (read it with :func:`saved_state`).
+
+def _forward_slot(module: torch.nn.Module) -> str:
+    d = module.__dict__
+    return _ACCELERATE_SLOT if ("_hf_hook" in d and _ACCELERATE_SLOT in d) else "forward"
+
+
+def bind_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[..., Any], **saved: Any) -> Undo:
+    """Bind ``new_forward(self, *args, **kw)`` as the forward of this instance only.
+
+    The previous instance attribute (if any) is kept under ``module._mpsboost_patches[recipe]`` and put
+    back by the returned undo, so that after the undo ``module.forward`` resolves to the very same object
+    as before. Under accelerate hooks (offloading, ``device_map``) the recipe's forward goes inside the
+    hook (``module._old_forward``), so weights are still moved in before it runs; a hook added after
+    patching is kept on unpatch. ``saved`` lets a recipe keep more state (read it with :func:`saved_state`).
     """
     store = module.__dict__.setdefault(ATTR, {})
     if recipe in store:
         raise RuntimeError(f"{recipe} already patched this module")
-    previous = module.__dict__.get("forward", _MISSING)
-    store[recipe] = {"forward": previous, **saved}
-    # Delegate to whatever forward the instance had (hooks included) when the recipe wants it.
-    object.__setattr__(module, "forward", types.MethodType(new_forward, module))
+    slot = _forward_slot(module)
+    previous = module.__dict__.get(slot, _MISSING)
+    bound = types.MethodType(new_forward, module)
+    store[recipe] = {"forward": previous, "slot": slot, "bound": bound, **saved}
+    object.__setattr__(module, slot, bound)
 
     def undo() -> None:
-        entry = module.__dict__.get(ATTR, {}).pop(recipe, None)
+        entry = module.__dict__.get(ATTR, {}).get(recipe)
         if entry is None:
             return
+        d = module.__dict__
         prev = entry["forward"]
-        if prev is _MISSING:
-            module.__dict__.pop("forward", None)
+        if d.get(entry["slot"]) is bound:
+            where = entry["slot"]
+        elif entry["slot"] == "forward" and d.get(_ACCELERATE_SLOT) is bound:
+            # accelerate wrapped our forward after we patched: keep its hook, put the original inside it.
+            where = _ACCELERATE_SLOT
+            if prev is _MISSING:
+                prev = types.MethodType(type(module).forward, module)
         else:
-            object.__setattr__(module, "forward", prev)
-        if not module.__dict__.get(ATTR):
-            module.__dict__.pop(ATTR, None)
+            raise RuntimeError(
+                f"the forward of this {type(module).__name__} was replaced after mpsboost's {recipe} patched it "
+                "(by something other than an accelerate hook); mpsboost cannot restore it without undoing that change"
+            )
+        d[ATTR].pop(recipe, None)
+        if prev is _MISSING:
+            d.pop(where, None)
+        else:
+            object.__setattr__(module, where, prev)
+        if not d.get(ATTR):
+            d.pop(ATTR, None)
 
     return Undo(undo, description=f"{recipe}: restore forward")
 
