@@ -1,0 +1,143 @@
+"""mps_streams: the side-stream tile loop (gate, plans, exact output, unpatch identity).
+
+On the CPU torch has no streams; the same code path runs in order there (SideStream on "cpu"), so
+its output is checked against stock bit for bit. The real side stream is checked on CUDA (marker).
+"""
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+import torch
+
+import mpsboost
+from mpsboost import gate
+from mpsboost.gate import Env, Rule
+from mpsboost.ops import vae_patch, vae_tiles
+from mpsboost.ops.streams import SideStream
+
+pytest.importorskip("diffusers")
+from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan  # noqa: E402
+from diffusers.models.autoencoders import autoencoder_kl_wan as wan  # noqa: E402
+
+RECIPE = "mps_streams"
+ON_CUDA = {RECIPE: {"on_cuda": True}}
+
+
+def wan22() -> AutoencoderKLWan:
+    vae = AutoencoderKLWan(base_dim=3, decoder_base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                           temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                           patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
+                           latents_mean=[0.0] * 16, latents_std=[1.0] * 16).eval()
+    vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32, tile_sample_stride_width=48)
+    return vae
+
+
+def qwen() -> AutoencoderKLQwenImage:
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True],
+                                 latents_mean=[0.0] * 4, latents_std=[1.0] * 4).eval()
+    vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8, tile_sample_stride_width=12)
+    return vae
+
+
+def _row(vae, **kw):
+    rows = [r for r in mpsboost.plan(vae, recipes=[RECIPE], **kw).rows]
+    assert len(rows) == 1
+    return rows[0]
+
+
+def test_plans_by_environment():
+    vae = wan22()
+    for version in ("2.14.1", "2.15.0"):
+        row = _row(vae, device="mps", torch_version=version)
+        assert row.status == "skipped"
+        assert "pytorch#191415" in row.reason and "2.16" in row.reason and version in row.reason
+    nightly = _row(vae, device="mps", torch_version="2.16.0.dev20261101")
+    assert nightly.status == "would apply" and "side stream" in nightly.backing
+    cpu = _row(vae, device="cpu", torch_version="2.13.0")
+    assert cpu.status == "skipped" and "not available on cpu" in cpu.reason
+    cuda = _row(vae, device="cuda", torch_version="2.11.0")
+    assert cuda.status == "skipped" and "on_cuda" in cuda.reason  # opt-in there, with the measured reason
+    cuda_on = _row(vae, device="cuda", torch_version="2.11.0", options=ON_CUDA)
+    assert cuda_on.status == "would apply"
+
+
+def test_nightly_merge_date_rule(monkeypatch):
+    # The gate compares a 2.16 nightly's date with the merge date of pytorch#191415 where it is known
+    # (FEATURES leaves it None while the pull request is open); with a date set, nightlies before it
+    # are refused and later ones accepted.
+    feat = gate.FEATURES["device_streams"]
+    merged = dt.date(2026, 9, 15)
+    rules = dict(feat.rules)
+    rules["mps"] = (Rule(since="2.16", nightly_only=True, upstream="pytorch#191415, #193464, #194111", merged=merged),)
+    monkeypatch.setitem(gate.FEATURES, "device_streams", gate.Feature(feat.name, feat.description, rules, feat.probe))
+    vae = qwen()
+    before = _row(vae, device="mps", torch_version="2.16.0.dev20260901")
+    after = _row(vae, device="mps", torch_version="2.16.0.dev20261001")
+    assert before.status == "skipped" and "predates the merge" in before.reason and "2026-09-15" in before.reason
+    assert after.status == "would apply"
+    assert _row(vae, device="mps", torch_version="2.15.0").status == "skipped"
+
+
+@pytest.mark.parametrize("make,latent", [(wan22, (1, 16, 3, 4, 6)), (qwen, (1, 4, 1, 4, 6))])
+def test_patched_output_is_stock_bit_for_bit(make, latent, rng_seed):
+    vae = make()
+    z = torch.randn(latent)
+    before = vae.__dict__.get("tiled_decode")
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+    # A simulated CUDA environment applies the recipe; on this CPU the side stream runs in order.
+    report = mpsboost.patch(vae, recipes=[RECIPE], device=Env.simulate("cuda", "2.11.0"), options=ON_CUDA)
+    assert [r.status for r in report.rows] == ["applied"]
+    assert vae.__dict__.get("tiled_decode") is not None
+    with torch.no_grad():
+        out = vae.decode(z).sample
+    mpsboost.unpatch(vae)
+    assert vae.__dict__.get("tiled_decode") is before
+    assert torch.equal(out, ref)
+    with torch.no_grad():
+        assert torch.equal(vae.decode(z).sample, ref)
+
+
+def test_side_stream_loop_with_the_pad_recipe(rng_seed):
+    # Both recipes together: the streams loop runs the folded convolutions; unpatch unwinds both.
+    vae = wan22()
+    z = torch.randn(1, 16, 2, 4, 6)
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        env = Env.simulate("cuda", "2.11.0")
+        opts = {**ON_CUDA, "wan_vae_pad": {"layout": "contiguous", "fused_norm": False}}
+        with mpsboost.patched(vae, recipes=["wan_vae_pad", RECIPE], device=env, options=opts) as report:
+            assert [r.recipe for r in report.rows if r.status == "applied"] == ["wan_vae_pad", RECIPE]
+            out = vae.decode(z).sample
+    assert (out - ref).abs().max().item() <= 1e-5
+    assert "tiled_decode" not in vae.__dict__ and "_decode" not in vae.__dict__
+
+
+def test_side_stream_helper_on_cpu_runs_in_order():
+    s = SideStream("cpu")
+    assert not s.accelerated
+    s.fork()
+    with s:
+        t = torch.ones(3) * 2
+    s.keep(t)
+    s.join()
+    assert torch.equal(t, torch.full((3,), 2.0))
+    vae = wan22()
+    spec = vae_patch.loop_spec(vae, vae_patch.WAN, patchify=wan.patchify, unpatchify=wan.unpatchify)
+    z = torch.randn(1, 16, 2, 4, 6)
+    with torch.no_grad():
+        assert torch.equal(vae_tiles.tiled_decode(vae, z, spec, side=SideStream("cpu")), vae_tiles.tiled_decode(vae, z, spec))
+
+
+@pytest.mark.cuda
+def test_cuda_side_stream_equals_stock():
+    vae = wan22().to("cuda")
+    z = torch.randn(1, 16, 3, 4, 6, device="cuda")
+    with torch.no_grad():
+        ref = vae.decode(z).sample
+        with mpsboost.patched(vae, recipes=[RECIPE], options=ON_CUDA) as report:
+            assert report.rows[0].status == "applied"
+            out = vae.decode(z).sample
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
