@@ -36,7 +36,7 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     else:
         small = size == "small"
         cases = [("wan", (1, 16, 3, 8, 10) if small else (1, 16, 2, 4, 6), "tiny", dict(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32, tile_sample_stride_width=48)),
-                 ("qwen", (1, 16 if small else 4, 1, 16, 16), "tiny", dict(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=24, tile_sample_stride_width=24))]
+                 ("qwen", (1, 16, 1, 16, 16) if small else (1, 4, 1, 8, 10), "tiny", dict(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=24, tile_sample_stride_width=24))]
     for family, latent, label, tiles in cases:
         if budget_left() < 30:
             log(f"budget: skipping {family}")
