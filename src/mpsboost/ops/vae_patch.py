@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from ..gate import Env, check
-from ..registry import Decision, Match, Undo, bind_forward, class_path, matches_class, original_forward, set_instance_attr
+from ..registry import Decision, Match, Undo, bind_forward, class_path, join_path, matches_class, original_forward, set_instance_attr
 from . import vae_tiles
 from .causal_conv import avg_down3d, causal_conv3d, pad_right_bottom, rms_norm_channels, silu_inplace
 
@@ -335,15 +335,9 @@ def find_targets(root: torch.nn.Module, prefix: str, classes: VaeClasses) -> Ite
     for name, mod in root.named_modules():
         if matches_class(mod, (classes.vae,)):
             found = True
-            yield Match(mod, _join(prefix, name), {"vae": True})
+            yield Match(mod, join_path(prefix, name), {"vae": True})
     if not found and any(matches_class(m, (classes.conv,)) for m in root.modules()):
         yield Match(root, prefix or "<root>", {"vae": False})
-
-
-def _join(prefix: str, name: str) -> str:
-    if not prefix:
-        return name or "<root>"
-    return f"{prefix}.{name}" if name else prefix
 
 
 def decide(recipe: str, classes: VaeClasses, match: Match, env: Env, options: Mapping[str, Any], backing: str) -> Decision:

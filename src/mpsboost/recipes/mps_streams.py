@@ -27,7 +27,7 @@ import torch
 from ..gate import Env, check
 from ..ops import vae_patch, vae_tiles
 from ..ops.streams import SideStream
-from ..registry import Decision, Match, Recipe, Undo, matches_class, register, set_instance_attr
+from ..registry import Decision, Match, Recipe, Undo, join_path, matches_class, register, set_instance_attr
 
 _FAMILIES = (vae_patch.WAN, vae_patch.QWEN)
 
@@ -54,8 +54,7 @@ class MpsStreams(Recipe):
         for name, mod in root.named_modules():
             fam = _family(mod)
             if fam is not None:
-                path = f"{prefix}.{name}" if prefix and name else (prefix or name or "<root>")
-                yield Match(mod, path, {"family": fam.family})
+                yield Match(mod, join_path(prefix, name), {"family": fam.family})
 
     def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
         unknown = sorted(k for k in options if k not in ("fp8", "on_cuda"))
