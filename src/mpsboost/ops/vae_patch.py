@@ -178,23 +178,13 @@ MODULES = {"wan": _WAN, "qwen": _QWEN}
 # ----------------------------------------------------------------------------------------- binding
 
 def bind_module_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[..., Any]) -> Undo:
-    """Bind ``new_forward`` on this instance, under an accelerate hook where there is one.
-
-    accelerate's ``add_hook_to_module`` replaces ``forward`` by a wrapper that moves weights to the
-    execution device and then calls ``module._old_forward``; replacing that inner forward keeps the
-    hook (offloading keeps working). Otherwise the forward itself is bound.
-    """
-    if "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__:
-        return set_instance_attr(module, recipe, "_old_forward", types.MethodType(new_forward, module))
+    """Bind ``new_forward`` on this instance (inside an accelerate hook where there is one: the
+    registry puts it in ``_old_forward`` so that offloading keeps moving the weights in)."""
     return bind_forward(module, recipe, new_forward)
 
 
 def _inner_forward(module: torch.nn.Module, recipe: str) -> Callable[..., Any]:
     """The forward the recipe replaced (for fallbacks), hook or not."""
-    store = module.__dict__.get("_mpsboost_patches", {})
-    entry = store.get(f"{recipe}:_old_forward")
-    if entry is not None:
-        return entry["value"]
     return original_forward(module, recipe)
 
 
