@@ -326,8 +326,11 @@ def _run_pipeline(pipe, seed: int, *, frames: int = 5, size: int = 32, steps: in
     del dtype
     g = torch.Generator().manual_seed(seed)
     dim = _text_dim(pipe)
-    emb = torch.randn(1, 8, dim, generator=g)
-    neg = torch.randn(1, 8, dim, generator=g)
+    # Embeddings go where the pipeline computes: under CPU offload that is the accelerator, not the
+    # device the (offloaded) weights sit on; pipelines do not move precomputed embeddings themselves.
+    dev = getattr(pipe, "_execution_device", torch.device("cpu"))
+    emb = torch.randn(1, 8, dim, generator=g).to(dev)
+    neg = torch.randn(1, 8, dim, generator=g).to(dev)
     kw: dict[str, Any] = dict(num_inference_steps=steps, height=size, width=size, output_type=output_type,
                               generator=torch.Generator().manual_seed(seed))
     if hasattr(pipe, "set_progress_bar_config"):
@@ -335,7 +338,7 @@ def _run_pipeline(pipe, seed: int, *, frames: int = 5, size: int = 32, steps: in
     name = type(pipe).__name__
     with torch.no_grad():
         if name.startswith("QwenImage"):
-            mask = torch.ones(1, 8, dtype=torch.long)
+            mask = torch.ones(1, 8, dtype=torch.long, device=dev)
             out = pipe(prompt_embeds=emb, prompt_embeds_mask=mask, negative_prompt_embeds=neg,
                        negative_prompt_embeds_mask=mask, true_cfg_scale=2.0, **kw)
             return torch.as_tensor(out.images).float()

@@ -270,6 +270,10 @@ def _time_cuda_events(fn, *, warmup: int, repeats: int, calls: int, progress) ->
     return _summarise(samples, calls=calls, warmup=warmup, method="cuda_events")
 
 
+class _HostSync(Exception):
+    """fn synchronised with the host during the pre-capture check."""
+
+
 def _time_cuda_graph(fn, *, warmup: int, repeats: int, calls: int, progress) -> Timing:
     import torch
 
@@ -281,6 +285,16 @@ def _time_cuda_graph(fn, *, warmup: int, repeats: int, calls: int, progress) -> 
         with torch.cuda.stream(side):
             for _ in range(max(warmup, 1)):
                 fn()
+            # A capture that fails on a host sync can leave the CUDA generator and stream in capture
+            # state for the rest of the process: find syncs first, with capture never attempted.
+            previous = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                fn()
+            except RuntimeError as exc:
+                raise _HostSync(exc) from exc
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -288,6 +302,11 @@ def _time_cuda_graph(fn, *, warmup: int, repeats: int, calls: int, progress) -> 
             for _ in range(calls):
                 fn()
         torch.cuda.synchronize()
+    except _HostSync as sync:
+        raise CudaGraphCaptureError(
+            f"could not capture the timed function into a CUDA graph: it synchronises with the host "
+            f"({sync.__cause__}); capture was not attempted. Time with cuda_graph=False, or cuda_graph='auto' to fall back"
+        ) from sync.__cause__
     except Exception as exc:  # capture fails with RuntimeError/CUDA errors of many kinds
         # A failed capture can leave the stream in capture mode or with a sticky error; sync to
         # surface it here rather than in the caller's next op.
