@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from wan_vae import DTYPES, _ref_with_label, budget_left, cpu_fp32_copy, free, guarded, log, measure, patched, report_rows, stream_record, top_ops  # noqa: E402
+from wan_vae import DTYPES, _ref_with_label, budget_left, reference_pass, cpu_fp32_copy, free, guarded, log, measure, patched, report_rows, stream_record, top_ops  # noqa: E402
 
 from mpsboost.bench import Record, RecordEnv, Workload  # noqa: E402
 
@@ -95,18 +95,11 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     for dname, dtype in DTYPES.items():
         vae.to(dtype)
         ref_in = ref_img.to(device, dtype)
-        ref_corr: dict[str, Any] = {}
-        for variant, recipes, options in _variants(device):
-            with guarded(f"reduced roundtrip {variant} {dname}"):
-                ctx = patched(vae, recipes, options) if recipes else contextlib.nullcontext(None)
-                with ctx as report:
-                    _tiling(vae, size, False)
-                    wl = Workload("qwen_image_vae_roundtrip_ref", {"image": list(ref_img.shape), "dtype": dname, "tiled": False, "reference": "cpu-fp32"})
-                    rec, _ = measure(workload=wl, variant=variant, device=device, dtype=dtype, fn=lambda: roundtrip(vae, ref_in),
-                                     repeats=repeats, reference=cpu_ref, reference_name="cpu-fp32",
-                                     extra={"patch": report_rows(report) if report else []})
-                    records.append(rec)
-                    ref_corr[variant] = rec.correctness
+        wl = Workload("qwen_image_vae_roundtrip_ref", {"image": list(ref_img.shape), "dtype": dname, "tiled": False, "reference": "cpu-fp32"})
+        ref_records, ref_corr = reference_pass(
+            vae, _variants(device), roundtrip, ref_in, cpu_ref, workload=wl, device=device, dtype=dtype,
+            repeats=repeats, untile=lambda v: _tiling(v, size, False), label=f"reduced roundtrip {dname}")
+        records += ref_records
         for w in work:
             if budget_left() < 30:
                 log(f"budget: skipping {w['label']} {dname}")

@@ -280,6 +280,27 @@ def _ref_with_label(c: Any, label: str) -> Any:
     return None if c is None else c.__class__(**{**c.to_dict(), "reference": label})
 
 
+def reference_pass(vae: torch.nn.Module, variants, fn, ref_in: torch.Tensor, cpu_ref: torch.Tensor, *, workload: Workload,
+                   device: str, dtype: torch.dtype, repeats: int, untile, label: str) -> tuple[list[Record], dict[str, Any]]:
+    """The reduced workload ``fn(vae, ref_in)`` of every variant, untiled, against the CPU fp32 reference.
+
+    Returns its records and each variant's correctness (the full-size records cite it).
+    """
+    records: list[Record] = []
+    corr: dict[str, Any] = {}
+    for variant, recipes, options in variants:
+        with guarded(f"{label} {variant}"):
+            ctx = patched(vae, recipes, options) if recipes else contextlib.nullcontext(None)
+            with ctx as report:
+                untile(vae)
+                rec, _ = measure(workload=workload, variant=variant, device=device, dtype=dtype,
+                                 fn=lambda: fn(vae, ref_in), repeats=repeats, reference=cpu_ref,
+                                 reference_name="cpu-fp32", extra={"patch": report_rows(report) if report else []})
+                records.append(rec)
+                corr[variant] = rec.correctness
+    return records, corr
+
+
 def run(device: str, size: str, out: Path) -> list[Record]:
     records: list[Record] = []
     vae = build_wan22(size, device)
@@ -302,18 +323,11 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     for dname, dtype in DTYPES.items():
         vae.to(dtype)
         ref_in = ref_latent.to(device, dtype)
-        ref_corr: dict[str, Any] = {}
-        for variant, recipes, options in _variants(device):
-            with guarded(f"reduced decode {variant} {dname}"):
-                ctx = patched(vae, recipes, options) if recipes else contextlib.nullcontext(None)
-                with ctx as report:
-                    tiling(vae, size, False)
-                    wl = Workload("wan22_vae_decode_ref", {"latent": list(ref_shape), "dtype": dname, "tiled": False, "reference": "cpu-fp32"})
-                    rec, _ = measure(workload=wl, variant=variant, device=device, dtype=dtype,
-                                     fn=lambda: vae.decode(ref_in).sample, repeats=repeats, reference=cpu_ref,
-                                     reference_name="cpu-fp32", extra={"patch": report_rows(report) if report else []})
-                    records.append(rec)
-                    ref_corr[variant] = rec.correctness
+        wl = Workload("wan22_vae_decode_ref", {"latent": list(ref_shape), "dtype": dname, "tiled": False, "reference": "cpu-fp32"})
+        ref_records, ref_corr = reference_pass(
+            vae, _variants(device), lambda v, x: v.decode(x).sample, ref_in, cpu_ref, workload=wl, device=device,
+            dtype=dtype, repeats=repeats, untile=lambda v: tiling(v, size, False), label=f"reduced decode {dname}")
+        records += ref_records
         for w in work:
             if budget_left() < 60:
                 log(f"budget: skipping {w['label']} {dname}")
