@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 

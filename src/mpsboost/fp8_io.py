@@ -77,8 +77,6 @@ def _converted(obj: Any) -> Iterator[tuple[str, torch.nn.Module, tuple[str, ...]
 
 
 def _module_at(obj: Any, path: str) -> torch.nn.Module | None:
-    from .registry import join_path
-
     for prefix, root in _roots(obj):
         if prefix and not (path == prefix or path.startswith(prefix + ".")):
             continue

@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from typing import Any, Callable
 
 from .errors import MemoryProbeError
