@@ -347,12 +347,7 @@ def patch(
             ) from exc
         for a in rec.applied:
             a.undo.commit()
-        if rec.applied:
-            _add_record(obj, rec)
-        elif _records(obj) is not None:
-            _records(obj).append(rec)  # keep the latest report reachable even for a no-op
-        else:
-            _add_record(obj, rec)
+        _add_record(obj, rec)  # also for a no-op, so that last_report() gives this call's report
         note = "nothing changed: already patched" if rec.report.noop and rec.report.by_status(ALREADY_PATCHED) else ""
         if note:
             rec.report = PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__, note=note)

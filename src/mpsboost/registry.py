@@ -193,8 +193,6 @@ def join_path(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if name else prefix
 
 
-_join = join_path  # former private name, kept for recipes written against it
-
 _REGISTRY: dict[str, Recipe] = {}
 
 
