@@ -10,12 +10,19 @@ Version strings (FACTS.md): ``2.15.0`` (release; an RC reports the same), ``2.15
 ``2.16.0.dev...`` below ``2.16.0``, so a plain ``>=`` would be wrong for nightlies: we compare the
 release triple, and a nightly of the very version that introduces a feature counts only from the
 feature's merge date, where that date is known.
+
+Versions alone lie for nightlies (a 2.16 nightly says nothing about whether an open pull request
+has landed), so where a feature is an API or a dtype the table's verdict is confirmed by a probe on
+the real device: once per process (cached), cheaply (a few elements), at patch time and never inside
+traced code. A simulated environment takes the table's word. Every :class:`Verdict` says which of the
+two decided (``decided_by``: ``"table"`` or ``"probe"``).
 """
 from __future__ import annotations
 
 import datetime as _dt
 import platform
 import re
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
@@ -35,9 +42,15 @@ __all__ = [
     "check_all",
     "matrix",
     "DEVICE_TYPES",
+    "RESEARCHED",
+    "feature_info",
+    "clear_probe_cache",
 ]
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+# The date the upstream status in FEATURES was last checked against pytorch's repository and tracker.
+RESEARCHED = _dt.date(2026, 11, 30)
 
 _NIGHTLY_DATE = re.compile(r"^(\d{4})(\d{2})(\d{2})$")
 
@@ -112,6 +125,7 @@ class Env:
     capability: tuple[int, int] | None = None  # CUDA compute capability
     simulated: bool = False
     os: str = field(default_factory=platform.system)
+    macos: tuple[int, int] | None = None  # macOS (major, minor) of a real Mac, or as simulated; None: unknown
 
     def __post_init__(self) -> None:
         if self.device_type not in DEVICE_TYPES:
@@ -144,7 +158,7 @@ class Env:
             name = platform.processor() or platform.machine()
         else:
             raise GateError(f"device {str(dev)!r} is not supported; mpsboost knows {', '.join(DEVICE_TYPES)}")
-        return cls(torch_version=tv, device_type=dev.type, device_name=name, capability=cap)
+        return cls(torch_version=tv, device_type=dev.type, device_name=name, capability=cap, macos=_macos_version())
 
     @classmethod
     def simulate(
@@ -154,10 +168,12 @@ class Env:
         *,
         capability: tuple[int, int] | None = None,
         device_name: str | None = None,
+        macos: str | tuple[int, int] | None = None,
     ) -> "Env":
         """An environment for a dry run: ``Env.simulate("mps", "2.14.1")``.
 
-        ``device`` may carry a CUDA compute capability as ``"cuda:9.0"``.
+        ``device`` may carry a CUDA compute capability as ``"cuda:9.0"``; ``macos`` (e.g. ``"26.2"``)
+        lets rules with a macOS condition decide (left unknown otherwise).
         """
         if not isinstance(device, str):
             raise TypeError(f"device must be a str ('mps', 'cuda', 'cuda:9.0', 'cpu'), got {type(device).__name__}")
@@ -174,7 +190,8 @@ class Env:
             capability = (9, 0)
         tv = parse_torch_version(torch_version if torch_version is not None else _installed_torch_version())
         name = device_name or {"mps": "Apple MPS (simulated)", "cuda": f"CUDA sm_{capability[0]}{capability[1]} (simulated)" if capability else "CUDA (simulated)", "cpu": "CPU (simulated)"}.get(dtype_, dtype_)
-        return cls(torch_version=tv, device_type=dtype_, device_name=name, capability=capability, simulated=True)
+        return cls(torch_version=tv, device_type=dtype_, device_name=name, capability=capability, simulated=True,
+                   macos=_parse_macos(macos))
 
     def with_device(self, device_type: str) -> "Env":
         return replace(self, device_type=device_type)
@@ -182,7 +199,8 @@ class Env:
     def describe(self) -> str:
         cap = f", sm_{self.capability[0]}{self.capability[1]}" if self.capability else ""
         sim = " (simulated)" if self.simulated and "simulated" not in self.device_name else ""
-        return f"torch {self.torch_version.raw} on {self.device_type} [{self.device_name}{cap}]{sim}"
+        mac = f", macOS {self.macos[0]}.{self.macos[1]}" if self.macos else ""
+        return f"torch {self.torch_version.raw} on {self.device_type} [{self.device_name}{cap}{mac}]{sim}"
 
     def to_dict(self) -> dict:
         return {
@@ -192,13 +210,46 @@ class Env:
             "capability": list(self.capability) if self.capability else None,
             "simulated": self.simulated,
             "os": self.os,
+            "macos": ".".join(map(str, self.macos)) if self.macos else None,
         }
+
+
+def _parse_macos(value: "str | tuple[int, int] | None") -> tuple[int, int] | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, tuple):
+        parts = value
+    else:
+        try:
+            parts = tuple(int(x) for x in str(value).split(".")[:2])
+        except ValueError:
+            raise GateError(f"cannot read a macOS version from {value!r}; write e.g. '26.2'") from None
+    if not parts or len(parts) > 2:
+        raise GateError(f"cannot read a macOS version from {value!r}; write e.g. '26.2'")
+    return (int(parts[0]), int(parts[1]) if len(parts) > 1 else 0)
+
+
+def _macos_version() -> tuple[int, int] | None:
+    if platform.system() != "Darwin":
+        return None
+    release = platform.mac_ver()[0]
+    try:
+        return _parse_macos(release) if release else None
+    except GateError:
+        return None
+
+
+DECIDERS = ("table", "probe")
 
 
 @dataclass(frozen=True)
 class Verdict:
+    """``ok`` and a ``reason`` a person can read; ``decided_by`` says whether the FEATURES table
+    (torch version, device, capability) or a probe on the real device settled it."""
+
     ok: bool
     reason: str
+    decided_by: str = "table"
 
     def __bool__(self) -> bool:
         return self.ok
@@ -219,6 +270,25 @@ class Rule:
     min_capability: tuple[int, int] | None = None
     never: bool = False
     note: str = ""
+    # When it pays off or is needed: macOS version, dtypes, head dims (shown by doctor, in the reason).
+    conditions: str = ""
+    # A macOS the rule needs (e.g. (26, 2)); a Mac known to be older fails it, an unknown one passes
+    # with the condition in the reason.
+    min_macos: tuple[int, int] | None = None
+
+    @property
+    def first_release(self) -> str:
+        """The first torch release that contains it, in words."""
+        if self.never:
+            return f"none (not fixed or merged as of {RESEARCHED})"
+        if self.since is None:
+            return "every supported release"
+        rel = self._since()
+        assert rel is not None
+        text = f"{rel.release[0]}.{rel.release[1]}.0"
+        if self.nightly_only:
+            return f"none yet; {text} nightlies" + (f" from {self.merged}" if self.merged else "")
+        return text
 
     def _since(self) -> TorchVersion | None:
         return parse_torch_version(self.since) if self.since else None
@@ -246,8 +316,14 @@ def _rule_verdict(feature: Feature, rule: Rule, env: Env) -> Verdict:
             return Verdict(False, f"{feature.description} needs CUDA compute capability >= {need}; unknown here")
         if tuple(cap) < tuple(rule.min_capability):
             return Verdict(False, f"{feature.description} needs CUDA compute capability >= {need}; this device is {cap[0]}.{cap[1]}")
+    if rule.min_macos is not None and env.macos is not None and tuple(env.macos) < tuple(rule.min_macos):
+        need = f"{rule.min_macos[0]}.{rule.min_macos[1]}"
+        return Verdict(False, f"{feature.description} needs macOS >= {need}{ups}; this Mac runs {env.macos[0]}.{env.macos[1]}")
     since = rule._since()
     tv = env.torch_version
+    extra = "".join(f"; {t}" for t in (rule.conditions, rule.note) if t)
+    if rule.min_macos is not None and env.macos is None:
+        extra += f"; macOS >= {rule.min_macos[0]}.{rule.min_macos[1]} assumed (unknown here)"
     if since is not None:
         have, need = tv.release, since.release
         label = f"torch {since.raw}" + (" nightlies" if rule.nightly_only else "")
@@ -259,9 +335,9 @@ def _rule_verdict(feature: Feature, rule: Rule, env: Env) -> Verdict:
             if tv.nightly_date < rule.merged:
                 return Verdict(False, f"{feature.description}: nightly {tv.raw} predates the merge of{ups} on {rule.merged}")
         if have[:2] == need[:2] and tv.kind == "source" and rule.nightly_only and rule.merged is not None:
-            return Verdict(True, f"{feature.description}: source build {tv.raw}, assumed to include{ups} (merged {rule.merged})")
-        return Verdict(True, f"{feature.description}: in {label}{ups}; this is torch {tv.raw}")
-    return Verdict(True, f"{feature.description}: available on {where}" + (f"; {rule.note}" if rule.note else ""))
+            return Verdict(True, f"{feature.description}: source build {tv.raw}, assumed to include{ups} (merged {rule.merged}){extra}")
+        return Verdict(True, f"{feature.description}: in {label}{ups}; this is torch {tv.raw}{extra}")
+    return Verdict(True, f"{feature.description}: available on {where}{extra}")
 
 
 def check(feature: str, env: Env) -> Verdict:
@@ -283,10 +359,81 @@ def check(feature: str, env: Env) -> Verdict:
     ok = [v for v in verdicts if v.ok]
     verdict = ok[0] if ok else verdicts[-1]
     if verdict.ok and feat.probe is not None and not env.simulated:
-        probed = feat.probe(env)
-        if probed is not None:
-            return probed
+        return _with_probe(feat, env, verdict)
     return verdict
+
+
+# Probe outcomes of this process: (feature, device type, torch version) -> None (agrees) or a failing Verdict.
+_PROBE_CACHE: dict[tuple[str, str, str], "Verdict | None"] = {}
+_PROBE_LOCK = threading.Lock()
+
+
+def clear_probe_cache() -> None:
+    """Forget every probe outcome of this process (tests; after switching devices)."""
+    with _PROBE_LOCK:
+        _PROBE_CACHE.clear()
+
+
+def _tracing() -> bool:
+    """True inside torch.compile / export / FX tracing, where no probe may run."""
+    import torch
+
+    try:
+        if torch.compiler.is_compiling():
+            return True
+    except AttributeError:  # pragma: no cover - torch < 2.3
+        pass
+    import torch.fx._symbolic_trace as fx_trace
+
+    fn = getattr(fx_trace, "is_fx_symbolic_tracing", None) or getattr(fx_trace, "is_fx_tracing", None)
+    return bool(fn()) if fn is not None else False
+
+
+def _with_probe(feat: Feature, env: Env, table: Verdict) -> Verdict:
+    key = (feat.name, env.device_type, env.torch_version.raw)
+    with _PROBE_LOCK:
+        known = key in _PROBE_CACHE
+        outcome = _PROBE_CACHE.get(key)
+    if not known:
+        if _tracing():
+            return replace(table, reason=f"{table.reason}; device probe deferred (traced code)")
+        assert feat.probe is not None
+        try:
+            outcome = feat.probe(env)
+        except Exception as e:  # a probe that raises is a build without the feature
+            outcome = Verdict(False, f"{feat.description}: the {env.device_type} probe failed: {type(e).__name__}: {e}")
+        if outcome is not None:
+            outcome = replace(outcome, decided_by="probe")
+        with _PROBE_LOCK:
+            _PROBE_CACHE[key] = outcome
+    if outcome is None:
+        return replace(table, reason=f"{table.reason}; confirmed by a probe on {env.device_type}", decided_by="probe")
+    return outcome
+
+
+def feature_info(name: str, device_type: str) -> dict:
+    """What the table says about ``name`` on ``device_type``: upstream change, merge date, first
+    release, conditions (``mpsboost doctor`` shows it)."""
+    try:
+        feat = FEATURES[name]
+    except KeyError:
+        raise GateError(f"unknown feature {name!r}; known: {', '.join(sorted(FEATURES))}") from None
+    rules = feat.rules.get(device_type, ())
+    return {
+        "description": feat.description,
+        "probe": feat.probe is not None,
+        "rules": [
+            {
+                "upstream": r.upstream,
+                "merged": r.merged.isoformat() if r.merged else None,
+                "first_release": r.first_release,
+                "conditions": "; ".join(t for t in (r.conditions, r.note) if t),
+                "min_macos": ".".join(map(str, r.min_macos)) if r.min_macos else None,
+                "min_capability": ".".join(map(str, r.min_capability)) if r.min_capability else None,
+            }
+            for r in rules
+        ],
+    }
 
 
 def check_all(features: "tuple[str, ...] | list[str]", env: Env) -> Verdict:
@@ -306,6 +453,9 @@ def matrix(env: Env) -> dict[str, Verdict]:
 
 
 # ----------------------------------------------------------------------------- probes
+# Each probe runs on env.device_type with a few elements, returns None when the build has the feature
+# and a failing Verdict (the reason a skipped recipe shows) when it has not. _with_probe caches the
+# outcome per process and never calls a probe inside traced code.
 
 def _probe_triton(env: Env) -> Verdict | None:
     import importlib.util
@@ -318,8 +468,18 @@ def _probe_triton(env: Env) -> Verdict | None:
 def _probe_grouped_mm(env: Env) -> Verdict | None:
     import torch
 
-    if not hasattr(torch.nn.functional, "grouped_mm") and not hasattr(torch, "_grouped_mm"):
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
         return Verdict(False, "this torch build has neither torch.nn.functional.grouped_mm nor torch._grouped_mm")
+    dev = torch.device(env.device_type)
+    dtype = torch.float32 if env.device_type == "cpu" else torch.bfloat16
+    # two groups of 2 and 6 rows, K = N = 8 (16-byte aligned rows in either dtype)
+    a = torch.ones(8, 8, dtype=dtype, device=dev)
+    b = torch.ones(2, 8, 8, dtype=dtype, device=dev)
+    offs = torch.tensor([2, 8], dtype=torch.int32, device=dev)
+    out = fn(a, b, offs=offs)
+    if tuple(out.shape) != (8, 8) or float(out[0, 0]) != 8.0:
+        return Verdict(False, f"grouped_mm ran on {env.device_type} but returned a wrong result (shape {tuple(out.shape)})")
     return None
 
 
@@ -331,11 +491,46 @@ def _probe_scaled_grouped_mm(env: Env) -> Verdict | None:
     return None
 
 
+def _probe_float8(env: Env) -> Verdict | None:
+    import torch
+
+    if not hasattr(torch, "float8_e4m3fn"):
+        return Verdict(False, "this torch build has no torch.float8_e4m3fn")
+    x = torch.tensor([0.5, -2.0], device=env.device_type).to(torch.float8_e4m3fn)
+    if x.to(torch.float32).cpu().tolist() != [0.5, -2.0]:
+        return Verdict(False, f"float8_e4m3fn tensors on {env.device_type} do not round-trip exact values")
+    return None
+
+
 def _probe_streams(env: Env) -> Verdict | None:
     import torch
 
     if not hasattr(torch, "Stream") or not hasattr(torch, "accelerator"):
         return Verdict(False, "this torch build lacks torch.Stream / torch.accelerator")
+    if env.device_type == "mps":
+        # torch.mps.Stream is what pytorch#191415 adds; without it there is one MPS stream only.
+        if not hasattr(torch.mps, "Stream"):
+            return Verdict(False, "this torch build has no torch.mps.Stream (pytorch#191415 not in it): one MPS stream only")
+        side = torch.mps.Stream()
+        if side == torch.accelerator.current_stream(torch.device("mps")):
+            return Verdict(False, "torch.mps.Stream() returned the current stream: no side streams in this build")
+    elif env.device_type == "cuda":
+        torch.Stream(device=env.device_type)
+    return None
+
+
+def _probe_sdpa_gqa(env: Env) -> Verdict | None:
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 9, 64, generator=g) for h in (4, 2, 2))
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    dev = torch.device(env.device_type)
+    got = F.scaled_dot_product_attention(q.to(dev), k.to(dev), v.to(dev), enable_gqa=True).cpu()
+    err = float((got - ref).abs().max())
+    if err > 1e-3:
+        return Verdict(False, f"SDPA with enable_gqa on {env.device_type} differs from repeated K/V by {err:.2e}")
     return None
 
 
@@ -345,6 +540,8 @@ def _d(y: int, m: int, d: int) -> _dt.date:
 
 _ALWAYS = (Rule(),)
 
+# Upstream status researched on RESEARCHED (pytorch's repository and issue tracker). Release windows:
+# 2.14 cut the week of 2026-08-10; 2.15 cut 2026-10-05, released 2026-10-28; 2.16 cut 2026-11-30.
 FEATURES: dict[str, Feature] = {
     f.name: f
     for f in [
@@ -352,7 +549,8 @@ FEATURES: dict[str, Feature] = {
             "pad_constant_native",
             "constant F.pad on a native kernel (no MPSGraph driver-memory blow-up)",
             {
-                "mps": (Rule(since="2.15", upstream="pytorch#195368", note="before it, each pad built an MPSGraph; Wan2.2 VAE decode reached 270 GiB driver memory"),),
+                "mps": (Rule(since="2.15", upstream="pytorch#195368; fp8 pad #197801",
+                             note="before it, each pad built an MPSGraph; Wan2.2 VAE decode reached 270 GiB driver memory"),),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },
@@ -361,7 +559,8 @@ FEATURES: dict[str, Feature] = {
             "pad_rank5_correct",
             "correct constant time-padding of rank-5 tensors with H*W >= 65536",
             {
-                "mps": (Rule(since="2.15", upstream="issue pytorch#194922, fixes pytorch#194944 and #195147"),),
+                "mps": (Rule(since="2.15", upstream="issue pytorch#194922, fixes pytorch#194944 and #195147",
+                             conditions="wrong results from H*W = 65536 (2^16) exactly; smaller frames are fine"),),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },
@@ -387,12 +586,14 @@ FEATURES: dict[str, Feature] = {
                 "cuda": (Rule(since="2.1"),),
                 "cpu": (Rule(since="2.1"),),
             },
+            probe=_probe_float8,
         ),
         Feature(
             "scaled_mm",
             "float8 scaled matmul (tensorwise and rowwise scales)",
             {
-                "mps": (Rule(since="2.15", upstream="pytorch#196916", note="general kernel 0.12-0.25x of bf16 for M >= 512"),),
+                "mps": (Rule(since="2.15", upstream="pytorch#196916",
+                             conditions="a storage format for large M: the general kernel runs at 0.12-0.25x of bf16 for M >= 512"),),
                 "cuda": (Rule(since="2.4", min_capability=(8, 9), upstream="torch._scaled_mm"),),
                 # CPU has a reference kernel (256 ms for 2048x2048 at M=1): correct, never fast.
             },
@@ -407,7 +608,7 @@ FEATURES: dict[str, Feature] = {
             "fp8_gemv",
             "float8 matrix-vector fast path for M = 1..4",
             {
-                "mps": (Rule(never=True, upstream="pytorch#197862, open when last seen"),),
+                "mps": (Rule(never=True, upstream=f"pytorch#197862, open as of {RESEARCHED}"),),
                 "cuda": (Rule(since="2.4", min_capability=(8, 9), upstream="mpsboost Triton kernel"),),
             },
             probe=_probe_triton,
@@ -458,15 +659,94 @@ FEATURES: dict[str, Feature] = {
             "device_streams",
             "device streams, record_stream and cross-stream events",
             {
-                "mps": (Rule(since="2.16", nightly_only=True, upstream="pytorch#191415, #193464, #194111", merged=None),),
+                # Not merged as of RESEARCHED: #191415 (torch.mps.Stream) is an open draft, #194111 (multi-stream
+                # events) open, #193464 (record_stream) and #190375 (stream pool) closed. A 2.16 nightly passes
+                # the table only; on a real Mac the probe decides (torch.mps.Stream must exist).
+                "mps": (Rule(since="2.16", nightly_only=True, merged=None,
+                             upstream="pytorch#191415 (open draft), #194111 (open); #193464, #190375 closed",
+                             note=f"not merged as of {RESEARCHED}: on a real Mac a probe for torch.mps.Stream decides"),),
                 "cuda": (Rule(since="2.4", note="torch.Stream / torch.accelerator"),),
             },
             probe=_probe_streams,
         ),
         Feature(
+            "sdpa_metal_prefill",
+            "SDPA prefill (query length > 8) on Metal kernels, flash-style (no full score matrix)",
+            {
+                "mps": (Rule(since="2.13", upstream="pytorch#181575 (Apr 2026)",
+                             conditions="head dims 32/64/72/80/96/128/256; other shapes use the MPSGraph path"),),
+            },
+        ),
+        Feature(
+            "sdpa_metal_gqa",
+            "SDPA with grouped K/V (enable_gqa) without materialising repeated K/V",
+            {
+                "mps": (Rule(since="2.13", merged=_d(2026, 5, 11), upstream="pytorch#183280",
+                             conditions="Metal kernel paths only; the MPSGraph fallback still repeats K/V"),),
+                "cuda": (Rule(since="2.5", upstream="enable_gqa"),),
+                "cpu": (Rule(since="2.5", upstream="enable_gqa"),),
+            },
+            probe=_probe_sdpa_gqa,
+        ),
+        Feature(
+            "sdpa_mpp_attention",
+            "SDPA prefill on Metal Performance Primitives (matmul2d) kernels",
+            {
+                "mps": (Rule(since="2.13", min_macos=(26, 2), upstream="pytorch#182256 (May 2026)",
+                             conditions="fp16/bf16, head dims 64/96/128/256, query length > 8; others keep the simdgroup kernel"),),
+            },
+        ),
+        Feature(
+            "sdpa_metal_macos26_fixed",
+            "Metal SDPA kernels fixed for macOS 26",
+            {"mps": (Rule(since="2.14", merged=_d(2026, 8, 2), upstream="pytorch#191794"),)},
+        ),
+        Feature(
             "metal_attention",
-            "attention fully on Metal kernels",
-            {"mps": (Rule(since="2.16", nightly_only=True, upstream="documented on the main branch only"),)},
+            "attention fully on Metal kernels (every SDPA path, no MPSGraph fallback)",
+            {"mps": (Rule(since="2.16", nightly_only=True, upstream="documented on the main branch only; no single pull request"),)},
+        ),
+        Feature(
+            "sdpa_large_scores_correct",
+            "correct SDPA when the score matrix B*H*Lq*Lk has 2^31 or more elements",
+            {
+                # MPSGraph's matmul/softmax index the score matrix with 32 bits: issue pytorch#179352 measured
+                # wrong results (cosine 0.44) above 2^32 elements in the SDPA graph path (fix PR #179592 closed,
+                # not confirmed merged); ComfyUI#14837 (Wan / video workflows) sees corruption from about 2^31
+                # (its fix, ComfyUI#14838, chunks below 2^30); bmm past 2^32 elements, pytorch#197636, is open.
+                "mps": (Rule(never=True, upstream="issue pytorch#179352 (fix #179592 not confirmed merged), ComfyUI#14837",
+                             note=f"not fixed as of {RESEARCHED}: split attention so that B*H*Lq*Lk < 2^31"),),
+                "cuda": _ALWAYS,
+                "cpu": _ALWAYS,
+            },
+        ),
+        Feature(
+            "conv3d_metal",
+            "conv3d on Metal kernels (near matmul throughput)",
+            {
+                "mps": (Rule(since="2.14", upstream="pytorch#188802, #192229",
+                             conditions="issue #192213: 7% of matmul throughput on 2.12, 97% on a 2.14 nightly (fp16, with bias)"),),
+                "cuda": _ALWAYS,
+                "cpu": _ALWAYS,
+            },
+        ),
+        Feature(
+            "pad3d_all_modes_correct",
+            "correct reflection and replication pad3d on rank-5 tensors with H*W >= 65536",
+            {
+                "mps": (Rule(since="2.15", upstream="pytorch#195147 (issue #194922)"),),
+                "cuda": _ALWAYS,
+                "cpu": _ALWAYS,
+            },
+        ),
+        Feature(
+            "histc_no_host_sync",
+            "torch.histc counts on the device without a host sync (MoE routing offsets)",
+            {
+                "mps": (Rule(since="2.15", upstream="pytorch#196016"),),
+                "cuda": _ALWAYS,
+                "cpu": _ALWAYS,
+            },
         ),
         Feature(
             "histc_int",
@@ -474,7 +754,7 @@ FEATURES: dict[str, Feature] = {
             {
                 # Not implemented for integer dtypes on CPU either ("histogram_cpu" not implemented for
                 # 'Long', checked on 2.13); CUDA has it. Count with scatter_add or histc on float instead.
-                "mps": (Rule(never=True, upstream="ostris/ai-toolkit#858"),),
+                "mps": (Rule(never=True, upstream="ostris/ai-toolkit#858, transformers#45685"),),
                 "cuda": _ALWAYS,
                 "cpu": (Rule(never=True, note="'histogram_cpu' not implemented for integer dtypes"),),
             },
