@@ -1,6 +1,7 @@
-"""metal_attention: gated to MPS 2.16 nightlies; a real SDPA code path, run on CPU by forcing it.
+"""metal_attention: routes to the Metal SDPA kernels each MPS build has; a real SDPA code path, run on CPU by forcing it.
 
-Plans on simulated MPS 2.14.1 / 2.15.0 / 2.16 nightlies (before and after a merge date), CUDA, CPU;
+Plans on simulated MPS 2.12 / 2.13 (nightlies either side of the GQA merge) / 2.14.1 / 2.15.0 / 2.16
+nightlies (before and after a merge date), CUDA, CPU;
 patched vs stock on tiny transformers (eager and sdpa, grouped-query attention, padding) and diffusers
 models (sliced attention); unpatch restores the very same processors and implementations.
 """
@@ -41,28 +42,73 @@ def _unet():
     ).eval()
 
 
+def _row(model, tv, device="mps", **kw):
+    (row,) = mpsboost.plan(model, device=device, torch_version=tv, recipes=["metal_attention"], **kw).rows
+    return row
+
+
 def test_plans_follow_the_gate():
     model = _llama("eager")
-    for tv in ("2.14.1", "2.15.0"):
-        (row,) = mpsboost.plan(model, device="mps", torch_version=tv, recipes=["metal_attention"]).rows
-        assert row.status == "skipped" and "2.16" in row.reason and tv in row.reason
-    (row,) = mpsboost.plan(model, device="mps", torch_version="2.16.0.dev20261201", recipes=["metal_attention"]).rows
-    assert row.status == "would apply" and row.backing.startswith("sdpa") and "was 'eager'" in row.reason
+    for tv in ("2.11.0", "2.12.0", "2.12.1"):
+        row = _row(model, tv)
+        assert row.status == "skipped" and "pytorch#181575" in row.reason and "2.13" in row.reason and tv in row.reason
+        assert "2.16" in row.reason
+    # 2.13 to 2.15 already run the Metal prefill kernels natively: eager models are routed to them.
+    for tv in ("2.13.0", "2.14.1", "2.15.0"):
+        row = _row(model, tv)
+        assert row.status == "would apply" and row.backing.startswith("sdpa"), (tv, row.reason)
+        assert "pytorch#181575" in row.reason and "#183280" in row.reason and "was 'eager'" in row.reason
+        assert "only in torch 2.16 nightlies" in row.reason
+    full = _row(model, "2.16.0.dev20261201")
+    assert full.status == "would apply" and full.reason.startswith("attention fully on Metal") and "was 'eager'" in full.reason
     for dev in ("cuda:9.0", "cpu"):
-        (row,) = mpsboost.plan(model, device=dev, torch_version="2.16.0", recipes=["metal_attention"]).rows
+        row = _row(model, "2.16.0", device=dev)
         assert row.status == "skipped" and "not available on" in row.reason
 
 
+def test_macos26_fix_named_on_213_only():
+    model = _llama("eager")
+    r213 = _row(model, "2.13.0")
+    r214 = _row(model, "2.14.0")
+    assert "pytorch#191794" in r213.reason and "macOS 26" in r213.reason
+    assert "pytorch#191794" not in r214.reason
+    # A Mac known to run macOS 15 is not affected by the macOS 26 issue, nor eligible for the MPP kernels.
+    env15 = gate.Env.simulate("mps", "2.13.0", macos="15.5")
+    (row,) = mpsboost.plan(model, env=env15, recipes=["metal_attention"]).rows
+    assert row.status == "would apply" and "pytorch#191794" not in row.reason and "#182256" not in row.reason
+    env262 = gate.Env.simulate("mps", "2.13.0", macos="26.2")
+    (row,) = mpsboost.plan(model, env=env262, recipes=["metal_attention"]).rows
+    assert "#182256" in row.reason and "pytorch#191794" in row.reason
+
+
+def test_gqa_merge_date_on_213_nightlies():
+    model = _llama("eager")  # 4 heads, 2 K/V heads
+    before = _row(model, "2.13.0.dev20260510")
+    after = _row(model, "2.13.0.dev20260511")
+    assert before.status == after.status == "would apply"
+    assert "K/V repeated" in before.reason and "predates the merge" in before.reason and "2026-05-11" in before.reason
+    assert "K/V repeated" not in after.reason and "pytorch#183280" in after.reason
+
+
+def test_sdpa_model_is_left_to_stock():
+    """transformers on 'sdpa' reaches the same Metal kernels itself (enable_gqa on MPS from torch 2.13)."""
+    model = _llama("sdpa")
+    for tv in ("2.13.0", "2.15.0", "2.16.0.dev20261201"):
+        row = _row(model, tv)
+        assert row.status == "skipped" and "stock already does it" in row.reason, (tv, row.reason)
+    assert _row(model, "2.12.0").status == "skipped"
+
+
 def test_nightly_merge_date_is_honoured(monkeypatch):
-    """With a merge date in the gate, nightlies before it skip and nightlies from it apply."""
+    """With a merge date for 'fully on Metal', earlier 2.16 nightlies get the 2.13-2.15 kernels' reason."""
     feat = gate.FEATURES["metal_attention"]
     dated = tuple(dataclasses.replace(r, merged=dt.date(2026, 11, 15)) for r in feat.rules["mps"])
     monkeypatch.setitem(gate.FEATURES, "metal_attention", dataclasses.replace(feat, rules={**feat.rules, "mps": dated}))
     model = _llama("eager")
-    (before,) = mpsboost.plan(model, device="mps", torch_version="2.16.0.dev20261101", recipes=["metal_attention"]).rows
-    (after,) = mpsboost.plan(model, device="mps", torch_version="2.16.0.dev20261201", recipes=["metal_attention"]).rows
-    assert before.status == "skipped" and "predates the merge" in before.reason
-    assert after.status == "would apply"
+    before = _row(model, "2.16.0.dev20261101")
+    after = _row(model, "2.16.0.dev20261201")
+    assert before.status == "would apply" and "only in torch 2.16 nightlies" in before.reason
+    assert after.status == "would apply" and after.reason.startswith("attention fully on Metal")
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])

@@ -51,11 +51,12 @@ def _env_from_args(args: argparse.Namespace):
 
 def _doctor(args: argparse.Namespace) -> int:
     from . import __version__
-    from .gate import matrix
+    from .gate import feature_info, matrix
     from .registry import all_recipes
 
     env = _env_from_args(args)
     verdicts = matrix(env)
+    infos = {k: feature_info(k, env.device_type) for k in verdicts}
     info = {
         "mpsboost": __version__,
         "python": platform.python_version(),
@@ -63,7 +64,10 @@ def _doctor(args: argparse.Namespace) -> int:
         "torch_build": _torch_build(),
         "devices": _devices(),
         "env": env.to_dict(),
-        "features": {k: {"available": v.ok, "reason": v.reason} for k, v in verdicts.items()},
+        "features": {
+            k: {"available": v.ok, "reason": v.reason, "decided_by": v.decided_by, "rules": infos[k]["rules"]}
+            for k, v in verdicts.items()
+        },
         "recipes": [
             {"name": r.name, "summary": r.summary, "lossless": r.lossless, "reversible": r.reversible, "default": r.default}
             for r in all_recipes()
@@ -81,7 +85,12 @@ def _doctor(args: argparse.Namespace) -> int:
     print(f"\ngate for {env.describe()}:")
     width = max(len(k) for k in verdicts)
     for name, v in verdicts.items():
-        print(f"  {name.ljust(width)}  {'yes' if v.ok else 'no '}  {v.reason}")
+        print(f"  {name.ljust(width)}  {'yes' if v.ok else 'no '}  [{v.decided_by}]  {v.reason}")
+        for r in infos[name]["rules"]:
+            facts = [f"upstream {r['upstream']}" if r["upstream"] else "", f"merged {r['merged']}" if r["merged"] else "",
+                     f"first release {r['first_release']}", f"macOS >= {r['min_macos']}" if r["min_macos"] else "",
+                     f"sm >= {r['min_capability']}" if r["min_capability"] else "", r["conditions"]]
+            print(f"  {''.ljust(width)}       " + "; ".join(f for f in facts if f))
     if info["recipes"]:
         print("\nrecipes:")
         w = max(len(r["name"]) for r in info["recipes"])

@@ -1,4 +1,4 @@
-"""metal_attention: attention of transformers and diffusers models on the Metal SDPA kernels (MPS, 2.16 nightlies).
+"""metal_attention: attention of transformers and diffusers models on the Metal SDPA kernels of MPS.
 
 - transformers models on ``eager`` or ``sdpa`` attention are switched to the attention function
   ``"mpsboost_metal"`` (registered once in transformers' ``AttentionInterface`` and
@@ -11,9 +11,19 @@
   flash-style Metal prefill kernels keep memory linear in sequence length, which is what slicing was for.
   Processors already on SDPA are left as they are.
 
-Gated by the ``metal_attention`` feature: MPS on 2.16 nightlies. On 2.15 and older the recipe skips with
-the gate's reason; on CPU and CUDA it does not apply. ``options={"metal_attention": {"force": True}}``
-applies it on any env (the code path is ordinary SDPA there; used by the tests).
+What each torch build runs natively decides what routing buys (gate features):
+
+- before 2.13 (``sdpa_metal_prefill``, pytorch#181575): SDPA prefill runs the MPSGraph path, which
+  materialises the full score matrix: nothing to gain by routing; the recipe skips with the reason.
+- 2.13 to 2.15: flash-style Metal prefill kernels (#181575), grouped K/V without repeating them
+  (``sdpa_metal_gqa``, #183280, merged 2026-05-11), MPP kernels on macOS 26.2+ for fp16/bf16 and head dims
+  64-256 (``sdpa_mpp_attention``, #182256), a macOS 26 fix in 2.14 (#191794). Eager transformers models and
+  diffusers matmul/sliced processors are routed to them; a transformers model already on ``sdpa`` is left
+  alone, since stock reaches the same kernels (transformers passes ``enable_gqa`` on MPS from torch 2.13).
+- 2.16 nightlies (``metal_attention``): attention fully on Metal, every SDPA path.
+
+On CPU and CUDA it does not apply. ``options={"metal_attention": {"force": True}}`` applies it on any env
+(the code path is ordinary SDPA there; used by the tests).
 """
 from __future__ import annotations
 
@@ -21,7 +31,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-from ..gate import Env, check
+from ..gate import Env, Verdict, check
 from ..ops.attention import METAL_HEAD_DIMS, metal_head_dim_ok, sdpa
 from ..registry import Decision, Match, Recipe, Undo, class_path, matches_class, register, set_instance_attr
 
@@ -116,7 +126,7 @@ def _head_dim(cfg: Any) -> int | None:
 @register
 class MetalAttention(Recipe):
     name = "metal_attention"
-    summary = "attention on the Metal SDPA kernels of 2.16 nightlies: grouped K/V, bool or same-dtype masks, no matmul/sliced processors"
+    summary = "attention on the Metal SDPA kernels (2.13+; fully on Metal in 2.16 nightlies): grouped K/V, bool or same-dtype masks, no matmul/sliced processors"
     targets = (_PRETRAINED, _DIFFUSERS_ATTENTION)
     lossless = True
     reversible = True
@@ -144,9 +154,11 @@ class MetalAttention(Recipe):
             return found
         if options.get("force", False):
             return Decision.apply(found.backing, f"forced by options (force=True); {found.reason}", **found.details)
-        v = check("metal_attention", env)
+        v = _native_kernels(env)
         if not v.ok:
             return Decision.skip(v.reason)
+        if kind == "transformers" and found.details.get("previous") == "sdpa":
+            return Decision.skip(f"stock already does it: the model is on 'sdpa', which reaches the same Metal kernels ({v.reason})")
         return Decision.apply(found.backing, f"{v.reason}; {found.reason}", **found.details)
 
     # -------------------------------------------------------------- what the model allows
@@ -210,6 +222,27 @@ class MetalAttention(Recipe):
             undo_attr()
 
         return Undo(undo, description="metal_attention: restore attention implementations")
+
+
+def _native_kernels(env: Env) -> Verdict:
+    """What this build's SDPA runs on Metal; a failing verdict where routing buys nothing."""
+    full = check("metal_attention", env)
+    if full.ok:
+        return full
+    prefill = check("sdpa_metal_prefill", env)
+    if not prefill.ok:
+        return Verdict(False, f"{prefill.reason}; attention fully on Metal needs torch 2.16 nightlies")
+    parts = [prefill.reason]
+    gqa = check("sdpa_metal_gqa", env)
+    parts.append(gqa.reason if gqa.ok else f"K/V repeated before SDPA: {gqa.reason}")
+    mpp = check("sdpa_mpp_attention", env)
+    if mpp.ok:
+        parts.append(mpp.reason)
+    fix = check("sdpa_metal_macos26_fixed", env)
+    if not fix.ok and (env.macos is None or env.macos[0] >= 26):
+        parts.append(f"on macOS 26 without the fix: {fix.reason}")
+    parts.append("attention fully on Metal only in torch 2.16 nightlies")
+    return Verdict(True, "; ".join(parts), decided_by=prefill.decided_by)
 
 
 def _contains(parent: torch.nn.Module, child: torch.nn.Module) -> bool:
