@@ -149,3 +149,195 @@ def test_detect_reads_the_real_build():
     if not torch.cuda.is_available():
         with pytest.raises(GateError, match="cuda"):
             Env.detect("cuda")
+
+
+# ------------------------------------------------------------------------- each entry, either side
+
+# (feature, device, a build without it, a build with it, text the failing reason must name)
+EITHER_SIDE = [
+    ("pad_constant_native", "mps", "2.14.1", "2.15.0", "pytorch#195368"),
+    ("pad_rank5_correct", "mps", "2.14.1", "2.15.0", "194922"),
+    ("pad3d_all_modes_correct", "mps", "2.14.1", "2.15.0", "pytorch#195147"),
+    ("grouped_mm", "mps", "2.14.1", "2.15.0", "pytorch#194917"),
+    ("grouped_mm", "cpu", "2.9.1", "2.10.0", "grouped_mm"),
+    ("float8_storage", "mps", "2.14.1", "2.15.0", "pytorch#194074"),
+    ("scaled_mm", "mps", "2.14.1", "2.15.0", "pytorch#196916"),
+    ("gemv_bias_epilogue", "mps", "2.14.1", "2.15.0", "pytorch#186927"),
+    ("linear_3d_fast", "mps", "2.14.1", "2.15.0", "pytorch#189855"),
+    ("softmax_native", "mps", "2.14.1", "2.15.0", "pytorch#196071"),
+    ("sdpa_broadcast", "mps", "2.14.1", "2.15.0", "pytorch#189631"),
+    ("histc_no_host_sync", "mps", "2.14.1", "2.15.0", "pytorch#196016"),
+    ("conv3d_metal", "mps", "2.13.1", "2.14.0", "pytorch#188802"),
+    ("sdpa_metal_macos26_fixed", "mps", "2.13.1", "2.14.0", "pytorch#191794"),
+    ("sdpa_metal_prefill", "mps", "2.12.1", "2.13.0", "pytorch#181575"),
+    ("sdpa_metal_gqa", "mps", "2.12.1", "2.13.0", "pytorch#183280"),
+    ("sdpa_metal_gqa", "cpu", "2.4.1", "2.5.0", "enable_gqa"),
+    ("sdpa_mpp_attention", "mps", "2.12.1", "2.13.0", "pytorch#182256"),
+    ("device_streams", "mps", "2.15.0", "2.16.0.dev20261101", "pytorch#191415"),
+    ("metal_attention", "mps", "2.15.0", "2.16.0.dev20261101", "main branch"),
+    ("scaled_mm", "cuda", "2.3.1", "2.4.0", "torch._scaled_mm"),
+]
+
+
+@pytest.mark.parametrize("feature, device, without, with_, cite", EITHER_SIDE)
+def test_each_entry_either_side(feature, device, without, with_, cite):
+    no = check(feature, Env.simulate(device, without))
+    yes = check(feature, Env.simulate(device, with_))
+    assert not no.ok and cite in no.reason and without in no.reason, no.reason
+    assert yes.ok, yes.reason
+    assert no.decided_by == yes.decided_by == "table"  # simulated: the table's word
+
+
+# (feature, nightly of the first version before the merge, nightly of the merge day)
+MERGE_DATES = [
+    ("sdpa_metal_gqa", "2.13.0.dev20260510", "2.13.0.dev20260511", "2026-05-11"),
+    ("sdpa_metal_macos26_fixed", "2.14.0.dev20260801", "2.14.0.dev20260802", "2026-08-02"),
+]
+
+
+@pytest.mark.parametrize("feature, before, on, date", MERGE_DATES)
+def test_nightlies_either_side_of_the_merge(feature, before, on, date):
+    b = check(feature, Env.simulate("mps", before))
+    assert not b.ok and "predates the merge" in b.reason and date in b.reason
+    assert check(feature, Env.simulate("mps", on)).ok
+
+
+@pytest.mark.parametrize("feature", ["sdpa_large_scores_correct", "fp8_gemv", "histc_int"])
+def test_unfixed_entries_fail_on_every_mps_build(feature):
+    for tv in ("2.12.0", "2.13.0", "2.14.1", "2.15.0", "2.15.0a0+gitabc1234", "2.16.0.dev20261130", "2.17.0.dev20270101"):
+        v = check(feature, Env.simulate("mps", tv))
+        assert not v.ok and "not in any torch build" in v.reason, (feature, tv)
+
+
+def test_large_scores_entry_says_not_fixed_and_how_to_split():
+    v = check("sdpa_large_scores_correct", Env.simulate("mps", "2.15.0"))
+    assert "not fixed as of 2026-11-30" in v.reason and "2^31" in v.reason
+    assert "179352" in v.reason and "ComfyUI#14837" in v.reason
+    assert check("sdpa_large_scores_correct", Env.simulate("cuda:9.0", "2.11.0")).ok
+    assert check("sdpa_large_scores_correct", Env.simulate("cpu", "2.13.0")).ok
+    from mpsboost.ops.attention import MPS_SCORE_ELEMENTS_LIMIT, score_elements
+    import torch
+
+    assert MPS_SCORE_ELEMENTS_LIMIT == 2**31
+    assert score_elements(torch.empty(2, 8, 5, 4), torch.empty(2, 2, 7, 4)) == 2 * 8 * 5 * 7
+
+
+def test_conv3d_reason_is_about_throughput_numbers_from_the_issue():
+    v = check("conv3d_metal", Env.simulate("mps", "2.14.0"))
+    assert "#192213" in v.reason and "7%" in v.reason and "97%" in v.reason
+
+
+def test_macos_condition():
+    old = Env.simulate("mps", "2.15.0", macos="26.1")
+    new = Env.simulate("mps", "2.15.0", macos="26.2")
+    unknown = Env.simulate("mps", "2.15.0")
+    v = check("sdpa_mpp_attention", old)
+    assert not v.ok and "macOS >= 26.2" in v.reason and "26.1" in v.reason
+    assert check("sdpa_mpp_attention", new).ok
+    u = check("sdpa_mpp_attention", unknown)
+    assert u.ok and "assumed" in u.reason
+    assert "fp16/bf16" in u.reason and "64/96/128/256" in u.reason
+    with pytest.raises(GateError, match="macOS version"):
+        Env.simulate("mps", "2.15.0", macos="twenty-six")
+
+
+def test_feature_info_for_doctor():
+    info = gate.feature_info("sdpa_metal_gqa", "mps")
+    (rule,) = info["rules"]
+    assert rule["upstream"] == "pytorch#183280" and rule["merged"] == "2026-05-11" and rule["first_release"] == "2.13.0"
+    assert info["probe"] is True
+    (streams,) = gate.feature_info("device_streams", "mps")["rules"]
+    assert streams["first_release"].startswith("none yet")
+    (never,) = gate.feature_info("sdpa_large_scores_correct", "mps")["rules"]
+    assert never["first_release"].startswith("none")
+    assert gate.feature_info("sdpa_metal_prefill", "cpu")["rules"] == []
+    with pytest.raises(GateError, match="unknown feature"):
+        gate.feature_info("nope", "mps")
+
+
+# ------------------------------------------------------------------------- probes
+
+def _real_mps(version: str) -> Env:
+    """A not-simulated MPS environment (what Env.detect gives on a Mac), for fake probes."""
+    return Env(torch_version=parse_torch_version(version), device_type="mps", device_name="fake Mac", simulated=False)
+
+
+@pytest.fixture
+def fresh_probes():
+    gate.clear_probe_cache()
+    yield
+    gate.clear_probe_cache()
+
+
+def _with_probe(monkeypatch, name, probe):
+    feat = gate.FEATURES[name]
+    monkeypatch.setitem(gate.FEATURES, name, Feature(feat.name, feat.description, feat.rules, probe))
+
+
+def test_probe_vetoes_a_nightly_the_table_lets_through(monkeypatch, fresh_probes):
+    """A 2.16 nightly without torch.mps.Stream: the table says yes, the device says no."""
+    calls = []
+
+    def no_streams(env):
+        calls.append(env.device_type)
+        return gate.Verdict(False, "this torch build has no torch.mps.Stream (pytorch#191415 not in it)")
+
+    _with_probe(monkeypatch, "device_streams", no_streams)
+    env = _real_mps("2.16.0.dev20261101")
+    v = check("device_streams", env)
+    assert not v.ok and v.decided_by == "probe" and "torch.mps.Stream" in v.reason
+    assert check("device_streams", env) == v
+    assert calls == ["mps"]  # once per process
+    # a simulated environment takes the table's word and never probes
+    sim = check("device_streams", Env.simulate("mps", "2.16.0.dev20261101"))
+    assert sim.ok and sim.decided_by == "table" and calls == ["mps"]
+    # a build the table already refuses is not probed
+    assert not check("device_streams", _real_mps("2.15.0")).ok and calls == ["mps"]
+
+
+def test_probe_confirms_and_says_so(monkeypatch, fresh_probes):
+    _with_probe(monkeypatch, "grouped_mm", lambda env: None)
+    v = check("grouped_mm", _real_mps("2.15.0"))
+    assert v.ok and v.decided_by == "probe" and "confirmed by a probe on mps" in v.reason
+
+
+def test_probe_that_raises_is_a_missing_feature(monkeypatch, fresh_probes):
+    def broken(env):
+        raise RuntimeError("Trying to convert Float8_e4m3fn to the MPS backend")
+
+    _with_probe(monkeypatch, "float8_storage", broken)
+    v = check("float8_storage", _real_mps("2.15.0"))
+    assert not v.ok and v.decided_by == "probe" and "Float8_e4m3fn" in v.reason and "probe failed" in v.reason
+
+
+def test_probe_never_runs_inside_traced_code(monkeypatch, fresh_probes):
+    import torch
+
+    calls = []
+    _with_probe(monkeypatch, "sdpa_metal_gqa", lambda env: calls.append(1))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    v = check("sdpa_metal_gqa", _real_mps("2.15.0"))
+    assert v.ok and v.decided_by == "table" and "deferred" in v.reason and calls == []
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert check("sdpa_metal_gqa", _real_mps("2.15.0")).decided_by == "probe" and calls == [1]
+
+
+@pytest.mark.parametrize("feature", ["device_streams", "grouped_mm", "float8_storage", "sdpa_metal_gqa"])
+def test_api_and_dtype_features_have_probes(feature):
+    assert gate.FEATURES[feature].probe is not None
+
+
+@pytest.mark.parametrize("feature", ["grouped_mm", "float8_storage", "sdpa_metal_gqa"])
+def test_real_probes_run_on_this_cpu(feature, fresh_probes):
+    """The probe functions themselves are device-generic: on the CPU they run for real."""
+    v = check(feature, Env.detect("cpu"))
+    assert v.ok and v.decided_by == "probe", v.reason
+
+
+def test_streams_probe_on_a_build_without_mps_streams(monkeypatch, fresh_probes):
+    import torch
+
+    if hasattr(torch.mps, "Stream"):
+        monkeypatch.delattr(torch.mps, "Stream")
+    v = gate._probe_streams(_real_mps("2.16.0.dev20261101"))
+    assert v is not None and not v.ok and "pytorch#191415" in v.reason
