@@ -1,4 +1,4 @@
-"""The ``mpsboost`` command: doctor, plan, demo, bench."""
+"""The ``mpsboost`` command: doctor, plan, demo, bench, selftest."""
 from __future__ import annotations
 
 import argparse
@@ -213,12 +213,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help="the main job: real architectures with random weights, stock vs patched, four records", add_help=False)
     sub.add_parser("bench", help="run a recipe's benchmark (stock vs mpsboost vs peers)", add_help=False)
+    sub.add_parser("selftest", help="every recipe that applies here, stock vs patched on tiny real models; JSONL + markdown to attach to an issue", add_help=False)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # demo and bench own their arguments.
+    # demo, bench and selftest own their arguments.
     if argv and argv[0] == "demo":
         from .demo import main as demo_main
 
@@ -227,6 +228,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .bench.cli import main as bench_main
 
         return int(bench_main(argv[1:]) or 0)
+    if argv and argv[0] == "selftest":
+        from .errors import MpsboostError
+        from .selftest import main as selftest_main
+
+        try:
+            return int(selftest_main(argv[1:]) or 0)
+        except (MpsboostError, ValueError) as e:
+            print(f"mpsboost selftest: {e}", file=sys.stderr)
+            return 2
     parser = _build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

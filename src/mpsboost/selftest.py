@@ -1,0 +1,546 @@
+"""``mpsboost selftest``: every recipe that applies here, on a tiny real-architecture workload, stock vs patched.
+
+For each registered recipe with a workload below, on this device and torch build:
+
+1. build the workload's model (a real diffusers/transformers class from a tiny config, random weights
+   from a fixed seed), move it to the device in the chosen dtype;
+2. ask :func:`mpsboost.plan` whether the recipe applies here; if not, record why and go on;
+3. run it stock, then patched (only that recipe), each: output, time (:func:`mpsboost.bench.time_fn`,
+   device-synchronised, median of repeats) and memory peaks (:func:`mpsboost.bench.measure_memory`:
+   tensor-allocated, allocator-reserved, driver-level, each where the device has the counter);
+4. check patched against stock and both against a CPU fp32 reference of the same model and inputs:
+   the recipe passes when patched stays within a tolerance of stock and is no further from the CPU
+   reference than stock is (plus the same tolerance).
+
+It prints a table and writes ``mpsboost-selftest-<device>-<torch>.jsonl`` (records of
+:mod:`mpsboost.bench`, one ``stock`` and one ``mpsboost`` record per recipe that ran, one record per recipe
+that did not apply, the selftest's findings under ``extra["selftest"]``) and a short markdown summary
+next to it, to attach to an issue. :func:`validate` checks such a file (also one copied into
+``benchmarks/results/``).
+
+Runs on MPS, CUDA and CPU; on a 2-core CPU the whole run takes seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import platform
+import re
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from .errors import MpsboostError
+
+__all__ = ["WORKLOADS", "Workload", "RecipeResult", "run_selftest", "validate", "SelftestFormatError", "main"]
+
+KIND = "selftest"
+STATUSES = ("pass", "fail", "not applicable", "no workload", "error")
+DTYPES = ("float32", "bfloat16", "float16")
+# Patched vs stock (relative L2 error) for a lossless recipe, per dtype; a lossy one (fp8) gets LOSSY.
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2}
+LOSSY = 0.25
+
+
+class SelftestFormatError(MpsboostError, ValueError):
+    """A selftest JSONL file that does not have the expected records; the message names file and line."""
+
+
+# ------------------------------------------------------------------------------------------ workloads
+
+_LM = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+           max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _wan22_vae():
+    from diffusers import AutoencoderKLWan
+
+    # The Wan2.2 TI2V-5B VAE structure (residual, patch size 2, z 48, 16x spatial) at diffusers' test width.
+    return AutoencoderKLWan(base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                            latents_mean=[0.0] * 48, latents_std=[1.0] * 48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                            scale_factor_spatial=16, scale_factor_temporal=4, temperal_downsample=[False, True, True])
+
+
+def _qwen_image_vae():
+    from diffusers import AutoencoderKLQwenImage
+
+    # diffusers' tests/pipelines/qwenimage/test_qwenimage.py
+    return AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
+                                  latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+
+
+def _qwen3_moe():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**_LM, head_dim=32, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+                                              num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True))
+
+
+def _qwen3():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM(Qwen3Config(**_LM, head_dim=32, intermediate_size=64))
+
+
+def _llama_eager():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # head_dim 64 (a Metal kernel size), grouped K/V (4 heads, 2 K/V heads), eager attention.
+    cfg = dict(_LM, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(LlamaConfig(**cfg, intermediate_size=64, attn_implementation="eager"))
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _vae_decode(vae, device, dtype, *, tiled: bool = False, pixels: int = 32):
+    """Decode a fixed random latent of 5 frames at ``pixels`` px (tiled: 32 px tiles, 16 px stride)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    spatial = 8 * (vae.config.patch_size or 1) if hasattr(vae.config, "patch_size") else 8
+    z = torch.randn(1, vae.config.z_dim, 2, pixels // spatial, pixels // spatial, generator=g).to(device, dtype)
+    if tiled:
+        vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16, tile_sample_stride_width=16)
+
+    def run(module):
+        with torch.no_grad():
+            return module.decode(z.to(next(module.parameters()).device, next(module.parameters()).dtype)).sample
+
+    return run
+
+
+def _vae_roundtrip(vae, device, dtype, *, tiled: bool = False, pixels: int = 32):
+    """Encode and decode one fixed random image (a single frame) of ``pixels`` x ``pixels``."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(1, 3, 1, pixels, pixels, generator=g) * 2 - 1).to(device, dtype)
+
+    def run(module):
+        p = next(module.parameters())
+        with torch.no_grad():
+            return module(x.to(p.device, p.dtype), sample_posterior=False).sample
+
+    return run
+
+
+def _lm_logits(model, device, dtype, *, tiled: bool = False, **_: Any):
+    """Teacher-forced logits: a prefill of 6 tokens, then 3 one-token decode steps with the KV cache."""
+    import inspect
+
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=g)
+    key = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+    def run(module):
+        dev = next(module.parameters()).device
+        x = ids.to(dev)
+        outs = []
+        with torch.no_grad():
+            out = module(input_ids=x[:, :6], use_cache=True)
+            outs.append(out.logits.float())
+            for i in range(3):
+                past = getattr(out, key, None) if getattr(out, key, None) is not None else out.past_key_values
+                out = module(input_ids=x[:, 6 + i : 7 + i], use_cache=True, **{key: past})
+                outs.append(out.logits.float())
+        return torch.cat(outs, dim=1)
+
+    return run
+
+
+def _lm_sample(model, device, dtype, *, tiled: bool = False, **_: Any):
+    """``generate(do_sample=True)`` of 8 tokens from a fixed seed: the generated ids."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 5), generator=g)
+
+    def run(module):
+        dev = next(module.parameters()).device
+        torch.manual_seed(0)
+        with torch.no_grad():
+            out = module.generate(ids.to(dev), attention_mask=torch.ones_like(ids, device=dev), max_new_tokens=8,
+                                  do_sample=True, top_k=0, top_p=1.0, pad_token_id=0)
+        return out[:, ids.shape[1]:].float()
+
+    return run
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A tiny real-architecture workload for one recipe."""
+
+    name: str
+    build: Callable[[], Any]
+    runner: Callable[..., Callable[[Any], Any]]  # runner(model, device, dtype, tiled=) -> run(module) -> output
+    metric: str = "rel"  # "psnr" (images/video) or "rel" (logits); "ids" for sampled tokens
+    tiled: bool = False
+    shape: dict = field(default_factory=dict)
+    kw: dict = field(default_factory=dict)  # extra arguments of the runner
+
+
+WORKLOADS: dict[str, Workload] = {
+    "wan_vae_pad": Workload("wan22_vae_decode", _wan22_vae, _vae_decode, "psnr", shape={"latent": [1, 48, 2, 2, 2], "pixels": 32},
+                            kw={"pixels": 32}),
+    "mps_streams": Workload("wan22_vae_tiled_decode", _wan22_vae, _vae_decode, "psnr", tiled=True,
+                            shape={"latent": [1, 48, 2, 4, 4], "pixels": 64, "tile": 32, "stride": 16}, kw={"pixels": 64}),
+    "qwen_image_vae": Workload("qwen_image_vae_roundtrip", _qwen_image_vae, _vae_roundtrip, "psnr", shape={"image": [1, 3, 1, 32, 32]},
+                               kw={"pixels": 32}),
+    "moe_experts": Workload("qwen3_moe_prefill_decode", _qwen3_moe, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}),
+    "fp8_weights": Workload("qwen3_moe_prefill_decode", _qwen3_moe, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}),
+    "decode_linear": Workload("qwen3_prefill_decode", _qwen3, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}),
+    "metal_attention": Workload("llama_eager_prefill_decode", _llama_eager, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}),
+    "softmax": Workload("qwen3_generate_sampled", _qwen3, _lm_sample, "ids", shape={"batch": 2, "prompt": 5, "new_tokens": 8}),
+}
+
+
+# ------------------------------------------------------------------------------------------ running
+
+@dataclass
+class RecipeResult:
+    recipe: str
+    status: str
+    reason: str = ""
+    workload: str | None = None
+    backing: str = ""
+    speed_ratio: float | None = None  # stock time / patched time (> 1: patched is faster)
+    vs_stock: Any = None  # Correctness of patched against stock
+    records: list = field(default_factory=list)  # bench Records written for it
+
+
+def _best_device() -> str:
+    import torch
+
+    if torch.backends.mps.is_available():
+        return "mps"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def _measure(run: Callable[[Any], Any], module: Any, device: str, repeats: int):
+    """Output and memory peaks of a first call (which also warms up), then the timed repeats."""
+    from .bench import measure_memory, time_fn
+
+    with measure_memory(device) as probe:
+        out = run(module)
+    timing = time_fn(lambda: run(module), device=device, warmup=0, repeats=repeats)
+    return out, timing, probe.peaks()
+
+
+def _compare(x, ref, metric: str, reference: str):
+    from .bench import correctness
+
+    if metric == "psnr":
+        return correctness(x, ref, reference=reference, data_range=2.0)
+    return correctness(x, ref, reference=reference, psnr_too=False)
+
+
+def _one(name: str, recipe: Any, device: str, dtype_name: str, repeats: int, env: Any, record_env: Any) -> RecipeResult:
+    import torch
+
+    import mpsboost
+    from .bench import Record, Workload as BenchWorkload
+
+    wl = WORKLOADS.get(name)
+    if wl is None:
+        return RecipeResult(name, "no workload", "the selftest has no workload for this recipe yet")
+    dtype = _dtype(dtype_name)
+    fp8 = "rowwise" if not recipe.lossless and name == "fp8_weights" else None
+    torch.manual_seed(0)
+    model = wl.build().eval()
+    model.to(device)
+    if dtype != torch.float32:
+        model.to(dtype)
+    bench_wl = BenchWorkload(f"{KIND}:{name}", dict(wl.shape, model=type(model).__name__, workload=wl.name, dtype=dtype_name))
+    plan = mpsboost.plan(model, env=env, recipes=[name], fp8=fp8)
+    would = [r for r in plan.rows if r.status == "would apply"]
+    if not would:
+        why = "; ".join(sorted({r.reason for r in plan.rows})) or "no target in the workload"
+        rec = Record(bench_wl, "mpsboost", record_env, extra={KIND: {"recipe": name, "status": "not applicable", "reason": why}})
+        return RecipeResult(name, "not applicable", why, wl.name, records=[rec])
+    backing = ", ".join(sorted({r.backing for r in would if r.backing}))
+    run = wl.runner(model, device, dtype, tiled=wl.tiled, **wl.kw)
+    stock_out, stock_t, stock_m = _measure(run, model, device, repeats)
+    if device == "cpu" and dtype == torch.float32:
+        ref = stock_out.detach().float()  # the stock run is the CPU fp32 reference itself
+    else:
+        # The CPU fp32 reference: a copy of the stock model, on the CPU in fp32, same inputs.
+        ref_model = copy.deepcopy(model).to("cpu", torch.float32)
+        ref = run(ref_model).detach().to("cpu", torch.float32)
+        del ref_model
+    with warnings.catch_warnings():
+        # Parts of a target a recipe leaves alone (e.g. fp8 keeps lm_head) are in its report rows.
+        warnings.simplefilter("ignore", UserWarning)
+        report = mpsboost.patch(model, recipes=[name], fp8=fp8)
+    try:
+        patched_out, patched_t, patched_m = _measure(run, model, device, repeats)
+    finally:
+        if recipe.reversible:
+            mpsboost.unpatch(model)
+    stock_out, patched_out = (t.detach().to("cpu", torch.float32) for t in (stock_out, patched_out))
+    vs_stock = _compare(patched_out, stock_out, wl.metric, "stock")
+    tol = LOSSY if not recipe.lossless else TOLERANCE[dtype_name]
+    if wl.metric == "ids":
+        # Sampled tokens: the same seed must draw the same tokens; the CPU reference draws from another
+        # generator stream unless the device is the CPU.
+        same = bool(torch.equal(patched_out, stock_out))
+        stock_ref = _compare(stock_out, ref, "rel", "cpu-fp32") if device == "cpu" else None
+        patched_ref = _compare(patched_out, ref, "rel", "cpu-fp32") if device == "cpu" else None
+        ok = same and (device != "cpu" or torch.equal(patched_out, ref))
+        why = "same tokens as stock for the same seed" if same else "patched drew other tokens than stock for the same seed"
+    else:
+        stock_ref = _compare(stock_out, ref, wl.metric, "cpu-fp32")
+        patched_ref = _compare(patched_out, ref, wl.metric, "cpu-fp32")
+        rel_s, rel_p = stock_ref.rel_error, patched_ref.rel_error
+        close = vs_stock.rel_error is not None and vs_stock.rel_error <= tol
+        no_worse = rel_p is not None and rel_s is not None and rel_p <= 1.5 * rel_s + tol
+        ok = bool(close and no_worse)
+        why = (f"patched vs stock rel {vs_stock.rel_error:.2e} (tolerance {tol:g}); vs CPU fp32: stock {rel_s:.2e}, patched {rel_p:.2e}")
+    ratio = stock_t.median_s / patched_t.median_s if patched_t.median_s > 0 else None
+    applied = [r for r in report.rows if r.status == "applied"]
+    info = {"recipe": name, "status": "pass" if ok else "fail", "reason": why, "speed_ratio": ratio, "tolerance": tol,
+            "backing": backing, "rows_applied": len(applied), "lossless": bool(recipe.lossless), "metric": wl.metric}
+    recs = [
+        Record(bench_wl, "stock", record_env, throughput=stock_t.throughput(), correctness=stock_ref, memory=stock_m,
+               extra={KIND: dict(info)}),
+        Record(bench_wl, "mpsboost", record_env, throughput=patched_t.throughput(), correctness=patched_ref, memory=patched_m,
+               extra={KIND: dict(info, vs_stock=vs_stock.to_dict())}),
+    ]
+    return RecipeResult(name, info["status"], why, wl.name, backing, ratio, vs_stock, recs)
+
+
+def _file_stem(device: str, torch_version: str) -> str:
+    return f"mpsboost-{KIND}-{device}-" + re.sub(r"[^A-Za-z0-9.+_-]", "_", torch_version)
+
+
+def run_selftest(
+    device: str | None = None,
+    *,
+    dtype: str = "float32",
+    recipes: Sequence[str] | None = None,
+    out_dir: str | Path = ".",
+    repeats: int = 3,
+    echo: Callable[[str], None] = print,
+) -> tuple[list[RecipeResult], Path, Path]:
+    """Run the selftest; returns the per-recipe results and the paths of the JSONL and markdown files."""
+    import torch
+
+    from .bench import RecordEnv, write_jsonl
+    from .gate import Env
+    from .registry import all_recipes
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not accepted; pass one of {', '.join(DTYPES)}")
+    device = device or _best_device()
+    env = Env.detect(device)
+    known = {r.name: r for r in all_recipes()}
+    if recipes:
+        unknown = sorted(set(recipes) - set(known))
+        if unknown:
+            raise ValueError(f"unknown recipe(s) {unknown}; known: {', '.join(sorted(known))}")
+        chosen = [known[n] for n in recipes]
+    else:
+        chosen = list(known.values())
+    record_env = RecordEnv.capture(device, _dtype(dtype))
+    echo(f"mpsboost selftest on {env.describe()}, {dtype}")
+    results: list[RecipeResult] = []
+    for recipe in chosen:
+        t0 = time.perf_counter()
+        try:
+            res = _one(recipe.name, recipe, device, dtype, repeats, env, record_env)
+        except Exception as e:  # one recipe's failure is a finding, not the end of the run
+            from .bench import Record, Workload as BenchWorkload
+
+            why = f"{type(e).__name__}: {e}"
+            rec = Record(BenchWorkload(f"{KIND}:{recipe.name}", {"dtype": dtype}), "mpsboost", record_env,
+                         extra={KIND: {"recipe": recipe.name, "status": "error", "reason": why}})
+            res = RecipeResult(recipe.name, "error", why, records=[rec])
+        echo(f"  {recipe.name}: {res.status} ({time.perf_counter() - t0:.1f} s)")
+        results.append(res)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = _file_stem(device, torch.__version__)
+    jsonl = out / f"{stem}.jsonl"
+    records = [r for res in results for r in res.records]
+    write_jsonl(jsonl, records)
+    md = out / f"{stem}.md"
+    table = format_table(results)
+    md.write_text(_markdown(env, record_env.device_name, dtype, table, results, jsonl.name))
+    echo("")
+    echo(table)
+    echo(f"\nwrote {jsonl} and {md}")
+    return results, jsonl, md
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, k in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= k:
+            return f"{n / k:.1f} {unit}"
+    return f"{n} B"
+
+
+def _mem(res: RecipeResult, field_name: str) -> str:
+    by = {r.variant: r for r in res.records}
+    s, p = by.get("stock"), by.get("mpsboost")
+    if s is None or p is None or s.memory is None or p.memory is None:
+        return "-"
+    return f"{_fmt_bytes(getattr(s.memory, field_name))} -> {_fmt_bytes(getattr(p.memory, field_name))}"
+
+
+def format_table(results: Sequence[RecipeResult]) -> str:
+    """One row per recipe: status, speed ratio, errors, the three memory peaks (stock -> patched)."""
+    head = ["recipe", "status", "speed", "vs stock", "vs cpu-fp32 (stock/patched)", "tensor peak", "reserved peak", "driver peak"]
+    rows = []
+    for res in results:
+        by = {r.variant: r for r in res.records}
+        s, p = by.get("stock"), by.get("mpsboost")
+        ref = "-"
+        if s is not None and p is not None and s.correctness is not None and p.correctness is not None:
+            ref = f"{s.correctness.rel_error:.1e} / {p.correctness.rel_error:.1e}"
+        rows.append([
+            res.recipe,
+            res.status,
+            f"{res.speed_ratio:.2f}x" if res.speed_ratio else "-",
+            f"{res.vs_stock.rel_error:.1e}" if res.vs_stock is not None and res.vs_stock.rel_error is not None else "-",
+            ref,
+            _mem(res, "tensor_allocated"),
+            _mem(res, "allocator_reserved"),
+            _mem(res, "driver_level"),
+        ])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    notes = [f"  {res.recipe}: {res.reason}" for res in results if res.reason]
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _markdown(env: Any, device_name: str, dtype: str, table: str, results: Sequence[RecipeResult], jsonl_name: str) -> str:
+    from . import __version__
+
+    counts = {s: sum(r.status == s for r in results) for s in STATUSES}
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    mac = platform.mac_ver()[0]
+    return (
+        f"## mpsboost selftest: {env.device_type}, torch {env.torch_version.raw}\n\n"
+        f"- mpsboost {__version__}, python {platform.python_version()}, {platform.platform()}"
+        + (f", macOS {mac}" if mac else "") + "\n"
+        f"- device: {device_name}; dtype {dtype}\n"
+        f"- result: {summary}\n"
+        f"- records: `{jsonl_name}` (attach it too)\n\n"
+        "Speed is stock time / patched time (tiny models: launch-bound, not a benchmark). Memory: stock -> patched peaks.\n\n"
+        f"```\n{table}\n```\n"
+    )
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+def validate(path: str | Path) -> dict:
+    """Check a selftest JSONL file; returns ``{"env": ..., "recipes": {name: status}}``.
+
+    Every line must be an mpsboost bench record of a selftest workload (``selftest:<recipe>``) with its
+    findings under ``extra["selftest"]``; a recipe that ran has a ``stock`` and an ``mpsboost`` record,
+    each with throughput, memory and (except sampled tokens off the CPU) correctness against
+    ``cpu-fp32``, the patched one with its agreement with stock; all records share one environment.
+    Raises :class:`SelftestFormatError` naming the file and line.
+    """
+    from .bench import Record
+    from .bench.errors import RecordError
+
+    p = Path(path)
+    if not p.is_file():
+        raise SelftestFormatError(f"{p}: no such file (expected a mpsboost-selftest-*.jsonl written by `mpsboost selftest`)")
+    recipes: dict[str, dict[str, Any]] = {}
+    env0 = None
+    lines = p.read_text().splitlines()
+    if not any(line.strip() for line in lines):
+        raise SelftestFormatError(f"{p}: empty file; a selftest writes at least one record per recipe")
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{p}:{no}"
+        try:
+            rec = Record.from_dict(json.loads(line))
+        except (json.JSONDecodeError, RecordError) as e:
+            raise SelftestFormatError(f"{where}: not an mpsboost bench record: {e}") from None
+        if not rec.workload.name.startswith(f"{KIND}:"):
+            raise SelftestFormatError(f"{where}: workload {rec.workload.name!r} is not a selftest workload ('{KIND}:<recipe>')")
+        info = rec.extra.get(KIND)
+        if not isinstance(info, dict):
+            raise SelftestFormatError(f"{where}: missing extra[{KIND!r}] with the recipe's findings")
+        name, status = info.get("recipe"), info.get("status")
+        if name != rec.workload.name.split(":", 1)[1]:
+            raise SelftestFormatError(f"{where}: extra[{KIND!r}]['recipe'] = {name!r} does not match workload {rec.workload.name!r}")
+        if status not in STATUSES:
+            raise SelftestFormatError(f"{where}: status {status!r} is not one of {', '.join(STATUSES)}")
+        if not isinstance(info.get("reason", ""), str):
+            raise SelftestFormatError(f"{where}: extra[{KIND!r}]['reason'] must be text")
+        key = rec.env.to_dict()
+        if env0 is None:
+            env0 = key
+        elif key != env0:
+            diff = sorted(k for k in key if key[k] != env0.get(k))
+            raise SelftestFormatError(f"{where}: environment differs from the first record's in {diff}; one selftest run per file")
+        entry = recipes.setdefault(name, {"status": status, "variants": set()})
+        if entry["status"] != status:
+            raise SelftestFormatError(f"{where}: {name} has status {status!r} here and {entry['status']!r} on an earlier line")
+        if rec.variant in entry["variants"]:
+            raise SelftestFormatError(f"{where}: a second {rec.variant!r} record for {name}")
+        entry["variants"].add(rec.variant)
+        if status in ("pass", "fail"):
+            if rec.variant not in ("stock", "mpsboost"):
+                raise SelftestFormatError(f"{where}: variant {rec.variant!r}; a recipe that ran has 'stock' and 'mpsboost' records")
+            if rec.throughput is None or rec.memory is None:
+                raise SelftestFormatError(f"{where}: {name} ran but its {rec.variant} record lacks throughput or memory")
+            if rec.correctness is not None and rec.correctness.reference != "cpu-fp32":
+                raise SelftestFormatError(f"{where}: correctness reference {rec.correctness.reference!r}, expected 'cpu-fp32'")
+            if rec.correctness is None and info.get("metric") != "ids":
+                raise SelftestFormatError(f"{where}: {name} ran but its {rec.variant} record has no correctness against cpu-fp32")
+            ratio = info.get("speed_ratio")
+            if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not (ratio > 0 and math.isfinite(ratio)):
+                raise SelftestFormatError(f"{where}: speed_ratio {ratio!r} is not a positive number")
+            if rec.variant == "mpsboost" and not isinstance(info.get("vs_stock"), dict):
+                raise SelftestFormatError(f"{where}: the mpsboost record of {name} lacks extra[{KIND!r}]['vs_stock']")
+    for name, entry in recipes.items():
+        if entry["status"] in ("pass", "fail") and entry["variants"] != {"stock", "mpsboost"}:
+            raise SelftestFormatError(f"{p}: {name} ran but has only {sorted(entry['variants'])} records; expected stock and mpsboost")
+    return {"env": env0, "recipes": {n: e["status"] for n, e in recipes.items()}}
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+def build_parser(prog: str = "mpsboost selftest") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Every recipe that applies here, stock vs patched on a tiny real model; "
+                                "writes a JSONL and a markdown summary to attach to an issue.")
+    p.add_argument("--device", choices=("mps", "cuda", "cpu"), help="default: mps, then cuda, then cpu")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--recipes", nargs="*", help="only these recipes (default: every registered recipe)")
+    p.add_argument("--out", default=".", help="folder for the JSONL and markdown files (default: here)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per variant (default 3)")
+    p.add_argument("--validate", metavar="JSONL", help="only check a selftest JSONL file and print its summary")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.validate:
+        summary = validate(args.validate)
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    if args.repeats < 1:
+        raise SystemExit("mpsboost selftest: --repeats must be at least 1")
+    results, _, _ = run_selftest(args.device, dtype=args.dtype, recipes=args.recipes, out_dir=args.out, repeats=args.repeats)
+    return 1 if any(r.status in ("fail", "error") for r in results) else 0
