@@ -341,3 +341,16 @@ def test_streams_probe_on_a_build_without_mps_streams(monkeypatch, fresh_probes)
         monkeypatch.delattr(torch.mps, "Stream")
     v = gate._probe_streams(_real_mps("2.16.0.dev20261101"))
     assert v is not None and not v.ok and "pytorch#191415" in v.reason
+
+
+def test_conv3d_entry_decides_what_the_qwen_single_frame_path_claims():
+    """Before 2.14 the 2-D path is sold on speed (slow conv3d); from 2.14 on memory and a pad-free graph."""
+    import mpsboost
+    from tiny_models import build
+
+    vae = build("qwen_image_vae")
+    rows = {tv: mpsboost.plan(vae, device="mps", torch_version=tv, recipes=["qwen_image_vae"]).rows[0] for tv in ("2.13.0", "2.14.1", "2.15.0")}
+    assert "conv3d is slow on this build" in rows["2.13.0"].reason and "pytorch#188802" in rows["2.13.0"].reason
+    for tv in ("2.14.1", "2.15.0"):
+        assert rows[tv].status == "would apply"
+        assert "buys memory" in rows[tv].reason and "not speed" in rows[tv].reason, rows[tv].reason

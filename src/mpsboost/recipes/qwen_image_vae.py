@@ -10,15 +10,28 @@ about a third of the FLOPs, and no cache copies since nothing follows the frame.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterator, Mapping
 
 import torch
 
-from ..gate import Env
+from ..gate import Env, check
 from ..ops import vae_patch
 from ..registry import Decision, Match, Recipe, Undo, register
 
 CLASSES = vae_patch.QWEN
+
+
+def _single_frame_reason(env: Env) -> str:
+    """What the single-frame 2-D path buys on this MPS build: speed before conv3d reached Metal, else memory."""
+    conv3d = check("conv3d_metal", env)
+    if not conv3d.ok:
+        # issue pytorch#192213: conv3d at 7% of matmul throughput on 2.12 (MPSGraph).
+        return f"single frames as 2-D convolutions: a third of the FLOPs, and conv3d is slow on this build ({conv3d.reason})"
+    return (
+        "single frames as 2-D convolutions: conv3d runs on Metal kernels here (pytorch#188802, #192229), so this buys "
+        "memory (no 5-D activations or cached frames) and a graph with no F.pad, not speed"
+    )
 
 
 @register
@@ -38,7 +51,10 @@ class QwenImageVae(Recipe):
     def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
         opts = vae_patch.parse_options(self.name, options, env.device_type)
         backing = "conv padding fold" + (", 2-D conv for single frame" if opts.single_frame_2d else "")
-        return vae_patch.decide(self.name, CLASSES, match, env, options, backing)
+        decision = vae_patch.decide(self.name, CLASSES, match, env, options, backing)
+        if decision.applicable and opts.single_frame_2d and env.device_type == "mps":
+            decision = replace(decision, reason=f"{decision.reason}; {_single_frame_reason(env)}")
+        return decision
 
     def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
         opts = vae_patch.parse_options(self.name, options, env.device_type)
