@@ -354,3 +354,26 @@ def test_conv3d_entry_decides_what_the_qwen_single_frame_path_claims():
     for tv in ("2.14.1", "2.15.0"):
         assert rows[tv].status == "would apply"
         assert "buys memory" in rows[tv].reason and "not speed" in rows[tv].reason, rows[tv].reason
+
+
+def test_doctor_shows_upstream_dates_conditions_and_decider(capsys):
+    import json
+
+    from mpsboost.cli import main as cli_main
+
+    assert cli_main(["doctor", "--device", "mps", "--torch", "2.13.0.dev20260510"]) == 0
+    out = capsys.readouterr().out
+    assert "sdpa_metal_gqa" in out and "merged 2026-05-11" in out and "first release 2.13.0" in out
+    assert "predates the merge" in out and "[table]" in out
+    assert "fp16/bf16" in out and "macOS >= 26.2" in out
+    assert cli_main(["doctor", "--device", "mps", "--torch", "2.15.0", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    f = info["features"]["sdpa_large_scores_correct"]
+    assert f["available"] is False and f["decided_by"] == "table" and f["rules"][0]["first_release"].startswith("none")
+    # the real CPU build: API/dtype features are confirmed by a probe
+    gate.clear_probe_cache()
+    assert cli_main(["doctor", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    if info["env"]["device_type"] == "cpu":
+        assert info["features"]["float8_storage"]["decided_by"] == "probe"
+        assert info["features"]["histc_int"]["decided_by"] == "table"
