@@ -275,6 +275,8 @@ def _one(name: str, recipe: Any, device: str, dtype_name: str, repeats: int, env
     stock_out, stock_t, stock_m = _measure(run, model, device, repeats)
     if device == "cpu" and dtype == torch.float32:
         ref = stock_out.detach().float()  # the stock run is the CPU fp32 reference itself
+    elif wl.metric == "ids":
+        ref = None  # sampled tokens off the CPU: another generator stream, nothing to compare with
     else:
         # The CPU fp32 reference: a copy of the stock model, on the CPU in fp32, same inputs.
         ref_model = copy.deepcopy(model).to("cpu", torch.float32)
