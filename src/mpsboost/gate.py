@@ -239,9 +239,6 @@ def _macos_version() -> tuple[int, int] | None:
         return None
 
 
-DECIDERS = ("table", "probe")
-
-
 @dataclass(frozen=True)
 class Verdict:
     """``ok`` and a ``reason`` a person can read; ``decided_by`` says whether the FEATURES table
