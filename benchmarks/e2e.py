@@ -449,11 +449,23 @@ def build_pipe(workload: str, size: str, device: str, dtype: torch.dtype, seed: 
             vae = AutoencoderKLQwenImage.from_config(C.config(folder, size, "vae.json"))
         pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
                                  transformer=transformer)
-    pipe.to(device=device, dtype=dtype)
+    keep_fp32(pipe.transformer)
+    pipe.to(device=device)
     if run.get("vae_tiling"):
         pipe.vae.enable_tiling()
     pipe.set_progress_bar_config(disable=True)
     return pipe, run
+
+
+def keep_fp32(model) -> list[str]:
+    """Put the modules the class keeps in float32 back in float32, as ``from_pretrained(torch_dtype=...)`` does."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    done = []
+    for name, mod in model.named_modules():
+        if name and any(k in name.split(".") for k in keep):
+            mod.float()
+            done.append(name)
+    return done
 
 
 def pipe_inputs(workload: str, pipe, run: dict, device: str, dtype: torch.dtype, seed: int, steps: int) -> tuple[dict, dict]:
@@ -587,7 +599,8 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
     env = RecordEnv.capture(dev, dtype, compile=True if mode == "compile" else False)
     shape = {"pipeline": type(pipe).__name__, "mode": mode, "height": cfg["height"], "width": cfg["width"],
              "steps": kw["num_inference_steps"], "transformer_layers": pipe.transformer.config.num_layers,
-             "vae_tiling": bool(getattr(pipe.vae, "use_tiling", False)), "weights": "random (seeded)", "text_tokens": cfg["text_tokens"]}
+             "vae_tiling": bool(getattr(pipe.vae, "use_tiling", False)), "weights": "random (seeded)",
+             "fp32_modules": list(getattr(pipe.transformer, "_keep_in_fp32_modules", None) or []), "text_tokens": cfg["text_tokens"]}
     if "frames" in cfg:
         shape["frames"] = cfg["frames"]
     work = Workload(f"{NAME}-{workload}", shape)
