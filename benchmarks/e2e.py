@@ -30,7 +30,8 @@ Workloads (real architectures, random weights built from shipped configs directl
 
 Every (workload, mode) runs in one process: one untimed warm-up call per variant (compilation
 included; its time is recorded), then ``--rounds`` rounds, each running every variant once in a
-rotating order, then one memory pass per variant (memory sampling is never inside a timed call).
+rotating order. Memory peaks come from an untimed call per variant (the warm-up call where nothing
+compiles, else one more call after the rounds): memory sampling is never inside a timed call.
 One record per (workload, mode, variant) holds all rounds, with best, median and spread, and its
 ratios to stock of the same run. Records are appended to ``OUT/e2e.jsonl`` as each (workload, mode)
 finishes; ``--budget-s`` stops starting new work once spent (and cuts rounds short, saying so).
@@ -54,7 +55,7 @@ sys.path.insert(0, str(ROOT.parent / "recipes"))
 import _common as C  # noqa: E402  (the shipped configs of recipes/configs)
 
 import mpsboost  # noqa: E402
-from mpsboost.api import is_patched, last_report  # noqa: E402
+from mpsboost.api import is_patched  # noqa: E402
 from mpsboost.bench.memory import measure_memory  # noqa: E402
 from mpsboost.bench.quality import correctness  # noqa: E402
 from mpsboost.bench.records import Correctness, OpTime, Record, RecordEnv, Throughput, Workload  # noqa: E402
@@ -164,6 +165,16 @@ def patch_summary(report: Any) -> dict:
     for row in report.skipped:
         reasons.setdefault(row.recipe, row.reason)
     return {"applied": len(report.applied), "skipped": len(report.skipped), "backing": backing, "skip_reasons": reasons}
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process so far (to show that no timed round recompiled)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - dynamo unavailable
+        return 0
 
 
 def rotate(items: list[str], r: int) -> list[str]:
@@ -309,10 +320,19 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
 
     label = f"{workload} {mode} {decoding}"
     warm: dict[str, float] = {}
+    mem: dict[str, Any] = {}
+    # Eager: the memory peaks are taken on the untimed warm-up call (nothing compiles there), which
+    # saves a call per variant; compiled: on a separate call after the rounds (compilation allocates).
+    mem_on_warmup = mode == "eager"
     for name in list(names):
         try:
             # N tokens first: a static cache is sized by the largest call and reused by the 1-token call.
-            s_n, _ = timed_call(lambda: generate(name, N), dev)
+            if mem_on_warmup:
+                with measure_memory(dev) as probe:
+                    s_n, _ = timed_call(lambda: generate(name, N), dev)
+                mem[name] = probe.peaks()
+            else:
+                s_n, _ = timed_call(lambda: generate(name, N), dev)
             s_1, _ = timed_call(lambda: generate(name, 1), dev)
             warm[name] = s_n + s_1
             run.log(f"{label}: warm-up {name} {s_n:.1f} s")
@@ -328,6 +348,7 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
     full: dict[str, list[float]] = {n: [] for n in names}
     tokens: dict[str, list[list[int]]] = {n: [] for n in names}
     budget_cut = False
+    graphs0 = graphs_compiled()
     for r in range(a.rounds):
         if r >= 1 and run.spent():
             budget_cut = True
@@ -346,16 +367,16 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
         run.log(f"{label}: round {r + 1}: " + ", ".join(
             f"{n} prefill {prefill[n][-1] * 1e3:.1f} ms decode {(full[n][-1] - prefill[n][-1]) / max(N - 1, 1) * 1e3:.2f} ms/tok"
             for n in names if len(full[n]) == r + 1))
-    # Memory: one more N-token call per variant, separate from the timed ones.
-    mem: dict[str, Any] = {}
+    recompiled = graphs_compiled() - graphs0
     logits: dict[str, torch.Tensor] = {}
     for name in names:
         if not full[name]:
             continue
         try:
-            with measure_memory(dev) as probe:
-                generate(name, N)
-            mem[name] = probe.peaks()
+            if not mem_on_warmup:
+                with measure_memory(dev) as probe:
+                    generate(name, N)
+                mem[name] = probe.peaks()
             with torch.no_grad():
                 logits[name] = select(name)(prompt, attention_mask=mask).logits[0, -1].float().cpu()
         except Exception as exc:  # noqa: BLE001
@@ -378,9 +399,12 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
         extra: dict[str, Any] = {"mode": mode, "decoding": decoding, "sampling_seed": a.seed + 2 if decoding == "sampled" else None,
                                  "generate_kwargs": {k: v for k, v in kw.items() if k != "attention_mask"},
                                  "build_s": build_s.get(name, build_s["stock"]), "warmup_s": warm.get(name),
-                                 "rounds_requested": a.rounds, "budget_cut": budget_cut}
+                                 "rounds_requested": a.rounds, "budget_cut": budget_cut,
+                                 "graphs_compiled_during_rounds": recompiled}
         if name in errors:
             extra["error"] = errors[name]
+        extra["memory_pass"] = ("the untimed warm-up call (eager: nothing compiles)" if mem_on_warmup
+                                else "one untimed call after the rounds")
         rep = fp8_report if name == FP8_VARIANT else (report if name == "mpsboost" else None)
         if rep is not None:
             extra["patch"] = patch_summary(rep)
@@ -522,6 +546,9 @@ def run_diffusion(run: Run, workload: str, modes: list[str], variants: list[str]
                 elif mode == "offload":
                     pipe.enable_model_cpu_offload(device=dev)
                 diffusion_mode(run, workload, mode, variants, pipe, kw, desc, cfg, dtype, build_s)
+            except Exception as exc:  # noqa: BLE001 - e.g. offload without accelerate: the other modes still count
+                run.log(f"{workload} {mode}: failed: {error_text(exc)}")
+                traceback.print_exc(limit=5)
             finally:
                 if is_patched(pipe):
                     mpsboost.unpatch(pipe)
@@ -544,8 +571,6 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
     def select(name: str):
         if name == "mpsboost" and not is_patched(pipe):
             reports.setdefault(name, mpsboost.patch(pipe))
-            if name not in reports or reports[name] is None:
-                reports[name] = last_report(pipe)
         elif name == "stock" and is_patched(pipe):
             mpsboost.unpatch(pipe)
 
@@ -557,9 +582,16 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
 
     label = f"{workload} {mode}"
     warm: dict[str, float] = {}
+    mem: dict[str, Any] = {}
+    mem_on_warmup = mode != "compile"  # as for generate(): no compilation in the warm-up call
     for name in list(names):
         try:
-            s, _ = timed_call(lambda: call(name), dev)
+            if mem_on_warmup:
+                with measure_memory(dev) as probe:
+                    s, _ = timed_call(lambda: call(name), dev)
+                mem[name] = probe.peaks()
+            else:
+                s, _ = timed_call(lambda: call(name), dev)
             warm[name] = s
             run.log(f"{label}: warm-up {name} {s:.1f} s")
         except Exception as exc:  # noqa: BLE001
@@ -571,6 +603,7 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
     times: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, torch.Tensor] = {}
     budget_cut = False
+    graphs0 = graphs_compiled()
     for r in range(a.rounds):
         if r >= 1 and run.spent():
             budget_cut = True
@@ -586,9 +619,9 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
             if name not in outputs:
                 outputs[name] = torch.as_tensor(out).detach().float().cpu()
         run.log(f"{label}: round {r + 1}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in names if len(times[n]) == r + 1))
-    mem: dict[str, Any] = {}
+    recompiled = graphs_compiled() - graphs0
     for name in names:
-        if not times[name]:
+        if not times[name] or mem_on_warmup:
             continue
         try:
             with measure_memory(dev) as probe:
@@ -611,10 +644,13 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
             continue
         extra: dict[str, Any] = {"mode": mode, "inputs": desc, "build_s": build_s, "warmup_s": warm.get(name),
                                  "rounds_requested": a.rounds, "budget_cut": budget_cut,
+                                 "graphs_compiled_during_rounds": recompiled,
                                  "mode_setup": {"eager": "pipeline on the device", "compile": "pipe.transformer = torch.compile(pipe.transformer)",
                                                 "offload": "pipe.enable_model_cpu_offload()"}[mode]}
         if name in errors:
             extra["error"] = errors[name]
+        extra["memory_pass"] = ("the untimed warm-up call (no compilation in this mode)" if mem_on_warmup
+                                else "one untimed call after the rounds")
         if name in reports:
             extra["patch"] = patch_summary(reports[name])
         throughput = ops = corr = None
@@ -738,7 +774,8 @@ def main(argv=None) -> int:
                 if modes:
                     run_llm(run, workload, modes, a.variants, a.decoding)
             else:
-                modes = [m for m in a.modes if m in DIFFUSION_MODES]
+                # offload last: it moves the pipeline to the CPU and is not undone
+                modes = [m for m in DIFFUSION_MODES if m in a.modes]
                 if modes:
                     run_diffusion(run, workload, modes, [v for v in a.variants if v in DIFFUSION_VARIANTS])
         except Exception as exc:  # noqa: BLE001 - one workload failing (build, OOM) must not lose the others
