@@ -13,9 +13,10 @@ Workloads (real architectures, random weights built from shipped configs directl
   (``cache_implementation="static"``: transformers compiles the forward itself). Variants: ``stock``,
   ``mpsboost`` (``mpsboost.patch(model)`` on the same model, unpatched again for every stock call) and
   ``fp8`` (a second model built from the same seed and patched with ``fp8="rowwise"``, which cannot be
-  undone; its baseline is the stock bf16 model of the same run). Prefill time is one
-  ``generate(max_new_tokens=1)`` call; decode time per token is ``(t(N) - t(1)) / (N - 1)`` from a
-  ``generate(max_new_tokens=N)`` call of the same round. The share of the bandwidth limit is
+  undone; its baseline is the stock bf16 model of the same run). Both phases come from one
+  ``generate(max_new_tokens=N)`` call: prefill (time to first token) runs from the call to the first
+  call of a logits processor (which synchronises the device once: the prompt's forward is done), and
+  decode time per token is the rest of the call over ``N - 1``. The share of the bandwidth limit is
   (weight bytes read per decoded token / measured device copy bandwidth) / decode time per token,
   where the bytes are every parameter and buffer of the model except the input embedding (one row is
   read), with 3-D expert weights counted at top_k/num_experts. Generated tokens are compared with the
@@ -122,12 +123,13 @@ class Run:
         return self._bw
 
 
-def free() -> None:
+def free(reset_dynamo: bool = True) -> None:
     gc.collect()
-    try:
-        torch._dynamo.reset()
-    except Exception:  # noqa: BLE001 - nothing compiled, or dynamo unavailable
-        pass
+    if reset_dynamo:
+        try:
+            torch._dynamo.reset()
+        except Exception:  # noqa: BLE001 - nothing compiled, or dynamo unavailable
+            pass
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -221,6 +223,24 @@ def build_llm(cfg, device: str, dtype: torch.dtype, seed: int):
     return model.eval()
 
 
+class FirstLogits:
+    """A logits processor that notes when the first token's logits exist: the prefill forward has run.
+
+    It synchronises the device once, on its first call (the prefill must finish before the first
+    token can be chosen anyway), and does nothing afterwards.
+    """
+
+    def __init__(self, device: str):
+        self.device = device
+        self.t: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.t is None:
+            synchronize(self.device)
+            self.t = time.perf_counter()
+        return scores
+
+
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decoded token reads (batch 1): all parameters and buffers, the input
     embedding as one row (unless tied to the output head), 3-D expert weights at top_k/num_experts."""
@@ -278,9 +298,16 @@ def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], deco
                 if run.spent():
                     run.log(f"{workload} {mode} {decoding}: budget spent, not started")
                     continue
-                llm_mode(run, workload, cfg, mode, decoding, variants, model, fp8_model, report, fp8_report, fp8_error,
-                         prompt, mask, N, bw, bw_source, dtype, {"stock": build_s, FP8_VARIANT: fp8_build_s})
-                free()
+                try:
+                    llm_mode(run, workload, cfg, mode, decoding, variants, model, fp8_model, report, fp8_report, fp8_error,
+                             prompt, mask, N, bw, bw_source, dtype, {"stock": build_s, FP8_VARIANT: fp8_build_s})
+                except Exception as exc:  # noqa: BLE001 - the next mode or decoding still runs
+                    run.log(f"{workload} {mode} {decoding}: failed: {error_text(exc)}")
+                    traceback.print_exc(limit=5)
+                    if is_patched(model):
+                        mpsboost.unpatch(model)
+                free(reset_dynamo=False)  # greedy and sampled share the compiled forward
+            free()
     finally:
         del model, fp8_model
         free()
@@ -312,11 +339,26 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
                 mpsboost.unpatch(model)
         return m
 
-    def generate(name: str, n: int):
+    def generate(name: str, first: Any = None):
         m = select(name)
         torch.manual_seed(a.seed + 2)  # the sampling seed, the same for every call
+        extra_kw = {"logits_processor": LogitsProcessorList([first])} if first is not None else {}
         with torch.no_grad():
-            return m.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+            return m.generate(prompt, max_new_tokens=N, min_new_tokens=N, **kw, **extra_kw)
+
+    def timed_generate(name: str) -> tuple[float, float, Any]:
+        """(time to the first token's logits, time of the whole call, output): one call, both phases."""
+        first = FirstLogits(dev)
+        synchronize(dev)
+        t0 = time.perf_counter()
+        out = generate(name, first)
+        synchronize(dev)
+        t1 = time.perf_counter()
+        if first.t is None:
+            raise RuntimeError("generate() never called the logits processor: no prefill timestamp")
+        return first.t - t0, t1 - t0, out
+
+    from transformers import LogitsProcessorList
 
     label = f"{workload} {mode} {decoding}"
     warm: dict[str, float] = {}
@@ -326,15 +368,13 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
     mem_on_warmup = mode == "eager"
     for name in list(names):
         try:
-            # N tokens first: a static cache is sized by the largest call and reused by the 1-token call.
             if mem_on_warmup:
                 with measure_memory(dev) as probe:
-                    s_n, _ = timed_call(lambda: generate(name, N), dev)
+                    s_n, _ = timed_call(lambda: generate(name), dev)
                 mem[name] = probe.peaks()
             else:
-                s_n, _ = timed_call(lambda: generate(name, N), dev)
-            s_1, _ = timed_call(lambda: generate(name, 1), dev)
-            warm[name] = s_n + s_1
+                s_n, _ = timed_call(lambda: generate(name), dev)
+            warm[name] = s_n
             run.log(f"{label}: warm-up {name} {s_n:.1f} s")
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded and left out
             errors[name] = f"warm-up: {error_text(exc)}"
@@ -356,8 +396,7 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
             break
         for name in rotate(names, r):
             try:
-                s_1, _ = timed_call(lambda: generate(name, 1), dev)
-                s_n, out = timed_call(lambda: generate(name, N), dev)
+                s_1, s_n, out = timed_generate(name)
             except Exception as exc:  # noqa: BLE001
                 errors[name] = f"round {r + 1}: {error_text(exc)}"
                 continue
@@ -375,7 +414,7 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
         try:
             if not mem_on_warmup:
                 with measure_memory(dev) as probe:
-                    generate(name, N)
+                    generate(name)
                 mem[name] = probe.peaks()
             with torch.no_grad():
                 logits[name] = select(name)(prompt, attention_mask=mask).logits[0, -1].float().cpu()
@@ -702,7 +741,7 @@ def table(records: list[Record]) -> str:
         else:
             dec = pre = call = x = bws = agree = "-"
         m = r.memory
-        rows.append((r.workload.name.replace(f"{NAME}-", ""), str(s.get("mode")), str(s.get("decoding", "-")), r.variant,
+        rows.append((str(s.get("model") or r.workload.name.replace(f"{NAME}-", "")), str(s.get("mode")), str(s.get("decoding", "-")), r.variant,
                      str(e.get("rounds", 0)), pre, dec, call, x, bws, _gib(m.tensor_allocated if m else None),
                      _gib(m.allocator_reserved if m else None), agree, (e.get("error") or "")[:60]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -752,7 +791,7 @@ def parse(argv=None) -> argparse.Namespace:
     if a.new_tokens is None:
         a.new_tokens = 64 if a.size == "real" else 8
     if a.new_tokens < 2:
-        raise SystemExit("--new-tokens must be >= 2 (decode time is t(N) - t(1))")
+        raise SystemExit("--new-tokens must be >= 2 (decode time per token is the call after the first token over N - 1)")
     kind = torch.device(a.device).type
     if kind == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {a.device}: torch sees no CUDA device")
