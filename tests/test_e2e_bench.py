@@ -91,3 +91,20 @@ def test_bad_options_are_refused(e2e):
         e2e.parse(["--only", "llama"])
     with pytest.raises(SystemExit, match="new-tokens"):
         e2e.parse(["--device", "cpu", "--new-tokens", "1"])
+
+
+def test_an_fp8_model_is_freed_after_its_workload(e2e):
+    import gc
+    import weakref
+
+    import mpsboost
+
+    cfg = e2e.llm_config("qwen3-8b", "tiny", None)
+    model = e2e.build_llm(cfg, "cpu", torch.bfloat16, 0)
+    report = mpsboost.patch(model, fp8="rowwise")
+    assert any(r.recipe == "fp8_weights" for r in report.applied)
+    ref = weakref.ref(model)
+    e2e.forget_irreversible_patch(model)
+    del model, report
+    gc.collect()
+    assert ref() is None
