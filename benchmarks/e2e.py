@@ -381,14 +381,17 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
     # Eager: the memory peaks are taken on the untimed warm-up call (nothing compiles there), which
     # saves a call per variant; compiled: on a separate call after the rounds (compilation allocates).
     mem_on_warmup = mode == "eager"
+    warm_graphs: dict[str, int] = {}
     for name in list(names):
         try:
+            g0 = graphs_compiled()
             if mem_on_warmup:
                 with measure_memory(dev) as probe:
                     s_n, _ = timed_call(lambda: generate(name), dev)
                 mem[name] = probe.peaks()
             else:
                 s_n, _ = timed_call(lambda: generate(name), dev)
+            warm_graphs[name] = graphs_compiled() - g0
             warm[name] = s_n
             run.log(f"{label}: warm-up {name} {s_n:.1f} s")
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded and left out
@@ -396,7 +399,7 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
             run.log(f"{label}: {name} failed: {errors[name]}")
             traceback.print_exc(limit=3)
             names.remove(name)
-            free()
+            free(reset_dynamo=False)  # a reset would drop the other variants' compiled code
     if "stock" not in names:
         run.log(f"{label}: stock failed; nothing to compare")
     prefill: dict[str, list[float]] = {n: [] for n in names}
@@ -454,7 +457,9 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
                                  "generate_kwargs": {k: v for k, v in kw.items() if k != "attention_mask"},
                                  "build_s": build_s.get(name, build_s["stock"]), "warmup_s": warm.get(name),
                                  "rounds_requested": a.rounds, "budget_cut": budget_cut,
-                                 "graphs_compiled_during_rounds": recompiled}
+                                 "graphs_compiled_during_rounds": recompiled, "graphs_compiled_in_warmup": warm_graphs.get(name),
+                                 "sampling": ({k: getattr(models["stock"].generation_config, k, None) for k in ("temperature", "top_k", "top_p")}
+                                              if decoding == "sampled" else None)}
         if name in errors:
             extra["error"] = errors[name]
         extra["memory_pass"] = ("the untimed warm-up call (eager: nothing compiles)" if mem_on_warmup
@@ -638,14 +643,17 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
     warm: dict[str, float] = {}
     mem: dict[str, Any] = {}
     mem_on_warmup = mode != "compile"  # as for generate(): no compilation in the warm-up call
+    warm_graphs: dict[str, int] = {}
     for name in list(names):
         try:
+            g0 = graphs_compiled()
             if mem_on_warmup:
                 with measure_memory(dev) as probe:
                     s, _ = timed_call(lambda: call(name), dev)
                 mem[name] = probe.peaks()
             else:
                 s, _ = timed_call(lambda: call(name), dev)
+            warm_graphs[name] = graphs_compiled() - g0
             warm[name] = s
             run.log(f"{label}: warm-up {name} {s:.1f} s")
         except Exception as exc:  # noqa: BLE001
@@ -653,7 +661,7 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
             run.log(f"{label}: {name} failed: {errors[name]}")
             traceback.print_exc(limit=3)
             names.remove(name)
-            free()
+            free(reset_dynamo=False)  # a reset would drop the other variants' compiled code
     times: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, torch.Tensor] = {}
     budget_cut = False
@@ -698,7 +706,7 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
             continue
         extra: dict[str, Any] = {"mode": mode, "inputs": desc, "build_s": build_s, "warmup_s": warm.get(name),
                                  "rounds_requested": a.rounds, "budget_cut": budget_cut,
-                                 "graphs_compiled_during_rounds": recompiled,
+                                 "graphs_compiled_during_rounds": recompiled, "graphs_compiled_in_warmup": warm_graphs.get(name),
                                  "mode_setup": {"eager": "pipeline on the device", "compile": "pipe.transformer = torch.compile(pipe.transformer)",
                                                 "offload": "pipe.enable_model_cpu_offload()"}[mode]}
         if name in errors:
