@@ -79,7 +79,7 @@ REAL_IMAGE = {"height": 1024, "width": 1024}
 # ---------------------------------------------------------------------------------------- run state
 
 class Run:
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, filename: str = f"{NAME}.jsonl"):
         self.args = args
         self.device = args.device
         self.t0 = time.perf_counter()
@@ -88,7 +88,7 @@ class Run:
         self.path = None
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
-            self.path = self.out / f"{NAME}.jsonl"
+            self.path = self.out / filename
         self._bw: tuple[float, str] | None = None
 
     def elapsed(self) -> float:
@@ -821,9 +821,30 @@ def parse(argv=None) -> argparse.Namespace:
     return a
 
 
+def run(device: str, size: str, out: Path) -> list[Record]:
+    """The entry point of ``mpsboost bench e2e --device D --size S --out DIR``.
+
+    Further options come from ``MPSBOOST_E2E_ARGS`` (e.g. ``"--only qwen3-8b --modes eager"``). Records
+    are appended to ``DIR/e2e.partial.jsonl`` as they come (the command then writes ``DIR/e2e.jsonl``).
+    Size ``small``: the real widths with 2 layers, a quick look at a real-size run.
+    """
+    import os
+    import shlex
+
+    argv = ["--device", device, "--size", "real" if size == "small" else size, "--out", str(out)]
+    if size == "small":
+        argv += ["--layers", "2"]
+    argv += shlex.split(os.environ.get("MPSBOOST_E2E_ARGS", ""))
+    return _main(parse(argv), filename=f"{NAME}.partial.jsonl")
+
+
 def main(argv=None) -> int:
-    a = parse(argv)
-    run = Run(a)
+    _main(parse(argv))
+    return 0
+
+
+def _main(a: argparse.Namespace, filename: str = f"{NAME}.jsonl") -> list[Record]:
+    run = Run(a, filename)
     run.log(f"torch {torch.__version__}, device {a.device}, size {a.size}, workloads {a.only}, modes {a.modes}, "
             f"variants stock+{a.variants}, rounds {a.rounds}, budget {a.budget_s}")
     for workload in a.only:
@@ -848,7 +869,7 @@ def main(argv=None) -> int:
     print(table(run.records))
     if run.path is not None:
         print(f"\n{len(run.records)} records appended to {run.path} in {run.elapsed():.0f} s")
-    return 0
+    return run.records
 
 
 if __name__ == "__main__":

@@ -25,11 +25,13 @@ def e2e():
 
 
 @pytest.mark.slow
-def test_tiny_generate_eager_records(e2e, tmp_path, capsys):
-    rc = e2e.main(["--device", "cpu", "--size", "tiny", "--only", "qwen3-8b", "--modes", "eager", "--variants", "mpsboost",
-                   "--decoding", "greedy", "--rounds", "2", "--new-tokens", "4", "--out", str(tmp_path)])
-    assert rc == 0
-    recs = read_jsonl(tmp_path / "e2e.jsonl")
+def test_tiny_generate_eager_records(e2e, tmp_path, capsys, monkeypatch):
+    # run() is what `mpsboost bench e2e` calls; the options beyond device/size/out come from the environment.
+    monkeypatch.setenv("MPSBOOST_E2E_ARGS", "--only qwen3-8b --modes eager --variants mpsboost --decoding greedy "
+                                            "--rounds 2 --new-tokens 4")
+    returned = e2e.run("cpu", "tiny", tmp_path)
+    recs = read_jsonl(tmp_path / "e2e.partial.jsonl")
+    assert [r.to_dict() for r in recs] == [r.to_dict() for r in returned]
     assert [r.variant for r in recs] == ["stock", "mpsboost"]
     check_comparable(recs)  # one workload, one environment: only the variant differs
     stock, patched = recs
