@@ -1,0 +1,876 @@
+#!/usr/bin/env python3
+"""The end-to-end mode matrix: the jobs users run, stock vs ``mpsboost.patch()``, in each way they run them.
+
+    python benchmarks/e2e.py --device cuda --size real --only qwen3-8b --modes eager --out OUT
+    python benchmarks/e2e.py --device cpu --size tiny --out OUT          # a smoke run in seconds
+
+Workloads (real architectures, random weights built from shipped configs directly on the device):
+
+* ``qwen3-8b`` (Qwen3-8B shape, ``benchmarks/configs/qwen3_dense``) and ``qwen3-30b-a3b`` (Qwen3-30B-A3B
+  shape, ``recipes/configs/qwen3_moe``): ``generate()`` of ``--new-tokens`` after a prompt of
+  ``--prompt-tokens`` random ids, greedy and sampled (``do_sample=True``, the global RNG seeded before
+  every call). Modes: ``eager`` (the default dynamic cache) and ``static``
+  (``cache_implementation="static"``: transformers compiles the forward itself). Variants: ``stock``,
+  ``mpsboost`` (``mpsboost.patch(model)`` on the same model, unpatched again for every stock call) and
+  ``fp8`` (a second model built from the same seed and patched with ``fp8="rowwise"``, which cannot be
+  undone; its baseline is the stock bf16 model of the same run). Both phases come from one
+  ``generate(max_new_tokens=N)`` call: prefill (time to first token) runs from the call to the first
+  call of a logits processor (which synchronises the device once: the prompt's forward is done), and
+  decode time per token is the rest of the call over ``N - 1``. The share of the bandwidth limit is
+  (weight bytes read per decoded token / measured device copy bandwidth) / decode time per token,
+  where the bytes are every parameter and buffer of the model except the input embedding (one row is
+  read), with 3-D expert weights counted at top_k/num_experts. Generated tokens are compared with the
+  first stock round's (reported, not asserted); the last-position logits of one forward over the
+  prompt are compared with stock's (relative error, SQNR).
+* ``wan22-ti2v-5b`` (``WanPipeline``, 480x832, 81 frames) and ``qwen-image`` (``QwenImagePipeline``,
+  1024x1024): ``--steps`` denoising steps and the VAE decode. No text encoder is built: the pipeline
+  gets random ``prompt_embeds`` (and negative ones) of the text encoder's output shape and dtype; the
+  records say so. Modes: ``eager``, ``compile`` (``pipe.transformer = torch.compile(pipe.transformer)``)
+  and ``offload`` (``pipe.enable_model_cpu_offload()``). Variants: ``stock`` and ``mpsboost``. Each
+  patched output is compared with the stock output of the same mode (PSNR, relative error).
+
+Every (workload, mode) runs in one process: one untimed warm-up call per variant (compilation
+included; its time is recorded), then ``--rounds`` rounds, each running every variant once in a
+rotating order. Memory peaks come from an untimed call per variant (the warm-up call where nothing
+compiles, else one more call after the rounds): memory sampling is never inside a timed call.
+One record per (workload, mode, variant) holds all rounds, with best, median and spread, and its
+ratios to stock of the same run. Records are appended to ``OUT/e2e.jsonl`` as each (workload, mode)
+finishes; ``--budget-s`` stops starting new work once spent (and cuts rounds short, saying so).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent / "recipes"))
+import _common as C  # noqa: E402  (the shipped configs of recipes/configs)
+
+import mpsboost  # noqa: E402
+from mpsboost.api import is_patched  # noqa: E402
+from mpsboost.bench.memory import measure_memory  # noqa: E402
+from mpsboost.bench.quality import correctness  # noqa: E402
+from mpsboost.bench.records import Correctness, OpTime, Record, RecordEnv, Throughput, Workload  # noqa: E402
+from mpsboost.bench.timing import synchronize, time_fn  # noqa: E402
+
+NAME = "e2e"
+LLM = {"qwen3-8b": ("qwen3_dense", ROOT / "configs"), "qwen3-30b-a3b": ("qwen3_moe", C.CONFIGS)}
+DIFFUSION = {"wan22-ti2v-5b": "wan22_ti2v", "qwen-image": "qwen_image"}
+WORKLOADS = tuple(LLM) + tuple(DIFFUSION)
+LLM_MODES = ("eager", "static")
+DIFFUSION_MODES = ("eager", "compile", "offload")
+LLM_VARIANTS = ("stock", "mpsboost", "fp8")
+DIFFUSION_VARIANTS = ("stock", "mpsboost")
+FP8_VARIANT = "mpsboost:fp8-rowwise"
+# The diffusers workloads at real size (the brief's shapes, not the 704x1280 of the cookbook's run.json).
+REAL_VIDEO = {"height": 480, "width": 832, "frames": 81}
+REAL_IMAGE = {"height": 1024, "width": 1024}
+
+
+# ---------------------------------------------------------------------------------------- run state
+
+class Run:
+    def __init__(self, args: argparse.Namespace, filename: str = f"{NAME}.jsonl"):
+        self.args = args
+        self.device = args.device
+        self.t0 = time.perf_counter()
+        self.records: list[Record] = []
+        self.out = args.out
+        self.path = None
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.path = self.out / filename
+        self._bw: tuple[float, str] | None = None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def spent(self) -> bool:
+        return self.args.budget_s is not None and self.elapsed() > self.args.budget_s
+
+    def log(self, text: str) -> None:
+        print(f"[e2e {self.elapsed():7.1f}s] {text}", flush=True)
+
+    def add(self, recs: list[Record]) -> None:
+        self.records += recs
+        if self.path is not None:
+            with self.path.open("a", encoding="utf-8") as fh:
+                fh.write("".join(r.to_json() + "\n" for r in recs))
+
+    def copy_bandwidth(self) -> tuple[float, str]:
+        """Device copy bandwidth (read + write bytes over time), measured once per run.
+
+        The same probe as benchmarks/moe.py (a 2 GiB bf16 copy on CUDA); 64 MiB elsewhere so that a
+        CPU smoke run stays short.
+        """
+        if self._bw is None:
+            dev = self.device
+            n = (1 << 30) if torch.device(dev).type == "cuda" else (1 << 25)
+            a = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
+            b = torch.empty_like(a)
+            t = time_fn(lambda: b.copy_(a), device=dev, warmup=2, repeats=10)
+            del a, b
+            self._bw = (2 * 2 * n / t.median_s, f"measured in this run: device copy of {2 * n >> 20} MiB bf16, read + write bytes over median time")
+        return self._bw
+
+
+def free(reset_dynamo: bool = True) -> None:
+    gc.collect()
+    if reset_dynamo:
+        try:
+            torch._dynamo.reset()
+        except Exception:  # noqa: BLE001 - nothing compiled, or dynamo unavailable
+            pass
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def timed_call(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def summary(samples: list[float]) -> dict:
+    """Best, median, worst and the spread of a list of seconds (the spread relative to the median)."""
+    xs = sorted(samples)
+    med = statistics.median(xs)
+    return {"best": xs[0], "median": med, "worst": xs[-1], "spread": xs[-1] - xs[0],
+            "rel_spread": (xs[-1] - xs[0]) / med if med > 0 else None, "n": len(xs), "samples": list(samples)}
+
+
+def op_time(samples: list[float], warmup: int, calls: int = 1) -> OpTime:
+    xs = sorted(samples)
+    q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+    return OpTime(median_us=statistics.median(xs) * 1e6, min_us=xs[0] * 1e6, max_us=xs[-1] * 1e6,
+                  iqr_us=(q[2] - q[0]) * 1e6, repeats=len(xs), warmup=warmup, method="synchronize+perf_counter", calls=calls)
+
+
+def patch_summary(report: Any) -> dict:
+    """Applied and skipped counts of a patch report, its backing paths and skip reasons (folded)."""
+    backing: dict[str, int] = {}
+    reasons: dict[str, str] = {}
+    for row in report.applied:
+        key = f"{row.recipe}: {row.backing}"
+        backing[key] = backing.get(key, 0) + 1
+    for row in report.skipped:
+        reasons.setdefault(row.recipe, row.reason)
+    return {"applied": len(report.applied), "skipped": len(report.skipped), "backing": backing, "skip_reasons": reasons}
+
+
+def forget_irreversible_patch(model) -> None:
+    """Drop mpsboost's bookkeeping of a model that cannot be unpatched (fp8), so its memory can go.
+
+    The bookkeeping holds a weak reference to the model but its matches hold the modules themselves
+    (the root module too, for a recipe that targets it), which keeps a deleted model alive: a 30B
+    fp8 model would stay on the GPU while the next workload builds.
+    """
+    from mpsboost import api
+
+    with api._LOCK:
+        api._STATE.pop(id(model), None)
+
+
+def graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process so far (to show that no timed round recompiled)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - dynamo unavailable
+        return 0
+
+
+def rotate(items: list[str], r: int) -> list[str]:
+    r %= len(items)
+    return items[r:] + items[:r]
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:400] if str(exc) else ''}"
+
+
+# ---------------------------------------------------------------------------------------- LLM
+
+def llm_config(workload: str, size: str, layers: int | None):
+    from transformers import AutoConfig
+
+    folder, base = LLM[workload]
+    path = base / folder / size / "config.json"
+    data = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+    if layers is not None:
+        data["num_hidden_layers"] = layers
+    model_type = data.pop("model_type")
+    return AutoConfig.for_model(model_type, **data)
+
+
+def build_llm(cfg, device: str, dtype: torch.dtype, seed: int):
+    """Random weights initialised on the device itself in ``dtype`` (no CPU pass, no fp32 copy)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.no_grad():
+        # Explicit, seeded values (the same for the bf16 and the fp8 model): norms 1, the rest N(0, 0.02).
+        torch.manual_seed(seed)
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    # Random weights emit the end token at random: always generate the full number of tokens.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+class FirstLogits:
+    """A logits processor that notes when the first token's logits exist: the prefill forward has run.
+
+    It synchronises the device once, on its first call (the prefill must finish before the first
+    token can be chosen anyway), and does nothing afterwards.
+    """
+
+    def __init__(self, device: str):
+        self.device = device
+        self.t: float | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.t is None:
+            synchronize(self.device)
+            self.t = time.perf_counter()
+        return scores
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decoded token reads (batch 1): all parameters and buffers, the input
+    embedding as one row (unless tied to the output head), 3-D expert weights at top_k/num_experts."""
+    cfg = model.config
+    experts = getattr(cfg, "num_experts", None)
+    top_k = getattr(cfg, "num_experts_per_tok", None)
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight.data_ptr() == emb.data_ptr()
+    seen: set[int] = set()
+    total = 0
+    for _, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.data_ptr() in seen or t.numel() == 0:
+            continue
+        seen.add(t.data_ptr())
+        nbytes = t.numel() * t.element_size()
+        if t.data_ptr() == emb.data_ptr() and not tied:
+            nbytes = emb.shape[-1] * emb.element_size()
+        elif experts and top_k and t.dim() == 3 and t.shape[0] == experts:
+            nbytes = nbytes * top_k // experts
+        total += nbytes
+    return total
+
+
+def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], decodings: list[str]) -> None:
+    a = run.args
+    dev, dtype = run.device, torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
+    cfg = llm_config(workload, a.size, a.layers)
+    run.log(f"{workload}: building ({cfg.num_hidden_layers} layers, {dtype})")
+    t = time.perf_counter()
+    model = build_llm(cfg, dev, dtype, a.seed)
+    build_s = time.perf_counter() - t
+    fp8_model, fp8_report, fp8_error, fp8_build_s = None, None, None, None
+    if "fp8" in variants:
+        try:
+            t = time.perf_counter()
+            fp8_model = build_llm(cfg, dev, dtype, a.seed)
+            fp8_report = mpsboost.patch(fp8_model, fp8="rowwise")
+            fp8_build_s = time.perf_counter() - t
+        except Exception as exc:  # noqa: BLE001 - recorded, the other variants still run
+            fp8_error = f"build or patch: {error_text(exc)}"
+            fp8_model = None
+            free()
+    run.log(f"{workload}: built in {build_s:.1f} s" + (f", fp8 model {fp8_build_s:.1f} s" if fp8_build_s else ""))
+    report = mpsboost.patch(model)
+    mpsboost.unpatch(model)
+    bw, bw_source = run.copy_bandwidth()
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    prompt = torch.randint(0, cfg.vocab_size, (1, a.prompt_tokens), generator=gen).to(dev)
+    mask = torch.ones_like(prompt)
+    N = a.new_tokens
+    try:
+        for mode in modes:
+            for decoding in decodings:
+                if run.spent():
+                    run.log(f"{workload} {mode} {decoding}: budget spent, not started")
+                    continue
+                try:
+                    llm_mode(run, workload, cfg, mode, decoding, variants, model, fp8_model, report, fp8_report, fp8_error,
+                             prompt, mask, N, bw, bw_source, dtype, {"stock": build_s, FP8_VARIANT: fp8_build_s})
+                except Exception as exc:  # noqa: BLE001 - the next mode or decoding still runs
+                    run.log(f"{workload} {mode} {decoding}: failed: {error_text(exc)}")
+                    traceback.print_exc(limit=5)
+                    if is_patched(model):
+                        mpsboost.unpatch(model)
+                free(reset_dynamo=False)  # greedy and sampled share the compiled forward
+            free()
+    finally:
+        if fp8_model is not None:
+            forget_irreversible_patch(fp8_model)
+        del model, fp8_model
+        free()
+
+
+def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: list[str], model, fp8_model, report,
+             fp8_report, fp8_error, prompt, mask, N: int, bw: float, bw_source: str, dtype, build_s: dict) -> None:
+    a = run.args
+    dev = run.device
+    names = ["stock"] + (["mpsboost"] if "mpsboost" in variants else []) + ([FP8_VARIANT] if fp8_model is not None else [])
+    models = {"stock": model, "mpsboost": model, FP8_VARIANT: fp8_model}
+    errors: dict[str, str] = {}
+    if "fp8" in variants and fp8_model is None:
+        errors[FP8_VARIANT] = fp8_error or "not built"
+    kw: dict[str, Any] = {"attention_mask": mask}
+    if mode == "static":
+        kw["cache_implementation"] = "static"
+    if decoding == "sampled":
+        kw.update(do_sample=True)
+    else:
+        kw.update(do_sample=False)
+
+    def select(name: str):
+        m = models[name]
+        if m is model:
+            if name == "mpsboost" and not is_patched(model):
+                mpsboost.patch(model)
+            elif name == "stock" and is_patched(model):
+                mpsboost.unpatch(model)
+        return m
+
+    def generate(name: str, first: Any = None):
+        m = select(name)
+        torch.manual_seed(a.seed + 2)  # the sampling seed, the same for every call
+        extra_kw = {"logits_processor": LogitsProcessorList([first])} if first is not None else {}
+        with torch.no_grad():
+            return m.generate(prompt, max_new_tokens=N, min_new_tokens=N, **kw, **extra_kw)
+
+    def timed_generate(name: str) -> tuple[float, float, Any]:
+        """(time to the first token's logits, time of the whole call, output): one call, both phases."""
+        first = FirstLogits(dev)
+        synchronize(dev)
+        t0 = time.perf_counter()
+        out = generate(name, first)
+        synchronize(dev)
+        t1 = time.perf_counter()
+        if first.t is None:
+            raise RuntimeError("generate() never called the logits processor: no prefill timestamp")
+        return first.t - t0, t1 - t0, out
+
+    from transformers import LogitsProcessorList
+
+    label = f"{workload} {mode} {decoding}"
+    warm: dict[str, float] = {}
+    mem: dict[str, Any] = {}
+    # Eager: the memory peaks are taken on the untimed warm-up call (nothing compiles there), which
+    # saves a call per variant; compiled: on a separate call after the rounds (compilation allocates).
+    mem_on_warmup = mode == "eager"
+    warm_graphs: dict[str, int] = {}
+    for name in list(names):
+        try:
+            g0 = graphs_compiled()
+            if mem_on_warmup:
+                with measure_memory(dev) as probe:
+                    s_n, _ = timed_call(lambda: generate(name), dev)
+                mem[name] = probe.peaks()
+            else:
+                s_n, _ = timed_call(lambda: generate(name), dev)
+            warm_graphs[name] = graphs_compiled() - g0
+            warm[name] = s_n
+            run.log(f"{label}: warm-up {name} {s_n:.1f} s")
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded and left out
+            errors[name] = f"warm-up: {error_text(exc)}"
+            run.log(f"{label}: {name} failed: {errors[name]}")
+            traceback.print_exc(limit=3)
+            names.remove(name)
+            free(reset_dynamo=False)  # a reset would drop the other variants' compiled code
+    if "stock" not in names:
+        run.log(f"{label}: stock failed; nothing to compare")
+    prefill: dict[str, list[float]] = {n: [] for n in names}
+    full: dict[str, list[float]] = {n: [] for n in names}
+    tokens: dict[str, list[list[int]]] = {n: [] for n in names}
+    budget_cut = False
+    graphs0 = graphs_compiled()
+    for r in range(a.rounds):
+        if r >= 1 and run.spent():
+            budget_cut = True
+            run.log(f"{label}: budget spent after {r} round(s)")
+            break
+        for name in rotate(names, r):
+            try:
+                s_1, s_n, out = timed_generate(name)
+            except Exception as exc:  # noqa: BLE001
+                errors[name] = f"round {r + 1}: {error_text(exc)}"
+                continue
+            prefill[name].append(s_1)
+            full[name].append(s_n)
+            tokens[name].append(out[0, prompt.shape[1]:].tolist())
+        run.log(f"{label}: round {r + 1}: " + ", ".join(
+            f"{n} prefill {prefill[n][-1] * 1e3:.1f} ms decode {(full[n][-1] - prefill[n][-1]) / max(N - 1, 1) * 1e3:.2f} ms/tok"
+            for n in names if len(full[n]) == r + 1))
+    recompiled = graphs_compiled() - graphs0
+    logits: dict[str, torch.Tensor] = {}
+    for name in names:
+        if not full[name]:
+            continue
+        try:
+            if not mem_on_warmup:
+                with measure_memory(dev) as probe:
+                    generate(name)
+                mem[name] = probe.peaks()
+            with torch.no_grad():
+                logits[name] = select(name)(prompt, attention_mask=mask).logits[0, -1].float().cpu()
+        except Exception as exc:  # noqa: BLE001
+            errors.setdefault(name, f"memory pass: {error_text(exc)}")
+    if is_patched(model):
+        mpsboost.unpatch(model)
+
+    env = RecordEnv.capture(dev, dtype, compile="transformers-static-cache" if mode == "static" else False)
+    shape = {"model": workload, "layers": cfg.num_hidden_layers, "mode": mode, "decoding": decoding,
+             "prompt_tokens": int(prompt.shape[1]), "new_tokens": N, "batch": 1, "weights": "random (seeded, N(0, 0.02))"}
+    work = Workload(f"{NAME}-generate", shape)
+    ref_tokens = tokens["stock"][0] if tokens.get("stock") else None
+    decode = {n: [(f - p) / max(N - 1, 1) for f, p in zip(full[n], prefill[n])] for n in names}
+    med = {n: {k: statistics.median(v) for k, v in (("prefill", prefill[n]), ("decode", decode[n]), ("call", full[n])) if v}
+           for n in names}
+    recs = []
+    for name in ["stock", "mpsboost", FP8_VARIANT]:
+        if name not in names and name not in errors:
+            continue
+        extra: dict[str, Any] = {"mode": mode, "decoding": decoding, "sampling_seed": a.seed + 2 if decoding == "sampled" else None,
+                                 "generate_kwargs": {k: v for k, v in kw.items() if k != "attention_mask"},
+                                 "build_s": build_s.get(name, build_s["stock"]), "warmup_s": warm.get(name),
+                                 "rounds_requested": a.rounds, "budget_cut": budget_cut,
+                                 "graphs_compiled_during_rounds": recompiled, "graphs_compiled_in_warmup": warm_graphs.get(name),
+                                 "sampling": ({k: getattr(models["stock"].generation_config, k, None) for k in ("temperature", "top_k", "top_p")}
+                                              if decoding == "sampled" else None)}
+        if name in errors:
+            extra["error"] = errors[name]
+        extra["memory_pass"] = ("the untimed warm-up call (eager: nothing compiles)" if mem_on_warmup
+                                else "one untimed call after the rounds")
+        rep = fp8_report if name == FP8_VARIANT else (report if name == "mpsboost" else None)
+        if rep is not None:
+            extra["patch"] = patch_summary(rep)
+        if name == FP8_VARIANT:
+            extra["baseline"] = "stock bf16 model of this run (fp8 cannot be undone: a second model, same seed)"
+        throughput = ops = corr = None
+        if full.get(name):
+            wbytes = weight_bytes_per_token(models[name])
+            limit_s = wbytes / bw
+            dec = decode[name]
+            extra.update({
+                "rounds": len(full[name]),
+                "prefill_s": summary(prefill[name]), "decode_s_per_token": summary(dec), "generate_call_s": summary(full[name]),
+                "tokens_equal_stock": bool(ref_tokens is not None and all(t == ref_tokens for t in tokens[name])),
+                "tokens_reference": "stock, first timed round" + (" (same sampling seed)" if decoding == "sampled" else ""),
+                "token_match_fraction": (min(sum(x == y for x, y in zip(t, ref_tokens)) / len(ref_tokens) for t in tokens[name])
+                                         if ref_tokens else None),
+                "bandwidth": {"weight_bytes_per_token": wbytes, "copy_bandwidth_bytes_per_s": bw, "copy_bandwidth_source": bw_source,
+                              "limit_s_per_token": limit_s, "share_of_limit": limit_s / statistics.median(dec) if statistics.median(dec) > 0 else None,
+                              "counted": "parameters and buffers; input embedding one row; 3-D expert weights x top_k/num_experts; KV cache not counted"},
+            })
+            if name != "stock" and "stock" in med and med["stock"]:
+                extra["ratio_vs_stock"] = {k: med["stock"][k] / med[name][k] for k in ("prefill", "decode", "call")
+                                           if med[name].get(k) and med["stock"].get(k)}
+                extra["ratio_note"] = "stock median / this median, same run (> 1 faster)"
+            throughput = Throughput(value=statistics.median(dec) * 1e3, unit="ms/token", seconds_per_call=statistics.median(full[name]),
+                                    items_per_call=N, repeats=len(dec), warmup=1,
+                                    spread={"min_ms": min(dec) * 1e3, "max_ms": max(dec) * 1e3})
+            ops = {"prefill": op_time(prefill[name], 1), "decode_token": op_time(dec, 1), "generate_call": op_time(full[name], 1)}
+            if name != "stock" and "stock" in logits and name in logits:
+                c = correctness(logits[name], logits["stock"], reference="stock", psnr_too=False)
+                corr = Correctness("stock: last-position logits of one forward over the prompt", rel_error=c.rel_error,
+                                   sqnr_db=c.sqnr_db, max_abs=c.max_abs)
+        recs.append(Record(workload=work, variant=name, env=env, throughput=throughput, op_time=ops, correctness=corr,
+                           memory=mem.get(name), extra=extra))
+    run.add(recs)
+
+
+# ---------------------------------------------------------------------------------------- diffusers
+
+def build_pipe(workload: str, size: str, device: str, dtype: torch.dtype, seed: int, layers: int | None):
+    folder = DIFFUSION[workload]
+    run = C.config(folder, size, "run.json")
+    tcfg = C.config(folder, size, "transformer.json")
+    if layers is not None:
+        tcfg["num_layers"] = layers
+    torch.manual_seed(seed)
+    if workload == "wan22-ti2v-5b":
+        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+        if size == "real":
+            run.update(REAL_VIDEO)
+        with C.default_dtype(dtype), torch.device(device):
+            transformer = WanTransformer3DModel.from_config(tcfg)
+            vae = AutoencoderKLWan.from_config(C.config(folder, size, "vae.json"))
+        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=run["flow_shift"])
+        pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=sched, transformer=transformer,
+                           transformer_2=None, boundary_ratio=None, expand_timesteps=True)
+    else:
+        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+
+        if size == "real":
+            run.update(REAL_IMAGE)
+        with C.default_dtype(dtype), torch.device(device):
+            transformer = QwenImageTransformer2DModel.from_config(tcfg)
+            vae = AutoencoderKLQwenImage.from_config(C.config(folder, size, "vae.json"))
+        pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
+                                 transformer=transformer)
+    keep_fp32(pipe.transformer)
+    pipe.to(device=device)
+    if run.get("vae_tiling"):
+        pipe.vae.enable_tiling()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, run
+
+
+def keep_fp32(model) -> list[str]:
+    """Put the modules the class keeps in float32 back in float32, as ``from_pretrained(torch_dtype=...)`` does."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    done = []
+    for name, mod in model.named_modules():
+        if name and any(k in name.split(".") for k in keep):
+            mod.float()
+            done.append(name)
+    return done
+
+
+def pipe_inputs(workload: str, pipe, run: dict, device: str, dtype: torch.dtype, seed: int, steps: int) -> tuple[dict, dict]:
+    """Call arguments with random prompt embeddings of the text encoder's output shape; and their description."""
+    g = torch.Generator().manual_seed(seed + 1)
+    n = run["text_tokens"]
+    if workload == "wan22-ti2v-5b":
+        dim = pipe.transformer.config.text_dim
+        emb = torch.randn(1, n, dim, generator=g).to(device, dtype)
+        neg = torch.randn(1, n, dim, generator=g).to(device, dtype)
+        kw = {"prompt_embeds": emb, "negative_prompt_embeds": neg, "height": run["height"], "width": run["width"],
+              "num_frames": run["frames"], "guidance_scale": run["guidance_scale"]}
+        desc = {"prompt_embeds": f"random N(0,1) [1, {n}, {dim}] {C.dtype_name(dtype)} (UMT5 output shape; no text encoder built)",
+                "negative_prompt_embeds": "random, same shape", "guidance_scale": run["guidance_scale"]}
+    else:
+        dim = pipe.transformer.config.joint_attention_dim
+        emb = torch.randn(1, n, dim, generator=g).to(device, dtype)
+        neg = torch.randn(1, n, dim, generator=g).to(device, dtype)
+        m = torch.ones(1, n, dtype=torch.long, device=device)
+        kw = {"prompt_embeds": emb, "prompt_embeds_mask": m, "negative_prompt_embeds": neg, "negative_prompt_embeds_mask": m,
+              "true_cfg_scale": run["true_cfg_scale"], "height": run["height"], "width": run["width"]}
+        desc = {"prompt_embeds": f"random N(0,1) [1, {n}, {dim}] {C.dtype_name(dtype)} with an all-ones mask (Qwen2.5-VL output shape; no text encoder built)",
+                "negative_prompt_embeds": "random, same shape", "true_cfg_scale": run["true_cfg_scale"]}
+    kw["num_inference_steps"] = steps
+    kw["output_type"] = "pt"
+    return kw, desc
+
+
+def run_diffusion(run: Run, workload: str, modes: list[str], variants: list[str]) -> None:
+    a = run.args
+    dev = run.device
+    dtype = torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
+    run.log(f"{workload}: building")
+    t = time.perf_counter()
+    pipe, cfg = build_pipe(workload, a.size, dev, dtype, a.seed, a.layers)
+    for key in ("height", "width", "frames"):
+        if getattr(a, key, None) is not None and key in cfg:
+            cfg[key] = getattr(a, key)
+    build_s = time.perf_counter() - t
+    run.log(f"{workload}: built in {build_s:.1f} s")
+    kw, desc = pipe_inputs(workload, pipe, cfg, dev, dtype, a.seed, a.steps)
+    original = pipe.transformer
+    try:
+        for mode in modes:
+            if run.spent():
+                run.log(f"{workload} {mode}: budget spent, not started")
+                continue
+            if mode == "offload" and torch.device(dev).type == "cpu":
+                run.log(f"{workload} offload: needs an accelerator (the model moves between the CPU and it); not run on cpu")
+                continue
+            try:
+                if mode == "compile":
+                    pipe.transformer = torch.compile(original)
+                elif mode == "offload":
+                    pipe.enable_model_cpu_offload(device=dev)
+                diffusion_mode(run, workload, mode, variants, pipe, kw, desc, cfg, dtype, build_s)
+            except Exception as exc:  # noqa: BLE001 - e.g. offload without accelerate: the other modes still count
+                run.log(f"{workload} {mode}: failed: {error_text(exc)}")
+                traceback.print_exc(limit=5)
+            finally:
+                if is_patched(pipe):
+                    mpsboost.unpatch(pipe)
+                if mode == "compile":
+                    pipe.transformer = original
+                free()
+    finally:
+        del pipe, original
+        free()
+
+
+def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe, kw: dict, desc: dict, cfg: dict,
+                   dtype, build_s: float) -> None:
+    a = run.args
+    dev = run.device
+    names = ["stock"] + (["mpsboost"] if "mpsboost" in variants else [])
+    errors: dict[str, str] = {}
+    reports: dict[str, Any] = {}
+
+    def select(name: str):
+        if name == "mpsboost" and not is_patched(pipe):
+            reports.setdefault(name, mpsboost.patch(pipe))
+        elif name == "stock" and is_patched(pipe):
+            mpsboost.unpatch(pipe)
+
+    def call(name: str):
+        select(name)
+        with torch.no_grad():
+            out = pipe(**kw, generator=torch.Generator(device="cpu").manual_seed(a.seed))
+        return out.frames if workload == "wan22-ti2v-5b" else out.images
+
+    label = f"{workload} {mode}"
+    warm: dict[str, float] = {}
+    mem: dict[str, Any] = {}
+    mem_on_warmup = mode != "compile"  # as for generate(): no compilation in the warm-up call
+    warm_graphs: dict[str, int] = {}
+    for name in list(names):
+        try:
+            g0 = graphs_compiled()
+            if mem_on_warmup:
+                with measure_memory(dev) as probe:
+                    s, _ = timed_call(lambda: call(name), dev)
+                mem[name] = probe.peaks()
+            else:
+                s, _ = timed_call(lambda: call(name), dev)
+            warm_graphs[name] = graphs_compiled() - g0
+            warm[name] = s
+            run.log(f"{label}: warm-up {name} {s:.1f} s")
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = f"warm-up: {error_text(exc)}"
+            run.log(f"{label}: {name} failed: {errors[name]}")
+            traceback.print_exc(limit=3)
+            names.remove(name)
+            free(reset_dynamo=False)  # a reset would drop the other variants' compiled code
+    times: dict[str, list[float]] = {n: [] for n in names}
+    outputs: dict[str, torch.Tensor] = {}
+    budget_cut = False
+    graphs0 = graphs_compiled()
+    for r in range(a.rounds):
+        if r >= 1 and run.spent():
+            budget_cut = True
+            run.log(f"{label}: budget spent after {r} round(s)")
+            break
+        for name in rotate(names, r):
+            try:
+                s, out = timed_call(lambda: call(name), dev)
+            except Exception as exc:  # noqa: BLE001
+                errors[name] = f"round {r + 1}: {error_text(exc)}"
+                continue
+            times[name].append(s)
+            if name not in outputs:
+                outputs[name] = torch.as_tensor(out).detach().float().cpu()
+        run.log(f"{label}: round {r + 1}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in names if len(times[n]) == r + 1))
+    recompiled = graphs_compiled() - graphs0
+    for name in names:
+        if not times[name] or mem_on_warmup:
+            continue
+        try:
+            with measure_memory(dev) as probe:
+                call(name)
+            mem[name] = probe.peaks()
+        except Exception as exc:  # noqa: BLE001
+            errors.setdefault(name, f"memory pass: {error_text(exc)}")
+    env = RecordEnv.capture(dev, dtype, compile=True if mode == "compile" else False)
+    shape = {"pipeline": type(pipe).__name__, "mode": mode, "height": cfg["height"], "width": cfg["width"],
+             "steps": kw["num_inference_steps"], "transformer_layers": pipe.transformer.config.num_layers,
+             "vae_tiling": bool(getattr(pipe.vae, "use_tiling", False)), "weights": "random (seeded)",
+             "fp32_modules": list(getattr(pipe.transformer, "_keep_in_fp32_modules", None) or []), "text_tokens": cfg["text_tokens"]}
+    if "frames" in cfg:
+        shape["frames"] = cfg["frames"]
+    work = Workload(f"{NAME}-{workload}", shape)
+    med = {n: statistics.median(v) for n, v in times.items() if v}
+    recs = []
+    for name in ["stock", "mpsboost"]:
+        if name not in names and name not in errors:
+            continue
+        extra: dict[str, Any] = {"mode": mode, "inputs": desc, "build_s": build_s, "warmup_s": warm.get(name),
+                                 "rounds_requested": a.rounds, "budget_cut": budget_cut,
+                                 "graphs_compiled_during_rounds": recompiled, "graphs_compiled_in_warmup": warm_graphs.get(name),
+                                 "mode_setup": {"eager": "pipeline on the device", "compile": "pipe.transformer = torch.compile(pipe.transformer)",
+                                                "offload": "pipe.enable_model_cpu_offload()"}[mode]}
+        if name in errors:
+            extra["error"] = errors[name]
+        extra["memory_pass"] = ("the untimed warm-up call (no compilation in this mode)" if mem_on_warmup
+                                else "one untimed call after the rounds")
+        if name in reports:
+            extra["patch"] = patch_summary(reports[name])
+        throughput = ops = corr = None
+        if times.get(name):
+            extra.update({"rounds": len(times[name]), "call_s": summary(times[name])})
+            if name != "stock" and "stock" in med:
+                extra["ratio_vs_stock"] = {"call": med["stock"] / med[name]}
+                extra["ratio_note"] = "stock median / this median, same run (> 1 faster)"
+            xs = times[name]
+            throughput = Throughput(value=statistics.median(xs), unit="s/call", seconds_per_call=statistics.median(xs), items_per_call=None,
+                                    repeats=len(xs), warmup=1, spread={"min_s": min(xs), "max_s": max(xs)})
+            ops = {"pipeline_call": op_time(xs, 1)}
+            if name != "stock" and "stock" in outputs and name in outputs:
+                corr = correctness(outputs[name], outputs["stock"], reference=f"stock ({mode}), first timed round", data_range=1.0)
+        recs.append(Record(workload=work, variant=name, env=env, throughput=throughput, op_time=ops, correctness=corr,
+                           memory=mem.get(name), extra=extra))
+    run.add(recs)
+
+
+# ---------------------------------------------------------------------------------------- summary
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def table(records: list[Record]) -> str:
+    """One line per record: the figures of its medians, its ratio to stock of the same run, memory, agreement."""
+    head = ("workload", "mode", "decoding", "variant", "rounds", "prefill ms", "decode ms/tok (best..worst)", "call s",
+            "x stock", "bw share", "peak alloc GiB", "reserved GiB", "tokens=stock / PSNR dB", "note")
+    rows = [head]
+    for r in records:
+        e, s = r.extra, r.workload.shape
+        ratio = e.get("ratio_vs_stock", {})
+        if "decode_s_per_token" in e:
+            d = e["decode_s_per_token"]
+            dec = f"{d['median'] * 1e3:.2f} ({d['best'] * 1e3:.2f}..{d['worst'] * 1e3:.2f})"
+            pre = f"{e['prefill_s']['median'] * 1e3:.1f}"
+            call = f"{e['generate_call_s']['median']:.3f}"
+            x = f"dec {ratio['decode']:.2f} pre {ratio['prefill']:.2f}" if "decode" in ratio else ""
+            share = e["bandwidth"]["share_of_limit"]
+            bws = "-" if share is None else f"{share * 100:.1f}%"
+            agree = str(e["tokens_equal_stock"])
+        elif "call_s" in e:
+            c = e["call_s"]
+            dec, pre, bws = "-", "-", "-"
+            call = f"{c['median']:.3f} ({c['best']:.3f}..{c['worst']:.3f})"
+            x = f"{ratio['call']:.2f}" if "call" in ratio else ""
+            agree = "-" if r.correctness is None else f"{r.correctness.psnr_db:.1f}"
+        else:
+            dec = pre = call = x = bws = agree = "-"
+        m = r.memory
+        rows.append((str(s.get("model") or r.workload.name.replace(f"{NAME}-", "")), str(s.get("mode")), str(s.get("decoding", "-")), r.variant,
+                     str(e.get("rounds", 0)), pre, dec, call, x, bws, _gib(m.tensor_allocated if m else None),
+                     _gib(m.allocator_reserved if m else None), agree, (e.get("error") or "")[:60]))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+
+
+# ---------------------------------------------------------------------------------------- main
+
+def _list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad:
+        raise SystemExit(f"--{what}: unknown {bad}; accepted: {', '.join(allowed)}")
+    return items
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--size", choices=("tiny", "real"), default="real")
+    p.add_argument("--only", default=",".join(WORKLOADS), help=f"workloads: {', '.join(WORKLOADS)}")
+    p.add_argument("--modes", default=",".join(dict.fromkeys(LLM_MODES + DIFFUSION_MODES)),
+                   help="LLM: eager, static; diffusers: eager, compile, offload (each workload runs those of its kind)")
+    p.add_argument("--variants", default="mpsboost,fp8", help="besides stock (always run): mpsboost, fp8 (LLM only)")
+    p.add_argument("--decoding", default="greedy,sampled", help="LLM decoding: greedy, sampled")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds, each running every variant once (>= 3 for figures you report)")
+    p.add_argument("--layers", type=int, default=None, help="override the number of layers (transformer blocks) of every model")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="LLM prompt length (default: 512 real, 16 tiny)")
+    p.add_argument("--new-tokens", type=int, default=None, help="LLM new tokens (default: 64 real, 8 tiny)")
+    p.add_argument("--steps", type=int, default=2, help="diffusers denoising steps")
+    p.add_argument("--height", type=int, default=None)
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--frames", type=int, default=None, help="Wan frames (4k+1)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--budget-s", type=float, default=None, help="start no new work after this many seconds; what ran is written")
+    p.add_argument("--out", type=Path, default=None, help="folder for e2e.jsonl (appended to)")
+    a = p.parse_args(argv)
+    a.only = _list(a.only, WORKLOADS, "only")
+    a.modes = _list(a.modes, tuple(dict.fromkeys(LLM_MODES + DIFFUSION_MODES)), "modes")
+    a.variants = _list(a.variants, ("stock",) + LLM_VARIANTS[1:], "variants")
+    a.decoding = _list(a.decoding, ("greedy", "sampled"), "decoding")
+    if a.rounds < 1:
+        raise SystemExit("--rounds must be >= 1")
+    if a.prompt_tokens is None:
+        a.prompt_tokens = 512 if a.size == "real" else 16
+    if a.new_tokens is None:
+        a.new_tokens = 64 if a.size == "real" else 8
+    if a.new_tokens < 2:
+        raise SystemExit("--new-tokens must be >= 2 (decode time per token is the call after the first token over N - 1)")
+    kind = torch.device(a.device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {a.device}: torch sees no CUDA device")
+    return a
+
+
+def run(device: str, size: str, out: Path) -> list[Record]:
+    """The entry point of ``mpsboost bench e2e --device D --size S --out DIR``.
+
+    Further options come from ``MPSBOOST_E2E_ARGS`` (e.g. ``"--only qwen3-8b --modes eager"``). Records
+    are appended to ``DIR/e2e.partial.jsonl`` as they come (the command then writes ``DIR/e2e.jsonl``).
+    Size ``small``: the real widths with 2 layers, a quick look at a real-size run.
+    """
+    import os
+    import shlex
+
+    argv = ["--device", device, "--size", "real" if size == "small" else size, "--out", str(out)]
+    if size == "small":
+        argv += ["--layers", "2"]
+    argv += shlex.split(os.environ.get("MPSBOOST_E2E_ARGS", ""))
+    return _main(parse(argv), filename=f"{NAME}.partial.jsonl")
+
+
+def main(argv=None) -> int:
+    _main(parse(argv))
+    return 0
+
+
+def _main(a: argparse.Namespace, filename: str = f"{NAME}.jsonl") -> list[Record]:
+    run = Run(a, filename)
+    run.log(f"torch {torch.__version__}, device {a.device}, size {a.size}, workloads {a.only}, modes {a.modes}, "
+            f"variants stock+{a.variants}, rounds {a.rounds}, budget {a.budget_s}")
+    for workload in a.only:
+        if run.spent():
+            run.log(f"{workload}: budget spent, not started")
+            continue
+        try:
+            if workload in LLM:
+                modes = [m for m in a.modes if m in LLM_MODES]
+                if modes:
+                    run_llm(run, workload, modes, a.variants, a.decoding)
+            else:
+                # offload last: it moves the pipeline to the CPU and is not undone
+                modes = [m for m in DIFFUSION_MODES if m in a.modes]
+                if modes:
+                    run_diffusion(run, workload, modes, [v for v in a.variants if v in DIFFUSION_VARIANTS])
+        except Exception as exc:  # noqa: BLE001 - one workload failing (build, OOM) must not lose the others
+            run.log(f"{workload}: failed: {error_text(exc)}")
+            traceback.print_exc(limit=5)
+            free()
+    print()
+    print(table(run.records))
+    if run.path is not None:
+        print(f"\n{len(run.records)} records appended to {run.path} in {run.elapsed():.0f} s")
+    return run.records
+
+
+if __name__ == "__main__":
+    sys.exit(main())
