@@ -46,22 +46,57 @@ def test_plan_per_env(qwen3):
             assert why in r.reason, (dev, tv, r.reason)
 
 
+def _fake_table(monkeypatch, graph: dict, compiled: dict | None = None):
+    """Replace the decode_linear_gemv tuning file by one with these entries (same provenance fields)."""
+    import dataclasses
+
+    from mpsboost import tuning
+
+    real = tuning.load(gemv_triton.TUNING)
+    rows = lambda t: [{"n": n, "k": k, "bias": b, "dtype": dt, "speedup": v} for (n, k, b, dt), v in t.items()]  # noqa: E731
+    fake = dataclasses.replace(real, source="benchmarks/results/decode_linear-cuda-test.jsonl",
+                               entries={"cuda_graph": rows(graph), "compiled": rows(compiled or {})})
+    orig = tuning.load
+    monkeypatch.setattr(tuning, "load", lambda name: fake if name == gemv_triton.TUNING else orig(name))
+    return fake
+
+
 def test_plan_cuda_follows_the_measured_table(qwen3, monkeypatch):
-    # Which shapes get Triton on CUDA is data (the H200 table), not a guess: fake one entry.
+    # Which shapes get Triton on CUDA is data (the tuning file), not a guess: fake one entry.
     q = qwen3.model.layers[0].self_attn.q_proj
     key = (q.out_features, q.in_features, q.bias is not None, "float32")
-    monkeypatch.setattr(gemv_triton, "MEASURED", {key: 1.4})
-    monkeypatch.setattr(gemv_triton, "MEASURED_SOURCE", "benchmarks/results/decode_linear-cuda-test.jsonl")
+    _fake_table(monkeypatch, {key: 1.4})
     rows = mpsboost.plan(qwen3, device="cuda:9.0", torch_version="2.11.0", recipes=["decode_linear"]).rows
     applied = {r.target for r in rows if r.status == "would apply"}
     q_paths = {n for n, m in _linears(qwen3) if (m.out_features, m.in_features, m.bias is not None, "float32") == key}
     assert applied == q_paths and applied
-    assert all("1.40x over cuBLAS" in r.reason for r in rows if r.status == "would apply")
-    assert all("cuBLAS" in r.reason for r in rows if r.status == "skipped")
-    # Another GPU generation was not measured: cuBLAS everywhere.
+    for r in rows:
+        if r.status == "would apply":
+            assert "1.40x over cuBLAS" in r.reason and "decode_linear-cuda-test.jsonl" in r.reason, r.reason
+            # Compiled mode was not measured: it steps aside, and says so.
+            assert "compiled: stock F.linear; no compiled end-to-end measurement shows a gain" in r.reason
+            assert "H200" in r.reason  # the device the file names, not a hard-coded label
+        else:
+            assert "cuBLAS" in r.reason
+    # Another GPU generation was not measured: cuBLAS everywhere, and the reason names the file used.
     rows80 = mpsboost.plan(qwen3, device="cuda:8.0", torch_version="2.11.0", recipes=["decode_linear"]).rows
     assert {r.status for r in rows80} == {"skipped"}
-    assert "sm_80 keeps cuBLAS" in rows80[0].reason
+    assert "decode_linear_gemv" in rows80[0].reason and "this is sm_80" in rows80[0].reason, rows80[0].reason
+
+
+def test_compiled_measurement_flips_the_compiled_decision(qwen3, monkeypatch):
+    """A compiled-mode entry in the data file (and nothing in code) turns the operator on under torch.compile."""
+    q = qwen3.model.layers[0].self_attn.q_proj
+    key = (q.out_features, q.in_features, q.bias is not None, "float32")
+    recipe = get_recipe("decode_linear")
+    env = Env.simulate("cuda:9.0", "2.11.0")
+    _fake_table(monkeypatch, {}, {key: 1.3})
+    d = recipe.decide(Match(q, "q"), env, {})
+    assert d.applicable and d.details["eager"] == "stock" and d.details["compiled"] == "gemv", d
+    assert "1.30x over cuBLAS measured under torch.compile" in d.reason
+    _fake_table(monkeypatch, {key: 1.4}, {})
+    d = recipe.decide(Match(q, "q"), env, {})
+    assert d.details["eager"] == "gemv_graph" and d.details["compiled"] == "stock", d
 
 
 def test_committed_h200_table_picks_small_projections():
@@ -76,6 +111,7 @@ def test_committed_h200_table_picks_small_projections():
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         assert rows[name].status == "would apply" and rows[name].backing == "triton GEMV, fused bias", rows[name]
         assert "inside CUDA graphs only" in rows[name].reason
+        assert "compiled: stock F.linear" in rows[name].reason
     for name in ("gate_proj", "up_proj", "down_proj", "lm_head"):
         assert rows[name].status == "skipped" and "cuBLAS measured as fast or faster" in rows[name].reason
 
