@@ -266,11 +266,13 @@ def _experts_forward(state: _State):
         post = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
         # torch.compiler.is_compiling() is a constant while dynamo traces: a compiled forward takes the
         # traceable path decided at patch time, with no host read of the expert counts.
-        large = state.compiled_path if torch.compiler.is_compiling() else state.large_path
+        compiling = torch.compiler.is_compiling()
+        large = state.compiled_path if compiling else state.large_path
         path = "gather" if idx.numel() <= state.gather_max else large
         if path == "scaled_grouped_mm" and not (x.is_cuda and fp8_moe.scaled_grouped_ok(up, state.compute_dtype)
                                                 and fp8_moe.scaled_grouped_ok(down, state.compute_dtype)):
-            path = "hit"
+            # Static facts (device, dtype, layout): the same answer at every call of this module.
+            path = "stack" if compiling else "hit"
         out = fp8_moe.fp8_routed_experts(
             x, idx, wts, up=up, down=down, activation=act, compute_dtype=state.compute_dtype, up_bias=up_b,
             down_bias=down_b, post=post, path=path, native_grouped=state.native_grouped, histc_int=state.histc_int,
