@@ -168,6 +168,28 @@ def test_static_cache_generate_compiled_other_envs(env_name, fp8):
     _static_generate_case(env_name, fp8)
 
 
+def test_sampling_step_around_a_compiled_forward():
+    """softmax binds no forward: with do_sample=True, generate() runs the patched (sync-free) sampling step
+    eagerly around the compiled forward; the same seed gives the same tokens as without compilation."""
+    from transformers import CompileConfig
+
+    model, report = _patched("cuda_sm90", None, layers=2)
+    assert any(r.recipe == "softmax" for r in report.applied)
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(2))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5, do_sample=True, pad_token_id=0,
+              cache_implementation="static")
+    cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
+    cc._compile_all_devices = True
+    with torch.no_grad():
+        torch.manual_seed(11)
+        eager = model.generate(ids, disable_compile=True, **kw)
+        torch._dynamo.reset()
+        torch.manual_seed(11)
+        compiled = model.generate(ids, compile_config=cc, **kw)
+    torch._dynamo.reset()
+    assert torch.equal(compiled, eager), (compiled.tolist(), eager.tolist())
+
+
 def test_dynamo_counts_no_recompile_per_layer():
     """Dynamo's own counters over a decode loop of a several-layer patched model: one frame compiled,
     no recompilation, no graph break (the 0.1.0 failure was a break in every layer, then a recompile
