@@ -226,6 +226,41 @@ def test_triton_gemv_interpreted(rng_seed):
     assert len(res.stdout.strip().splitlines()) == 4
 
 
+def test_gemv_operator_reference_and_fake(rng_seed):
+    """torch.ops.mpsboost.gemv on CPU runs its reference (fp32 sums, bias in fp32, one rounding);
+    opcheck verifies schema, fake kernel and dispatch."""
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
+        x = torch.randn(1, 96, dtype=dtype)
+        w = torch.randn(40, 96, dtype=dtype)
+        b = torch.randn(40, dtype=dtype)
+        y = gemv_triton.gemv(x, w, b)
+        ref = F.linear(x.double(), w.double(), b.double())
+        assert y.dtype == dtype and y.shape == (1, 40)
+        assert ((y.double() - ref).norm() / ref.norm()).item() < tol
+        torch.library.opcheck(torch.ops.mpsboost.gemv.default, (x, w, b))
+        torch.library.opcheck(torch.ops.mpsboost.gemv.default, (x, w, None))
+
+
+def test_forced_triton_path_compiles_fullgraph_on_cpu_tensors(rng_seed):
+    """The CUDA decode forward forced onto CPU tensors: eager and compiled run the operator, equal."""
+    lin = torch.nn.Linear(64, 48).requires_grad_(False)
+    recipe = get_recipe("decode_linear")
+    env = Env.simulate("cuda:9.0", "2.11.0")
+    opts = {"path": "triton", "cuda_eager": True}
+    m = Match(lin, "lin")
+    undo = recipe.apply(m, recipe.decide(m, env, opts), env, opts)
+    x = torch.randn(1, 1, 64)
+    with mock.patch.object(gemv_triton, "gemv", wraps=gemv_triton.gemv) as spy:
+        eager = lin(x)
+    assert spy.call_count == 1
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, fullgraph=True, backend="eager")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(eager, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    undo()
+
+
 def test_block_n_gives_every_sm_work():
     assert gemv_triton.block_n_for(151936) == 16
     assert gemv_triton.block_n_for(1024) == 2
@@ -275,3 +310,26 @@ def test_triton_path_in_cuda_graph_only_by_default():
     assert torch.allclose(out, eager, rtol=2e-2, atol=2e-2)
     undo()
     assert "forward" not in lin.__dict__
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compiled_path", ["stock", "gemv"])
+def test_compiled_forward_on_cuda_inductor(compiled_path):
+    """On a GPU, inductor compiles the bound forward (fullgraph) with the compiled-mode path either way,
+    and equals the eager forward."""
+    pytest.importorskip("triton")
+    from mpsboost.ops.linear import make_forward
+    from mpsboost.registry import bind_forward
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 2048, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    undo = bind_forward(lin, "decode_linear", make_forward("gemv_graph", compiled_path))
+    x = torch.randn(1, 1, 1024, device="cuda", dtype=torch.bfloat16)
+    eager = F.linear(x, lin.weight, lin.bias)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(lin, fullgraph=True)(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2)
+    undo()
+
