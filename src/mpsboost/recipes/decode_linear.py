@@ -133,7 +133,7 @@ class DecodeLinear(Recipe):
     def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
         d = decision.details
         fwd = make_forward(d["eager"], d["compiled"])
-        if "gemv" in (d["eager"], d["compiled"]) or d["eager"] == "gemv_graph":
+        if d["eager"] in ("gemv", "gemv_graph") or d["compiled"] == "gemv":
             w = match.module.weight
             if w.is_cuda and not torch.cuda.is_current_stream_capturing():
                 # Compile and load the kernel now (patch time): a first launch inside CUDA-graph capture
