@@ -418,8 +418,9 @@ class Fp8Weights(Recipe):
             before = w.numel() * w.element_size()
             after = w.numel() + (4 * n if gran == "rowwise" else 4)
             extra = f"; {where}" if where and lp.kind == "fused" else ""
+            comp = "compiled: the same path (registered operators)" if lp.kind == "fused" else "compiled: the same path"
             return Decision.apply(
-                lp.backing, f"{gran} scales, {lp.storage} storage: {lp.reason}{extra}; compiled: the same path (registered operators)",
+                lp.backing, f"{gran} scales, {lp.storage} storage: {lp.reason}{extra}; {comp}",
                 kind="linear", granularity=gran, storage=lp.storage, compute_dtype=str(w.dtype).replace("torch.", ""),
                 bytes_before=before, bytes_after=after, path_kind=lp.kind, gemv_max_m=lp.gemv_max_m,
             )
