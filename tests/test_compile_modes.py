@@ -234,14 +234,32 @@ def test_fp8_experts_forward_compiles(env_name, rng_seed):
 
 
 @pytest.mark.slow
-def test_inductor_compiles_the_forced_cuda_path():
-    """The same forced CUDA path through inductor (fake kernels, then the CPU reference kernels)."""
-    model, _ = _patched("cuda_sm90", "rowwise", layers=2)
+@pytest.mark.parametrize("fp8", [None, "rowwise"], ids=["default", "rowwise"])
+def test_inductor_compiles_the_forced_cuda_path(fp8):
+    """The forced CUDA paths through inductor (fake kernels, then the CPU reference kernels), bf16.
+
+    Inductor fuses the bf16 elementwise work between operators and keeps it in fp32 where eager mode
+    rounds after every op, so bounds are on whole tensors. Default patch: relative error (norm) <= 1e-2
+    against eager. fp8: the activations are quantised per row, which turns those roundings into different
+    fp8 codes (measured: 2.3% at a 20-token prefill), so both are held to the same quality against the
+    stock bf16 model instead: SQNR >= 20 dB and within 1 dB of each other, and <= 5e-2 apart.
+    """
+    from mpsboost.ops.fp8 import sqnr_db
+
+    model, _ = _patched("cuda_sm90", fp8, dtype=torch.bfloat16, layers=2)
+    stock = _qwen3(torch.bfloat16, layers=2)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():
         for x in (torch.randint(3, 128, (1, 20)), torch.randint(3, 128, (1, 1))):
-            torch.testing.assert_close(compiled(input_ids=x).logits, model(input_ids=x).logits, **TOL[torch.bfloat16])
+            got, ref = compiled(input_ids=x).logits.float(), model(input_ids=x).logits.float()
+            err = ((got - ref).norm() / ref.norm()).item()
+            if fp8 is None:
+                assert err <= 1e-2, err
+            else:
+                base = stock(input_ids=x).logits.float()
+                q_got, q_ref = sqnr_db(got, base), sqnr_db(ref, base)
+                assert err <= 5e-2 and q_got >= 20.0 and abs(q_got - q_ref) <= 1.0, (err, q_got, q_ref)
     torch._dynamo.reset()
 
 
