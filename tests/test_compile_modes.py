@@ -147,11 +147,6 @@ def _static_generate_case(env_name: str, fp8: str | None) -> None:
     ops = _mpsboost_ops(backend.targets())
     if env_name == "cuda_sm90":
         assert ("mpsboost.fp8_gemv" if fp8 else "mpsboost.gemv") in ops, ops
-    stock_backend = _Counting()
-    stock = _qwen3(model.dtype)
-    _generate(stock, compiled_backend=stock_backend)
-    torch._dynamo.reset()
-    assert len(stock_backend.graphs) == len(backend.graphs)
 
 
 @pytest.mark.parametrize("fp8", [None, "rowwise"], ids=["default", "rowwise"])
