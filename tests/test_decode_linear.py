@@ -334,3 +334,20 @@ def test_compiled_forward_on_cuda_inductor(compiled_path):
     torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2)
     undo()
 
+
+
+@pytest.mark.parametrize("name", ["decode_linear_gemv", "fp8_gemv", "softmax_sampling"])
+def test_tuning_files_carry_their_provenance(name):
+    """The tuning files these recipes read: every provenance field filled, the source records committed,
+    and the file applies to its own device only (an sm_80 GPU is told which file it did not match)."""
+    from pathlib import Path
+
+    from mpsboost import tuning
+
+    t = tuning.load(name)
+    assert t.name == name and t.device and t.torch and t.date and t.command and t.spread and t.entries
+    assert (Path(__file__).resolve().parents[1] / t.source).is_file(), t.source
+    own = Env.simulate(f"cuda:{t.capability[0]}.{t.capability[1]}", "2.11.0")
+    assert tuning.for_env(name, own)[0] is t
+    none, why = tuning.for_env(name, Env.simulate("cuda:8.0", "2.11.0"))
+    assert none is None and name in why and "sm_80" in why
