@@ -7,7 +7,7 @@ Per shape (``size="real"``: the 96 distinct ``(N, K, bias)`` layer shapes of the
   replay: one graph of as many calls as there are weight copies, the copies rotated so that together
   they exceed the 60 MB L2 (every call reads its weight from HBM, as in a real decode step). Each path is
   timed in two independent halves, A and B, interleaved. A shape counts as a Triton win (the recipe's
-  table :data:`mpsboost.ops.gemv_triton.MEASURED`) when it is at least ``MIN_SPEEDUP`` faster in both
+  tuning file ``mpsboost/data/tuning/decode_linear_gemv.json``, mode ``cuda_graph``) when it is at least ``MIN_SPEEDUP`` faster in both
   halves; the figures reported are from half B. (The 2026-11-29 run selected on half A alone; its
   ``mpsboost`` records therefore pick Triton for 10 large layers that half B shows at 0.97-1.01x. The
   committed table applies the both-halves rule to those records.)

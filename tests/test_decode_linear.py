@@ -46,22 +46,57 @@ def test_plan_per_env(qwen3):
             assert why in r.reason, (dev, tv, r.reason)
 
 
+def _fake_table(monkeypatch, graph: dict, compiled: dict | None = None):
+    """Replace the decode_linear_gemv tuning file by one with these entries (same provenance fields)."""
+    import dataclasses
+
+    from mpsboost import tuning
+
+    real = tuning.load(gemv_triton.TUNING)
+    rows = lambda t: [{"n": n, "k": k, "bias": b, "dtype": dt, "speedup": v} for (n, k, b, dt), v in t.items()]  # noqa: E731
+    fake = dataclasses.replace(real, source="benchmarks/results/decode_linear-cuda-test.jsonl",
+                               entries={"cuda_graph": rows(graph), "compiled": rows(compiled or {})})
+    orig = tuning.load
+    monkeypatch.setattr(tuning, "load", lambda name: fake if name == gemv_triton.TUNING else orig(name))
+    return fake
+
+
 def test_plan_cuda_follows_the_measured_table(qwen3, monkeypatch):
-    # Which shapes get Triton on CUDA is data (the H200 table), not a guess: fake one entry.
+    # Which shapes get Triton on CUDA is data (the tuning file), not a guess: fake one entry.
     q = qwen3.model.layers[0].self_attn.q_proj
     key = (q.out_features, q.in_features, q.bias is not None, "float32")
-    monkeypatch.setattr(gemv_triton, "MEASURED", {key: 1.4})
-    monkeypatch.setattr(gemv_triton, "MEASURED_SOURCE", "benchmarks/results/decode_linear-cuda-test.jsonl")
+    _fake_table(monkeypatch, {key: 1.4})
     rows = mpsboost.plan(qwen3, device="cuda:9.0", torch_version="2.11.0", recipes=["decode_linear"]).rows
     applied = {r.target for r in rows if r.status == "would apply"}
     q_paths = {n for n, m in _linears(qwen3) if (m.out_features, m.in_features, m.bias is not None, "float32") == key}
     assert applied == q_paths and applied
-    assert all("1.40x over cuBLAS" in r.reason for r in rows if r.status == "would apply")
-    assert all("cuBLAS" in r.reason for r in rows if r.status == "skipped")
-    # Another GPU generation was not measured: cuBLAS everywhere.
+    for r in rows:
+        if r.status == "would apply":
+            assert "1.40x over cuBLAS" in r.reason and "decode_linear-cuda-test.jsonl" in r.reason, r.reason
+            # Compiled mode was not measured: it steps aside, and says so.
+            assert "compiled: stock F.linear; no compiled end-to-end measurement shows a gain" in r.reason
+            assert "H200" in r.reason  # the device the file names, not a hard-coded label
+        else:
+            assert "cuBLAS" in r.reason
+    # Another GPU generation was not measured: cuBLAS everywhere, and the reason names the file used.
     rows80 = mpsboost.plan(qwen3, device="cuda:8.0", torch_version="2.11.0", recipes=["decode_linear"]).rows
     assert {r.status for r in rows80} == {"skipped"}
-    assert "sm_80 keeps cuBLAS" in rows80[0].reason
+    assert "decode_linear_gemv" in rows80[0].reason and "this is sm_80" in rows80[0].reason, rows80[0].reason
+
+
+def test_compiled_measurement_flips_the_compiled_decision(qwen3, monkeypatch):
+    """A compiled-mode entry in the data file (and nothing in code) turns the operator on under torch.compile."""
+    q = qwen3.model.layers[0].self_attn.q_proj
+    key = (q.out_features, q.in_features, q.bias is not None, "float32")
+    recipe = get_recipe("decode_linear")
+    env = Env.simulate("cuda:9.0", "2.11.0")
+    _fake_table(monkeypatch, {}, {key: 1.3})
+    d = recipe.decide(Match(q, "q"), env, {})
+    assert d.applicable and d.details["eager"] == "stock" and d.details["compiled"] == "gemv", d
+    assert "1.30x over cuBLAS measured under torch.compile" in d.reason
+    _fake_table(monkeypatch, {key: 1.4}, {})
+    d = recipe.decide(Match(q, "q"), env, {})
+    assert d.details["eager"] == "gemv_graph" and d.details["compiled"] == "stock", d
 
 
 def test_committed_h200_table_picks_small_projections():
@@ -76,6 +111,7 @@ def test_committed_h200_table_picks_small_projections():
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         assert rows[name].status == "would apply" and rows[name].backing == "triton GEMV, fused bias", rows[name]
         assert "inside CUDA graphs only" in rows[name].reason
+        assert "compiled: stock F.linear" in rows[name].reason
     for name in ("gate_proj", "up_proj", "down_proj", "lm_head"):
         assert rows[name].status == "skipped" and "cuBLAS measured as fast or faster" in rows[name].reason
 
@@ -169,7 +205,8 @@ for n, k, bias, dtype, tol in [(96, 200, True, torch.bfloat16, 8e-3), (37, 1030,
     x = torch.randn(1, k, dtype=dtype)
     w = torch.randn(n, k, dtype=dtype)
     b = torch.randn(n, dtype=dtype) if bias else None
-    y = gemv_triton.gemv(x, w, b)
+    # The Triton launch itself: on CPU tensors the registered operator would run its torch reference.
+    y = gemv_triton._launch(x, w, b)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert y.dtype == dtype and y.shape == (1, n), (y.dtype, y.shape)
@@ -188,6 +225,41 @@ def test_triton_gemv_interpreted(rng_seed):
     res = subprocess.run([sys.executable, "-c", _INTERPRETED, str(rng_seed)], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert len(res.stdout.strip().splitlines()) == 4
+
+
+def test_gemv_operator_reference_and_fake(rng_seed):
+    """torch.ops.mpsboost.gemv on CPU runs its reference (fp32 sums, bias in fp32, one rounding);
+    opcheck verifies schema, fake kernel and dispatch."""
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 8e-3)):
+        x = torch.randn(1, 96, dtype=dtype)
+        w = torch.randn(40, 96, dtype=dtype)
+        b = torch.randn(40, dtype=dtype)
+        y = gemv_triton.gemv(x, w, b)
+        ref = F.linear(x.double(), w.double(), b.double())
+        assert y.dtype == dtype and y.shape == (1, 40)
+        assert ((y.double() - ref).norm() / ref.norm()).item() < tol
+        torch.library.opcheck(torch.ops.mpsboost.gemv.default, (x, w, b))
+        torch.library.opcheck(torch.ops.mpsboost.gemv.default, (x, w, None))
+
+
+def test_forced_triton_path_compiles_fullgraph_on_cpu_tensors(rng_seed):
+    """The CUDA decode forward forced onto CPU tensors: eager and compiled run the operator, equal."""
+    lin = torch.nn.Linear(64, 48).requires_grad_(False)
+    recipe = get_recipe("decode_linear")
+    env = Env.simulate("cuda:9.0", "2.11.0")
+    opts = {"path": "triton", "cuda_eager": True}
+    m = Match(lin, "lin")
+    undo = recipe.apply(m, recipe.decide(m, env, opts), env, opts)
+    x = torch.randn(1, 1, 64)
+    with mock.patch.object(gemv_triton, "gemv", wraps=gemv_triton.gemv) as spy:
+        eager = lin(x)
+    assert spy.call_count == 1
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, fullgraph=True, backend="eager")(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(eager, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    undo()
 
 
 def test_block_n_gives_every_sm_work():
@@ -239,3 +311,43 @@ def test_triton_path_in_cuda_graph_only_by_default():
     assert torch.allclose(out, eager, rtol=2e-2, atol=2e-2)
     undo()
     assert "forward" not in lin.__dict__
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("compiled_path", ["stock", "gemv"])
+def test_compiled_forward_on_cuda_inductor(compiled_path):
+    """On a GPU, inductor compiles the bound forward (fullgraph) with the compiled-mode path either way,
+    and equals the eager forward."""
+    pytest.importorskip("triton")
+    from mpsboost.ops.linear import make_forward
+    from mpsboost.registry import bind_forward
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 2048, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+    undo = bind_forward(lin, "decode_linear", make_forward("gemv_graph", compiled_path))
+    x = torch.randn(1, 1, 1024, device="cuda", dtype=torch.bfloat16)
+    eager = F.linear(x, lin.weight, lin.bias)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(lin, fullgraph=True)(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2)
+    undo()
+
+
+
+@pytest.mark.parametrize("name", ["decode_linear_gemv", "fp8_gemv", "softmax_sampling"])
+def test_tuning_files_carry_their_provenance(name):
+    """The tuning files these recipes read: every provenance field filled, the source records committed,
+    and the file applies to its own device only (an sm_80 GPU is told which file it did not match)."""
+    from pathlib import Path
+
+    from mpsboost import tuning
+
+    t = tuning.load(name)
+    assert t.name == name and t.device and t.torch and t.date and t.command and t.spread and t.entries
+    assert (Path(__file__).resolve().parents[1] / t.source).is_file(), t.source
+    own = Env.simulate(f"cuda:{t.capability[0]}.{t.capability[1]}", "2.11.0")
+    assert tuning.for_env(name, own)[0] is t
+    none, why = tuning.for_env(name, Env.simulate("cuda:8.0", "2.11.0"))
+    assert none is None and name in why and "sm_80" in why

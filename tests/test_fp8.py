@@ -314,6 +314,88 @@ def test_plan_on_simulated_builds_names_storage_and_path():
     assert "pytorch#194074" in why
 
 
+def test_backing_and_thresholds_say_what_runs_in_that_env():
+    """The fused label names the activation dtype that actually runs; thresholds name their tuning file,
+    and a GPU the file was not measured on says so."""
+    model = tm.build("qwen3", dtype="float32")
+    rows = _applied(mpsboost.plan(model, fp8="rowwise", device="cuda:9.0", torch_version="2.11.0"))
+    lin = [r for r in rows if r.details["kind"] == "linear"]
+    assert lin and all(r.backing.startswith("fp8 GEMV (triton, float32 activations on tf32 tensor cores) for M<=16; "
+                                            "dequantize then linear (float32 output") for r in lin), lin[0].backing
+    assert all("thresholds from fp8_gemv, measured on NVIDIA H200 (sm_90)" in r.reason for r in lin), lin[0].reason
+    assert all("compiled: the same path" in r.reason for r in lin)
+    rows89 = _applied(mpsboost.plan(model, fp8="rowwise", device="cuda:8.9", torch_version="2.11.0"))
+    assert all("default thresholds (fp8_gemv was measured on NVIDIA H200 (sm_90)" in r.reason and "this is sm_89" in r.reason
+               for r in rows89 if r.details["kind"] == "linear"), rows89[0].reason
+    forced = _applied(mpsboost.plan(model, fp8="rowwise", device="cuda:9.0", torch_version="2.11.0",
+                                    options={NAME: {"gemv_max_m": 4, "moe_gather_max_pairs": 2}}))
+    assert all(r.backing.startswith("fp8 GEMV (triton, float32 activations on tf32 tensor cores) for M<=4;") for r in forced
+               if r.details["kind"] == "linear")
+
+
+_OPCHECK = ("test_faketensor", "test_aot_dispatch_static")
+
+
+def test_registered_operators_match_their_references_and_fakes(rng_seed):
+    """mpsboost::fp8_gemv and mpsboost::fp8_quantize_rows on CPU (their reference kernels), checked by
+    torch.library.opcheck (schema, fake kernel, dispatch) and against the dequantised layer."""
+    w = torch.randn(48, 96, dtype=torch.bfloat16)
+    b = torch.randn(48, dtype=torch.bfloat16)
+    for gran in ("rowwise", "tensorwise"):
+        q, s = fp8_ops.quantize(w, gran, "float8")
+        for m in (1, 5):
+            x = torch.randn(m, 96, dtype=torch.bfloat16)
+            y = fp8_ops.fp8_gemv(x, q, s, b)
+            ref = F.linear(x.float(), fp8_ops.dequantize(q, s, torch.float32), b.float())
+            assert y.dtype == torch.bfloat16 and y.shape == (m, 48)
+            torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2)  # one bf16 rounding
+            # Fake kernel and dispatch only: opcheck's schema test multiplies inputs, not defined for fp8 on CPU.
+            torch.library.opcheck(torch.ops.mpsboost.fp8_gemv.default, (x, q, s, b), test_utils=_OPCHECK)
+            torch.library.opcheck(torch.ops.mpsboost.fp8_gemv.default, (x, q, s, None), test_utils=_OPCHECK)
+    x = torch.randn(7, 96, dtype=torch.bfloat16)
+    xq, xs = fp8_ops.fused_quantize_rows(x)
+    rq, rs = fp8_ops.quantize_rows(x)
+    assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(xs, rs)
+    torch.library.opcheck(torch.ops.mpsboost.fp8_quantize_rows.default, (x,), test_utils=_OPCHECK)
+
+
+def test_scaled_mm_bias_is_a_patch_time_probe(rng_seed):
+    """No module-global flag flipped from inside a forward: the probe answers per device at patch time,
+    and both forms of the bias give the same layer."""
+    assert not hasattr(fp8_ops, "_SCALED_MM_BIAS")
+    assert fp8_ops.scaled_mm_bias_supported("cpu") is True  # torch 2.13's CPU kernel takes the bias
+    w = torch.randn(64, 128, dtype=torch.bfloat16) * 0.05
+    b = torch.randn(64, dtype=torch.bfloat16)
+    q, s = fp8_ops.quantize(w, "rowwise", "float8")
+    x = torch.randn(1, 20, 128, dtype=torch.bfloat16)  # 20 rows: the scaled_mm path of "fused"
+    with mock.patch.object(torch, "_scaled_mm", wraps=torch._scaled_mm) as spy:
+        fused = fp8_ops.fp8_linear(x, q, s, b, kind="fused", compute_dtype=torch.bfloat16, bias_in_mm=True)
+        after = fp8_ops.fp8_linear(x, q, s, b, kind="fused", compute_dtype=torch.bfloat16, bias_in_mm=False)
+    assert spy.call_count == 2
+    assert "bias" in spy.call_args_list[0].kwargs and "bias" not in spy.call_args_list[1].kwargs
+    torch.testing.assert_close(fused, after, rtol=2e-2, atol=2e-2)  # bias added before vs after one bf16 rounding
+    assert fp8_ops.sqnr_db(fused, F.linear(x.double(), w.double(), b.double())) >= 25.0
+    # The recipe asked the probe at patch time and keeps the answer in the module's state.
+    model = tm.build("qwen3", dtype="bfloat16")
+    with mock.patch.object(fp8_ops, "scaled_mm_bias_supported", return_value=False) as probe:
+        mpsboost.patch(model, recipes=[NAME], fp8="rowwise", device=Env.simulate("cuda:9.0", "2.11.0"))
+    assert probe.call_count >= 1
+    state = model.model.layers[0].self_attn.q_proj.__dict__["_mpsboost_patches"][NAME]["fp8"]
+    assert state.bias_in_mm is False and state.kind == "fused"
+
+
+def test_importing_the_ops_and_recipes_does_not_import_triton():
+    import subprocess
+    import sys
+
+    code = ("import sys, mpsboost.ops.fp8, mpsboost.ops.fp8_moe, mpsboost.ops.gemv_triton, mpsboost.ops.linear, "
+            "mpsboost.recipes.fp8_weights, mpsboost.recipes.decode_linear; "
+            "assert 'triton' not in sys.modules, 'triton imported'; import torch; "
+            "assert hasattr(torch.ops.mpsboost, 'fp8_gemv') and hasattr(torch.ops.mpsboost, 'gemv')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
 # ------------------------------------------------------------------------------------------ transaction, memory, errors
 
 def test_failed_validation_rolls_back_and_leaves_the_very_same_weights():

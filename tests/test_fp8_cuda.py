@@ -171,3 +171,42 @@ def test_real_env_plan_names_the_fused_paths():
     rows = mpsboost.plan(model, recipes=["fp8_weights"], fp8="rowwise").rows_for("fp8_weights")
     linear = [r for r in rows if r.target.endswith("q_proj")]
     assert linear and all(r.backing.startswith("fp8 GEMV (triton)") for r in linear)
+
+
+@needs_fp8
+@pytest.mark.parametrize("m", [1, 32])
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_fused_linear_compiles_fullgraph_with_inductor(m, mode, rng_seed):
+    """The fused forward under torch.compile(fullgraph=True): the Triton kernels are registered operators
+    (no tracing into a launch), CUDA graphs included; equal to the eager fused forward up to rounding."""
+    w = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16) * 0.05
+    b = torch.randn(2048, device="cuda", dtype=torch.bfloat16)
+    q, s = fp8_ops.quantize(w, "rowwise", "float8")
+    bias_in_mm = fp8_ops.scaled_mm_bias_supported("cuda:0")
+
+    def f(x):
+        return fp8_ops.fp8_linear(x, q, s, b, kind="fused", compute_dtype=torch.bfloat16, bias_in_mm=bias_in_mm)
+
+    x = torch.randn(1, m, 1024, device="cuda", dtype=torch.bfloat16)
+    eager = f(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, mode=mode)
+    for _ in range(3):  # reduce-overhead records its CUDA graph on a later call
+        got = compiled(x)
+    torch.cuda.synchronize()
+    torch._dynamo.reset()
+    assert _rel(got, eager) < 1e-2, _rel(got, eager)
+
+
+@needs_fp8
+def test_patch_tunes_the_gemv_before_the_first_forward():
+    """Autotuning happens at patch time (the transaction's commit), never inside a traced forward."""
+    import mpsboost
+    from mpsboost.ops import fp8_triton
+
+    fp8_triton.clear_tuning_cache()
+    model = _tiny_qwen3_moe_cuda()
+    mpsboost.patch(model, recipes=["fp8_weights"], fp8="rowwise")
+    q = model.model.layers[0].self_attn.q_proj.weight
+    n, k = q.shape
+    assert any(key[:3] == (n, k, 1) for key in fp8_triton._TUNED), list(fp8_triton._TUNED)[:5]

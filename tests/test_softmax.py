@@ -116,7 +116,8 @@ def test_plan_per_env(lm):
         ("mps", "2.14.1"): ("draw on logits", "pytorch#196071"),
         ("mps", "2.15.0"): ("native softmax", "pytorch#196071"),
         ("mps", "2.16.0.dev20261201"): ("native softmax", "host syncs"),
-        ("cuda", "2.11.0"): ("draw on logits", "35.1 us on logits"),
+        ("cuda", "2.11.0"): ("draw on logits", "35.1 us on logits (softmax_sampling: measured on NVIDIA H200 (sm_90)"),
+        ("cuda:8.0", "2.11.0"): ("native softmax", "softmax_sampling was measured on NVIDIA H200 (sm_90)"),
         ("cpu", "2.13.0"): ("native softmax", "host syncs"),
     }
     for (dev, tv), (backing, why) in expect.items():

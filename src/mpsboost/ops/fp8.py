@@ -15,18 +15,26 @@ compute exactly the same numbers.
 Forward paths (chosen by :func:`choose_linear_path` from the gate, and per call by M, the number of
 input rows):
 
-* ``fused`` (CUDA, compute capability >= 8.9, Triton): M <= ``gemv_max_m`` through the fp8 GEMV of
-  :mod:`mpsboost.ops.fp8_triton` (fp8 weight loaded, widened and accumulated in fp32 in registers,
-  scale and bias in the epilogue); larger M through one fused activation-quantisation kernel plus
-  ``torch._scaled_mm`` with rowwise scales;
+* ``fused`` (CUDA, compute capability >= 8.9, Triton): M <= ``gemv_max_m`` through the fp8 GEMV
+  (``torch.ops.mpsboost.fp8_gemv``: fp8 weight loaded, widened and accumulated in fp32 in registers,
+  scale and bias in the epilogue); larger M through one fused activation-quantisation kernel
+  (``torch.ops.mpsboost.fp8_quantize_rows``) plus ``torch._scaled_mm`` with rowwise scales;
 * ``mps_scaled_mm`` (MPS, only where the gate's ``fp8_gemv`` says the small-M kernel exists):
   ``scaled_mm`` for M <= 4, otherwise dequantise then ``F.linear``;
 * ``dequant`` (everything else): dequantise this one layer to the compute dtype, then ``F.linear``.
+
+The two Triton kernels are registered operators (``torch.library.custom_op`` with ``register_fake``), so
+``torch.compile`` traces a fused forward as two opaque calls of known output shape: their CUDA kernels
+launch Triton (:mod:`mpsboost.ops.fp8_triton`, imported on the first CUDA call only), every other device
+runs the plain-torch reference below with the same numerics, so CPU tests compile the CUDA path. All
+host-side work (autotuning of launch configurations, the ``scaled_mm`` bias probe) happens at patch time
+or inside the operator's eager body, never in traced code.
 
 This module never imports diffusers or transformers, and imports Triton only on the fused path.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -52,6 +60,10 @@ __all__ = [
     "fp8_linear",
     "quantize_rows",
     "scaled_mm_rowwise",
+    "scaled_mm_bias_supported",
+    "fp8_gemv",
+    "fp8_gemv_reference",
+    "fused_quantize_rows",
     "stored_bytes",
     "sqnr_db",
 ]
@@ -228,12 +240,82 @@ def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise fp8 quantisation of a 2-D activation in plain torch ops: (codes [M, K], scales [M, 1]).
 
-    The fused CUDA path uses one Triton kernel instead (:func:`mpsboost.ops.fp8_triton.quantize_rows`).
+    The fused CUDA path runs one Triton kernel instead (:func:`fused_quantize_rows`); this is its reference.
     """
     amax = x.abs().amax(dim=-1, keepdim=True).float()
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The fp8 GEMV's numerics in plain torch: exact widening of the codes, fp32 sums, scale and bias in
+    fp32, one rounding to ``x.dtype``."""
+    n = w.shape[0]
+    s = scale.reshape(1, -1) if scale.numel() == n and n > 1 else scale.reshape(())
+    y = F.linear(x.float(), w.float()) * s
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+@torch.library.custom_op("mpsboost::fp8_gemv", mutates_args=())
+def _fp8_gemv_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return fp8_gemv_reference(x, w, scale, bias)
+
+
+@functools.lru_cache(maxsize=None)
+def _have_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+@_fp8_gemv_op.register_kernel("cuda")
+def _fp8_gemv_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    # The recipe chooses this path only where the gate found triton; a direct caller without it still
+    # gets the right numbers (the operator's eager body, never traced).
+    if not _have_triton():
+        return fp8_gemv_reference(x, w, scale, bias)
+    from . import fp8_triton
+
+    return fp8_triton.fp8_gemv(x, w, scale, bias)
+
+
+@_fp8_gemv_op.register_fake
+def _fp8_gemv_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+@torch.library.custom_op("mpsboost::fp8_quantize_rows", mutates_args=())
+def _quantize_rows_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_rows(x)
+
+
+@_quantize_rows_op.register_kernel("cuda")
+def _quantize_rows_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # scaled_grouped_mm experts use this too, and their gate does not ask for triton.
+    if not _have_triton():
+        return quantize_rows(x)
+    from . import fp8_triton
+
+    return fp8_triton.quantize_rows(x)
+
+
+@_quantize_rows_op.register_fake
+def _quantize_rows_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    return x.new_empty((m, k), dtype=FP8_DTYPE), x.new_empty((m, 1), dtype=torch.float32)
+
+
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [M, K] @ (w [N, K] fp8 * scale).T + bias`` in ``x.dtype``: ``torch.ops.mpsboost.fp8_gemv``."""
+    return torch.ops.mpsboost.fp8_gemv(x, w, scale, bias)
+
+
+def fused_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` as ``torch.ops.mpsboost.fp8_quantize_rows`` (one Triton kernel on CUDA)."""
+    return torch.ops.mpsboost.fp8_quantize_rows(x)
 
 
 # --------------------------------------------------------------------------------- forward paths
@@ -249,8 +331,12 @@ class LinearPath:
     gemv_max_m: int = 16
 
 
-def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype) -> LinearPath:
-    """The forward path for an ``[n, k]`` layer computing in ``dtype`` in ``env`` (pure: asks only the gate)."""
+def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype, gemv_max_m: int = 16) -> LinearPath:
+    """The forward path for an ``[n, k]`` layer computing in ``dtype`` in ``env`` (pure: asks only the gate).
+
+    The backing text names what actually runs here: the GEMV's activation dtype (fp32 activations go
+    through tf32 tensor cores), and the large-M path by alignment and dtype.
+    """
     storage = storage_for(env)
     st = check("float8_storage", env)
     if env.device_type == "cuda":
@@ -264,11 +350,15 @@ def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype) -> Linea
                 else "dequantize then linear" + ("" if aligned else " (shape not 16-aligned for scaled_mm)")
                 + ("" if dtype == torch.bfloat16 else f" ({str(dtype)[6:]} output: scaled_mm rowwise gives bf16 only)")
             )
+            acts = "" if dtype == torch.bfloat16 else (
+                ", float32 activations on tf32 tensor cores" if dtype == torch.float32 else f", {str(dtype)[6:]} activations")
+            small = f"fp8 GEMV (triton{acts}) for M<={gemv_max_m}" if gemv_max_m > 0 else "no fp8 GEMV (gemv_max_m=0)"
             return LinearPath(
                 "fused",
-                f"fp8 GEMV (triton) for M<=16; {large} above",
+                f"{small}; {large} above",
                 f"{gv.reason}; {sm.reason}",
                 storage,
+                gemv_max_m,
             )
         why = sm.reason if not sm.ok else gv.reason
         return LinearPath("dequant", "dequantize then linear", f"no fused fp8 path here: {why}", storage)
@@ -293,22 +383,36 @@ def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype) -> Linea
     return LinearPath("dequant", "dequantize then linear", f"{env.device_type}: FP8 is a storage format; each layer is dequantised just before its matmul", storage)
 
 
-_SCALED_MM_BIAS = [True]  # cleared once if this torch build refuses a bias with rowwise scales
+@functools.lru_cache(maxsize=None)
+def scaled_mm_bias_supported(device: str) -> bool:
+    """Patch-time probe: does this torch build take a bias together with rowwise scales in ``_scaled_mm``
+    on ``device`` (a device string such as ``"cuda:0"``)? Some builds refuse it; the bias is then added
+    after the product. One tiny call per device and process, never inside a forward."""
+    dev = torch.device(device)
+    a = torch.zeros(16, 16, device=dev).to(FP8_DTYPE)
+    b = torch.zeros(16, 16, device=dev).to(FP8_DTYPE)
+    ones_a = torch.ones(16, 1, device=dev)
+    ones_b = torch.ones(1, 16, device=dev)
+    bias = torch.zeros(16, device=dev, dtype=torch.bfloat16)
+    try:
+        torch._scaled_mm(a, b.t(), scale_a=ones_a, scale_b=ones_b, bias=bias, out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
 
 
 def scaled_mm_rowwise(xq: torch.Tensor, q: torch.Tensor, xs: torch.Tensor, scale: torch.Tensor,
-                      bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``torch._scaled_mm`` of row-quantised activations ``[M, K]`` and a weight ``[N, K]`` (any scales), bf16 out."""
+                      bias: Optional[torch.Tensor], *, bias_in_mm: bool = True) -> torch.Tensor:
+    """``torch._scaled_mm`` of row-quantised activations ``[M, K]`` and a weight ``[N, K]`` (any scales), bf16 out.
+
+    ``bias_in_mm`` is :func:`scaled_mm_bias_supported` of the device, decided at patch time.
+    """
     n = q.shape[0]
     ws = scale.reshape(1, n) if scale.numel() == n and scale.dim() > 0 else scale.reshape(1, 1).expand(1, n).contiguous()
-    if bias is not None and _SCALED_MM_BIAS[0]:
-        try:
-            return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=torch.bfloat16)
-        except RuntimeError:
-            # Some builds take no bias together with rowwise scales: add it after the product instead.
-            _SCALED_MM_BIAS[0] = False
+    if bias is not None and bias_in_mm:
+        return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=torch.bfloat16)
     y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)
-    return y if bias is None else y.add_(bias)
+    return y if bias is None else y + bias
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -324,19 +428,23 @@ def fp8_linear(
     kind: str,
     compute_dtype: torch.dtype,
     gemv_max_m: int = 16,
+    bias_in_mm: bool = True,
 ) -> torch.Tensor:
-    """``F.linear(x, dequantize(q, scale), bias)`` by the path ``kind`` (see :func:`choose_linear_path`)."""
-    if kind == "fused" and x.is_cuda:
-        from . import fp8_triton
+    """``F.linear(x, dequantize(q, scale), bias)`` by the path ``kind`` (see :func:`choose_linear_path`).
 
+    Traceable by ``torch.compile(fullgraph=True)``: every branch is on static facts (dtype, shapes,
+    arguments fixed at patch time); the kernels are registered operators. ``kind="fused"`` on tensors
+    that are not on CUDA runs the operators' reference kernels (how CPU tests exercise the CUDA path).
+    """
+    if kind == "fused" and q.dtype == FP8_DTYPE:
         n, k = q.shape
         m = _rows(x)
         x2 = x.reshape(m, k)
         if m <= gemv_max_m:
-            y = fp8_triton.fp8_gemv(x2, q, scale, bias)
+            y = fp8_gemv(x2, q, scale, bias)
         elif x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
-            xq, xs = fp8_triton.quantize_rows(x2)
-            y = scaled_mm_rowwise(xq, q, xs, scale, bias)
+            xq, xs = fused_quantize_rows(x2)
+            y = scaled_mm_rowwise(xq, q, xs, scale, bias, bias_in_mm=bias_in_mm)
         else:
             return F.linear(x, dequantize(q, scale, compute_dtype), bias)
         return y.reshape(*x.shape[:-1], n)
@@ -344,5 +452,5 @@ def fp8_linear(
         n, k = q.shape
         x2 = x.reshape(-1, k)
         xq, xs = quantize_rows(x2)
-        return scaled_mm_rowwise(xq, q, xs, scale, bias).reshape(*x.shape[:-1], n)
+        return scaled_mm_rowwise(xq, q, xs, scale, bias, bias_in_mm=bias_in_mm).reshape(*x.shape[:-1], n)
     return F.linear(x, dequantize(q, scale, compute_dtype), bias)

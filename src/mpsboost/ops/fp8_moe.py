@@ -13,8 +13,11 @@ histogram, :func:`~mpsboost.ops.moe.unroute`). Paths (:data:`PATHS`):
   offsets on the device; no weight is ever dequantised.
 * ``"gather"`` (few routed pairs, e.g. decoding; every device): each pair's expert is gathered in fp8
   and dequantised (only the experts the tokens hit), then one ``bmm``. No host sync.
-* ``"hit"`` (many pairs, no fp8 grouped kernel): the experts with at least one routed pair are found
-  (one host read of the per-expert counts) and only those are dequantised: into a compact stack for
+* ``"stack"`` (many pairs under ``torch.compile``, no fp8 grouped kernel): this layer's whole stack is
+  dequantised (transiently the bytes of one stock layer), then the native grouped matmul where the gate
+  has one, else the dense fallback of :func:`mpsboost.ops.moe.grouped_linear`. No host sync.
+* ``"hit"`` (many pairs, no fp8 grouped kernel; eager only, see :data:`TRACEABLE`): the experts with at
+  least one routed pair are found (one host read of the per-expert counts) and only those are dequantised: into a compact stack for
   the native grouped matmul where the gate has one, else one expert at a time (rows sliced by the
   counts already on the host). Never the whole stack unless every expert is hit.
 
@@ -29,15 +32,19 @@ from typing import Callable, Optional
 import torch
 
 from . import moe as moe_ops
-from .fp8 import FP8_DTYPE, dequantize, quantize_rows
+from .fp8 import FP8_DTYPE, dequantize, fused_quantize_rows, quantize_rows
 
-__all__ = ["PATHS", "BACKING", "Fp8Stack", "dequantize_experts", "fp8_routed_experts", "scaled_grouped_ok"]
+__all__ = ["PATHS", "TRACEABLE", "BACKING", "Fp8Stack", "dequantize_experts", "fp8_routed_experts", "scaled_grouped_ok"]
 
-PATHS = ("scaled_grouped_mm", "gather", "hit")
+PATHS = ("scaled_grouped_mm", "gather", "hit", "stack")
+# The paths torch.compile(fullgraph=True) can trace: "hit" reads the per-expert counts on the host, so a
+# compiled forward takes "stack" instead (no host sync; the whole stack of this one layer dequantised).
+TRACEABLE = ("scaled_grouped_mm", "gather", "stack")
 BACKING = {
     "scaled_grouped_mm": "scaled_grouped_mm rowwise on the fp8 stack, offsets on device",
     "gather": "fp8 gather of the routed experts, dequantise, bmm",
     "hit": "dequantise only the hit experts, then grouped matmul",
+    "stack": "dequantise this layer's stack, then grouped matmul",
 }
 
 
@@ -75,10 +82,10 @@ def scaled_grouped_ok(stack: Fp8Stack, dtype: torch.dtype) -> bool:
 
 
 def _quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # On CUDA one Triton kernel, as the registered operator mpsboost::fp8_quantize_rows (traceable);
+    # elsewhere the same numbers in plain torch ops, which torch.compile can fuse.
     if x.is_cuda:
-        from . import fp8_triton
-
-        return fp8_triton.quantize_rows(x)
+        return fused_quantize_rows(x)
     return quantize_rows(x)
 
 
@@ -162,7 +169,23 @@ def fp8_routed_experts(
     x = x_in.index_select(0, routing.sorted_token_idx)
     eos = routing.expert_of_sorted
 
-    if path == "scaled_grouped_mm":
+    if path == "stack":
+        eos_c = eos.clamp(0, num_experts - 1)
+        w_up = dequantize(up.q, up.scale, compute_dtype)
+        grouped = native_grouped and moe_ops.native_grouped_mm_ok(x, moe_ops._as_kn(w_up, up.transposed))
+        how = "grouped_mm" if grouped else "fallback"
+        h = moe_ops.grouped_linear(x, w_up, routing.offsets, path=how, expert_of_sorted=eos, transposed=up.transposed)
+        del w_up
+        if up_bias is not None:
+            h = h + up_bias[eos_c]
+        h = activation(h).to(compute_dtype)
+        w_down = dequantize(down.q, down.scale, compute_dtype)
+        y = moe_ops.grouped_linear(h, w_down, routing.offsets, path=how, expert_of_sorted=eos, transposed=down.transposed)
+        del w_down
+        if down_bias is not None:
+            y = y + down_bias[eos_c]
+        # grouped_mm leaves rows past offsets[-1] (expert-parallel sentinels) uninitialised: unroute zeroes them.
+    elif path == "scaled_grouped_mm":
         h = _scaled_grouped(x, up, routing.offsets)
         if up_bias is not None:
             h = h + up_bias[eos.clamp(0, num_experts - 1)]

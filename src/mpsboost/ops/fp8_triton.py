@@ -1,4 +1,7 @@
-"""Triton kernels of the fused CUDA fp8 path (compute capability >= 8.9). Imported only on that path.
+"""Triton kernels of the fused CUDA fp8 path (compute capability >= 8.9). Imported only on that path:
+by the CUDA kernels of the registered operators ``mpsboost::fp8_gemv`` and ``mpsboost::fp8_quantize_rows``
+(:mod:`mpsboost.ops.fp8`), so ``torch.compile`` never traces a launch here and everything in this module
+(checks, the tuning cache, timing) runs in an operator's eager body.
 
 * :func:`fp8_gemv` -- ``y = x @ (q * s).T + b`` for few rows of ``x`` (decode): the fp8 weight tile is
   loaded (1 byte per weight: half the bytes of bf16), widened to the activation dtype in registers,
@@ -11,7 +14,9 @@
   codes), feeding ``torch._scaled_mm`` on the large-M path.
 
 Launch configurations are chosen per (N, K, M-bucket) by timing a few candidates once, outside CUDA
-graph capture (``MPSBOOST_FP8_AUTOTUNE=0`` turns that off and uses the heuristic pick). Every kernel
+graph capture: for M = 1 at patch time (fp8_weights calls the operator once per converted layer), for
+other row counts on their first eager call (``MPSBOOST_FP8_AUTOTUNE=0`` turns timing off and uses the
+heuristic pick; under capture the heuristic pick is used and not cached). Every kernel
 is also correct under ``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
 """
 from __future__ import annotations

@@ -5,11 +5,16 @@
 of W once, accumulating in fp32; the bias is added in fp32 before the single rounding to the output
 dtype, as cuBLAS's bias epilogue does.
 
+The kernel is the registered operator ``torch.ops.mpsboost.gemv``, so that ``torch.compile`` sees one
+opaque call with a known output shape (``register_fake``) instead of tracing into a Triton launch: its
+CUDA kernel launches Triton, every other device runs a plain-torch reference with the same numerics
+(fp32 accumulation, bias in fp32, one rounding). CI compiles the CUDA path forced onto CPU tensors.
+
 Whether this kernel is used for a layer is decided from measurements, never assumed: cuBLAS is already
 close to the bandwidth limit for large layers (FACTS: 75-100% of copy bandwidth from 4096x4096 up), so
 the kernel can only win where cuBLAS leaves bandwidth unused (small and medium layers). The shapes where
-it won on the H200 are listed in :data:`MEASURED` together with the file of records they come from;
-every other shape keeps cuBLAS.
+it won, per execution mode, are the tuning file ``decode_linear_gemv`` (:mod:`mpsboost.tuning`); every
+other shape keeps cuBLAS.
 
 Importing this module never imports triton; the kernel is built on first use.
 """
@@ -17,60 +22,56 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from typing import Any, Mapping
+from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
+
+from .. import tuning
+from ..gate import Env
 
 __all__ = [
+    "TUNING",
     "triton_available",
     "gemv",
+    "gemv_reference",
     "block_n_for",
-    "MEASURED",
-    "MEASURED_SOURCE",
-    "MEASURED_CAPABILITY",
+    "measured",
     "measured_speedup",
     "MIN_SPEEDUP",
 ]
 
-# A layer gets the Triton kernel only where the H200 measurement (CUDA-graph replay, weights rotated
-# beyond L2) showed it at least this much faster than cuBLAS: below that the difference is within the
-# spread of repeated timings, and an extra Python-launched kernel is not worth it.
+# The tuning file (mpsboost/data/tuning/decode_linear_gemv.json): per mode, the layer shapes where the
+# kernel measured at least its ``min_speedup`` faster than cuBLAS, on the device it names.
+TUNING = "decode_linear_gemv"
+# Below this the difference was within the spread of repeated timings: not worth an extra kernel.
 MIN_SPEEDUP = 1.05
 
-# (N, K, has_bias, dtype name) -> measured speedup over cuBLAS (CUDA-graph replay, H200 sm_90, weights
-# rotated beyond L2), from the records named by MEASURED_SOURCE: the shapes at least MIN_SPEEDUP faster in
-# both independent halves of the timing (the smaller of the two is kept). 24 of the 96 shapes, all with
-# N <= 5120 and weights <= 25 MB, where cuBLAS reached 2-60% of the bandwidth limit. The large layers
-# (lm_heads, 8192x8192) looked 1.10-1.16x faster in the first half only (cuBLAS timed first after
-# allocation) and 0.97-1.01x in the second: they keep cuBLAS.
-MEASURED: Mapping[tuple[int, int, bool, str], float] = {
-    (128, 896, True, 'bfloat16'): 1.9,
-    (256, 1536, True, 'bfloat16'): 1.96,
-    (512, 2048, False, 'bfloat16'): 1.95,
-    (512, 2880, True, 'bfloat16'): 1.93,
-    (512, 3584, True, 'bfloat16'): 1.85,
-    (768, 2048, False, 'bfloat16'): 1.85,
-    (896, 896, False, 'bfloat16'): 1.68,
-    (896, 896, True, 'bfloat16'): 1.65,
-    (1024, 1024, False, 'bfloat16'): 2.6,
-    (1024, 2048, False, 'bfloat16'): 3.02,
-    (1024, 2304, False, 'bfloat16'): 2.67,
-    (1024, 2560, False, 'bfloat16'): 2.86,
-    (1024, 3072, False, 'bfloat16'): 1.33,
-    (1024, 4096, False, 'bfloat16'): 1.11,
-    (1536, 256, True, 'bfloat16'): 1.43,
-    (1536, 1536, False, 'bfloat16'): 1.62,
-    (1536, 1536, True, 'bfloat16'): 1.56,
-    (2048, 768, False, 'bfloat16'): 1.3,
-    (2048, 1024, False, 'bfloat16'): 1.32,
-    (2048, 2048, False, 'bfloat16'): 1.2,
-    (2048, 2304, False, 'bfloat16'): 1.12,
-    (2048, 4096, False, 'bfloat16'): 1.15,
-    (2048, 6144, False, 'bfloat16'): 1.05,
-    (5120, 256, True, 'bfloat16'): 1.21,
-}
-MEASURED_SOURCE = "benchmarks/results/decode_linear-cuda-2026-11-29.jsonl"
-MEASURED_CAPABILITY = (9, 0)
+
+def measured(env: Env, mode: str) -> tuple[dict[tuple[int, int, bool, str], float] | None, str]:
+    """``({(N, K, has_bias, dtype name): speedup}, "")`` measured in ``mode`` for this kind of GPU.
+
+    ``mode`` is ``"cuda_graph"`` (eager decode replayed as CUDA graphs) or ``"compiled"`` (the forward
+    under ``torch.compile``). ``(None, why)`` where the file speaks for another device. Patch time only.
+    """
+    t, why = tuning.for_env(TUNING, env)
+    if t is None:
+        return None, why
+    rows = t.entries.get(mode, [])
+    table = {(int(r["n"]), int(r["k"]), bool(r["bias"]), str(r["dtype"])): float(r["speedup"]) for r in rows}
+    return table, t.describe()
+
+
+def measured_speedup(n: int, k: int, has_bias: bool, dtype: torch.dtype | str, *, mode: str = "cuda_graph",
+                     env: Env | None = None) -> float | None:
+    """The speedup measured for this shape in ``mode`` (default: the file's own device), or None."""
+    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    if env is None:
+        t = tuning.load(TUNING)
+        env = Env.simulate(t.device_type, t.torch, capability=t.capability)
+    table, _ = measured(env, mode)
+    return None if table is None else table.get((int(n), int(k), bool(has_bias), name))
+
 
 _SMS_TARGET = 264  # two programs per SM on an H200 (132 SMs): enough bytes in flight per SM
 _BLOCK_K = 512
@@ -79,12 +80,6 @@ _NUM_WARPS = 4
 
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
-
-
-def measured_speedup(n: int, k: int, has_bias: bool, dtype: torch.dtype | str) -> float | None:
-    """The speedup measured for this shape on the H200, or None if it was not among the winners."""
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    return MEASURED.get((int(n), int(k), bool(has_bias), name))
 
 
 def block_n_for(n: int) -> int:
@@ -137,12 +132,12 @@ def _kernel() -> Any:
     return _gemv_kernel
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x`` of shape ``[1, K]`` (one token) by the Triton kernel.
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The kernel's numerics in plain torch: fp32 products and sums, bias in fp32, one rounding."""
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
-    The caller checks the preconditions (CUDA tensors of one floating dtype, ``x`` and each weight row
-    contiguous, no autograd); they are not re-checked here because this runs once per layer per token.
-    """
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     n, k = weight.shape
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     block_n = block_n_for(n)
@@ -160,3 +155,28 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         num_warps=_NUM_WARPS,
     )
     return y
+
+
+@torch.library.custom_op("mpsboost::gemv", mutates_args=())
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    # Every device but CUDA (and CUDA paths forced onto CPU tensors in tests): the reference.
+    return gemv_reference(x, weight, bias)
+
+
+@_gemv_op.register_kernel("cuda")
+def _gemv_cuda(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return _launch(x.contiguous(), weight, bias)
+
+
+@_gemv_op.register_fake
+def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty((1, weight.shape[0]))
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` of shape ``[1, K]`` (one token): ``torch.ops.mpsboost.gemv``.
+
+    The caller checks the preconditions (one floating dtype, each weight row contiguous, no autograd);
+    they are not re-checked here because this runs once per layer per token. Traceable by torch.compile.
+    """
+    return torch.ops.mpsboost.gemv(x, weight, bias)

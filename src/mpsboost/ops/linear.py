@@ -4,11 +4,20 @@ Decoding runs every projection of a model on a single row, ``[B, 1, K]``. These 
 to the fastest path of the environment and leave every other input (prefill, ``rows > 1``) on the stock
 ``F.linear`` call after one cheap shape test, so prefill pays well under a microsecond per layer.
 
-- :func:`forward_fold_rows` (MPS before torch 2.15): ``F.linear`` on ``[B, 1, K]`` ran 8.5x slower than on
-  ``[B, K]`` (issue pytorch#189847, fixed by pytorch#189855), so the singleton row dimension is folded
-  away before the call and restored after it. Both reshapes are views: no copy.
-- :func:`forward_triton_gemv` (CUDA): a Triton matrix-vector kernel with fused bias, used for one-row
-  inputs of the layers where it measured faster than cuBLAS; see :mod:`mpsboost.ops.gemv_triton`.
+Paths (:data:`PATHS`), chosen per layer at patch time, separately for eager and compiled execution:
+
+- ``"fold"`` (MPS before torch 2.15): ``F.linear`` on ``[B, 1, K]`` ran 8.5x slower than on ``[B, K]``
+  (issue pytorch#189847, fixed by pytorch#189855), so the singleton row dimension is folded away before
+  the call and restored after it. Both reshapes are views: no copy.
+- ``"gemv"`` / ``"gemv_graph"`` (CUDA): the Triton matrix-vector kernel with fused bias
+  (``torch.ops.mpsboost.gemv``, see :mod:`mpsboost.ops.gemv_triton`) for one-row inputs; ``gemv_graph``
+  only while a CUDA graph is being captured (in eager mode Triton's Python launcher costs more host time
+  than cuBLAS's, and decoding small models eagerly is bound by exactly that host time).
+- ``"stock"``: ``F.linear`` unchanged.
+
+:func:`make_forward` binds one eager and one compiled path. The compiled one is selected by
+``torch.compiler.is_compiling()``, a constant while dynamo traces, so a compiled forward contains no host
+query at all (``torch.cuda.is_current_stream_capturing()`` is asked only in eager mode).
 
 ``ops`` never imports diffusers or transformers.
 """
@@ -19,12 +28,22 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["forward_fold_rows", "forward_triton_gemv", "forward_triton_gemv_graph", "make_triton_forward", "one_row"]
+from . import gemv_triton
+
+__all__ = ["PATHS", "forward_fold_rows", "make_forward", "one_row"]
+
+PATHS = ("stock", "fold", "gemv", "gemv_graph")
+
+Forward = Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]
 
 
 def one_row(x: torch.Tensor, k: int) -> bool:
     """True for a single-token activation: exactly one row of ``k`` features, in any rank."""
     return x.numel() == k and x.dim() >= 2
+
+
+def _stock(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    return F.linear(input, self.weight, self.bias)
 
 
 def forward_fold_rows(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -37,38 +56,55 @@ def forward_fold_rows(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tenso
     return F.linear(input, self.weight, self.bias)
 
 
-def make_triton_forward(*, graph_only: bool) -> Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]:
-    """The CUDA forward: Triton GEMV for one-row inputs, cuBLAS (stock ``F.linear``) for the rest.
+def _gemv_ok(self: torch.nn.Linear, input: torch.Tensor) -> bool:
+    # Cheapest and most selective test first: prefill (rows > 1) leaves after one numel() compare.
+    # Under torch.compile each of these is a trace-time fact (a shape guard, dtype, stride, grad mode).
+    weight = self.weight
+    return (
+        input.numel() == weight.shape[1]
+        and input.dtype == weight.dtype
+        and input.stride(-1) == 1
+        and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
+    )
 
-    ``graph_only=True`` uses the kernel only while a CUDA graph is being captured: inside a graph a
-    launch costs nothing on the host, while in eager mode Triton's Python launcher costs more host time
-    than cuBLAS's, and decoding small models in eager mode is bound by exactly that host time.
-    """
-    from . import gemv_triton
 
-    is_capturing = torch.cuda.is_current_stream_capturing
+def _forward_gemv(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if _gemv_ok(self, input):
+        weight = self.weight
+        out = gemv_triton.gemv(input.reshape(1, weight.shape[1]), weight, self.bias)
+        return out.view(*input.shape[:-1], weight.shape[0])
+    return F.linear(input, self.weight, self.bias)
+
+
+def _forward_gemv_graph(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    # Eager only (make_forward never binds this as the compiled path): the capture query is a host call.
+    # Asked of CUDA tensors only: a CPU-only torch build has no capture state to ask.
+    if input.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _forward_gemv(self, input)
+    return F.linear(input, self.weight, self.bias)
+
+
+_BY_PATH: dict[str, Forward] = {
+    "stock": _stock,
+    "fold": forward_fold_rows,
+    "gemv": _forward_gemv,
+    "gemv_graph": _forward_gemv_graph,
+}
+
+
+def make_forward(eager: str, compiled: str) -> Forward:
+    """The forward with path ``eager`` outside ``torch.compile`` and ``compiled`` inside it (:data:`PATHS`)."""
+    for label, path in (("eager", eager), ("compiled", compiled)):
+        if path not in _BY_PATH:
+            raise ValueError(f"decode_linear {label} path must be one of {PATHS}, got {path!r}")
+    if compiled == "gemv_graph":
+        raise ValueError("'gemv_graph' asks the host about CUDA-graph capture: it is an eager path only; use 'gemv'")
+    eager_fn, compiled_fn = _BY_PATH[eager], _BY_PATH[compiled]
 
     def forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        k = weight.shape[1]
-        # Cheapest and most selective tests first: prefill (rows > 1) leaves after one numel() compare,
-        # an eager decode step (graph_only) after one capture query (asked of CUDA tensors only: a
-        # CPU-only torch build has no capture state to ask).
-        if (
-            input.numel() == k
-            and input.is_cuda
-            and (not graph_only or is_capturing())
-            and input.dtype == weight.dtype
-            and input.stride(-1) == 1
-            and not (torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad))
-        ):
-            out = gemv_triton.gemv(input.reshape(1, k), weight, self.bias)
-            return out.view(*input.shape[:-1], weight.shape[0])
-        return F.linear(input, weight, self.bias)
+        if torch.compiler.is_compiling():
+            return compiled_fn(self, input)
+        return eager_fn(self, input)
 
-    forward.__name__ = "forward_triton_gemv_graph" if graph_only else "forward_triton_gemv"
+    forward.__name__ = f"forward_{eager}_compiled_{compiled}"
     return forward
-
-
-forward_triton_gemv = make_triton_forward(graph_only=False)
-forward_triton_gemv_graph = make_triton_forward(graph_only=True)

@@ -1,16 +1,23 @@
 """decode_linear: one-token ``F.linear`` of transformers and diffusers models on the fast path of the env.
 
+Decided per layer and per mode (eager, or compiled: the forward traced by ``torch.compile``, as
+transformers' static cache does): the bound forward selects the compiled-mode path with
+``torch.compiler.is_compiling()``, a trace-time constant, so the compiled graph holds no host query.
+
 - MPS before torch 2.15: ``F.linear`` on ``[B, 1, K]`` ran 8.5x slower than on ``[B, K]`` (issue
-  pytorch#189847); the patched forward folds the singleton row dim away (views, no copy).
+  pytorch#189847); the patched forward folds the singleton row dim away (views, no copy), in both modes.
 - MPS from 2.15: the fix (pytorch#189855) and the GEMV kernels with bias epilogue (pytorch#186927,
   #189628) are native; the recipe skips, so stock code runs with zero added overhead.
-- CUDA: a Triton GEMV with fused bias, only for the layer shapes where it measured faster than cuBLAS
-  on the H200 (:data:`mpsboost.ops.gemv_triton.MEASURED`); every other layer skips, so nothing gets slower.
+- CUDA: a Triton GEMV with fused bias (``torch.ops.mpsboost.gemv``), only for the layer shapes and the
+  mode where the tuning file ``decode_linear_gemv`` shows it faster than cuBLAS on this kind of GPU:
+  eager decoding replayed from CUDA graphs was measured; under torch.compile nothing was, so compiled
+  forwards keep stock ``F.linear``. A GPU the file was not measured on keeps cuBLAS everywhere.
 - CPU: the same kernel serves both layouts; skipped.
 
 Options (``options={"decode_linear": {...}}``):
-  ``path``: ``"fold"`` or ``"triton"`` forces that path on every Linear whatever the env (for measurement
-  and tests); ``"auto"`` (default) decides per env and shape.
+  ``path``: ``"fold"`` or ``"triton"`` forces that path on every Linear in both modes whatever the env
+  (for measurement and tests; on CPU tensors ``"triton"`` runs the operator's reference kernel);
+  ``"auto"`` (default) decides per env, mode and shape.
   ``cuda_eager``: ``True`` also uses the Triton kernel outside CUDA-graph capture (default ``False``).
 """
 from __future__ import annotations
@@ -21,7 +28,7 @@ import torch
 
 from ..gate import Env, check
 from ..ops import gemv_triton
-from ..ops.linear import forward_fold_rows, forward_triton_gemv, forward_triton_gemv_graph
+from ..ops.linear import make_forward
 from ..registry import Decision, Match, Recipe, Undo, bind_forward, class_path, matches_class, register
 
 _MODEL_ROOTS = (
@@ -30,6 +37,7 @@ _MODEL_ROOTS = (
 )
 _LINEAR = "torch.nn.modules.linear.Linear"
 _PATHS = ("auto", "fold", "triton")
+_NO_COMPILED_GAIN = "compiled: stock F.linear; no compiled end-to-end measurement shows a gain"
 
 
 @register
@@ -73,51 +81,63 @@ class DecodeLinear(Recipe):
         has_bias = mod.bias is not None
 
         if path == "fold":
-            return Decision.apply("[B,K] layout for one-token rows", "forced by options (path='fold')", n=n, k=k)
+            return Decision.apply("[B,K] layout for one-token rows", "forced by options (path='fold'); compiled: the same fold",
+                                  n=n, k=k, eager="fold", compiled="fold")
         if path == "triton":
-            return Decision.apply("triton GEMV, fused bias", "forced by options (path='triton')", n=n, k=k,
-                                  eager=bool(options.get("cuda_eager", False)))
+            eager = "gemv" if options.get("cuda_eager", False) else "gemv_graph"
+            return Decision.apply("triton GEMV, fused bias", "forced by options (path='triton'); compiled: the same operator",
+                                  n=n, k=k, eager=eager, compiled="gemv")
 
         if env.device_type == "mps":
             v = check("linear_3d_fast", env)
             if v.ok:
                 g = check("gemv_bias_epilogue", env)
                 return Decision.skip(f"native path: {v.reason}; {g.reason}")
-            return Decision.apply("[B,K] layout for one-token rows", v.reason, n=n, k=k)
+            return Decision.apply("[B,K] layout for one-token rows", f"{v.reason}; compiled: the same fold (views, traceable)",
+                                  n=n, k=k, eager="fold", compiled="fold")
         if env.device_type == "cpu":
             return Decision.skip("CPU F.linear runs the same kernel for [B,1,K] and [B,K]; nothing to gain")
         # CUDA
         return self._decide_cuda(env, n, k, has_bias, w.dtype, options)
 
     def _decide_cuda(self, env: Env, n: int, k: int, has_bias: bool, dtype: torch.dtype, options: Mapping[str, Any]) -> Decision:
-        src = gemv_triton.MEASURED_SOURCE or "benchmarks/results/decode_linear-cuda-*.jsonl"
-        if not gemv_triton.MEASURED:
-            return Decision.skip(f"no layer shape measured faster than cuBLAS on the H200 ({src}); cuBLAS kept")
-        cap = gemv_triton.MEASURED_CAPABILITY
-        if env.capability != cap:
-            have = f"sm_{env.capability[0]}{env.capability[1]}" if env.capability else "an unknown GPU"
-            return Decision.skip(f"Triton GEMV measured on sm_{cap[0]}{cap[1]} (H200) only; {have} keeps cuBLAS")
+        graph, where = gemv_triton.measured(env, "cuda_graph")
+        if graph is None:
+            return Decision.skip(f"cuBLAS kept: {where}")
+        compiled, _ = gemv_triton.measured(env, "compiled")
         v = check("triton", env)
         if not v.ok:
             return Decision.skip(v.reason)
-        speedup = gemv_triton.measured_speedup(n, k, has_bias, dtype)
         shape = f"{n}x{k}{' +bias' if has_bias else ''} {str(dtype).removeprefix('torch.')}"
-        if speedup is None or speedup < gemv_triton.MIN_SPEEDUP:
-            return Decision.skip(f"cuBLAS measured as fast or faster for {shape} on the H200 ({src}); kept")
-        eager = bool(options.get("cuda_eager", False))
-        when = "" if eager else "; inside CUDA graphs only (eager launches stay on cuBLAS)"
-        return Decision.apply("triton GEMV, fused bias", f"{speedup:.2f}x over cuBLAS for {shape} on the H200 ({src}){when}",
-                              n=n, k=k, speedup=speedup, eager=eager)
+        key = (n, k, has_bias, str(dtype).removeprefix("torch."))
+        fast = gemv_triton.MIN_SPEEDUP
+        s_graph, s_comp = graph.get(key), (compiled or {}).get(key)
+        use_graph = s_graph is not None and s_graph >= fast
+        use_comp = s_comp is not None and s_comp >= fast
+        src = f"{gemv_triton.TUNING}: {where}"
+        if not (use_graph or use_comp):
+            return Decision.skip(f"cuBLAS measured as fast or faster for {shape} ({src}); kept")
+        eager_opt = bool(options.get("cuda_eager", False))
+        if use_graph:
+            eager = "gemv" if eager_opt else "gemv_graph"
+            when = "" if eager_opt else "; inside CUDA graphs only (eager launches stay on cuBLAS)"
+            why = f"{s_graph:.2f}x over cuBLAS for {shape} in CUDA-graph replay ({src}){when}"
+        else:
+            eager, why = "stock", "eager: stock F.linear (no eager measurement shows a gain)"
+        if use_comp:
+            comp, why = "gemv", f"{why}; compiled: {s_comp:.2f}x over cuBLAS measured under torch.compile"
+        else:
+            comp, why = "stock", f"{why}; {_NO_COMPILED_GAIN} ({gemv_triton.TUNING})"
+        return Decision.apply("triton GEMV, fused bias", why, n=n, k=k, speedup=s_graph or s_comp, eager=eager, compiled=comp)
 
     def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
-        if decision.backing.startswith("triton"):
-            fwd = forward_triton_gemv if decision.details.get("eager", False) else forward_triton_gemv_graph
+        d = decision.details
+        fwd = make_forward(d["eager"], d["compiled"])
+        if d["eager"] in ("gemv", "gemv_graph") or d["compiled"] == "gemv":
             w = match.module.weight
             if w.is_cuda and not torch.cuda.is_current_stream_capturing():
-                # Compile and load the kernel now: a first launch inside CUDA-graph capture would have to
-                # compile there. One launch per distinct (block, bias) configuration, cached by Triton.
+                # Compile and load the kernel now (patch time): a first launch inside CUDA-graph capture
+                # would have to compile there. One launch per distinct (block, bias) configuration.
                 with torch.no_grad():
                     gemv_triton.gemv(torch.ones(1, w.shape[1], device=w.device, dtype=w.dtype), w, match.module.bias)
-        else:
-            fwd = forward_fold_rows
         return bind_forward(match.module, self.name, fwd)

@@ -30,9 +30,16 @@ second copy of the model. Measured on the H200 (benchmarks/results/fp8-cuda-2026
 Options (``mpsboost.patch(m, fp8="rowwise", options={"fp8_weights": {...}})``):
 ``include`` / ``exclude``: glob patterns (``fnmatch``) on the module path in the report (e.g.
 ``"transformer.blocks.*.ffn.*"``); ``include_lm_head`` (bool); ``experts`` (bool, default True);
-``gemv_max_m`` (CUDA: rows at or below which the fp8 GEMV runs, default 16);
-``moe_gather_max_pairs`` (routed pairs at or below which experts are gathered per pair, default 16);
-``moe_path`` ("auto", "scaled_grouped_mm", "gather", "hit").
+``gemv_max_m`` (CUDA: rows at or below which the fp8 GEMV runs; default from the tuning file
+``fp8_gemv``: 16); ``moe_gather_max_pairs`` (routed pairs at or below which experts are gathered per
+pair; default from ``fp8_gemv`` on the GPU it was measured on, else 16); ``moe_path`` ("auto",
+"scaled_grouped_mm", "gather", "hit", "stack").
+
+Modes: every forward installed here compiles with ``torch.compile(fullgraph=True)``. The kernels are
+registered operators, the ``scaled_mm`` bias probe and the GEMV's launch tuning run at patch time, and
+the experts forward selects a traceable path with ``torch.compiler.is_compiling()`` (a trace-time
+constant): where eager mode reads the hit experts on the host (``"hit"``), a compiled forward
+dequantises the layer's stack instead (``"stack"``); the report row says so.
 """
 from __future__ import annotations
 
@@ -46,6 +53,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from .. import tuning
 from ..gate import Env, check
 from ..ops import fp8 as fp8_ops
 from ..ops import fp8_moe
@@ -183,9 +191,9 @@ def _parse(options: Mapping[str, Any]) -> dict:
         if not isinstance(v, bool):
             raise ValueError(f"fp8_weights option {key}={v!r}: expected True or False")
         out[key] = v
-    for key, default in (("gemv_max_m", 16), ("moe_gather_max_pairs", 16)):
-        v = options.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+    for key in ("gemv_max_m", "moe_gather_max_pairs"):
+        v = options.get(key)  # None: from the tuning file (see _thresholds)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise ValueError(f"fp8_weights option {key}={v!r}: expected an int >= 0")
         out[key] = v
     mp = options.get("moe_path", "auto")
@@ -200,7 +208,8 @@ def _parse(options: Mapping[str, Any]) -> dict:
 class _State:
     """Per-module facts the bound forward needs; ``converted`` flips at the transaction's commit."""
 
-    __slots__ = ("kind", "compute_dtype", "granularity", "gemv_max_m", "converted", "large_path", "gather_max", "native_grouped", "histc_int")
+    __slots__ = ("kind", "compute_dtype", "granularity", "gemv_max_m", "converted", "large_path", "compiled_path", "gather_max",
+                 "native_grouped", "histc_int", "bias_in_mm")
 
     def __init__(self, **kw: Any):
         self.converted = False
@@ -225,7 +234,7 @@ def _linear_forward(state: _State):
         if w.dtype not in (torch.float8_e4m3fn, torch.uint8):
             raise _cast_error(self, "weight", w)
         return fp8_ops.fp8_linear(input, w, self.weight_scale, self.bias, kind=state.kind,
-                                  compute_dtype=state.compute_dtype, gemv_max_m=state.gemv_max_m)
+                                  compute_dtype=state.compute_dtype, gemv_max_m=state.gemv_max_m, bias_in_mm=state.bias_in_mm)
 
     return forward
 
@@ -255,10 +264,15 @@ def _experts_forward(state: _State):
         down_b = getattr(self, "down_proj_bias", None) if has_bias else None
         act = self._apply_gate if getattr(self, "has_gate", True) else self.act_fn
         post = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
-        path = "gather" if idx.numel() <= state.gather_max else state.large_path
+        # torch.compiler.is_compiling() is a constant while dynamo traces: a compiled forward takes the
+        # traceable path decided at patch time, with no host read of the expert counts.
+        compiling = torch.compiler.is_compiling()
+        large = state.compiled_path if compiling else state.large_path
+        path = "gather" if idx.numel() <= state.gather_max else large
         if path == "scaled_grouped_mm" and not (x.is_cuda and fp8_moe.scaled_grouped_ok(up, state.compute_dtype)
                                                 and fp8_moe.scaled_grouped_ok(down, state.compute_dtype)):
-            path = "hit"
+            # Static facts (device, dtype, layout): the same answer at every call of this module.
+            path = "stack" if compiling else "hit"
         out = fp8_moe.fp8_routed_experts(
             x, idx, wts, up=up, down=down, activation=act, compute_dtype=state.compute_dtype, up_bias=up_b,
             down_bias=down_b, post=post, path=path, native_grouped=state.native_grouped, histc_int=state.histc_int,
@@ -275,6 +289,16 @@ def _all_finite(t: torch.Tensor) -> bool:
     per = max(1, (1 << 24) // max(1, t[0].numel()))
     flags = [torch.isfinite(t[i:i + per]).all() for i in range(0, t.shape[0], per)]
     return bool(torch.stack(flags).all())  # one host read for the whole tensor
+
+
+def _tune_gemv(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Patch time: one decode-shaped call of the fp8 GEMV on a CUDA layer, so that its launch configuration
+    is tuned and its kernel compiled now, outside any trace or CUDA-graph capture."""
+    q = module.weight
+    if not q.is_cuda or torch.cuda.is_current_stream_capturing():
+        return
+    with torch.no_grad():
+        fp8_ops.fp8_gemv(torch.zeros(1, q.shape[1], device=q.device, dtype=dtype), q, module.weight_scale, module.bias)
 
 
 def _replace_with_buffers(module: torch.nn.Module, name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
@@ -294,6 +318,36 @@ def _convert(module: torch.nn.Module, names: tuple[str, ...], granularity: str, 
             q, scale = fp8_ops.quantize(w.detach(), granularity, storage, k_dim=k_dim)
         del w
         _replace_with_buffers(module, name, q, scale)
+
+
+# ------------------------------------------------------------------------------------------ thresholds
+
+_DEFAULT_GEMV_MAX_M = 16
+_DEFAULT_GATHER_MAX = 16
+
+
+def _thresholds(env: Env, opts: dict) -> tuple[int, int, str]:
+    """(gemv_max_m, moe_gather_max_pairs, where they come from) for ``env``: options first, then the
+    tuning file ``fp8_gemv`` where it was measured on this kind of device, else the defaults."""
+    gemv, gather = opts["gemv_max_m"], opts["moe_gather_max_pairs"]
+    if gemv is not None and gather is not None:
+        return gemv, gather, "thresholds set by options"
+    if env.device_type != "cuda":
+        return (gemv if gemv is not None else _DEFAULT_GEMV_MAX_M,
+                gather if gather is not None else _DEFAULT_GATHER_MAX, "")
+    t, why = tuning.for_env("fp8_gemv", env)
+    if t is None:
+        # Another GPU: the GEMV's one-tile limit still holds (it is the kernel's, not a timing), and its
+        # launch configurations are tuned on this GPU at patch time; the gather threshold is unmeasured here.
+        return (gemv if gemv is not None else _DEFAULT_GEMV_MAX_M,
+                gather if gather is not None else _DEFAULT_GATHER_MAX, f"default thresholds ({why})")
+    e = t.entries
+    return (gemv if gemv is not None else int(e["gemv_max_m"]),
+            gather if gather is not None else int(e["moe_gather_max_pairs"]), f"thresholds from fp8_gemv, {t.describe()}")
+
+
+def _compiled_path(large: str) -> str:
+    return large if large in fp8_moe.TRACEABLE else "stack"
 
 
 # ------------------------------------------------------------------------------------------ the recipe
@@ -356,16 +410,19 @@ class Fp8Weights(Recipe):
             return Decision.skip(f"excluded by pattern {hit!r}")
         gran = load.granularity(path) if load is not None else opts["granularity"]
         storage = fp8_ops.storage_for(env)
+        gemv_max, gather_max, where = _thresholds(env, opts)
         if data["kind"] == "linear":
             w = mod.weight
             n, k = w.shape
-            lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=w.dtype)
+            lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=w.dtype, gemv_max_m=gemv_max)
             before = w.numel() * w.element_size()
             after = w.numel() + (4 * n if gran == "rowwise" else 4)
+            extra = f"; {where}" if where and lp.kind == "fused" else ""
+            comp = "compiled: the same path (registered operators)" if lp.kind == "fused" else "compiled: the same path"
             return Decision.apply(
-                lp.backing, f"{gran} scales, {lp.storage} storage: {lp.reason}",
+                lp.backing, f"{gran} scales, {lp.storage} storage: {lp.reason}{extra}; {comp}",
                 kind="linear", granularity=gran, storage=lp.storage, compute_dtype=str(w.dtype).replace("torch.", ""),
-                bytes_before=before, bytes_after=after, path_kind=lp.kind,
+                bytes_before=before, bytes_after=after, path_kind=lp.kind, gemv_max_m=lp.gemv_max_m,
             )
         if not opts["experts"]:
             return Decision.skip("expert weights excluded by option experts=False")
@@ -376,16 +433,23 @@ class Fp8Weights(Recipe):
         # Few routed pairs (decoding) gather their experts in fp8: on the H200 a Qwen3-30B-A3B-shaped decode
         # step took 15.1 ms this way vs 16.2 (scaled_grouped_mm) and 17.4 (hit experts); stock batched_mm
         # 51.8 ms (benchmarks/results/fp8-cuda-2026-11-29-run2.jsonl).
-        gather = opts["moe_gather_max_pairs"] if opts["moe_path"] == "auto" else (1 << 62 if opts["moe_path"] == "gather" else 0)
+        gather = gather_max if opts["moe_path"] == "auto" else (1 << 62 if opts["moe_path"] == "gather" else 0)
         backing = fp8_moe.BACKING[large]
         if large != "gather" and gather > 0:
             backing += f" (gather at <= {gather} routed pairs)"
+        comp = _compiled_path(large)
+        if comp != large:
+            why += f"; compiled: {fp8_moe.BACKING[comp]} ('{large}' reads expert counts on the host)"
+        else:
+            why += "; compiled: the same path"
+        if where and env.device_type == "cuda":
+            why += f"; {where}"
         before = sum(w.numel() * w.element_size() for w in ws)
         after = sum(w.numel() + 4 * (w.numel() // w.shape[2 if not tr else 1] if gran == "rowwise" else w.shape[0]) for w in ws)
         return Decision.apply(
             backing, f"{gran} scales per expert, {storage} storage: {why}",
             kind="experts", granularity=gran, storage=storage, compute_dtype=str(ws[0].dtype).replace("torch.", ""),
-            bytes_before=before, bytes_after=after, large_path=large, gather_max_pairs=gather,
+            bytes_before=before, bytes_after=after, large_path=large, compiled_path=comp, gather_max_pairs=gather,
         )
 
     @staticmethod
@@ -433,13 +497,18 @@ class Fp8Weights(Recipe):
                     f"or exclude this module: options={{'fp8_weights': {{'exclude': [{match.path!r}]}}}}"
                 )
         compute_dtype = getattr(mod, names[0]).dtype
+        device = getattr(mod, names[0]).device
         if d["kind"] == "linear":
-            state = _State(kind=d["path_kind"], compute_dtype=compute_dtype, granularity=d["granularity"], gemv_max_m=opts["gemv_max_m"])
+            # Patch-time probe (never in a forward): can _scaled_mm take the bias with rowwise scales here?
+            bias_in_mm = d["path_kind"] in ("fused", "mps_scaled_mm") and d["storage"] == "float8" and \
+                fp8_ops.scaled_mm_bias_supported(str(device))
+            state = _State(kind=d["path_kind"], compute_dtype=compute_dtype, granularity=d["granularity"],
+                           gemv_max_m=d["gemv_max_m"], bias_in_mm=bias_in_mm)
             fwd = _linear_forward(state)
         else:
             state = _State(kind="experts", compute_dtype=compute_dtype, granularity=d["granularity"], large_path=d["large_path"],
-                           gather_max=d["gather_max_pairs"], native_grouped=check("grouped_mm", env).ok,
-                           histc_int=check("histc_int", env).ok)
+                           compiled_path=d["compiled_path"], gather_max=d["gather_max_pairs"],
+                           native_grouped=check("grouped_mm", env).ok, histc_int=check("histc_int", env).ok)
             fwd = _experts_forward(state)
         # The state rides along in the module's mpsboost record, where save_fp8 finds it.
         undo_fwd = bind_forward(mod, NAME, fwd, fp8=state)
@@ -453,6 +522,8 @@ class Fp8Weights(Recipe):
                               "it keeps its original weights and forward", stacklevel=3)
                 return
             state.converted = True
+            if d["kind"] == "linear" and d["path_kind"] == "fused" and d["gemv_max_m"] > 0:
+                _tune_gemv(mod, compute_dtype)
 
         return Undo(undo_fwd, commit=commit, reversible=False, description=f"{NAME}: {match.path}")
 

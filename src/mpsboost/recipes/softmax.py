@@ -7,8 +7,12 @@ whose input check costs two host syncs and five extra full-vocabulary reductions
 Where the softmax itself is slow the race runs on the logits and no softmax is computed at all
 (Gumbel-max: the same distribution; the same tokens up to rounding of near ties): on MPS before torch
 2.15, whose softmax still ran through MPSGraph (pytorch#196071 moved it to a Metal kernel in 2.15), and
-on CUDA, where one 128,256-wide row is softmaxed by a single thread block (measured on the H200: 33.5 us
-of a 66.9 us step; 35.1 us for the whole step on logits).
+on the CUDA GPU of the tuning file ``softmax_sampling``, where one 128,256-wide row is softmaxed by a single
+thread block (33.5 us of a 66.9 us step; 35.1 us for the whole step on logits). Other GPUs keep the
+native softmax with the sync-free draw until they are measured.
+
+Compiled mode: the recipe binds no forward; ``generate()`` compiles the model's forward (static cache)
+and runs the sampling step eagerly around it, so the compiled graph is the stock forward's.
 
 How it is bound: ``generate()`` looks its decoding method up on ``type(model)`` (transformers 5), so an
 instance attribute would be ignored. The recipe gives this one model instance a subclass of its own
@@ -31,6 +35,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from .. import tuning
 from ..gate import Env, check
 from ..ops.sampling import CURRENT, SamplingState, sampling_globals, with_globals
 from ..registry import ATTR, Decision, Match, Recipe, Undo, class_path, matches_class, register
@@ -38,7 +43,7 @@ from ..registry import ATTR, Decision, Match, Recipe, Undo, class_path, matches_
 _GENERATIVE = "transformers.generation.utils.GenerationMixin"
 _PATHS = ("auto", "probs", "logits")
 _SOFTMAX_LINE = re.compile(r"(\w+)\s*=\s*nn\.functional\.softmax\(\s*next_token_scores\s*,\s*dim\s*=\s*-1\s*\)")
-_CUDA_SOURCE = "benchmarks/results/softmax-cuda-2026-11-29.jsonl"
+_TUNING = "softmax_sampling"  # mpsboost/data/tuning/softmax_sampling.json
 _DRAW_LINE = r"torch\.multinomial\(\s*{probs}\s*,\s*num_samples\s*=\s*1\s*\)"
 
 
@@ -156,12 +161,16 @@ class Softmax(Recipe):
         if env.device_type == "mps" and not v.ok:
             return Decision.apply("draw on logits (no softmax), sync-free", f"{v.reason}; {syncs}", logits=True)
         if env.device_type == "cuda":
-            # Measured (H200, torch 2.11): softmax runs one block per row, 33.5 us for one fp32 row of
-            # 128,256; the sampling step took 124.8 us stock, 66.9 us with the sync-free draw after the
-            # softmax, 35.1 us on the logits.
+            # The logits draw was measured on one GPU (tuning file softmax_sampling); any other GPU keeps
+            # the native softmax (the same tokens as stock for the same seed) with the sync-free draw.
+            t, why = tuning.for_env(_TUNING, env)
+            if t is None:
+                return Decision.apply("native softmax, sync-free draw", f"{why}; {syncs}", logits=False)
+            e = t.entries
+            step = e["step_us"]
             return Decision.apply("draw on logits (no softmax), sync-free",
-                                  f"one fp32 row of 128,256 on the H200: sampling step 124.8 us stock, 35.1 us on logits "
-                                  f"({_CUDA_SOURCE}); {syncs}", logits=True)
+                                  f"one {e['dtype']} row of {e['vocab']:,}: sampling step {step['stock']} us stock, "
+                                  f"{step['logits']} us on logits ({_TUNING}: {t.describe()}); {syncs}", logits=True)
         return Decision.apply("native softmax, sync-free draw", f"{v.reason}; {syncs}", logits=False)
 
     def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
