@@ -171,3 +171,26 @@ def test_e2e_table_without_records_says_so(tmp_path):
 def test_unknown_block_name_is_an_error():
     with pytest.raises(KeyError, match="unknown generated block"):
         tables.render("<!-- tables:nope:begin -->\n<!-- tables:nope:end -->\n")
+
+
+def test_a_decode_linear_rerun_through_patch_replaces_not_measured_with_figures(tmp_path, env, monkeypatch):
+    import shutil
+
+    results = tmp_path / "results"
+    shutil.copytree(tables.RESULTS, results, ignore=shutil.ignore_patterns("decode_linear-*"))
+    recs = []
+    for n, (s, m) in enumerate([(10.0, 6.0), (10.0, 10.1)]):
+        w = Workload("decode_linear", {"N": 64 * (n + 1), "K": 64})
+        for variant, us in (("stock", s), ("mpsboost", m)):
+            op = OpTime(median_us=us, min_us=us * 0.99, max_us=us * 1.01, repeats=10, method="cuda_graph")
+            recs.append(Record(w, variant, env, op_time={"linear_graph": op}, extra={"measured_through": "patch()" if variant != "stock" else "stock module"}))
+    wm = Workload("decode_linear.model", {"mode": "eager"})
+    recs.append(Record(wm, "stock", env, throughput=_tp(0.020, 0.019, 0.021)))
+    recs.append(Record(wm, "mpsboost", env, throughput=_tp(0.020, 0.0195, 0.0205), extra={"measured_through": "patch()", "layers_patched": 0}))
+    write_jsonl(results / "decode_linear-cuda-2026-12-01.jsonl", recs)
+    monkeypatch.setitem(tables.SOURCES, "decode_linear", "decode_linear-cuda-2026-12-01.jsonl")
+    block = tables.block_recipes(results)
+    rows = [line for line in block.splitlines() if "`decode_linear`" in line]
+    assert len(rows) == 2 and not any(tables.NOT_THROUGH_PATCH in r for r in rows)
+    assert "0.99x-1.67x (per shape)" in rows[0] and "1 faster, 0 slower, 1 no difference" in rows[0]
+    assert "1.00x" in rows[1] and "no difference" in rows[1]
