@@ -293,8 +293,8 @@ def block_recipes(results: Path | None = None) -> str:
     rows.append(cmp_row("`decode_linear` whole-model decode step", compare(dl, gm, "mpsboost")))
     sm = SOURCES["softmax"]
     g = groups(sm, results)
-    rows.append(cmp_row("`softmax` sampling step", compare(sm, find(g, "softmax.sampling_step", warpers="none", form=None), "mpsboost")))
-    rows.append(cmp_row("`softmax` sampling step", compare(sm, find(g, "softmax.sampling_step", warpers="temperature 0.6, top-k 20, top-p 0.95"), "mpsboost")))
+    rows.append(cmp_row("`softmax` sampling step (the installed draw, called directly)", compare(sm, find(g, "softmax.sampling_step", warpers="none", form=None), "mpsboost")))
+    rows.append(cmp_row("`softmax` sampling step (the installed draw, called directly)", compare(sm, find(g, "softmax.sampling_step", warpers="temperature 0.6, top-k 20, top-p 0.95"), "mpsboost")))
     gen = find(g, "softmax.generate")
     rows.append(cmp_row("`softmax` eager `generate()` (path: " + _path_of(gen.variants["mpsboost"]) + ")", compare(sm, gen, "mpsboost")))
     fp = SOURCES["fp8"]
@@ -312,6 +312,8 @@ def block_recipes(results: Path | None = None) -> str:
 
 
 def _path_of(rec: Record) -> str:
+    if rec.extra.get("path"):
+        return str(rec.extra["path"])
     report = str(rec.extra.get("report") or "")
     for line in report.splitlines():
         if line.startswith("softmax"):
