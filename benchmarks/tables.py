@@ -296,7 +296,9 @@ def block_recipes(results: Path | None = None) -> str:
     rows.append(cmp_row("`softmax` sampling step (the installed draw, called directly)", compare(sm, find(g, "softmax.sampling_step", warpers="none", form=None), "mpsboost")))
     rows.append(cmp_row("`softmax` sampling step (the installed draw, called directly)", compare(sm, find(g, "softmax.sampling_step", warpers="temperature 0.6, top-k 20, top-p 0.95"), "mpsboost")))
     gen = find(g, "softmax.generate")
-    rows.append(cmp_row("`softmax` eager `generate()` (path: " + _path_of(gen.variants["mpsboost"]) + ")", compare(sm, gen, "mpsboost")))
+    ran, now = _path_of(gen.variants["mpsboost"]), _softmax_choice_now(gen.env)
+    note = f"path of this record: {ran}" + ("" if now == ran else f"; the recipe now picks {now} here: re-run pending")
+    rows.append(cmp_row(f"`softmax` eager `generate()` ({note})", compare(sm, gen, "mpsboost")))
     fp = SOURCES["fp8"]
     g = groups(fp, results)
     rows.append(cmp_row("`fp8_weights` dense LM decode", compare(fp, find(g, "lm_decode_dense"), "mpsboost")))
@@ -309,6 +311,23 @@ def block_recipes(results: Path | None = None) -> str:
     rows.append(cmp_row("`mps_streams` alone", compare(ms, g, "mps_streams")))
     rows.append(cmp_row("`mps_streams` next to `wan_vae_pad`", compare(ms, g, "mpsboost", baseline="wan_vae_pad")))
     return md_table(CMP_HEADER, rows)
+
+
+def _softmax_choice_now(env) -> str:
+    """The path the softmax recipe of this checkout picks for the device and torch build of ``env``."""
+    try:
+        import torch
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        import mpsboost
+        from mpsboost.gate import Env
+    except ImportError:
+        return "unknown (transformers not installed)"
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    rows = mpsboost.plan(model, env=Env.simulate(env.device_type, env.torch_version), recipes=["softmax"]).rows
+    return rows[0].backing if rows and rows[0].backing else "none"
 
 
 def _path_of(rec: Record) -> str:
