@@ -347,7 +347,12 @@ def block_recipe_extras(results: Path | None = None) -> str:
     wan = SOURCES["wan_vae"]
     g = find(groups(wan, results), "wan22_vae_decode", video="480x832x81 tiled", dtype="fp32")
     s, m = g.variants["stock"], g.variants["mpsboost"]
-    rows.append(["`wan_vae_pad`", g.workload.describe(), "`F.pad` calls in one decode (`extra.pad_calls`)", str(s.extra.get("pad_calls")), str(m.extra.get("pad_calls")), source(wan, g)])
+    if "pad5d_aten" in s.extra:
+        rows.append(["`wan_vae_pad`", g.workload.describe(), "aten-level pads of 5-D tensors in one decode (`extra.pad5d_aten`)",
+                     str(s.extra["pad5d_aten"]["total"]), str(m.extra["pad5d_aten"]["total"]), source(wan, g)])
+    else:
+        rows.append(["`wan_vae_pad`", g.workload.describe(), "`F.pad` calls in one decode (`extra.pad_calls`)",
+                     str(s.extra.get("pad_calls")), str(m.extra.get("pad_calls")), source(wan, g)])
     for attr, label in (("tensor_allocated", "tensor-allocated peak"), ("allocator_reserved", "allocator-reserved peak"), ("driver_level", "driver-level peak")):
         a, b = getattr(s.memory, attr), getattr(m.memory, attr)
         rows.append(["`wan_vae_pad`", g.workload.describe(), label, f"{a / 2**30:.2f} GiB", f"{b / 2**30:.2f} GiB ({b / a:.3f}x of stock)", source(wan, g)])

@@ -78,3 +78,26 @@ def test_measure_variants_with_cuda_graphs():
     x = torch.randn(1024, 1024, device="cuda")
     m = measure_variants({"stock": lambda: x @ x, "half": lambda: x[:512] @ x}, device="cuda", repeats=5, calls=4, cuda_graph=True)
     assert m.timings["stock"].method == "cuda_graph" and m.ratio("half") > 1.0
+
+
+def test_contexts_hold_each_variant_in_its_state_outside_the_timing():
+    log: list[str] = []
+    state = {"on": False}
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def patched():
+        state["on"] = True
+        log.append("enter")
+        yield
+        state["on"] = False
+        log.append("exit")
+
+    seen = {"stock": set(), "patched": set()}
+    fns = {"stock": lambda: seen["stock"].add(state["on"]), "patched": lambda: seen["patched"].add(state["on"])}
+    measure_variants(fns, device="cpu", repeats=5, warmup=1, contexts={"patched": patched})
+    assert seen == {"stock": {False}, "patched": {True}}
+    assert log.count("enter") == log.count("exit") == 6  # one warm-up block and five samples
+    with pytest.raises(TimingError, match="not measured"):
+        measure_variants(fns, device="cpu", repeats=5, contexts={"other": patched})

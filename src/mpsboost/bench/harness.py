@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 from .errors import CudaGraphCaptureError, TimingError
 from .timing import Timing, _summarise, device_type_of, time_fn
@@ -226,12 +226,17 @@ def measure_variants(
     calls: int = 1,
     cuda_graph: bool = False,
     busy_spread: float = BUSY_SPREAD,
+    contexts: Mapping[str, Callable[[], ContextManager]] | None = None,
 ) -> Measurement:
     """Time each of ``variants`` (name -> no-argument callable) in alternating rounds.
 
     Every variant is warmed up ``warmup`` times (and, with ``cuda_graph``, captured once into a
     graph of ``calls`` calls), then ``repeats`` rounds each take one sample of every variant, the
     starting variant rotating from round to round. Figures are per call.
+
+    ``contexts`` (name -> a function returning a context manager) puts a variant into its state around
+    each of its warm-ups and samples, outside the timed region: e.g. ``mpsboost.patched(model)`` where
+    every variant is the one model, patched differently. Not with ``cuda_graph``.
     """
     if not variants:
         raise TimingError("measure_variants needs at least one variant")
@@ -239,18 +244,30 @@ def measure_variants(
         raise TimingError(f"repeats must be an integer >= {MIN_REPEATS} (a spread needs samples), got {repeats!r}")
     if isinstance(calls, bool) or not isinstance(calls, int) or calls < 1:
         raise TimingError(f"calls must be an integer >= 1, got {calls!r}")
+    contexts = dict(contexts or {})
+    unknown = sorted(set(contexts) - set(variants))
+    if unknown:
+        raise TimingError(f"contexts for variants that are not measured: {unknown}; variants: {sorted(variants)}")
+    if contexts and cuda_graph:
+        raise TimingError("contexts cannot be entered around a CUDA-graph replay; time such variants with cuda_graph=False")
     names = list(variants)
+
+    def state(name: str) -> ContextManager:
+        return contexts[name]() if name in contexts else contextlib.nullcontext()
+
     samplers, methods, keep = {}, {}, []
     for name in names:
-        for _ in range(warmup):
-            variants[name]()
-        samplers[name], methods[name], handle = _sampler(variants[name], device, calls, cuda_graph)
+        with state(name):
+            for _ in range(warmup):
+                variants[name]()
+            samplers[name], methods[name], handle = _sampler(variants[name], device, calls, cuda_graph)
         keep.append(handle)
     samples: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
         k = r % len(names)
         for name in names[k:] + names[:k]:
-            samples[name].append(samplers[name]())
+            with state(name):
+                samples[name].append(samplers[name]())
     timings = {n: _summarise(samples[n], calls=calls, warmup=warmup, method=methods[n]) for n in names}
     worst = max((t.max_s - t.min_s) / t.median_s for t in timings.values() if t.median_s > 0)
     del keep
