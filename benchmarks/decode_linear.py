@@ -29,14 +29,13 @@ forced in eager mode, in alternating rounds; each record says how many layers ``
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import mpsboost
-from mpsboost.bench import Correctness, Record, RecordEnv, Throughput, Workload, relative_error
+from mpsboost.bench import Correctness, Record, RecordEnv, Workload, relative_error
 from mpsboost.bench.harness import copy_bandwidth, measure_variants
 from mpsboost.report import APPLIED
 

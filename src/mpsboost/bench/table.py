@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Sequence
 
-from .errors import BenchError, EnvMismatchError, RecordError
-from .records import Correctness, Memory, OpTime, Record, RecordEnv, Throughput, Workload
+from .errors import EnvMismatchError, RecordError
+from .records import OpTime, Record, RecordEnv, Throughput, Workload
 
 __all__ = ["Group", "group_records", "check_comparable", "compare_table", "speed_ratio", "BASELINE", "fmt_number", "fmt_bytes", "fmt_us"]
 
