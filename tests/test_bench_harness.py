@@ -101,3 +101,15 @@ def test_contexts_hold_each_variant_in_its_state_outside_the_timing():
     assert log.count("enter") == log.count("exit") == 6  # one warm-up block and five samples
     with pytest.raises(TimingError, match="not measured"):
         measure_variants(fns, device="cpu", repeats=5, contexts={"other": patched})
+
+
+def test_ratio_range_spans_the_two_spreads():
+    from mpsboost.bench import OpTime, Throughput
+    from mpsboost.bench.plot import ratio_range
+
+    a = OpTime(median_us=10.0, min_us=9.0, max_us=12.0)
+    b = OpTime(median_us=5.0, min_us=4.0, max_us=6.0)
+    assert ratio_range(a, b) == (9.0 / 6.0, 12.0 / 4.0)
+    t1 = Throughput(value=1.0, unit="s/call", spread={"min_s": 0.9, "max_s": 1.1})
+    t2 = Throughput(value=1.0, unit="s/call", spread={})
+    assert ratio_range(t1, t2) is None

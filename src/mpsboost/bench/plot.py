@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Iterable
 
 from .errors import BenchError, RecordError
-from .records import Record
+from .records import OpTime, Record, Throughput
 from .table import BASELINE, Group, group_records, speed_ratio
 
-__all__ = ["plot", "MAX_DETAILED_GROUPS"]
+__all__ = ["plot", "ratio_range", "MAX_DETAILED_GROUPS"]
 
 #: Above this many workloads the chart switches to one row of three panels, workloads on the x axis.
 MAX_DETAILED_GROUPS = 8
@@ -62,15 +62,20 @@ def plot(records: Iterable[Record], path: str | os.PathLike, *, title: str | Non
         width = 0.8 / max(len(names), 1)
         any_bar = False
         for j, (name, rec) in enumerate(zip(names, recs)):
-            xs, ys = [], []
+            xs, ys, lows, highs = [], [], [], []
             for i, (_, get, get_base) in enumerate(metrics):
                 ratio = speed_ratio(get_base(rec), get(rec))
                 if ratio is not None:
                     xs.append(i + j * width)
                     ys.append(ratio)
+                    lo, hi = ratio_range(get_base(rec), get(rec)) or (ratio, ratio)
+                    lows.append(max(ratio - lo, 0.0))
+                    highs.append(max(hi - ratio, 0.0))
             if xs:
                 any_bar = True
-                bars = ax.bar(xs, ys, width, label=name, color=colors[j])
+                # Error bars: the ratio's range over the two spreads (stock's min..max against the
+                # variant's); a bar whose range crosses 1 is no measured difference.
+                bars = ax.bar(xs, ys, width, label=name, color=colors[j], yerr=[lows, highs], capsize=2, error_kw={"lw": 0.8})
                 ax.bar_label(bars, fmt="%.2fx", fontsize=7)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(metrics))])
@@ -139,6 +144,21 @@ def plot(records: Iterable[Record], path: str | os.PathLike, *, title: str | Non
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def ratio_range(stock: Throughput | OpTime | None, variant: Throughput | OpTime | None) -> tuple[float, float] | None:
+    """(lowest, highest) speedup that the two spreads allow: stock's fastest over the variant's slowest,
+    and stock's slowest over the variant's fastest. None where a spread is missing."""
+    if isinstance(stock, OpTime) and isinstance(variant, OpTime):
+        vals = (stock.min_us, stock.max_us, variant.min_us, variant.max_us)
+    elif isinstance(stock, Throughput) and isinstance(variant, Throughput) and stock.unit == variant.unit:
+        vals = (stock.spread.get("min_s"), stock.spread.get("max_s"), variant.spread.get("min_s"), variant.spread.get("max_s"))
+    else:
+        return None
+    if any(v is None or v <= 0 for v in vals):
+        return None
+    s_min, s_max, v_min, v_max = vals
+    return s_min / v_max, s_max / v_min
 
 
 def _primary_speed(rec: Record | None, base: Record | None) -> float | None:
