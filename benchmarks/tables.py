@@ -122,14 +122,22 @@ def stat(rec: Record, op: str | None = None) -> Stat | None:
         mid = len(xs) // 2
         med = xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
         return Stat(med, xs[0], xs[-1], len(xs), f"decode steps 2-{len(steps)} of one run")
+    rounds = rec.extra.get("rounds")
+    if isinstance(rounds, list) and len(rounds) >= 2 and all(isinstance(x, (int, float)) for x in rounds):
+        # Seconds per call of each round, as the end-to-end runs keep them.
+        xs = sorted(float(x) for x in rounds)
+        mid = len(xs) // 2
+        med = xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+        return Stat(med, xs[0], xs[-1], len(xs), "rounds")
+    sp = t.spread or {}
     if t.seconds_per_call is not None:
-        sec = t.seconds_per_call
-    elif t.higher_is_better is True:
+        return Stat(t.seconds_per_call, sp.get("min_s"), sp.get("max_s"), t.repeats)
+    # No time per call: the spread (seconds per call) cannot be set beside the value; show the value alone.
+    if t.higher_is_better is True:
         sec = 1.0 / t.value
     else:
         sec = t.value * {"s/call": 1.0, "s": 1.0, "ms/token": 1e-3, "ms/call": 1e-3, "ms": 1e-3, "us/call": 1e-6, "us": 1e-6}.get(t.unit, math.nan)
-    sp = t.spread or {}
-    return Stat(sec, sp.get("min_s"), sp.get("max_s"), t.repeats)
+    return Stat(sec, None, None, t.repeats)
 
 
 def verdict(base: Stat, var: Stat) -> str:

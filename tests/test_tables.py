@@ -194,3 +194,14 @@ def test_a_decode_linear_rerun_through_patch_replaces_not_measured_with_figures(
     assert len(rows) == 2 and not any(tables.NOT_THROUGH_PATCH in r for r in rows)
     assert "0.99x-1.67x (per shape)" in rows[0] and "1 faster, 0 slower, 1 no difference" in rows[0]
     assert "1.00x" in rows[1] and "no difference" in rows[1]
+
+
+def test_e2e_rounds_kept_in_extra_give_the_spread(tmp_path, env):
+    w = Workload("wan_t2v", {"mode": "compile"})
+    tp = Throughput(value=10.0, unit="frames/s", seconds_per_call=8.1, items_per_call=81)
+    write_jsonl(tmp_path / "e2e-cuda.jsonl", [
+        Record(w, "stock", env, throughput=tp, extra={"rounds": [8.0, 8.1, 8.3, 8.2, 8.1]}),
+        Record(w, "mpsboost", env, throughput=tp, extra={"rounds": [6.0, 6.1, 6.2, 6.05, 6.1]}),
+    ])
+    row = next(line for line in tables.block_e2e(tmp_path).splitlines() if "`wan_t2v`" in line)
+    assert "| compile |" in row and "5 rounds" in row and "1.33x" in row and "| faster |" in row
