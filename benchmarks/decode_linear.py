@@ -1,38 +1,43 @@
-"""decode_linear: one-token bf16 ``F.linear`` over 96 layer shapes of real models, stock vs mpsboost.
+"""decode_linear: one-token bf16 ``F.linear`` over 96 layer shapes of real models, stock vs ``mpsboost.patch()``.
 
-Per shape (``size="real"``: the 96 distinct ``(N, K, bias)`` layer shapes of the models in ``MODELS`` and
-``DIFFUSERS``), on a ``[1, K]`` bf16 input:
+Every variant is a real ``nn.Linear`` inside a transformers ``PreTrainedModel`` (the recipe patches only the
+linears of transformers and diffusers models), and every patched variant is made by ``mpsboost.patch()``
+on that model; nothing is copied from another variant's timing. Per shape (``size="real"``: the 96
+distinct ``(N, K, bias)`` layer shapes of the models in ``MODELS`` and ``DIFFUSERS``), on a ``[1, 1, K]``
+bf16 input:
 
-* ``cublas`` (stock ``nn.Linear``) and ``triton`` (the recipe's Triton GEMV, forced) timed by CUDA-graph
-  replay: one graph of as many calls as there are weight copies, the copies rotated so that together
-  they exceed the 60 MB L2 (every call reads its weight from HBM, as in a real decode step). Each path is
-  timed in two independent halves, A and B, interleaved. A shape counts as a Triton win (the recipe's
-  tuning file ``mpsboost/data/tuning/decode_linear_gemv.json``, mode ``cuda_graph``) when it is at least ``MIN_SPEEDUP`` faster in both
-  halves; the figures reported are from half B. (The 2026-11-29 run selected on half A alone; its
-  ``mpsboost`` records therefore pick Triton for 10 large layers that half B shows at 0.97-1.01x. The
-  committed table applies the both-halves rule to those records.)
-* eager launches (CUDA events over 64 back-to-back calls): stock vs Triton, to see what the host-side
-  launch costs;
-* the fraction of the bandwidth limit: bytes moved (weight, input, bias, output) over time, against the
-  device-to-device copy bandwidth measured in the same run;
-* correctness: both outputs against an fp32 reference of the same weights and input (computed on the device).
+* ``stock``: the unpatched model;
+* ``mpsboost``: ``mpsboost.patch(model)`` with its defaults (on CUDA: the Triton GEMV inside CUDA graphs for
+  the shapes of the shipped table, cuBLAS elsewhere); the report row of the layer goes into the record;
+* ``mpsboost:triton`` (CUDA) / ``mpsboost:fold`` (elsewhere): ``patch()`` with the path forced, the
+  measurement behind the shipped table.
+
+The variants share their weights and are timed in alternating rounds (:func:`mpsboost.bench.harness.measure_variants`,
+at least 5 rounds, min/median/max kept): on CUDA by CUDA-graph replay of one graph of as many calls as there
+are weight copies, the copies rotated so that together they exceed the 60 MB L2 (every call reads its weight
+from HBM, as in a real decode step), and again eagerly with CUDA events. Ratios are only within one shape
+of one run; a shape counts as a Triton win when the forced-Triton spread lies entirely below stock's.
+Also recorded: the fraction of the copy bandwidth measured in the same run, and both outputs against an
+fp32 reference of the same weights and input.
 
 Whole model (``size="real"`` on CUDA): one-token decode steps of a Qwen3-0.6B-shaped model (random
-weights, bf16, eager, DynamicCache), stock vs mpsboost with the recipe forced to the Triton path in eager
-mode. Off CUDA the Triton rows are skipped and the stock/``[B,K]``-fold paths are timed instead.
+weights, bf16, eager, DynamicCache): stock, ``mpsboost.patch(model)`` and ``patch()`` with the Triton path
+forced in eager mode, in alternating rounds; each record says how many layers ``patch()`` changed.
 
-    python benchmarks/decode_linear.py --device cuda --size real --out benchmarks/results
+    python benchmarks/decode_linear.py --device cuda --size real --out OUT
 """
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from mpsboost.bench import Correctness, OpTime, Record, RecordEnv, Workload, relative_error, time_fn
+import mpsboost
+from mpsboost.bench import Correctness, Record, RecordEnv, Workload, relative_error
+from mpsboost.bench.harness import copy_bandwidth, measure_variants
+from mpsboost.report import APPLIED
 
 # name, hidden, heads, kv heads, head_dim, intermediate, vocab, qkv bias
 MODELS = [
@@ -99,15 +104,6 @@ def shapes() -> list[tuple[str, int, int, bool]]:
     return out[:N_SHAPES]
 
 
-def _copy_bandwidth(device: str) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write), as a ceiling for this run."""
-    n = 256 * 2**20  # 1 GiB of fp32
-    a = torch.empty(n, device=device).normal_()
-    b = torch.empty_like(a)
-    t = time_fn(lambda: b.copy_(a), device=device, warmup=3, repeats=10)
-    return 2 * a.numel() * a.element_size() / t.median_s
-
-
 def _make_layers(n: int, k: int, bias: bool, copies: int, device: str, dtype: torch.dtype) -> list[torch.nn.Linear]:
     layers = []
     for _ in range(copies):
@@ -120,27 +116,60 @@ def _make_layers(n: int, k: int, bias: bool, copies: int, device: str, dtype: to
     return layers
 
 
-def _patched(layers: list[torch.nn.Linear], path: str, eager: bool) -> list[torch.nn.Linear]:
-    """Copies of the modules (sharing weights) with decode_linear applied by its own decide/apply."""
-    import copy
-
-    from mpsboost.gate import Env
-    from mpsboost.registry import Match, get_recipe
-
-    recipe = get_recipe("decode_linear")
-    env = Env.detect(layers[0].weight.device)
+def _twins(layers: list[torch.nn.Linear]) -> list[torch.nn.Linear]:
+    """New ``nn.Linear`` modules holding the very same Parameters (no copy of the weights)."""
     out = []
-    for i, lin in enumerate(layers):
-        twin = copy.copy(lin)  # same Parameters, own __dict__
-        twin.__dict__ = dict(lin.__dict__)
-        twin.__dict__.pop("_mpsboost_patches", None)
-        m = Match(twin, f"layer{i}")
-        d = recipe.decide(m, env, {"path": path, "cuda_eager": eager})
-        if not d.applicable:
-            raise RuntimeError(f"decode_linear did not apply ({d.reason})")
-        recipe.apply(m, d, env, {"path": path, "cuda_eager": eager})
-        out.append(twin)
+    for lin in layers:
+        twin = torch.nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta", dtype=lin.weight.dtype)
+        twin.weight = lin.weight
+        twin.bias = lin.bias
+        out.append(twin.requires_grad_(False))
     return out
+
+
+_HOLDER = None
+
+
+def _holder(layers: list[torch.nn.Linear]) -> torch.nn.Module:
+    """The layers inside a transformers model, where ``mpsboost.patch()`` looks for them in a real one."""
+    global _HOLDER
+    if _HOLDER is None:
+        from transformers import PretrainedConfig, PreTrainedModel
+
+        class DecodeLinearLayers(PreTrainedModel):
+            config_class = PretrainedConfig
+            base_model_prefix = "layers"
+
+            def __init__(self, mods: list[torch.nn.Linear]):
+                super().__init__(PretrainedConfig())
+                self.layers = torch.nn.ModuleList(mods)
+
+        _HOLDER = DecodeLinearLayers
+    return _HOLDER(layers).eval()
+
+
+def _variants(cuda: bool) -> list[tuple[str, dict | None, bool]]:
+    """(name, patch options or None for stock, timed under CUDA graphs)."""
+    if cuda:
+        return [
+            ("stock", None, True),
+            ("mpsboost", {}, True),
+            ("mpsboost:triton", {"decode_linear": {"path": "triton"}}, True),
+            ("mpsboost:triton-eager", {"decode_linear": {"path": "triton", "cuda_eager": True}}, False),
+        ]
+    return [("stock", None, False), ("mpsboost", {}, False), ("mpsboost:fold", {"decode_linear": {"path": "fold"}}, False)]
+
+
+def _patch(model: torch.nn.Module, options: dict) -> dict:
+    """``mpsboost.patch(model)`` and what it did to the first layer, for the record."""
+    report = mpsboost.patch(model, options=options or None)
+    rows = report.rows_for("decode_linear")
+    first = next((r for r in rows if r.target.endswith("layers.0")), rows[0] if rows else None)
+    return {
+        "layers_patched": sum(1 for r in rows if r.status == APPLIED),
+        "patch_row": None if first is None else {"status": first.status, "backing": first.backing, "reason": first.reason},
+        "options": options,
+    }
 
 
 def _rotating(mods: list[torch.nn.Module], xs: list[torch.Tensor]):
@@ -166,7 +195,7 @@ def run(device: str, size: str, out: Path) -> list[Record]:
         todo = all_shapes[::4]
     else:
         todo = all_shapes
-    bw = _copy_bandwidth(device) if cuda else None
+    bw = copy_bandwidth(device) if cuda else None
     records: list[Record] = []
     table = []
     repeats = 10 if size == "real" else 5
@@ -179,88 +208,52 @@ def run(device: str, size: str, out: Path) -> list[Record]:
             xs = [torch.randn(1, 1, k, device=device, dtype=dtype) for _ in range(copies)]
             bytes_moved = wbytes + 2 * k + 2 * n + (2 * n if bias else 0)
             workload = Workload("decode_linear", {"label": lab, "N": n, "K": k, "bias": bias, "rows": 1, "input": [1, 1, k]})
-
-            # correctness against an fp32 reference of copy 0 (on the device: fp32 matmul, TF32 off by default)
             ref = F.linear(xs[0].float(), layers[0].weight.float(), None if not bias else layers[0].bias.float()).cpu()
-            ref_name = f"{dev.type}-fp32"
-            variants: dict[str, list[torch.nn.Module]] = {"stock": layers}
-            if cuda:
-                variants["triton"] = _patched(layers, "triton", eager=False)
-                variants["triton_eager"] = _patched(layers, "triton", eager=True)
-            else:
-                variants["fold"] = _patched(layers, "fold", eager=False)
-            res: dict[str, dict] = {}
-            for name, mods in variants.items():
-                y = mods[0](xs[0]).float().cpu()
-                res[name] = {"rel": relative_error(y, ref)}
-            if cuda:
-                # the graph-only variant runs cuBLAS when called eagerly: its kernel's output is the eager twin's
-                res["triton"]["rel"] = res["triton_eager"]["rel"]
-            if cuda:
-                # graph replay, halves A and B interleaved: stock A, triton A, stock B, triton B
-                for half in ("A", "B"):
-                    for name in ("stock", "triton"):
-                        t = time_fn(_rotating(variants[name], xs), device=device, warmup=2, repeats=repeats, cuda_graph=True, calls=copies)
-                        res[name][f"graph_{half}"] = t
-                for name in ("stock", "triton_eager"):
-                    t = time_fn(_rotating(variants[name], xs), device=device, warmup=3, repeats=5, calls=32)
-                    res[name]["eager"] = t
-            else:
-                for name in variants:
-                    t = time_fn(_rotating(variants[name], xs), device=device, warmup=2, repeats=repeats, calls=copies * 4)
-                    res[name]["eager"] = t
 
+            models, patches, graph_names = {}, {}, []
+            for name, options, graphed in _variants(cuda):
+                model = _holder(layers if options is None else _twins(layers))
+                patches[name] = {"layers_patched": 0} if options is None else _patch(model, options)
+                models[name] = list(model.layers)
+                if graphed:
+                    graph_names.append(name)
+            rel = {name: relative_error(mods[0](xs[0]).float().cpu(), ref) for name, mods in models.items()}
+            graph = None
             if cuda:
-                s_a, t_a = res["stock"]["graph_A"].median_s, res["triton"]["graph_A"].median_s
-                s_b, t_b = res["stock"]["graph_B"].median_s, res["triton"]["graph_B"].median_s
-                speed_a = s_a / t_a
-                from mpsboost.ops.gemv_triton import MIN_SPEEDUP, measured_speedup
-
-                # The run that filled the recipe's table found the first half biased for the largest layers
-                # (cuBLAS timed first after allocation), so a shape must win in both halves.
-                chosen = "triton" if speed_a >= MIN_SPEEDUP and s_b / t_b >= MIN_SPEEDUP else "cublas"
-                m_b = t_b if chosen == "triton" else s_b
-                for variant, secs, rel, ops in (
-                    ("stock", s_b, res["stock"]["rel"], {"linear_graph": res["stock"]["graph_B"].op_time(), "linear_eager": res["stock"]["eager"].op_time()}),
-                    ("triton", t_b, res["triton"]["rel"], {"linear_graph": res["triton"]["graph_B"].op_time(), "linear_eager": res["triton_eager"]["eager"].op_time()}),
-                    ("mpsboost", m_b, res["triton" if chosen == "triton" else "stock"]["rel"],
-                     {"linear_graph": (res["triton"] if chosen == "triton" else res["stock"])["graph_B"].op_time()}),
-                ):
-                    extra = {
-                        "bytes_moved": bytes_moved,
-                        "bandwidth_Bps": bytes_moved / secs,
-                        "copy_bandwidth_Bps": bw,
-                        "fraction_of_bandwidth_limit": (bytes_moved / secs) / bw,
-                        "weight_copies_rotated": copies,
-                        "speedup_vs_stock_half_A": speed_a,
-                        "speedup_vs_stock_half_B": s_b / t_b,
-                    }
-                    if variant == "mpsboost":
-                        extra.update({"chosen": chosen, "selection": ">= MIN_SPEEDUP in both halves (graph replay); figures from half B",
-                                      "in_recipe_table": measured_speedup(n, k, bias, dtype) is not None})
-                    records.append(Record(workload, variant, env, op_time=ops,
-                                          correctness=Correctness(ref_name, rel_error=rel), extra=extra))
-                table.append((lab, n, k, bias, s_b * 1e6, t_b * 1e6, speed_a, s_b / m_b, (bytes_moved / s_b) / bw, (bytes_moved / m_b) / bw,
-                              res["stock"]["eager"].median_us, res["triton_eager"]["eager"].median_us, chosen))
-            else:
-                for variant in variants:
-                    records.append(Record(workload, variant if variant != "fold" else "mpsboost-fold", env,
-                                          op_time={"linear_eager": res[variant]["eager"].op_time()},
-                                          correctness=Correctness(ref_name, rel_error=res[variant]["rel"])))
-                table.append((lab, n, k, bias, res["stock"]["eager"].median_us, res["fold"]["eager"].median_us))
-            del layers, variants, xs
+                graph = measure_variants({v: _rotating(models[v], xs) for v in graph_names}, device=device, repeats=repeats,
+                                         warmup=2, calls=copies, cuda_graph=True)
+            eager = measure_variants({v: _rotating(models[v], xs) for v in models}, device=device, repeats=repeats,
+                                     warmup=3, calls=32 if cuda else copies * 4)
+            for name in models:
+                ops, extra = {"linear_eager": eager.timings[name].op_time()}, {"eager": eager.extra(name)}
+                if graph is not None and name in graph.timings:
+                    t = graph.timings[name]
+                    ops["linear_graph"] = t.op_time()
+                    extra["graph"] = graph.extra(name)
+                    extra["fraction_of_bandwidth_limit"] = (bytes_moved / t.median_s) / bw
+                records.append(Record(workload, name, env, op_time=ops,
+                                      correctness=Correctness(f"{dev.type}-fp32 (eager call)", rel_error=rel[name]),
+                                      extra={"measured_through": "patch()" if name != "stock" else "stock module", **patches[name],
+                                             "bytes_moved": bytes_moved, "copy_bandwidth_Bps": bw, "weight_copies_rotated": copies, **extra}))
+            main = graph if graph is not None else eager
+            forced = "mpsboost:triton" if cuda else "mpsboost:fold"
+            table.append((lab, n, k, bias, main.timings["stock"].median_us, main.timings["mpsboost"].median_us, main.ratio("mpsboost"),
+                          main.verdict("mpsboost"), main.ratio(forced), main.verdict(forced), (patches["mpsboost"].get("patch_row") or {}).get("status"),
+                          main.busy))
+            del layers, models, xs
             if cuda:
                 torch.cuda.empty_cache()
 
     if cuda and size == "real":
-        records += _model_level(device, env)
+        records += _model_level(device, env, repeats=5)
     _print_table(table, cuda, bw)
     return records
 
 
-def _model_level(device: str, env: RecordEnv) -> list[Record]:
-    """Decode steps of a Qwen3-0.6B-shaped model (random weights): stock vs mpsboost (Triton forced, eager)."""
-    import mpsboost
+def _model_level(device: str, env: RecordEnv, repeats: int) -> list[Record]:
+    """One-token decode steps of a Qwen3-0.6B-shaped model (random weights), each variant made by ``patch()``."""
+    import copy
+
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.cache_utils import DynamicCache
 
@@ -268,67 +261,59 @@ def _model_level(device: str, env: RecordEnv) -> list[Record]:
                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+        stock = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
     prompt = torch.randint(0, cfg.vocab_size, (1, 64), device=device)
     steps = 24
-    records = []
-    workload = Workload("decode_linear.model", {"model": "Qwen3-0.6B-shaped (random weights)", "prompt": 64, "decode_steps": steps, "cache": "dynamic"})
-
-    def decode_once() -> torch.Tensor:
-        try:
-            cache = DynamicCache(config=cfg)
-        except TypeError:  # older transformers
-            cache = DynamicCache()
-        out = model(prompt, past_key_values=cache, use_cache=True)
-        tok = out.logits[:, -1:].argmax(-1)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            out = model(tok, past_key_values=cache, use_cache=True)
-            tok = out.logits[:, -1:].argmax(-1)
-        torch.cuda.synchronize()
-        return torch.tensor(time.perf_counter() - t0)
-
-    results = {}
+    options = {"stock": None, "mpsboost": {}, "mpsboost:triton-eager": {"decode_linear": {"path": "triton", "cuda_eager": True}}}
+    models, patches, fns = {}, {}, {}
     with torch.no_grad():
-        for variant, opts in (("stock", None), ("mpsboost-triton-eager", {"decode_linear": {"path": "triton", "cuda_eager": True}}),
-                              ("mpsboost", {})):
-            if opts is not None:
-                report = mpsboost.patch(model, recipes=["decode_linear"], options=opts or None)
-                applied = len(report.by_status("applied"))
-            else:
-                applied = 0
-            decode_once()
-            secs = sorted(float(decode_once()) for _ in range(3))
-            med = secs[len(secs) // 2]
-            results[variant] = med / steps
-            from mpsboost.bench import Throughput
+        for name, opts in options.items():
+            model = stock if opts is None else copy.deepcopy(stock)
+            patches[name] = {"layers_patched": 0} if opts is None else _patch(model, opts)
+            try:
+                cache = DynamicCache(config=cfg)
+            except TypeError:  # older transformers
+                cache = DynamicCache()
+            out = model(prompt, past_key_values=cache, use_cache=True)  # prefill: not timed
+            state = {"tok": out.logits[:, -1:].argmax(-1), "cache": cache}
 
-            records.append(Record(workload, variant, env,
-                                  throughput=Throughput(value=steps / med, unit="tokens/s", seconds_per_call=med / steps, items_per_call=1,
-                                                        repeats=len(secs), warmup=1, spread={"min_s": secs[0] / steps, "max_s": secs[-1] / steps}),
-                                  extra={"layers_patched": applied}))
-            if applied:
-                mpsboost.unpatch(model)
-    print("\nmodel-level decode (Qwen3-0.6B-shaped, eager, ms/token): " + ", ".join(f"{k} {v*1e3:.2f}" for k, v in results.items()))
+            def step(model=model, state=state):
+                o = model(state["tok"], past_key_values=state["cache"], use_cache=True)
+                state["tok"] = o.logits[:, -1:].argmax(-1)
+
+            models[name], fns[name] = model, step
+        m = measure_variants(fns, device=device, repeats=repeats, warmup=2, calls=steps)
+    context = {name: fns[name].__defaults__[1]["cache"].get_seq_length() for name in fns}
+    workload = Workload("decode_linear.model", {"model": "Qwen3-0.6B-shaped (random weights)", "prompt": 64, "steps_per_sample": steps,
+                                                "cache": "dynamic", "mode": "eager"})
+    records = []
+    for name, t in m.timings.items():
+        records.append(Record(workload, name, env, throughput=t.throughput(items_per_call=1, unit="tokens/s"),
+                              extra={"measured_through": "patch()" if name != "stock" else "stock model", **patches[name],
+                                     "context_at_end": context[name], **m.extra(name)}))
+    print("\nmodel-level decode (Qwen3-0.6B-shaped, eager, ms/token, median (min..max)): " + "; ".join(
+        f"{k} {t.median_s * 1e3:.2f} ({t.min_s * 1e3:.2f}..{t.max_s * 1e3:.2f}), {patches[k]['layers_patched']} layers patched"
+        + ("" if k == "stock" else f", {m.ratio(k):.2f}x {m.verdict(k)}") for k, t in m.timings.items()))
     return records
 
 
 def _print_table(table, cuda: bool, bw: float | None) -> None:
+    how = "CUDA-graph replay" if cuda else "eager"
+    if bw:
+        print(f"\ncopy bandwidth {bw/1e12:.2f} TB/s")
+    print(f"\n{how}; median us per call; ratios within each shape; verdict: min..max spreads apart or not")
+    print(f"{'layer':34s} {'N':>6s} {'K':>6s} b {'stock_us':>9s} {'mps_us':>9s} {'mps/stk':>7s} {'verdict':>13s} {'forced':>6s} {'verdict':>13s} {'patch row':>10s} busy")
+    for lab, n, k, b, s, mu, r, v, fr, fv, st, busy in table:
+        print(f"{lab[:34]:34s} {n:6d} {k:6d} {int(b)} {s:9.2f} {mu:9.2f} {r:7.3f} {v:>13s} {fr:6.3f} {fv:>13s} {str(st):>10s} {'yes' if busy else ''}")
+    for col, name in ((7, "mpsboost (patch() defaults)"), (9, "forced path")):
+        verdicts = [row[col] for row in table]
+        print(f"{name}: " + ", ".join(f"{verdicts.count(v)} {v}" for v in ("faster", "slower", "no difference")) + f" of {len(table)} shapes")
     if cuda:
-        print(f"\ncopy bandwidth {bw/1e12:.2f} TB/s; graph replay, half B; speedup_A selects")
-        print(f"{'layer':34s} {'N':>6s} {'K':>6s} b {'cublas_us':>9s} {'triton_us':>9s} {'spdA':>5s} {'mps/stk':>7s} {'bw_stk':>6s} {'bw_mps':>6s} {'eag_cub':>7s} {'eag_tri':>7s} pick")
-        for lab, n, k, b, s, t, sa, ratio, fs, fm, es, et, ch in table:
-            print(f"{lab[:34]:34s} {n:6d} {k:6d} {int(b)} {s:9.2f} {t:9.2f} {sa:5.2f} {ratio:7.3f} {fs:6.2f} {fm:6.2f} {es:7.2f} {et:7.2f} {ch}")
-        ratios = [r[7] for r in table]
-        g = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-        print(f"geomean mpsboost/stock speed (half B): {g:.3f}x over {len(ratios)} shapes; min {min(ratios):.3f}x; "
-              f"triton chosen for {sum(r[12] == 'triton' for r in table)}")
-        winners = {(n, k, bool(b), "bfloat16"): round(sa, 3) for lab, n, k, b, s, t, sa, ratio, fs, fm, es, et, ch in table if ch == "triton"}
-        print("MEASURED =", winners)
-    else:
-        print(f"\n{'layer':34s} {'N':>6s} {'K':>6s} b {'stock_us':>9s} {'fold_us':>9s}")
-        for lab, n, k, b, s, f in table:
-            print(f"{lab[:34]:34s} {n:6d} {k:6d} {int(b)} {s:9.2f} {f:9.2f}")
+        from mpsboost.ops.gemv_triton import MIN_SPEEDUP
+
+        winners = {(n, k, bool(b), "bfloat16"): round(fr, 3) for lab, n, k, b, s, mu, r, v, fr, fv, st, busy in table
+                   if fv == "faster" and fr >= MIN_SPEEDUP}
+        print("forced Triton faster with spreads apart and >= MIN_SPEEDUP:", winners)
 
 
 if __name__ == "__main__":

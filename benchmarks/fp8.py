@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 import mpsboost
 from mpsboost.bench import Correctness, Memory, OpTime, Record, RecordEnv, Throughput, Workload, append_jsonl, time_fn
+from mpsboost.bench.harness import copy_bandwidth
 from mpsboost.ops import fp8 as fp8_ops
 
 # name, hidden, q heads, kv heads, head_dim, intermediate (dense FFN or one expert), bias
@@ -186,13 +187,7 @@ def _peer_versions() -> dict:
 
 def _copy_bandwidth(device: str) -> float | None:
     """Device-to-device copy bandwidth in bytes/s (read + write), the ceiling the fractions refer to."""
-    if not device.startswith("cuda"):
-        return None
-    a = torch.empty(2**30, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    t = time_fn(lambda: b.copy_(a), device=device, warmup=3, repeats=10)
-    del a, b
-    return 2 * 2**30 / t.median_s
+    return copy_bandwidth(device) if device.startswith("cuda") else None
 
 
 def _fp8_linears(weights: list[torch.Tensor], biases: list[torch.Tensor | None], granularity: str = "rowwise") -> torch.nn.ModuleList:

@@ -48,6 +48,7 @@ import mpsboost.ops.moe
 from mpsboost.bench.memory import measure_memory
 from mpsboost.bench.quality import relative_error
 from mpsboost.bench.records import Correctness, OpTime, Record, RecordEnv, Throughput, Workload
+from mpsboost.bench.harness import copy_bandwidth
 from mpsboost.bench.timing import synchronize, time_fn
 
 NAME = "moe"
@@ -151,12 +152,7 @@ def _env(device: str, dtype: torch.dtype, compile: bool | str = False) -> Record
 def _copy_bandwidth(device: str) -> tuple[float, str]:
     if not device.startswith("cuda"):
         return COPY_BW_FALLBACK, "H200 copy bandwidth from FACTS.md (not measured in this run)"
-    n = 1 << 30  # 2 GiB of bf16
-    a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
-    b = torch.empty_like(a)
-    t = time_fn(lambda: b.copy_(a), device=device, warmup=2, repeats=10)
-    del a, b
-    return 2 * 2 * n / t.median_s, "measured in this run: device copy of 2 GiB, read + write bytes over time"
+    return copy_bandwidth(device, nbytes=2 << 30), "measured in this run: device copy of 2 GiB, read + write bytes over time"
 
 
 # ----------------------------------------------------------------------------------------- stage 1: sweep

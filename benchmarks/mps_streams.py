@@ -12,7 +12,6 @@ this benchmark records that.
 """
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
@@ -21,14 +20,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen_image_vae import build_qwen  # noqa: E402
-from wan_vae import build_wan22, budget_left, free, guarded, log, measure, patched, report_rows  # noqa: E402
+from wan_vae import build_wan22, budget_left, free, guarded, log, measure_workload  # noqa: E402
 
 from mpsboost.bench import Record, Workload  # noqa: E402
+from mpsboost.bench.harness import MIN_REPEATS  # noqa: E402
 
 
 def run(device: str, size: str, out: Path) -> list[Record]:
     records: list[Record] = []
-    repeats = 3
+    repeats = MIN_REPEATS
     gen = torch.Generator(device="cpu").manual_seed(3)
     cases = []
     if size == "real":
@@ -46,25 +46,17 @@ def run(device: str, size: str, out: Path) -> list[Record]:
         fam_recipe = "wan_vae_pad" if family == "wan" else "qwen_image_vae"
         z = torch.randn(latent, generator=gen).to(device)
         wl = Workload(f"{family}_vae_tiled_decode", {"latent": list(latent), "label": label, "tiled": True})
-        stock_out = None
         on = {"mps_streams": {"on_cuda": True}}  # opt-in on CUDA: measuring it is the point here
-        for variant, recipes in (("stock", None), ("mps_streams", ["mps_streams"]), (fam_recipe, [fam_recipe]), (f"{fam_recipe}+mps_streams", [fam_recipe, "mps_streams"])):
-            if variant != "stock" and stock_out is None:
-                continue
-            with guarded(f"{family} {variant}"):
-                ctx = patched(vae, recipes, on) if recipes else contextlib.nullcontext(None)
-                with ctx as report:
-                    rec, o = measure(workload=wl, variant=variant, device=device, dtype=torch.float32,
-                                     fn=lambda: vae.decode(z).sample, repeats=repeats, reference=stock_out,
-                                     extra={"patch": report_rows(report) if report else []})
-                    if stock_out is None:
-                        stock_out = o
-                    else:
-                        rec = rec.replace(extra={**rec.extra, "identical_to_stock": bool(torch.equal(o, stock_out))})
-                        log(f"{variant}: identical to stock: {rec.extra['identical_to_stock']}")
-                        del o
-                    records.append(rec)
-            free(device)
+        variants = [("stock", None, None), ("mps_streams", ["mps_streams"], on), (fam_recipe, [fam_recipe], None),
+                    (f"{fam_recipe}+mps_streams", [fam_recipe, "mps_streams"], on)]
+        with guarded(f"{family}"):
+            recs, stock_out = measure_workload(workload=wl, variants=variants, model=vae, device=device, dtype=torch.float32,
+                                               fn=lambda: vae.decode(z).sample, repeats=repeats)
+            for rec in recs:
+                if rec.variant != "stock":
+                    log(f"{rec.variant}: identical to stock: {rec.extra.get('identical_to_stock')}")
+                records.append(rec)
+        free(device)
         vae = z = stock_out = None  # noqa: F841
         free(device)
     return records

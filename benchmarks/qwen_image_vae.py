@@ -22,7 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from wan_vae import DTYPES, _ref_with_label, budget_left, reference_pass, cpu_fp32_copy, free, guarded, log, measure, patched, report_rows, stream_record, top_ops  # noqa: E402
+from wan_vae import DTYPES, _ref_with_label, budget_left, reference_pass, cpu_fp32_copy, free, guarded, log, measure_workload, patched, stream_record, top_ops  # noqa: E402
+
+from mpsboost.bench.harness import MIN_REPEATS  # noqa: E402
 
 from mpsboost.bench import Record, RecordEnv, Workload  # noqa: E402
 
@@ -77,7 +79,7 @@ def _variants(device: str) -> list[tuple[str, list[str] | None, dict | None]]:
 def run(device: str, size: str, out: Path) -> list[Record]:
     records: list[Record] = []
     vae = build_qwen(size, device)
-    repeats = 5 if size == "real" else 2
+    repeats = MIN_REPEATS
     gen = torch.Generator(device="cpu").manual_seed(2)
     work = _workloads(size)
     images = {w["label"]: torch.rand((1, 3, 1, *w["hw"]), generator=gen) * 2 - 1 for w in work}
@@ -105,30 +107,23 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                 continue
             x = images[w["label"]].to(device, dtype)
             wl = Workload("qwen_image_vae_roundtrip", {"image": w["label"], "shape": [1, 3, 1, *w["hw"]], "dtype": dname, "tiled": w["tiled"]})
+            variants = [v for v in _variants(device) if v[0] != "mpsboost:contiguous" or w["label"] == "1024x1024"]
+
+            def cref(name, report, ref_corr=ref_corr):
+                c = ref_corr.get(name)
+                return {} if name == "stock" else {"cpu_ref_reduced": c.to_dict() if c else None}
+
             stock_out = None
-            for variant, recipes, options in _variants(device):
-                if variant == "mpsboost:contiguous" and w["label"] != "1024x1024":
-                    continue
-                if variant != "stock" and stock_out is None:
-                    log(f"no stock output for {w['label']} {dname}: skipping {variant}")
-                    continue
-                with guarded(f"{w['label']} {variant} {dname}"):
-                    ctx = patched(vae, recipes, options) if recipes else contextlib.nullcontext(None)
-                    with ctx as report:
-                        _tiling(vae, size, w["tiled"])
-                        if variant == "stock":
-                            rec, stock_out = measure(workload=wl, variant=variant, device=device, dtype=dtype,
-                                                     fn=lambda: roundtrip(vae, x), repeats=repeats)
-                            rec = rec.replace(correctness=_ref_with_label(
-                                ref_corr.get("stock"), f"cpu-fp32, reduced roundtrip {ref_hw[0]}x{ref_hw[1]} (qwen_image_vae_roundtrip_ref)"))
-                        else:
-                            cref = ref_corr.get(variant)
-                            rec, o = measure(workload=wl, variant=variant, device=device, dtype=dtype, fn=lambda: roundtrip(vae, x),
-                                             repeats=repeats, reference=stock_out,
-                                             extra={"patch": report_rows(report), "cpu_ref_reduced": cref.to_dict() if cref else None})
-                            del o
-                        records.append(rec)
-                free(device)
+            with guarded(f"{w['label']} {dname}"):
+                recs, stock_out = measure_workload(workload=wl, variants=variants, model=vae, device=device, dtype=dtype,
+                                                   fn=lambda: roundtrip(vae, x), setup=lambda: _tiling(vae, size, w["tiled"]),
+                                                   repeats=repeats, extra=cref)
+                for rec in recs:
+                    if rec.variant == "stock":
+                        rec = rec.replace(correctness=_ref_with_label(
+                            ref_corr.get("stock"), f"cpu-fp32, reduced roundtrip {ref_hw[0]}x{ref_hw[1]} (qwen_image_vae_roundtrip_ref)"))
+                    records.append(rec)
+            free(device)
             del stock_out, x
             free(device)
         _tiling(vae, size, False)

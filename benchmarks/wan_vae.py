@@ -8,9 +8,9 @@ Workloads (size "real": the Wan2.2-TI2V-5B VAE config of FACTS.md, random weight
   full clip so that the run fits the device time it is given (the tile count is the real one);
 * ``wan22_vae_decode_ref``: a reduced decode (latent 2x4x4) against a CPU fp32 reference.
 
-Every record keeps the four kinds apart: time (median of repeats after a warm-up), the count of
-``torch.nn.functional.pad`` calls in one decode (counted by wrapping the function in this script
-only), correctness (mpsboost vs stock of the same run; stock vs the CPU fp32 reference of the
+Every record keeps the four kinds apart: time (the variants of one workload timed in alternating
+rounds, each patched by ``mpsboost.patched`` around its own samples; median, min and max kept), the
+count of aten-level pads of 5-D tensors in one decode (:func:`mpsboost.bench.harness.count_pad5d`), correctness (mpsboost vs stock of the same run; stock vs the CPU fp32 reference of the
 reduced decode), and the memory peaks of a separate pass. Sizes "tiny" and "small" run the same
 code on small configs (tiny finishes in seconds on a CPU).
 
@@ -28,12 +28,12 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
-from unittest import mock
 
 import torch
 
 import mpsboost
-from mpsboost.bench import Record, RecordEnv, Workload, correctness, measure_memory, time_fn
+from mpsboost.bench import Record, RecordEnv, Workload, correctness, measure_memory
+from mpsboost.bench.harness import MIN_REPEATS, count_pad5d, measure_variants
 
 # ------------------------------------------------------------------------------------------ shared
 
@@ -53,21 +53,6 @@ def log(msg: str) -> None:
     print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
 
 
-@contextlib.contextmanager
-def count_pad_calls() -> Iterator[list[int]]:
-    """Count calls of ``torch.nn.functional.pad`` inside the block (diffusers calls it as ``F.pad``;
-    ``nn.ZeroPad2d`` calls it too)."""
-    real = torch.nn.functional.pad
-    counter = [0]
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        counter[0] += 1
-        return real(*args, **kwargs)
-
-    with mock.patch("torch.nn.functional.pad", counting):
-        yield counter
-
-
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -83,44 +68,81 @@ def free(device: str) -> None:
         torch.mps.empty_cache()
 
 
-def measure(
+Variant = tuple  # (name, recipes or None for stock, patch options or None)
+
+
+def measure_workload(
     *,
     workload: Workload,
-    variant: str,
+    variants: list[Variant],
+    model: torch.nn.Module,
     device: str,
     dtype: torch.dtype,
     fn: Callable[[], torch.Tensor],
-    repeats: int,
+    setup: Callable[[], None] = lambda: None,
+    repeats: int = MIN_REPEATS,
     reference: torch.Tensor | None = None,
     reference_name: str = "stock",
-    extra: dict | None = None,
+    extra: Callable[[str, Any], dict] | None = None,
     data_range: float = 2.0,
-) -> tuple[Record, torch.Tensor]:
-    """One workload in one variant: a memory pass (also the warm-up, with the pad count), then
-    ``repeats`` timed calls. Returns the record and the output of the memory pass."""
-    with torch.no_grad():
-        with count_pad_calls() as pads, measure_memory(device) as probe:
-            out = fn()
-        mem = probe.peaks()
-        sync(device)
-        timing = time_fn(fn, device=device, warmup=0, repeats=repeats)
-    corr = None
-    if reference is not None:
-        corr = correctness(out, reference, reference=reference_name, data_range=data_range)
-    rec = Record(
-        workload=workload,
-        variant=variant,
-        env=RecordEnv.capture(device, dtype),
-        throughput=timing.throughput(unit="s/call"),
-        correctness=corr,
-        memory=mem,
-        extra={"pad_calls": pads[0], **(extra or {})},
-    )
-    stream_record(rec)
-    log(f"{workload.describe()} {variant} {str(dtype).replace('torch.', '')}: {timing.median_s:.4f} s/call, "
-        f"{pads[0]} pad calls, peak {mem.tensor_allocated or 0:,} B allocated"
-        + (f", rel err vs {reference_name} {corr.rel_error:.2e}, PSNR {corr.psnr_db:.1f} dB" if corr else ""))
-    return rec, out
+) -> tuple[list[Record], torch.Tensor | None]:
+    """Every variant of one workload on the one ``model``: per variant a memory pass (also its warm-up,
+    with the aten-level count of 5-D pads and the output), then the time of all variants in alternating
+    rounds (each variant patched by ``mpsboost.patched`` around its own samples, outside the timing).
+
+    Without ``reference``, non-stock variants are compared with stock's output of this same run.
+    ``extra(variant, report)`` adds detail to a variant's record. Returns the records and stock's output.
+    """
+    def ctx(recipes, options):
+        return (lambda: patched(model, recipes, options)) if recipes else contextlib.nullcontext
+
+    passes: dict[str, dict] = {}
+    stock_out = None
+    for name, recipes, options in variants:
+        with guarded(f"{workload.describe()} {name} (memory pass)"):
+            with torch.no_grad(), ctx(recipes, options)() as report:
+                setup()
+                with count_pad5d() as pads, measure_memory(device) as probe:
+                    out = fn()
+                sync(device)
+            ref = reference if reference is not None else (None if name == "stock" else stock_out)
+            corr = correctness(out, ref, reference=reference_name, data_range=data_range) if ref is not None else None
+            passes[name] = {"memory": probe.peaks(), "pads": pads.to_dict(), "corr": corr,
+                            "extra": {"patch": report_rows(report) if report else [], **((extra or (lambda *_: {}))(name, report))}}
+            if name == "stock" and reference is None:
+                stock_out = out
+            elif name != "stock" and stock_out is not None:
+                passes[name]["extra"]["identical_to_stock"] = bool(torch.equal(out, stock_out))
+            del out
+        free(device)
+    names = [v for v in variants if v[0] in passes]
+    if not names:
+        return [], stock_out
+
+    def setup_in(recipes, options):
+        @contextlib.contextmanager
+        def cm():
+            with torch.no_grad(), ctx(recipes, options)():
+                setup()
+                yield
+        return cm
+
+    m = measure_variants({n: fn for n, _, _ in names}, device=device, repeats=repeats, warmup=0,
+                         contexts={n: setup_in(r, o) for n, r, o in names})
+    records = []
+    env = RecordEnv.capture(device, dtype)
+    for name, _, _ in names:
+        p, t = passes[name], m.timings[name]
+        rec = Record(workload=workload, variant=name, env=env, throughput=t.throughput(unit="s/call"), correctness=p["corr"],
+                     memory=p["memory"], extra={"pad5d_aten": p["pads"], "measured_through": "patch()" if name != "stock" else "stock model",
+                                                **m.extra(name), **p["extra"]})
+        stream_record(rec)
+        records.append(rec)
+        log(f"{workload.describe()} {name} {str(dtype).replace('torch.', '')}: {t.median_s:.4f} s/call ({t.min_s:.4f}..{t.max_s:.4f}, "
+            f"{t.repeats} alternating rounds{', busy machine' if m.busy else ''}), {p['pads']['total']} 5-D pads (aten)"
+            + ("" if name == "stock" else f", {m.ratio(name):.2f}x stock ({m.verdict(name)})")
+            + (f", rel err vs {reference_name} {p['corr'].rel_error:.2e}" if p["corr"] else ""))
+    return records, stock_out
 
 
 def stream_record(rec: Record) -> None:
@@ -194,7 +216,7 @@ def summary(paths: list[Path]) -> str:
             lines.append(
                 f"{what[:58]:58s} {r.variant[:20]:20s} {r.throughput.value:8.4f} "
                 + (f"{ratio:7.2f}" if ratio else f"{'':>7s}")
-                + f" {r.extra.get('pad_calls', '-'):>6} {gib(r.memory.tensor_allocated if r.memory else None)}"
+                + f" {(r.extra.get('pad5d_aten') or {}).get('total', r.extra.get('pad_calls', '-')):>6} {gib(r.memory.tensor_allocated if r.memory else None)}"
                 + f" {gib(r.memory.allocator_reserved if r.memory else None)[1:]}"
                 + (f" {c.rel_error:8.1e} {c.psnr_db:6.1f}" if c and c.rel_error is not None and c.psnr_db is not None else "")
             )
@@ -286,25 +308,16 @@ def reference_pass(vae: torch.nn.Module, variants, fn, ref_in: torch.Tensor, cpu
 
     Returns its records and each variant's correctness (the full-size records cite it).
     """
-    records: list[Record] = []
-    corr: dict[str, Any] = {}
-    for variant, recipes, options in variants:
-        with guarded(f"{label} {variant}"):
-            ctx = patched(vae, recipes, options) if recipes else contextlib.nullcontext(None)
-            with ctx as report:
-                untile(vae)
-                rec, _ = measure(workload=workload, variant=variant, device=device, dtype=dtype,
-                                 fn=lambda: fn(vae, ref_in), repeats=repeats, reference=cpu_ref,
-                                 reference_name="cpu-fp32", extra={"patch": report_rows(report) if report else []})
-                records.append(rec)
-                corr[variant] = rec.correctness
-    return records, corr
+    records, _ = measure_workload(workload=workload, variants=variants, model=vae, device=device, dtype=dtype,
+                                  fn=lambda: fn(vae, ref_in), setup=lambda: untile(vae), repeats=repeats,
+                                  reference=cpu_ref, reference_name="cpu-fp32")
+    return records, {r.variant: r.correctness for r in records}
 
 
 def run(device: str, size: str, out: Path) -> list[Record]:
     records: list[Record] = []
     vae = build_wan22(size, device)
-    repeats = 2
+    repeats = MIN_REPEATS
     gen = torch.Generator(device="cpu").manual_seed(1)
     work = wan_workloads(size)
     latents = {w["label"]: torch.randn(w["latent"], generator=gen) for w in work}
@@ -337,31 +350,24 @@ def run(device: str, size: str, out: Path) -> list[Record]:
             if "note" in w:
                 shape["note"] = w["note"]
             wl = Workload("wan22_vae_decode", shape)
+            variants = [v for v in _variants(device) if v[0] != "mpsboost:contiguous" or (w["tiled"] and w["frames"] == 81)]
+
+            def cref(name, report, ref_corr=ref_corr):
+                c = ref_corr.get(name)
+                return {} if name == "stock" else {"cpu_ref_reduced": c.to_dict() if c else None}
+
             stock_out = None
-            for variant, recipes, options in _variants(device):
-                if variant == "mpsboost:contiguous" and not (w["tiled"] and w["frames"] == 81):
-                    continue
-                if variant != "stock" and stock_out is None:
-                    log(f"no stock output for {w['label']} {dname}: skipping {variant}")
-                    continue
-                with guarded(f"{w['label']} {variant} {dname}"):
-                    ctx = patched(vae, recipes, options) if recipes else contextlib.nullcontext(None)
-                    with ctx as report:
-                        tiling(vae, size, w["tiled"])
-                        if variant == "stock":
-                            rec, stock_out = measure(workload=wl, variant=variant, device=device, dtype=dtype,
-                                                     fn=lambda: vae.decode(z).sample, repeats=repeats)
-                            # The stock record's correctness: the reduced decode against CPU fp32.
-                            rec = rec.replace(correctness=_ref_with_label(
-                                ref_corr.get("stock"), f"cpu-fp32, reduced decode of latent {ref_label} (wan22_vae_decode_ref)"))
-                        else:
-                            cref = ref_corr.get(variant)
-                            rec, o = measure(workload=wl, variant=variant, device=device, dtype=dtype,
-                                             fn=lambda: vae.decode(z).sample, repeats=repeats, reference=stock_out,
-                                             extra={"patch": report_rows(report), "cpu_ref_reduced": cref.to_dict() if cref else None})
-                            del o
-                        records.append(rec)
-                free(device)
+            with guarded(f"{w['label']} {dname}"):
+                recs, stock_out = measure_workload(workload=wl, variants=variants, model=vae, device=device, dtype=dtype,
+                                                   fn=lambda: vae.decode(z).sample, setup=lambda: tiling(vae, size, w["tiled"]),
+                                                   repeats=repeats, extra=cref)
+                for rec in recs:
+                    if rec.variant == "stock":
+                        # The stock record's correctness: the reduced decode against CPU fp32.
+                        rec = rec.replace(correctness=_ref_with_label(
+                            ref_corr.get("stock"), f"cpu-fp32, reduced decode of latent {ref_label} (wan22_vae_decode_ref)"))
+                    records.append(rec)
+            free(device)
             del stock_out, z
             free(device)
         tiling(vae, size, False)

@@ -1,4 +1,4 @@
-"""The measurement harness: records, timing, memory, quality, compare.
+"""The measurement harness: records, timing, memory, quality, table and plot, shared benchmark parts.
 
 Four separate records per measurement, never merged into one number: throughput of the whole job,
 device-synchronised operator time, correctness against a named reference, memory peaks split into
@@ -41,11 +41,19 @@ from .records import (
 )
 from .timing import Timing, synchronize, time_fn
 
-_LAZY = {"compare_table": "compare", "plot": "compare", "check_comparable": "compare", "group_records": "compare"}
+_LAZY = {
+    "compare_table": "table",
+    "check_comparable": "table",
+    "group_records": "table",
+    "plot": "plot",
+    "measure_variants": "harness",
+    "copy_bandwidth": "harness",
+    "count_pad5d": "harness",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # compare pulls in nothing heavy at import either, but keeping it lazy keeps `import
+    # table and plot pull in nothing heavy at import either, but keeping it lazy keeps `import
     # mpsboost.bench` down to what a benchmark script needs while it measures.
     if name in _LAZY:
         import importlib
@@ -84,6 +92,9 @@ __all__ = [
     "plot",
     "check_comparable",
     "group_records",
+    "measure_variants",
+    "copy_bandwidth",
+    "count_pad5d",
     "BenchError",
     "RecordError",
     "EnvMismatchError",

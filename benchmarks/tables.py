@@ -1,0 +1,603 @@
+"""Every published benchmark figure, computed from the committed records in ``benchmarks/results/``.
+
+    python benchmarks/tables.py            # rewrite the generated blocks of README.md and benchmarks/README.md
+    python benchmarks/tables.py --check    # exit 1 and print a diff where a document differs
+
+A generated block sits between ``<!-- tables:NAME:begin -->`` and ``<!-- tables:NAME:end -->``; the
+text outside the markers is written by hand and carries no figures. Each block is one function of
+:data:`BLOCKS` returning markdown; adding a table is adding such a function.
+
+Rules every figure here follows:
+
+* a ratio is of two records of one workload in one file (one run), put side by side by
+  :func:`mpsboost.bench.group_records`, which refuses records whose environments differ;
+* every timing is shown with its spread (min..max of the repeats) and the number of repeats, and
+  when the two spreads overlap the row says "no difference", whatever the ratio of the medians;
+* a record that does not measure what its variant claims (a ``mpsboost`` variant not timed through
+  ``mpsboost.patch()``, or one where ``patch()`` changed no layer) is shown as not measured.
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import math
+import re
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = ("README.md", "benchmarks/README.md")
+
+if str(ROOT / "src") not in sys.path:  # run from a checkout without an install
+    sys.path.insert(0, str(ROOT / "src"))
+
+from mpsboost.bench import Record, read_jsonl  # noqa: E402
+from mpsboost.bench.table import Group, group_records  # noqa: E402
+
+NOT_THROUGH_PATCH = "not measured through patch(); re-run pending"
+#: Above this many workloads of one name in a file, the file's table summarises them per variant.
+SWEEP = 4
+
+
+# --------------------------------------------------------------------------------------------------
+# reading
+
+
+@lru_cache(maxsize=None)
+def _records(path: str) -> tuple[Record, ...]:
+    return tuple(read_jsonl(path))
+
+
+def records(name: str, results: Path | None = None) -> list[Record]:
+    return list(_records(str((results or RESULTS) / name)))
+
+
+def groups(name: str, results: Path | None = None) -> list[Group]:
+    """The workloads of one record file, each with its variants; refuses mixed environments."""
+    return group_records(records(name, results))
+
+
+def find(gs: Sequence[Group], workload: str, **shape) -> Group:
+    """The one group of ``workload`` whose shape has every given key and value."""
+    hits = [g for g in gs if g.workload.name == workload and all(g.workload.shape.get(k) == v for k, v in shape.items())]
+    if len(hits) != 1:
+        raise LookupError(f"{len(hits)} workloads {workload!r} match {shape}; expected exactly one")
+    return hits[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# one timing with its spread
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Seconds per call (or per token): median, min, max over ``n`` samples; ``how`` names them."""
+
+    median: float
+    lo: float | None
+    hi: float | None
+    n: int | None
+    how: str = "repeats"
+
+    @property
+    def has_spread(self) -> bool:
+        return self.lo is not None and self.hi is not None and (self.n or 0) >= 2
+
+    def cell(self) -> str:
+        text = fmt_s(self.median)
+        if self.has_spread:
+            return f"{text} ({fmt_s(self.lo)} .. {fmt_s(self.hi)}, {self.n} {self.how})"
+        return f"{text} (one figure; spread not recorded)"
+
+
+def fmt_s(s: float) -> str:
+    """Four significant figures: enough to tell the two ends of a tight spread apart."""
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if s >= scale or unit == "us":
+            v = s / scale
+            return f"{v:.4g} {unit}" if v < 1000 else f"{v:.0f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def stat(rec: Record, op: str | None = None) -> Stat | None:
+    """The time per call of ``rec``: operator ``op``, else its throughput (as time per call)."""
+    if op is not None:
+        o = (rec.op_time or {}).get(op)
+        if o is None:
+            return None
+        lo = None if o.min_us is None else o.min_us / 1e6
+        hi = None if o.max_us is None else o.max_us / 1e6
+        return Stat(o.median_us / 1e6, lo, hi, o.repeats)
+    t = rec.throughput
+    if t is None:
+        return None
+    steps = rec.extra.get("ms_per_step")
+    if isinstance(steps, list) and len(steps) > 2 and t.unit == "ms/token":
+        # One generate call's per-step times; step 1 holds the first call's warm-up.
+        xs = sorted(float(x) / 1e3 for x in steps[1:])
+        mid = len(xs) // 2
+        med = xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+        return Stat(med, xs[0], xs[-1], len(xs), f"decode steps 2-{len(steps)} of one run")
+    rounds = rec.extra.get("rounds")
+    if isinstance(rounds, list) and len(rounds) >= 2 and all(isinstance(x, (int, float)) for x in rounds):
+        # Seconds per call of each round, as the end-to-end runs keep them.
+        xs = sorted(float(x) for x in rounds)
+        mid = len(xs) // 2
+        med = xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+        return Stat(med, xs[0], xs[-1], len(xs), "rounds")
+    sp = t.spread or {}
+    if t.seconds_per_call is not None:
+        return Stat(t.seconds_per_call, sp.get("min_s"), sp.get("max_s"), t.repeats)
+    # No time per call: the spread (seconds per call) cannot be set beside the value; show the value alone.
+    if t.higher_is_better is True:
+        sec = 1.0 / t.value
+    else:
+        sec = t.value * {"s/call": 1.0, "s": 1.0, "ms/token": 1e-3, "ms/call": 1e-3, "ms": 1e-3, "us/call": 1e-6, "us": 1e-6}.get(t.unit, math.nan)
+    return Stat(sec, None, None, t.repeats)
+
+
+def verdict(base: Stat, var: Stat) -> str:
+    if not (base.has_spread and var.has_spread):
+        return "spread not recorded: no decision"
+    if var.hi < base.lo:
+        return "faster"
+    if var.lo > base.hi:
+        return "slower"
+    return "no difference (spreads overlap)"
+
+
+# --------------------------------------------------------------------------------------------------
+# which records can carry a figure
+
+
+def not_measured(rec: Record, benchmark: str) -> str | None:
+    """Why ``rec`` cannot stand for its variant, or None when it can."""
+    if rec.variant == "stock" or rec.extra.get("measured_through") == "patch()":
+        # Timed through patch(): a layer that patch() left alone is a true "mpsboost" figure too.
+        return None
+    if rec.extra.get("layers_patched") == 0:
+        return f"patch() changed no layer in this record; {NOT_THROUGH_PATCH}"
+    if benchmark == "decode_linear" and rec.variant.startswith("mpsboost"):
+        return NOT_THROUGH_PATCH
+    return None
+
+
+def benchmark_of(file: str) -> str:
+    return file.split("-", 1)[0]
+
+
+# --------------------------------------------------------------------------------------------------
+# a comparison row
+
+
+@dataclass(frozen=True)
+class Cmp:
+    file: str
+    group: Group
+    variant: str
+    baseline: str
+    base: Stat | None
+    var: Stat | None
+    reason: str | None  # set when the variant cannot be shown as a number
+
+    @property
+    def ratio(self) -> float | None:
+        if self.reason or self.base is None or self.var is None or self.var.median <= 0:
+            return None
+        return self.base.median / self.var.median
+
+    def cells(self) -> list[str]:
+        if self.reason:
+            return [self.base.cell() if self.base else "n/a", self.reason, "-", "-"]
+        r = self.ratio
+        return [self.base.cell(), self.var.cell(), "n/a" if r is None else f"{r:.2f}x", verdict(self.base, self.var)]
+
+
+def compare(file: str, group: Group, variant: str, baseline: str = "stock", op: str | None = None) -> Cmp:
+    base_rec = group.variants.get(baseline)
+    var_rec = group.variants.get(variant)
+    if base_rec is None or var_rec is None:
+        raise LookupError(f"{file}: {group.workload.describe()} has no {baseline!r} or {variant!r} record")
+    reason = not_measured(var_rec, benchmark_of(file))
+    return Cmp(file, group, variant, baseline, stat(base_rec, op), stat(var_rec, op), reason)
+
+
+def source(file: str, group: Group) -> str:
+    e = group.env
+    git = e.torch_build.split("git ")[-1].split(",")[0] if "git " in e.torch_build else "?"
+    return f"`{file}`; {e.device_name}; torch {e.torch_version} (git {git}); {e.dtype}, {e.compile}"
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    def esc(c: str) -> str:
+        return str(c).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+CMP_HEADER = ["what", "workload", "baseline: time per call (median (min .. max, n))", "variant: time per call", "speedup", "verdict", "record"]
+
+
+def cmp_row(what: str, c: Cmp) -> list[str]:
+    wl = c.group.workload.describe()
+    if c.baseline != "stock" or c.variant != "mpsboost":
+        what = f"{what} ({c.variant} vs {c.baseline})"
+    return [what, wl] + c.cells() + [source(c.file, c.group)]
+
+
+def sweep_summary(file: str, gs: Sequence[Group], variant: str, baseline: str = "stock", op: str | None = None) -> list[str]:
+    """One row for a variant over many workloads of one name: counts by verdict and the range of ratios.
+
+    Each ratio is within one workload; nothing is averaged across workloads.
+    """
+    cmps = [compare(file, g, variant, baseline, op) for g in gs if variant in g.variants and baseline in g.variants]
+    cmps = [c for c in cmps if c.reason or (c.base is not None and c.var is not None)]
+    if not cmps:
+        raise LookupError(f"{file}: no workload has both {variant!r} and {baseline!r}")
+    reasons = {c.reason for c in cmps if c.reason}
+    name = gs[0].workload.name
+    label = f"{len(cmps)} workloads `{name}`" + (f", op `{op}`" if op else "")
+    if reasons:
+        return [label, f"{variant} vs {baseline}", sorted(reasons)[0], "-", "-", source(file, cmps[0].group)]
+    ratios = [c.ratio for c in cmps if c.ratio is not None]
+    verdicts = [verdict(c.base, c.var) for c in cmps]
+    counts = ", ".join(f"{n} {k}" for k in ("faster", "slower", "no difference", "spread not recorded")
+                       if (n := sum(v.startswith(k) for v in verdicts)) or k != "spread not recorded")
+    ns = sorted({c.var.n for c in cmps if c.var and c.var.n})
+    return [label, f"{variant} vs {baseline}", f"{min(ratios):.2f}x-{max(ratios):.2f}x", counts,
+            f"{'/'.join(map(str, ns)) or '?'} repeats each", source(file, cmps[0].group)]
+
+
+SWEEP_HEADER = ["workloads", "variant", "speedup range (per workload)", "verdicts (min-max spreads apart?)", "repeats", "record"]
+
+
+# --------------------------------------------------------------------------------------------------
+# blocks
+
+#: The record file behind each published figure: one run each. A re-run replaces one name here.
+SOURCES = {
+    "wan_vae": "wan_vae-cuda-2026-11-29-rerun.jsonl",
+    "qwen_image_vae": "qwen_image_vae-cuda-2026-11-29.jsonl",
+    "moe": "moe-cuda-2026-11-29.jsonl",
+    "decode_linear": "decode_linear-cuda-2026-11-29.jsonl",
+    "softmax": "softmax-cuda-2026-11-29.jsonl",
+    "fp8": "fp8-cuda-2026-11-29-run2.jsonl",
+    "fp8_peers": "fp8-cuda-2026-11-29-run1.jsonl",
+    "mps_streams": "mps_streams-cuda-2026-11-29.jsonl",
+}
+
+
+def block_recipes(results: Path | None = None) -> str:
+    rows: list[list[str]] = []
+    wan = SOURCES["wan_vae"]
+    g = groups(wan, results)
+    for video, dtype in (("480x832x81 tiled", "fp32"), ("480x832x81 tiled", "bf16"), ("480x832x81 untiled", "fp32"), ("704x1280x21 tiled", "fp32")):
+        rows.append(cmp_row("`wan_vae_pad` decode", compare(wan, find(g, "wan22_vae_decode", video=video, dtype=dtype), "mpsboost")))
+    qw = SOURCES["qwen_image_vae"]
+    g = groups(qw, results)
+    for shape in ({"image": "1024x1024"}, {"image": "1328x1328"}, {"image": "1024x1024 tiled"}):
+        for dtype in ("fp32", "bf16"):
+            rows.append(cmp_row("`qwen_image_vae` roundtrip", compare(qw, find(g, "qwen_image_vae_roundtrip", dtype=dtype, **shape), "mpsboost")))
+    moe = SOURCES["moe"]
+    g = groups(moe, results)
+    rows.append(cmp_row("`moe_experts` prefill (stock: transformers' default experts)", compare(moe, find(g, "moe-prefill", prompt=512), "mpsboost")))
+    for ctx in (512, 2048):
+        rows.append(cmp_row("`moe_experts` decode step (stock: transformers' default experts)", compare(moe, find(g, "moe-decode", context=ctx), "mpsboost")))
+    dl = SOURCES["decode_linear"]
+    gs = [x for x in groups(dl, results) if x.workload.name == "decode_linear"]
+    what = "`decode_linear` one-token linear, CUDA-graph replay"
+    row = sweep_summary(dl, gs, "mpsboost", op="linear_graph")
+    if NOT_THROUGH_PATCH in row[2]:
+        rows.append([what, row[0], "-", row[2], "-", "-", row[5]])
+    else:
+        rows.append([what, row[0], "-", row[4], f"{row[2]} (per shape)", row[3], row[5]])
+    gm = find(groups(dl, results), "decode_linear.model")
+    rows.append(cmp_row("`decode_linear` whole-model decode step", compare(dl, gm, "mpsboost")))
+    sm = SOURCES["softmax"]
+    g = groups(sm, results)
+    rows.append(cmp_row("`softmax` sampling step (the installed draw, called directly)", compare(sm, find(g, "softmax.sampling_step", warpers="none", form=None), "mpsboost")))
+    rows.append(cmp_row("`softmax` sampling step (the installed draw, called directly)", compare(sm, find(g, "softmax.sampling_step", warpers="temperature 0.6, top-k 20, top-p 0.95"), "mpsboost")))
+    gen = find(g, "softmax.generate")
+    ran, now = _path_of(gen.variants["mpsboost"]), _softmax_choice_now(gen.env)
+    note = f"path of this record: {ran}" + ("" if now == ran else f"; the recipe now picks {now} here: re-run pending")
+    rows.append(cmp_row(f"`softmax` eager `generate()` ({note})", compare(sm, gen, "mpsboost")))
+    fp = SOURCES["fp8"]
+    g = groups(fp, results)
+    rows.append(cmp_row("`fp8_weights` dense LM decode", compare(fp, find(g, "lm_decode_dense"), "mpsboost")))
+    moe_g = find(g, "lm_decode_moe")
+    impl = moe_g.variants["stock"].extra.get("experts_implementation") or "default"
+    rows.append(cmp_row(f"`fp8_weights` MoE LM decode (stock: bf16, transformers `{impl}` experts)", compare(fp, moe_g, "mpsboost")))
+    rows.append(cmp_row("`fp8_weights` DiT forward", compare(fp, find(g, "wan_transformer_forward"), "mpsboost")))
+    ms = SOURCES["mps_streams"]
+    g = find(groups(ms, results), "wan_vae_tiled_decode")
+    both = "wan_vae_pad+mps_streams" if "wan_vae_pad+mps_streams" in g.variants else "mpsboost"  # the first run's name for both
+    rows.append(cmp_row("`mps_streams` alone", compare(ms, g, "mps_streams")))
+    rows.append(cmp_row("`mps_streams` next to `wan_vae_pad`", compare(ms, g, both, baseline="wan_vae_pad")))
+    return md_table(CMP_HEADER, rows)
+
+
+def _softmax_choice_now(env) -> str:
+    """The path the softmax recipe of this checkout picks for the device and torch build of ``env``."""
+    try:
+        import torch
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        import mpsboost
+        from mpsboost.gate import Env
+    except ImportError:
+        return "unknown (transformers not installed)"
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    rows = mpsboost.plan(model, env=Env.simulate(env.device_type, env.torch_version), recipes=["softmax"]).rows
+    return rows[0].backing if rows and rows[0].backing else "none"
+
+
+def _path_of(rec: Record) -> str:
+    if rec.extra.get("path"):
+        return str(rec.extra["path"])
+    report = str(rec.extra.get("report") or "")
+    for line in report.splitlines():
+        if line.startswith("softmax"):
+            rest = line.split("applied", 1)[-1].strip()
+            return rest.split(":", 1)[0].strip()
+    return "unknown"
+
+
+def block_recipe_extras(results: Path | None = None) -> str:
+    """Counts, memory and correctness beside the timings: values of single records, no speed ratio."""
+    rows = []
+    wan = SOURCES["wan_vae"]
+    g = find(groups(wan, results), "wan22_vae_decode", video="480x832x81 tiled", dtype="fp32")
+    s, m = g.variants["stock"], g.variants["mpsboost"]
+    if "pad5d_aten" in s.extra:
+        rows.append(["`wan_vae_pad`", g.workload.describe(), "aten-level pads of 5-D tensors in one decode (`extra.pad5d_aten`)",
+                     str(s.extra["pad5d_aten"]["total"]), str(m.extra["pad5d_aten"]["total"]), source(wan, g)])
+    else:
+        rows.append(["`wan_vae_pad`", g.workload.describe(), "`F.pad` calls in one decode (`extra.pad_calls`)",
+                     str(s.extra.get("pad_calls")), str(m.extra.get("pad_calls")), source(wan, g)])
+    for attr, label in (("tensor_allocated", "tensor-allocated peak"), ("allocator_reserved", "allocator-reserved peak"), ("driver_level", "driver-level peak")):
+        a, b = getattr(s.memory, attr), getattr(m.memory, attr)
+        rows.append(["`wan_vae_pad`", g.workload.describe(), label, f"{a / 2**30:.2f} GiB", f"{b / 2**30:.2f} GiB ({b / a:.3f}x of stock)", source(wan, g)])
+    rows.append(["`wan_vae_pad`", g.workload.describe(), f"rel. difference vs {m.correctness.reference}", "-", f"{m.correctness.rel_error:.1e}", source(wan, g)])
+    qw = SOURCES["qwen_image_vae"]
+    g = find(groups(qw, results), "qwen_image_vae_roundtrip", image="1024x1024", dtype="fp32")
+    s, m = g.variants["stock"], g.variants["mpsboost"]
+    a, b = s.memory.tensor_allocated, m.memory.tensor_allocated
+    rows.append(["`qwen_image_vae`", g.workload.describe(), "tensor-allocated peak", f"{a / 2**30:.2f} GiB", f"{b / 2**30:.2f} GiB ({b / a:.2f}x of stock)", source(qw, g)])
+    rows.append(["`qwen_image_vae`", g.workload.describe(), f"PSNR vs {m.correctness.reference}", "-", f"{m.correctness.psnr_db:.1f} dB", source(qw, g)])
+    fp = SOURCES["fp8"]
+    gs = groups(fp, results)
+    for name in ("lm_decode_dense", "lm_decode_moe"):
+        g = find(gs, name)
+        m = g.variants["mpsboost"]
+        for key in ("bytes_ratio_linear", "bytes_ratio_experts", "bytes_ratio_total"):
+            v = m.extra.get(key)
+            if v is not None:
+                rows.append(["`fp8_weights`", g.workload.describe(), f"weight bytes of fp8 / bf16 (`{key}`)", "1", f"{v:.3f}", source(fp, g)])
+    dec = [x for x in gs if x.workload.name == "decode_linear" and "mpsboost" in x.variants]
+    sq = [x.variants["mpsboost"].correctness.sqnr_db for x in dec if x.variants["mpsboost"].correctness]
+    if sq:
+        rows.append(["`fp8_weights`", f"{len(sq)} workloads `decode_linear`", "SQNR per layer vs float64 reference", "-", f"{min(sq):.1f}-{max(sq):.1f} dB", source(fp, dec[0])])
+    return md_table(["recipe", "workload", "what", "stock", "mpsboost", "record"], rows)
+
+
+def block_peers(results: Path | None = None) -> str:
+    rows = []
+    moe = SOURCES["moe"]
+    g = groups(moe, results)
+    for peer in ("transformers:eager", "transformers:batched_mm"):
+        rows.append(cmp_row("MoE prefill", compare(moe, find(g, "moe-prefill", prompt=512), peer)))
+        rows.append(cmp_row("MoE decode step", compare(moe, find(g, "moe-decode", context=512), peer)))
+    fp = SOURCES["fp8_peers"]
+    gs = [x for x in groups(fp, results) if x.workload.name == "decode_linear" and len(x.variants) > 2]
+    sweep_rows = [sweep_summary(fp, gs, v, op="linear") for v in ("mpsboost", "torchao:float8_weight_only", "torchao:float8_dynamic_rowwise",
+                                                                 "diffusers:layerwise_fp8", "quanto:qfloat8")]
+    return (md_table(CMP_HEADER, rows) + "\n\nFP8 one-token linears, on the shapes where the peers ran (run 1 only; mpsboost's own row is"
+            " from the same run and shapes):\n\n" + md_table(SWEEP_HEADER, sweep_rows))
+
+
+#: Targets the project set itself (not measurements): (label, target speedup or fraction).
+TARGETS = {
+    "wan": 1.5,
+    "qwen": 2.5,
+    "fp8_decode_fraction": 0.70,
+    "moe_compiled_fraction": 0.25,
+    "fp8_decode_speedup": 1.3,
+    "fp8_decode_shapes": 96,  # over the one-token layer shapes of benchmarks/decode_linear.py
+}
+
+
+def block_gaps(results: Path | None = None) -> str:
+    rows = []
+    wan = SOURCES["wan_vae"]
+    g = groups(wan, results)
+    for dtype in ("fp32", "bf16"):
+        c = compare(wan, find(g, "wan22_vae_decode", video="480x832x81 tiled", dtype=dtype), "mpsboost")
+        rows.append(["Wan2.2 decode 480x832x81 tiled, " + dtype, f">= {TARGETS['wan']}x", f"{c.ratio:.2f}x ({verdict(c.base, c.var)}, n={c.var.n})",
+                     "met" if c.ratio >= TARGETS["wan"] else "not met", source(wan, c.group)])
+    qw = SOURCES["qwen_image_vae"]
+    g = groups(qw, results)
+    for dtype in ("fp32", "bf16"):
+        c = compare(qw, find(g, "qwen_image_vae_roundtrip", image="1024x1024", dtype=dtype), "mpsboost")
+        rows.append(["Qwen-Image 1024x1024 roundtrip, " + dtype, f">= {TARGETS['qwen']}x", f"{c.ratio:.2f}x ({verdict(c.base, c.var)}, n={c.var.n})",
+                     "met" if c.ratio >= TARGETS["qwen"] else "not met", source(qw, c.group)])
+    fp = SOURCES["fp8"]
+    gs = [x for x in groups(fp, results) if x.workload.name == "decode_linear" and "mpsboost" in x.variants]
+    fr = [x.variants["mpsboost"].extra.get("fraction_of_copy_bandwidth") for x in gs]
+    fr = [f for f in fr if f is not None]
+    rows.append([f"`fp8_weights` one-token decode, fraction of copy bandwidth on the largest layers", f">= {TARGETS['fp8_decode_fraction']:.0%}",
+                 f"at most {max(fr):.0%} over the {len(gs)} shapes measured", "not met" if max(fr) < TARGETS["fp8_decode_fraction"] else "met", source(fp, gs[0])])
+    sw = sweep_summary(fp, gs, "mpsboost", op="linear")
+    total = TARGETS["fp8_decode_shapes"]
+    rows.append([f"`fp8_weights` one-token decode speedup over {total} shapes", f">= {TARGETS['fp8_decode_speedup']}x", f"{sw[2]} on {sw[0]} ({sw[3]})",
+                 f"not measured on {total - len(gs)} of the {total} shapes" if len(gs) < total else "see the range", sw[5]])
+    moe = SOURCES["moe"]
+    cg = find(groups(moe, results), "moe-decode-compiled", layers=48)
+    r = cg.variants["mpsboost"]
+    rows.append(["`moe_experts` compiled static-cache decode, 48 layers, fraction of the HBM limit", f">= {TARGETS['moe_compiled_fraction']:.0%}",
+                 f"{r.extra['fraction_of_hbm_limit']:.1%} ({r.extra.get('ms_per_token', math.nan):.2f} ms/token; {r.extra.get('method')})",
+                 "met" if r.extra["fraction_of_hbm_limit"] >= TARGETS["moe_compiled_fraction"] else "not met", source(moe, cg)])
+    return md_table(["figure", "target", "measured", "status", "record"], rows)
+
+
+def block_results(results: Path | None = None) -> str:
+    """The inventory of committed record files."""
+    rows = []
+    for path in sorted((results or RESULTS).glob("*.jsonl")):
+        recs = records(path.name, results)
+        if not recs:
+            continue
+        e = recs[0].env
+        names = sorted({r.workload.name for r in recs})
+        variants = sorted({r.variant for r in recs})
+        libs = ", ".join(f"{k} {v}" for k, v in sorted(e.libraries.items()) if v)
+        rows.append([f"`{path.name}`", e.device_name, f"torch {e.torch_version} ({e.torch_build})", libs, str(len(recs)),
+                     ", ".join(f"`{n}`" for n in names), ", ".join(f"`{v}`" for v in variants)])
+    return md_table(["file", "device", "torch build", "libraries", "records", "workloads", "variants"], rows)
+
+
+def file_table(file: str, results: Path | None = None) -> str:
+    """Every comparison one record file supports: each non-stock variant against stock of its workload;
+    sweeps (more than :data:`SWEEP` workloads of one name) as one summary row per variant."""
+    gs = groups(file, results)
+    by_name: dict[str, list[Group]] = {}
+    for g in gs:
+        by_name.setdefault(g.workload.name, []).append(g)
+    cmp_rows, sweep_rows = [], []
+    for name, members in by_name.items():
+        variants = [v for v in dict.fromkeys(v for g in members for v in g.variants) if v != "stock"]
+        # Operator times where stock has them (device-synchronised, with their spread), else throughput.
+        ops = sorted({op for g in members if "stock" in g.variants for op in (g.variants["stock"].op_time or {})})
+        has_tp = any(r.throughput is not None for g in members for r in g.variants.values())
+        metrics = ops or ([None] if has_tp else [])
+        if not metrics or not any("stock" in g.variants for g in members):
+            continue
+        for op in metrics:
+            if len(members) > SWEEP:
+                for v in variants:
+                    try:
+                        sweep_rows.append(sweep_summary(file, members, v, op=op))
+                    except LookupError:
+                        pass
+                continue
+            for g in members:
+                for v in variants:
+                    if v in g.variants and "stock" in g.variants:
+                        c = compare(file, g, v, op=op)
+                        if c.reason or (c.base is not None and c.var is not None):
+                            cmp_rows.append(cmp_row(f"`{name}`" + (f" op `{op}`" if op else ""), c))
+    out = []
+    if cmp_rows:
+        out.append(md_table(CMP_HEADER, cmp_rows))
+    if sweep_rows:
+        out.append(md_table(SWEEP_HEADER, sweep_rows))
+    return "\n\n".join(out) or "(no comparison: no variant has a stock record of its workload)"
+
+
+def block_details(results: Path | None = None) -> str:
+    parts = []
+    for path in sorted((results or RESULTS).glob("*.jsonl")):
+        if path.name.startswith("e2e-"):
+            continue
+        parts.append(f"**`{path.name}`**\n\n" + file_table(path.name, results))
+    return "\n\n".join(parts)
+
+
+def _mode(rec: Record) -> str:
+    return str(rec.workload.shape.get("mode") or rec.extra.get("mode") or rec.env.compile)
+
+
+def block_e2e(results: Path | None = None) -> str:
+    """End-to-end matrix (``e2e-*.jsonl``): one row per (workload, mode, variant) against stock of the
+    same workload and mode in the same file."""
+    rows = []
+    for path in sorted((results or RESULTS).glob("e2e-*.jsonl")):
+        for g in groups(path.name, results):
+            if "stock" not in g.variants:
+                continue
+            for v in g.variants:
+                if v == "stock":
+                    continue
+                c = compare(path.name, g, v)
+                rows.append([f"`{g.workload.name}`", _mode(g.variants[v]), v] + c.cells() + [source(path.name, g)])
+    if not rows:
+        return "No end-to-end records (`e2e-*.jsonl`) committed yet."
+    return md_table(["workload", "mode", "variant", "stock: time per call (median (min .. max, n))", "variant: time per call", "speedup", "verdict", "record"], rows)
+
+
+BLOCKS: dict[str, Callable[..., str]] = {
+    "recipes": block_recipes,
+    "recipe-extras": block_recipe_extras,
+    "peers": block_peers,
+    "gaps": block_gaps,
+    "results": block_results,
+    "details": block_details,
+    "e2e": block_e2e,
+}
+
+_MARKER = re.compile(r"(<!-- tables:(?P<name>[a-z0-9-]+):begin -->\n)(?P<body>.*?)(\n?<!-- tables:(?P=name):end -->)", re.S)
+
+
+def render(text: str, results: Path | None = None, blocks: dict[str, Callable[..., str]] | None = None) -> str:
+    """``text`` with every generated block recomputed from the records."""
+    blocks = blocks or BLOCKS
+
+    def sub(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in blocks:
+            raise KeyError(f"unknown generated block {name!r}; known: {sorted(blocks)}")
+        return m.group(1) + blocks[name](results).rstrip() + "\n" + m.group(4).lstrip("\n")
+
+    return _MARKER.sub(sub, text)
+
+
+def check(root: Path = ROOT, results: Path | None = None, docs: Sequence[str] = DOCS) -> list[str]:
+    """Unified diffs of every document whose generated blocks differ from the records (empty: all current)."""
+    diffs = []
+    for doc in docs:
+        path = root / doc
+        old = path.read_text(encoding="utf-8")
+        new = render(old, results)
+        if new != old:
+            diffs.append("".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"{doc} (committed)", f"{doc} (from records)")))
+    return diffs
+
+
+def write(root: Path = ROOT, results: Path | None = None, docs: Sequence[str] = DOCS) -> list[str]:
+    changed = []
+    for doc in docs:
+        path = root / doc
+        old = path.read_text(encoding="utf-8")
+        new = render(old, results)
+        if new != old:
+            path.write_text(new, encoding="utf-8")
+            changed.append(doc)
+    return changed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 and print a diff where a document differs from the records")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout whose README.md and benchmarks/README.md to check or rewrite")
+    args = ap.parse_args(argv)
+    if args.check:
+        diffs = check(args.root)
+        for d in diffs:
+            sys.stdout.write(d)
+        if diffs:
+            print("\ngenerated tables are stale: run `python benchmarks/tables.py`", file=sys.stderr)
+        return 1 if diffs else 0
+    for doc in write(args.root):
+        print(f"rewrote {doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

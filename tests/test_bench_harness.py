@@ -1,0 +1,115 @@
+"""mpsboost.bench.harness: the parts every benchmark shares."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mpsboost.bench import TimingError, copy_bandwidth, count_pad5d, measure_variants
+from mpsboost.bench.harness import verdict
+from mpsboost.bench.timing import _summarise
+
+
+def test_pad_counter_counts_every_route_to_a_5d_pad_and_nothing_else():
+    x = torch.randn(1, 2, 3, 4, 5)
+    with count_pad5d() as c:
+        F.pad(x, (1, 1, 1, 1, 1, 1))
+        torch.nn.ZeroPad3d(1)(x)
+        torch.ops.aten.constant_pad_nd(x, [0, 0, 0, 0, 2, 0])  # a direct aten call: patching F.pad misses it
+        F.pad(x, (1, 1, 1, 1, 1, 1), mode="replicate")
+        F.pad(x, (1, 1, 1, 1, 1, 1), mode="reflect")
+        F.pad(x[0], (1, 1, 1, 1))  # rank 4: not counted
+        torch.cat([x, x], dim=2)  # not a pad
+    assert c.by_op == {"constant_pad_nd": 3, "replication_pad3d": 1, "reflection_pad3d": 1}
+    assert c.total == 5 and c.to_dict()["total"] == 5
+
+
+def test_pad_counter_sees_nothing_outside_its_block():
+    x = torch.randn(1, 1, 2, 2, 2)
+    with count_pad5d() as c:
+        pass
+    F.pad(x, (1, 1))
+    assert c.total == 0
+
+
+def test_measure_variants_alternates_and_rotates_the_start():
+    calls: list[str] = []
+    fns = {name: (lambda n=name: calls.append(n)) for name in ("stock", "a", "b")}
+    m = measure_variants(fns, device="cpu", repeats=6, warmup=0, calls=1)
+    assert calls[:3] == ["stock", "a", "b"] and calls[3:6] == ["a", "b", "stock"] and calls[6:9] == ["b", "stock", "a"]
+    assert set(m.timings) == {"stock", "a", "b"} and all(t.repeats == 6 for t in m.timings.values())
+
+
+def test_measure_variants_flags_a_busy_machine_and_refuses_too_few_repeats():
+    state = {"i": 0}
+
+    def jumpy():
+        state["i"] += 1
+        time.sleep(0.004 if state["i"] % 2 else 0.0005)
+
+    m = measure_variants({"stock": lambda: time.sleep(0.001), "jumpy": jumpy}, device="cpu", repeats=6, warmup=0)
+    assert m.busy and m.worst_spread > m.busy_spread
+    assert m.extra("jumpy")["busy_machine"] is True
+    with pytest.raises(TimingError, match=">= 5"):
+        measure_variants({"stock": lambda: None}, device="cpu", repeats=3)
+
+
+def test_verdict_needs_the_spreads_apart():
+    a = _summarise([1.0, 1.1, 1.2], calls=1, warmup=0, method="t")
+    b = _summarise([0.5, 0.6, 0.7], calls=1, warmup=0, method="t")
+    c = _summarise([0.9, 1.05, 1.3], calls=1, warmup=0, method="t")
+    assert verdict(a, b) == "faster" and verdict(b, a) == "slower" and verdict(a, c) == "no difference"
+
+
+def test_copy_bandwidth_is_none_on_cpu():
+    assert copy_bandwidth("cpu") is None
+
+
+@pytest.mark.cuda
+def test_copy_bandwidth_on_cuda_is_plausible():
+    bw = copy_bandwidth("cuda", nbytes=1 << 26)
+    assert 1e10 < bw < 1e13
+
+
+@pytest.mark.cuda
+def test_measure_variants_with_cuda_graphs():
+    x = torch.randn(1024, 1024, device="cuda")
+    m = measure_variants({"stock": lambda: x @ x, "half": lambda: x[:512] @ x}, device="cuda", repeats=5, calls=4, cuda_graph=True)
+    assert m.timings["stock"].method == "cuda_graph" and m.ratio("half") > 1.0
+
+
+def test_contexts_hold_each_variant_in_its_state_outside_the_timing():
+    log: list[str] = []
+    state = {"on": False}
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def patched():
+        state["on"] = True
+        log.append("enter")
+        yield
+        state["on"] = False
+        log.append("exit")
+
+    seen = {"stock": set(), "patched": set()}
+    fns = {"stock": lambda: seen["stock"].add(state["on"]), "patched": lambda: seen["patched"].add(state["on"])}
+    measure_variants(fns, device="cpu", repeats=5, warmup=1, contexts={"patched": patched})
+    assert seen == {"stock": {False}, "patched": {True}}
+    assert log.count("enter") == log.count("exit") == 6  # one warm-up block and five samples
+    with pytest.raises(TimingError, match="not measured"):
+        measure_variants(fns, device="cpu", repeats=5, contexts={"other": patched})
+
+
+def test_ratio_range_spans_the_two_spreads():
+    from mpsboost.bench import OpTime, Throughput
+    from mpsboost.bench.plot import ratio_range
+
+    a = OpTime(median_us=10.0, min_us=9.0, max_us=12.0)
+    b = OpTime(median_us=5.0, min_us=4.0, max_us=6.0)
+    assert ratio_range(a, b) == (9.0 / 6.0, 12.0 / 4.0)
+    t1 = Throughput(value=1.0, unit="s/call", spread={"min_s": 0.9, "max_s": 1.1})
+    t2 = Throughput(value=1.0, unit="s/call", spread={})
+    assert ratio_range(t1, t2) is None
