@@ -95,13 +95,16 @@ _DEFAULT_IMPL = "grouped_mm"
 class _Choice:
     """What the bound forward needs to choose a path per call: all decided at patch time."""
 
-    native_dtypes: frozenset  # weight dtypes for which the native grouped matmul runs on these widths here
+    native: frozenset  # (device type, weight dtype) pairs where the native grouped matmul runs on these widths
     batched_max_tokens: int
     compiled_batched_max_tokens: int
     forced: str | None  # a path the user forced, or None for auto
     histc_int: bool
     compiled_form: str  # batched_mm formulation under torch.compile: "fused" or "bmm"
     follow_decode_switch: bool = False
+    # A simulated environment (tests, dry runs): choose paths as on this device type, whatever device
+    # the tensors are on (CPU in tests).
+    sim_device: str | None = None
 
     @property
     def batched_form(self) -> str:
@@ -112,8 +115,9 @@ class _Choice:
         # Metadata only (shape, dtype, device, whether dynamo traces): constants under torch.compile,
         # no data pointer or host read. The meta kernel of grouped_mm takes bf16 only while tracing.
         compiling = moe_ops._compiling()
-        native = weight.dtype in self.native_dtypes and (not compiling or weight.dtype == torch.bfloat16)
-        on_cpu = weight.device.type == "cpu"
+        dev = weight.device.type
+        native = (dev, weight.dtype) in self.native and (not compiling or weight.dtype == torch.bfloat16)
+        on_cpu = dev == "cpu"
         if self.forced is not None:
             if self.forced == "grouped_mm" and not native:
                 # A forced native path that cannot run here must not crash.
@@ -123,7 +127,7 @@ class _Choice:
             return self.forced
         return moe_ops.choose_path(num_pairs, native=native, batched_max_tokens=self.batched_max_tokens,
                                    compiled_batched_max_tokens=self.compiled_batched_max_tokens,
-                                   compiling=compiling, device_type=weight.device.type)
+                                   compiling=compiling, device_type=self.sim_device or dev)
 
 
 def _int_option(options: Mapping[str, Any], key: str, default: int) -> int:
@@ -354,25 +358,29 @@ class MoeExperts(Recipe):
         weights = self._weights(match)
         widths = {n for w in weights for n in w.shape[1:]}
         aligned = all(w.data_ptr() % 16 == 0 for w in weights)
-        native_dtypes = frozenset(
-            dt for dt in (torch.float32, torch.bfloat16, torch.float16)
+        dtypes = (torch.float32, torch.bfloat16, torch.float16)
+        # Every operand of both projections, decided here once: (device type, dtype) pairs that may
+        # take the native kernel. A simulated env runs on CPU tensors: its rule and CPU's must both hold.
+        native_pairs = {
+            (env.device_type, dt) for dt in dtypes
             if native.ok and aligned and moe_ops.grouped_mm_widths_ok(widths, dt, env.device_type)[0]
-        )
+        }
+        if env.simulated and env.device_type != "cpu":
+            native_pairs |= {("cpu", dt) for d, dt in native_pairs if moe_ops.grouped_mm_widths_ok(widths, dt, "cpu")[0]}
         limit = ""
         dtype = weights[0].dtype
-        if native.ok and dtype not in native_dtypes:
+        if native.ok and (env.device_type, dtype) not in native_pairs:
             ok, limit = moe_ops.grouped_mm_widths_ok(widths, dtype, env.device_type)
-            if ok:
-                limit = "expert weights are not 16-byte aligned in memory"
-            limit = "; " + limit
+            limit = "; " + (limit if not ok else "expert weights are not 16-byte aligned in memory")
         choice = _Choice(
-            native_dtypes=native_dtypes,
+            native=frozenset(native_pairs),
             batched_max_tokens=_int_option(options, "batched_max_tokens", thr.batched_max_tokens),
             compiled_batched_max_tokens=_int_option(options, "compiled_batched_max_tokens", thr.compiled_batched_max_tokens),
             forced=None if forced == "auto" else forced,
             histc_int=check("histc_int", env).ok,
             compiled_form=options.get("compiled_batched_form", thr.compiled_batched_form),
             follow_decode_switch=thr.follow_decode_switch,
+            sim_device=env.device_type if env.simulated else None,
         )
         if choice.compiled_form not in ("fused", "bmm"):
             raise ValueError(f"moe_experts option compiled_batched_form={choice.compiled_form!r}: expected 'fused' or 'bmm'")
@@ -409,7 +417,7 @@ class MoeExperts(Recipe):
                 kind=match.data["kind"], user_choice=chosen,
             )
         choice, why, limit = self._choice(match, env, options)
-        native = bool(choice.native_dtypes) and self._weights(match)[0].dtype in choice.native_dtypes
+        native = (env.device_type, self._weights(match)[0].dtype) in choice.native
         unforced = "grouped_mm" if native else ("cpu_loop" if env.device_type == "cpu" else "fallback")
         large = choice.forced or unforced
         if choice.forced == "grouped_mm" and not native:
