@@ -68,14 +68,18 @@ def _spy_recipe():
 
 # ----------------------------------------------------------------------------------------- 1. explicit choices
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["mixtral", "olmoe", "qwen2_moe", "qwen3_moe"])
-def test_explicit_choice_after_patch_takes_effect(kind, rng_seed):
+def test_explicit_choice_after_patch_takes_effect(kind, device, rng_seed):
     """What transformers' test_eager_matches_batched_and_grouped_inference checks, on a patched model:
     each set_experts_implementation() runs that implementation (and nothing else), results match eager."""
     from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm_experts_forward
 
-    model = _lm(kind).eval()
-    ids = torch.randint(0, 96, (3, 9))
+    model = _lm(kind).eval().to(device)
+    ids = torch.randint(0, 96, (3, 9), device=device)
     with torch.no_grad():
         model.set_experts_implementation("eager")
         eager = model(ids).logits
@@ -273,5 +277,72 @@ def test_static_cache_generate_compiled_equals_eager(env_name, rng_seed):
     assert paths, "the recipe did not run"  # eager prefill; the compiled decode steps record at trace time
     assert torch.equal(eager, stock)
     assert torch.equal(compiled, eager)
+    mpsboost.unpatch(model)
+    torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------------- on a real GPU
+
+@pytest.mark.cuda
+def test_cuda_generate_keeps_the_recipe_through_transformers_decode_switch(rng_seed):
+    """On CUDA generate() really switches grouped_mm to batched_mm for decoding; on a patched model
+    the recipe keeps choosing (H200 thresholds: batched_mm at <= 32 pairs), tokens equal stock (fp32)."""
+    from transformers.integrations import moe as hf_moe
+
+    model = _lm("qwen3_moe").eval().cuda()
+    ids = torch.randint(0, 96, (2, 24), device="cuda")
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    asked = []
+    real_get = hf_moe.ExpertsInterface.get_interface
+
+    def get_spy(self, impl, default):
+        asked.append(str(impl))
+        return real_get(self, impl, default)
+
+    with torch.no_grad():
+        with mock.patch.object(hf_moe.ExpertsInterface, "get_interface", get_spy):
+            stock = model.generate(ids, **kw)
+        assert "batched_mm" in asked, "transformers' decode switch did not run on CUDA"
+        asked.clear()
+        mpsboost.patch(model, recipes=["moe_experts"])
+        with mock.patch.object(hf_moe.ExpertsInterface, "get_interface", get_spy), _spy_recipe() as paths:
+            patched = model.generate(ids, **kw)
+    assert asked == []
+    assert paths[:2] == ["fallback", "fallback"]  # prefill, 96 pairs, fp32 (CUDA grouped_mm: bf16 only)
+    assert set(paths[2:]) == {"batched_mm"}       # decode, 4 pairs
+    assert torch.equal(patched, stock)
+    mpsboost.unpatch(model)
+
+
+@pytest.mark.cuda
+def test_cuda_bf16_forward_and_static_cache_generate(rng_seed):
+    """bf16 on CUDA: grouped_mm for prefill, compiled fullgraph forward equals eager patched. fp32:
+    transformers compiles the static-cache decode step itself on CUDA; greedy tokens equal eager patched."""
+    model = _lm("qwen3_moe", dtype=torch.bfloat16).eval().cuda()
+    ids = torch.randint(0, 96, (2, 40), device="cuda")
+    with torch.no_grad():
+        model.set_experts_implementation("eager")
+        ref = model(ids).logits
+        model.set_experts_implementation("grouped_mm")
+        mpsboost.patch(model, recipes=["moe_experts"])
+        with _spy_recipe() as paths:
+            eager = model(ids).logits
+        assert paths == ["grouped_mm", "grouped_mm"]
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True, dynamic=False)(ids).logits
+    assert _rel(eager, ref) <= BF16_TOL and _rel(compiled, eager) <= BF16_TOL
+    mpsboost.unpatch(model)
+    # Greedy tokens compared in fp32 (bf16 rounding differences could flip an argmax).
+    model = _lm("qwen3_moe").eval().cuda()
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+              pad_token_id=0, cache_implementation="static")
+    with torch.no_grad():
+        stock = model.generate(ids, disable_compile=True, **kw)
+        mpsboost.patch(model, recipes=["moe_experts"])
+        gen_eager = model.generate(ids, disable_compile=True, **kw)
+        torch._dynamo.reset()
+        gen_compiled = model.generate(ids, **kw)
+    assert torch.equal(gen_eager, stock)
+    assert torch.equal(gen_compiled, gen_eager)
     mpsboost.unpatch(model)
     torch._dynamo.reset()
