@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -167,54 +168,96 @@ def _force_decode_switch(original):
     return forced
 
 
-def test_generate_keeps_the_chosen_path_through_the_decode_switch(rng_seed):
+def _generate_spied(model, ids):
+    """generate() on a patched model with transformers' decode switch forced on (as off CPU).
+
+    Returns (tokens, recipe paths per experts call, config values seen by the first experts module,
+    implementations transformers' dispatcher was asked for, calls of transformers' own switch)."""
     from transformers.generation.utils import GenerationMixin
     from transformers.integrations import moe as hf_moe
 
-    model = tiny_causal_lm("qwen3_moe").eval()
-    ids = torch.randint(0, 96, (1, 12))
-    seen_paths, seen_impl = [], []
+    seen_paths, seen_impl, interface_calls, class_switch = [], [], [], []
     real = moe_ops.routed_experts
 
     def spy(*args, **kwargs):
         seen_paths.append(kwargs["path"])
         return real(*args, **kwargs)
 
-    interface_calls = []
     real_get = hf_moe.ExpertsInterface.get_interface
 
     def get_spy(self, impl, default):
-        interface_calls.append(impl)
+        interface_calls.append(str(impl))
         return real_get(self, impl, default)
 
+    forced = _force_decode_switch(GenerationMixin._optimize_model_for_decode)
+
+    def counted(self):
+        class_switch.append(1)
+        return forced(self)
+
+    experts = model.model.layers[0].mlp.experts
+    real_fwd = experts.forward
+
+    def record_impl(*a, **k):
+        seen_impl.append(experts.config._experts_implementation)
+        return real_fwd(*a, **k)
+
+    with mock.patch.object(GenerationMixin, "_optimize_model_for_decode", counted), \
+            mock.patch.object(recipe_mod.moe_ops, "routed_experts", spy), \
+            mock.patch.object(hf_moe.ExpertsInterface, "get_interface", get_spy):
+        experts.__dict__["forward"] = record_impl
+        try:
+            tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
+        finally:
+            experts.__dict__["forward"] = real_fwd
+    return tokens, seen_paths, seen_impl, interface_calls, class_switch
+
+
+def test_generate_keeps_the_chosen_path_through_the_decode_switch(rng_seed):
+    """Measured thresholds: transformers' decode switch is no user choice; the recipe keeps choosing."""
+    model = tiny_causal_lm("qwen3_moe").eval()
+    ids = torch.randint(0, 96, (1, 12))
     with torch.no_grad():
         stock = model.generate(ids, max_new_tokens=6, do_sample=False)
-        # Prefill 12 tokens x top-2 = 24 pairs -> grouped_mm; decode 2 pairs -> batched_mm (CPU thresholds).
+        # Prefill 12 tokens x top-2 = 24 pairs -> grouped_mm; decode 2 pairs -> batched_mm (threshold 4).
         with _patched(model, batched_max_tokens=4):
             experts = model.model.layers[0].mlp.experts
-            orig_cfg_impl = experts.config._experts_implementation
-            with mock.patch.object(GenerationMixin, "_optimize_model_for_decode", _force_decode_switch(GenerationMixin._optimize_model_for_decode)), \
-                    mock.patch.object(recipe_mod.moe_ops, "routed_experts", spy), \
-                    mock.patch.object(hf_moe.ExpertsInterface, "get_interface", get_spy):
-                real_fwd = experts.forward
-
-                def record_impl(*a, **k):
-                    seen_impl.append(experts.config._experts_implementation)
-                    return real_fwd(*a, **k)
-
-                experts.__dict__["forward"] = record_impl
-                try:
-                    patched = model.generate(ids, max_new_tokens=6, do_sample=False)
-                finally:
-                    experts.__dict__["forward"] = real_fwd
-    assert orig_cfg_impl == "grouped_mm"
-    assert "batched_mm" in seen_impl, "the decode switch did not run; the test proves nothing"
+            assert experts.config._experts_implementation is recipe_mod.OWNED
+            assert "_optimize_model_for_decode" in model.__dict__
+            patched, seen_paths, seen_impl, interface_calls, class_switch = _generate_spied(model, ids)
+            assert experts.config._experts_implementation is recipe_mod.OWNED
+        assert "_optimize_model_for_decode" not in model.__dict__
+        assert type(model.config._experts_implementation) is str and model.config._experts_implementation == "grouped_mm"
+    assert class_switch == [], "transformers' switch ran on a model whose experts the recipe owns"
+    assert seen_impl == ["grouped_mm"] * 6 and all(v is recipe_mod.OWNED for v in seen_impl)
     assert interface_calls == [], "transformers' experts interface was consulted by a patched module"
     # 2 layers: prefill (grouped_mm) once each, then 5 decode steps (batched_mm) each.
     assert seen_paths[:2] == ["grouped_mm", "grouped_mm"] and set(seen_paths[2:]) == {"batched_mm"}
     assert len(seen_paths) == 12
     assert torch.equal(patched, stock)
 
+
+def test_generate_follows_the_decode_switch_where_no_thresholds_were_measured(rng_seed):
+    """Conservative choice (no measurement for the device): transformers' switch runs, the recipe
+    steps aside while it is active (transformers' batched_mm decodes) and takes over again after."""
+    model = tiny_causal_lm("qwen3_moe").eval()
+    ids = torch.randint(0, 96, (1, 12))
+    conservative = dataclasses.replace(moe_ops.CONSERVATIVE, source="test: no data")
+    with torch.no_grad():
+        stock = model.generate(ids, max_new_tokens=6, do_sample=False)
+        with mock.patch.object(moe_ops, "thresholds_for_env", lambda env, native: conservative):
+            report = mpsboost.patch(model, recipes=["moe_experts"])
+        try:
+            assert "decode switch to batched_mm kept" in report.rows[0].reason
+            patched, seen_paths, seen_impl, interface_calls, class_switch = _generate_spied(model, ids)
+            assert model.config._experts_implementation is recipe_mod.OWNED
+        finally:
+            mpsboost.unpatch(model)
+    assert class_switch == [1]
+    assert seen_impl[0] is recipe_mod.OWNED and seen_impl[1:] == ["batched_mm"] * 5
+    assert interface_calls == ["batched_mm"] * 10  # 2 layers x 5 decode steps, through transformers
+    assert seen_paths == ["grouped_mm", "grouped_mm"]  # prefill only
+    assert torch.equal(patched, stock)
 
 def test_greedy_tokens_identical_fp32_over_32_steps(rng_seed):
     model = tiny_causal_lm("qwen3_moe", experts=16, top_k=4).eval()

@@ -158,3 +158,72 @@ def test_choose_path_thresholds():
             assert t.batched_max_tokens >= 0 and t.source
     with pytest.raises(ValueError, match="known"):
         moe.thresholds_for("xpu", True)
+
+
+def test_thresholds_come_from_tuning_files_with_provenance():
+    from mpsboost import tuning
+    from mpsboost.gate import Env
+
+    for dev, names in moe.TUNING_FILES.items():
+        for name in names:
+            t = tuning.load(name)
+            assert t.device_type == dev and t.name == name
+            for key in ("native", "no_native"):
+                e = t.entries[key]
+                assert isinstance(e["batched_max_tokens"], int) and isinstance(e["compiled_batched_max_tokens"], int)
+                assert e["compiled_batched_form"] in ("fused", "bmm")
+            if t.extra.get("measured", True):
+                assert t.source.startswith("benchmarks/results/") and t.command and t.spread
+    h200 = Env.simulate("cuda:9.0", "2.11.0")
+    thr = moe.thresholds_for_env(h200, True)
+    assert thr.batched_max_tokens == 32 and "moe_thresholds_cuda_h200.json" in thr.source and "NVIDIA H200" in thr.source
+    assert not thr.follow_decode_switch
+    # Another GPU: the measured table does not speak for it; the reason names the data and the choice.
+    a100 = moe.thresholds_for_env(Env.simulate("cuda:8.0", "2.11.0"), True)
+    assert a100.batched_max_tokens == 0 and a100.compiled_batched_max_tokens == 0 and a100.follow_decode_switch
+    assert "moe_thresholds_cuda_h200" in a100.source and "sm_80" in a100.source and "conservative" in a100.source
+    mps = moe.thresholds_for_env(Env.simulate("mps", "2.15.0"), True)
+    assert "unmeasured default" in mps.source and mps.batched_max_tokens == 0
+    assert moe.thresholds_for_env(Env.simulate("mps", "2.14.1"), False).batched_max_tokens == 32
+    cpu = moe.thresholds_for_env(Env.simulate("cpu", "2.13.0"), True)
+    assert cpu.batched_max_tokens == 0 and "moe_thresholds_cpu.json" in cpu.source
+
+
+@pytest.mark.parametrize("dtype,wdtype,tol", [(torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1e-2),
+                                               (torch.bfloat16, torch.float32, 1e-2)])
+def test_combine_slots_matches_weighted_sum(dtype, wdtype, tol, rng_seed):
+    n, k, h = 7, 3, 24
+    rows = torch.randn(n * k, h).to(dtype)
+    w = torch.rand(n, k).to(wdtype)
+    ref = (rows.double().view(n, k, h) * w.double().unsqueeze(-1)).sum(1)
+    out = moe.combine_slots(rows, w, n, k)
+    assert out.shape == (n, h)
+    assert (out.double() - ref).norm() / ref.norm() < tol
+    assert torch.equal(moe.combine_slots(rows, None, n, k), rows.view(n, k, h).sum(1))
+
+
+def test_unroute_runs_fewer_kernels_than_multiply_then_sum(rng_seed):
+    """The prefill trim: un-sorting and combining the top-k slots takes one scatter and one bmm
+    (no gather of sorted weights, no [S, H] product), counted as aten calls."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    n, k, e, h = 16, 4, 8, 32
+    idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
+    w = torch.rand(n, k).softmax(-1)
+    routing = moe.route(idx, w, e)
+    rows = torch.randn(n * k, h)
+    with Count() as c:
+        out = moe.unroute(rows, routing, sentinels=False)
+    heavy = [op for op in c.ops if op not in ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.squeeze", "aten.empty_like", "aten.unsqueeze", "aten.expand")]
+    assert heavy == ["aten.index_copy_", "aten.bmm"], c.ops
+    ref = (rows[torch.argsort(routing.perm)].view(n, k, h) * w.unsqueeze(-1)).sum(1)
+    assert (out - ref).norm() / ref.norm() < 1e-6

@@ -25,7 +25,20 @@ def _init(module: torch.nn.Module, std: float = 0.2) -> torch.nn.Module:
 
 
 def _experts_call(m, x, idx, w):
-    return m(x, idx, w)
+    """The module's call; unpatched, transformers' eager implementation (the reference).
+
+    The config keeps transformers' default (``grouped_mm``) so that the recipe applies: an explicit
+    choice in the config would make it step aside. The reference sets ``eager`` for one call only.
+    """
+    cfg = getattr(m, "config", None)
+    if cfg is None or "forward" in m.__dict__:
+        return m(x, idx, w)
+    prev = cfg._experts_implementation_internal
+    cfg._experts_implementation_internal = "eager"
+    try:
+        return m(x, idx, w)
+    finally:
+        cfg._experts_implementation_internal = prev
 
 
 def build(name: str, *, hidden: int = 32, inter: int = 16, experts: int = 8, top_k: int = 2,
@@ -63,7 +76,6 @@ def build(name: str, *, hidden: int = 32, inter: int = 16, experts: int = 8, top
         return Case(name, m, hidden, experts, top_k, lambda m, x, idx, w: m(x, idx, w).reshape(x.shape))
     else:
         raise KeyError(name)
-    cfg._experts_implementation = "eager"
     return Case(name, _init(C(cfg)).to(dtype), hidden, experts, top_k, _experts_call)
 
 

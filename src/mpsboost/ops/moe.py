@@ -18,12 +18,13 @@ The public API, stable for other recipes (FP8 expert weights reuse it):
 * :func:`grouped_linear`: ``x_sorted @ weight[e]`` for each row's expert, by one of :data:`PATHS`.
 * :func:`unroute`: back to token order, weighted and summed over the top-k slots.
 * :func:`routed_experts`: the whole experts call (up or gate/up, activation, down, routing weights).
-* :func:`choose_path` with :data:`THRESHOLDS`: which path for a token count, device and torch build.
+* :func:`choose_path` with :func:`thresholds_for_env` (tuning files): which path for a token count, device and torch build.
 
 This module never imports diffusers or transformers.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,9 +40,13 @@ __all__ = [
     "unroute",
     "routed_experts",
     "native_grouped_mm_ok",
+    "combine_slots",
     "Thresholds",
-    "THRESHOLDS",
+    "CONSERVATIVE",
+    "TUNING_FILES",
     "thresholds_for",
+    "thresholds_for_env",
+    "grouped_mm_widths_ok",
     "choose_path",
 ]
 
@@ -80,9 +85,14 @@ class Routing:
     num_experts: int
     perm: torch.Tensor
     sorted_token_idx: torch.Tensor
-    sorted_weights: torch.Tensor
+    weights: torch.Tensor  # [N, k] routing weights in (token, slot) order
     expert_of_sorted: torch.Tensor
     offsets: torch.Tensor
+
+    @property
+    def sorted_weights(self) -> torch.Tensor:
+        """Routing weights in sorted order ``[S]`` (a gather, computed on access)."""
+        return self.weights.reshape(-1)[self.perm]
 
     @property
     def num_pairs(self) -> int:
@@ -150,7 +160,7 @@ def route(
         num_experts=num_experts,
         perm=perm,
         sorted_token_idx=torch.div(perm, k, rounding_mode="floor"),
-        sorted_weights=top_k_weights.reshape(-1)[perm],
+        weights=top_k_weights,
         expert_of_sorted=expert_of_sorted,
         offsets=offsets,
     )
@@ -159,13 +169,15 @@ def route(
 def unroute(pair_out: torch.Tensor, routing: Routing, *, weighted: bool = True, sentinels: bool = True) -> torch.Tensor:
     """``[S, H]`` rows in sorted order -> ``[N, H]``: multiply by the routing weight, sum the k slots.
 
-    The sum runs over a ``[N, k, H]`` view (not ``index_add_``), so it is deterministic on CUDA and
-    accumulates in fp32 inside the reduction even for bf16 rows, as transformers' grouped_mm does.
+    Rows go back to (token, slot) order first (one scatter, ``index_copy_``, as ``perm`` is a
+    permutation); then, where the routing weights have the rows' dtype, one batched ``[1, k] @ [k, H]``
+    product per token weights and sums the k slots at once (fp32 accumulation inside the matmul,
+    deterministic, no gather of sorted weights, no ``[S, H]`` product written and read back: two
+    kernels fewer per call than multiply-then-sum). Otherwise (e.g. fp32 weights with bf16 rows) the
+    product promotes as transformers' does and the sum runs over a ``[N, k, H]`` view.
     ``sentinels=True`` zeroes rows of pairs routed to ids >= num_experts (their rows past
     ``offsets[-1]`` are uninitialised by grouped_mm); pass False when no id can be out of range.
     """
-    if weighted:
-        pair_out = pair_out * routing.sorted_weights.unsqueeze(-1)
     if sentinels:
         pair_out = pair_out.masked_fill((routing.expert_of_sorted >= routing.num_experts).unsqueeze(-1), 0)
     if torch.are_deterministic_algorithms_enabled():
@@ -176,7 +188,17 @@ def unroute(pair_out: torch.Tensor, routing: Routing, *, weighted: bool = True, 
     else:
         # perm is a permutation (unique indices): one scatter of rows back to (token, slot) order.
         flat = torch.empty_like(pair_out).index_copy_(0, routing.perm, pair_out)
-    return flat.view(routing.num_tokens, routing.top_k, -1).sum(dim=1)
+    return combine_slots(flat, routing.weights if weighted else None, routing.num_tokens, routing.top_k)
+
+
+def combine_slots(flat: torch.Tensor, weights: torch.Tensor | None, num_tokens: int, top_k: int) -> torch.Tensor:
+    """``[N*k, H]`` rows in (token, slot) order -> ``[N, H]``: ``sum_j weights[n, j] * rows[n, j]``."""
+    rows = flat.view(num_tokens, top_k, -1)
+    if weights is None:
+        return rows.sum(dim=1)
+    if weights.dtype == flat.dtype:
+        return torch.bmm(weights.reshape(num_tokens, 1, top_k), rows).squeeze(1)
+    return (rows * weights.reshape(num_tokens, top_k, 1)).sum(dim=1)
 
 
 # ----------------------------------------------------------------------------------------- grouped linear
@@ -416,10 +438,9 @@ def routed_experts(
                            batched_form=batched_form, sentinels=False)
         if post is not None:
             y = post(y)
-        y = y * top_k_weights.reshape(-1, 1)
         if sentinels:
             y = y.masked_fill(~valid.unsqueeze(-1), 0)
-        return y.view(n, k, -1).sum(dim=1).to(hidden_states.dtype)
+        return combine_slots(y, top_k_weights, n, k).to(hidden_states.dtype)
 
     routing = route(top_k_index, top_k_weights, num_experts, counts_method=counts_method, histc_int=histc_int)
     x = hidden_states.index_select(0, routing.sorted_token_idx)
@@ -485,47 +506,94 @@ class Thresholds:
     # The batched_mm formulation while torch.compile traces: "fused" (gather fused into a
     # matrix-vector reduction) or "bmm" (gathered weights, then bmm).
     compiled_batched_form: str = "fused"
+    # Leave transformers' own decode-time switch (grouped_mm -> batched_mm inside generate()) in
+    # place and step aside while it is active: the choice where no measurement speaks for this device.
+    follow_decode_switch: bool = False
 
 
-# The one place the thresholds live. Keys: (device type, "native" | "no_native"), where "native"
-# means the gate's grouped_mm feature passed for this env. Measured entries name their records in
-# benchmarks/results; users override with options={"moe_experts": {"batched_max_tokens": N}}.
-THRESHOLDS: dict[tuple[str, str], Thresholds] = {
-    # H200, torch 2.11.0+cu130, bf16, Qwen3-30B-A3B experts shape (benchmarks/results/moe-cuda-2026-11-29.jsonl),
-    # one experts call, eager, CUDA events: batched_mm 184/190/264 us vs grouped_mm 251/245/496 us at
-    # 8/16/32 routed tokens, 468 vs 264 us at 64: batched_mm up to 32. Device time alone (CUDA-graph
-    # replay) crosses earlier (75 vs 90 us at 8, 138 vs 124 us at 16): eager launch overhead favours
-    # batched_mm's fewer kernels. Compiled (CUDA-graph replay): 8 routed tokens, fused gather-GEMV
-    # 35.4 us, grouped_mm 64.2 us, bmm 66.1 us, transformers batched_mm 69.1 us; 64: fused 204 us,
-    # grouped_mm 203 us.
-    ("cuda", "native"): Thresholds(32, 64, "measured on an H200 (benchmarks/results/moe-cuda-2026-11-29.jsonl)", "fused"),
-    # Same sweep: batched_mm 184/468 us vs the sync-free fallback 316/331 us at 8/64 routed tokens.
-    ("cuda", "no_native"): Thresholds(32, 64, "measured on an H200 (benchmarks/results/moe-cuda-2026-11-29.jsonl)", "fused"),
-    # CPU (2 shared cores), torch 2.13.0+cpu, bf16, one thread, process CPU time per call, Qwen3-30B-A3B
-    # experts shape (benchmarks/results/moe-cpu-2026-11-29.jsonl; command in its .log): batched_mm
-    # 51/121/259 ms vs grouped_mm 8.5/17.2/30.1 ms at 8/16/32 routed tokens: gathering weight copies
-    # never pays on CPU. Without a usable grouped_mm (torch < 2.10, or odd widths), the per-expert loop
-    # (9.1/16.7/29.4 ms) beats the dense fallback (119/106/117 ms). Compiled: not measured; the fused
-    # gather-GEMV reads each selected expert once, while fp32 (no grouped_mm under compile) would
-    # otherwise take the dense fallback.
-    ("cpu", "native"): Thresholds(0, 64, "measured on CPU (benchmarks/results/moe-cpu-2026-11-29.jsonl)", "fused"),
-    ("cpu", "no_native"): Thresholds(0, 64, "measured on CPU (benchmarks/results/moe-cpu-2026-11-29.jsonl): per-expert loop", "fused"),
-    # MPS, torch >= 2.15 (native grouped_mm, pytorch#194917/#194933): not measured on Apple hardware.
-    # batched_mm moves each selected expert's weights three times (gather read, copy write, bmm read),
-    # grouped_mm once, and unified memory makes bytes the cost: grouped_mm from the first token.
-    ("mps", "native"): Thresholds(0, 64, "default, not measured on Apple hardware: byte count favours grouped_mm"),
-    # MPS before 2.15: no grouped kernel on the device. batched_mm reads 3 x S expert weights, the dense
-    # fallback reads all E once but does E/k times the routed FLOPs: batched_mm while 3*S < E (S ~ 40
-    # for 128 experts), dense above. Not measured on Apple hardware.
-    ("mps", "no_native"): Thresholds(32, 64, "default, not measured on Apple hardware: bytes of 3*S gathered experts vs E dense"),
+# Measured thresholds live in data files with their provenance (mpsboost/data/tuning/moe_thresholds_*.json,
+# read by mpsboost.tuning), one file per measurement: which file speaks for which device type. A file
+# applies only to the kind of device it was measured on (tuning.for_env: device type and, for CUDA,
+# compute capability); any other environment gets CONSERVATIVE.
+TUNING_FILES: dict[str, tuple[str, ...]] = {
+    "cuda": ("moe_thresholds_cuda_h200",),
+    "cpu": ("moe_thresholds_cpu",),
+    "mps": ("moe_thresholds_mps_defaults",),
 }
+
+# No measurement for this device: grouped (or the sync-free fallback) for every call in the recipe's
+# own forward, and transformers' own decode-time switch to batched_mm left in place (the recipe steps
+# aside while it is active), so decoding runs as stock transformers would.
+CONSERVATIVE = Thresholds(0, 0, "no measured MoE thresholds for this device", "bmm", follow_decode_switch=True)
+
+
+def _thresholds_from(entry: dict, source: str) -> Thresholds:
+    return Thresholds(
+        batched_max_tokens=int(entry["batched_max_tokens"]),
+        compiled_batched_max_tokens=int(entry["compiled_batched_max_tokens"]),
+        source=source,
+        compiled_batched_form=entry.get("compiled_batched_form", "fused"),
+        follow_decode_switch=bool(entry.get("follow_decode_switch", False)),
+    )
+
+
+def thresholds_for_env(env, native: bool) -> Thresholds:
+    """The thresholds for ``env`` (a :class:`mpsboost.gate.Env`) from the tuning files, or
+    :data:`CONSERVATIVE` with the reason naming the data that does not apply. Patch time only."""
+    from .. import tuning
+
+    key = "native" if native else "no_native"
+    whys = []
+    for name in TUNING_FILES.get(env.device_type, ()):
+        t, why = tuning.for_env(name, env)
+        if t is None:
+            whys.append(why)
+            continue
+        if t.extra.get("measured", True):
+            src = f"{name}.json: {t.describe()}"
+        else:
+            src = f"{name}.json: unmeasured default ({t.notes.split('. ')[0]})"
+        return _thresholds_from(t.entries[key], src)
+    why = "; ".join(whys) or f"no MoE tuning file for device type {env.device_type!r}"
+    return dataclasses.replace(CONSERVATIVE, source=f"{why}: grouped path, transformers' decode switch kept")
 
 
 def thresholds_for(device_type: str, native: bool) -> Thresholds:
-    key = (device_type, "native" if native else "no_native")
-    if key not in THRESHOLDS:
-        raise ValueError(f"no MoE thresholds for device type {device_type!r}; known: {sorted({d for d, _ in THRESHOLDS})}")
-    return THRESHOLDS[key]
+    """The thresholds of the tuning file for ``device_type``, whatever machine it was measured on
+    (benchmarks use this; decisions use :func:`thresholds_for_env`)."""
+    from .. import tuning
+
+    names = TUNING_FILES.get(device_type)
+    if not names:
+        raise ValueError(f"no MoE thresholds for device type {device_type!r}; known: {sorted(TUNING_FILES)}")
+    t = tuning.load(names[0])
+    return _thresholds_from(t.entries["native" if native else "no_native"], f"{names[0]}.json: {t.describe()}")
+
+
+def grouped_mm_widths_ok(widths, dtype: torch.dtype, device_type: str) -> tuple[bool, str]:
+    """Whether the native grouped matmul takes operands whose row widths are ``widths`` (elements),
+    in ``dtype`` on ``device_type``; (False, why) if not. Static facts, for patch time.
+
+    Every operand of both projections counts: the input rows (hidden width), the up weight
+    (hidden and up widths), the activation output and down weight (intermediate and hidden widths).
+    On CPU (torch >= 2.10) each non-unit stride must be a multiple of 16 bytes, else grouped_mm raises
+    "strides should be multiple of 16 bytes"; CUDA's kernel reads offsets on the device for bf16
+    only (other dtypes copy them to the host).
+    """
+    es = torch.empty((), dtype=dtype).element_size()
+    if device_type == "cpu":
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False, f"CPU grouped_mm has no {dtype} kernel"
+        bad = sorted({w for w in widths if (w * es) % 16})
+        if bad:
+            return False, (f"CPU grouped_mm needs row strides that are multiples of 16 bytes; widths {bad} x {es} bytes "
+                           f"({dtype}) are not")
+        return True, ""
+    if device_type == "cuda" and dtype != torch.bfloat16:
+        return False, f"CUDA's grouped_mm reads offsets on the device for bf16 only, these weights are {dtype}"
+    if device_type == "mps" and dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False, f"MPS grouped_mm has no {dtype} kernel"
+    return True, ""
 
 
 def choose_path(num_pairs: int, *, native: bool, batched_max_tokens: int, compiled_batched_max_tokens: int | None = None,

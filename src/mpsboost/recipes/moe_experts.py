@@ -6,8 +6,23 @@ non-CPU device, MPS included (``_optimize_model_for_decode``), and ``_can_use_gr
 call ``grouped_mm`` on any torch that has the function, even where MPS has no kernel (before
 pytorch#194917/#194933 in 2.15). This recipe binds its own forward on each experts instance: the
 path is chosen per call from the number of routed (token, expert) pairs, the device, the torch build
-and the dtype (:func:`mpsboost.ops.moe.choose_path`), and ``config._experts_implementation`` is not
-read, so the decode-time switch cannot undo the choice.
+and the dtype (:func:`mpsboost.ops.moe.choose_path`).
+
+An explicit choice of the user outranks the recipe. transformers records the experts implementation
+in ``config._experts_implementation`` (5.17 and 5.24 alike); its default is ``"grouped_mm"``. At
+patch time the recipe replaces that default by an equal string of its own class (:data:`OWNED`;
+transformers' dispatcher, comparisons and serialisation see ``"grouped_mm"``); its forward runs only
+while that very object is in the config. Any later choice (``set_experts_implementation(...)``, an
+assignment to the config) stores a plain string, and from then on the instance's forward hands every
+call to transformers' dispatcher, which runs what the user chose. A value other than ``"grouped_mm"``
+at patch time (``from_pretrained(..., experts_implementation="eager")``, a config that names one) is
+an explicit choice too: the recipe steps aside and its report row says so. transformers' own
+decode-time switch inside ``generate()`` (``_optimize_model_for_decode``: ``grouped_mm`` ->
+``batched_mm`` on every non-CPU device) is no user choice: on the patched model (the object given to
+``patch()``) it is bound per instance to leave configs the recipe owns alone, since the recipe already
+chooses batched_mm for few tokens where its thresholds are measured; where they are not
+(``follow_decode_switch``, the conservative choice), transformers' switch runs and the recipe steps
+aside during decoding, exactly as stock.
 
 Targets: every experts class built with transformers' ``use_experts_implementation`` in the
 installed version (Qwen3-MoE, Qwen3.5-MoE, Qwen3-Next, Mixtral, DeepSeek-V3, gpt-oss with its bias
@@ -21,11 +36,14 @@ Options (``mpsboost.patch(m, options={"moe_experts": {...}})``):
 ``compiled_batched_form`` ("fused", "bmm"): the batched_mm formulation while ``torch.compile`` traces;
 ``path`` ("auto", "grouped_mm", "batched_mm", "fallback", "cpu_loop"): force one path for every call
 (a forced path that cannot run on these tensors falls back to one that can).
-Defaults: :data:`mpsboost.ops.moe.THRESHOLDS`.
+Defaults: the tuning files ``mpsboost/data/tuning/moe_thresholds_*.json`` (:func:`mpsboost.ops.moe.thresholds_for_env`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -63,36 +81,53 @@ def _is_hf_experts(module: torch.nn.Module) -> bool:
     return "use_experts_implementation" in qual and hasattr(module, "down_proj")
 
 
+class _Owned(str):
+    """``"grouped_mm"``, as the recipe stores it in a config it owns (see the module docstring)."""
+
+    __slots__ = ()
+
+
+OWNED = _Owned("grouped_mm")
+_DEFAULT_IMPL = "grouped_mm"
+
+
 @dataclass(frozen=True)
 class _Choice:
-    """What the bound forward needs to choose a path per call (all static)."""
+    """What the bound forward needs to choose a path per call: all decided at patch time."""
 
-    native: bool  # the gate allows the native grouped matmul in this env
+    native: frozenset  # (device type, weight dtype) pairs where the native grouped matmul runs on these widths
     batched_max_tokens: int
     compiled_batched_max_tokens: int
     forced: str | None  # a path the user forced, or None for auto
     histc_int: bool
     compiled_form: str  # batched_mm formulation under torch.compile: "fused" or "bmm"
+    follow_decode_switch: bool = False
+    # A simulated environment (tests, dry runs): choose paths as on this device type, whatever device
+    # the tensors are on (CPU in tests).
+    sim_device: str | None = None
 
     @property
     def batched_form(self) -> str:
         # "auto" is fused while compiling and bmm in eager mode (fused would materialise there).
         return "auto" if self.compiled_form == "fused" else "bmm"
 
-    def path(self, num_pairs: int, x: torch.Tensor, weight_kn: torch.Tensor) -> str:
-        # Static facts only: shapes, dtype, strides, whether dynamo is tracing.
-        native = self.native and moe_ops.native_grouped_mm_ok(x.to(weight_kn.dtype), weight_kn)
-        on_cpu = x.device.type == "cpu"
+    def path(self, num_pairs: int, weight: torch.Tensor) -> str:
+        # Metadata only (shape, dtype, device, whether dynamo traces): constants under torch.compile,
+        # no data pointer or host read. The meta kernel of grouped_mm takes bf16 only while tracing.
+        compiling = moe_ops._compiling()
+        dev = weight.device.type
+        native = (dev, weight.dtype) in self.native and (not compiling or weight.dtype == torch.bfloat16)
+        on_cpu = dev == "cpu"
         if self.forced is not None:
             if self.forced == "grouped_mm" and not native:
                 # A forced native path that cannot run here must not crash.
-                return "cpu_loop" if on_cpu and not moe_ops._compiling() else "fallback"
-            if self.forced == "cpu_loop" and (not on_cpu or moe_ops._compiling()):
+                return "cpu_loop" if on_cpu and not compiling else "fallback"
+            if self.forced == "cpu_loop" and (not on_cpu or compiling):
                 return "fallback"
             return self.forced
         return moe_ops.choose_path(num_pairs, native=native, batched_max_tokens=self.batched_max_tokens,
                                    compiled_batched_max_tokens=self.compiled_batched_max_tokens,
-                                   device_type=x.device.type)
+                                   compiling=compiling, device_type=self.sim_device or dev)
 
 
 def _int_option(options: Mapping[str, Any], key: str, default: int) -> int:
@@ -107,12 +142,14 @@ def _int_option(options: Mapping[str, Any], key: str, default: int) -> int:
 def _hf_forward(choice: _Choice):
     """The forward bound on a ``use_experts_implementation`` experts instance."""
 
-    def forward(self, hidden_states, top_k_index=None, top_k_weights=None, **kwargs):
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.config._experts_implementation is not OWNED:
+            # An explicit choice after patching (or transformers' decode switch where the recipe
+            # follows it): transformers' dispatcher runs what the config names.
+            return type(self).forward(self, hidden_states, *args, **kwargs)
         # gpt-oss names its arguments router_indices / routing_weights.
-        if top_k_index is None:
-            top_k_index = kwargs.pop("router_indices")
-        if top_k_weights is None:
-            top_k_weights = kwargs.pop("routing_weights")
+        top_k_index = args[0] if args else kwargs.get("top_k_index", kwargs.get("router_indices"))
+        top_k_weights = args[1] if len(args) > 1 else kwargs.get("top_k_weights", kwargs.get("routing_weights"))
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         idx = top_k_index.reshape(x.shape[0], -1)
@@ -126,7 +163,7 @@ def _hf_forward(choice: _Choice):
             up_b = down_b = None
         # has_post_expert_norm is newer than transformers 5.17; absent means no post norm.
         post = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
-        path = choice.path(idx.numel(), x, moe_ops._as_kn(up_w, self.is_transposed))
+        path = choice.path(idx.numel(), up_w)
         out = moe_ops.routed_experts(
             x, idx, wts, up_weight=up_w, down_weight=self.down_proj, activation=act, up_bias=up_b,
             down_bias=down_b, transposed=self.is_transposed, post=post, path=path, histc_int=choice.histc_int,
@@ -141,7 +178,7 @@ def _stacked_forward(choice: _Choice):
     """Step-3.7's experts: transformers' standard layout and ``_apply_gate``, no decorator."""
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        path = choice.path(top_k_index.numel(), hidden_states, moe_ops._as_kn(self.gate_up_proj, False))
+        path = choice.path(top_k_index.numel(), self.gate_up_proj)
         return moe_ops.routed_experts(
             hidden_states, top_k_index, top_k_weights, up_weight=self.gate_up_proj, down_weight=self.down_proj,
             activation=self._apply_gate, path=path, histc_int=choice.histc_int,
@@ -162,7 +199,7 @@ def _dbrx_forward(choice: _Choice):
         v1 = self.mlp.v1.view(e, f, h)
         w2 = self.mlp.w2.view(e, f, h)  # [E, in=F, out=H]: the transposed layout
         act = self.mlp.activation_fn
-        path = choice.path(top_k_index.numel(), x, moe_ops._as_kn(w1, False))
+        path = choice.path(top_k_index.numel(), w1)
         out = moe_ops.routed_experts(
             x, top_k_index, top_k_weights, up_weight=(w1, v1), down_weight=w2, down_transposed=True,
             activation=lambda g, u: act(g) * u, path=path, histc_int=choice.histc_int,
@@ -193,7 +230,7 @@ def _jetmoe_experts_forward(choice: _Choice):
         if not isinstance(expert_size, torch.Tensor):  # a caller outside the patched router
             expert_size = torch.as_tensor(expert_size, dtype=torch.int32, device=inputs.device)
         offsets = torch.cumsum(expert_size.to(torch.int32), dim=0, dtype=torch.int32)
-        path = choice.path(inputs.shape[0], inputs, moe_ops._as_kn(self.weight, False))
+        path = choice.path(inputs.shape[0], self.weight)
         ids = None
         if path != "grouped_mm":
             rows = torch.arange(inputs.shape[0], device=inputs.device, dtype=torch.int32)
@@ -202,6 +239,74 @@ def _jetmoe_experts_forward(choice: _Choice):
                                       batched_form=choice.batched_form, sentinels=False)
 
     return forward
+
+
+# ----------------------------------------------------------------------------------------- generate()'s decode switch
+
+# Per patched model: one vote per patched experts module, True where that module follows
+# transformers' decode switch (no measured thresholds here). Weak keys: a model that goes away
+# takes its entry along.
+_DECODE_VOTES: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+_DECODE_ATTR = "_optimize_model_for_decode"
+
+
+@contextlib.contextmanager
+def _decode_switch(model):
+    """``generate()``'s decode-time switch, bound on a patched model instance.
+
+    transformers (5.17 and 5.24) wraps the decoding loop in ``self._optimize_model_for_decode()``,
+    which sets every ``"grouped_mm"`` config to ``"batched_mm"`` off CPU and back afterwards. Configs
+    the recipe owns (``OWNED``) already get batched_mm for few tokens from the recipe's measured
+    thresholds, and a switched config would make their forwards step aside; so the switch is left out
+    while it would touch only those. Where a patched module follows the switch (no measurement for
+    this device), or a config the recipe does not own names grouped_mm, transformers' switch runs.
+    """
+    votes = _DECODE_VOTES.get(model, ())
+    impls = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else {}
+    unowned = any(v == _DEFAULT_IMPL and v is not OWNED for v in impls.values())
+    if any(follow for _, follow in votes) or unowned:
+        with type(model)._optimize_model_for_decode(model):
+            yield
+    else:
+        yield
+
+
+def _hold_decode_switch(root: torch.nn.Module, follow: bool) -> Undo:
+    """Bind :func:`_decode_switch` on ``root`` (once for all its experts modules); undone by the last holder."""
+    if not callable(getattr(type(root), _DECODE_ATTR, None)):
+        return Undo(lambda: None, description=f"{NAME}: no generate() decode switch on {type(root).__name__}")
+    if _DECODE_ATTR in root.__dict__ and root not in _DECODE_VOTES:
+        # Someone else bound it on this instance: leave theirs in place and follow it.
+        return Undo(lambda: None, description=f"{NAME}: decode switch already bound on the instance")
+    votes = _DECODE_VOTES.setdefault(root, [])
+    token = object()
+    votes.append((token, follow))
+    if len(votes) == 1:
+        root.__dict__[_DECODE_ATTR] = types.MethodType(_decode_switch, root)
+
+    def undo() -> None:
+        left = [v for v in _DECODE_VOTES.get(root, []) if v[0] is not token]
+        if left:
+            _DECODE_VOTES[root] = left
+            return
+        _DECODE_VOTES.pop(root, None)
+        if getattr(root.__dict__.get(_DECODE_ATTR), "__func__", None) is _decode_switch:
+            del root.__dict__[_DECODE_ATTR]
+
+    return Undo(undo, description=f"{NAME}: restore generate()'s decode switch")
+
+
+def _own_config(config) -> Undo:
+    """Store :data:`OWNED` as the config's experts implementation; undo puts the plain default back
+    if nobody chose another implementation in between."""
+    if config._experts_implementation_internal is not OWNED:
+        config._experts_implementation_internal = OWNED
+
+    def undo() -> None:
+        if config.__dict__.get("_experts_implementation_internal") is OWNED:
+            config._experts_implementation_internal = _DEFAULT_IMPL
+
+    return Undo(undo, description=f"{NAME}: restore config._experts_implementation")
 
 
 # ----------------------------------------------------------------------------------------- the recipe
@@ -231,7 +336,7 @@ class MoeExperts(Recipe):
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
         for name, mod in root.named_modules():
             if _is_hf_experts(mod):
-                yield Match(mod, join_path(prefix, name), {"kind": "hf"})
+                yield Match(mod, join_path(prefix, name), {"kind": "hf", "root": root})
             elif matches_class(mod, (_DBRX,)):
                 yield Match(mod, join_path(prefix, name), {"kind": "dbrx"})
             elif matches_class(mod, (_STEP3P7,)):
@@ -240,56 +345,79 @@ class MoeExperts(Recipe):
                 yield Match(mod, join_path(prefix, name), {"kind": "jetmoe"})
 
     # ------------------------------------------------------------------ deciding
-    def _choice(self, env: Env, options: Mapping[str, Any]) -> tuple[_Choice, str]:
+    def _choice(self, match: Match, env: Env, options: Mapping[str, Any]) -> tuple[_Choice, str, str]:
+        """(the static choice for this module, why, why the native kernel is out for its dtype or "")."""
         unknown = sorted(set(options) - set(_OPTION_KEYS))
         if unknown:
             raise ValueError(f"unknown moe_experts option(s) {unknown}; accepted: {', '.join(_OPTION_KEYS[1:])}")
         native = check("grouped_mm", env)
-        thr = moe_ops.thresholds_for(env.device_type, native.ok)
+        thr = moe_ops.thresholds_for_env(env, native.ok)
         forced = options.get("path", "auto")
         if forced not in ("auto", *moe_ops.PATHS):
             raise ValueError(f"moe_experts option path={forced!r}: expected 'auto' or one of {', '.join(moe_ops.PATHS)}")
+        weights = self._weights(match)
+        widths = {n for w in weights for n in w.shape[1:]}
+        aligned = all(w.data_ptr() % 16 == 0 for w in weights)
+        dtypes = (torch.float32, torch.bfloat16, torch.float16)
+        # Every operand of both projections, decided here once: (device type, dtype) pairs that may
+        # take the native kernel. A simulated env runs on CPU tensors: its rule and CPU's must both hold.
+        native_pairs = {
+            (env.device_type, dt) for dt in dtypes
+            if native.ok and aligned and moe_ops.grouped_mm_widths_ok(widths, dt, env.device_type)[0]
+        }
+        if env.simulated and env.device_type != "cpu":
+            native_pairs |= {("cpu", dt) for d, dt in native_pairs if moe_ops.grouped_mm_widths_ok(widths, dt, "cpu")[0]}
+        limit = ""
+        dtype = weights[0].dtype
+        if native.ok and (env.device_type, dtype) not in native_pairs:
+            ok, limit = moe_ops.grouped_mm_widths_ok(widths, dtype, env.device_type)
+            limit = "; " + (limit if not ok else "expert weights are not 16-byte aligned in memory")
         choice = _Choice(
-            native=native.ok,
+            native=frozenset(native_pairs),
             batched_max_tokens=_int_option(options, "batched_max_tokens", thr.batched_max_tokens),
             compiled_batched_max_tokens=_int_option(options, "compiled_batched_max_tokens", thr.compiled_batched_max_tokens),
             forced=None if forced == "auto" else forced,
             histc_int=check("histc_int", env).ok,
             compiled_form=options.get("compiled_batched_form", thr.compiled_batched_form),
+            follow_decode_switch=thr.follow_decode_switch,
+            sim_device=env.device_type if env.simulated else None,
         )
         if choice.compiled_form not in ("fused", "bmm"):
             raise ValueError(f"moe_experts option compiled_batched_form={choice.compiled_form!r}: expected 'fused' or 'bmm'")
-        return choice, f"{native.reason}; thresholds: {thr.source}"
+        return choice, f"{native.reason}; thresholds: {thr.source}", limit
 
     @staticmethod
-    def _weight_and_input(match: Match) -> tuple[torch.Tensor, int]:
-        """The up-projection weight as [E, in, out] and the input width, for the static stride/dtype rules."""
+    def _weights(match: Match) -> tuple[torch.Tensor, ...]:
+        """Every weight a grouped matmul of this module reads, as stored (``[E, a, b]``), up first."""
         m, kind = match.module, match.data["kind"]
         if kind == "hf":
-            w = m.gate_up_proj if m.has_gate else m.up_proj
-            return moe_ops._as_kn(w, m.is_transposed), w.shape[-2] if m.is_transposed else w.shape[-1]
+            return (m.gate_up_proj if m.has_gate else m.up_proj, m.down_proj)
         if kind == "dbrx":
-            w = m.mlp.w1.view(m.num_experts, m.ffn_hidden_size, m.hidden_size)
-            return w.transpose(-2, -1), m.hidden_size
+            e, f, h = m.num_experts, m.ffn_hidden_size, m.hidden_size
+            return (m.mlp.w1.view(e, f, h), m.mlp.v1.view(e, f, h), m.mlp.w2.view(e, f, h))
         if kind == "stacked":
-            return m.gate_up_proj.transpose(-2, -1), m.gate_up_proj.shape[-1]
-        return m.input_linear.weight.transpose(-2, -1), m.input_linear.weight.shape[-1]
+            return (m.gate_up_proj, m.down_proj)
+        return (m.input_linear.weight, m.output_linear.weight)
+
+    @staticmethod
+    def _user_choice(match: Match) -> str | None:
+        """The experts implementation the user chose explicitly for this module's config, if any."""
+        if match.data["kind"] != "hf":
+            return None
+        impl = getattr(match.module.config, "_experts_implementation", _DEFAULT_IMPL)
+        return None if impl == _DEFAULT_IMPL else impl
 
     def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
-        choice, why = self._choice(env, options)
-        w_kn, width = self._weight_and_input(match)
-        native = choice.native
-        limit = ""
-        if native:
-            # The dtype and stride rules of the native kernel, on a stand-in input of the real width.
-            probe_env = env.device_type
-            if probe_env == "cuda" and w_kn.dtype != torch.bfloat16:
-                native, limit = False, f"; CUDA's grouped_mm reads offsets on the device for bf16 only, these weights are {w_kn.dtype}"
-            elif probe_env == "cpu":
-                es = w_kn.element_size()
-                bad = [n for n in (width, w_kn.shape[-1]) if (n * es) % 16]
-                if bad or w_kn.stride(-2) * es % 16 and w_kn.stride(-1) * es % 16:
-                    native, limit = False, f"; CPU grouped_mm needs row strides that are multiples of 16 bytes, widths {sorted(set(bad))} x {es} bytes are not"
+        chosen = self._user_choice(match)
+        if chosen is not None:
+            return Decision.skip(
+                f"experts_implementation={chosen!r} was chosen explicitly (from_pretrained(experts_implementation=...), "
+                "set_experts_implementation() or the config): the user's choice outranks the recipe, which steps aside; "
+                f"to let it run, set_experts_implementation({_DEFAULT_IMPL!r}) before patching",
+                kind=match.data["kind"], user_choice=chosen,
+            )
+        choice, why, limit = self._choice(match, env, options)
+        native = (env.device_type, self._weights(match)[0].dtype) in choice.native
         unforced = "grouped_mm" if native else ("cpu_loop" if env.device_type == "cpu" else "fallback")
         large = choice.forced or unforced
         if choice.forced == "grouped_mm" and not native:
@@ -300,6 +428,10 @@ class MoeExperts(Recipe):
         if choice.forced is None and choice.batched_max_tokens > 0:
             backing += f" (batched_mm at <= {choice.batched_max_tokens} routed tokens)"
         reason = ("forced by option path; " if choice.forced else "") + why + limit
+        if match.data["kind"] == "hf":
+            reason += ("; generate()'s decode switch to batched_mm kept (steps aside while decoding)"
+                       if choice.follow_decode_switch else
+                       "; a later set_experts_implementation() takes over from the recipe")
         return Decision.apply(
             backing,
             reason,
@@ -311,17 +443,21 @@ class MoeExperts(Recipe):
 
     # ------------------------------------------------------------------ applying
     def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
-        choice, _ = self._choice(env, options)
+        choice, _, _ = self._choice(match, env, options)
         m, kind = match.module, match.data["kind"]
-        if kind == "hf":
-            return bind_forward(m, NAME, _hf_forward(choice))
         if kind == "stacked":
             return bind_forward(m, NAME, _stacked_forward(choice))
         if kind == "dbrx":
             return bind_forward(m, NAME, _dbrx_forward(choice))
-        # JetMoE: the router keeps sizes on the device, both parallel-expert layers take them as a tensor.
-        undos = [bind_forward(m.router, NAME, _jetmoe_router_forward)]
+        undos: list[Undo] = []
         try:
+            if kind == "hf":
+                undos.append(_own_config(m.config))
+                undos.append(_hold_decode_switch(match.data["root"], choice.follow_decode_switch))
+                undos.append(bind_forward(m, NAME, _hf_forward(choice)))
+                return Undo.chain(undos, description=f"{NAME}: restore experts forward, config and decode switch")
+            # JetMoE: the router keeps sizes on the device, both parallel-expert layers take them as a tensor.
+            undos.append(bind_forward(m.router, NAME, _jetmoe_router_forward))
             for lin in (m.input_linear, m.output_linear):
                 undos.append(bind_forward(lin, NAME, _jetmoe_experts_forward(choice)))
         except BaseException:
