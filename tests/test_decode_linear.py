@@ -66,7 +66,14 @@ def test_plan_cuda_follows_the_measured_table(qwen3, monkeypatch):
     q = qwen3.model.layers[0].self_attn.q_proj
     key = (q.out_features, q.in_features, q.bias is not None, "float32")
     _fake_table(monkeypatch, {key: 1.4})
-    rows = mpsboost.plan(qwen3, device="cuda:9.0", torch_version="2.11.0", recipes=["decode_linear"]).rows
+    # By default nothing is bound: the win is inside CUDA graphs captured by hand, a mode neither eager
+    # generate() nor torch.compile reaches.
+    default = mpsboost.plan(qwen3, device="cuda:9.0", torch_version="2.11.0", recipes=["decode_linear"]).rows
+    assert {r.status for r in default} == {"skipped"}
+    graph_only = [r for r in default if "only inside CUDA graphs you capture yourself" in r.reason]
+    assert graph_only and all("1.40x over cuBLAS" in r.reason and "cuda_graphs" in r.reason for r in graph_only)
+    rows = mpsboost.plan(qwen3, device="cuda:9.0", torch_version="2.11.0", recipes=["decode_linear"],
+                         options={"decode_linear": {"cuda_graphs": True}}).rows
     applied = {r.target for r in rows if r.status == "would apply"}
     q_paths = {n for n, m in _linears(qwen3) if (m.out_features, m.in_features, m.bias is not None, "float32") == key}
     assert applied == q_paths and applied
@@ -95,7 +102,8 @@ def test_compiled_measurement_flips_the_compiled_decision(qwen3, monkeypatch):
     assert d.applicable and d.details["eager"] == "stock" and d.details["compiled"] == "gemv", d
     assert "1.30x over cuBLAS measured under torch.compile" in d.reason
     _fake_table(monkeypatch, {key: 1.4}, {})
-    d = recipe.decide(Match(q, "q"), env, {})
+    assert not recipe.decide(Match(q, "q"), env, {}).applicable
+    d = recipe.decide(Match(q, "q"), env, {"cuda_graphs": True})
     assert d.details["eager"] == "gemv_graph" and d.details["compiled"] == "stock", d
 
 
@@ -107,7 +115,8 @@ def test_committed_h200_table_picks_small_projections():
                       num_key_value_heads=2)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    rows = {r.target.rsplit(".", 1)[-1]: r for r in mpsboost.plan(model, device="cuda:9.0", torch_version="2.11.0", recipes=["decode_linear"]).rows}
+    rows = {r.target.rsplit(".", 1)[-1]: r for r in mpsboost.plan(model, device="cuda:9.0", torch_version="2.11.0", recipes=["decode_linear"],
+                                                                 options={"decode_linear": {"cuda_graphs": True}}).rows}
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         assert rows[name].status == "would apply" and rows[name].backing == "triton GEMV, fused bias", rows[name]
         assert "inside CUDA graphs only" in rows[name].reason

@@ -18,6 +18,9 @@ Options (``options={"decode_linear": {...}}``):
   ``path``: ``"fold"`` or ``"triton"`` forces that path on every Linear in both modes whatever the env
   (for measurement and tests; on CPU tensors ``"triton"`` runs the operator's reference kernel);
   ``"auto"`` (default) decides per env, mode and shape.
+  ``cuda_graphs``: ``True`` binds the Triton kernel for CUDA graphs captured around eager code (the
+  mode it was measured in); by default CUDA binds nothing unless a compiled measurement shows a gain,
+  since eager launches and compiled forwards both keep cuBLAS.
   ``cuda_eager``: ``True`` also uses the Triton kernel outside CUDA-graph capture (default ``False``).
 """
 from __future__ import annotations
@@ -118,6 +121,15 @@ class DecodeLinear(Recipe):
         if not (use_graph or use_comp):
             return Decision.skip(f"cuBLAS measured as fast or faster for {shape} ({src}); kept")
         eager_opt = bool(options.get("cuda_eager", False))
+        if not (use_comp or eager_opt or options.get("cuda_graphs", False)):
+            # The measured win is inside CUDA graphs captured around eager code. Neither mode users run
+            # gets it: eager launches stay on cuBLAS, compiled forwards keep F.linear (no compiled gain
+            # measured). Binding a forward that runs stock F.linear in both is overhead with no return.
+            return Decision.skip(
+                f"{s_graph:.2f}x over cuBLAS for {shape} only inside CUDA graphs you capture yourself ({src}); "
+                "eager launches and compiled forwards keep cuBLAS, so nothing is bound; "
+                "options={'decode_linear': {'cuda_graphs': True}} binds it for manual graph capture"
+                if use_graph else f"cuBLAS kept for {shape} ({src})")
         if use_graph:
             eager = "gemv" if eager_opt else "gemv_graph"
             when = "" if eager_opt else "; inside CUDA graphs only (eager launches stay on cuBLAS)"
