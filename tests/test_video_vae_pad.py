@@ -72,7 +72,7 @@ def test_plans_by_environment():
     }
     assert rows["mps214"].status == "would apply" and rows["mps214"].backing == "pad as slice copies"
     assert "pytorch#194922" in rows["mps214"].reason
-    assert rows["mps214"].details["routed"] == 42  # one causal conv per pad site counted in the module docstring
+    assert rows["mps214"].details["written_out"] == 42  # one causal conv per pad site counted in the module docstring
     for label in ("mps215", "cuda", "cpu"):
         assert rows[label].status != "would apply", label
         assert "native and correct" in rows[label].reason

@@ -14,10 +14,13 @@ fill; replicate: the edge slice broadcast; reflect: the mirrored slices; circula
 slices), axis by axis, innermost first, so that corners take the values ``F.pad`` gives them.
 Every value is copied, never computed: bit-exact in every dtype.
 
-:class:`Pad5dMode` is a ``TorchFunctionMode`` that routes ``F.pad`` on rank-5 tensors to
-:func:`pad5d` while a patched module's forward runs (entered by that forward only; nothing global is
-replaced). ``nn.Conv3d`` with ``padding_mode="reflect"`` / ``"replicate"`` pads through ``F.pad``
-too, so it is covered the same way.
+:func:`pad_then_conv` and :func:`conv3d_padding_mode` are the forwards of the most common
+padding modules (HunyuanVideo's causal convolution; ``nn.Conv3d`` with ``padding_mode="reflect"`` /
+``"replicate"``) written with :func:`pad5d`. For the other modules, :class:`Pad5dMode` is a
+``TorchFunctionMode`` that routes ``F.pad`` on rank-5 tensors to :func:`pad5d` while a patched
+module's forward runs (entered by that forward only; nothing global is replaced). torch.compile
+traces the explicit forwards; the mode may break a graph there (the routed modules then run
+eagerly, with the same values).
 
 Where a module pads with zeros in space and then runs its own convolution, the zero padding is
 folded into the convolution's ``padding`` instead (:func:`cosmos_causal_conv3d`,
@@ -31,7 +34,16 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["pad5d", "Pad5dMode", "pad5d_mode", "cosmos_causal_conv3d", "vidtok_causal_conv3d", "symmetric_spatial"]
+__all__ = [
+    "pad5d",
+    "Pad5dMode",
+    "pad5d_mode",
+    "cosmos_causal_conv3d",
+    "vidtok_causal_conv3d",
+    "pad_then_conv",
+    "conv3d_padding_mode",
+    "symmetric_spatial",
+]
 
 _MODES = ("constant", "reflect", "replicate", "circular")
 
@@ -167,6 +179,19 @@ def symmetric_spatial(p: Sequence[int]) -> tuple[int, int] | None:
     if p[0] == p[1] and p[2] == p[3] and p[4] == p[5] == 0 and min(p) >= 0:
         return p[2], p[0]
     return None
+
+
+def pad_then_conv(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """diffusers' HunyuanVideo (1.0, 1.5, image refiner) causal convolution: ``module.conv`` after
+    ``F.pad(x, module.time_causal_padding, mode=module.pad_mode)``, with the pad as :func:`pad5d`."""
+    return module.conv(pad5d(x, module.time_causal_padding, module.pad_mode))
+
+
+def conv3d_padding_mode(conv: torch.nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Conv3d.forward`` for ``padding_mode`` "reflect" / "replicate" / "circular", with the pad as
+    :func:`pad5d` (what ``Conv3d._conv_forward`` does with ``F.pad``)."""
+    xp = pad5d(x, conv._reversed_padding_repeated_twice, conv.padding_mode)
+    return F.conv3d(xp, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
 
 
 def _conv3d_folded(conv: torch.nn.Conv3d, x: torch.Tensor, ph: int, pw: int) -> torch.Tensor:

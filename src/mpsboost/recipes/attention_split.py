@@ -21,15 +21,25 @@ is taken to have the fault (no fix is known). On CUDA and CPU it steps aside. Op
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Iterator, Mapping
 
 import torch
 
 from ..gate import FEATURES, Env, check
-from ..ops.attention_split import MAX_SCORES, SdpaSplitMode
-from ..registry import Decision, Match, Recipe, Undo, bind_forward, class_path, matches_class, original_forward, register, set_instance_attr
+from ..ops.attention_split import MAX_SCORES, SdpaSplitMode, score_elements
+from ..registry import _Missing, Decision, Match, Recipe, Undo, bind_forward, class_path, matches_class, register, saved_state, set_instance_attr
 
 NAME = "attention_split"
+
+
+def _call_original(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward this recipe replaced, called without building a bound method (so that
+    torch.compile traces through it)."""
+    prev = saved_state(module, NAME)["forward"]
+    if isinstance(prev, _Missing):
+        return type(module).forward(module, *args, **kwargs)
+    return prev(*args, **kwargs)
 IMPLEMENTATION = "mpsboost_sdpa_split"
 _PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
 _MODELMIXIN = "diffusers.models.modeling_utils.ModelMixin"
@@ -63,9 +73,13 @@ def _register_with_transformers(limit: int) -> str:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 
-    def split_attention_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def split_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # [B, H, L, D]: within the budget (static shapes under torch.compile) transformers' own function
+        # runs untouched; above it, with its SDPA call split.
+        if score_elements(query, key) <= limit:
+            return sdpa_attention_forward(module, query, key, *args, **kwargs)
         with SdpaSplitMode(limit):
-            return sdpa_attention_forward(module, *args, **kwargs)
+            return sdpa_attention_forward(module, query, key, *args, **kwargs)
 
     AttentionInterface.register(name, split_attention_forward)
     AttentionMaskInterface.register(name, sdpa_mask)
@@ -84,6 +98,22 @@ def _configs(model: torch.nn.Module) -> list[Any]:
         for key in getattr(cfg, "sub_configs", {}) or {}:
             todo.append(getattr(cfg, key, None))
     return out
+
+
+def _may_exceed(module: torch.nn.Module, args: tuple, kwargs: dict, limit: int) -> bool:
+    """False when this attention call surely stays within ``limit`` scores: B * heads * (Lq + Lk)^2
+    bounds self, cross and joint attention alike (Lq from ``hidden_states``, Lk from
+    ``encoder_hidden_states``). True when the shapes cannot be read (then every SDPA call is checked)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    enc = args[1] if len(args) > 1 else kwargs.get("encoder_hidden_states")
+    heads = getattr(module, "heads", None)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 3 or not isinstance(heads, int):
+        return True
+    # [B, L, C], or an image [B, C, H, W] that the processor flattens to H * W tokens
+    tokens = hidden.shape[1] if hidden.dim() == 3 else math.prod(hidden.shape[2:])
+    if isinstance(enc, torch.Tensor) and enc.dim() == 3:
+        tokens += enc.shape[1]
+    return hidden.shape[0] * heads * tokens * tokens > limit
 
 
 def _attention_modules(root: torch.nn.Module) -> list[torch.nn.Module]:
@@ -145,8 +175,12 @@ class AttentionSplit(Recipe):
             return self._apply_transformers(match.module, limit)
 
         def forward(self_: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            # Shapes are static under torch.compile: calls that cannot exceed the budget trace the stock
+            # forward untouched; only the large ones run with SDPA routed to the split.
+            if not _may_exceed(self_, args, kwargs, limit):
+                return _call_original(self_, *args, **kwargs)
             with SdpaSplitMode(limit):
-                return original_forward(self_, NAME)(*args, **kwargs)
+                return _call_original(self_, *args, **kwargs)
 
         undos: list[Undo] = []
         try:

@@ -23,9 +23,11 @@ MiniMax-H3                 72 constant_pad_nd, 72 reflection_pad3d
 (Allegro, LTX-Video and the SVD temporal decoder pad no 5-D tensor; they are not targets.)
 
 Zero spatial pads in front of a module's own convolution (Cosmos' and VidTok's causal convolutions)
-are folded into the convolution's ``padding``; every other 5-D pad of the listed modules runs as
-:func:`mpsboost.ops.pad5d.pad5d` (one buffer, slice copies: bit-exact), routed there by a
-``TorchFunctionMode`` entered inside each patched module's forward only.
+are folded into the convolution's ``padding``; every other 5-D pad runs as
+:func:`mpsboost.ops.pad5d.pad5d` (one buffer, slice copies: bit-exact): written into the forward
+for HunyuanVideo's causal convolutions and for ``nn.Conv3d`` with a reflect / replicate
+``padding_mode`` (LTX-2), routed there by a ``TorchFunctionMode`` entered inside each patched
+module's forward for the other modules.
 
 Gated: on MPS before 2.15 it applies; from 2.15 on (and on CUDA and CPU) the stock pads are native
 and correct, and the recipe steps aside with that reason. ``options={"video_vae_pad": {"force":
@@ -39,7 +41,7 @@ import torch
 
 from ..gate import FEATURES, Env, check
 from ..ops import pad5d as p5
-from ..registry import Decision, Match, Recipe, Undo, bind_forward, join_path, matches_class, original_forward, register
+from ..registry import _Missing, Decision, Match, Recipe, Undo, bind_forward, join_path, matches_class, register, saved_state
 
 _AE = "diffusers.models.autoencoders"
 
@@ -77,12 +79,28 @@ PADDERS = (
     f"{_AE}.autoencoder_kl_minimax_h3.MiniMaxH3VideoDownsample3d",
 )
 _COSMOS_CONV = f"{_AE}.autoencoder_kl_cosmos.CosmosCausalConv3d"
+# F.pad(x, self.time_causal_padding, mode=self.pad_mode) then self.conv(x): written out with pad5d.
+_PAD_THEN_CONV = (
+    f"{_AE}.autoencoder_kl_hunyuan_video.HunyuanVideoCausalConv3d",
+    f"{_AE}.autoencoder_kl_hunyuanvideo15.HunyuanVideo15CausalConv3d",
+    f"{_AE}.autoencoder_kl_hunyuanimage_refiner.HunyuanImageRefinerCausalConv3d",
+)
 _VIDTOK_CONV = f"{_AE}.autoencoder_vidtok.VidTokCausalConv3d"
 NAME = "video_vae_pad"
 
 
+def _call_original(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward this recipe replaced, called without building a bound method (so that
+    torch.compile traces through it)."""
+    prev = saved_state(module, NAME)["forward"]
+    if isinstance(prev, _Missing):
+        return type(module).forward(module, *args, **kwargs)
+    return prev(*args, **kwargs)
+
+
 def _kind(m: torch.nn.Module) -> str | None:
-    """How this module is patched: "fold_cosmos", "fold_vidtok", "route" (pads via pad5d), or None."""
+    """How this module is patched: "fold_cosmos" / "fold_vidtok" (zero pad folded into the conv),
+    "pad_conv" / "conv_mode" (explicit forward with pad5d), "route" (pads via Pad5dMode), or None."""
     if matches_class(m, (_COSMOS_CONV,)) and getattr(m, "pad_mode", None) == "constant" and p5.symmetric_spatial(m.spatial_pad):
         return "fold_cosmos"
     if (
@@ -93,19 +111,22 @@ def _kind(m: torch.nn.Module) -> str | None:
         and m.conv.padding == (0, 0, 0)
     ):
         return "fold_vidtok"
+    if matches_class(m, _PAD_THEN_CONV) and isinstance(getattr(m, "conv", None), torch.nn.Conv3d) and len(m.time_causal_padding) == 6:
+        return "pad_conv"
     if matches_class(m, PADDERS):
         return "route"
     if isinstance(m, torch.nn.Conv3d) and m.padding_mode != "zeros":
-        return "route"  # nn.Conv3d pads through F.pad for these modes
+        # nn.Conv3d pads through F.pad for these modes; a subclass with its own forward is routed.
+        return "conv_mode" if type(m).forward is torch.nn.Conv3d.forward else "route"
     return None
 
 
 def count_targets(root: torch.nn.Module) -> dict:
-    out = {"folded": 0, "routed": 0}
+    out = {"folded": 0, "written_out": 0, "routed": 0}
     for m in root.modules():
         k = _kind(m)
         if k:
-            out["folded" if k.startswith("fold") else "routed"] += 1
+            out["folded" if k.startswith("fold") else "routed" if k == "route" else "written_out"] += 1
     return out
 
 
@@ -138,7 +159,7 @@ class VideoVaePad(Recipe):
         if unknown:
             raise ValueError(f"{NAME} does not know option(s) {unknown}; accepted: force")
         counts = count_targets(match.module)
-        if counts["folded"] + counts["routed"] == 0:
+        if sum(counts.values()) == 0:
             return Decision.skip("no module of this VAE pads a 5-D tensor", **counts)
         backing = "conv padding fold + pad as slice copies" if counts["folded"] else "pad as slice copies"
         if options.get("force", False):
@@ -160,7 +181,7 @@ class VideoVaePad(Recipe):
     def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
         def routed(self_: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             with p5.Pad5dMode():
-                return original_forward(self_, NAME)(*args, **kwargs)
+                return _call_original(self_, *args, **kwargs)
 
         def fold_cosmos(self_: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             return p5.cosmos_causal_conv3d(self_, x)
@@ -168,7 +189,13 @@ class VideoVaePad(Recipe):
         def fold_vidtok(self_: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             return p5.vidtok_causal_conv3d(self_, x)
 
-        forwards = {"route": routed, "fold_cosmos": fold_cosmos, "fold_vidtok": fold_vidtok}
+        def pad_conv(self_: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return p5.pad_then_conv(self_, x)
+
+        def conv_mode(self_: torch.nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
+            return p5.conv3d_padding_mode(self_, x)
+
+        forwards = {"route": routed, "fold_cosmos": fold_cosmos, "fold_vidtok": fold_vidtok, "pad_conv": pad_conv, "conv_mode": conv_mode}
         undos: list[Undo] = []
         try:
             for m in match.module.modules():
