@@ -150,3 +150,14 @@ def test_plans_by_environment():
             assert row.status == "would apply" and "ComfyUI#14837" in row.reason
     with pytest.raises(mpsboost.errors.PatchError, match="max_scores"):
         mpsboost.patch(tr, recipes=[RECIPE], device=MPS, options={RECIPE: {"max_scores": 0}})
+
+
+def test_patching_twice_is_a_noop():
+    pytest.importorskip("diffusers")
+    tr = tm.build("wan_transformer")
+    mpsboost.patch(tr, recipes=[RECIPE], device=MPS)
+    try:
+        assert mpsboost.patch(tr, recipes=[RECIPE], device=MPS).noop
+    finally:
+        mpsboost.unpatch(tr)
+    assert not any("_mpsboost_patches" in m.__dict__ for m in tr.modules())

@@ -118,3 +118,14 @@ def test_pad5d_mode_reroutes_only_rank5_pads():
         F.pad(torch.randn(1, 1, 2, 2, 2), (1, 1), mode="replicate")  # refused by F.pad itself, as without the mode
     with pytest.raises(ValueError, match="smaller than dimension"):
         p5.pad5d(torch.randn(1, 1, 2, 2, 2), (2, 2), "reflect")
+
+
+def test_patching_twice_is_a_noop():
+    vae = tm.build_video_vae("hunyuan_video")
+    mpsboost.patch(vae, recipes=[RECIPE], device=MPS_OLD)
+    try:
+        again = mpsboost.patch(vae, recipes=[RECIPE], device=MPS_OLD)
+        assert again.noop
+    finally:
+        mpsboost.unpatch(vae)
+    assert not any("_mpsboost_patches" in m.__dict__ for m in vae.modules()) and "_mpsboost_pad5d" not in vae.__dict__

@@ -184,6 +184,8 @@ class AttentionSplit(Recipe):
 
         undos: list[Undo] = []
         try:
+            # A mark on the model itself: patch() sees it patched (a second call is a no-op).
+            undos.append(set_instance_attr(match.module, NAME, "_mpsboost_split_limit", limit))
             for m in _attention_modules(match.module):
                 undos.append(bind_forward(m, NAME, forward))
         except BaseException:

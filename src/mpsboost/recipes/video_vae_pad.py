@@ -41,7 +41,7 @@ import torch
 
 from ..gate import FEATURES, Env, check
 from ..ops import pad5d as p5
-from ..registry import _Missing, Decision, Match, Recipe, Undo, bind_forward, join_path, matches_class, register, saved_state
+from ..registry import _Missing, Decision, Match, Recipe, Undo, bind_forward, join_path, matches_class, register, saved_state, set_instance_attr
 
 _AE = "diffusers.models.autoencoders"
 
@@ -198,6 +198,8 @@ class VideoVaePad(Recipe):
         forwards = {"route": routed, "fold_cosmos": fold_cosmos, "fold_vidtok": fold_vidtok, "pad_conv": pad_conv, "conv_mode": conv_mode}
         undos: list[Undo] = []
         try:
+            # A mark on the VAE itself: patch() sees it patched (a second call is a no-op).
+            undos.append(set_instance_attr(match.module, NAME, "_mpsboost_pad5d", True))
             for m in match.module.modules():
                 k = _kind(m)
                 if k:
