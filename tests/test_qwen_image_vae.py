@@ -171,3 +171,29 @@ def test_qwen_image_edit_pipeline_patch(rng_seed):
         with counting("pad") as pads:
             z, out = roundtrip(pipe.vae, x)
     assert pads[0] == 0 and (out - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("frames", [1, 5])
+def test_no_5d_pad_where_the_mps_fault_triggers(frames, rng_seed):
+    # pytorch#194922 corrupts constant time-padding of rank-5 tensors once H*W >= 65536 (the cause of
+    # ComfyUI#16433). This tiny VAE (spatial factor 4) decodes a 64x64 latent to 256x256 = 65536 pixels.
+    # Patched for a simulated MPS 2.14.1, no pad of a rank-5 tensor runs (aten level); for a video the
+    # 3-D convolutions still see inputs of that size. Results equal stock within 1e-4 (the single-frame
+    # 2-D convolution sums in another order; more terms at this size than in the small tests).
+    import tiny_models as tm
+    from mpsboost.gate import Env
+
+    vae = tiny()
+    x = torch.rand(1, 3, frames, 256, 256) * 2 - 1
+    with tm.Pad5dCounter() as stock:
+        z_ref, ref = roundtrip(vae, x)
+    assert any(s[3] * s[4] >= 65536 for _, s in stock.calls)
+    with mpsboost.patched(vae, recipes=[RECIPE], device=Env.simulate("mps", "2.14.1")) as report:
+        assert report.rows[0].status == "applied"
+        with tm.Pad5dCounter() as patched:
+            z, out = roundtrip(vae, x)
+    assert patched.calls == []
+    if frames > 1:
+        assert any(len(s) == 5 and s[3] * s[4] >= 65536 for s in patched.conv_inputs)
+    assert (z - z_ref).abs().max().item() <= 1e-4 and (out - ref).abs().max().item() <= 1e-4

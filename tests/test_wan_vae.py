@@ -297,3 +297,28 @@ def test_wan_i2v_pipeline_patch(rng_seed):
         with count_pads() as pads:
             roundtrip(pipe.vae, x)
         assert pads[0] == 0
+
+
+@pytest.mark.slow
+def test_no_5d_pad_where_the_mps_fault_triggers(rng_seed):
+    # pytorch#194922 corrupts constant time-padding of rank-5 tensors once H*W >= 65536. A tiny Wan2.2
+    # VAE reaches it with a 512x512 video: after the patchify (2) the convolutions near the pixels see
+    # 256x256 = 65536. Patched for a simulated MPS 2.14.1, no pad of a rank-5 tensor runs (counted at
+    # the aten level), while convolutions of that size still do. Results equal stock within 1e-4 (the
+    # single-frame 2-D convolution of the first chunk sums in another order; at this size more terms
+    # than in the small tests above).
+    import tiny_models as tm
+    from mpsboost.gate import Env
+
+    vae = wan22()
+    x = torch.rand(1, 3, 5, 512, 512) * 2 - 1
+    with tm.Pad5dCounter() as stock:
+        z_ref, ref = roundtrip(vae, x)
+    assert any(s[3] * s[4] >= 65536 for _, s in stock.calls)  # the stock VAE pads at the trigger size
+    with mpsboost.patched(vae, recipes=[RECIPE], device=Env.simulate("mps", "2.14.1")) as report:
+        assert report.rows[0].status == "applied"
+        with tm.Pad5dCounter() as patched:
+            z, out = roundtrip(vae, x)
+    assert patched.calls == []
+    assert any(len(s) == 5 and s[3] * s[4] >= 65536 for s in patched.conv_inputs)
+    assert (z - z_ref).abs().max().item() <= 1e-4 and (out - ref).abs().max().item() <= 1e-4

@@ -534,3 +534,92 @@ def applying_env(recipe: Any, obj: Any, *, runnable_on_cpu: bool, options: Mappi
         if n:
             return label, env, n
     return None
+
+
+# ------------------------------------------------------------------------------------ other video VAEs
+# Tiny configs of diffusers' video VAEs besides Wan / Qwen-Image (video_vae_pad), each with an input
+# that runs every padding module: (builder, input shape [B, C, T, H, W]).
+
+def _video_vaes() -> dict:
+    import diffusers as d
+
+    return {
+        "hunyuan_video": (lambda: d.AutoencoderKLHunyuanVideo(block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4), (1, 3, 9, 32, 32)),
+        "hunyuan_video15": (lambda: d.AutoencoderKLHunyuanVideo15(block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1, latent_channels=4), (1, 3, 9, 32, 32)),
+        "hunyuan_image_refiner": (lambda: d.AutoencoderKLHunyuanImageRefiner(block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1, latent_channels=4), (1, 3, 5, 32, 32)),
+        "mochi": (lambda: d.AutoencoderKLMochi(encoder_block_out_channels=(32, 32, 32, 32), decoder_block_out_channels=(32, 32, 32, 32), layers_per_block=(1, 1, 1, 1, 1)), (1, 3, 7, 16, 16)),
+        "cogvideox": (lambda: d.AutoencoderKLCogVideoX(block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4), (1, 3, 9, 32, 32)),
+        "cosmos": (lambda: d.AutoencoderKLCosmos(encoder_block_out_channels=(8, 8, 8, 8), decode_block_out_channels=(8, 8, 8, 8), latent_channels=4, num_layers=1, resolution=32, attention_resolutions=(8,), latents_mean=None, latents_std=None), (1, 3, 9, 32, 32)),
+        "magvit": (lambda: d.AutoencoderKLMagvit(block_out_channels=[8, 8, 8, 8], norm_num_groups=4, layers_per_block=1, latent_channels=4), (1, 3, 9, 32, 32)),
+        "kvae_video": (lambda: d.AutoencoderKLKVAEVideo(ch=32, ch_mult=(1, 1, 1), num_res_blocks=1, z_channels=4), (1, 3, 9, 32, 32)),
+        "ltx2": (lambda: d.AutoencoderKLLTX2Video(block_out_channels=(8, 16, 32, 64), decoder_block_out_channels=(8, 16, 32), latent_channels=8, layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1)), (1, 3, 9, 64, 64)),
+        "vidtok": (lambda: d.AutoencoderVidTok(ch=8, ch_mult=[1, 1, 1, 1], num_res_blocks=1), (1, 3, 9, 32, 32)),
+        "minimax_h3": (lambda: d.AutoencoderKLMiniMaxH3(block_out_channels=(8, 8, 8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, decoder_num_layers=1, decoder_num_attention_heads=2, decoder_attention_head_dim=8, clip_length=5, token_drop=1), (1, 3, 17, 32, 32)),
+    }
+
+
+VIDEO_VAE_NAMES = ("hunyuan_video", "hunyuan_video15", "hunyuan_image_refiner", "mochi", "cogvideox", "cosmos", "magvit",
+                   "kvae_video", "ltx2", "vidtok", "minimax_h3")
+
+
+def build_video_vae(name: str, seed: int = 0) -> Any:
+    torch.manual_seed(seed)
+    return _video_vaes()[name][0]().eval()
+
+
+def video_vae_input(name: str, seed: int) -> torch.Tensor:
+    shape = _video_vaes()[name][1]
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def video_vae_roundtrip(vae: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Encode, then decode the mode of the posterior (or the latent a non-KL VAE returns)."""
+    with torch.no_grad():
+        post = vae.encode(x)
+        dist = getattr(post, "latent_dist", None)
+        z = dist.mode() if dist is not None else (post if torch.is_tensor(post) else post[0])
+        y = vae.decode(z)
+        return z, (y if torch.is_tensor(y) else y[0])
+
+
+def _hunyuan_video_vae():
+    return _video_vaes()["hunyuan_video"][0]()
+
+
+def _run_video_vae(vae, seed: int, *, frames: int = 5, size: int = 32, dtype: str = "float32") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(1, 3, frames, size, size, generator=g) * 2 - 1).to(DTYPES[dtype])
+    with torch.no_grad():
+        return vae(x, sample_posterior=False).sample.float()
+
+
+TINY["hunyuan_video_vae"] = Tiny("hunyuan_video_vae", "diffusers", "vae", _hunyuan_video_vae, _run_video_vae,
+                                 {"frames": 5, "size": 32}, {"frames": (1, 5), "size": (32,), "dtype": ("float32", "bfloat16")})
+
+
+class Pad5dCounter:
+    """A ``TorchDispatchMode`` (built on first use) that records every pad of a rank-5 tensor at the aten
+    level: ``constant_pad_nd``, ``replication_pad3d``, ``reflection_pad3d``, ``pad``. ``calls`` holds
+    ``(op name, input shape)`` pairs."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        aten = torch.ops.aten
+        ops = {aten.constant_pad_nd.default: "constant_pad_nd", aten.replication_pad3d.default: "replication_pad3d",
+               aten.reflection_pad3d.default: "reflection_pad3d", aten.pad.default: "pad"}
+
+        class _Counter(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.calls: list[tuple[str, tuple]] = []
+                self.conv_inputs: list[tuple] = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func in ops and args[0].dim() == 5:
+                    self.calls.append((ops[func], tuple(args[0].shape)))
+                if func is aten.convolution.default:
+                    self.conv_inputs.append(tuple(args[0].shape))
+                return func(*args, **(kwargs or {}))
+
+        return _Counter()

@@ -47,7 +47,9 @@ __all__ = [
 ]
 
 LAYOUTS = ("auto", "channels_last", "contiguous")
-_OPTION_KEYS = ("layout", "fused_norm", "single_frame_2d", "tile_loop")
+_OPTION_KEYS = ("layout", "fused_norm", "single_frame_2d", "tile_loop", "memory_watch", "memory_threshold")
+#: Default share of ``torch.mps.recommended_max_memory()`` above which the tile loop frees the cache.
+MEMORY_THRESHOLD = 0.85
 
 
 @dataclass(frozen=True)
@@ -72,13 +74,17 @@ class VaeOptions:
     fused_norm: bool
     single_frame_2d: bool
     tile_loop: bool
+    # Frees cached blocks between tiles (MPS default; see vae_tiles.MemoryWatcher). None: off.
+    memory_watch: vae_tiles.MemoryWatcher | None = None
 
     @property
     def channels_last(self) -> bool:
         return self.layout == "channels_last"
 
     def describe(self) -> dict:
-        return {"layout": self.layout, "fused_norm": self.fused_norm, "single_frame_2d": self.single_frame_2d, "tile_loop": self.tile_loop}
+        out = {"layout": self.layout, "fused_norm": self.fused_norm, "single_frame_2d": self.single_frame_2d, "tile_loop": self.tile_loop}
+        out["memory_watch"] = self.memory_watch.threshold if self.memory_watch is not None else None
+        return out
 
 
 def _bool_option(recipe: str, key: str, value: Any, default: bool) -> bool:
@@ -94,7 +100,10 @@ def parse_options(recipe: str, options: Mapping[str, Any], device_type: str) -> 
 
     Defaults: channels-last layout and the fused norm on CUDA (where cuDNN and the fused RMS-norm
     kernel are known); the contiguous layout elsewhere (the MPS and CPU paths change only what the
-    pad fold needs). The single-frame 2-D convolution and the tile loop everywhere.
+    pad fold needs). The single-frame 2-D convolution and the tile loop everywhere. The memory
+    watch of the tile loop on MPS only (``memory_watch``: True, False, "auto", or a
+    :class:`~mpsboost.ops.vae_tiles.MemoryWatcher` with its own counters; ``memory_threshold``: the
+    share of the recommended maximum, default 0.85).
     """
     unknown = sorted(k for k in options if k != "fp8" and k not in _OPTION_KEYS)
     if unknown:
@@ -107,7 +116,17 @@ def parse_options(recipe: str, options: Mapping[str, Any], device_type: str) -> 
     fused = _bool_option(recipe, "fused_norm", options.get("fused_norm"), layout == "channels_last")
     sf = _bool_option(recipe, "single_frame_2d", options.get("single_frame_2d"), True)
     tl = _bool_option(recipe, "tile_loop", options.get("tile_loop"), True)
-    return VaeOptions(layout=layout, fused_norm=fused, single_frame_2d=sf, tile_loop=tl)
+    threshold = options.get("memory_threshold", MEMORY_THRESHOLD)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < float(threshold) <= 1.0:
+        raise ValueError(f"{recipe} option memory_threshold={threshold!r} is not accepted; pass a fraction in (0, 1], e.g. 0.85")
+    watch = options.get("memory_watch", "auto")
+    watcher: vae_tiles.MemoryWatcher | None
+    if isinstance(watch, vae_tiles.MemoryWatcher):
+        watcher = watch
+    else:
+        on = _bool_option(recipe, "memory_watch", watch, device_type == "mps")
+        watcher = vae_tiles.MemoryWatcher(float(threshold)) if on else None
+    return VaeOptions(layout=layout, fused_norm=fused, single_frame_2d=sf, tile_loop=tl, memory_watch=watcher)
 
 
 def _is_right_bottom_pad(m: torch.nn.Module) -> bool:
@@ -300,12 +319,14 @@ def patch_tree(
             def _encode(self: Any, x: torch.Tensor) -> torch.Tensor:
                 return vae_tiles.encode(self, x, spec)
 
+            watcher = opts.memory_watch
+
             def tiled_decode(self: Any, z: torch.Tensor, return_dict: bool = True) -> Any:
-                dec = vae_tiles.tiled_decode(self, z, spec)
+                dec = vae_tiles.tiled_decode(self, z, spec, watcher=watcher)
                 return decoder_output(sample=dec) if return_dict else (dec,)
 
             def tiled_encode(self: Any, x: torch.Tensor) -> torch.Tensor:
-                return vae_tiles.tiled_encode(self, x, spec)
+                return vae_tiles.tiled_encode(self, x, spec, watcher=watcher)
 
             for name, fn in (("_decode", _decode), ("_encode", _encode), ("tiled_decode", tiled_decode), ("tiled_encode", tiled_encode)):
                 undos.append(set_instance_attr(root, recipe, name, types.MethodType(fn, root)))
@@ -354,5 +375,10 @@ def decide(recipe: str, classes: VaeClasses, match: Match, env: Env, options: Ma
         )
         if opts.channels_last:
             reason += "; activations stay channels-last (cuDNN's native layout)"
+    if opts.memory_watch is not None and opts.tile_loop:
+        reason += (
+            f"; the tile loop {opts.memory_watch.describe()} (torch.mps.driver_allocated_memory against "
+            "recommended_max_memory, then empty_cache), before a unified-memory Mac swaps"
+        )
     counts = count_modules(match.module, classes)
     return Decision.apply(full_backing, reason, **counts, **opts.describe(), whole_vae=bool(match.data.get("vae")))

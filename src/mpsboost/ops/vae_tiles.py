@@ -13,6 +13,10 @@ changes that leave every value as it was:
   tiles blend with are kept, not every tile of the image, and no full-size buffer is held while
   tiles are being computed.
 
+``watcher`` (a :class:`MemoryWatcher`) checks the driver-level allocation after every tile and
+frees the allocator's cached blocks when it passes a share of the device's recommended maximum: on a
+unified-memory Mac the cache of a long tiled decode otherwise grows until the system swaps.
+
 ``side`` (an :class:`~mpsboost.ops.streams.SideStream`) moves the blending and the copy into the
 assembly to a side stream: tile i+1 computes while tile i is blended and cropped.
 
@@ -29,6 +33,7 @@ from .streams import SideStream
 
 __all__ = [
     "VaeLoopSpec",
+    "MemoryWatcher",
     "blend_",
     "decode_latents",
     "encode_frames",
@@ -50,6 +55,70 @@ class VaeLoopSpec:
     dec_convs: int
     patchify: Callable[[torch.Tensor, int], torch.Tensor] | None = None  # Wan2.2 (patch_size 2)
     unpatchify: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+
+
+class MemoryWatcher:
+    """Frees cached device memory between tiles before a unified-memory Mac starts swapping.
+
+    After each tile, ``driver_allocated()`` (default ``torch.mps.driver_allocated_memory``: the
+    allocator's caches plus MPS / MPSGraph allocations) is compared with ``threshold`` times
+    ``recommended_max()`` (default ``torch.mps.recommended_max_memory``); at or above it,
+    ``empty_cache()`` (default ``torch.mps.empty_cache``) returns the cached blocks to the system.
+    The functions are injectable (tests, other back-ends). With the defaults it acts on MPS tensors
+    only; elsewhere :meth:`step` does nothing.
+
+    ``checks`` counts the tiles it looked after; ``frees`` lists ``(tile, bytes before, bytes after)``
+    for each time it freed.
+    """
+
+    def __init__(
+        self,
+        threshold: float = 0.85,
+        *,
+        driver_allocated: Callable[[], int] | None = None,
+        recommended_max: Callable[[], int] | None = None,
+        empty_cache: Callable[[], None] | None = None,
+    ) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < float(threshold) <= 1.0:
+            raise ValueError(f"memory threshold must be a fraction in (0, 1], got {threshold!r}")
+        self.threshold = float(threshold)
+        self._injected = any(f is not None for f in (driver_allocated, recommended_max, empty_cache))
+        self._allocated = driver_allocated
+        self._max = recommended_max
+        self._empty = empty_cache
+        self.checks = 0
+        self.frees: list[tuple[int, int, int]] = []
+
+    def _fns(self) -> tuple[Callable[[], int], Callable[[], int], Callable[[], None]]:
+        mps = torch.mps
+        return (self._allocated or mps.driver_allocated_memory, self._max or mps.recommended_max_memory, self._empty or mps.empty_cache)
+
+    def applies_to(self, device: torch.device) -> bool:
+        return self._injected or device.type == "mps"
+
+    def step(self, device: torch.device) -> bool:
+        """Check once (after a tile); True when it freed the cache."""
+        if not self.applies_to(device):
+            return False
+        allocated, recommended, empty = self._fns()
+        self.checks += 1
+        before = int(allocated())
+        limit = int(recommended())
+        if limit <= 0 or before < self.threshold * limit:
+            return False
+        empty()
+        after = int(allocated())
+        self.frees.append((self.checks, before, after))
+        import logging
+
+        logging.getLogger("mpsboost").info(
+            "tiled VAE loop: driver memory %.2f GiB >= %.0f%% of the recommended %.2f GiB; freed cached blocks (now %.2f GiB)",
+            before / 2**30, 100 * self.threshold, limit / 2**30, after / 2**30,
+        )
+        return True
+
+    def describe(self) -> str:
+        return f"frees cached blocks between tiles at {100 * self.threshold:.0f}% of the recommended maximum"
 
 
 def _patch_size(vae: Any, spec: VaeLoopSpec) -> int | None:
@@ -233,6 +302,7 @@ def _tile_grid(
     out_w: int,
     run_tile: Callable[[torch.Tensor], torch.Tensor],
     side: SideStream | None,
+    watcher: MemoryWatcher | None = None,
 ) -> torch.Tensor:
     """Run ``run_tile`` over the tile grid of ``src``; blend, crop and assemble as diffusers does.
 
@@ -263,6 +333,8 @@ def _tile_grid(
                     below[cj], left = _place(*args)
                 side.keep(tile)
             del tile, args
+            if watcher is not None:
+                watcher.step(src.device)
         if crops:
             if side is None:
                 done_rows.append(torch.cat(crops, dim=-1))
@@ -277,7 +349,8 @@ def _tile_grid(
     return done_rows[0] if len(done_rows) == 1 else torch.cat(done_rows, dim=-2)
 
 
-def tiled_decode(vae: Any, z: torch.Tensor, spec: VaeLoopSpec, *, side: SideStream | None = None) -> torch.Tensor:
+def tiled_decode(vae: Any, z: torch.Tensor, spec: VaeLoopSpec, *, side: SideStream | None = None,
+                 watcher: MemoryWatcher | None = None) -> torch.Tensor:
     """``vae.tiled_decode(z)``'s sample."""
     _, _, _, height, width = z.shape
     scr = vae.spatial_compression_ratio
@@ -301,7 +374,8 @@ def tiled_decode(vae: Any, z: torch.Tensor, spec: VaeLoopSpec, *, side: SideStre
         return decode_latents(vae, t, spec, post_quant_per_frame=True)
 
     dec = _tile_grid(vae, z, tile_h=tile_h, tile_w=tile_w, step_h=step_h, step_w=step_w, crop_h=crop_h, crop_w=crop_w,
-                     blend_h=blend_h, blend_w=blend_w, out_h=sample_h, out_w=sample_w, run_tile=run_tile, side=side)
+                     blend_h=blend_h, blend_w=blend_w, out_h=sample_h, out_w=sample_w, run_tile=run_tile, side=side,
+                     watcher=watcher)
     if spec.clamp_tiled:
         # Clamping commutes with unpatchify's permutation; doing it first, in place, saves a buffer.
         dec = dec.clamp_(-1.0, 1.0) if not torch.is_grad_enabled() else torch.clamp(dec, -1.0, 1.0)
@@ -310,7 +384,8 @@ def tiled_decode(vae: Any, z: torch.Tensor, spec: VaeLoopSpec, *, side: SideStre
     return dec
 
 
-def tiled_encode(vae: Any, x: torch.Tensor, spec: VaeLoopSpec, *, side: SideStream | None = None) -> torch.Tensor:
+def tiled_encode(vae: Any, x: torch.Tensor, spec: VaeLoopSpec, *, side: SideStream | None = None,
+                 watcher: MemoryWatcher | None = None) -> torch.Tensor:
     """``vae.tiled_encode(x)`` (``x`` already patchified where the VAE patchifies)."""
     _, _, _, height, width = x.shape
     ratio = vae.spatial_compression_ratio
@@ -329,4 +404,4 @@ def tiled_encode(vae: Any, x: torch.Tensor, spec: VaeLoopSpec, *, side: SideStre
     return _tile_grid(vae, x, tile_h=vae.tile_sample_min_height, tile_w=vae.tile_sample_min_width,
                       step_h=vae.tile_sample_stride_height, step_w=vae.tile_sample_stride_width,
                       crop_h=t_step_h, crop_w=t_step_w, blend_h=t_min_h - t_step_h, blend_w=t_min_w - t_step_w,
-                      out_h=latent_h, out_w=latent_w, run_tile=run_tile, side=side)
+                      out_h=latent_h, out_w=latent_w, run_tile=run_tile, side=side, watcher=watcher)

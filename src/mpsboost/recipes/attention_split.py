@@ -1,0 +1,212 @@
+"""Recipe ``attention_split``: no SDPA call above 2^31 attention scores on MPS.
+
+MPS computes wrong attention once one ``scaled_dot_product_attention`` call holds more than 2^31
+score elements (B * H * Lq * Lk), as Wan video workflows hit (ComfyUI#14837: Wan2.2 at 720p and 121
+frames attends over about 27,000 tokens with 24 heads). This recipe splits such calls along the
+queries (:mod:`mpsboost.ops.attention_split`); each slice attends to every key, so each output row
+is computed as before. Calls within the budget pass through unchanged.
+
+- diffusers: every attention module (``Attention``, and the ``AttentionModuleMixin`` classes such as
+  ``WanAttention``) of a model gets a forward that runs its processor with
+  ``F.scaled_dot_product_attention`` routed to the split (``WanAttnProcessor`` and Qwen-Image's
+  processor reach it through ``dispatch_attention_fn``'s native backend, ``AttnProcessor2_0``
+  directly). One report row per model.
+- transformers: models on ``sdpa`` attention switch to ``"mpsboost_sdpa_split"``, registered in
+  transformers' ``AttentionInterface`` (its documented extension point): transformers' own SDPA
+  function with its SDPA calls split. ``unpatch`` restores each config's previous implementation.
+
+Gate: the ``sdpa_large_scores_correct`` feature where the gate has it; without it, every MPS build
+is taken to have the fault (no fix is known). On CUDA and CPU it steps aside. Options:
+``max_scores`` (the per-call budget, default 2^31), ``force`` (apply in any environment).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Mapping
+
+import torch
+
+from ..gate import FEATURES, Env, check
+from ..ops.attention_split import MAX_SCORES, SdpaSplitMode, score_elements
+from ..registry import _Missing, Decision, Match, Recipe, Undo, bind_forward, class_path, matches_class, register, saved_state, set_instance_attr
+
+NAME = "attention_split"
+
+
+def _call_original(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The forward this recipe replaced, called without building a bound method (so that
+    torch.compile traces through it)."""
+    prev = saved_state(module, NAME)["forward"]
+    if isinstance(prev, _Missing):
+        return type(module).forward(module, *args, **kwargs)
+    return prev(*args, **kwargs)
+IMPLEMENTATION = "mpsboost_sdpa_split"
+_PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
+_MODELMIXIN = "diffusers.models.modeling_utils.ModelMixin"
+_DIFFUSERS_ATTENTION = ("diffusers.models.attention_processor.Attention", "diffusers.models.attention.AttentionModuleMixin")
+_OPTIONS = ("max_scores", "force")
+
+
+def _options(options: Mapping[str, Any]) -> tuple[int, bool]:
+    unknown = sorted(set(options) - set(_OPTIONS) - {"fp8"})
+    if unknown:
+        raise ValueError(f"{NAME} does not know option(s) {unknown}; accepted: {', '.join(_OPTIONS)}")
+    limit = options.get("max_scores", MAX_SCORES)
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise ValueError(f"{NAME} option max_scores={limit!r} is not accepted; pass a positive int (default 2**31)")
+    return limit, bool(options.get("force", False))
+
+
+def _implementation(limit: int) -> str:
+    return IMPLEMENTATION if limit == MAX_SCORES else f"{IMPLEMENTATION}_{limit}"
+
+
+_REGISTERED: set[str] = set()
+
+
+def _register_with_transformers(limit: int) -> str:
+    """Add the split SDPA function for ``limit`` to transformers' interfaces (adds a key only)."""
+    name = _implementation(limit)
+    if name in _REGISTERED:
+        return name
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    def split_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        # [B, H, L, D]: within the budget (static shapes under torch.compile) transformers' own function
+        # runs untouched; above it, with its SDPA call split.
+        if score_elements(query, key) <= limit:
+            return sdpa_attention_forward(module, query, key, *args, **kwargs)
+        with SdpaSplitMode(limit):
+            return sdpa_attention_forward(module, query, key, *args, **kwargs)
+
+    AttentionInterface.register(name, split_attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    _REGISTERED.add(name)
+    return name
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    out, seen, todo = [], set(), [getattr(model, "config", None)]
+    while todo:
+        cfg = todo.pop()
+        if cfg is None or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        out.append(cfg)
+        for key in getattr(cfg, "sub_configs", {}) or {}:
+            todo.append(getattr(cfg, key, None))
+    return out
+
+
+def _may_exceed(module: torch.nn.Module, args: tuple, kwargs: dict, limit: int) -> bool:
+    """False when this attention call surely stays within ``limit`` scores: B * heads * (Lq + Lk)^2
+    bounds self, cross and joint attention alike (Lq from ``hidden_states``, Lk from
+    ``encoder_hidden_states``). True when the shapes cannot be read (then every SDPA call is checked)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    enc = args[1] if len(args) > 1 else kwargs.get("encoder_hidden_states")
+    heads = getattr(module, "heads", None)
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 3 or not isinstance(heads, int):
+        return True
+    # [B, L, C], or an image [B, C, H, W] that the processor flattens to H * W tokens
+    tokens = hidden.shape[1] if hidden.dim() == 3 else math.prod(hidden.shape[2:])
+    if isinstance(enc, torch.Tensor) and enc.dim() == 3:
+        tokens += enc.shape[1]
+    return hidden.shape[0] * heads * tokens * tokens > limit
+
+
+def _attention_modules(root: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in root.modules() if matches_class(m, _DIFFUSERS_ATTENTION)]
+
+
+@register
+class AttentionSplit(Recipe):
+    name = NAME
+    summary = "SDPA split along the queries so that no call holds more than 2^31 scores (wrong results on MPS beyond)"
+    targets = (_PRETRAINED, _MODELMIXIN)
+    lossless = True
+    reversible = True
+    requires = ()
+    default = True
+    order = 110  # after metal_attention: it wraps whatever attention implementation that one chose
+
+    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
+        covered: list[torch.nn.Module] = []
+        for name, mod in root.named_modules():
+            if any(any(m is mod for m in c.modules()) for c in covered):
+                continue
+            path = ".".join(p for p in (prefix, name) if p) or "<root>"
+            if matches_class(mod, (_PRETRAINED,)):
+                covered.append(mod)
+                yield Match(mod, path, {"kind": "transformers"})
+            elif matches_class(mod, (_MODELMIXIN,)) and _attention_modules(mod):
+                covered.append(mod)
+                yield Match(mod, path, {"kind": "diffusers"})
+
+    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+        limit, force = _options(options)
+        if match.data.get("kind") == "transformers":
+            impl = getattr(getattr(match.module, "config", None), "_attn_implementation", None)
+            if impl != "sdpa":
+                return Decision.skip(f"attention implementation {impl!r}: only 'sdpa' calls the kernel this recipe splits")
+            found = Decision.apply("sdpa split along queries (transformers attention function)", "was 'sdpa'",
+                                   max_scores=limit, previous=impl)
+        else:
+            n = len(_attention_modules(match.module))
+            found = Decision.apply("sdpa split along queries (attention processors)", f"{n} attention modules",
+                                   max_scores=limit, attention_modules=n)
+        if force:
+            return Decision.apply(found.backing, f"forced by options (force=True); {found.reason}", **found.details)
+        if env.device_type != "mps":
+            return Decision.skip(f"SDPA is correct beyond 2^31 scores on {env.device_type}; stock kept")
+        if "sdpa_large_scores_correct" in FEATURES:
+            v = check("sdpa_large_scores_correct", env)
+            if v.ok:
+                return Decision.skip(f"{v.reason}; stock kept")
+            why = v.reason
+        else:
+            why = "no MPS build is known to compute SDPA over more than 2^31 scores correctly (ComfyUI#14837)"
+        return Decision.apply(found.backing, f"{why}; calls above {limit} scores are split; {found.reason}", **found.details)
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+        limit = int(decision.details["max_scores"])
+        if match.data.get("kind") == "transformers":
+            return self._apply_transformers(match.module, limit)
+
+        def forward(self_: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+            # Shapes are static under torch.compile: calls that cannot exceed the budget trace the stock
+            # forward untouched; only the large ones run with SDPA routed to the split.
+            if not _may_exceed(self_, args, kwargs, limit):
+                return _call_original(self_, *args, **kwargs)
+            with SdpaSplitMode(limit):
+                return _call_original(self_, *args, **kwargs)
+
+        undos: list[Undo] = []
+        try:
+            # A mark on the model itself: patch() sees it patched (a second call is a no-op).
+            undos.append(set_instance_attr(match.module, NAME, "_mpsboost_split_limit", limit))
+            for m in _attention_modules(match.module):
+                undos.append(bind_forward(m, NAME, forward))
+        except BaseException:
+            for u in reversed(undos):
+                u()
+            raise
+        return Undo.chain(undos, description=f"{NAME}: restore attention forwards")
+
+    def _apply_transformers(self, model: torch.nn.Module, limit: int) -> Undo:
+        name = _register_with_transformers(limit)
+        before = [(cfg, cfg.__dict__.get("_attn_implementation_internal")) for cfg in _configs(model)]
+        model.set_attn_implementation(name)
+        if getattr(model.config, "_attn_implementation", None) != name:
+            for cfg, value in before:
+                cfg._attn_implementation_internal = value
+            raise RuntimeError(f"{class_path(type(model))} did not accept attention implementation {name!r}")
+        undo_attr = set_instance_attr(model, NAME, "_mpsboost_split_before", tuple(v for _, v in before))
+
+        def undo() -> None:
+            for cfg, value in before:
+                cfg._attn_implementation_internal = value
+            undo_attr()
+
+        return Undo(undo, description=f"{NAME}: restore attention implementations")
