@@ -439,3 +439,8 @@ def test_report_folds_rows_with_one_reason_into_one_line(recipes):
     assert "(x36)" in body[0] and "(12 targets)" in body[0]
     assert str(report).count("needs torch 2.15") == 1
     assert len(report.to_dict()["rows"]) == 36  # the JSON keeps every row
+
+
+def test_fp8_io_names_its_own_action_for_a_wrong_object(tmp_path):
+    with pytest.raises(UnsupportedTargetError, match=r"cannot save or load fp8 weights of a builtins.NoneType"):
+        mpsboost.save_fp8(None, tmp_path / "x.safetensors")

@@ -479,6 +479,18 @@ def patched(obj: Any, **kw: Any) -> Iterator[PatchReport]:
                 recs.remove(mine[0])
 
 
+def loaded_report(obj: Any, report: PatchReport | None, refreshed: list[str], recipe: str) -> PatchReport:
+    """What load_fp8 returns: the conversion's report, with a row per module that was converted
+    already and only received the file's values (so a patched model gets a report too, not None)."""
+    rows = list(report.rows) if report is not None else []
+    rows += [Row(recipe, path, ALREADY_PATCHED, reason="converted already; received the file's values") for path in refreshed]
+    if report is not None and not refreshed:
+        return report
+    env = report.env if report is not None else (last_report(obj).env if _records(obj) else Env.detect("cpu"))
+    return PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__,
+                                 note="fp8 values loaded from the file" if refreshed else "")
+
+
 def last_report(obj: Any) -> PatchReport:
     """The report of the latest patch() of ``obj``."""
     recs = _records(obj)
