@@ -1,4 +1,5 @@
-"""`mpsboost demo --device cpu` runs to the end as a subprocess and prints all four record kinds."""
+"""`mpsboost demo --device cpu` runs to the end as a subprocess and prints all four record kinds (slow),
+its missing-extra check comes before any work, and its ratio lines carry their range and a busy warning."""
 from __future__ import annotations
 
 import os
@@ -24,12 +25,14 @@ def demo_run(tmp_path_factory):
     return proc, out
 
 
+@pytest.mark.slow  # the full demo, as a subprocess
 def test_demo_runs_to_the_end(demo_run):
     proc, _ = demo_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "demo finished in" in proc.stdout
 
 
+@pytest.mark.slow  # the full demo, as a subprocess
 def test_demo_prints_reports_and_the_four_record_kinds(demo_run):
     proc, _ = demo_run
     text = proc.stdout
@@ -51,6 +54,7 @@ def test_demo_prints_reports_and_the_four_record_kinds(demo_run):
     assert text.count("over the repeats)") >= 6  # throughput and the operator, three workloads
 
 
+@pytest.mark.slow  # the full demo, as a subprocess
 def test_demo_records_hold_every_section(demo_run):
     _, out = demo_run
     recs = read_jsonl(out / "demo.jsonl")
