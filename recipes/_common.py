@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,11 +22,25 @@ from typing import Any, Callable
 import torch
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
+# The load average when the script started: a busy machine makes every speed ratio meaningless.
+LOAD_AT_START = (os.getloadavg()[0], os.cpu_count() or 1) if hasattr(os, "getloadavg") else None
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class _EmptyFp32ListFilter(logging.Filter):
+    """Drop diffusers' "should be kept in float32: []" warning: ``ModelMixin.to(dtype=...)`` prints it for
+    every model whose list of fp32 modules is empty, i.e. when there is nothing to keep in fp32."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "should be kept in float32: []" not in record.getMessage()
+
+
+logging.getLogger("diffusers.models.modeling_utils").addFilter(_EmptyFp32ListFilter())
+
+
 def parser(description: str, *, default_model: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # Each default is said once, in its help text (ArgumentDefaultsHelpFormatter would add a second).
+    p = argparse.ArgumentParser(description=description)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default=None,
                      help=f"hub id or local folder to load with from_pretrained (needs the weights), e.g. {default_model}")
@@ -34,10 +50,10 @@ def parser(description: str, *, default_model: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="mps, cuda, cuda:1 or cpu (default: the best one present)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                    help="compute dtype (default: bfloat16 on an accelerator, float32 on the CPU)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats of the whole job (median reported)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="folder for the JSONL records (and nothing else)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats of the whole job (median reported; default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs (default 0)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the JSONL records (and nothing else; default: none written)")
     p.add_argument("--fp8", choices=("rowwise", "tensorwise"), default=None,
                    help="also store the weights in fp8 (lossy, opt-in; see recipes/fp8_any.py)")
     p.add_argument("--plan", action="append", default=[], metavar="DEVICE:TORCH",
@@ -82,10 +98,13 @@ def resolve(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     if device is None:
         device = "mps" if torch.backends.mps.is_available() else "cuda" if torch.cuda.is_available() else "cpu"
     kind = torch.device(device).type
+    from mpsboost.bench.cli import present_devices
+
+    present = ", ".join(present_devices())
     if kind == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {device}: torch sees no CUDA device here; use --device cpu or mps")
+        raise SystemExit(f"--device {device}: torch sees no CUDA device here; present here: {present}")
     if kind == "mps" and not torch.backends.mps.is_available():
-        raise SystemExit(f"--device {device}: torch sees no MPS device here; use --device cpu or cuda")
+        raise SystemExit(f"--device {device}: torch sees no MPS device here; present here: {present}")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if kind == "cpu" else torch.bfloat16)
     if args.repeats < 1 or args.warmup < 0:
         raise SystemExit("--repeats must be >= 1 and --warmup >= 0")
@@ -173,9 +192,15 @@ def finish(name: str, args: argparse.Namespace, report: Any, recs: list) -> int:
     """Print the patch report and the records side by side; write JSONL under ``--out``."""
     from mpsboost.bench import compare_table, write_jsonl
 
+    from mpsboost.demo import ratio_lines
+
     print(report)
     print()
     print(compare_table(recs))
+    spread = ratio_lines(recs, load_before=LOAD_AT_START)
+    if spread:
+        print("speed ratios with their range over the repeats:")
+        print("\n".join(spread))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         path = write_jsonl(args.out / f"{name}.jsonl", recs)

@@ -121,9 +121,9 @@ def weight_bytes(model) -> int:
 def main(argv=None) -> int:
     p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen3-30B-A3B")
     p.add_argument("--subfolder", default=None, help="with --model: the model's folder in a pipeline repo, e.g. transformer")
-    p.add_argument("--arch", choices=tuple(ARCHS), default="qwen3_moe", help="with --random-weights: which shipped architecture")
+    p.add_argument("--arch", choices=tuple(ARCHS), default="qwen3_moe", help="with --random-weights: which shipped architecture (default qwen3_moe)")
     p.add_argument("--layers", type=int, default=None, help="random-weights transformers model: only this many layers")
-    p.add_argument("--granularity", choices=("rowwise", "tensorwise"), default="rowwise", help="fp8 scale granularity")
+    p.add_argument("--granularity", choices=("rowwise", "tensorwise"), default="rowwise", help="fp8 scale granularity (default rowwise)")
     p.add_argument("--save", type=Path, default=None, help="fp8 safetensors file to write (default: a temporary file)")
     args = p.parse_args(argv)
     device, dtype = C.resolve(args)
@@ -165,7 +165,8 @@ def main(argv=None) -> int:
     if forward is not None:
         with torch.no_grad():
             identical = bool(torch.equal(forward(fresh).float().cpu(), forward(model).float().cpu()))
-    print(f"fp8 file: {path} ({size / 2**20:.2f} MiB); weights {bytes_before / 2**20:.2f} -> {bytes_after / 2**20:.2f} MiB "
+    where = f"{path}" if tmp is None else "a temporary file, deleted now (--save FILE keeps it)"
+    print(f"fp8 file: {where} ({size / 2**20:.2f} MiB); weights {bytes_before / 2**20:.2f} -> {bytes_after / 2**20:.2f} MiB "
           f"({bytes_after / bytes_before:.2f}x); reloaded output identical to the converted model: {identical}")
     if tmp is not None:
         tmp.cleanup()

@@ -382,3 +382,65 @@ def test_deepcopy_of_a_patched_model_unpatches_cleanly(recipes):
         prev = lin.__dict__[registry.ATTR]["t_scale"]["forward"]
         assert prev is registry._MISSING
     mpsboost.unpatch(m)
+    # A copy of a patched model: unpatch says what it is and changes nothing (its undo belongs to the original).
+    from mpsboost.errors import PatchedCopyError
+
+    twin2 = copy.deepcopy(_model())
+    mpsboost.patch(twin2, recipes=["t_scale"])
+    copied = copy.deepcopy(twin2)
+    before = _snapshot(copied)
+    with pytest.raises(PatchedCopyError, match=r"copy \(copy.deepcopy\) of a patched object.*Nothing was changed"):
+        mpsboost.unpatch(copied)
+    assert _same(before, _snapshot(copied))
+    mpsboost.unpatch(twin2)
+    with pytest.raises(NotPatchedError, match="not patched") as info:  # a copy of an unpatched model: plain
+        mpsboost.unpatch(copy.deepcopy(twin2))
+    assert not isinstance(info.value, PatchedCopyError)
+
+
+def test_unpatch_and_plan_name_their_own_action():
+    with pytest.raises(UnsupportedTargetError, match=r"cannot unpatch a builtins.str"):
+        mpsboost.unpatch("x")
+    with pytest.raises(UnsupportedTargetError, match=r"cannot plan for a builtins.int"):
+        mpsboost.plan(3)
+
+
+@pytest.mark.parametrize("device", ["tpu", "xla:0", torch.device("meta")])
+def test_unknown_device_gets_one_line_listing_what_is_known(device):
+    from mpsboost.errors import GateError
+
+    with pytest.raises(GateError) as info:
+        mpsboost.patch(_model(), device=device)
+    msg = str(info.value)
+    assert "\n" not in msg and "accepted: cpu, cuda, mps" in msg and str(device) in msg
+    with pytest.raises(GateError, match="accepted: cpu, cuda, mps"):
+        mpsboost.plan(_model(), device="tpu", torch_version="2.15.0")
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="needs a machine without MPS (the simulated path)")
+def test_an_absent_device_is_simulated_warned_and_marked(recipes):
+    m = _model()
+    with pytest.warns(UserWarning, match="torch sees no mps device here; the decisions are simulated"):
+        report = mpsboost.patch(m, recipes=["t_scale"], device="mps")
+    assert report.env.simulated and report.env.device_type == "mps"
+    assert str(report).splitlines()[0].count("simulated") >= 1
+    assert report.to_dict()["env"]["simulated"] is True
+    mpsboost.unpatch(m)
+
+
+def test_report_folds_rows_with_one_reason_into_one_line(recipes):
+    # 12 layers of 3 linears: every row has the same recipe, status and reason -> one line with a count
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(12)])
+    report = mpsboost.plan(m, recipes=["t_gated"], device="mps", torch_version="2.14.1")
+    assert len(report.rows) == 36 and all(r.status == "skipped" for r in report.rows)
+    lines = str(report).splitlines()
+    body = [ln for ln in lines if ln.startswith("t_gated")]
+    assert len(body) == 1, lines
+    assert "(x36)" in body[0] and "(12 targets)" in body[0]
+    assert str(report).count("needs torch 2.15") == 1
+    assert len(report.to_dict()["rows"]) == 36  # the JSON keeps every row
+
+
+def test_fp8_io_names_its_own_action_for_a_wrong_object(tmp_path):
+    with pytest.raises(UnsupportedTargetError, match=r"cannot save or load fp8 weights of a builtins.NoneType"):
+        mpsboost.save_fp8(None, tmp_path / "x.safetensors")

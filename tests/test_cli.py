@@ -83,3 +83,91 @@ def test_plan_on_a_diffusers_pipeline_folder(model_folders):
 def test_plan_on_a_missing_folder(tmp_path):
     proc = _run("plan", str(tmp_path / "nope"), check=False)
     assert proc.returncode != 0 and "not a folder" in proc.stderr
+
+
+def _one_line_user_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """A user error: exit status 2, one line on stderr naming what is wrong, no traceback."""
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "\n" not in err and "Traceback" not in err, err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+def test_plan_names_the_file_and_the_problem(tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"], ')
+    _one_line_user_error(_run("plan", str(broken), check=False), str(broken / "config.json"), "not valid JSON", "line 1")
+
+    bad_value = tmp_path / "bad_value"
+    bad_value.mkdir()
+    (bad_value / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKLWan", "dim_mult": 7}))
+    _one_line_user_error(_run("plan", str(bad_value), check=False), str(bad_value / "config.json"), "AutoencoderKLWan cannot be built")
+
+    pipe = tmp_path / "pipe"
+    (pipe / "vae").mkdir(parents=True)
+    (pipe / "model_index.json").write_text("[1, 2]")
+    _one_line_user_error(_run("plan", str(pipe), check=False), "model_index.json", "not an object")
+
+    nameless = tmp_path / "nameless"
+    nameless.mkdir()
+    (nameless / "config.json").write_text("{}")
+    _one_line_user_error(_run("plan", str(nameless), check=False), "names no class")
+
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"_class_name": "NoSuchModel"}))
+    _one_line_user_error(_run("plan", str(unknown), check=False), "has no class 'NoSuchModel'")
+
+
+def test_user_errors_share_exit_status_2(tmp_path, model_folders):
+    _one_line_user_error(_run("plan", str(tmp_path / "nope"), check=False), "not a folder")
+    _one_line_user_error(_run("plan", str(model_folders["lm"]), "--device", "tpu", check=False), "tpu")
+    _one_line_user_error(_run("doctor", "--device", "tpu", check=False), "tpu", "cpu, cuda, mps")
+
+
+def test_bench_takes_recipe_names_and_lists_them():
+    from mpsboost.bench.cli import BENCHMARKS, catalogue, find_benchmark
+    from mpsboost.registry import all_recipes
+
+    # every recipe with a benchmark script is reachable by its own name
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    assert find_benchmark("moe_experts") == find_benchmark("moe") == root / "moe.py"
+    assert find_benchmark("wan_vae_pad") == root / "wan_vae.py"
+    assert find_benchmark("fp8_weights") == root / "fp8.py"
+    assert BENCHMARKS["e2e"] == "e2e"
+    names = [n for n, _, _ in catalogue()]
+    assert names[: len(BENCHMARKS)] == list(BENCHMARKS)
+    recipes = {r.name for r in all_recipes()}
+    for name, stem, path in catalogue():
+        if name in recipes and name != "e2e" and (root / f"{stem}.py").is_file():
+            assert path == root / f"{stem}.py"
+    listed = _run("bench", "--list").stdout
+    assert "moe_experts" in listed and "moe.py" in listed and "e2e" in listed
+
+
+def test_bench_without_a_benchmarks_folder_says_where_they_live(monkeypatch, capsys):
+    from mpsboost.bench import cli as bench_cli
+
+    monkeypatch.setattr(bench_cli, "benchmark_dirs", lambda explicit=None: [])
+    assert bench_cli.main(["moe_experts"]) == 2
+    err = capsys.readouterr().err
+    assert "not part of the installed package" in err and "benchmarks/ folder" in err and "--benchmarks-dir" in err
+    assert bench_cli.main(["--list"]) == 1
+    assert "not part of the installed package" in capsys.readouterr().out
+
+
+def test_device_errors_offer_each_present_device_once():
+    import torch
+
+    from mpsboost.bench.cli import check_device, present_devices
+    from mpsboost.bench.errors import BenchError
+
+    assert present_devices()[-1] == "cpu" and len(set(present_devices())) == len(present_devices())
+    if torch.backends.mps.is_available():
+        pytest.skip("needs a machine without MPS")
+    with pytest.raises(BenchError) as info:
+        check_device("mps")
+    assert "cpu, cpu" not in str(info.value) and "present here: " in str(info.value)

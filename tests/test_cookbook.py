@@ -45,6 +45,8 @@ def test_script_runs_offline_and_writes_the_four_records(script, tmp_path):
     out = proc.stdout
     assert "mpsboost plan for" in out and "torch 2.14.1 on mps" in out  # --plan: the simulated dry run
     assert "mpsboost patch for" in out  # the patch report of this machine
+    assert "speed ratios with their range over the repeats:" in out and "(one repeat: no spread)" in out
+    assert "should be kept in float32: []" not in proc.stdout + proc.stderr  # diffusers' empty-list noise
     records = read_jsonl(tmp_path / f"{script}.jsonl")
     by_workload: dict = {}
     for r in records:
@@ -65,6 +67,7 @@ def test_script_runs_offline_and_writes_the_four_records(script, tmp_path):
         assert patched.correctness.rel_error <= tol, (name, patched.correctness)
     if script == "fp8_any":
         assert "reloaded output identical to the converted model: True" in out
+        assert "fp8 file: a temporary file, deleted now (--save FILE keeps it)" in out
         assert patched.extra["weight_bytes_fp8"] < patched.extra["weight_bytes_stock"]
 
 
@@ -74,6 +77,7 @@ def test_fp8_any_saves_where_asked_and_reloads_other_architectures(tmp_path):
                 "--repeats", "1", "--warmup", "0", "--save", str(target))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert target.is_file() and target.stat().st_size > 0
+    assert f"fp8 file: {target} (" in proc.stdout
     assert "reloaded output identical to the converted model: True" in proc.stdout
 
 

@@ -1,4 +1,5 @@
-"""`mpsboost demo --device cpu` runs to the end as a subprocess and prints all four record kinds."""
+"""`mpsboost demo --device cpu` runs to the end as a subprocess and prints all four record kinds (slow),
+its missing-extra check comes before any work, and its ratio lines carry their range and a busy warning."""
 from __future__ import annotations
 
 import os
@@ -18,18 +19,20 @@ def demo_run(tmp_path_factory):
         [sys.executable, "-m", "mpsboost.cli", "demo", "--device", "cpu", "--repeats", "2", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=900,  # a minute on a quiet 2-core machine; generous for a loaded one
         env=env,
     )
     return proc, out
 
 
+@pytest.mark.slow  # the full demo, as a subprocess
 def test_demo_runs_to_the_end(demo_run):
     proc, _ = demo_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "demo finished in" in proc.stdout
 
 
+@pytest.mark.slow  # the full demo, as a subprocess
 def test_demo_prints_reports_and_the_four_record_kinds(demo_run):
     proc, _ = demo_run
     text = proc.stdout
@@ -44,8 +47,14 @@ def test_demo_prints_reports_and_the_four_record_kinds(demo_run):
     assert "vs cpu-fp32: SQNR dB" in text and "vs cpu-fp32: PSNR dB" in text
     assert "mem driver-level peak (process_rss)" in text and "mem tensor-allocated peak" in text
     assert "mpsboost vs stock" in text
+    # every speed ratio again with its range over the repeats, per workload
+    assert "speed ratios with their range over the repeats:" in text
+    for workload in ("wan22_vae_decode", "qwen3_moe_prefill", "qwen3_moe_decode"):
+        assert f"  {workload}: mpsboost vs stock: throughput " in text
+    assert text.count("over the repeats)") >= 6  # throughput and the operator, three workloads
 
 
+@pytest.mark.slow  # the full demo, as a subprocess
 def test_demo_records_hold_every_section(demo_run):
     _, out = demo_run
     recs = read_jsonl(out / "demo.jsonl")
@@ -67,8 +76,72 @@ def test_demo_records_hold_every_section(demo_run):
     assert (out / "demo.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_missing_library_message():
+def test_missing_library_message_installs_this_project():
     from mpsboost.demo import _need
 
-    with pytest.raises(SystemExit, match=r"pip install 'mpsboost\[diffusers\]'"):
+    with pytest.raises(SystemExit) as info:
         _need("mpsboost_no_such_package", "diffusers")
+    msg = str(info.value)
+    assert "needs mpsboost_no_such_package" in msg and "another project" in msg
+    assert "[diffusers]'" in msg and "pip install -e '" in msg  # this checkout, editable, with the extra
+    assert "pip install 'mpsboost[" not in msg  # never the index's other project
+
+
+def test_missing_extras_are_found_before_any_work(monkeypatch, capsys):
+    import importlib.util
+
+    from mpsboost import demo
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+
+    def no_work(*a, **k):
+        raise AssertionError("the demo started working before checking its extras")
+
+    monkeypatch.setattr(demo, "run_demo", no_work)
+    assert demo.main(["--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "needs transformers" in err and "transformers extra" in err and "diffusers" not in err.split("needs")[1][:20]
+
+
+def _rec(name, variant, samples_s, op_us=None):
+    """A record whose timing came from these per-call seconds (and operator microseconds)."""
+    import torch
+
+    from mpsboost.bench import Record, RecordEnv, Workload
+    from mpsboost.bench.timing import _summarise
+
+    t = _summarise(list(samples_s), calls=1, warmup=0, method="perf_counter")
+    op = None
+    if op_us is not None:
+        o = _summarise([u * 1e-6 for u in op_us], calls=1, warmup=0, method="perf_counter")
+        op = {"conv": o.op_time()}
+    return Record(workload=Workload(name, {"n": 1}), variant=variant, env=RecordEnv.capture("cpu", torch.float32),
+                  throughput=t.throughput(4, "frames/s"), op_time=op)
+
+
+def test_ratio_lines_give_a_range_and_stay_quiet_on_a_quiet_machine():
+    from mpsboost.demo import ratio_lines
+
+    recs = [_rec("w", "stock", [2.0, 2.02, 2.04], [100, 101, 102]), _rec("w", "mpsboost", [1.0, 1.01, 1.02], [50, 50, 51])]
+    lines = ratio_lines(recs, load_before=(0.1, 2))
+    text = "\n".join(lines)
+    assert "w: mpsboost vs stock: throughput 2.00x (1.96x-2.04x over the repeats)" in text
+    assert "op conv 2.02x (1.96x-2.04x over the repeats)" in text
+    if "load average" not in text:  # the machine running the tests may itself be busy
+        assert "WARNING" not in text
+
+
+def test_ratio_lines_warn_when_the_repeats_spread_too_far():
+    from mpsboost.demo import BUSY_SPREAD, ratio_lines
+
+    # stock's repeats spread 100% of its median: the ratio (here 2x) means nothing, and the text says so
+    recs = [_rec("w", "stock", [1.0, 2.0, 3.0]), _rec("w", "mpsboost", [1.0, 1.0, 1.0])]
+    text = "\n".join(ratio_lines(recs, load_before=(0.1, 2)))
+    assert "throughput 2.00x (1.00x-3.00x over the repeats)" in text
+    assert "WARNING: this machine was too busy" in text and "w throughput (repeats spread 100%)" in text
+    assert BUSY_SPREAD < 1.0
+    busy = "\n".join(ratio_lines([_rec("w", "stock", [1.0, 1.0]), _rec("w", "mpsboost", [1.0, 1.0])], load_before=(9.0, 2)))
+    assert "WARNING" in busy and "load average 9.0 on 2 cores" in busy
+    one = "\n".join(ratio_lines([_rec("w", "stock", [1.0]), _rec("w", "mpsboost", [0.5])], load_before=(0.1, 64)))
+    assert "throughput 2.00x (one repeat: no spread)" in one

@@ -65,7 +65,8 @@ def test_load_into_a_converted_model_replaces_the_values(saved):
     other = tm.build("qwen3_moe", dtype="bfloat16", seed=3)
     mpsboost.patch(other, fp8="rowwise")
     q = other.model.layers[0].self_attn.q_proj.weight
-    assert mpsboost.load_fp8(other, path) is None
+    loaded = mpsboost.load_fp8(other, path)  # a report on a converted model too, not None
+    assert loaded.rows and {r.status for r in loaded.rows} == {"already patched"} and "loaded from the file" in loaded.note
     assert other.model.layers[0].self_attn.q_proj.weight is q  # same buffers, new values
     a, b = _fp8_state(model), _fp8_state(other)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -85,7 +86,7 @@ def test_uint8_storage_saves_the_same_file_contents(tmp_path, saved):
     # And a converted uint8-storage model takes a file's values into its uint8 buffers.
     target = tm.build("qwen3_moe", dtype="bfloat16", seed=5)
     mpsboost.patch(target, fp8="rowwise", device=Env.simulate("mps", "2.14.1"))
-    assert mpsboost.load_fp8(target, path) is None
+    assert {r.status for r in mpsboost.load_fp8(target, path).rows} == {"already patched"}
     assert target.model.layers[1].mlp.experts.down_proj.dtype == torch.uint8
     a, b = _fp8_state(model), _fp8_state(target)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,11 +1,15 @@
-"""First contact, as a new user has it: build the wheel, install it into a fresh virtual environment
-with each extra in turn (``mpsboost``, then ``mpsboost[diffusers]``, then ``mpsboost[transformers]``),
-and after each step run ``mpsboost doctor`` and import the public API.
+"""First contact, as a new user has it: build the wheel, install it into a fresh virtual environment,
+run ``mpsboost doctor``, import the public API, use each extra, and prove that the extras resolve.
 
-One venv is built (the extras are added in sequence) to keep this under a few minutes. torch comes
-from this machine's disk: the exact build that runs the tests is pinned, so pip never fetches a CUDA
-torch; the extras' packages come from the package index. ``import mpsboost`` time in a fresh
-interpreter is measured there and printed (it is dominated by ``import torch``, measured alongside).
+The fresh venv reuses the torch (and the other packages) of the environment running the tests
+through a ``.pth`` file, instead of resolving torch again: whatever build pip brought here (a CPU
+wheel, a CUDA wheel, a newer release) is the one the wheel is checked against, nothing is downloaded
+for it, and the venv stays a few MB. The wheel goes in with ``--no-deps``; ``pip install --dry-run``
+of ``wheel[all]`` then proves that its requirements and every extra resolve against what is present.
+``import mpsboost`` time in a fresh interpreter is measured there and printed (it is dominated by
+``import torch``, measured alongside).
+
+The README's test command and ``.ci/run`` are checked to be the same command (not slow).
 """
 from __future__ import annotations
 
@@ -21,7 +25,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.slow
 
 PUBLIC = ("patch", "unpatch", "patched", "plan", "last_report", "save_fp8", "load_fp8", "Env", "check",
           "PatchReport", "Recipe", "register", "recipe_names", "MpsboostError", "PatchError", "UnsupportedTargetError")
@@ -51,7 +54,55 @@ def _clean_env() -> dict:
     return env
 
 
-def test_wheel_with_each_extra_in_a_fresh_venv(tmp_path, record_property):
+def _readme_test_command() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    lines = [ln for ln in text.splitlines() if "pytest" in ln and ln.startswith("python3 -m venv")]
+    assert len(lines) == 1, f"README.md should hold exactly one fresh-machine test command, found {lines}"
+    prefix = "python3 -m venv .venv && . .venv/bin/activate && "
+    assert lines[0].startswith(prefix), lines[0]
+    return lines[0][len(prefix):]
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    command = _readme_test_command()
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert command in ci, f".ci/run does not run the README's test command {command!r} as one line"
+    assert ci[-1] == command, "the README's test command must be the last step of .ci/run"
+    # no second index: the command works with whatever torch pip brings
+    assert "index-url" not in command and "torch" not in command
+
+
+def test_install_hints_match_the_wheel_extras():
+    """mpsboost.install.EXTRAS (what the hints print) says what pyproject.toml's extras hold."""
+    import tomllib
+
+    from mpsboost.install import EXTRAS, extra_hint
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name, packages in EXTRAS.items():
+        assert tuple(p.replace(" ", "") for p in extras[name]) == tuple(p.replace(" ", "") for p in packages), name
+        hint = extra_hint(name)
+        assert "another project" in hint and f"-e '{ROOT}[{name}]'" in hint
+    assert any("nvidia-ml-py" in p and "sys_platform != 'darwin'" in p for p in extras["bench"])
+    with pytest.raises(ValueError, match="diffusers, transformers, bench"):
+        extra_hint("nope")
+
+
+def _venv_reusing_this_environment(venv_dir: Path) -> str:
+    """A fresh venv whose interpreter also sees this environment's site-packages (torch among them)."""
+    venv.EnvBuilder(with_pip=True, clear=True).create(venv_dir)
+    py = str(venv_dir / "bin" / "python")
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    here = sorted({str(Path(torch.__file__).resolve().parents[1])} | {p for p in sys.path if p.endswith("site-packages")})
+    # Appended after the venv's own site-packages: the wheel installed there wins over an editable
+    # mpsboost of this environment.
+    (Path(site) / "_reuse_test_environment.pth").write_text("\n".join(here) + "\n")
+    return py
+
+
+@pytest.mark.slow
+def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_property):
     env = _clean_env()
     dist = tmp_path / "dist"
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(ROOT), "-w", str(dist)], env=env)
@@ -65,42 +116,47 @@ def test_wheel_with_each_extra_in_a_fresh_venv(tmp_path, record_property):
     assert not any(n.startswith(("tests/", "recipes/", "benchmarks/")) for n in names), "test or cookbook files in the wheel"
 
     venv_dir = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=True, clear=True).create(venv_dir)
-    py = str(venv_dir / "bin" / "python")
+    py = _venv_reusing_this_environment(venv_dir)
     cli = str(venv_dir / "bin" / "mpsboost")
-    # The torch build running these tests, from the local disk (never a CUDA download).
-    _run([py, "-m", "pip", "install", "-q", f"torch=={torch.__version__}"], env=env)
+    _run([py, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)], env=env)
+    seen = _run([py, "-c", "import torch; print(torch.__version__)"], env=env).stdout.strip()
+    assert seen == torch.__version__, (seen, torch.__version__)
 
-    figures = {}
-    for extra in ("", "diffusers", "transformers"):
-        spec = f"{wheel}[{extra}]" if extra else str(wheel)
-        _run([py, "-m", "pip", "install", "-q", spec], env=env)
-        doctor = _run([cli, "doctor", "--json"], env=env, timeout=300)
-        info = json.loads(doctor.stdout)
-        assert info["mpsboost"] == "0.1.0" and info["features"] and info["recipes"], extra
-        assert {f["available"] for f in info["features"].values()} <= {True, False}
-        text = _run([cli, "doctor"], env=env, timeout=300).stdout
-        assert "gate for" in text and "recipes:" in text
-        probe = json.loads(_run([py, "-c", IMPORT_PROBE.format(public=PUBLIC)], env=env, timeout=300).stdout)
-        assert probe["file"].startswith(str(venv_dir)), probe["file"]  # the installed wheel, not src/
-        assert not probe["missing"], probe["missing"]
-        assert not probe["heavy"], f"import mpsboost imported {probe['heavy']}"
-        assert [r["name"] for r in info["recipes"]] == probe["recipes"] and len(probe["recipes"]) >= 1
-        figures[extra or "base"] = probe
-        check = {
-            "": "import importlib.util as u; assert u.find_spec('diffusers') is None and u.find_spec('transformers') is None",
-            "diffusers": "import mpsboost, diffusers, torch; from diffusers import AutoencoderKLWan as A; "
-                         "v = A(base_dim=3, z_dim=16, dim_mult=[1,1,1,1], num_res_blocks=1, temperal_downsample=[False,True,True]); "
-                         "r = mpsboost.plan(v, device='mps', torch_version='2.14.1'); assert r.rows, r; print(len(r.applied))",
-            "transformers": "import mpsboost, transformers, torch; from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM as M; "
-                            "m = M(Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, "
-                            "num_key_value_heads=1, head_dim=16, intermediate_size=32, moe_intermediate_size=16, num_experts=4, "
-                            "num_experts_per_tok=2)); r = mpsboost.patch(m); assert r.rows; mpsboost.unpatch(m) if r.applied else None",
-        }[extra]
+    # Every requirement and every extra resolves against what is present: nothing to fetch for torch.
+    report_path = tmp_path / "resolve.json"
+    _run([py, "-m", "pip", "install", "-q", "--dry-run", "--report", str(report_path), f"mpsboost[all] @ {wheel.as_uri()}"], env=env)
+    to_install = {item["metadata"]["name"].lower() for item in json.loads(report_path.read_text())["install"]}
+    torch_family = {n for n in to_install if n in ("torch", "triton") or (n.startswith("nvidia-") and n != "nvidia-ml-py")}
+    assert not torch_family, f"pip would resolve torch again: {sorted(to_install)}"
+    print("resolving mpsboost[all] against this environment would add: " + (", ".join(sorted(to_install)) or "nothing"))
+
+    doctor = _run([cli, "doctor", "--json"], env=env, timeout=300)
+    info = json.loads(doctor.stdout)
+    assert info["mpsboost"] == "0.1.0" and info["features"] and info["recipes"]
+    assert {f["available"] for f in info["features"].values()} <= {True, False}
+    text = _run([cli, "doctor"], env=env, timeout=300).stdout
+    assert "gate for" in text and "recipes:" in text
+    probe = json.loads(_run([py, "-c", IMPORT_PROBE.format(public=PUBLIC)], env=env, timeout=300).stdout)
+    assert probe["file"].startswith(str(venv_dir)), probe["file"]  # the installed wheel, not src/
+    assert not probe["missing"], probe["missing"]
+    assert not probe["heavy"], f"import mpsboost imported {probe['heavy']}"
+    assert [r["name"] for r in info["recipes"]] == probe["recipes"] and len(probe["recipes"]) >= 1
+    # The wheel has no benchmarks: `mpsboost bench` says where they live, in one line.
+    bench = subprocess.run([cli, "bench", "moe_experts"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert bench.returncode == 2 and "not part of the installed package" in bench.stderr, bench.stderr
+    checks = {
+        "diffusers": "import mpsboost, diffusers, torch; from diffusers import AutoencoderKLWan as A; "
+                     "v = A(base_dim=3, z_dim=16, dim_mult=[1,1,1,1], num_res_blocks=1, temperal_downsample=[False,True,True]); "
+                     "r = mpsboost.plan(v, device='mps', torch_version='2.14.1'); assert r.rows, r; print(len(r.applied))",
+        "transformers": "import mpsboost, transformers, torch; from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM as M; "
+                        "m = M(Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, "
+                        "num_key_value_heads=1, head_dim=16, intermediate_size=32, moe_intermediate_size=16, num_experts=4, "
+                        "num_experts_per_tok=2)); r = mpsboost.patch(m); assert r.rows; mpsboost.unpatch(m) if r.applied else None",
+    }
+    for check in checks.values():
         _run([py, "-c", check], env=env, timeout=300)
-    line = "; ".join(f"{k}: import torch {v['torch_s']:.2f} s, then import mpsboost {v['mpsboost_s'] * 1000:.0f} ms"
-                     for k, v in figures.items())
+    line = f"import torch {probe['torch_s']:.2f} s, then import mpsboost {probe['mpsboost_s'] * 1000:.0f} ms"
     print("fresh-venv import times: " + line)
     record_property("import_times", line)
     # `import mpsboost` after torch stays light: no diffusers/transformers, well under a second.
-    assert all(v["mpsboost_s"] < 1.0 for v in figures.values()), line
+    assert probe["mpsboost_s"] < 1.0, line

@@ -8,6 +8,8 @@ code). Both copies run on the same inputs; the relative error of the patched out
 output must stay within :data:`TOLERANCE`.
 
 Kept small for a 2-core CI: a few examples per (recipe, model), the whole file well under 90 s.
+Hypothesis runs derandomized: the drawn examples are fixed by the code, not by the run, so a failure
+reproduces and a pass is not luck (randomness is not what these tests are about).
 """
 from __future__ import annotations
 
@@ -34,6 +36,15 @@ RECIPES = {r.name: r for r in all_recipes()}
 LOSSLESS = {"float32": 1e-5, "bfloat16": 2e-2}
 TOLERANCE: dict[str, dict[str, float]] = {
     "fp8_weights": {"float32": 0.15, "bfloat16": 0.15},
+    # A single frame takes the 2-D convolution with the weight's last time slice. Mathematically it is
+    # the 3-D convolution on [0, 0, x] minus two zero products; in bf16 the two paths may differ in the
+    # order of summation of each output (whichever kernels the CPU picks for conv2d and conv3d), which
+    # changes its rounding (2^-8 relative per output) compounded over the roundtrip's ~30 convolutions
+    # and norms with random weights. Seen: 0.0267 on a 2-core Linux CI machine; bit-identical (0.0) on
+    # another x86-64 machine over every shape of the space and seeds 0-5. 0.05 bounds the former with
+    # margin, while a real fault (a wrong weight slice, a dropped bias) gives errors of order 1.
+    # fp32 stays at rounding level (LOSSLESS).
+    "qwen_image_vae": {"float32": LOSSLESS["float32"], "bfloat16": 5e-2},
 }
 
 # Examples per (recipe, model): enough to vary every shape parameter, small enough for CI.
@@ -110,7 +121,8 @@ def _property(name: str, model_name: str, data, seed: int) -> None:
 def test_patched_equals_stock(name, model_name):
     examples = EXAMPLES_BY_KIND.get(tm.TINY[model_name].kind, EXAMPLES)
 
-    @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
     @given(data=st.data(), seed=st.integers(0, 2**31 - 1))
     def check(data, seed):
         _property(name, model_name, data, seed)

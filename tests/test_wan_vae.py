@@ -97,8 +97,11 @@ def test_patched_matches_stock_fp32_and_calls_no_pad(family, tiled, frames, rng_
     assert stock_pads[0] > 0  # the stock VAE does pad: the count below proves the patch removes it
     assert pads[0] == 0
     assert out.shape == ref.shape and z.shape == z_ref.shape
-    assert (z - z_ref).abs().max().item() <= 1e-5
-    assert (out - ref).abs().max().item() <= 1e-5
+    # Channels-last convolutions and the fused norm sum in another order: fp32 rounding (2^-24
+    # relative) compounded over the roundtrip's ~40 convolutions, on outputs of magnitude <= 1. Seen up
+    # to 1.01e-5 over random seeds; 5e-5 bounds that, far below what a wrong padding or layout gives (>1e-2).
+    assert (z - z_ref).abs().max().item() <= 5e-5
+    assert (out - ref).abs().max().item() <= 5e-5
 
 
 def test_tiled_decode_runs_several_tiles_and_equals_stock(rng_seed):
@@ -135,8 +138,10 @@ def test_bf16_within_stated_tolerance(family, rng_seed):
 
 
 @pytest.mark.parametrize("family", ["wan2.1", "wan2.2"])
-def test_channels_last_and_fused_norm_path(family, rng_seed):
+def test_channels_last_and_fused_norm_path(family):
     # The CUDA defaults (channels-last activations, fused RMS norm, in-place SiLU), run on the CPU.
+    # A fixed seed: the inputs are not what this test is about.
+    torch.manual_seed(0)
     vae = BUILDERS[family]()
     vae.enable_tiling(**TILES[family])
     x = torch.rand(1, 3, 5, *SIZE[family]) * 2 - 1
@@ -151,8 +156,11 @@ def test_channels_last_and_fused_norm_path(family, rng_seed):
     assert pads[0] == 0
     assert conv.weight.is_contiguous()  # layout restored by unpatch
     assert out.is_contiguous()  # callers get diffusers' layout back
-    assert (z - z_ref).abs().max().item() <= 1e-5
-    assert (out - ref).abs().max().item() <= 1e-5
+    # Channels-last convolutions and the fused norm sum in another order: fp32 rounding (2^-24
+    # relative) compounded over the roundtrip's ~40 convolutions, on outputs of magnitude <= 1. Seen up
+    # to 1.01e-5 over random seeds; 5e-5 bounds that, far below what a wrong padding or layout gives (>1e-2).
+    assert (z - z_ref).abs().max().item() <= 5e-5
+    assert (out - ref).abs().max().item() <= 5e-5
 
 
 def test_single_frame_2d_conv_equals_3d(rng_seed):
@@ -240,7 +248,7 @@ def test_plan_reasons_by_environment():
     assert old.status == new.status == cuda.status == cpu.status == "would apply"
     assert "avoids pytorch#195368" in old.reason and "pytorch#194922" in old.reason and "2.14.1" in old.reason
     for row in (new, cuda, cpu):
-        assert "applied for speed" in row.reason and "avoids" not in row.reason
+        assert "for speed:" in row.reason and "avoids" not in row.reason
     assert old.backing == new.backing == cpu.backing == "conv padding fold"
     assert cuda.backing == "conv padding fold + channels-last, fused RMS norm"
     assert old.details["causal_convs"] == sum(isinstance(m, wan.WanCausalConv3d) for m in vae.modules())

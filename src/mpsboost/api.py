@@ -17,8 +17,10 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 
 from .errors import (
+    GateError,
     IrreversiblePatchError,
     NotPatchedError,
+    PatchedCopyError,
     PatchError,
     RecipeSkippedError,
     UnsupportedTargetError,
@@ -80,10 +82,11 @@ def _is_pipeline(obj: Any) -> bool:
     return matches_class(obj, (_PIPELINE_CLASS,))
 
 
-def _targets(obj: Any, *, allow_mapping: bool = False) -> list[tuple[str, torch.nn.Module]]:
+def _targets(obj: Any, *, allow_mapping: bool = False, action: str = "patch") -> list[tuple[str, torch.nn.Module]]:
     """(prefix, root module) pairs: one for a module, one per module component of a pipeline.
 
-    ``allow_mapping`` (plan only) also takes a plain {component name: module} mapping.
+    ``allow_mapping`` (plan only) also takes a plain {component name: module} mapping; ``action``
+    names what the caller was asked to do, for the error message ("unpatch", "plan for", ...).
     """
     if isinstance(obj, torch.nn.Module):
         return [("", obj)]
@@ -97,11 +100,11 @@ def _targets(obj: Any, *, allow_mapping: bool = False) -> list[tuple[str, torch.
         if not found:
             raise UnsupportedTargetError(
                 f"{type(obj).__name__} has no torch.nn.Module among its components "
-                f"({', '.join(comps) or 'none'}); load its models first, then patch"
+                f"({', '.join(comps) or 'none'}); load its models first, then {action.split()[0]}"
             )
         return found
     raise UnsupportedTargetError(
-        f"mpsboost cannot patch a {type(obj).__module__}.{type(obj).__qualname__}; it accepts {_ACCEPTED}"
+        f"mpsboost cannot {action} a {type(obj).__module__}.{type(obj).__qualname__}; it accepts {_ACCEPTED}"
     )
 
 
@@ -134,6 +137,28 @@ def _execution_device(obj: Any, targets: list[tuple[str, torch.nn.Module]]) -> t
     return _first_param_device(targets)
 
 
+_KNOWN_DEVICES = "cpu, cuda, mps (cuda:N for one GPU)"
+
+
+def _present(device_type: str) -> bool:
+    if device_type == "mps":
+        return torch.backends.mps.is_available()
+    if device_type == "cuda":
+        return torch.cuda.is_available()
+    return True
+
+
+def _device_type(device: Any) -> torch.device:
+    """``device`` as a torch.device of a type mpsboost knows; mpsboost's own one-line error otherwise."""
+    try:
+        dev = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
+        raise GateError(f"device {str(device)!r} is not one mpsboost knows; accepted: {_KNOWN_DEVICES}")
+    return dev
+
+
 def _env_for(obj: Any, targets, device: Any) -> Env:
     if device is None:
         dev = _execution_device(obj, targets)
@@ -143,7 +168,17 @@ def _env_for(obj: Any, targets, device: Any) -> Env:
     if isinstance(device, Env):
         return device
     if isinstance(device, (str, torch.device)):
-        return Env.detect(device)
+        dev = _device_type(device)
+        if not _present(dev.type):
+            # Tests and dry runs ask for a device that is not here: the decisions are made for it,
+            # marked simulated in the report, and the user is told (the model itself stays where it is).
+            warnings.warn(
+                f"mpsboost: device={str(device)!r} but torch sees no {dev.type} device here; the decisions are "
+                f"simulated for {dev.type} (the report says so) and the model computes where its weights are",
+                stacklevel=3,
+            )
+            return Env.simulate(dev.type)
+        return Env.detect(dev)
     raise TypeError(f"device must be None, a str such as 'mps', or a torch.device; got {type(device).__name__}: {device!r}")
 
 
@@ -265,13 +300,15 @@ def plan(
     ``device="cuda:8.0"`` (or ``capability=(8, 0)``) a CUDA GPU of that compute capability. Works on
     models on the meta device.
     """
-    targets = _targets(obj, allow_mapping=True)
+    targets = _targets(obj, allow_mapping=True, action="plan for")
     if env is None:
         if device is not None or torch_version is not None or capability is not None:
             if device is None:
                 device = _env_for(obj, targets, None).device_type
             if not isinstance(device, str):
                 raise TypeError(f"device must be a str such as 'mps' or 'cuda:9.0', got {type(device).__name__}")
+            if device.partition(":")[0] not in ("cpu", "cuda", "mps"):
+                raise GateError(f"device {device!r} is not one mpsboost knows; accepted: cpu, cuda, mps (cuda:MAJOR.MINOR for a GPU generation)")
             env = Env.simulate(device, torch_version, capability=capability)
         else:
             env = _env_for(obj, targets, None)
@@ -322,9 +359,10 @@ def patch(
                     f"strict=True and {len(skipped)} selected recipe target(s) would be skipped ({lines}). "
                     "Nothing was changed. Drop strict or exclude those recipes."
                 )
-            for name in sorted({r.recipe for r in skipped if r.recipe in requested}):
-                reason = next(r.reason for r in skipped if r.recipe == name)
-                warnings.warn(f"mpsboost: requested recipe {name} was skipped: {reason}", stacklevel=2)
+            names = sorted({r.recipe for r in skipped if r.recipe in requested})
+            if names:  # one warning per call, naming each requested recipe that skipped and why
+                why = "; ".join(f"requested recipe {n} was skipped: {next(r.reason for r in skipped if r.recipe == n)}" for n in names)
+                warnings.warn(f"mpsboost: {why}", stacklevel=2)
         rec = _Record(report=PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__))
         try:
             for recipe, match, decision, opts in actions:
@@ -371,14 +409,30 @@ def unpatch(obj: Any) -> None:
     Raises :class:`NotPatchedError` if ``obj`` was never patched, and :class:`IrreversiblePatchError`
     (changing nothing) if a recipe that converted weights in place was applied.
     """
-    _targets(obj)  # type check with the usual message
+    targets = _targets(obj, action="unpatch")
     with _LOCK:
         recs = _records(obj)
         if not recs or not any(r.applied for r in recs):
+            copied = _patched_modules(targets)
+            if copied:
+                raise PatchedCopyError(
+                    f"this {type(obj).__name__} carries mpsboost patches ({copied[0]} and {len(copied) - 1} more module(s)) "
+                    "that were not made on it: it is a copy (copy.deepcopy) of a patched object, and the undo of each "
+                    "patch belongs to the original. Nothing was changed. Unpatch the original and copy it again "
+                    "(or reload the model); to copy a patched model and keep both, copy it before patching and patch each."
+                )
             raise NotPatchedError(
                 f"this {type(obj).__name__} was not patched by mpsboost (or was already unpatched); nothing to undo"
             )
         _unpatch_records(obj, list(recs))
+
+
+def _patched_modules(targets) -> list[str]:
+    """Paths of the modules that carry mpsboost's patch marker (the copy of a patched model has them)."""
+    from .registry import ATTR
+
+    return [".".join(p for p in (prefix, name) if p) or "(root)"
+            for prefix, root in targets for name, mod in root.named_modules() if mod.__dict__.get(ATTR)]
 
 
 def _unpatch_records(obj: Any, recs: list[_Record]) -> None:
@@ -423,6 +477,18 @@ def patched(obj: Any, **kw: Any) -> Iterator[PatchReport]:
                 _unpatch_records(obj, mine)
             elif mine:
                 recs.remove(mine[0])
+
+
+def loaded_report(obj: Any, report: PatchReport | None, refreshed: list[str], recipe: str) -> PatchReport:
+    """What load_fp8 returns: the conversion's report, with a row per module that was converted
+    already and only received the file's values (so a patched model gets a report too, not None)."""
+    rows = list(report.rows) if report is not None else []
+    rows += [Row(recipe, path, ALREADY_PATCHED, reason="converted already; received the file's values") for path in refreshed]
+    if report is not None and not refreshed:
+        return report
+    env = report.env if report is not None else (last_report(obj).env if _records(obj) else Env.detect("cpu"))
+    return PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__,
+                                 note="fp8 values loaded from the file" if refreshed else "")
 
 
 def last_report(obj: Any) -> PatchReport:

@@ -102,8 +102,27 @@ def _doctor(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------ plan
 
+def _read_json(file: Path) -> dict[str, Any]:
+    """A config file as a dict, or one line naming the file and what is wrong with it."""
+    from .errors import UserInputError
+
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserInputError(f"{file}: cannot be read ({type(exc).__name__}: {getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserInputError(f"{file}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise UserInputError(f"{file}: holds a JSON {type(data).__name__}, not an object of settings")
+    return data
+
+
 def _build_meta_components(path: Path) -> tuple[str, dict[str, Any]]:
     """Build the modules of a local diffusers pipeline folder or model folder on the meta device."""
+    from .errors import UserInputError
+
     try:
         from accelerate import init_empty_weights
     except ImportError:  # accelerate is in both extras; without it, torch's meta device context
@@ -113,55 +132,77 @@ def _build_meta_components(path: Path) -> tuple[str, dict[str, Any]]:
             return torch.device("meta")
 
     if not path.is_dir():
-        raise SystemExit(f"mpsboost plan: {path} is not a folder (give a local diffusers pipeline or model folder)")
+        raise UserInputError(f"{path} is not a folder (give a local diffusers pipeline or model folder)")
     index = path / "model_index.json"
     if index.is_file():
-        spec = json.loads(index.read_text())
+        spec = _read_json(index)
         comps: dict[str, Any] = {}
+        wanted = []
         for name, value in spec.items():
             if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] is None:
                 continue
-            library, cls_name = value
             sub = path / name
-            if not (sub / "config.json").is_file():
-                continue  # tokenizers, schedulers, processors: nothing to patch
+            if (sub / "config.json").is_file():  # tokenizers, schedulers, processors: nothing to patch
+                wanted.append((name, value[0], value[1], sub))
+        _check_libraries({library for _, library, _, _ in wanted}, path)
+        for name, library, cls_name, sub in wanted:
             with init_empty_weights():
                 comps[name] = _build_one(library, cls_name, sub)
         if not comps:
-            raise SystemExit(f"mpsboost plan: no model component with a config.json under {path}")
+            raise UserInputError(f"no model component with a config.json under {path}")
         return spec.get("_class_name", "pipeline"), comps
     config = path / "config.json"
     if not config.is_file():
-        raise SystemExit(f"mpsboost plan: {path} has neither model_index.json (pipeline) nor config.json (model)")
-    data = json.loads(config.read_text())
+        raise UserInputError(f"{path} has neither model_index.json (pipeline) nor config.json (model)")
+    data = _read_json(config)
     if "_class_name" in data:
         library, cls_name = "diffusers", data["_class_name"]
     elif data.get("architectures"):
         library, cls_name = "transformers", data["architectures"][0]
     else:
-        raise SystemExit(f"mpsboost plan: {config} names no class ('_class_name' or 'architectures')")
+        raise UserInputError(f"{config} names no class ('_class_name' or 'architectures')")
+    _check_libraries({library}, path)
     with init_empty_weights():
         return cls_name, {"": _build_one(library, cls_name, path)}
+
+
+def _check_libraries(libraries: set, folder: Path) -> None:
+    """Every library the folder's classes come from is installed; checked before any model is built."""
+    import importlib.util
+
+    from .errors import UserInputError
+    from .install import EXTRAS, extra_hint
+
+    for library in sorted(libraries):
+        if not isinstance(library, str) or not library:
+            raise UserInputError(f"{folder}: a component names library {library!r}; expected 'diffusers' or 'transformers'")
+        if importlib.util.find_spec(library) is None:
+            hint = extra_hint(library) if library in EXTRAS else f"install {library}"
+            raise UserInputError(f"{folder} needs {library}, which is not installed; {hint}")
 
 
 def _build_one(library: str, cls_name: str, folder: Path):
     import importlib
 
-    try:
-        lib = importlib.import_module(library)
-    except ImportError:
-        raise SystemExit(f"mpsboost plan: {folder} needs {library}; install mpsboost[{library}]") from None
-    cls = getattr(lib, cls_name, None)
-    if cls is None:
-        raise SystemExit(f"mpsboost plan: {library} {getattr(lib, '__version__', '')} has no class {cls_name} (from {folder})")
-    if library == "transformers":
-        from transformers import AutoConfig
+    from .errors import UserInputError
 
-        config = AutoConfig.from_pretrained(folder)
-        return cls._from_config(config) if hasattr(cls, "_from_config") else cls(config)
-    if hasattr(cls, "load_config") and hasattr(cls, "from_config"):
-        return cls.from_config(cls.load_config(folder))
-    raise SystemExit(f"mpsboost plan: cannot build {library}.{cls_name} from a config")
+    lib = importlib.import_module(library)
+    cls = getattr(lib, cls_name, None) if isinstance(cls_name, str) else None
+    if cls is None:
+        raise UserInputError(f"{folder}: {library} {getattr(lib, '__version__', '')} has no class {cls_name!r}")
+    config = folder / "config.json"
+    try:
+        if library == "transformers":
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(folder)
+            return cls._from_config(cfg) if hasattr(cls, "_from_config") else cls(cfg)
+        if hasattr(cls, "load_config") and hasattr(cls, "from_config"):
+            return cls.from_config(cls.load_config(folder))
+    except Exception as exc:  # a bad value in the config: the library's own error, as one line naming the file
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise UserInputError(f"{config}: {library}.{cls_name} cannot be built from it ({type(exc).__name__}: {first})") from None
+    raise UserInputError(f"{config}: {library}.{cls_name} cannot be built from a config")
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -246,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return int(args.func(args) or 0)
-    except MpsboostError as e:
+    except MpsboostError as e:  # every user error: one line, exit status 2 (README: "Exit status")
         print(f"mpsboost {args.command}: {e}", file=sys.stderr)
         return 2
 

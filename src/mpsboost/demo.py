@@ -81,9 +81,29 @@ def _need(package: str, extra: str):
     try:
         return importlib.import_module(package)
     except ImportError:
-        raise SystemExit(
-            f"mpsboost demo needs {package}, which is not installed: pip install 'mpsboost[{extra}]'"
-        ) from None
+        raise SystemExit(_missing_text(package, extra)) from None
+
+
+def _missing_text(package: str, extra: str) -> str:
+    from .install import extra_hint
+
+    return f"mpsboost demo needs {package}, which is not installed; {extra_hint(extra)}"
+
+
+# model key -> (package it needs, the extra that brings it)
+_NEEDS = {"wan_vae": ("diffusers", "diffusers"), "qwen3_moe": ("transformers", "transformers")}
+
+
+def missing_extras(models: Sequence[str]) -> list[str]:
+    """One line per package the selected models need and that is not installed (checked before any work)."""
+    import importlib.util
+
+    out = []
+    for key in models:
+        package, extra = _NEEDS[key]
+        if importlib.util.find_spec(package) is None:
+            out.append(_missing_text(package, extra))
+    return out
 
 
 def _say(msg: str) -> None:
@@ -417,6 +437,84 @@ def _vs_stock_lines(records) -> list[str]:
     return lines
 
 
+# Repeats of one job that spread more than this (max - min over the median) make a ratio of two
+# medians meaningless: the machine's other load, not the recipe, decides the figure.
+BUSY_SPREAD = 0.25
+
+
+def _spread(lo: float | None, hi: float | None, median: float | None) -> float | None:
+    if lo is None or hi is None or not median:
+        return None
+    return (hi - lo) / median
+
+
+def _machine_load() -> tuple[float, int] | None:
+    import os
+
+    try:
+        return os.getloadavg()[0], os.cpu_count() or 1
+    except (AttributeError, OSError):  # no load average on Windows
+        return None
+
+
+def ratio_lines(records, *, load_before: tuple[float, int] | None = None) -> list[str]:
+    """Each speed ratio to stock with its range over the repeats, and a warning when the machine was too busy.
+
+    The range of a ratio of medians is taken from the extremes of the repeats: stock's fastest over
+    the variant's slowest, to stock's slowest over the variant's fastest. A ratio is called meaningless
+    when either side's repeats spread more than :data:`BUSY_SPREAD` of its median, or when the load
+    average exceeded the number of cores while it ran.
+    """
+    groups: dict[str, dict[str, Any]] = {}
+    for r in records:
+        groups.setdefault(r.workload.name, {})[r.variant] = r
+    lines: list[str] = []
+    noisy: list[str] = []
+    single = False
+    for name, variants in groups.items():
+        base = variants.get("stock")
+        if base is None:
+            continue
+        for variant, rec in variants.items():
+            if rec is base:
+                continue
+            parts = []
+            pairs = []
+            bt, vt = base.throughput, rec.throughput
+            if bt is not None and vt is not None and bt.seconds_per_call and vt.seconds_per_call:
+                pairs.append(("throughput", bt.seconds_per_call, vt.seconds_per_call,
+                              (bt.spread or {}).get("min_s"), (bt.spread or {}).get("max_s"),
+                              (vt.spread or {}).get("min_s"), (vt.spread or {}).get("max_s"), bt.repeats, vt.repeats))
+            for op, vo in (rec.op_time or {}).items():
+                bo = (base.op_time or {}).get(op)
+                if bo is not None:
+                    pairs.append((f"op {op}", bo.median_us, vo.median_us, bo.min_us, bo.max_us, vo.min_us, vo.max_us,
+                                  bo.repeats, vo.repeats))
+            for label, b_med, v_med, b_lo, b_hi, v_lo, v_hi, b_n, v_n in pairs:
+                text = f"{label} {b_med / v_med:.2f}x"
+                if None in (b_lo, b_hi, v_lo, v_hi) or min(b_n or 1, v_n or 1) < 2:
+                    text += " (one repeat: no spread)"
+                    single = True
+                else:
+                    text += f" ({b_lo / v_hi:.2f}x-{b_hi / v_lo:.2f}x over the repeats)"
+                    worst = max(_spread(b_lo, b_hi, b_med) or 0.0, _spread(v_lo, v_hi, v_med) or 0.0)
+                    if worst > BUSY_SPREAD:
+                        noisy.append(f"{name} {label} (repeats spread {100 * worst:.0f}%)")
+                parts.append(text)
+            if parts:
+                lines.append(f"  {name}: {variant} vs stock: " + ", ".join(parts))
+    loads = [x for x in (load_before, _machine_load()) if x is not None]
+    busy_load = [f"load average {l:.1f} on {n} cores" for l, n in loads if l > n]
+    if noisy or busy_load:
+        why = "; ".join(noisy[:4] + (["..."] if len(noisy) > 4 else []) + busy_load[:1])
+        lines.append(f"  WARNING: this machine was too busy for these ratios to mean anything ({why}; "
+                     f"over {100 * BUSY_SPREAD:.0f}% spread, or more load than cores). Rerun on a quiet machine, "
+                     "with more --repeats.")
+    elif single:
+        lines.append("  (with one repeat there is no spread to judge the ratios by: use --repeats 3 or more)")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mpsboost demo``; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -433,6 +531,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
 
+    models = tuple(args.only or ("wan_vae", "qwen3_moe"))
+    missing = missing_extras(models)  # before any work: not after the first model has run
+    if missing:
+        for line in missing:
+            print(line, file=sys.stderr)
+        return 2
+
     import torch
 
     from .bench.cli import best_device, check_device
@@ -447,11 +552,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     dtype = getattr(torch, args.dtype) if args.dtype else None
     t0 = time.perf_counter()
-    records, _ = run_demo(device, dtype, repeats=args.repeats, models=tuple(args.only or ("wan_vae", "qwen3_moe")))
+    load_before = _machine_load()
+    records, _ = run_demo(device, dtype, repeats=args.repeats, models=models)
     table = compare_table(records)
     _say("\n" + "=" * 100)
     _say("records (random weights: the figures show the harness and the recipes, not a checkpoint's quality)\n")
     _say(table)
+    spread = ratio_lines(records, load_before=load_before)
+    if spread:
+        _say("speed ratios with their range over the repeats:")
+        _say("\n".join(spread))
     lines = _vs_stock_lines(records)
     if lines:
         _say("patched against stock, and structure:")
@@ -462,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         out = Path(args.out)
         path = write_jsonl(out / "demo.jsonl", records)
-        (out / "demo.txt").write_text(table + "\n".join(lines) + "\n", encoding="utf-8")
+        (out / "demo.txt").write_text(table + "\n".join(spread + lines) + "\n", encoding="utf-8")
         _say(f"\nrecords: {path}")
         png = _plot_or_explain(records, out / "demo.png", _say)
         if png is not None:

@@ -41,6 +41,17 @@ class NotPatchedError(MpsboostError):
     """unpatch() on an object that mpsboost never patched."""
 
 
+class PatchedCopyError(NotPatchedError):
+    """unpatch() on a copy (copy.deepcopy) of a patched object: the patches came with the copy, their undo did not."""
+
+
+class UserInputError(MpsboostError, ValueError):
+    """A command-line input that cannot be used: a folder or config file that cannot be read, a bad value.
+
+    The ``mpsboost`` command prints it as one line and exits with status 2 (every user error does).
+    """
+
+
 class IrreversiblePatchError(MpsboostError):
     """unpatch() met a recipe that cannot be undone (weights converted in place)."""
 

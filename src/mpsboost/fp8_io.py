@@ -58,7 +58,7 @@ class Fp8StateError(MpsboostError, RuntimeError):
 def _roots(obj: Any) -> list[tuple[str, torch.nn.Module]]:
     from .api import _targets
 
-    return _targets(obj)
+    return _targets(obj, action="save or load fp8 weights of")
 
 
 def _converted(obj: Any) -> Iterator[tuple[str, torch.nn.Module, tuple[str, ...], Any]]:
@@ -251,8 +251,8 @@ def load_fp8(obj: Any, path: Any):
     """Load fp8 codes and scales written by :func:`save_fp8` into ``obj``; validated before anything changes.
 
     ``obj`` is the same architecture, loaded normally (e.g. ``from_pretrained`` in bf16) or already
-    patched with ``fp8=``. Returns the :class:`~mpsboost.report.PatchReport` of the conversion (or
-    ``None`` when every module was converted already and only received the file's values).
+    patched with ``fp8=``. Returns the :class:`~mpsboost.report.PatchReport` of the conversion; when
+    every module was converted already and only received the file's values, its rows say "already patched".
     """
     from .api import patch
     from .recipes.fp8_weights import _expert_weight_names, _is_hf_experts
@@ -365,4 +365,6 @@ def load_fp8(obj: Any, path: Any):
                 buf = mod._buffers[n]
                 buf.copy_(q.view(torch.uint8) if buf.dtype == torch.uint8 else q)
                 mod._buffers[n + "_scale"].copy_(f.get_tensor(f"{mpath}.{n}_scale"))
-    return report
+    from .api import loaded_report
+
+    return loaded_report(obj, report, list(dict.fromkeys(mpath for mpath, _, _ in converted)), _RECIPE)

@@ -25,9 +25,26 @@ from typing import Any, Callable, Sequence
 from .errors import BenchError, BenchmarkNotFoundError
 from .records import Record, read_jsonl, write_jsonl
 
-__all__ = ["main", "script_main", "find_benchmark", "benchmark_dirs", "list_benchmarks", "best_device", "run_benchmark", "SIZES"]
+__all__ = ["main", "script_main", "find_benchmark", "catalogue", "present_devices", "BENCHMARKS", "benchmark_dirs", "list_benchmarks", "best_device", "run_benchmark", "SIZES"]
 
 SIZES = ("tiny", "small", "real")
+# What `mpsboost bench NAME` accepts: every recipe name, and the end-to-end matrix, mapped to the
+# stem of its script in benchmarks/ (the script names are shorter than some recipe names).
+BENCHMARKS = {
+    "wan_vae_pad": "wan_vae",
+    "qwen_image_vae": "qwen_image_vae",
+    "moe_experts": "moe",
+    "fp8_weights": "fp8",
+    "decode_linear": "decode_linear",
+    "softmax": "softmax",
+    "mps_streams": "mps_streams",
+    "e2e": "e2e",
+}
+NOT_SHIPPED = (
+    "the benchmarks are not part of the installed package (a wheel has none): they are the benchmarks/ "
+    "folder of mpsboost's source repository. Run `mpsboost bench NAME` inside a checkout of it, or point "
+    "--benchmarks-dir or ${env} at that folder"
+)
 DEVICES = ("cuda", "mps", "cpu")
 ENV_VAR = "MPSBOOST_BENCHMARKS"
 
@@ -50,11 +67,20 @@ def check_device(device: str) -> str:
     kind = device.split(":", 1)[0]
     if kind not in DEVICES:
         raise BenchError(f"device {device!r} is not supported; accepted: {', '.join(DEVICES)} (cuda:N for a given GPU)")
+    present = present_devices()
     if kind == "cuda" and not torch.cuda.is_available():
-        raise BenchError(f"--device {device} but torch {torch.__version__} sees no CUDA device; pick one of: {best_device()}, cpu")
+        raise BenchError(f"--device {device} but torch {torch.__version__} sees no CUDA device; present here: {', '.join(present)}")
     if kind == "mps" and not torch.backends.mps.is_available():
-        raise BenchError(f"--device mps but torch {torch.__version__} sees no MPS device; pick one of: {best_device()}, cpu")
+        raise BenchError(f"--device mps but torch {torch.__version__} sees no MPS device; present here: {', '.join(present)}")
     return device
+
+
+def present_devices() -> list[str]:
+    """The device types torch can use here, best first, each once (``["cpu"]`` on a CPU-only machine)."""
+    import torch
+
+    out = [d for d, ok in (("mps", torch.backends.mps.is_available()), ("cuda", torch.cuda.is_available())) if ok]
+    return out + ["cpu"]
 
 
 def benchmark_dirs(explicit: str | os.PathLike | None = None) -> list[Path]:
@@ -94,22 +120,36 @@ def list_benchmarks(explicit: str | os.PathLike | None = None) -> dict[str, Path
 
 
 def find_benchmark(name: str, explicit: str | os.PathLike | None = None) -> Path:
-    """The script of benchmark ``name``; :class:`BenchmarkNotFoundError` lists what exists."""
+    """The script of benchmark ``name`` (a recipe name such as ``moe_experts``, ``e2e``, or a script
+    stem such as ``moe``); :class:`BenchmarkNotFoundError` lists what exists and where."""
     if explicit is not None and not Path(explicit).is_dir():
         raise BenchmarkNotFoundError(f"--benchmarks-dir {explicit} is not a folder")
     if not name or "/" in name or "\\" in name or name.startswith((".", "_")):
-        raise BenchmarkNotFoundError(f"{name!r} is not a benchmark name; give the stem of a benchmarks/NAME.py script, e.g. wan_vae")
+        raise BenchmarkNotFoundError(f"{name!r} is not a benchmark name; give a recipe name such as moe_experts (see --list)")
     name = name[:-3] if name.endswith(".py") else name
+    stem = BENCHMARKS.get(name, name)
     found = list_benchmarks(explicit)
-    if name in found:
-        return found[name]
+    if stem in found:
+        return found[stem]
     dirs = benchmark_dirs(explicit)
-    where = ", ".join(str(d) for d in dirs) or "no benchmarks folder found"
-    known = ", ".join(sorted(found)) or "none"
+    if not dirs:
+        raise BenchmarkNotFoundError(f"no benchmark {name!r} here: " + NOT_SHIPPED.format(env="$" + ENV_VAR))
+    known = ", ".join(n for n, _, _ in catalogue(explicit))
+    script = f"{stem}.py" + (f" (the benchmark of {name})" if stem != name else "")
     raise BenchmarkNotFoundError(
-        f"no benchmark named {name!r}. Benchmarks found: {known} (searched: {where}). "
-        f"Point --benchmarks-dir or ${ENV_VAR} at the folder holding {name}.py."
+        f"no benchmark named {name!r}: {script} is not in {', '.join(str(d) for d in dirs)}. Names: {known}. "
+        f"Point --benchmarks-dir or ${ENV_VAR} at the folder holding {stem}.py."
     )
+
+
+def catalogue(explicit: str | os.PathLike | None = None) -> list[tuple[str, str, Path | None]]:
+    """(name to give, script stem, script path or None when absent here) for every known benchmark,
+    then any other script found in the benchmark folders."""
+    found = list_benchmarks(explicit)
+    rows = [(name, stem, found.get(stem)) for name, stem in BENCHMARKS.items()]
+    mapped = set(BENCHMARKS.values())
+    rows += [(stem, stem, path) for stem, path in found.items() if stem not in mapped]
+    return rows
 
 
 def load_benchmark(path: Path) -> Any:
@@ -187,8 +227,9 @@ def _parser(prog: str, *, with_name: bool) -> argparse.ArgumentParser:
         "(throughput, op time, correctness, memory), written as JSONL with a comparison table and a chart.",
     )
     if with_name:
-        p.add_argument("name", nargs="?", help="benchmark name: benchmarks/NAME.py (see --list)")
-        p.add_argument("--list", action="store_true", help="list the benchmarks found and where")
+        p.add_argument("name", nargs="?", help="a recipe name (wan_vae_pad, moe_experts, fp8_weights, ...), e2e "
+                       "(the end-to-end matrix), or a script stem of benchmarks/ (see --list)")
+        p.add_argument("--list", action="store_true", help="list the benchmark names, and the script each runs")
         p.add_argument("--benchmarks-dir", help=f"folder holding the benchmark scripts (default: ${ENV_VAR}, ./benchmarks, the source checkout)")
         p.add_argument("--table", metavar="JSONL", nargs="+", help="print the table (and chart into --out) of records already written, run nothing")
     p.add_argument("--device", help=f"one of {', '.join(DEVICES)} (default: the best present: mps, cuda, cpu)")
@@ -205,13 +246,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.list:
-            found = list_benchmarks(args.benchmarks_dir)
-            if not found:
-                print("no benchmarks found; searched: " + (", ".join(map(str, benchmark_dirs(args.benchmarks_dir))) or "no benchmarks folder"))
+            dirs = benchmark_dirs(args.benchmarks_dir)
+            rows = catalogue(args.benchmarks_dir)
+            width = max(len(n) for n, _, _ in rows)
+            for name, stem, path in rows:
+                where = str(path) if path is not None else f"benchmarks/{stem}.py (not found here)"
+                print(f"{name.ljust(width)}  {where}")
+            if not dirs:
+                print("\n" + NOT_SHIPPED.format(env="$" + ENV_VAR) + ".")
                 return 1
-            width = max(len(n) for n in found)
-            for n, p in found.items():
-                print(f"{n.ljust(width)}  {p}")
             return 0
         out = Path(args.out or "bench-out")
         if args.table:

@@ -369,10 +369,9 @@ def decide(recipe: str, classes: VaeClasses, match: Match, env: Env, options: Ma
             f"pytorch#194922 (wrong time padding of rank-5 tensors with H*W >= 65536) on this build: {bad}"
         )
     else:
-        reason = (
-            "applied for speed: F.pad is native and correct on this build (pytorch#195368, #194922); "
-            "folding saves one copy of the activation per causal convolution"
-        )
+        # The two upstream issues are MPS ones: cite them only where they could have applied.
+        why = "F.pad is native and correct on this build (pytorch#195368, #194922); " if env.device_type == "mps" else ""
+        reason = f"for speed: {why}folding saves one copy of the activation per causal convolution"
         if opts.channels_last:
             reason += "; activations stay channels-last (cuDNN's native layout)"
     if opts.memory_watch is not None and opts.tile_loop:
