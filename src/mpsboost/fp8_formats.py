@@ -620,6 +620,15 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
                 plan.problems.append(f"{part.scale}: dtype {se.dtype}; scales are F32, BF16, F16 or F8_E8M0")
                 continue
             cshape = ce.shape if part.src_rows is None else (part.src_rows[1] - part.src_rows[0],) + ce.shape[1:]
+            want = qt.shape[-2:] if qt.kind == "linear" else qt.shape[1:]
+            if qt.kind == "experts" and part.expert is None:
+                bad_shape = tuple(ce.shape) != qt.shape
+            else:
+                bad_shape = len(cshape) != 2 or cshape[1] != want[-1] or (qt.kind == "linear" and cshape[0] != want[0]) or (
+                    part.expert is not None and part.rows[1] > want[0])
+            if bad_shape:
+                plan.problems.append(f"{part.codes}: shape {list(cshape)} in the file, the model's {qt.path}.{qt.name} is {list(qt.shape)}")
+                continue
             sch = _entry_scheme(ce.shape, se.shape, qt.block)
             if sch is None:
                 plan.problems.append(f"{part.scale}: shape {list(se.shape)} is no {ckpt.format} scale layout for codes {list(ce.shape)}"
@@ -629,14 +638,6 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
                 plan.problems.append(f"{part.codes}: split at row {part.src_rows[0]}, inside a scale block of {qt.block[0]} rows")
                 continue
             part.scheme = sch
-            want = qt.shape[-2:] if qt.kind == "linear" else qt.shape[1:]
-            got_rows = cshape[0] if len(cshape) == 2 else None
-            if qt.kind == "experts" and part.expert is None:
-                if tuple(ce.shape) != qt.shape:
-                    plan.problems.append(f"{part.codes}: shape {list(ce.shape)} in the file, the model's {qt.path}.{qt.name} is {list(qt.shape)}")
-            elif len(cshape) != 2 or cshape[1] != want[-1] or (qt.kind == "linear" and got_rows != want[0]) or (
-                    part.expert is not None and part.rows[1] > want[0]):
-                plan.problems.append(f"{part.codes}: shape {list(cshape)} in the file, the model's {qt.path}.{qt.name} is {list(qt.shape)}")
         schemes = {p.scheme for p in qt.parts}
         if "" in schemes:
             continue

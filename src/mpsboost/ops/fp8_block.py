@@ -104,7 +104,6 @@ def fp8_block_experts(
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat.clamp(0, num_experts), minlength=num_experts + 1)[:num_experts].tolist()
     x = hidden_states.to(compute_dtype)
-    tokens = order // k
     out = torch.zeros(t, down[0].shape[-2], dtype=torch.float32, device=x.device)
     wts = top_k_weights.reshape(-1)
     start = 0
@@ -113,7 +112,7 @@ def fp8_block_experts(
             continue
         pairs = order[start:start + c]
         start += c
-        tok = tokens[pairs]
+        tok = pairs // k
         w_up = dequantize_block(up[0][e], up[1][e], block, compute_dtype)
         h = F.linear(x[tok], w_up, None if up_bias is None else up_bias[e])
         del w_up
