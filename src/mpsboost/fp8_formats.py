@@ -540,6 +540,10 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
         path = join_path(prefix, mname)
         if isinstance(mod, torch.nn.Linear) or (mod._parameters.get("weight") is not None and mod.weight.dim() == 2 and not _is_hf_experts(mod)):
             s = src_of(f"{mname}.weight" if mname else "weight")
+            if s is not None and ents[s[0]].dtype != "F8_E4M3" and _scale_key(fmt, s[0]) in ents:
+                plan.problems.append(f"{s[0]}: dtype {ents[s[0]].dtype} in the file next to its scale {_scale_key(fmt, s[0])}; "
+                                     "expected F8_E4M3 codes")
+                continue
             if s is None or ents[s[0]].dtype != "F8_E4M3":
                 continue
             if type(mod) is not torch.nn.Linear:
@@ -553,6 +557,7 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
                          block=_module_block(ckpt, mname))
             plan.quant.append(qt)
             quant_ids.add(id(w))
+            quant_ids.add(id(mod._buffers.get("weight_scale")))  # a module converted already: its scales are replaced too
         elif _is_hf_experts(mod):
             tr = bool(getattr(mod, "is_transposed", False))
             for name in _expert_weight_names(mod):
@@ -606,6 +611,7 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
                 qt = QTensor(path, mod, name, "experts", tuple(w.shape), parts, block=_module_block(ckpt, mname))
                 plan.quant.append(qt)
                 quant_ids.add(id(w))
+                quant_ids.add(id(mod._buffers.get(name + "_scale")))
     # 2. scales and schemes of every fp8 tensor.
     for qt in plan.quant:
         for part in qt.parts:
@@ -682,6 +688,11 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
         g.source, g.src_rows = key, rows
         used.add(key)
         plan.plain.append(g)
+    if fmt == "mpsboost":
+        listed = ckpt.info.get("modules", {})
+        have = {join_path("", q.path[len(prefix) + 1:] if prefix else q.path) for q in plan.quant}
+        for m in sorted(set(listed) - have):
+            plan.problems.append(f"{m}: listed among the file's fp8 modules, but this {type(root).__name__} has no fp8 codes for it there")
     ignored = tuple(ckpt.info.get("ignored_suffixes", ()))
     extra = sorted(k for k in ents if k not in used and k != "scaled_fp8" and not k.endswith(ignored))
     if extra:

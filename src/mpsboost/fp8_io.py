@@ -679,8 +679,17 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
     plans = _load_plans(obj, target, roots)
     problems = [(p.ckpt, pr) for p in plans for pr in p.problems]
     for p in plans:
-        conv = [q.path for q in p.quant if _RECIPE in q.module.__dict__.get("_mpsboost_patches", {})]
-        problems += [(p.ckpt, f"{c}: already patched by fp8_weights; load into a freshly built model") for c in conv]
+        for q in p.quant:
+            entry = q.module.__dict__.get("_mpsboost_patches", {}).get(_RECIPE)
+            if entry is None:
+                continue
+            state = entry.get("fp8")
+            have = q.module._buffers.get(q.name + "_scale")
+            if state is None or not state.converted or have is None:
+                problems.append((p.ckpt, f"{q.path}: patched by fp8_weights but not converted (a failed conversion); reload the model"))
+            elif tuple(q.module._buffers[q.name].shape) != q.shape or tuple(have.shape) != q.scale_shape:
+                problems.append((p.ckpt, f"{q.path}.{q.name}_scale: {q.scheme} {list(q.scale_shape)} in the file, but the module was "
+                                         f"converted with other scales {list(have.shape)}"))
     if problems:
         ck = problems[0][0]
         shown = "; ".join(pr for _, pr in problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
@@ -766,8 +775,15 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
     # fp8 tensors: codes and scales straight into buffers.
     by_module: dict[int, list] = {}
     for qt in plan.quant:
-        codes, scale = _assemble(qt, ckpt, storage, dev)
         mod = qt.module
+        if _RECIPE in mod.__dict__.get("_mpsboost_patches", {}):
+            # Converted already (checked: same shapes and scales): new values in buffers of the same kind and place.
+            old = mod._buffers[qt.name]
+            codes, scale = _assemble(qt, ckpt, "uint8" if old.dtype == torch.uint8 else "float8", old.device)
+            _set_tensor(mod, qt.name, codes, False, undo_log)
+            _set_tensor(mod, qt.name + "_scale", scale, False, undo_log)
+            continue
+        codes, scale = _assemble(qt, ckpt, storage, dev)
 
         def undo(mod=mod, name=qt.name, old=mod._parameters.get(qt.name), had_scale=(qt.name + "_scale") in mod._buffers,
                  old_scale=mod._buffers.get(qt.name + "_scale")) -> None:
