@@ -442,6 +442,20 @@ def test_save_of_a_loaded_published_checkpoint_round_trips(tmp_path):
     assert torch.equal(_lm_out(again), _lm_out(model))
 
 
+def test_describe_checkpoint_names_format_storage_and_path(tmp_path):
+    from mpsboost.fp8_formats import describe_checkpoint
+
+    write_transformers_fp8(_lm(_qwen3_moe_config), tmp_path / "tf", block=(16, 48))
+    old = describe_checkpoint(tmp_path / "tf", Env.simulate("mps", "2.14.1"))
+    assert "format transformers-fp8" in old and "block 16x48" in old and "storage: uint8" in old and "pytorch#194074" in old
+    assert "stacked into [E, out, in]" in old
+    new = describe_checkpoint(tmp_path / "tf", Env.simulate("mps", "2.15.0"))
+    assert "storage: float8" in new and "uint8" not in new
+    write_compressed_tensors(_lm(_qwen3_config), tmp_path / "ct", strategy="tensor")
+    cuda = describe_checkpoint(tmp_path / "ct", Env.simulate("cuda:9.0", "2.11.0"))
+    assert "compressed-tensors" in cuda and "tensorwise" in cuda and "fp8 GEMV (triton)" in cuda
+
+
 # ------------------------------------------------------------------------------------------ bad files
 
 @pytest.fixture

@@ -50,6 +50,8 @@ __all__ = [
     "scale_to_float32",
     "ST_DTYPES",
     "TORCH_TO_ST",
+    "plan_load",
+    "describe_checkpoint",
 ]
 
 FORMATS = ("mpsboost", "transformers-fp8", "compressed-tensors", "scaled_fp8")
@@ -705,3 +707,76 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
             counts[e.dtype] = counts.get(e.dtype, 0) + e.nbytes
     plan.compute_dtype = ST_DTYPES[max(counts, key=counts.get)] if counts else torch.bfloat16
     return plan
+
+
+# ------------------------------------------------------------------------------------------ describing
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def describe_checkpoint(path: Any, env: Any = None) -> str:
+    """Which fp8 path the checkpoint at ``path`` takes in ``env`` (an :class:`mpsboost.Env`, a device
+    string, or None for this machine), read from its headers only: format, scale layouts, storage and
+    forward. For ``mpsboost plan`` and ``mpsboost doctor``."""
+    from .gate import Env
+    from .ops import fp8 as fp8_ops
+
+    if env is None:
+        env = Env.detect()
+    elif isinstance(env, str):
+        env = Env.simulate(env) if ":" in env else Env.detect(env) if env == "cpu" else Env.simulate(env)
+    elif not isinstance(env, Env):
+        raise TypeError(f"env must be an mpsboost.Env, a device string or None, got {type(env).__name__}")
+    p = Path(path)
+    folders = [p]
+    if p.is_dir() and not any(p.glob("*.safetensors")) and not any(p.glob("*.safetensors.index.json")):
+        folders = sorted(d for d in p.iterdir() if d.is_dir() and (any(d.glob("*.safetensors")) or any(d.glob("*.safetensors.index.json"))))
+        if not folders:
+            raise Fp8FileError(f"{p}: no safetensors checkpoint in it or in its subfolders")
+    lines = [f"fp8 checkpoint {p} for {env.describe()}:"]
+    storage = fp8_ops.storage_for(env)
+    from .gate import check
+
+    st = check("float8_storage", env)
+    for folder in folders:
+        ckpt = open_checkpoint(folder)
+        head = f"{folder.name}: " if folder is not p else ""
+        ents = ckpt.entries
+        schemes: dict[str, int] = {}
+        shapes: dict[tuple, int] = {}
+        experts = 0
+        fp8_bytes = 0
+        for k, e in ents.items():
+            if e.dtype != "F8_E4M3" or k == "scaled_fp8":
+                continue
+            fp8_bytes += e.nbytes
+            sk = _scale_key(ckpt.format, k)
+            rel = k.rsplit(".", 1)[0]
+            block = _module_block(ckpt, rel)
+            sch = _entry_scheme(e.shape, ents[sk].shape, block) if sk in ents else None
+            name = (f"block {block[0]}x{block[1]}" if sch == "block" else sch) or "no scale"
+            schemes[name] = schemes.get(name, 0) + 1
+            if len(e.shape) == 3 or re.search(r"\.experts\.\d+\.", k):
+                experts += 1
+            elif len(e.shape) == 2:
+                shapes[e.shape] = shapes.get(e.shape, 0) + 1
+        total = ckpt.nbytes
+        lines.append(f"  {head}format {ckpt.format}, {len(ckpt.files)} file(s), {_size(total)} "
+                     f"({_size(fp8_bytes)} fp8 codes); scales: "
+                     + ", ".join(f"{v} {k}" for k, v in sorted(schemes.items())))
+        lines.append(f"  {head}storage: {storage}" + ("" if st.ok else f" (the fp8 bytes kept as uint8 and decoded with integer ops: {st.reason})"))
+        if any(k.startswith("block") for k in schemes):
+            lines.append(f"  {head}block-scaled layers: dequantise this layer (code x block scale in float32, rounded once) then linear; "
+                         "experts: only the hit experts, one at a time")
+        if shapes:
+            (n, k), _ = max(shapes.items(), key=lambda kv: kv[1])
+            lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=torch.bfloat16)
+            if any(not s.startswith("block") for s in schemes):
+                lines.append(f"  {head}per-tensor/per-row layers: {lp.backing} ({lp.reason})")
+        if experts:
+            lines.append(f"  {head}{experts} expert weight tensor(s)" + (" stored one Linear per expert: stacked into [E, out, in] while loading"
+                                                                          if any(re.search(r"\.experts\.\d+\.", k) for k in ents) else ""))
+        if ckpt.format == "scaled_fp8":
+            lines.append(f"  {head}names mapped onto diffusers' with diffusers' single-file conversion of the target class")
+    return "\n".join(lines)
