@@ -663,3 +663,21 @@ def test_peak_memory_while_loading_stays_under_file_plus_largest_layer(tmp_path)
     print(f"file {size / 2**20:.1f} MiB, largest tensor {largest / 2**20:.1f} MiB, peak over baseline {peak / 2**20:.1f} MiB, "
           f"held after load {(m['after'] - m['base']) / 2**20:.1f} MiB")
     assert peak <= size + largest + margin, (peak, size, largest)
+
+
+# ------------------------------------------------------------------------------------------ the cookbook script
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "scaled_fp8"])
+def test_cookbook_script_writes_and_loads_each_format(tmp_path, fmt):
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, str(root / "recipes" / "fp8_checkpoint.py"), "--random-weights", "tiny", "--write-format", fmt,
+                           "--device", "cpu", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from mpsboost.bench import read_jsonl
+
+    recs = read_jsonl(tmp_path / "fp8_checkpoint.jsonl")
+    patched = next(r for r in recs if r.variant != "stock")
+    assert patched.extra["format"] == fmt and patched.correctness.rel_error <= RTOL
+    assert f"format {'scaled_fp8' if fmt == 'scaled_fp8' else fmt}" in proc.stdout
