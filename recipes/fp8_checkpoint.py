@@ -240,38 +240,28 @@ def published_tensors(model: torch.nn.Module, fmt: str, *, block=(128, 128), ten
     return specs, gen()
 
 
-def write_published(model: torch.nn.Module, fmt: str, out: Path, *, block=(128, 128), tensors=None, config: dict | None = None) -> tuple[Path, dict]:
+def write_published(model: torch.nn.Module, fmt: str, out: Path, *, block=(128, 128), tensors=None, config: dict | None = None,
+                    keep_reference: bool = True) -> tuple[Path, dict]:
     """Write ``model`` as a published fp8 checkpoint in ``fmt`` under ``out``; returns (path, reference state)."""
     orig = wan_original_name if fmt == "scaled_fp8" and type(model).__name__ == "WanTransformer3DModel" else None
     specs, gen = published_tensors(model, fmt, block=block, tensors=tensors, original_names=orig)
-    order = {k: i for i, (k, _, _) in enumerate(specs)}
-    specs_sorted = sorted(specs, key=lambda s: s[0])
     if fmt == "scaled_fp8":
         path = out / f"{type(model).__name__}_fp8_scaled.safetensors"
     else:
         path = out / "model.safetensors"
     out.mkdir(parents=True, exist_ok=True)
-    # Tensors are generated in state order and written in key order: buffer until their turn, one layer's worth.
-    w = StreamWriter(path, specs_sorted)
-    pending: dict = {}
+    # Written in the order they are made (safetensors needs contiguous data, not sorted names): one layer in memory.
+    w = StreamWriter(path, specs)
     ref: dict = {}
-    sorted_keys = [k for k, _, _ in specs_sorted]
-    nxt = 0
     if fmt == "scaled_fp8":
-        pending["scaled_fp8"] = torch.empty(0, dtype=FP8)
+        w.write("scaled_fp8", torch.empty(0, dtype=FP8))
     for key, t in gen:
         if isinstance(t, tuple):
-            ref[key] = t[1]
+            if keep_reference:
+                ref[key] = t[1]
             continue
-        pending[key] = t
-        while nxt < len(sorted_keys) and sorted_keys[nxt] in pending:
-            w.write(sorted_keys[nxt], pending.pop(sorted_keys[nxt]))
-            nxt += 1
-    while nxt < len(sorted_keys) and sorted_keys[nxt] in pending:
-        w.write(sorted_keys[nxt], pending.pop(sorted_keys[nxt]))
-        nxt += 1
+        w.write(key, t)
     w.close()
-    del order
     if fmt != "scaled_fp8" and config is not None:
         cfg = dict(config)
         if fmt == "transformers":
