@@ -29,7 +29,7 @@ import torch
 
 from .errors import MpsboostError
 
-__all__ = ["save_fp8", "load_fp8", "Fp8FileError", "Fp8MismatchError", "Fp8ConversionError", "Fp8StateError", "FORMAT", "FORMAT_VERSION"]
+__all__ = ["save_fp8", "load_fp8", "describe_checkpoint", "Fp8FileError", "Fp8MismatchError", "Fp8ConversionError", "Fp8StateError", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "mpsboost.fp8"
 FORMAT_VERSION = "2"
@@ -874,3 +874,10 @@ def _record(obj: Any, env, rows: list, applied: list):
     with api._LOCK:
         api._add_record(obj, rec)
     return report
+
+
+def describe_checkpoint(path: Any, env: Any = None) -> str:
+    """Which fp8 path a checkpoint takes in ``env`` (see :func:`mpsboost.fp8_formats.describe_checkpoint`)."""
+    from .fp8_formats import describe_checkpoint as _describe
+
+    return _describe(path, env)

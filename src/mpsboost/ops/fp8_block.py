@@ -104,8 +104,11 @@ def fp8_block_experts(
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat.clamp(0, num_experts), minlength=num_experts + 1)[:num_experts].tolist()
     x = hidden_states.to(compute_dtype)
-    out = torch.zeros(t, down[0].shape[-2], dtype=torch.float32, device=x.device)
     wts = top_k_weights.reshape(-1)
+    # Per-pair outputs weighted in the product's dtype and summed over the k slots, in the order of
+    # transformers' own experts forward (integrations/moe.py), so that only the matmul kernels differ.
+    out = torch.zeros(t * k, down[0].shape[-2], dtype=torch.result_type(torch.empty((), dtype=compute_dtype), wts),
+                      device=x.device)
     start = 0
     for e, c in enumerate(counts):
         if not c:
@@ -119,5 +122,5 @@ def fp8_block_experts(
         h = activation(h).to(compute_dtype)
         w_down = dequantize_block(down[0][e], down[1][e], block, compute_dtype)
         y = F.linear(h, w_down, None if down_bias is None else down_bias[e])
-        out.index_add_(0, tok, (y.float() * wts[pairs].unsqueeze(-1).float()))
-    return out.to(hidden_states.dtype)
+        out[pairs] = y * wts[pairs].unsqueeze(-1)
+    return out.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
