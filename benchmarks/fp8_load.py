@@ -230,7 +230,7 @@ def _exact_reference(name: str, model, cfg, device: str) -> torch.nn.Module:
     meta.load_state_dict(state, strict=False, assign=True)
     for mname, mod in meta.named_modules():  # rotary tables and other non-persistent buffers: from the fp8 model
         for b, v in list(mod._buffers.items()):
-            if v is not None and v.device.type == "meta":
+            if v is not None and (v.device.type == "meta" or v.device.type != torch.device(device).type):
                 mod._buffers[b] = model.get_submodule(mname)._buffers[b]
     return meta.eval()
 

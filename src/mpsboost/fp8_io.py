@@ -818,6 +818,13 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
         rebuilt = _donor_buffers(plan.root, plan.rebuild, dev)
         for mod, b in plan.rebuild:
             _set_tensor(mod, b, rebuilt[(id(mod), b)], False, undo_log)
+    # Buffers that are not in checkpoints but were built with data (accelerate's init_empty_weights keeps
+    # buffers real, on the CPU) go where the model computes.
+    for mod in plan.root.modules():
+        for b in list(mod._non_persistent_buffers_set):
+            t = mod._buffers.get(b)
+            if t is not None and t.device.type not in ("meta", dev.type):
+                _set_tensor(mod, b, t.to(dev), False, undo_log)
     # Forwards, records and report rows: the fp8_weights recipe's, so that reports, save_fp8 and unpatch know them.
     recipe = get_recipe(_RECIPE)
     where = f"{ckpt.name} ({ckpt.format})"
