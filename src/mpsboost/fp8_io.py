@@ -1,20 +1,24 @@
-"""Saving and loading fp8 weights (``mpsboost.save_fp8`` / ``mpsboost.load_fp8``): safetensors only.
+"""Saving and loading fp8 checkpoints (``mpsboost.save_fp8`` / ``mpsboost.load_fp8``): safetensors only.
 
-A file holds, for every module that ``fp8_weights`` converted, its codes as ``F8_E4M3`` (whatever
-the storage on the device: uint8 bytes are the same bits) and its float32 scales, named like the
-module's own state (``<path>.weight``, ``<path>.weight_scale``; experts: ``<path>.gate_up_proj``,
-``<path>.gate_up_proj_scale``, ``<path>.down_proj``, ``<path>.down_proj_scale``), where ``<path>``
-is the module path of the patch report (``transformer.blocks.0.attn1.to_q`` in a pipeline). The
-header's metadata says what the file is (``format = mpsboost.fp8``, its version, the mpsboost version,
-the granularity) and, per module, its kind, original dtype and tensor names.
+``save_fp8`` writes a complete checkpoint (format ``mpsboost.fp8`` version 2): every tensor of the
+model's state, the codes of converted layers as ``F8_E4M3`` (whatever the storage on the device:
+uint8 bytes are the same bits) with their float32 ``<tensor>_scale``, every other tensor in its own
+dtype, tied tensors once, and the model's config (``config.json`` in a folder, or the metadata of a
+single file). Above ``max_shard_size`` a folder gets Hugging Face's shards
+(``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``); a pipeline gets one
+such folder per component. The metadata says, per converted module, its kind, scales (granularity,
+block) and compute dtype. Files are written tensor by tensor: saving never holds a second copy.
 
-The file is written tensor by tensor (the safetensors layout is a JSON header then raw bytes), so
-saving never holds a second copy of the model in memory. Loading reads the header first and checks
-every module path, kind, tensor name, shape and dtype against the model before anything changes;
-any mismatch raises :class:`Fp8MismatchError` (or :class:`Fp8FileError` for a file that is not an
-mpsboost fp8 safetensors file) naming the file, and the model stays exactly as it was. Then modules
-that are not converted yet are converted from the file by ``mpsboost.patch`` (one transaction, the
-report row says ``loaded from <file>``), and modules converted already get the file's values.
+``load_fp8`` reads mpsboost's own checkpoints and the formats people publish
+(:mod:`mpsboost.fp8_formats`: transformers' fine-grained FP8, compressed-tensors, ``scaled_fp8``
+single files) into a model built on the meta device, tensor by tensor, straight into fp8 storage
+(uint8 bytes on MPS before torch 2.15, pytorch#194074): the bf16 weights of the fp8 layers never
+exist. Every tensor is checked against the model before anything changes (:class:`Fp8MismatchError`,
+or :class:`Fp8FileError` for a file that is unreadable, truncated, partial or of no known format,
+each naming the format and what is missing); a failure while reading puts every tensor back. Loaded
+layers are the ``fp8_weights`` recipe's (report rows, ``save_fp8``, ``unpatch`` raising
+:class:`~mpsboost.errors.IrreversiblePatchError`). Version-1 files (converted layers only, written by
+mpsboost 0.1) still load into a model that holds the other weights.
 """
 from __future__ import annotations
 
