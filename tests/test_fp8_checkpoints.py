@@ -703,3 +703,19 @@ def test_cookbook_script_writes_and_loads_each_format(tmp_path, fmt):
     patched = next(r for r in recs if r.variant != "stock")
     assert patched.extra["format"] == fmt and patched.correctness.rel_error <= RTOL
     assert f"format {'scaled_fp8' if fmt == 'scaled_fp8' else fmt}" in proc.stdout
+
+
+@pytest.mark.parametrize("env", list(ENVS))
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_bf16_layers_apply_the_files_scales_exactly(tmp_path, env, strategy):
+    """In bf16, a loaded layer computes with code x scale in float32 rounded once: bit-identical to F.linear
+    on the hand-dequantised weight."""
+    src = _lm(_qwen3_config).to(torch.bfloat16)
+    ref_state = write_compressed_tensors(src, tmp_path / "ckpt", strategy=strategy)
+    model = _meta_lm(_qwen3_config)
+    mpsboost.load_fp8(model, tmp_path / "ckpt", device=ENVS[env]())
+    layer = model.model.layers[1].mlp.down_proj
+    x = torch.randn(3, 5, layer.in_features, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    want = torch.nn.functional.linear(x, ref_state["model.layers.1.mlp.down_proj.weight"].to(torch.bfloat16))
+    with torch.no_grad():
+        assert torch.equal(layer(x), want)

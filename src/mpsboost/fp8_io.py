@@ -523,6 +523,61 @@ def _block_experts_forward(state: _BlockState):
     return forward
 
 
+class _ExactState(_BlockState):
+    """A per-tensor or per-row layer whose scales are applied as blocks (exactly); save_fp8 sees its granularity."""
+
+    def __init__(self, kind: str, compute_dtype: torch.dtype, granularity: str, blocks: list):
+        super().__init__(kind, compute_dtype, blocks[0])
+        self.granularity = granularity
+        self.block = None  # not block-scaled in the file: scales keep their own layout
+        self.blocks = [tuple(b) for b in blocks]
+
+
+def _scale_block(qt) -> tuple[int, int]:
+    n, k = qt.shape[-2:]
+    return (1, k) if qt.scheme == "rowwise" else (n, k)
+
+
+def _as_block_scale(scale: torch.Tensor) -> torch.Tensor:
+    return scale.reshape(1, 1) if scale.dim() == 0 else scale
+
+
+def _exact_linear_forward(state: _ExactState):
+    from .ops.fp8_block import fp8_block_linear
+
+    def forward(self, input, *args, **kwargs):
+        return fp8_block_linear(input, self.weight, _as_block_scale(self.weight_scale), self.bias, block=state.blocks[0],
+                                compute_dtype=state.compute_dtype)
+
+    return forward
+
+
+def _exact_experts_forward(state: _ExactState):
+    from .ops.fp8_block import fp8_block_experts
+    from .recipes.fp8_weights import _expert_weight_names
+
+    def forward(self, hidden_states, *args, **kwargs):
+        rest = list(args)
+        top_k_index = rest.pop(0) if rest else kwargs.pop("top_k_index", kwargs.pop("router_indices", None))
+        top_k_weights = rest.pop(0) if rest else kwargs.pop("top_k_weights", kwargs.pop("routing_weights", None))
+        up_name, down_name = _expert_weight_names(self)
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        has_bias = bool(getattr(self, "has_bias", False))
+        act = self._apply_gate if getattr(self, "has_gate", True) else self.act_fn
+        out = fp8_block_experts(
+            x, top_k_index.reshape(x.shape[0], -1), top_k_weights.reshape(x.shape[0], -1),
+            up=(getattr(self, up_name), getattr(self, up_name + "_scale")),
+            down=(getattr(self, down_name), getattr(self, down_name + "_scale")),
+            block=state.blocks[0], down_block=state.blocks[-1], activation=act, compute_dtype=state.compute_dtype,
+            up_bias=getattr(self, up_name + "_bias", None) if has_bias else None,
+            down_bias=getattr(self, "down_proj_bias", None) if has_bias else None,
+        )
+        return out.reshape(shape)
+
+    return forward
+
+
 def _target_env(obj: Any, roots, device: Any):
     """(Env, torch.device the tensors go to). A simulated Env keeps tensors on the CPU."""
     from .api import _env_for
@@ -847,12 +902,25 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
             backing = (f"block-scaled fp8 {qts[0].block[0]}x{qts[0].block[1]}, dequantise then linear" if qts[0].kind == "linear"
                        else f"block-scaled fp8 {qts[0].block[0]}x{qts[0].block[1]}: dequantise only the hit experts, one at a time")
             reason = f"{storage} storage, scales kept exactly as in {where}"
-        elif qts[0].kind == "linear":
+        elif qts[0].kind == "linear" and fp8_ops.choose_linear_path(env, n=qts[0].shape[0], k=qts[0].shape[1], dtype=compute).kind != "dequant":
             n, k = qts[0].shape
             lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=compute)
             state = fw._State(kind=lp.kind, compute_dtype=compute, granularity=schemes[0], gemv_max_m=16)
             fwd = fw._linear_forward(state)
             backing, reason = lp.backing, f"{schemes[0]} scales from {where}, {lp.storage} storage: {lp.reason}"
+        elif qts[0].kind == "linear" or (env.device_type != "cuda" and not getattr(mod, "is_transposed", False)):
+            # Where the layer is dequantised before its matmul anyway, the file's scales are applied in float32
+            # and rounded once (the file's exact dequantisation): per-row scales are blocks of (1, K), one
+            # per-tensor scale a block of (N, K).
+            blocks = [_scale_block(q) for q in qts]
+            state = _ExactState(qts[0].kind, compute, "+".join(schemes), blocks)
+            fwd = _exact_linear_forward(state) if qts[0].kind == "linear" else _exact_experts_forward(state)
+            st_reason = fp8_ops.choose_linear_path(env, n=qts[0].shape[-2], k=qts[0].shape[-1], dtype=compute).reason
+            backing = ("dequantize (scales in float32, rounded once) then linear" if qts[0].kind == "linear"
+                       else "dequantise only the hit experts (scales in float32), one at a time")
+            if storage == "uint8":
+                backing = "uint8 storage, integer decode, " + backing
+            reason = f"{'+'.join(schemes)} scales from {where}, {storage} storage: {st_reason}"
         else:
             tr = bool(getattr(mod, "is_transposed", False))
             ws = [torch.empty(q.shape, dtype=compute, device="meta") for q in qts]

@@ -89,10 +89,12 @@ def fp8_block_experts(
     compute_dtype: torch.dtype,
     up_bias: Optional[torch.Tensor] = None,
     down_bias: Optional[torch.Tensor] = None,
+    down_block: Optional[tuple[int, int]] = None,
 ) -> torch.Tensor:
     """Routed experts on block-scaled stacks ``up [E, N_up, H]``, ``down [E, H, I]`` (the [E, out, in] layout).
 
-    Pairs are sorted by expert; the per-expert counts are read once on the host and only the experts
+    Per-row (``[E, N, 1]``) and per-expert (``[E, 1, 1]``) scales are block scales of blocks ``(1, K)`` and
+    ``(N, K)``: ``down_block`` gives the down projection's when it differs from ``block``. Pairs are sorted by expert; the per-expert counts are read once on the host and only the experts
     with routed pairs are dequantised, one at a time. ``hidden_states [T, H]``, ``top_k_* [T, k]``.
     """
     t, hdim = hidden_states.shape
@@ -120,7 +122,7 @@ def fp8_block_experts(
         h = F.linear(x[tok], w_up, None if up_bias is None else up_bias[e])
         del w_up
         h = activation(h).to(compute_dtype)
-        w_down = dequantize_block(down[0][e], down[1][e], block, compute_dtype)
+        w_down = dequantize_block(down[0][e], down[1][e], down_block or block, compute_dtype)
         y = F.linear(h, w_down, None if down_bias is None else down_bias[e])
         out[pairs] = y * wts[pairs].unsqueeze(-1)
     return out.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
