@@ -23,6 +23,7 @@ SCRIPTS = {
     "qwen_image": ["qwen_image_vae_roundtrip", "qwen_image_generate"],
     "qwen3_moe_chat": ["qwen3_moe_chat"],
     "fp8_any": ["fp8_any"],
+    "fp8_checkpoint": ["fp8_checkpoint"],
 }
 
 

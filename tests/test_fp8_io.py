@@ -44,7 +44,10 @@ def test_round_trip_into_a_fresh_model_is_exact(saved, rng_seed):
     a, b = _fp8_state(model), _fp8_state(fresh)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     seed = rng_seed % 1000
-    assert torch.equal(tm.run("qwen3_moe", fresh, seed, dtype="bfloat16"), tm.run("qwen3_moe", model, seed, dtype="bfloat16"))
+    # Same codes and scales; the loaded layers apply the scales in float32 and round once (the file's exact
+    # dequantisation), the converted ones in bf16: the outputs agree to bf16 rounding.
+    a_out, b_out = tm.run("qwen3_moe", fresh, seed, dtype="bfloat16"), tm.run("qwen3_moe", model, seed, dtype="bfloat16")
+    assert ((a_out - b_out).norm() / b_out.norm()).item() < 2e-2
     # The file is plain safetensors: any reader sees float8 codes, float32 scales and the metadata.
     from safetensors import safe_open
 
@@ -53,11 +56,13 @@ def test_round_trip_into_a_fresh_model_is_exact(saved, rng_seed):
         keys = list(f.keys())
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == FP8
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").dtype == torch.float32
-    assert meta["format"] == "mpsboost.fp8" and meta["granularity"] == "rowwise" and meta["mpsboost_version"]
+    assert meta["format"] == "mpsboost.fp8" and meta["format_version"] == "2" and meta["granularity"] == "rowwise" and meta["mpsboost_version"]
     modules = json.loads(meta["modules"])
     assert modules["model.layers.0.mlp.experts"]["kind"] == "experts"
     assert modules["model.layers.0.self_attn.q_proj"]["compute_dtype"] == "bfloat16"
-    assert "lm_head.weight" not in keys
+    # A complete checkpoint: the layers kept in high precision are in the file too, with the config.
+    assert "lm_head.weight" in keys and "model.norm.weight" in keys
+    assert json.loads(meta["config"])["model_type"] == "qwen3_moe"
 
 
 def test_load_into_a_converted_model_replaces_the_values(saved):
@@ -65,9 +70,9 @@ def test_load_into_a_converted_model_replaces_the_values(saved):
     other = tm.build("qwen3_moe", dtype="bfloat16", seed=3)
     mpsboost.patch(other, fp8="rowwise")
     q = other.model.layers[0].self_attn.q_proj.weight
-    loaded = mpsboost.load_fp8(other, path)  # a report on a converted model too, not None
-    assert loaded.rows and {r.status for r in loaded.rows} == {"already patched"} and "loaded from the file" in loaded.note
-    assert other.model.layers[0].self_attn.q_proj.weight is q  # same buffers, new values
+    report = mpsboost.load_fp8(other, path)  # a report on a converted model too, not None
+    assert report.rows and not [r for r in report.rows if r.recipe == "fp8_weights" and r.status == "applied"]  # new values only
+    assert other.model.layers[0].self_attn.q_proj.weight.dtype == q.dtype
     a, b = _fp8_state(model), _fp8_state(other)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -86,7 +91,7 @@ def test_uint8_storage_saves_the_same_file_contents(tmp_path, saved):
     # And a converted uint8-storage model takes a file's values into its uint8 buffers.
     target = tm.build("qwen3_moe", dtype="bfloat16", seed=5)
     mpsboost.patch(target, fp8="rowwise", device=Env.simulate("mps", "2.14.1"))
-    assert {r.status for r in mpsboost.load_fp8(target, path).rows} == {"already patched"}
+    assert mpsboost.load_fp8(target, path).rows
     assert target.model.layers[1].mlp.experts.down_proj.dtype == torch.uint8
     a, b = _fp8_state(model), _fp8_state(target)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -95,14 +100,15 @@ def test_uint8_storage_saves_the_same_file_contents(tmp_path, saved):
 def test_pipeline_round_trip_keeps_component_paths(tmp_path):
     pipe = tm.build("wan22_ti2v_pipeline")
     mpsboost.patch(pipe, fp8="tensorwise")
-    path = mpsboost.save_fp8(pipe, tmp_path / "wan.safetensors")
+    path = mpsboost.save_fp8(pipe, tmp_path / "wan")
     from safetensors import safe_open
 
-    with safe_open(str(path), framework="pt") as f:
+    with safe_open(str(path / "transformer" / "model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
-        assert json.loads(f.metadata()["architectures"])["transformer"] == "WanTransformer3DModel"
-    assert any(k.startswith("transformer.blocks.0.") for k in keys) and any(k.startswith("text_encoder.") for k in keys)
-    assert not any(k.startswith("vae.") for k in keys)
+        assert json.loads(f.metadata()["architectures"])[""] == "WanTransformer3DModel"
+    assert any(k.startswith("blocks.0.") for k in keys) and (path / "text_encoder" / "model.safetensors").is_file()
+    # The VAE has no fp8 layer, and is written whole all the same (a complete checkpoint).
+    assert (path / "vae" / "config.json").is_file()
     fresh = tm.build("wan22_ti2v_pipeline")
     mpsboost.load_fp8(fresh, path)
     assert torch.equal(fresh.transformer.blocks[0].ffn.net[2].weight.view(torch.uint8), pipe.transformer.blocks[0].ffn.net[2].weight.view(torch.uint8))
@@ -147,13 +153,13 @@ def _bad_files(path, tmp):
     yield "missing tensor", Fp8MismatchError, _rewrite(path, tmp / "missing.safetensors", drop=[E + "_scale"]), "missing"
     yield "extra tensor", Fp8MismatchError, _rewrite(path, tmp / "extra.safetensors", replace={"foo.weight": q}), "foo.weight"
     yield "wrong experts shape", Fp8MismatchError, _rewrite(path, tmp / "experts.safetensors", replace={E: e[:, :-2].contiguous()}), E
-    yield "other format", Fp8FileError, _rewrite(path, tmp / "plain.safetensors", meta={"format": "pt"}), "not an mpsboost fp8 file"
+    yield "other version", Fp8FileError, _rewrite(path, tmp / "plain.safetensors", meta={"format_version": "7"}), "version '7'"
     mods = tmp / "mods.safetensors"
     yield "unknown module", Fp8MismatchError, _rewrite(path, mods, meta={"modules": json.dumps({"model.nope": {
         "kind": "linear", "tensors": ["weight"], "granularity": "rowwise"}})}), "model.nope"
     pickle = tmp / "model.bin"
     torch.save({Q: q}, pickle)
-    yield "pickle file", Fp8FileError, pickle, "not an mpsboost fp8 safetensors file"
+    yield "pickle file", Fp8FileError, pickle, "not a readable safetensors file"
     trunc = tmp / "trunc.safetensors"
     data = path.read_bytes()
     trunc.write_bytes(data[: len(data) - 100])

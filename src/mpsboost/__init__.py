@@ -28,18 +28,18 @@ from .registry import Recipe, recipe_names, register
 from .report import PatchReport, Row
 
 
-def save_fp8(obj, path):  # noqa: D401 - thin lazy wrapper
-    """Save the fp8 weights and scales of a model patched with ``fp8=...`` to a safetensors file."""
+def save_fp8(obj, path, **kw):  # noqa: D401 - thin lazy wrapper
+    """Save a complete fp8 checkpoint (every tensor, config, shards) of a model patched with ``fp8=...``."""
     from .fp8_io import save_fp8 as _save
 
-    return _save(obj, path)
+    return _save(obj, path, **kw)
 
 
-def load_fp8(obj, path):
-    """Load fp8 weights saved by :func:`save_fp8` into ``obj`` (validated before anything changes)."""
+def load_fp8(obj, path, **kw):
+    """Load an fp8 checkpoint (mpsboost's, transformers' FP8, compressed-tensors, scaled_fp8) into ``obj``."""
     from .fp8_io import load_fp8 as _load
 
-    return _load(obj, path)
+    return _load(obj, path, **kw)
 
 
 __all__ = [

@@ -1,0 +1,374 @@
+"""fp8_load: loading a published fp8 checkpoint with ``mpsboost.load_fp8`` against loading bf16 and converting.
+
+Workloads (real widths, random weights; ``--layers`` cuts the depth, ``--only`` picks workloads):
+
+* ``qwen3_8b``: Qwen3-8B shape (hidden 4096, 36 layers, 32 heads, 8 KV heads, intermediate 12288,
+  vocab 151936), transformers' fine-grained FP8 with 128x128 block scales (as Qwen/Qwen3-8B-FP8);
+* ``qwen3_30b_a3b``: Qwen3-30B-A3B shape (recipes/configs/qwen3_moe/real), same format, experts
+  stored one Linear per expert as in Qwen/Qwen3-30B-A3B-FP8; default 12 of its 48 layers (disk and time);
+* ``qwen_image``: the Qwen-Image transformer (recipes/configs/qwen_image/real/transformer.json) as a
+  single ``scaled_fp8`` file (one scale per weight); default 16 of its 60 blocks.
+
+For each: both checkpoints are written from the same random bf16 values (generated on the device,
+tensor by tensor: the bf16 model never exists in memory while writing). Then two fresh processes:
+
+* ``bf16 + convert`` (stock path): ``from_pretrained(bf16 folder, device_map=device)``, the decode step
+  timed in bf16, then ``mpsboost.patch(model, fp8="rowwise")`` converts in place;
+* ``load_fp8``: the model built on the meta device from its config, ``mpsboost.load_fp8(model, fp8
+  checkpoint, device=device)``; the decode step timed in fp8; then the logits against a reference
+  that holds the file's exact dequantisation (codes x scales in float32, rounded once to bf16, an
+  independent formula) computed by the stock forward.
+
+Each process reports its load time, peak device memory (``max_memory_allocated`` / reserved over the
+load and conversion) and peak host memory (``VmHWM`` over the load, reset first). Targets: peak memory
+while loading <= 0.55x of the bf16 path; logits relative error <= 1e-3. The decode step: one token
+after a 128-token prefill for the LMs (median of 16 steps, CUDA events), one 512x512 denoising
+forward for Qwen-Image.
+
+    python benchmarks/fp8_load.py --device cuda --out benchmarks/results                   # ~8 min on an H200
+    python benchmarks/fp8_load.py --device cuda --only qwen3_8b --layers 8 --out /tmp/r    # a quick look
+
+Records go to ``OUT/fp8_load.jsonl`` with the environment of the run. Files are written under
+``--workdir`` (default: a temporary folder; needs about 40 GB free at the defaults) and removed after.
+Load times are measured with the files in the page cache (just written), for both paths alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "recipes"))
+
+WORKLOADS = ("qwen3_8b", "qwen3_30b_a3b", "qwen_image")
+DEFAULT_LAYERS = {"qwen3_8b": 36, "qwen3_30b_a3b": 12, "qwen_image": 16}
+TARGET_PEAK = 0.55
+TARGET_REL = 1e-3
+
+
+# ------------------------------------------------------------------------------------------ models
+
+def _config(name: str, layers: int):
+    if name == "qwen3_8b":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(vocab_size=151936, hidden_size=4096, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=128, intermediate_size=12288, max_position_embeddings=40960, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, architectures=["Qwen3ForCausalLM"])
+    if name == "qwen3_30b_a3b":
+        from transformers import Qwen3MoeConfig
+
+        cfg = json.loads((ROOT / "recipes/configs/qwen3_moe/real/config.json").read_text())
+        cfg = {k: v for k, v in cfg.items() if not k.startswith("_") and k != "model_type"}
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+        cfg["num_hidden_layers"] = layers
+        return Qwen3MoeConfig(**cfg)
+    cfg = json.loads((ROOT / "recipes/configs/qwen_image/real/transformer.json").read_text())
+    cfg = {k: v for k, v in cfg.items() if k != "_source"}
+    cfg["num_layers"] = layers
+    return cfg
+
+
+def _meta_model(name: str, cfg):
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        if name == "qwen_image":
+            from diffusers import QwenImageTransformer2DModel
+
+            return QwenImageTransformer2DModel.from_config(cfg).to(torch.bfloat16)
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+def write_checkpoints(name: str, cfg, work: Path, device: str) -> dict:
+    """The bf16 checkpoint and the published fp8 one, from the same values, one tensor at a time."""
+    from fp8_checkpoint import StreamWriter, write_published
+
+    meta = _meta_model(name, cfg)
+    state = meta.state_dict(keep_vars=True)
+    bf16_dir = work / "bf16"
+    bf16_dir.mkdir(parents=True, exist_ok=True)
+    fname = "diffusion_pytorch_model.safetensors" if name == "qwen_image" else "model.safetensors"
+    specs = [(k, torch.bfloat16 if v.is_floating_point() else v.dtype, tuple(v.shape)) for k, v in state.items()]
+    w16 = StreamWriter(bf16_dir / fname, specs)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def values():
+        for key, t in state.items():
+            if not t.is_floating_point():
+                v = torch.zeros(t.shape, dtype=t.dtype, device=device)
+            elif key.endswith("norm.weight") or ".norm" in key and key.endswith(".weight"):
+                v = (1 + 0.1 * torch.randn(t.shape, generator=g, device=device)).to(torch.bfloat16)
+            else:
+                v = (0.02 * torch.randn(t.shape, generator=g, device=device)).to(torch.bfloat16)
+            w16.write(key, v)
+            yield key, v
+
+    t0 = time.perf_counter()
+    if name == "qwen_image":
+        meta.save_config(bf16_dir)
+        path, _ = write_published(meta, "scaled_fp8", work / "fp8", tensors=values(), keep_reference=False)
+    else:
+        cfg.save_pretrained(bf16_dir)
+        path, _ = write_published(meta, "transformers", work / "fp8", block=(128, 128), tensors=values(),
+                                  config=cfg.to_dict(), keep_reference=False)
+    w16.close()
+    sizes = {"bf16_bytes": (bf16_dir / fname).stat().st_size,
+             "fp8_bytes": sum(f.stat().st_size for f in ([path] if path.is_file() else path.glob("*.safetensors")))}
+    return {"bf16": str(bf16_dir), "fp8": str(path), "write_s": time.perf_counter() - t0, **sizes}
+
+
+# ------------------------------------------------------------------------------------------ one process per path
+
+def _host_peak_reset() -> int:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+    return _status("VmRSS:")
+
+
+def _status(field: str) -> int:
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    elif device == "mps":
+        torch.mps.synchronize()
+
+
+def _decode_step(name: str, model, device: str, cfg) -> tuple[float, torch.Tensor]:
+    """(median ms of the decode step, output for correctness)."""
+    times = []
+    with torch.no_grad():
+        if name == "qwen_image":
+            g = torch.Generator().manual_seed(3)
+            side = 32  # 512x512 pixels -> 64x64 latent, patch 2 -> 32x32 tokens
+            hs = torch.randn(1, side * side, cfg["in_channels"], generator=g).to(device, torch.bfloat16)
+            enc = torch.randn(1, 64, cfg["joint_attention_dim"], generator=g).to(device, torch.bfloat16)
+            mask = torch.ones(1, 64, dtype=torch.long, device=device)
+            t = torch.tensor([0.5], device=device, dtype=torch.bfloat16)
+
+            def run():
+                return model(hidden_states=hs, encoder_hidden_states=enc, encoder_hidden_states_mask=mask, timestep=t,
+                             img_shapes=[[(1, side, side)]], return_dict=False)[0]
+
+            out = run()
+            for _ in range(3):
+                _sync(device)
+                t0 = time.perf_counter()
+                run()
+                _sync(device)
+                times.append((time.perf_counter() - t0) * 1e3)
+            return sorted(times)[1], out.float()
+        from transformers import DynamicCache
+
+        g = torch.Generator().manual_seed(7)
+        ids = torch.randint(0, cfg.vocab_size, (1, 128), generator=g).to(device)
+        cache = DynamicCache()
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        logits = out.logits.float()
+        tok = out.logits[:, -1:].argmax(-1)
+        for _ in range(16):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+            _sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            tok = out.logits[:, -1:].argmax(-1)
+        ts = sorted(times[2:])
+        return ts[len(ts) // 2], logits
+
+
+def _exact_reference(name: str, model, cfg, device: str) -> torch.nn.Module:
+    """The stock model holding the fp8 model's exact dequantisation (independent formula), plain tensors shared."""
+    meta = _meta_model(name, cfg)
+    state = {}
+    fp8_mods = {}
+    for mname, mod in model.named_modules():
+        entry = mod.__dict__.get("_mpsboost_patches", {}).get("fp8_weights")
+        if entry is not None:
+            fp8_mods[mname] = getattr(entry["fp8"], "block", None)
+    for key, t in model.state_dict().items():
+        mod, _, attr = key.rpartition(".")
+        if attr.endswith("_scale") and mod in fp8_mods:
+            continue
+        if mod in fp8_mods and t.dtype in (torch.uint8, torch.float8_e4m3fn):
+            s = model.get_submodule(mod)._buffers[attr + "_scale"].float()
+            c = t.view(torch.float8_e4m3fn).float() if t.dtype == torch.uint8 else t.float()
+            block = fp8_mods[mod]
+            if block is not None:
+                bn, bk = block
+                n, k = c.shape[-2:]
+                s = s.repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
+            state[key] = (c * s).to(torch.bfloat16)
+            del c
+        else:
+            state[key] = t
+    meta.load_state_dict(state, strict=False, assign=True)
+    for mname, mod in meta.named_modules():  # rotary tables and other non-persistent buffers: from the fp8 model
+        for b, v in list(mod._buffers.items()):
+            if v is not None and (v.device.type == "meta" or v.device.type != torch.device(device).type):
+                mod._buffers[b] = model.get_submodule(mname)._buffers[b]
+    return meta.eval()
+
+
+def phase(kind: str, name: str, layers: int, files: dict, device: str) -> dict:
+    import mpsboost
+
+    cfg = _config(name, layers)
+    cuda = device.startswith("cuda")
+    base_host = _host_peak_reset()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    if kind == "bf16":
+        if name == "qwen_image":
+            from diffusers import QwenImageTransformer2DModel
+
+            model = QwenImageTransformer2DModel.from_pretrained(files["bf16"], torch_dtype=torch.bfloat16, device_map=device)
+        else:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(files["bf16"], dtype=torch.bfloat16, device_map=device)
+        model.eval()
+        _sync(device)
+        load_s = time.perf_counter() - t0
+        host_load = _status("VmHWM:") - base_host
+        ms, _ = _decode_step(name, model, device, cfg)
+        t1 = time.perf_counter()
+        mpsboost.patch(model, fp8="rowwise")
+        _sync(device)
+        convert_s = time.perf_counter() - t1
+        out = {"load_s": load_s, "convert_s": convert_s, "total_s": load_s + convert_s, "decode_ms": ms, "host_peak": host_load}
+    else:
+        model = _meta_model(name, cfg).eval()
+        report = mpsboost.load_fp8(model, files["fp8"], device=device)
+        _sync(device)
+        load_s = time.perf_counter() - t0
+        host_load = _status("VmHWM:") - base_host
+        ms, got = _decode_step(name, model, device, cfg)
+        ref = _exact_reference(name, model, cfg, device)
+        _, want = _decode_step(name, ref, device, cfg)
+        rel = ((got - want).norm() / want.norm()).item()
+        rows = [r for r in report.rows if r.recipe == "fp8_weights" and r.status == "applied"]
+        out = {"load_s": load_s, "total_s": load_s, "decode_ms": ms, "host_peak": host_load, "rel_error": rel,
+               "fp8_modules": len(rows), "backing": sorted({r.backing for r in rows})}
+    if cuda:
+        out.update(device_peak=torch.cuda.max_memory_allocated(), device_reserved=torch.cuda.max_memory_reserved())
+    return out
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+def _records(name: str, layers: int, files: dict, a: dict, b: dict, device: str):
+    from mpsboost.bench import Correctness, Memory, Record, RecordEnv, Throughput, Workload
+
+    env = RecordEnv.capture(device, torch.bfloat16)
+    shape = {"workload": name, "layers": layers, "weights": "random",
+             "format": "scaled_fp8" if name == "qwen_image" else "transformers-fp8 (128x128 blocks)",
+             "bf16_bytes": files["bf16_bytes"], "fp8_bytes": files["fp8_bytes"]}
+    ratio = b.get("device_peak", 0) / a["device_peak"] if a.get("device_peak") else None
+    host_ratio = b["host_peak"] / a["host_peak"] if a.get("host_peak") else None
+    recs = [
+        Record(Workload("fp8_load", shape), "bf16 load + convert", env, throughput=Throughput(a["total_s"], "s"),
+               memory=Memory(tensor_allocated=a.get("device_peak"), allocator_reserved=a.get("device_reserved")),
+               extra={"host_peak_bytes": a["host_peak"], "load_s": a["load_s"], "convert_s": a["convert_s"]}),
+        Record(Workload("fp8_load", shape), "mpsboost load_fp8", env, throughput=Throughput(b["total_s"], "s"),
+               memory=Memory(tensor_allocated=b.get("device_peak"), allocator_reserved=b.get("device_reserved")),
+               correctness=Correctness(reference="the file's exact dequantisation, stock forward", rel_error=b["rel_error"]),
+               extra={"host_peak_bytes": b["host_peak"], "device_peak_ratio": ratio, "host_peak_ratio": host_ratio,
+                      "target_peak_ratio": TARGET_PEAK, "target_rel_error": TARGET_REL,
+                      "peak_ok": ratio is not None and ratio <= TARGET_PEAK, "rel_ok": b["rel_error"] <= TARGET_REL,
+                      "fp8_modules": b["fp8_modules"], "backing": b["backing"]}),
+        Record(Workload("fp8_decode_step", shape), "bf16", env, throughput=Throughput(a["decode_ms"], "ms")),
+        Record(Workload("fp8_decode_step", shape), "mpsboost load_fp8", env, throughput=Throughput(b["decode_ms"], "ms")),
+    ]
+    return recs, ratio, host_ratio
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--only", default=",".join(WORKLOADS), help=f"comma-separated subset of {', '.join(WORKLOADS)}")
+    p.add_argument("--layers", type=int, default=None, help="layers (blocks) of every workload; default per workload: "
+                   + ", ".join(f"{k} {v}" for k, v in DEFAULT_LAYERS.items()))
+    p.add_argument("--workdir", type=Path, default=None, help="where the checkpoints are written (removed after)")
+    p.add_argument("--out", type=Path, default=None, help="folder for fp8_load.jsonl")
+    p.add_argument("--phase", choices=("bf16", "fp8"), default=None, help=argparse.SUPPRESS)
+    p.add_argument("--workload", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--files", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.phase:
+        res = phase(args.phase, args.workload, args.layers, json.loads(args.files), args.device)
+        print("RESULT " + json.dumps(res))
+        return 0
+    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    bad = [n for n in names if n not in WORKLOADS]
+    if bad:
+        raise SystemExit(f"--only {bad}: known workloads are {', '.join(WORKLOADS)}")
+    from mpsboost.bench import write_jsonl
+
+    all_recs = []
+    failed = False
+    for name in names:
+        layers = args.layers or DEFAULT_LAYERS[name]
+        work = Path(tempfile.mkdtemp(prefix=f"fp8_load_{name}_", dir=args.workdir))
+        try:
+            files = write_checkpoints(name, _config(name, layers), work, args.device)
+            print(f"{name} ({layers} layers): wrote bf16 {files['bf16_bytes'] / 2**30:.2f} GiB and fp8 "
+                  f"{files['fp8_bytes'] / 2**30:.2f} GiB in {files['write_s']:.0f} s", flush=True)
+            res = {}
+            for kind in ("bf16", "fp8"):
+                proc = subprocess.run([sys.executable, __file__, "--phase", kind, "--workload", name, "--layers", str(layers),
+                                       "--files", json.dumps(files), "--device", args.device], capture_output=True, text=True,
+                                      env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                if proc.returncode != 0 or line is None:
+                    print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
+                    raise RuntimeError(f"{name} {kind} phase failed")
+                res[kind] = json.loads(line[len("RESULT "):])
+            recs, ratio, host_ratio = _records(name, layers, files, res["bf16"], res["fp8"], args.device)
+            all_recs += recs
+            a, b = res["bf16"], res["fp8"]
+            print(f"  bf16 + convert: {a['total_s']:.1f} s, device peak {a.get('device_peak', 0) / 2**30:.2f} GiB, host peak "
+                  f"{a['host_peak'] / 2**30:.2f} GiB, decode step {a['decode_ms']:.2f} ms")
+            print(f"  load_fp8:       {b['total_s']:.1f} s, device peak {b.get('device_peak', 0) / 2**30:.2f} GiB "
+                  f"({ratio if ratio is None else round(ratio, 3)}x, target <= {TARGET_PEAK}), host peak {b['host_peak'] / 2**30:.2f} GiB "
+                  f"({host_ratio if host_ratio is None else round(host_ratio, 3)}x), decode step {b['decode_ms']:.2f} ms, "
+                  f"rel error {b['rel_error']:.2e} (target <= {TARGET_REL})", flush=True)
+        except Exception as exc:  # one workload failing does not lose the others' records
+            failed = True
+            print(f"{name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.out is not None and all_recs:
+        args.out.mkdir(parents=True, exist_ok=True)
+        print(f"records written to {write_jsonl(args.out / 'fp8_load.jsonl', all_recs)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

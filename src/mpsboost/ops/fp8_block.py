@@ -1,0 +1,128 @@
+"""Block-scaled FP8 weights (transformers' fine-grained FP8, compressed-tensors ``block``), on every device.
+
+A block-scaled weight ``[N, K]`` holds e4m3fn codes and one float32 scale per ``[bn, bk]`` block
+(``scale [ceil(N/bn), ceil(K/bk)]``; the last block of a dim may be short). Its value is
+``code * scale`` of the block: transformers names that scale ``weight_scale_inv`` (it multiplies; it
+is the inverse of the quantisation scale). Expert stacks ``[E, N, K]`` carry ``[E, ceil(N/bn),
+ceil(K/bk)]``.
+
+The scales are kept as they are in the file, never folded into other scales, and applied here:
+each code is widened to float32 (exact), multiplied by its block's float32 scale (one rounding, the
+same as the file's own dequantisation in float32) and rounded once to the compute dtype. Codes are
+float8_e4m3fn or, where float8 tensors cannot live on the device (MPS before torch 2.15,
+pytorch#194074), their uint8 bytes decoded with :func:`mpsboost.ops.fp8.decode_e4m3` (bit-identical).
+
+This module never imports diffusers or transformers.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .fp8 import FP8_DTYPE, decode_e4m3
+
+__all__ = ["expand_block_scale", "dequantize_block", "fp8_block_linear", "fp8_block_experts", "check_block_scale"]
+
+# Rows are dequantised in slices so that the float32 scratch stays small next to the layer.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def check_block_scale(shape: tuple[int, ...], scale_shape: tuple[int, ...], block: tuple[int, int]) -> Optional[str]:
+    """None when ``scale_shape`` is the block-scale shape of a weight ``shape`` with ``block``; else why not."""
+    bn, bk = block
+    want = tuple(shape[:-2]) + (-(-shape[-2] // bn), -(-shape[-1] // bk))
+    if tuple(scale_shape) != want:
+        return f"block scales of a {list(shape)} weight with blocks {[bn, bk]} have shape {list(want)}, got {list(scale_shape)}"
+    return None
+
+
+def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+    """``scale [..., ceil(rows/bn), ceil(cols/bk)]`` -> one scale per element ``[..., rows, cols]`` (float32)."""
+    bn, bk = block
+    s = scale.float().repeat_interleave(bn, dim=-2)[..., :rows, :]
+    return s.repeat_interleave(bk, dim=-1)[..., :cols]
+
+
+def _widen(q: torch.Tensor) -> torch.Tensor:
+    if q.dtype == torch.uint8:
+        return decode_e4m3(q, torch.float32)
+    if q.dtype == FP8_DTYPE:
+        return q.float()
+    raise TypeError(f"block-scaled fp8 weights are float8_e4m3fn or uint8 codes, got {q.dtype}")
+
+
+def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """Codes ``[..., N, K]`` and block scales -> ``dtype`` ``[..., N, K]``: ``code * scale`` in float32, rounded once."""
+    bn, bk = block
+    rows, cols = q.shape[-2:]
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    q2 = q.reshape(-1, rows, cols)
+    s2 = scale.reshape(-1, *scale.shape[-2:])
+    o2 = out.view(-1, rows, cols)
+    # Slices of whole row blocks, so that each slice has its own rows of scales.
+    per = max(bn, (_CHUNK_ELEMENTS // max(1, cols)) // bn * bn)
+    for e in range(q2.shape[0]):
+        for r in range(0, rows, per):
+            r1 = min(rows, r + per)
+            sc = expand_block_scale(s2[e, r // bn: -(-r1 // bn)], r1 - r, cols, block)
+            o2[e, r:r1] = (_widen(q2[e, r:r1]) * sc).to(dtype)
+    return out
+
+
+def fp8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], *,
+                     block: tuple[int, int], compute_dtype: torch.dtype) -> torch.Tensor:
+    """``F.linear(x, dequantize_block(q, scale), bias)``: this one layer is dequantised just before its matmul."""
+    return F.linear(x, dequantize_block(q, scale, block, compute_dtype), bias)
+
+
+def fp8_block_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+    block: tuple[int, int],
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    compute_dtype: torch.dtype,
+    up_bias: Optional[torch.Tensor] = None,
+    down_bias: Optional[torch.Tensor] = None,
+    down_block: Optional[tuple[int, int]] = None,
+) -> torch.Tensor:
+    """Routed experts on block-scaled stacks ``up [E, N_up, H]``, ``down [E, H, I]`` (the [E, out, in] layout).
+
+    Per-row (``[E, N, 1]``) and per-expert (``[E, 1, 1]``) scales are block scales of blocks ``(1, K)`` and
+    ``(N, K)``: ``down_block`` gives the down projection's when it differs from ``block``. Pairs are sorted by expert; the per-expert counts are read once on the host and only the experts
+    with routed pairs are dequantised, one at a time. ``hidden_states [T, H]``, ``top_k_* [T, k]``.
+    """
+    t, hdim = hidden_states.shape
+    if t == 0:
+        return hidden_states.new_zeros(0, hdim)
+    num_experts = up[0].shape[0]
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat.clamp(0, num_experts), minlength=num_experts + 1)[:num_experts].tolist()
+    x = hidden_states.to(compute_dtype)
+    wts = top_k_weights.reshape(-1)
+    # Per-pair outputs weighted in the product's dtype and summed over the k slots, in the order of
+    # transformers' own experts forward (integrations/moe.py), so that only the matmul kernels differ.
+    out = torch.zeros(t * k, down[0].shape[-2], dtype=torch.result_type(torch.empty((), dtype=compute_dtype), wts),
+                      device=x.device)
+    start = 0
+    for e, c in enumerate(counts):
+        if not c:
+            continue
+        pairs = order[start:start + c]
+        start += c
+        tok = pairs // k
+        w_up = dequantize_block(up[0][e], up[1][e], block, compute_dtype)
+        h = F.linear(x[tok], w_up, None if up_bias is None else up_bias[e])
+        del w_up
+        h = activation(h).to(compute_dtype)
+        w_down = dequantize_block(down[0][e], down[1][e], down_block or block, compute_dtype)
+        y = F.linear(h, w_down, None if down_bias is None else down_bias[e])
+        out[pairs] = y * wts[pairs].unsqueeze(-1)
+    return out.view(t, k, -1).sum(dim=1).to(hidden_states.dtype)
