@@ -269,6 +269,8 @@ def phase(kind: str, name: str, layers: int, files: dict, device: str) -> dict:
         _sync(device)
         load_s = time.perf_counter() - t0
         host_load = _status("VmHWM:") - base_host
+        if cuda:  # the load's own peak, before the exact reference model below is built beside it
+            load_peak = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
         ms, got = _decode_step(name, model, device, cfg)
         ref = _exact_reference(name, model, cfg, device)
         _, want = _decode_step(name, ref, device, cfg)
@@ -276,7 +278,9 @@ def phase(kind: str, name: str, layers: int, files: dict, device: str) -> dict:
         rows = [r for r in report.rows if r.recipe == "fp8_weights" and r.status == "applied"]
         out = {"load_s": load_s, "total_s": load_s, "decode_ms": ms, "host_peak": host_load, "rel_error": rel,
                "fp8_modules": len(rows), "backing": sorted({r.backing for r in rows})}
-    if cuda:
+        if cuda:
+            out.update(device_peak=load_peak[0], device_reserved=load_peak[1])
+    if cuda and "device_peak" not in out:
         out.update(device_peak=torch.cuda.max_memory_allocated(), device_reserved=torch.cuda.max_memory_reserved())
     return out
 

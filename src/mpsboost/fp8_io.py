@@ -907,7 +907,11 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
         elif qts[0].kind == "linear" and fp8_ops.choose_linear_path(env, n=qts[0].shape[0], k=qts[0].shape[1], dtype=compute).kind != "dequant":
             n, k = qts[0].shape
             lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=compute)
-            state = fw._State(kind=lp.kind, compute_dtype=compute, granularity=schemes[0], gemv_max_m=16)
+            # The same patch-time facts as fp8_weights records (never asked inside a forward).
+            bias_in_mm = lp.kind in ("fused", "mps_scaled_mm") and storage == "float8" and \
+                fp8_ops.scaled_mm_bias_supported(str(dev))
+            state = fw._State(kind=lp.kind, compute_dtype=compute, granularity=schemes[0], gemv_max_m=lp.gemv_max_m,
+                              bias_in_mm=bias_in_mm)
             fwd = fw._linear_forward(state)
             backing, reason = lp.backing, f"{schemes[0]} scales from {where}, {lp.storage} storage: {lp.reason}"
         elif qts[0].kind == "linear" or (env.device_type != "cuda" and not getattr(mod, "is_transposed", False)):
@@ -927,7 +931,8 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
             tr = bool(getattr(mod, "is_transposed", False))
             ws = [torch.empty(q.shape, dtype=compute, device="meta") for q in qts]
             large, why = fw.Fp8Weights._experts_path(env, ws, tr, storage, {"moe_path": "auto"})
-            state = fw._State(kind="experts", compute_dtype=compute, granularity="+".join(schemes), large_path=large, gather_max=16,
+            state = fw._State(kind="experts", compute_dtype=compute, granularity="+".join(schemes), large_path=large,
+                              compiled_path=fw._compiled_path(large), gather_max=16,
                               native_grouped=check("grouped_mm", env).ok, histc_int=check("histc_int", env).ok)
             fwd = fw._experts_forward(state)
             backing = fp8_moe.BACKING[large] + ("" if large == "gather" else " (gather at <= 16 routed pairs)")
