@@ -161,12 +161,17 @@ class Softmax(Recipe):
         if env.device_type == "mps" and not v.ok:
             return Decision.apply("draw on logits (no softmax), sync-free", f"{v.reason}; {syncs}", logits=True)
         if env.device_type == "cuda":
-            # The logits draw was measured on one GPU (tuning file softmax_sampling); any other GPU keeps
-            # the native softmax (the same tokens as stock for the same seed) with the sync-free draw.
+            # A faster sampling step is not a faster generate(): the whole-job measurement on the one GPU
+            # measured (tuning file softmax_sampling, entry end_to_end) decides, and stock is kept where it
+            # shows no gain; a GPU not measured keeps stock too. options path='probs'|'logits' forces it.
             t, why = tuning.for_env(_TUNING, env)
             if t is None:
-                return Decision.apply("native softmax, sync-free draw", f"{why}; {syncs}", logits=False)
+                return Decision.skip(f"{why}; stock sampling kept (options={{'softmax': {{'path': 'probs'}}}} forces the sync-free draw)")
             e = t.entries
+            e2e = e.get("end_to_end") or {}
+            if e2e.get("default") == "off":
+                return Decision.skip(f"no end-to-end gain measured: {e2e['finding']} ({e2e['source']}); "
+                                     "stock sampling kept (options={'softmax': {'path': 'logits'}} forces it)")
             step = e["step_us"]
             return Decision.apply("draw on logits (no softmax), sync-free",
                                   f"one {e['dtype']} row of {e['vocab']:,}: sampling step {step['stock']} us stock, "
