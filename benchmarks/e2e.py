@@ -169,19 +169,6 @@ def patch_summary(report: Any) -> dict:
     return {"applied": len(report.applied), "skipped": len(report.skipped), "backing": backing, "skip_reasons": reasons}
 
 
-def forget_irreversible_patch(model) -> None:
-    """Drop mpsboost's bookkeeping of a model that cannot be unpatched (fp8), so its memory can go.
-
-    The bookkeeping holds a weak reference to the model but its matches hold the modules themselves
-    (the root module too, for a recipe that targets it), which keeps a deleted model alive: a 30B
-    fp8 model would stay on the GPU while the next workload builds.
-    """
-    from mpsboost import api
-
-    with api._LOCK:
-        api._STATE.pop(id(model), None)
-
-
 def graphs_compiled() -> int:
     """Graphs dynamo has compiled in this process so far (to show that no timed round recompiled)."""
     try:
@@ -322,8 +309,6 @@ def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], deco
                 free(reset_dynamo=False)  # greedy and sampled share the compiled forward
             free()
     finally:
-        if fp8_model is not None:
-            forget_irreversible_patch(fp8_model)
         del model, fp8_model
         free()
 

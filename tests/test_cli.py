@@ -171,3 +171,22 @@ def test_device_errors_offer_each_present_device_once():
     with pytest.raises(BenchError) as info:
         check_device("mps")
     assert "cpu, cpu" not in str(info.value) and "present here: " in str(info.value)
+
+
+def test_doctor_and_plan_say_which_path_an_fp8_checkpoint_takes(tmp_path, model_folders):
+    """The same file takes uint8 storage on MPS 2.14.1 and native float8 on 2.15.0 (pytorch#194074)."""
+    import tiny_models as tm
+
+    import mpsboost
+
+    model = tm.build("qwen3", dtype="bfloat16", seed=0)
+    mpsboost.patch(model, fp8="rowwise")
+    ck = mpsboost.save_fp8(model, tmp_path / "ck")
+    old = _run("doctor", "--device", "mps", "--torch", "2.14.1", "--fp8-checkpoint", str(ck)).stdout
+    new = _run("doctor", "--device", "mps", "--torch", "2.15.0", "--fp8-checkpoint", str(ck), "--json").stdout
+    line_old = old.split(f"fp8 checkpoint {ck}:", 1)[1].strip()
+    line_new = json.loads(new)["fp8_checkpoint"]
+    assert "uint8" in line_old and "uint8" not in line_new, (line_old, line_new)
+    plan = _run("plan", str(model_folders["lm"]), "--device", "mps", "--torch", "2.14.1", "--fp8-checkpoint", str(ck)).stdout
+    assert line_old in plan
+    _one_line_user_error(_run("doctor", "--fp8-checkpoint", str(tmp_path / "nothing-here"), check=False), "nothing-here")

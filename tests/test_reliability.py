@@ -23,7 +23,6 @@ import torch
 import mpsboost
 import tiny_models as tm
 from mpsboost.errors import (
-    ConcurrentPatchError,
     MpsboostError,
     NotPatchedError,
     PatchError,
@@ -357,8 +356,8 @@ def test_threads_patching_one_pipeline_serialise_to_one_patch():
         t.start()
     for t in threads:
         t.join()
-    # Serialised: one call applied everything, the others saw it patched (or were refused, never mixed).
-    assert all(isinstance(e, ConcurrentPatchError) for e in errors), errors
+    # Serialised: one call applied everything, the others saw it patched (never an error, never mixed).
+    assert not errors, errors
     applied = [r for r in reports if not r.noop]
     assert len(applied) == 1
     assert all(r.noop for r in reports if r is not applied[0])

@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 from .api import last_report, patch, patched, plan, unpatch
 from .errors import (
-    ConcurrentPatchError,
+    PatchedCopyError,
     GateError,
     IrreversiblePatchError,
     MpsboostError,
@@ -67,5 +67,5 @@ __all__ = [
     "RecipeSkippedError",
     "NotPatchedError",
     "IrreversiblePatchError",
-    "ConcurrentPatchError",
+    "PatchedCopyError",
 ]

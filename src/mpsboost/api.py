@@ -10,7 +10,6 @@ import contextlib
 import logging
 import threading
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -55,25 +54,41 @@ class _Record:
     applied: list[_Applied] = field(default_factory=list)
 
 
-# id(obj) -> (weakref to obj, [records]); ids are reused, so the weakref is checked on every lookup.
-_STATE: dict[int, tuple["weakref.ref[Any]", list[_Record]]] = {}
+# The records of a patched object live on the object itself (one attribute), so they are freed with it:
+# a process-wide table keyed by the object would keep every patched model alive through its records,
+# which hold the patched modules (the root module too, for a recipe that targets it).
+_RECORDS_ATTR = "_mpsboost_records"
+
+
+class _Records(list):
+    """The patch records of one object. A copy of the object (``copy``, ``deepcopy``, pickle) gets none:
+    every undo step belongs to the original (``unpatch`` of a copy says so, see :class:`PatchedCopyError`)."""
+
+    def __copy__(self) -> "_Records":
+        return _Records()
+
+    def __deepcopy__(self, memo: dict) -> "_Records":
+        return _Records()
+
+    def __reduce__(self):
+        return (_Records, ())
 
 
 def _records(obj: Any) -> list[_Record] | None:
-    entry = _STATE.get(id(obj))
-    if entry is None or entry[0]() is not obj:
-        return None
-    return entry[1]
+    recs = getattr(obj, "__dict__", {}).get(_RECORDS_ATTR)
+    return recs if isinstance(recs, _Records) and recs else None
 
 
 def _add_record(obj: Any, rec: _Record) -> None:
-    recs = _records(obj)
-    if recs is None:
-        key = id(obj)
-        recs = []
-        # The callback binds the dict itself: at interpreter shutdown the module global may already be None.
-        _STATE[key] = (weakref.ref(obj, lambda _r, key=key, state=_STATE: state.pop(key, None)), recs)
+    d = obj.__dict__
+    recs = d.get(_RECORDS_ATTR)
+    if not isinstance(recs, _Records):
+        recs = d[_RECORDS_ATTR] = _Records()
     recs.append(rec)
+
+
+def _drop_records(obj: Any) -> None:
+    obj.__dict__.pop(_RECORDS_ATTR, None)
 
 
 # ------------------------------------------------------------------------------------------ targets
@@ -262,7 +277,9 @@ def _plan_rows(chosen, targets, env, fp8, options, *, mode: str) -> tuple[list[R
                     rows.append(Row(recipe.name, match.path, ALREADY_PATCHED, reason="patched by an earlier call"))
                     continue
                 try:
-                    decision = recipe.decide(match, env, opts)
+                    # The declared requirements first (Recipe.requires): a recipe never decides on a build
+                    # that lacks a feature every one of its paths needs.
+                    decision = recipe.gate(env) or recipe.decide(match, env, opts)
                 except Exception as exc:
                     raise PatchError(
                         f"recipe {recipe.name} could not decide for {match.path}: {exc}", recipe=recipe.name, target=match.path
@@ -455,7 +472,7 @@ def _unpatch_records(obj: Any, recs: list[_Record]) -> None:
             if rec in all_recs:
                 all_recs.remove(rec)
         if not all_recs:
-            _STATE.pop(id(obj), None)
+            _drop_records(obj)
     if errors:
         raise PatchError("unpatch could not restore everything: " + "; ".join(errors))
 

@@ -73,6 +73,8 @@ def _doctor(args: argparse.Namespace) -> int:
             for r in all_recipes()
         ],
     }
+    if getattr(args, "fp8_checkpoint", None):
+        info["fp8_checkpoint"] = _describe_fp8(args.fp8_checkpoint, env)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
@@ -97,7 +99,20 @@ def _doctor(args: argparse.Namespace) -> int:
         for r in info["recipes"]:
             tags = ", ".join(t for t, on in (("lossless", r["lossless"]), ("reversible", r["reversible"]), ("default", r["default"])) if on) or "opt-in, lossy, irreversible"
             print(f"  {r['name'].ljust(w)}  {r['summary']} [{tags}]")
+    if "fp8_checkpoint" in info:
+        print(f"\nfp8 checkpoint {args.fp8_checkpoint}:\n  {info['fp8_checkpoint']}")
     return 0
+
+
+def _describe_fp8(path: str, env: Any) -> str:
+    """Which format a fp8 checkpoint file or folder is in, and the path its layers take in ``env``."""
+    from .errors import UserInputError
+    from .fp8_formats import describe_checkpoint
+
+    try:
+        return describe_checkpoint(path, env)
+    except OSError as exc:  # missing or unreadable: one line naming the file, like every other user error
+        raise UserInputError(str(exc) if str(path) in str(exc) else f"{path}: {exc}") from None
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -218,12 +233,17 @@ def _plan(args: argparse.Namespace) -> int:
         kw["env"] = Env.detect()
     target = comps[""] if "" in comps else comps
     report = plan(target, **kw)
+    fp8_line = _describe_fp8(args.fp8_checkpoint, kw["env"]) if args.fp8_checkpoint else None
     if args.json:
         d = report.to_dict()
         d["target_type"] = name
+        if fp8_line is not None:
+            d["fp8_checkpoint"] = fp8_line
         print(json.dumps(d, indent=2, default=str))
     else:
         print(str(report).replace(f"for {report.target_type}:", f"for {name}:", 1))
+        if fp8_line is not None:
+            print(f"\nfp8 checkpoint {args.fp8_checkpoint}:\n  {fp8_line}")
     return 0
 
 
@@ -239,6 +259,7 @@ def _build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="torch build, devices, and the gate matrix (every feature, available or not, and why)")
     d.add_argument("--device", help="simulate this device: mps, cpu, cuda or cuda:MAJOR.MINOR")
     d.add_argument("--torch", help="simulate this torch version string, e.g. 2.14.1 or 2.16.0.dev20261101")
+    d.add_argument("--fp8-checkpoint", metavar="FILE_OR_FOLDER", help="say which format this fp8 checkpoint is in and which path its layers take here")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=_doctor)
 
@@ -249,6 +270,7 @@ def _build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--recipes", nargs="*", help="only these recipes")
     pl.add_argument("--exclude", nargs="*", help="leave these recipes out")
     pl.add_argument("--fp8", choices=("rowwise", "tensorwise"), help="include FP8 weight storage")
+    pl.add_argument("--fp8-checkpoint", metavar="FILE_OR_FOLDER", help="also say which format this fp8 checkpoint is in and which path its layers take")
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=_plan)
 

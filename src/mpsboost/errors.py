@@ -54,7 +54,3 @@ class UserInputError(MpsboostError, ValueError):
 
 class IrreversiblePatchError(MpsboostError):
     """unpatch() met a recipe that cannot be undone (weights converted in place)."""
-
-
-class ConcurrentPatchError(MpsboostError):
-    """Another thread is patching or unpatching the same object."""
