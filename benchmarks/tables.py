@@ -514,13 +514,135 @@ def _mode(rec: Record) -> str:
     return str(rec.workload.shape.get("mode") or rec.extra.get("mode") or rec.env.compile)
 
 
-def block_e2e(results: Path | None = None) -> str:
-    """End-to-end matrix (``e2e-*.jsonl``): one row per (workload, mode, variant) against stock of the
-    same workload and mode in the same file."""
+def _phase(rec: Record, key: str) -> Stat | None:
+    """The prefill or decode-per-token samples an end-to-end generate() record keeps in ``extra[key]``."""
+    d = rec.extra.get(key)
+    if not isinstance(d, dict) or not d.get("samples"):
+        return None
+    xs = sorted(float(x) for x in d["samples"])
+    mid = len(xs) // 2
+    med = xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+    return Stat(med, xs[0], xs[-1], len(xs), "rounds")
+
+
+def block_e2e_generate(results: Path | None = None) -> str:
+    """transformers ``generate()`` in the end-to-end matrix: prefill (time to the first token) and decode
+    per token, each with its spread and its own verdict against stock of the same model, mode and decoding
+    in the same file; the decode's share of the bandwidth limit; whether greedy tokens equal stock's."""
     rows = []
     for path in sorted((results or RESULTS).glob("e2e-*.jsonl")):
         for g in groups(path.name, results):
-            if "stock" not in g.variants:
+            base = g.variants.get("stock")
+            if base is None or _phase(base, "decode_s_per_token") is None:
+                continue
+            sh = g.workload.shape
+            what = f"{sh.get('model')} ({sh.get('layers')} layers), {_mode(base)}, {sh.get('decoding')}"
+            for v, rec in g.variants.items():
+                if v == "stock":
+                    continue
+                cells = []
+                for key in ("prefill_s", "decode_s_per_token"):
+                    b, x = _phase(base, key), _phase(rec, key)
+                    cells += [f"{x.cell()} vs {b.cell()}", f"{b.median / x.median:.2f}x, {verdict(b, x)}"]
+                share = lambda r: (r.extra.get("bandwidth") or {}).get("share_of_limit")  # noqa: E731
+                bw = f"{share(rec):.1%} (stock {share(base):.1%})" if share(rec) is not None and share(base) is not None else "-"
+                same = rec.extra.get("tokens_equal_stock")
+                tokens = "-" if sh.get("decoding") != "greedy" or same is None else ("equal" if same else
+                                                                                    f"{rec.extra.get('token_match_fraction', 0):.0%} equal")
+                rows.append([what, v] + cells + [bw, tokens, source(path.name, g)])
+    if not rows:
+        return "No end-to-end generate() records (`e2e-*.jsonl`) committed yet."
+    return md_table(["model, mode, decoding", "variant", "prefill: variant vs stock", "prefill speedup", "decode per token: variant vs stock",
+                     "decode speedup", "share of the bandwidth limit (decode)", "greedy tokens vs stock", "record"], rows)
+
+
+def _e2e_generate(results: Path | None, **shape) -> tuple[str, Group] | None:
+    """The one generate() group of the committed e2e files whose shape has these fields (latest file first)."""
+    for path in sorted((results or RESULTS).glob("e2e-*.jsonl"), reverse=True):
+        for g in groups(path.name, results):
+            if all(g.workload.shape.get(k) == v for k, v in shape.items()):
+                return path.name, g
+    return None
+
+
+def block_gaps_e2e(results: Path | None = None) -> str:
+    """The end-to-end targets (whole generate() calls, stock and patched in one run)."""
+    rows = []
+
+    def ratio(file: str, g: Group, variant: str, key: str) -> tuple[float, str]:
+        b, x = _phase(g.variants["stock"], key), _phase(g.variants[variant], key)
+        return b.median / x.median, verdict(b, x)
+
+    def status(r: float, v: str, target: float) -> str:
+        if r >= target:
+            return "met"
+        return "met within noise" if target == 1.0 and v.startswith("no difference") and r >= 0.97 else "not met"
+
+    for model, label in (("qwen3-8b", "dense"), ("qwen3-30b-a3b", "MoE")):
+        for decoding in ("greedy", "sampled"):
+            hit = _e2e_generate(results, model=model, mode="static", decoding=decoding)
+            if hit is None:
+                continue
+            f, g = hit
+            r, v = ratio(f, g, "mpsboost", "decode_s_per_token")
+            rows.append([f"static-cache (compiled) decode, default patch, {label} {g.workload.shape['layers']} layers, {decoding}",
+                         ">= 1.0x of stock", f"{r:.2f}x ({v})", status(r, v, 1.0), source(f, g)])
+            if "mpsboost:fp8-rowwise" in g.variants:
+                r, v = ratio(f, g, "mpsboost:fp8-rowwise", "decode_s_per_token")
+                rows.append([f"static-cache decode, `fp8=\"rowwise\"`, {label} {g.workload.shape['layers']} layers, {decoding}",
+                             ">= 1.3x of bf16 stock", f"{r:.2f}x ({v})", status(r, v, 1.3), source(f, g)])
+    hit = _e2e_generate(results, model="qwen3-30b-a3b", mode="static", decoding="greedy")
+    if hit is not None:
+        f, g = hit
+        share = g.variants["mpsboost"].extra["bandwidth"]["share_of_limit"]
+        layers = g.workload.shape["layers"]
+        rows.append([f"MoE static-cache decode, share of the bandwidth limit ({layers} layers measured; the target is at 48)", ">= 25%",
+                     f"{share:.1%} (stock {g.variants['stock'].extra['bandwidth']['share_of_limit']:.1%})",
+                     "not met" if share < 0.25 else ("met" if layers == 48 else f"met at {layers} layers"), source(f, g)])
+    hit = _e2e_generate(results, model="qwen3-30b-a3b", mode="eager", decoding="greedy")
+    if hit is not None:
+        f, g = hit
+        for key, name, target in (("prefill_s", "prefill", 1.0), ("decode_s_per_token", "decode", 1.3)):
+            r, v = ratio(f, g, "mpsboost", key)
+            rows.append([f"eager `generate()` {name}, MoE {g.workload.shape['layers']} layers (stock: transformers' default, "
+                         "which switches decode to batched_mm)", f">= {target}x of stock", f"{r:.2f}x ({v})", status(r, v, target), source(f, g)])
+    if not rows:
+        return "No end-to-end generate() records committed yet."
+    return md_table(["figure", "target", "measured", "status", "record"], rows)
+
+
+def block_fp8_load(results: Path | None = None) -> str:
+    """``load_fp8`` onto a meta-built model against loading the bf16 model and converting (``fp8_load-*.jsonl``):
+    load time, peak memory on the device and the host, error against the file's exact dequantisation."""
+    rows = []
+    gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+    for path in sorted((results or RESULTS).glob("fp8_load-*.jsonl")):
+        for g in groups(path.name, results):
+            if g.workload.name != "fp8_load":
+                continue
+            base, var = g.variants.get("bf16 load + convert"), g.variants.get("mpsboost load_fp8")
+            if base is None or var is None:
+                continue
+            sh = g.workload.shape
+            dev_b, dev_v = base.memory.tensor_allocated, var.memory.tensor_allocated
+            host_b, host_v = base.extra["host_peak_bytes"], var.extra["host_peak_bytes"]
+            rel = var.correctness.rel_error if var.correctness else None
+            rows.append([f"{sh['workload']} ({sh['layers']} layers), {sh['format']}; files: bf16 {gib(sh['bf16_bytes'])}, fp8 {gib(sh['fp8_bytes'])}",
+                         f"{base.throughput.value:.1f} s -> {var.throughput.value:.1f} s (one run each)",
+                         f"{gib(dev_b)} -> {gib(dev_v)} ({dev_v / dev_b:.3f}x)", f"{gib(host_b)} -> {gib(host_v)} ({host_v / host_b:.3f}x)",
+                         "-" if rel is None else f"{rel:.1e}", source(path.name, g)])
+    if not rows:
+        return "No fp8_load records committed yet."
+    return md_table(["workload", "load time: bf16 + convert -> load_fp8", "device tensor peak", "host peak", "logits rel. error vs the file's exact dequantisation", "record"], rows)
+
+
+def block_e2e(results: Path | None = None) -> str:
+    """End-to-end matrix (``e2e-*.jsonl``), pipelines: one row per (workload, mode, variant) against stock
+    of the same workload and mode in the same file (generate() records have their own table)."""
+    rows = []
+    for path in sorted((results or RESULTS).glob("e2e-*.jsonl")):
+        for g in groups(path.name, results):
+            if "stock" not in g.variants or _phase(g.variants["stock"], "decode_s_per_token") is not None:
                 continue
             for v in g.variants:
                 if v == "stock":
@@ -540,6 +662,9 @@ BLOCKS: dict[str, Callable[..., str]] = {
     "results": block_results,
     "details": block_details,
     "e2e": block_e2e,
+    "e2e-generate": block_e2e_generate,
+    "gaps-e2e": block_gaps_e2e,
+    "fp8-load": block_fp8_load,
 }
 
 _MARKER = re.compile(r"(<!-- tables:(?P<name>[a-z0-9-]+):begin -->\n)(?P<body>.*?)(\n?<!-- tables:(?P=name):end -->)", re.S)
