@@ -623,3 +623,14 @@ class Pad5dCounter:
                 return func(*args, **(kwargs or {}))
 
         return _Counter()
+
+
+def _llama_eager():
+    """A Llama on transformers' eager attention: the models metal_attention routes to the Metal SDPA
+    kernels on MPS 2.13-2.15 (models already on ``sdpa`` reach those kernels without mpsboost)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**_LM_COMMON, intermediate_size=64, attn_implementation="eager"))
+
+
+TINY["llama_eager"] = Tiny("llama_eager", "transformers", "lm", _llama_eager, _run_lm, {}, _LM_SPACE)

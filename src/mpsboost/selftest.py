@@ -95,6 +95,28 @@ def _llama_eager():
     return LlamaForCausalLM(LlamaConfig(**cfg, intermediate_size=64, attn_implementation="eager"))
 
 
+def _hunyuan_video_vae():
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    # HunyuanVideo's VAE structure (causal convs with replicate time padding) at a test width.
+    return AutoencoderKLHunyuanVideo(block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4)
+
+
+def _video_roundtrip(vae, device, dtype, *, tiled: bool = False, pixels: int = 32, frames: int = 5):
+    """Encode and decode one fixed random clip of ``frames`` x ``pixels`` x ``pixels``."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(1, 3, frames, pixels, pixels, generator=g) * 2 - 1).to(device, dtype)
+
+    def run(module):
+        p = next(module.parameters())
+        with torch.no_grad():
+            return module(x.to(p.device, p.dtype), sample_posterior=False).sample
+
+    return run
+
+
 def _dtype(name: str):
     import torch
 
@@ -202,6 +224,9 @@ WORKLOADS: dict[str, Workload] = {
     "decode_linear": Workload("qwen3_prefill_decode", _qwen3, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}),
     "metal_attention": Workload("llama_eager_prefill_decode", _llama_eager, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}),
     "softmax": Workload("qwen3_generate_sampled", _qwen3, _lm_sample, "ids", shape={"batch": 2, "prompt": 5, "new_tokens": 8}),
+    "video_vae_pad": Workload("hunyuan_video_vae_roundtrip", _hunyuan_video_vae, _video_roundtrip, "psnr",
+                              shape={"video": [1, 3, 5, 32, 32]}, kw={"pixels": 32, "frames": 5}),
+    "attention_split": Workload("qwen3_prefill_decode", _qwen3, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}),
 }
 
 
