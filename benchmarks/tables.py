@@ -336,7 +336,7 @@ def _softmax_choice_now(env) -> str:
         model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                              num_attention_heads=2, num_key_value_heads=1, head_dim=16))
     rows = mpsboost.plan(model, env=Env.simulate(env.device_type, env.torch_version), recipes=["softmax"]).rows
-    return rows[0].backing if rows and rows[0].backing else "none"
+    return rows[0].backing if rows and rows[0].backing else "stock sampling (the recipe steps aside)"
 
 
 def _path_of(rec: Record) -> str:

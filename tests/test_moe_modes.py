@@ -303,8 +303,15 @@ def test_cuda_generate_keeps_the_recipe_through_transformers_decode_switch(rng_s
         with mock.patch.object(hf_moe.ExpertsInterface, "get_interface", get_spy):
             stock = model.generate(ids, **kw)
         assert "batched_mm" in asked, "transformers' decode switch did not run on CUDA"
-        asked.clear()
+        # By default eager CUDA runs transformers' own kernels (the whole eager generate() showed no gain
+        # from the recipe's paths); compiled forwards take them. cuda_eager=True takes them in eager too.
         mpsboost.patch(model, recipes=["moe_experts"])
+        with _spy_recipe() as default_paths:
+            default = model.generate(ids, **kw)
+        assert default_paths == [] and torch.equal(default, stock)
+        mpsboost.unpatch(model)
+        asked.clear()
+        mpsboost.patch(model, recipes=["moe_experts"], options={"moe_experts": {"cuda_eager": True}})
         with mock.patch.object(hf_moe.ExpertsInterface, "get_interface", get_spy), _spy_recipe() as paths:
             patched = model.generate(ids, **kw)
     assert asked == []
@@ -324,7 +331,7 @@ def test_cuda_bf16_forward_and_static_cache_generate(rng_seed):
         model.set_experts_implementation("eager")
         ref = model(ids).logits
         model.set_experts_implementation("grouped_mm")
-        mpsboost.patch(model, recipes=["moe_experts"])
+        mpsboost.patch(model, recipes=["moe_experts"], options={"moe_experts": {"cuda_eager": True}})
         with _spy_recipe() as paths:
             eager = model(ids).logits
         assert paths == ["grouped_mm", "grouped_mm"]

@@ -40,6 +40,8 @@ Defaults: the tuning files ``mpsboost/data/tuning/moe_thresholds_*.json`` (:func
 """
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import os
 import types
@@ -61,7 +63,12 @@ _JETMOE = (
     "transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE",
     "transformers.models.jetmoe.modeling_jetmoe.JetMoeMoA",
 )
-_OPTION_KEYS = ("fp8", "batched_max_tokens", "compiled_batched_max_tokens", "compiled_batched_form", "path")
+_OPTION_KEYS = ("fp8", "batched_max_tokens", "compiled_batched_max_tokens", "compiled_batched_form", "path", "cuda_eager")
+# Eager generate() on CUDA (H200, whole job, stock and patched alternated in one run) showed no gain from
+# the recipe's own paths: decode per token no different, time to the first token slower in most rounds.
+# There the eager forward runs transformers' own kernels (chosen per call size as generate() chooses them
+# per phase); compiled forwards, where the static-cache decode measured faster, keep the recipe's paths.
+_CUDA_EAGER_RECORD = "benchmarks/results/e2e-cuda-2026-11-30-moe-eager-final.jsonl"
 
 
 def _is_hf_experts(module: torch.nn.Module) -> bool:
@@ -102,6 +109,9 @@ class _Choice:
     histc_int: bool
     compiled_form: str  # batched_mm formulation under torch.compile: "fused" or "bmm"
     follow_decode_switch: bool = False
+    # CUDA eager mode: transformers' own (batched_mm, grouped_mm) experts functions, bound at apply time.
+    eager_stock: bool = False
+    stock_functions: tuple | None = None
     # A simulated environment (tests, dry runs): choose paths as on this device type, whatever device
     # the tensors are on (CPU in tests).
     sim_device: str | None = None
@@ -163,6 +173,10 @@ def _hf_forward(choice: _Choice):
             up_b = down_b = None
         # has_post_expert_norm is newer than transformers 5.17; absent means no post norm.
         post = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
+        if choice.stock_functions is not None and not torch.compiler.is_compiling():
+            small, large = choice.stock_functions
+            fn = small if idx.numel() <= choice.batched_max_tokens else large
+            return fn(self, hidden_states, top_k_index, top_k_weights)
         path = choice.path(idx.numel(), up_w)
         out = moe_ops.routed_experts(
             x, idx, wts, up_weight=up_w, down_weight=self.down_proj, activation=act, up_bias=up_b,
@@ -380,6 +394,8 @@ class MoeExperts(Recipe):
             histc_int=check("histc_int", env).ok,
             compiled_form=options.get("compiled_batched_form", thr.compiled_batched_form),
             follow_decode_switch=thr.follow_decode_switch,
+            eager_stock=(env.device_type == "cuda" and forced == "auto" and match.data["kind"] == "hf"
+                         and not options.get("cuda_eager", False)),
             sim_device=env.device_type if env.simulated else None,
         )
         if choice.compiled_form not in ("fused", "bmm"):
@@ -428,6 +444,10 @@ class MoeExperts(Recipe):
         if choice.forced is None and choice.batched_max_tokens > 0:
             backing += f" (batched_mm at <= {choice.batched_max_tokens} routed tokens)"
         reason = ("forced by option path; " if choice.forced else "") + why + limit
+        if choice.eager_stock:
+            reason += (f"; eager on CUDA: transformers' own batched_mm / grouped_mm kernels (a whole eager generate() "
+                       f"showed no gain, {_CUDA_EAGER_RECORD}; options cuda_eager=True takes the recipe's paths); "
+                       "compiled forwards take the recipe's paths")
         if match.data["kind"] == "hf":
             reason += ("; generate()'s decode switch to batched_mm kept (steps aside while decoding)"
                        if choice.follow_decode_switch else
@@ -452,6 +472,11 @@ class MoeExperts(Recipe):
         undos: list[Undo] = []
         try:
             if kind == "hf":
+                if choice.eager_stock:
+                    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+                    choice = dataclasses.replace(choice, stock_functions=(ALL_EXPERTS_FUNCTIONS["batched_mm"],
+                                                                          ALL_EXPERTS_FUNCTIONS["grouped_mm"]))
                 undos.append(_own_config(m.config))
                 undos.append(_hold_decode_switch(match.data["root"], choice.follow_decode_switch))
                 undos.append(bind_forward(m, NAME, _hf_forward(choice)))
