@@ -499,7 +499,9 @@ def _block_linear_forward(state: _BlockState):
     return forward
 
 
-def _block_experts_forward(state: _BlockState):
+def _routed_block_forward(block: tuple[int, int], down_block: tuple[int, int], compute_dtype: torch.dtype):
+    """The forward of an experts module whose fp8 stacks carry block scales (the up and down projections
+    may have blocks of their own shape)."""
     from .ops.fp8_block import fp8_block_experts
     from .recipes.fp8_weights import _expert_weight_names
 
@@ -516,13 +518,17 @@ def _block_experts_forward(state: _BlockState):
             x, top_k_index.reshape(x.shape[0], -1), top_k_weights.reshape(x.shape[0], -1),
             up=(getattr(self, up_name), getattr(self, up_name + "_scale")),
             down=(getattr(self, down_name), getattr(self, down_name + "_scale")),
-            block=state.block, activation=act, compute_dtype=state.compute_dtype,
+            block=block, down_block=down_block, activation=act, compute_dtype=compute_dtype,
             up_bias=getattr(self, up_name + "_bias", None) if has_bias else None,
             down_bias=getattr(self, "down_proj_bias", None) if has_bias else None,
         )
         return out.reshape(shape)
 
     return forward
+
+
+def _block_experts_forward(state: _BlockState):
+    return _routed_block_forward(state.block, state.block, state.compute_dtype)
 
 
 class _ExactState(_BlockState):
@@ -555,29 +561,7 @@ def _exact_linear_forward(state: _ExactState):
 
 
 def _exact_experts_forward(state: _ExactState):
-    from .ops.fp8_block import fp8_block_experts
-    from .recipes.fp8_weights import _expert_weight_names
-
-    def forward(self, hidden_states, *args, **kwargs):
-        rest = list(args)
-        top_k_index = rest.pop(0) if rest else kwargs.pop("top_k_index", kwargs.pop("router_indices", None))
-        top_k_weights = rest.pop(0) if rest else kwargs.pop("top_k_weights", kwargs.pop("routing_weights", None))
-        up_name, down_name = _expert_weight_names(self)
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        has_bias = bool(getattr(self, "has_bias", False))
-        act = self._apply_gate if getattr(self, "has_gate", True) else self.act_fn
-        out = fp8_block_experts(
-            x, top_k_index.reshape(x.shape[0], -1), top_k_weights.reshape(x.shape[0], -1),
-            up=(getattr(self, up_name), getattr(self, up_name + "_scale")),
-            down=(getattr(self, down_name), getattr(self, down_name + "_scale")),
-            block=state.blocks[0], down_block=state.blocks[-1], activation=act, compute_dtype=state.compute_dtype,
-            up_bias=getattr(self, up_name + "_bias", None) if has_bias else None,
-            down_bias=getattr(self, "down_proj_bias", None) if has_bias else None,
-        )
-        return out.reshape(shape)
-
-    return forward
+    return _routed_block_forward(state.blocks[0], state.blocks[-1], state.compute_dtype)
 
 
 def _target_env(obj: Any, roots, device: Any):
