@@ -23,3 +23,29 @@ def test_public_api_is_exported():
 
     for name in ("patch", "unpatch", "patched", "plan", "last_report", "save_fp8", "load_fp8", "Env", "PatchReport"):
         assert callable(getattr(mpsboost, name)) or isinstance(getattr(mpsboost, name), type), name
+
+
+def test_ops_hold_tensor_functions_only():
+    """ops/ is the shared kernel layer: it imports no registry, recipe or API module (no patching from
+    there) and names no diffusers or transformers module (the integrations live next to their recipes)."""
+    import ast
+    from pathlib import Path
+
+    import mpsboost.ops
+
+    forbidden_internal = {"registry", "recipes", "api", "fp8_io", "fp8_formats"}
+    offenders = []
+    for path in sorted(Path(mpsboost.ops.__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                parts = (node.module or "").split(".")
+                if node.level >= 2 and parts[0] in forbidden_internal:
+                    offenders.append(f"{path.name}: from {'.' * node.level}{node.module} import ...")
+                if node.level == 0 and parts[0] in ("diffusers", "transformers", "mpsboost"):
+                    offenders.append(f"{path.name}: from {node.module} import ...")
+            elif isinstance(node, ast.Import):
+                offenders += [f"{path.name}: import {a.name}" for a in node.names if a.name.split(".")[0] in ("diffusers", "transformers")]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(("diffusers.", "transformers.")):
+                offenders.append(f"{path.name}: names {node.value!r}")
+    assert not offenders, offenders

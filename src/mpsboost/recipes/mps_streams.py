@@ -25,7 +25,8 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ..gate import Env, check
-from ..ops import vae_patch, vae_tiles
+from ..ops import vae_tiles
+from . import _vae as vae_patch
 from ..ops.streams import SideStream
 from ..registry import Decision, Match, Recipe, Undo, join_path, matches_class, register, set_instance_attr
 

@@ -16,7 +16,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 from ..gate import Env
-from ..ops import vae_patch
+from . import _vae as vae_patch
 from ..registry import Decision, Match, Recipe, Undo, register
 
 CLASSES = vae_patch.WAN

@@ -27,8 +27,8 @@ import torch
 
 from ..gate import Env, check
 from ..registry import Decision, Match, Undo, bind_forward, class_path, join_path, matches_class, original_forward, set_instance_attr
-from . import vae_tiles
-from .causal_conv import avg_down3d, causal_conv3d, pad_right_bottom, rms_norm_channels, silu_inplace
+from ..ops import vae_tiles
+from ..ops.causal_conv import avg_down3d, causal_conv3d, pad_right_bottom, rms_norm_channels, silu_inplace
 
 __all__ = [
     "VaeClasses",
