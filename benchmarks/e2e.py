@@ -169,6 +169,35 @@ def patch_summary(report: Any) -> dict:
     return {"applied": len(report.applied), "skipped": len(report.skipped), "backing": backing, "skip_reasons": reasons}
 
 
+def warm_up(run: Run, label: str, names: list[str], call: Callable[[str], Any], dev: str, mem_on_warmup: bool,
+            errors: dict[str, str]) -> tuple[dict[str, float], dict[str, Any], dict[str, int]]:
+    """One untimed call per variant (compilation included): its time, its memory peaks where
+    ``mem_on_warmup``, and the graphs dynamo compiled for it. A variant that cannot run is recorded in
+    ``errors`` and removed from ``names``."""
+    warm: dict[str, float] = {}
+    mem: dict[str, Any] = {}
+    warm_graphs: dict[str, int] = {}
+    for name in list(names):
+        try:
+            g0 = graphs_compiled()
+            if mem_on_warmup:
+                with measure_memory(dev) as probe:
+                    s, _ = timed_call(lambda: call(name), dev)
+                mem[name] = probe.peaks()
+            else:
+                s, _ = timed_call(lambda: call(name), dev)
+            warm_graphs[name] = graphs_compiled() - g0
+            warm[name] = s
+            run.log(f"{label}: warm-up {name} {s:.1f} s")
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded and left out
+            errors[name] = f"warm-up: {error_text(exc)}"
+            run.log(f"{label}: {name} failed: {errors[name]}")
+            traceback.print_exc(limit=3)
+            names.remove(name)
+            free(reset_dynamo=False)  # a reset would drop the other variants' compiled code
+    return warm, mem, warm_graphs
+
+
 def graphs_compiled() -> int:
     """Graphs dynamo has compiled in this process so far (to show that no timed round recompiled)."""
     try:
@@ -361,30 +390,10 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
     from transformers import LogitsProcessorList
 
     label = f"{workload} {mode} {decoding}"
-    warm: dict[str, float] = {}
-    mem: dict[str, Any] = {}
     # Eager: the memory peaks are taken on the untimed warm-up call (nothing compiles there), which
     # saves a call per variant; compiled: on a separate call after the rounds (compilation allocates).
     mem_on_warmup = mode == "eager"
-    warm_graphs: dict[str, int] = {}
-    for name in list(names):
-        try:
-            g0 = graphs_compiled()
-            if mem_on_warmup:
-                with measure_memory(dev) as probe:
-                    s_n, _ = timed_call(lambda: generate(name), dev)
-                mem[name] = probe.peaks()
-            else:
-                s_n, _ = timed_call(lambda: generate(name), dev)
-            warm_graphs[name] = graphs_compiled() - g0
-            warm[name] = s_n
-            run.log(f"{label}: warm-up {name} {s_n:.1f} s")
-        except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded and left out
-            errors[name] = f"warm-up: {error_text(exc)}"
-            run.log(f"{label}: {name} failed: {errors[name]}")
-            traceback.print_exc(limit=3)
-            names.remove(name)
-            free(reset_dynamo=False)  # a reset would drop the other variants' compiled code
+    warm, mem, warm_graphs = warm_up(run, label, names, generate, dev, mem_on_warmup, errors)
     if "stock" not in names:
         run.log(f"{label}: stock failed; nothing to compare")
     prefill: dict[str, list[float]] = {n: [] for n in names}
@@ -625,28 +634,8 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
         return out.frames if workload == "wan22-ti2v-5b" else out.images
 
     label = f"{workload} {mode}"
-    warm: dict[str, float] = {}
-    mem: dict[str, Any] = {}
     mem_on_warmup = mode != "compile"  # as for generate(): no compilation in the warm-up call
-    warm_graphs: dict[str, int] = {}
-    for name in list(names):
-        try:
-            g0 = graphs_compiled()
-            if mem_on_warmup:
-                with measure_memory(dev) as probe:
-                    s, _ = timed_call(lambda: call(name), dev)
-                mem[name] = probe.peaks()
-            else:
-                s, _ = timed_call(lambda: call(name), dev)
-            warm_graphs[name] = graphs_compiled() - g0
-            warm[name] = s
-            run.log(f"{label}: warm-up {name} {s:.1f} s")
-        except Exception as exc:  # noqa: BLE001
-            errors[name] = f"warm-up: {error_text(exc)}"
-            run.log(f"{label}: {name} failed: {errors[name]}")
-            traceback.print_exc(limit=3)
-            names.remove(name)
-            free(reset_dynamo=False)  # a reset would drop the other variants' compiled code
+    warm, mem, warm_graphs = warm_up(run, label, names, call, dev, mem_on_warmup, errors)
     times: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, torch.Tensor] = {}
     budget_cut = False

@@ -43,6 +43,7 @@ __all__ = [
     "matches_class",
     "join_path",
     "bind_forward",
+    "call_original",
     "ATTR",
 ]
 
@@ -346,6 +347,15 @@ def original_forward(module: torch.nn.Module, recipe: str) -> Callable[..., Any]
     if prev is _MISSING:
         return types.MethodType(type(module).forward, module)
     return prev
+
+
+def call_original(module: torch.nn.Module, recipe: str, *args: Any, **kwargs: Any) -> Any:
+    """Call the forward ``recipe`` replaced on ``module``, without building a bound method first (so that
+    torch.compile traces straight through it): the saved instance attribute, or the class's forward."""
+    prev = module.__dict__[ATTR][recipe]["forward"]
+    if prev is _MISSING:
+        return type(module).forward(module, *args, **kwargs)
+    return prev(*args, **kwargs)
 
 
 def is_patched_by(module: torch.nn.Module, recipe: str) -> bool:

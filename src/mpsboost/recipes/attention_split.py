@@ -28,18 +28,12 @@ import torch
 
 from ..gate import FEATURES, Env, check
 from ..ops.attention_split import MAX_SCORES, SdpaSplitMode, score_elements
-from ..registry import _Missing, Decision, Match, Recipe, Undo, bind_forward, class_path, matches_class, register, saved_state, set_instance_attr
+from . import _hf
+from ..registry import Decision, Match, Recipe, Undo, bind_forward, call_original, class_path, matches_class, register, set_instance_attr
 
 NAME = "attention_split"
 
 
-def _call_original(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The forward this recipe replaced, called without building a bound method (so that
-    torch.compile traces through it)."""
-    prev = saved_state(module, NAME)["forward"]
-    if isinstance(prev, _Missing):
-        return type(module).forward(module, *args, **kwargs)
-    return prev(*args, **kwargs)
 IMPLEMENTATION = "mpsboost_sdpa_split"
 _PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
 _MODELMIXIN = "diffusers.models.modeling_utils.ModelMixin"
@@ -85,19 +79,6 @@ def _register_with_transformers(limit: int) -> str:
     AttentionMaskInterface.register(name, sdpa_mask)
     _REGISTERED.add(name)
     return name
-
-
-def _configs(model: torch.nn.Module) -> list[Any]:
-    out, seen, todo = [], set(), [getattr(model, "config", None)]
-    while todo:
-        cfg = todo.pop()
-        if cfg is None or id(cfg) in seen:
-            continue
-        seen.add(id(cfg))
-        out.append(cfg)
-        for key in getattr(cfg, "sub_configs", {}) or {}:
-            todo.append(getattr(cfg, key, None))
-    return out
 
 
 def _may_exceed(module: torch.nn.Module, args: tuple, kwargs: dict, limit: int) -> bool:
@@ -178,9 +159,9 @@ class AttentionSplit(Recipe):
             # Shapes are static under torch.compile: calls that cannot exceed the budget trace the stock
             # forward untouched; only the large ones run with SDPA routed to the split.
             if not _may_exceed(self_, args, kwargs, limit):
-                return _call_original(self_, *args, **kwargs)
+                return call_original(self_, NAME, *args, **kwargs)
             with SdpaSplitMode(limit):
-                return _call_original(self_, *args, **kwargs)
+                return call_original(self_, NAME, *args, **kwargs)
 
         undos: list[Undo] = []
         try:
@@ -196,7 +177,7 @@ class AttentionSplit(Recipe):
 
     def _apply_transformers(self, model: torch.nn.Module, limit: int) -> Undo:
         name = _register_with_transformers(limit)
-        before = [(cfg, cfg.__dict__.get("_attn_implementation_internal")) for cfg in _configs(model)]
+        before = [(cfg, cfg.__dict__.get("_attn_implementation_internal")) for cfg in _hf.configs(model)]
         model.set_attn_implementation(name)
         if getattr(model.config, "_attn_implementation", None) != name:
             for cfg, value in before:

@@ -33,6 +33,7 @@ import torch
 
 from ..gate import Env, Verdict, check
 from ..ops.attention import METAL_HEAD_DIMS, metal_head_dim_ok, sdpa
+from . import _hf
 from ..registry import Decision, Match, Recipe, Undo, class_path, matches_class, register, set_instance_attr
 
 IMPLEMENTATION = "mpsboost_metal"
@@ -96,21 +97,6 @@ def _register_with_transformers() -> None:
     AttentionInterface.register(IMPLEMENTATION, metal_attention_forward)
     AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
     _REGISTERED = True
-
-
-def _configs(model: torch.nn.Module) -> list[Any]:
-    """The model's config and every sub-config (identity-deduplicated)."""
-    out, seen = [], set()
-    todo = [getattr(model, "config", None)]
-    while todo:
-        cfg = todo.pop()
-        if cfg is None or id(cfg) in seen:
-            continue
-        seen.add(id(cfg))
-        out.append(cfg)
-        for key in getattr(cfg, "sub_configs", {}) or {}:
-            todo.append(getattr(cfg, key, None))
-    return out
 
 
 def _head_dim(cfg: Any) -> int | None:
@@ -207,7 +193,7 @@ class MetalAttention(Recipe):
 
     def _apply_transformers(self, model: torch.nn.Module) -> Undo:
         _register_with_transformers()
-        before = [(cfg, cfg.__dict__.get("_attn_implementation_internal")) for cfg in _configs(model)]
+        before = [(cfg, cfg.__dict__.get("_attn_implementation_internal")) for cfg in _hf.configs(model)]
         model.set_attn_implementation(IMPLEMENTATION)
         if getattr(model.config, "_attn_implementation", None) != IMPLEMENTATION:
             # Restore whatever set_attn_implementation touched before reporting.

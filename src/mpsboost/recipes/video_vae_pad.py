@@ -41,7 +41,7 @@ import torch
 
 from ..gate import FEATURES, Env, check
 from ..ops import pad5d as p5
-from ..registry import _Missing, Decision, Match, Recipe, Undo, bind_forward, join_path, matches_class, register, saved_state, set_instance_attr
+from ..registry import Decision, Match, Recipe, Undo, bind_forward, call_original, join_path, matches_class, register, set_instance_attr
 
 _AE = "diffusers.models.autoencoders"
 
@@ -87,15 +87,6 @@ _PAD_THEN_CONV = (
 )
 _VIDTOK_CONV = f"{_AE}.autoencoder_vidtok.VidTokCausalConv3d"
 NAME = "video_vae_pad"
-
-
-def _call_original(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The forward this recipe replaced, called without building a bound method (so that
-    torch.compile traces through it)."""
-    prev = saved_state(module, NAME)["forward"]
-    if isinstance(prev, _Missing):
-        return type(module).forward(module, *args, **kwargs)
-    return prev(*args, **kwargs)
 
 
 def _kind(m: torch.nn.Module) -> str | None:
@@ -181,7 +172,7 @@ class VideoVaePad(Recipe):
     def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
         def routed(self_: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             with p5.Pad5dMode():
-                return _call_original(self_, *args, **kwargs)
+                return call_original(self_, NAME, *args, **kwargs)
 
         def fold_cosmos(self_: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             return p5.cosmos_causal_conv3d(self_, x)
