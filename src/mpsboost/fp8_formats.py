@@ -31,14 +31,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
-from .fp8_io import Fp8FileError, Fp8MismatchError
+from .fp8_io import Fp8FileError, safetensors_header
 
 __all__ = [
     "FORMATS",
@@ -110,21 +109,9 @@ class Checkpoint:
 # ------------------------------------------------------------------------------------------ reading
 
 def _header(path: Path) -> tuple[dict[str, str], dict[str, TensorEntry]]:
-    size = path.stat().st_size
     what = f"{path.name} is not a readable safetensors file"
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise Fp8FileError(f"{what}: it has {size} bytes, fewer than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, 100 * 2**20):
-            raise Fp8FileError(f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file (truncated, or not safetensors)")
-        try:
-            header = json.loads(fh.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise Fp8FileError(f"{what}: its header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise Fp8FileError(f"{what}: its header is not a JSON object")
+    n, header = safetensors_header(path, what)
+    size = path.stat().st_size
     meta = header.pop("__metadata__", None) or {}
     entries: dict[str, TensorEntry] = {}
     end = 0

@@ -300,25 +300,33 @@ class _Source:
         return q.to(device), s.to(device)
 
 
+def safetensors_header(path: Path, what: str) -> tuple[int, dict]:
+    """(header length, the JSON header as a dict) of a safetensors file, read from its first bytes only;
+    ``what`` opens every error message (a truncated file, a wrong length, a header that is not JSON)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise Fp8FileError(f"{what}: it has {size} bytes, fewer than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 * 2**20):
+            raise Fp8FileError(f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file (truncated, or not safetensors)")
+        try:
+            header = json.loads(fh.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise Fp8FileError(f"{what}: its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise Fp8FileError(f"{what}: its header is not a JSON object")
+    return n, header
+
+
 def _read_header(target: Path) -> tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...]]]]:
     """(metadata, {tensor name: (safetensors dtype, shape)}) without reading any tensor data."""
     if not target.exists():
         raise FileNotFoundError(f"fp8 file {str(target)!r} does not exist; write one with mpsboost.save_fp8(model, path)")
-    size = target.stat().st_size
     what = f"{target.name} is not an mpsboost fp8 safetensors file"
-    try:
-        with open(target, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise Fp8FileError(f"{what}: it has {size} bytes, fewer than a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(size - 8, 100 * 2**20):
-                raise Fp8FileError(f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file")
-            header = json.loads(fh.read(n).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise Fp8FileError(f"{what}: its header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise Fp8FileError(f"{what}: its header is not a JSON object")
+    n, header = safetensors_header(target, what)
+    size = target.stat().st_size
     meta = header.pop("__metadata__", None) or {}
     shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
     end = 0
@@ -709,8 +717,6 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
     file :class:`Fp8FileError`, each naming the format and what is missing; a failure while reading
     puts every tensor back, so the model is exactly as it was.
     """
-    from .fp8_formats import open_checkpoint  # noqa: F401  (imported here: the format reader)
-
     target = _as_path(path)
     roots = _roots(obj)
     if target.is_file():
