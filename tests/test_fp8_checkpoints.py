@@ -304,6 +304,22 @@ def test_transformers_fp8_moe_blocks(tmp_path, env, experts):
         mpsboost.unpatch(model)
 
 
+@pytest.mark.parametrize("env", ["mps-2.14.1", "cpu"])
+def test_block_scaled_moe_compiles_fullgraph(tmp_path, env):
+    """The loaded block-scaled experts trace with fullgraph=True (no host read of the expert counts) and
+    give the eager logits (fp32; the traced path dequantises the whole stack: another summation order)."""
+    src = _lm(_qwen3_moe_config)
+    write_transformers_fp8(src, tmp_path / "ckpt", block=(16, 48), experts="stacked")
+    model = _meta_lm(_qwen3_moe_config)
+    mpsboost.load_fp8(model, tmp_path / "ckpt", device=ENVS[env]())
+    eager = _lm_out(model)
+    torch._dynamo.reset()
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids).logits.float()
+    assert _rel(compiled, eager) < RTOL
+
+
 @pytest.mark.parametrize("env", list(ENVS))
 def test_transformers_fp8_dense_block_codes_are_the_files(tmp_path, env):
     src = _lm(_qwen3_config)

@@ -95,9 +95,22 @@ def fp8_block_experts(
 
     Per-row (``[E, N, 1]``) and per-expert (``[E, 1, 1]``) scales are block scales of blocks ``(1, K)`` and
     ``(N, K)``: ``down_block`` gives the down projection's when it differs from ``block``. Pairs are sorted by expert; the per-expert counts are read once on the host and only the experts
-    with routed pairs are dequantised, one at a time. ``hidden_states [T, H]``, ``top_k_* [T, k]``.
+    with routed pairs are dequantised, one at a time. ``hidden_states [T, H]``, ``top_k_* [T, k]``. Under
+    torch.compile the counts are never read on the host: the layer's stacks are dequantised whole and the
+    sync-free routed path of :mod:`mpsboost.ops.moe` runs instead.
     """
     t, hdim = hidden_states.shape
+    if torch.compiler.is_compiling():
+        # Traced (torch.compile): no host read of the counts. This layer's stacks are dequantised whole
+        # (transiently one layer in the compute dtype) and the routed experts run by the sync-free path.
+        from .moe import routed_experts
+
+        return routed_experts(
+            hidden_states.to(compute_dtype), top_k_index, top_k_weights.to(compute_dtype),
+            up_weight=dequantize_block(up[0], up[1], block, compute_dtype),
+            down_weight=dequantize_block(down[0], down[1], down_block or block, compute_dtype),
+            activation=activation, up_bias=up_bias, down_bias=down_bias, path="fallback",
+        ).to(hidden_states.dtype)
     if t == 0:
         return hidden_states.new_zeros(0, hdim)
     num_experts = up[0].shape[0]
