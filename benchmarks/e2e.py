@@ -170,15 +170,16 @@ def patch_summary(report: Any) -> dict:
 
 
 def warm_up(run: Run, label: str, names: list[str], call: Callable[[str], Any], dev: str, mem_on_warmup: bool,
-            errors: dict[str, str]) -> tuple[dict[str, float], dict[str, Any], dict[str, int]]:
+            errors: dict[str, str], select: Callable[[str], Any]) -> tuple[dict[str, float], dict[str, Any], dict[str, int]]:
     """One untimed call per variant (compilation included): its time, its memory peaks where
     ``mem_on_warmup``, and the graphs dynamo compiled for it. A variant that cannot run is recorded in
-    ``errors`` and removed from ``names``."""
+    ``errors`` and removed from ``names``. ``select(name)`` (patch or unpatch) runs before, untimed."""
     warm: dict[str, float] = {}
     mem: dict[str, Any] = {}
     warm_graphs: dict[str, int] = {}
     for name in list(names):
         try:
+            select(name)
             g0 = graphs_compiled()
             if mem_on_warmup:
                 with measure_memory(dev) as probe:
@@ -359,17 +360,24 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
     else:
         kw.update(do_sample=False)
 
+    switch_s: dict[str, list[float]] = {n: [] for n in names}
+
     def select(name: str):
+        """Patch or unpatch the shared model for ``name``; never inside a timed region (the time a
+        switch takes is recorded on its own, as ``switch_s``)."""
         m = models[name]
         if m is model:
+            t = time.perf_counter()
             if name == "mpsboost" and not is_patched(model):
                 mpsboost.patch(model)
+                switch_s[name].append(time.perf_counter() - t)
             elif name == "stock" and is_patched(model):
                 mpsboost.unpatch(model)
+                switch_s[name].append(time.perf_counter() - t)
         return m
 
     def generate(name: str, first: Any = None):
-        m = select(name)
+        m = models[name]
         torch.manual_seed(a.seed + 2)  # the sampling seed, the same for every call
         extra_kw = {"logits_processor": LogitsProcessorList([first])} if first is not None else {}
         with torch.no_grad():
@@ -393,7 +401,7 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
     # Eager: the memory peaks are taken on the untimed warm-up call (nothing compiles there), which
     # saves a call per variant; compiled: on a separate call after the rounds (compilation allocates).
     mem_on_warmup = mode == "eager"
-    warm, mem, warm_graphs = warm_up(run, label, names, generate, dev, mem_on_warmup, errors)
+    warm, mem, warm_graphs = warm_up(run, label, names, generate, dev, mem_on_warmup, errors, select)
     if "stock" not in names:
         run.log(f"{label}: stock failed; nothing to compare")
     prefill: dict[str, list[float]] = {n: [] for n in names}
@@ -408,6 +416,7 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
             break
         for name in rotate(names, r):
             try:
+                select(name)
                 s_1, s_n, out = timed_generate(name)
             except Exception as exc:  # noqa: BLE001
                 errors[name] = f"round {r + 1}: {error_text(exc)}"
@@ -425,6 +434,7 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
             continue
         try:
             if not mem_on_warmup:
+                select(name)
                 with measure_memory(dev) as probe:
                     generate(name)
                 mem[name] = probe.peaks()
@@ -450,7 +460,7 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
         extra: dict[str, Any] = {"mode": mode, "decoding": decoding, "sampling_seed": a.seed + 2 if decoding == "sampled" else None,
                                  "generate_kwargs": {k: v for k, v in kw.items() if k != "attention_mask"},
                                  "build_s": build_s.get(name, build_s["stock"]), "warmup_s": warm.get(name),
-                                 "rounds_requested": a.rounds, "budget_cut": budget_cut,
+                                 "rounds_requested": a.rounds, "switch_s": switch_s.get(name) or None, "budget_cut": budget_cut,
                                  "graphs_compiled_during_rounds": recompiled, "graphs_compiled_in_warmup": warm_graphs.get(name),
                                  "sampling": ({k: getattr(models["stock"].generation_config, k, None) for k in ("temperature", "top_k", "top_p")}
                                               if decoding == "sampled" else None)}
@@ -628,14 +638,13 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
             mpsboost.unpatch(pipe)
 
     def call(name: str):
-        select(name)
         with torch.no_grad():
             out = pipe(**kw, generator=torch.Generator(device="cpu").manual_seed(a.seed))
         return out.frames if workload == "wan22-ti2v-5b" else out.images
 
     label = f"{workload} {mode}"
     mem_on_warmup = mode != "compile"  # as for generate(): no compilation in the warm-up call
-    warm, mem, warm_graphs = warm_up(run, label, names, call, dev, mem_on_warmup, errors)
+    warm, mem, warm_graphs = warm_up(run, label, names, call, dev, mem_on_warmup, errors, select)
     times: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, torch.Tensor] = {}
     budget_cut = False
@@ -647,6 +656,7 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
             break
         for name in rotate(names, r):
             try:
+                select(name)  # untimed: patching is a one-time cost, not part of a pipeline call
                 s, out = timed_call(lambda: call(name), dev)
             except Exception as exc:  # noqa: BLE001
                 errors[name] = f"round {r + 1}: {error_text(exc)}"
@@ -660,6 +670,7 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
         if not times[name] or mem_on_warmup:
             continue
         try:
+            select(name)
             with measure_memory(dev) as probe:
                 call(name)
             mem[name] = probe.peaks()

@@ -86,6 +86,51 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
+def _fp8_gemv_row_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
+    N, K,
+    stride_wn, s_stride,
+    SPLIT_K, TILES,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One activation row (batch-1 decode) on the CUDA cores: no 16-row MMA padding, no shared-memory
+    staging of the weight tile. Each program streams a [BLOCK_N, BLOCK_K] fp8 tile per step with wide
+    loads, widens it to fp32 in registers and accumulates ``w * x`` elementwise; the K reduction happens
+    once, after the loop."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < N
+    k_base = pid_k * TILES * BLOCK_K
+    x_ptrs = x_ptr + k_base + rk
+    w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_base + rk)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for i in range(0, TILES):
+        if EVEN_K:
+            xt = tl.load(x_ptrs).to(tl.float32)
+            wt = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            kk = k_base + i * BLOCK_K + rk
+            xt = tl.load(x_ptrs, mask=kk < K, other=0.0).to(tl.float32)
+            wt = tl.load(w_ptrs, mask=n_ok[:, None] & (kk[None, :] < K), other=0.0, eviction_policy="evict_first")
+        acc += wt.to(tl.float32) * xt[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=1)
+    if SPLIT_K == 1:
+        y = y * tl.load(s_ptr + rn * s_stride, mask=n_ok, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * N + rn, y, mask=n_ok)
+
+
+@triton.jit
 def _splitk_reduce_kernel(
     ws_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_om, s_stride, SPLIT_K,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
@@ -128,18 +173,23 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl
 # ----------------------------------------------------------------------------------------- launchers
 
 class GemvConfig(tuple):
-    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)."""
+    """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, kind): kind "mma" runs the tensor-core kernel
+    (any M, 16 rows per tile), "row" the CUDA-core kernel for a single activation row."""
 
     __slots__ = ()
 
-    def __new__(cls, block_n: int, block_k: int, split_k: int, num_warps: int = 4, num_stages: int = 4):
-        return super().__new__(cls, (block_n, block_k, split_k, num_warps, num_stages))
+    def __new__(cls, block_n: int, block_k: int, split_k: int, num_warps: int = 4, num_stages: int = 4,
+                kind: str = "mma"):
+        if kind not in ("mma", "row"):
+            raise ValueError(f"GemvConfig kind is 'mma' or 'row', got {kind!r}")
+        return super().__new__(cls, (block_n, block_k, split_k, num_warps, num_stages, kind))
 
     block_n = property(lambda s: s[0])
     block_k = property(lambda s: s[1])
     split_k = property(lambda s: s[2])
     num_warps = property(lambda s: s[3])
     num_stages = property(lambda s: s[4])
+    kind = property(lambda s: s[5])
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -171,7 +221,24 @@ def _candidates(m: int, n: int, k: int, sms: int) -> list[GemvConfig]:
             if tiles * sk < sms // 2 or tiles * sk > 32 * sms:
                 continue  # idle multiprocessors, or far more programs than needed
             out.append(GemvConfig(bn, bk, sk, 4, 4 if bn < 128 else 3))
+    if m == 1:
+        out += _row_candidates(n, k, sms)
     return out or [GemvConfig(16, 512, 1)]
+
+
+def _row_candidates(n: int, k: int, sms: int) -> list[GemvConfig]:
+    """Single-row kernel: tiles of 4 to 16 KB of weight per step, split K until every multiprocessor
+    has a few programs in flight (a GEMV is bound by bytes in flight, not by arithmetic)."""
+    out: list[GemvConfig] = []
+    for bn, bk, warps in ((8, 512, 4), (16, 512, 4), (16, 1024, 8), (32, 512, 8)):
+        tiles = triton.cdiv(n, bn)
+        for sk in (1, 2, 4, 8):
+            if sk > 1 and (tiles >= 4 * sms or k < sk * 2 * bk):
+                continue
+            if tiles * sk < sms or tiles * sk > 64 * sms:
+                continue
+            out.append(GemvConfig(bn, bk, sk, warps, 1, "row"))
+    return out
 
 
 def gemv_config(m: int, n: int, k: int, device: torch.device) -> GemvConfig:
@@ -192,6 +259,11 @@ def _launch(x, w, scale, bias, out, cfg: GemvConfig) -> None:
     m, k = x.shape
     n = w.shape[0]
     s_stride = 1 if scale.numel() == n and n > 1 else 0
+    if cfg.kind == "row":
+        if m != 1:
+            raise ValueError(f"the single-row fp8 GEMV kernel takes one activation row, got {m}")
+        _launch_row(x, w, scale, bias, out, cfg, s_stride)
+        return
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, _BLOCK_M), cfg.split_k)
     k_tiles = triton.cdiv(k, cfg.block_k)
     tiles = triton.cdiv(k_tiles, cfg.split_k)
@@ -216,6 +288,35 @@ def _launch(x, w, scale, bias, out, cfg: GemvConfig) -> None:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             ws, scale, b, out, m, n, out.stride(0), s_stride, cfg.split_k,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        )
+
+
+def _launch_row(x, w, scale, bias, out, cfg: GemvConfig, s_stride: int) -> None:
+    k = x.shape[1]
+    n = w.shape[0]
+    k_tiles = triton.cdiv(k, cfg.block_k)
+    tiles = triton.cdiv(k_tiles, cfg.split_k)
+    ws = out
+    if cfg.split_k > 1:
+        ws = torch.empty((cfg.split_k, 1, n), dtype=torch.float32, device=x.device)
+    b = bias if bias is not None else scale
+    _fp8_gemv_row_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+        x, w, scale, b, out, ws,
+        n, k,
+        w.stride(0), s_stride,
+        cfg.split_k, tiles,
+        HAS_BIAS=bias is not None,
+        EVEN_K=(k % cfg.block_k == 0 and k_tiles % cfg.split_k == 0),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if cfg.split_k > 1:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(n, block),)](
+            ws, scale, b, out, 1, n, out.stride(0), s_stride, cfg.split_k,
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
         )
 
