@@ -316,7 +316,8 @@ def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], deco
             free()
     run.log(f"{workload}: built in {build_s:.1f} s" + (f", fp8 model {fp8_build_s:.1f} s" if fp8_build_s else ""))
     report = mpsboost.patch(model)
-    mpsboost.unpatch(model)
+    if is_patched(model):  # a default that applies nothing on this device leaves nothing to undo
+        mpsboost.unpatch(model)
     bw, bw_source = run.copy_bandwidth()
     gen = torch.Generator().manual_seed(a.seed + 1)
     prompt = torch.randint(0, cfg.vocab_size, (1, a.prompt_tokens), generator=gen).to(dev)
