@@ -57,12 +57,15 @@ def _qwen3(dtype: torch.dtype, layers: int = LAYERS):
 
 
 def _patched(env_name: str, fp8: str | None, dtype: torch.dtype | None = None, layers: int = LAYERS):
-    # fp8 in bf16: the dtype of the fused large-M path (quantised activations + scaled_mm).
+    # fp8 in bf16: the dtype of the fused large-M path; on CUDA the opt-in quantised activations +
+    # scaled_mm, so that both registered fp8 operators are traced (the default large-M path is plain torch).
     model = _qwen3(dtype or (torch.bfloat16 if fp8 else torch.float32), layers)
+    options = None
+    if env_name == "cuda_sm90":
+        options = dict(FORCE_CUDA, **({"fp8_weights": {"activations": "fp8"}} if fp8 else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # rows that skip say why in the report
-        report = mpsboost.patch(model, device=ENVS[env_name], fp8=fp8,
-                                options=FORCE_CUDA if env_name == "cuda_sm90" else None)
+        report = mpsboost.patch(model, device=ENVS[env_name], fp8=fp8, options=options)
     return model, report
 
 

@@ -299,7 +299,7 @@ def test_plan_on_simulated_builds_names_storage_and_path():
     cases = {
         ("mps", "2.14.1"): ("uint8", "uint8 storage, integer decode then linear", "hit experts"),
         ("mps", "2.15.0"): ("float8", "dequantize then linear", "hit experts"),
-        ("cuda:9.0", "2.11.0"): ("float8", "fp8 GEMV (triton) for M<=16; fused activation quantisation + scaled_mm rowwise above", "scaled_grouped_mm"),
+        ("cuda:9.0", "2.11.0"): ("float8", "fp8 GEMV (triton) for M<=16; dequantize then linear (exact: activations stay bf16) above", "scaled_grouped_mm"),
         ("cuda:8.0", "2.11.0"): ("float8", "dequantize then linear", "hit experts"),
     }
     for (dev, ver), (storage, linear_backing, experts_word) in cases.items():
@@ -320,8 +320,8 @@ def test_backing_and_thresholds_say_what_runs_in_that_env():
     model = tm.build("qwen3", dtype="float32")
     rows = _applied(mpsboost.plan(model, fp8="rowwise", device="cuda:9.0", torch_version="2.11.0"))
     lin = [r for r in rows if r.details["kind"] == "linear"]
-    assert lin and all(r.backing.startswith("fp8 GEMV (triton, float32 activations on tf32 tensor cores) for M<=16; "
-                                            "dequantize then linear (float32 output") for r in lin), lin[0].backing
+    assert lin and all(r.backing == "fp8 GEMV (triton, float32 activations; tf32 in its 16-row tile kernel) for M<=16; "
+                                    "dequantize then linear above" for r in lin), lin[0].backing
     assert all("thresholds from fp8_gemv, measured on NVIDIA H200 (sm_90)" in r.reason for r in lin), lin[0].reason
     assert all("compiled: the same path" in r.reason for r in lin)
     rows89 = _applied(mpsboost.plan(model, fp8="rowwise", device="cuda:8.9", torch_version="2.11.0"))
@@ -329,7 +329,7 @@ def test_backing_and_thresholds_say_what_runs_in_that_env():
                for r in rows89 if r.details["kind"] == "linear"), rows89[0].reason
     forced = _applied(mpsboost.plan(model, fp8="rowwise", device="cuda:9.0", torch_version="2.11.0",
                                     options={NAME: {"gemv_max_m": 4, "moe_gather_max_pairs": 2}}))
-    assert all(r.backing.startswith("fp8 GEMV (triton, float32 activations on tf32 tensor cores) for M<=4;") for r in forced
+    assert all(r.backing.startswith("fp8 GEMV (triton, float32 activations; tf32 in its 16-row tile kernel) for M<=4;") for r in forced
                if r.details["kind"] == "linear")
 
 
@@ -369,8 +369,8 @@ def test_scaled_mm_bias_is_a_patch_time_probe(rng_seed):
     q, s = fp8_ops.quantize(w, "rowwise", "float8")
     x = torch.randn(1, 20, 128, dtype=torch.bfloat16)  # 20 rows: the scaled_mm path of "fused"
     with mock.patch.object(torch, "_scaled_mm", wraps=torch._scaled_mm) as spy:
-        fused = fp8_ops.fp8_linear(x, q, s, b, kind="fused", compute_dtype=torch.bfloat16, bias_in_mm=True)
-        after = fp8_ops.fp8_linear(x, q, s, b, kind="fused", compute_dtype=torch.bfloat16, bias_in_mm=False)
+        fused = fp8_ops.fp8_linear(x, q, s, b, kind="fused", compute_dtype=torch.bfloat16, bias_in_mm=True, large="scaled_mm")
+        after = fp8_ops.fp8_linear(x, q, s, b, kind="fused", compute_dtype=torch.bfloat16, bias_in_mm=False, large="scaled_mm")
     assert spy.call_count == 2
     assert "bias" in spy.call_args_list[0].kwargs and "bias" not in spy.call_args_list[1].kwargs
     torch.testing.assert_close(fused, after, rtol=2e-2, atol=2e-2)  # bias added before vs after one bf16 rounding
@@ -382,6 +382,46 @@ def test_scaled_mm_bias_is_a_patch_time_probe(rng_seed):
     assert probe.call_count >= 1
     state = model.model.layers[0].self_attn.q_proj.__dict__["_mpsboost_patches"][NAME]["fp8"]
     assert state.bias_in_mm is False and state.kind == "fused"
+
+
+def test_large_batches_are_exact_by_default_and_fp8_activations_are_opt_in(rng_seed):
+    """Above gemv_max_m the fused path multiplies the stored weights exactly (dequantise, then linear in the
+    activation dtype); quantising activations for scaled_mm is a different computation and only runs when
+    asked for with options activations="fp8"."""
+    w = torch.randn(64, 128, dtype=torch.bfloat16) * 0.05
+    b = torch.randn(64, dtype=torch.bfloat16)
+    q, s = fp8_ops.quantize(w, "rowwise", "float8")
+    x = torch.randn(2, 40, 128, dtype=torch.bfloat16)  # 80 rows: above the GEMV
+    exact = F.linear(x, fp8_ops.dequantize(q, s, torch.bfloat16), b)
+    with mock.patch.object(torch, "_scaled_mm", wraps=torch._scaled_mm) as spy:
+        y = fp8_ops.fp8_linear(x, q, s, b, kind="fused", compute_dtype=torch.bfloat16)
+        assert spy.call_count == 0
+        y_fp8 = fp8_ops.fp8_linear(x, q, s, b, kind="fused", compute_dtype=torch.bfloat16, large="scaled_mm")
+        assert spy.call_count == 1
+    assert torch.equal(y, exact)
+    assert not torch.equal(y_fp8, exact)  # activation rounding to e4m3 changes the numbers
+    assert fp8_ops.sqnr_db(y_fp8, exact) >= 20.0
+
+    model = tm.build("qwen3", dtype="bfloat16")
+    env = dict(device="cuda:9.0", torch_version="2.11.0")
+    default = [r for r in _applied(mpsboost.plan(model, fp8="rowwise", **env)) if r.details["kind"] == "linear"]
+    opted = [r for r in _applied(mpsboost.plan(model, fp8="rowwise", options={NAME: {"activations": "fp8"}}, **env))
+             if r.details["kind"] == "linear"]
+    assert default and all(r.details["large"] == "dequant" and "exact" in r.backing for r in default)
+    assert opted and all(r.details["large"] == "scaled_mm" and "scaled_mm rowwise" in r.backing for r in opted)
+    with pytest.raises(PatchError) as info:
+        mpsboost.plan(model, fp8="rowwise", options={NAME: {"activations": "int8"}}, **env)
+    assert "activations" in str(info.value)
+    # The choice reaches the forward: a patched layer (CUDA path forced onto the reference ops) is exact.
+    torch.manual_seed(1)
+    model = tm.build("qwen3", dtype="bfloat16")
+    mpsboost.patch(model, recipes=[NAME], fp8="rowwise", device=Env.simulate("cuda:9.0", "2.11.0"))
+    lin = model.model.layers[0].self_attn.q_proj
+    state = lin.__dict__["_mpsboost_patches"][NAME]["fp8"]
+    assert state.kind == "fused" and state.large == "dequant"
+    xin = torch.randn(1, 24, lin.in_features, dtype=torch.bfloat16)
+    ref = F.linear(xin, fp8_ops.dequantize(lin.weight, lin.weight_scale, torch.bfloat16), lin.bias)
+    assert torch.equal(lin(xin), ref)
 
 
 def test_importing_the_ops_and_recipes_does_not_import_triton():

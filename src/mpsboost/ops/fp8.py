@@ -17,8 +17,13 @@ input rows):
 
 * ``fused`` (CUDA, compute capability >= 8.9, Triton): M <= ``gemv_max_m`` through the fp8 GEMV
   (``torch.ops.mpsboost.fp8_gemv``: fp8 weight loaded, widened and accumulated in fp32 in registers,
-  scale and bias in the epilogue); larger M through one fused activation-quantisation kernel
-  (``torch.ops.mpsboost.fp8_quantize_rows``) plus ``torch._scaled_mm`` with rowwise scales;
+  scale and bias in the epilogue); larger M by default dequantise-then-``F.linear`` (the stored
+  weights exactly, activations untouched), or, with ``activations="fp8"``, one fused
+  activation-quantisation kernel (``torch.ops.mpsboost.fp8_quantize_rows``) plus ``torch._scaled_mm``
+  with rowwise scales. Quantising activations is not the same math as the stored weights: on the
+  Qwen-Image transformer it gave a relative error of 5.9e-2 against the file's exact dequantisation,
+  and the step was slower than bf16 on the H200 (benchmarks/results/fp8_load-cuda-2026-11-30b.jsonl),
+  so it is an opt-in;
 * ``mps_scaled_mm`` (MPS, only where the gate's ``fp8_gemv`` says the small-M kernel exists):
   ``scaled_mm`` for M <= 4, otherwise dequantise then ``F.linear``;
 * ``dequant`` (everything else): dequantise this one layer to the compute dtype, then ``F.linear``.
@@ -329,14 +334,22 @@ class LinearPath:
     reason: str
     storage: str  # "float8" or "uint8"
     gemv_max_m: int = 16
+    large: str = "dequant"  # above gemv_max_m on the fused path: "dequant" or "scaled_mm" (activations in fp8)
 
 
-def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype, gemv_max_m: int = 16) -> LinearPath:
+ACTIVATIONS = ("bf16", "fp8")
+
+
+def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype, gemv_max_m: int = 16,
+                       activations: str = "bf16") -> LinearPath:
     """The forward path for an ``[n, k]`` layer computing in ``dtype`` in ``env`` (pure: asks only the gate).
 
     The backing text names what actually runs here: the GEMV's activation dtype (fp32 activations go
-    through tf32 tensor cores), and the large-M path by alignment and dtype.
+    through tf32 tensor cores in the 16-row tile kernel), and the large-M path by alignment, dtype and ``activations``
+    (``"bf16"``: dequantise then linear, exact; ``"fp8"``: quantise activations rowwise for scaled_mm).
     """
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
     storage = storage_for(env)
     st = check("float8_storage", env)
     if env.device_type == "cuda":
@@ -344,14 +357,16 @@ def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype, gemv_max
         gv = check("fp8_gemv", env)
         if sm.ok and gv.ok:
             aligned = n % 16 == 0 and k % 16 == 0
-            large = (
-                "fused activation quantisation + scaled_mm rowwise"
-                if aligned and dtype == torch.bfloat16
-                else "dequantize then linear" + ("" if aligned else " (shape not 16-aligned for scaled_mm)")
-                + ("" if dtype == torch.bfloat16 else f" ({str(dtype)[6:]} output: scaled_mm rowwise gives bf16 only)")
-            )
+            use_sm = activations == "fp8" and aligned and dtype == torch.bfloat16
+            if use_sm:
+                large = "fused activation quantisation + scaled_mm rowwise"
+            elif activations == "bf16":
+                large = "dequantize then linear (exact: activations stay bf16)" if dtype == torch.bfloat16 else "dequantize then linear"
+            else:
+                large = "dequantize then linear" + ("" if aligned else " (shape not 16-aligned for scaled_mm)") + (
+                    "" if dtype == torch.bfloat16 else f" ({str(dtype)[6:]} output: scaled_mm rowwise gives bf16 only)")
             acts = "" if dtype == torch.bfloat16 else (
-                ", float32 activations on tf32 tensor cores" if dtype == torch.float32 else f", {str(dtype)[6:]} activations")
+                ", float32 activations; tf32 in its 16-row tile kernel" if dtype == torch.float32 else f", {str(dtype)[6:]} activations")
             small = f"fp8 GEMV (triton{acts}) for M<={gemv_max_m}" if gemv_max_m > 0 else "no fp8 GEMV (gemv_max_m=0)"
             return LinearPath(
                 "fused",
@@ -359,6 +374,7 @@ def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype, gemv_max
                 f"{gv.reason}; {sm.reason}",
                 storage,
                 gemv_max_m,
+                "scaled_mm" if use_sm else "dequant",
             )
         why = sm.reason if not sm.ok else gv.reason
         return LinearPath("dequant", "dequantize then linear", f"no fused fp8 path here: {why}", storage)
@@ -429,6 +445,7 @@ def fp8_linear(
     compute_dtype: torch.dtype,
     gemv_max_m: int = 16,
     bias_in_mm: bool = True,
+    large: str = "dequant",
 ) -> torch.Tensor:
     """``F.linear(x, dequantize(q, scale), bias)`` by the path ``kind`` (see :func:`choose_linear_path`).
 
@@ -442,7 +459,7 @@ def fp8_linear(
         x2 = x.reshape(m, k)
         if m <= gemv_max_m:
             y = fp8_gemv(x2, q, scale, bias)
-        elif x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
+        elif large == "scaled_mm" and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0:
             xq, xs = fused_quantize_rows(x2)
             y = scaled_mm_rowwise(xq, q, xs, scale, bias, bias_in_mm=bias_in_mm)
         else:

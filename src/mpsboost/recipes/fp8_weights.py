@@ -33,7 +33,9 @@ Options (``mpsboost.patch(m, fp8="rowwise", options={"fp8_weights": {...}})``):
 ``gemv_max_m`` (CUDA: rows at or below which the fp8 GEMV runs; default from the tuning file
 ``fp8_gemv``: 16); ``moe_gather_max_pairs`` (routed pairs at or below which experts are gathered per
 pair; default from ``fp8_gemv`` on the GPU it was measured on, else 16); ``moe_path`` ("auto",
-"scaled_grouped_mm", "gather", "hit", "stack").
+"scaled_grouped_mm", "gather", "hit", "stack"); ``activations`` ("bf16", default: batches above
+``gemv_max_m`` dequantise the layer and multiply in the activation dtype, the stored weights exactly;
+"fp8": CUDA quantises activations rowwise for ``scaled_mm``, which is not the same math).
 
 Modes: every forward installed here compiles with ``torch.compile(fullgraph=True)``. The kernels are
 registered operators, the ``scaled_mm`` bias probe and the GEMV's launch tuning run at patch time, and
@@ -62,7 +64,7 @@ from ..registry import Decision, Match, Recipe, Undo, join_path, bind_forward, o
 NAME = "fp8_weights"
 log = logging.getLogger("mpsboost")
 
-_OPTION_KEYS = ("fp8", "include", "exclude", "include_lm_head", "experts", "gemv_max_m", "moe_gather_max_pairs", "moe_path", "load")
+_OPTION_KEYS = ("fp8", "include", "exclude", "include_lm_head", "experts", "gemv_max_m", "moe_gather_max_pairs", "moe_path", "activations", "load")
 _VAE_PREFIX = "diffusers.models.autoencoders."
 _EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 _ROUTER_NAMES = ("gate", "router")
@@ -200,6 +202,11 @@ def _parse(options: Mapping[str, Any]) -> dict:
     if mp not in ("auto", *fp8_moe.PATHS):
         raise ValueError(f"fp8_weights option moe_path={mp!r}: expected 'auto' or one of {', '.join(fp8_moe.PATHS)}")
     out["moe_path"] = mp
+    act = options.get("activations", "bf16")
+    if act not in fp8_ops.ACTIVATIONS:
+        raise ValueError(f"fp8_weights option activations={act!r}: expected 'bf16' (dequantise large batches, exact) "
+                         "or 'fp8' (quantise activations for scaled_mm)")
+    out["activations"] = act
     return out
 
 
@@ -208,7 +215,7 @@ def _parse(options: Mapping[str, Any]) -> dict:
 class _State:
     """Per-module facts the bound forward needs; ``converted`` flips at the transaction's commit."""
 
-    __slots__ = ("kind", "compute_dtype", "granularity", "gemv_max_m", "converted", "large_path", "compiled_path", "gather_max",
+    __slots__ = ("kind", "compute_dtype", "granularity", "gemv_max_m", "converted", "large_path", "compiled_path", "gather_max", "large",
                  "native_grouped", "histc_int", "bias_in_mm")
 
     def __init__(self, **kw: Any):
@@ -234,7 +241,8 @@ def _linear_forward(state: _State):
         if w.dtype not in (torch.float8_e4m3fn, torch.uint8):
             raise _cast_error(self, "weight", w)
         return fp8_ops.fp8_linear(input, w, self.weight_scale, self.bias, kind=state.kind,
-                                  compute_dtype=state.compute_dtype, gemv_max_m=state.gemv_max_m, bias_in_mm=state.bias_in_mm)
+                                  compute_dtype=state.compute_dtype, gemv_max_m=state.gemv_max_m, bias_in_mm=state.bias_in_mm,
+                                  large=state.large)
 
     return forward
 
@@ -414,7 +422,7 @@ class Fp8Weights(Recipe):
         if data["kind"] == "linear":
             w = mod.weight
             n, k = w.shape
-            lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=w.dtype, gemv_max_m=gemv_max)
+            lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=w.dtype, gemv_max_m=gemv_max, activations=opts["activations"])
             before = w.numel() * w.element_size()
             after = w.numel() + (4 * n if gran == "rowwise" else 4)
             extra = f"; {where}" if where and lp.kind == "fused" else ""
@@ -422,7 +430,7 @@ class Fp8Weights(Recipe):
             return Decision.apply(
                 lp.backing, f"{gran} scales, {lp.storage} storage: {lp.reason}{extra}; {comp}",
                 kind="linear", granularity=gran, storage=lp.storage, compute_dtype=str(w.dtype).replace("torch.", ""),
-                bytes_before=before, bytes_after=after, path_kind=lp.kind, gemv_max_m=lp.gemv_max_m,
+                bytes_before=before, bytes_after=after, path_kind=lp.kind, gemv_max_m=lp.gemv_max_m, large=lp.large,
             )
         if not opts["experts"]:
             return Decision.skip("expert weights excluded by option experts=False")
@@ -503,7 +511,7 @@ class Fp8Weights(Recipe):
             bias_in_mm = d["path_kind"] in ("fused", "mps_scaled_mm") and d["storage"] == "float8" and \
                 fp8_ops.scaled_mm_bias_supported(str(device))
             state = _State(kind=d["path_kind"], compute_dtype=compute_dtype, granularity=d["granularity"],
-                           gemv_max_m=d["gemv_max_m"], bias_in_mm=bias_in_mm)
+                           gemv_max_m=d["gemv_max_m"], bias_in_mm=bias_in_mm, large=d.get("large", "dequant"))
             fwd = _linear_forward(state)
         else:
             state = _State(kind="experts", compute_dtype=compute_dtype, granularity=d["granularity"], large_path=d["large_path"],
