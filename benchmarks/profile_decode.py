@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def _group(name: str) -> str:
     n = name.lower()
-    if "fp8_gemv" in n or "quant_rows" in n or "splitk" in n:
+    if "fp8_gemv" in n or "quant_rows" in n or "_splitk_reduce_kernel" in n:
         return "mpsboost fp8"
     if "gemv" in n or "gemm" in n or "sm90_xmma" in n or "cutlass" in n or "nvjet" in n:
         return "cuBLAS GEMM/GEMV"

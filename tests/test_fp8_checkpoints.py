@@ -336,14 +336,20 @@ def test_transformers_fp8_dense_block_codes_are_the_files(tmp_path, env):
     assert _rel(_lm_out(model), _lm_out(ref)) < RTOL
 
 
-@pytest.mark.parametrize("env", list(ENVS))
+@pytest.mark.parametrize("env", [*ENVS, "cuda-sm90-simulated"])
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
 def test_compressed_tensors(tmp_path, env, strategy):
     src = _lm(_qwen3_moe_config)
     ref_state = write_compressed_tensors(src, tmp_path / "ckpt", strategy=strategy)
     model = _meta_lm(_qwen3_moe_config)
-    report = mpsboost.load_fp8(model, tmp_path / "ckpt", device=ENVS[env]())
+    # The simulated CUDA build takes the fused path (its registered operators run their CPU references
+    # on these CPU tensors): the GEMV for few rows, the exact dequantised linear above.
+    device = Env.simulate("cuda:9.0", "2.11.0") if env == "cuda-sm90-simulated" else ENVS[env]()
+    report = mpsboost.load_fp8(model, tmp_path / "ckpt", device=device)
     rows = _all_fp8_rows_loaded(report, 10)
+    if env == "cuda-sm90-simulated":
+        assert {r.backing for r in rows if r.details["kind"] == "linear"} == {
+            "fp8 GEMV (triton, float32 activations; tf32 in its 16-row tile kernel) for M<=16; dequantize then linear above"}
     lin = {r.details["granularity"] for r in rows if r.details["kind"] == "linear"}
     assert lin == {"rowwise" if strategy == "channel" else "tensorwise"}
     # Per-expert per-tensor scales of gate and up: joined as exact per-row scales of the gate_up stack;

@@ -901,7 +901,7 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
             bias_in_mm = lp.kind in ("fused", "mps_scaled_mm") and storage == "float8" and \
                 fp8_ops.scaled_mm_bias_supported(str(dev))
             state = fw._State(kind=lp.kind, compute_dtype=compute, granularity=schemes[0], gemv_max_m=lp.gemv_max_m,
-                              bias_in_mm=bias_in_mm)
+                              bias_in_mm=bias_in_mm, large=lp.large)
             fwd = fw._linear_forward(state)
             backing, reason = lp.backing, f"{schemes[0]} scales from {where}, {lp.storage} storage: {lp.reason}"
         elif qts[0].kind == "linear" or (env.device_type != "cuda" and not getattr(mod, "is_transposed", False)):

@@ -220,6 +220,7 @@ class _State:
 
     def __init__(self, **kw: Any):
         self.converted = False
+        self.large = "dequant"  # the exact large-batch path unless activations="fp8" was chosen
         for k, v in kw.items():
             setattr(self, k, v)
 
