@@ -68,6 +68,28 @@ def test_gemv_every_config_and_split_k(cfg, rng_seed):
 
 
 @needs_fp8
+@pytest.mark.parametrize("cfg", [(8, 512, 1), (16, 512, 2), (16, 1024, 1), (32, 512, 4)])
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+def test_single_row_kernel_every_config(cfg, granularity, rng_seed):
+    """The CUDA-core kernel for one activation row: odd N and K, split K, bias; it computes the weight
+    as dequantize() does (codes x scale in fp32, one rounding), so it agrees with F.linear on that weight."""
+    from mpsboost.ops import fp8_triton
+
+    bn, bk, sk = cfg
+    n, k = 1001, 3000
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    q, s = fp8_ops.quantize(w, granularity, "float8")
+    y = fp8_triton.fp8_gemv(x, q, s, b, config=fp8_triton.GemvConfig(bn, bk, sk, 4, 1, "row"))
+    same = F.linear(x, fp8_ops.dequantize(q, s, torch.bfloat16), b)
+    assert _rel(y, same) < 2e-3  # summation order only
+    with pytest.raises(ValueError, match="one activation row"):
+        fp8_triton.fp8_gemv(torch.randn(2, k, device="cuda", dtype=torch.bfloat16), q, s, b,
+                            config=fp8_triton.GemvConfig(bn, bk, sk, 4, 1, "row"))
+
+
+@needs_fp8
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gemv_other_activation_dtypes(dtype, rng_seed):
     from mpsboost.ops import fp8_triton

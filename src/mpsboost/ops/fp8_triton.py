@@ -4,9 +4,10 @@ by the CUDA kernels of the registered operators ``mpsboost::fp8_gemv`` and ``mps
 (checks, the tuning cache, timing) runs in an operator's eager body.
 
 * :func:`fp8_gemv` -- ``y = x @ (q * s).T + b`` for few rows of ``x`` (decode): the fp8 weight tile is
-  loaded (1 byte per weight: half the bytes of bf16), widened to the activation dtype in registers,
-  multiplied on the tensor cores with fp32 accumulation, and the per-row (or per-tensor) scale and
-  the bias are applied in the epilogue. Rows of ``x`` are padded to 16 (the smallest ``tl.dot``);
+  loaded (1 byte per weight: half the bytes of bf16), multiplied by its per-row (or per-tensor) scale
+  in fp32 and rounded once to the activation dtype in registers (the weight ``F.linear`` would get
+  from :func:`mpsboost.ops.fp8.dequantize`), multiplied with fp32 accumulation (tensor cores for
+  up to 16 rows per tile, CUDA cores for a single row), the bias added in the epilogue. Rows of ``x`` are padded to 16 (the smallest ``tl.dot``);
   the padding costs arithmetic, which is idle at decode, not bytes. Layers with few output rows
   split K over more programs (partials in fp32, then one small reduction kernel with the epilogue),
   so that every multiprocessor streams weight bytes.
@@ -60,6 +61,8 @@ def _fp8_gemv_kernel(
     x_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_xm + (k_base + rk)[None, :]
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_base + rk)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # s_stride is 1 for rowwise scales, 0 for one scale per tensor.
+    s = tl.load(s_ptr + rn * s_stride, mask=n_ok, other=0.0)
     for i in range(0, TILES):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
@@ -68,14 +71,13 @@ def _fp8_gemv_kernel(
             kk = k_base + i * BLOCK_K + rk
             xt = tl.load(x_ptrs, mask=m_ok[:, None] & (kk[None, :] < K), other=0.0)
             wt = tl.load(w_ptrs, mask=n_ok[:, None] & (kk[None, :] < K), other=0.0)
-        # e4m3fn -> activation dtype is exact; the product accumulates in fp32 on the tensor cores.
-        acc = tl.dot(xt, tl.trans(wt.to(xt.dtype)), acc)
+        # The weight as F.linear sees it after dequantisation: codes x scale in fp32, rounded once to the
+        # activation dtype; the product accumulates in fp32 on the tensor cores.
+        wd = (wt.to(tl.float32) * s[:, None]).to(xt.dtype)
+        acc = tl.dot(xt, tl.trans(wd), acc)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SPLIT_K == 1:
-        # s_stride is 1 for rowwise scales, 0 for one scale per tensor.
-        s = tl.load(s_ptr + rn * s_stride, mask=n_ok, other=0.0)
-        acc = acc * s[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         o_ptrs = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
@@ -109,6 +111,7 @@ def _fp8_gemv_row_kernel(
     x_ptrs = x_ptr + k_base + rk
     w_ptrs = w_ptr + rn.to(tl.int64)[:, None] * stride_wn + (k_base + rk)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    s = tl.load(s_ptr + rn * s_stride, mask=n_ok, other=0.0)
     for i in range(0, TILES):
         if EVEN_K:
             xt = tl.load(x_ptrs).to(tl.float32)
@@ -117,12 +120,13 @@ def _fp8_gemv_row_kernel(
             kk = k_base + i * BLOCK_K + rk
             xt = tl.load(x_ptrs, mask=kk < K, other=0.0).to(tl.float32)
             wt = tl.load(w_ptrs, mask=n_ok[:, None] & (kk[None, :] < K), other=0.0, eviction_policy="evict_first")
-        acc += wt.to(tl.float32) * xt[None, :]
+        # codes x scale in fp32, rounded once to the activation dtype: the weight F.linear would see.
+        wd = (wt.to(tl.float32) * s[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        acc += wd * xt[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
-        y = y * tl.load(s_ptr + rn * s_stride, mask=n_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -144,7 +148,6 @@ def _splitk_reduce_kernel(
         acc += tl.load(ws_ptr + i * total + offs, mask=ok, other=0.0)
     n = offs % N
     m = offs // N
-    acc = acc * tl.load(s_ptr + n * s_stride, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
