@@ -528,7 +528,9 @@ worst = 0.0
 for m, n, k, bias, gran, cfg in [(1, 48, 80, True, "rowwise", None), (2, 37, 100, False, "tensorwise", None),
                                  (3, 64, 512, True, "rowwise", ft.GemvConfig(16, 128, 2)),
                                  (16, 50, 300, True, "rowwise", ft.GemvConfig(32, 64, 3)),
-                                 (17, 33, 129, False, "tensorwise", ft.GemvConfig(16, 64, 4))]:
+                                 (17, 33, 129, False, "tensorwise", ft.GemvConfig(16, 64, 4)),
+                                 (1, 37, 300, True, "rowwise", ft.GemvConfig(8, 64, 1, 4, 1, "row")),
+                                 (1, 50, 1000, False, "tensorwise", ft.GemvConfig(16, 128, 3, 4, 1, "row"))]:
     w = torch.randn(n, k, dtype=torch.float16); x = torch.randn(m, k, dtype=torch.float16)
     b = torch.randn(n, dtype=torch.float16) if bias else None
     q, s = fp8.quantize(w, gran)
