@@ -265,11 +265,11 @@ SOURCES = {
     "wan_vae": "wan_vae-cuda-2026-11-29-rerun.jsonl",
     "qwen_image_vae": "qwen_image_vae-cuda-2026-11-29.jsonl",
     "moe": "moe-cuda-2026-11-29.jsonl",
-    "decode_linear": "decode_linear-cuda-2026-11-29.jsonl",
-    "softmax": "softmax-cuda-2026-11-29.jsonl",
+    "decode_linear": "decode_linear-cuda-2026-11-30.jsonl",
+    "softmax": "softmax-cuda-2026-11-30.jsonl",
     "fp8": "fp8-cuda-2026-11-29-run2.jsonl",
     "fp8_peers": "fp8-cuda-2026-11-29-run1.jsonl",
-    "mps_streams": "mps_streams-cuda-2026-11-29.jsonl",
+    "mps_streams": "mps_streams-cuda-2026-11-30.jsonl",
 }
 
 
@@ -451,6 +451,8 @@ def block_results(results: Path | None = None) -> str:
     """The inventory of committed record files."""
     rows = []
     for path in sorted((results or RESULTS).glob("*.jsonl")):
+        if _is_diagnostic(path.name):
+            continue
         recs = records(path.name, results)
         if not recs:
             continue
@@ -504,7 +506,7 @@ def file_table(file: str, results: Path | None = None) -> str:
 def block_details(results: Path | None = None) -> str:
     parts = []
     for path in sorted((results or RESULTS).glob("*.jsonl")):
-        if path.name.startswith("e2e-"):
+        if path.name.startswith("e2e-") or _is_diagnostic(path.name):
             continue
         parts.append(f"**`{path.name}`**\n\n" + file_table(path.name, results))
     return "\n\n".join(parts)
@@ -523,6 +525,12 @@ def _phase(rec: Record, key: str) -> Stat | None:
     mid = len(xs) // 2
     med = xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
     return Stat(med, xs[0], xs[-1], len(xs), "rounds")
+
+
+def _applies_nothing(rec: Record) -> bool:
+    """A patched variant whose patch() applied no row (its report is in the record): it ran the stock model."""
+    p = rec.extra.get("patch")
+    return isinstance(p, dict) and p.get("applied") == 0
 
 
 def block_e2e_generate(results: Path | None = None) -> str:
@@ -549,18 +557,20 @@ def block_e2e_generate(results: Path | None = None) -> str:
                 same = rec.extra.get("tokens_equal_stock")
                 tokens = "-" if sh.get("decoding") != "greedy" or same is None else ("equal" if same else
                                                                                     f"{rec.extra.get('token_match_fraction', 0):.0%} equal")
-                rows.append([what, v] + cells + [bw, tokens, source(path.name, g)])
+                label = f"{v} (applies nothing here: stock against itself)" if _applies_nothing(rec) else v
+                rows.append([what, label] + cells + [bw, tokens, source(path.name, g)])
     if not rows:
         return "No end-to-end generate() records (`e2e-*.jsonl`) committed yet."
     return md_table(["model, mode, decoding", "variant", "prefill: variant vs stock", "prefill speedup", "decode per token: variant vs stock",
                      "decode speedup", "share of the bandwidth limit (decode)", "greedy tokens vs stock", "record"], rows)
 
 
-def _e2e_generate(results: Path | None, **shape) -> tuple[str, Group] | None:
-    """The one generate() group of the committed e2e files whose shape has these fields (latest file first)."""
+def _e2e_generate(results: Path | None, variant: str = "mpsboost", **shape) -> tuple[str, Group] | None:
+    """The one generate() group of the committed e2e files whose shape has these fields and that ran
+    ``variant`` next to stock (latest file first)."""
     for path in sorted((results or RESULTS).glob("e2e-*.jsonl"), reverse=True):
         for g in groups(path.name, results):
-            if all(g.workload.shape.get(k) == v for k, v in shape.items()):
+            if variant in g.variants and "stock" in g.variants and all(g.workload.shape.get(k) == v for k, v in shape.items()):
                 return path.name, g
     return None
 
@@ -585,9 +595,13 @@ def block_gaps_e2e(results: Path | None = None) -> str:
                 continue
             f, g = hit
             r, v = ratio(f, g, "mpsboost", "decode_s_per_token")
+            noop = _applies_nothing(g.variants["mpsboost"])
             rows.append([f"static-cache (compiled) decode, default patch, {label} {g.workload.shape['layers']} layers, {decoding}",
-                         ">= 1.0x of stock", f"{r:.2f}x ({v})", status(r, v, 1.0), source(f, g)])
-            if "mpsboost:fp8-rowwise" in g.variants:
+                         ">= 1.0x of stock", f"{r:.2f}x ({v})" + ("; the default patch applies nothing here, so this is stock against itself" if noop else ""),
+                         "met (nothing applied)" if noop else status(r, v, 1.0), source(f, g)])
+            fp8_hit = _e2e_generate(results, variant="mpsboost:fp8-rowwise", model=model, mode="static", decoding=decoding)
+            if fp8_hit is not None:
+                f, g = fp8_hit
                 r, v = ratio(f, g, "mpsboost:fp8-rowwise", "decode_s_per_token")
                 rows.append([f"static-cache decode, `fp8=\"rowwise\"`, {label} {g.workload.shape['layers']} layers, {decoding}",
                              ">= 1.3x of bf16 stock", f"{r:.2f}x ({v})", status(r, v, 1.3), source(f, g)])
@@ -627,13 +641,15 @@ def block_fp8_load(results: Path | None = None) -> str:
             dev_b, dev_v = base.memory.tensor_allocated, var.memory.tensor_allocated
             host_b, host_v = base.extra["host_peak_bytes"], var.extra["host_peak_bytes"]
             rel = var.correctness.rel_error if var.correctness else None
+            path_text = "; ".join(var.extra.get("backing") or []) or "-"
             rows.append([f"{sh['workload']} ({sh['layers']} layers), {sh['format']}; files: bf16 {gib(sh['bf16_bytes'])}, fp8 {gib(sh['fp8_bytes'])}",
+                         path_text,
                          f"{base.throughput.value:.1f} s -> {var.throughput.value:.1f} s (one run each)",
                          f"{gib(dev_b)} -> {gib(dev_v)} ({dev_v / dev_b:.3f}x)", f"{gib(host_b)} -> {gib(host_v)} ({host_v / host_b:.3f}x)",
                          "-" if rel is None else f"{rel:.1e}", source(path.name, g)])
     if not rows:
         return "No fp8_load records committed yet."
-    return md_table(["workload", "load time: bf16 + convert -> load_fp8", "device tensor peak", "host peak", "logits rel. error vs the file's exact dequantisation", "record"], rows)
+    return md_table(["workload", "fp8 forward path (as recorded)", "load time: bf16 + convert -> load_fp8", "device tensor peak", "host peak", "logits rel. error vs the file's exact dequantisation", "record"], rows)
 
 
 def block_e2e(results: Path | None = None) -> str:
@@ -654,7 +670,73 @@ def block_e2e(results: Path | None = None) -> str:
     return md_table(["workload", "mode", "variant", "stock: time per call (median (min .. max, n))", "variant: time per call", "speedup", "verdict", "record"], rows)
 
 
+# Diagnostics: operator sweeps and profiles written as plain JSON lines (one dict per line with its
+# environment), not mpsboost records; each has its own block below.
+DIAGNOSTICS = ("fp8_gemv-", "profile_decode-")
+
+
+def _is_diagnostic(name: str) -> bool:
+    return name.startswith(DIAGNOSTICS)
+
+
+def _raw(name: str, results: Path | None = None) -> list[dict]:
+    import json
+
+    with open((results or RESULTS) / name) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def block_fp8_gemv(results: Path | None = None) -> str:
+    """``benchmarks/fp8_gemv.py``: per Qwen3-8B layer shape, bf16 ``F.linear`` against the best launch
+    configuration of each fp8 kernel and the tuner's pick, as time per layer over a cycle of distinct
+    weights (CUDA-graph replay), its share of the copy bandwidth and the speedup over bf16."""
+    out = []
+    for path in sorted((results or RESULTS).glob("fp8_gemv-*.jsonl")):
+        recs = [r for r in _raw(path.name, results) if "us_per_layer_median" in r]
+        if not recs:
+            continue
+        env = recs[0]["env"]
+        rows = []
+        for shape in dict.fromkeys(r["shape"] for r in recs):
+            rs = [r for r in recs if r["shape"] == shape]
+            picks = [("bf16 F.linear (cuBLAS)", [r for r in rs if r["variant"] == "bf16"]),
+                     ("fp8 tile kernel (16-row MMA), best config", [r for r in rs if r["variant"].startswith("fp8 mma")]),
+                     ("fp8 single-row kernel, best config", [r for r in rs if r["variant"].startswith("fp8 row")]),
+                     ("fp8 tuner's pick (shipped)", [r for r in rs if r["variant"].startswith("fp8 tuned")])]
+            for label, cands in picks:
+                if not cands:
+                    continue
+                r = min(cands, key=lambda x: x["us_per_layer_median"])
+                rows.append([f"`{shape}` {r['n']}x{r['k']}", label, r["variant"].split(" ", 2)[-1] if label.startswith("fp8") else "-",
+                             f"{r['us_per_layer_median']:.1f} ({r['us_per_layer_min']:.1f} .. {r['us_per_layer_max']:.1f}, n={r['repeats']})",
+                             f"{r['share_of_copy_bandwidth']:.0%}" if r.get("share_of_copy_bandwidth") else "-",
+                             f"{r['speedup_vs_bf16']:.2f}x" if r.get("speedup_vs_bf16") else "-", f"{r['rel_err_vs_fp32_dequant']:.1e}"])
+        out.append(f"`{path.name}`: {env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
+                   f"`{env['command']}`\n\n" + md_table(["layer", "kernel", "config", "us per layer, median (min .. max)",
+                                                            "share of copy bandwidth", "vs bf16", "rel. error vs fp32 dequant"], rows))
+    return "\n\n".join(out) or "No fp8_gemv records committed yet."
+
+
+def block_profile_decode(results: Path | None = None) -> str:
+    """``benchmarks/profile_decode.py``: GPU kernel time of one static-cache ``generate()`` by group,
+    against the wall time of the call."""
+    out = []
+    for path in sorted((results or RESULTS).glob("profile_decode-*.jsonl")):
+        recs = _raw(path.name, results)
+        rows = []
+        for r in recs:
+            groups_ = ", ".join(f"{k} {v / r['new_tokens']:.2f}" for k, v in sorted(r["groups_ms"].items(), key=lambda x: -x[1]))
+            rows.append([r["variant"], f"{r['layers']} layers, {r['new_tokens']} new tokens", f"{r['wall_ms']:.1f} ms",
+                         f"{r['kernel_ms']:.1f} ms ({r['kernel_ms'] / r['wall_ms']:.0%} of the wall)", groups_])
+        if rows:
+            out.append(f"`{path.name}`: {recs[0]['device']}, torch {recs[0]['torch']}\n\n" + md_table(
+                ["variant", "call", "wall time of generate()", "summed GPU kernel time", "kernel time per new token by group (ms, prefill included)"], rows))
+    return "\n\n".join(out) or "No profile_decode records committed yet."
+
+
 BLOCKS: dict[str, Callable[..., str]] = {
+    "fp8-gemv": block_fp8_gemv,
+    "profile-decode": block_profile_decode,
     "recipes": block_recipes,
     "recipe-extras": block_recipe_extras,
     "peers": block_peers,

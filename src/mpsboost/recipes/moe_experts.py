@@ -65,10 +65,12 @@ _JETMOE = (
 )
 _OPTION_KEYS = ("fp8", "batched_max_tokens", "compiled_batched_max_tokens", "compiled_batched_form", "path", "cuda_eager")
 # Eager generate() on CUDA (H200, whole job, stock and patched alternated in one run) showed no gain from
-# the recipe's own paths: decode per token no different, time to the first token slower in most rounds.
-# There the eager forward runs transformers' own kernels (chosen per call size as generate() chooses them
-# per phase); compiled forwards, where the static-cache decode measured faster, keep the recipe's paths.
-_CUDA_EAGER_RECORD = "benchmarks/results/e2e-cuda-2026-11-30-moe-eager-final.jsonl"
+# the recipe's own paths: decode per token no different (that run's time-to-first-token figures included
+# the patch call and are void). There the eager forward runs transformers' own kernels (chosen per call
+# size as generate() chooses them per phase), which measured no different from stock in a later run;
+# compiled forwards, where the static-cache decode measured faster, keep the recipe's paths.
+_CUDA_EAGER_RECORD = "benchmarks/results/superseded/e2e-cuda-2026-11-30-moe-eager-final.jsonl"
+_CUDA_EAGER_DEFAULT_RECORD = "benchmarks/results/e2e-cuda-2026-11-30b-moe48.jsonl"
 
 
 def _is_hf_experts(module: torch.nn.Module) -> bool:
@@ -445,9 +447,9 @@ class MoeExperts(Recipe):
             backing += f" (batched_mm at <= {choice.batched_max_tokens} routed tokens)"
         reason = ("forced by option path; " if choice.forced else "") + why + limit
         if choice.eager_stock:
-            reason += (f"; eager on CUDA: transformers' own batched_mm / grouped_mm kernels (a whole eager generate() "
-                       f"showed no gain, {_CUDA_EAGER_RECORD}; options cuda_eager=True takes the recipe's paths); "
-                       "compiled forwards take the recipe's paths")
+            reason += (f"; eager on CUDA: transformers' own batched_mm / grouped_mm kernels (the recipe's own eager paths "
+                       f"showed no gain in a whole generate(), {_CUDA_EAGER_RECORD}; this default: {_CUDA_EAGER_DEFAULT_RECORD}; "
+                       "options cuda_eager=True takes the recipe's paths); compiled forwards take the recipe's paths")
         if match.data["kind"] == "hf":
             reason += ("; generate()'s decode switch to batched_mm kept (steps aside while decoding)"
                        if choice.follow_decode_switch else
