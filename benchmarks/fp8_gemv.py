@@ -31,6 +31,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _diag import append_jsonl  # noqa: E402
 
 SHAPES = {  # (N, K): what one Qwen3-8B decode step runs at batch 1
     "q_proj/o_proj": (4096, 4096),
@@ -153,12 +156,7 @@ def main(argv=None) -> int:
                   f"x{rec['speedup_vs_bf16'] or 0:4.2f} vs bf16  rel {err:.1e}", flush=True)
         ws16 = codes = scales = outs = refs = None  # free before the next shape
         torch.cuda.empty_cache()
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "fp8_gemv.jsonl", "a") as f:
-            for r in records:
-                f.write(json.dumps({**r, "env": env}) + "\n")
+    append_jsonl(a.out, "fp8_gemv.jsonl", [{**r, "env": env} for r in records])
     return 0
 
 

@@ -11,7 +11,6 @@ the wall time of the call next to the summed kernel time (the difference is host
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _diag import append_jsonl  # noqa: E402
 
 
 def _group(name: str) -> str:
@@ -91,12 +92,7 @@ def main(argv=None) -> int:
         del model
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "profile_decode.jsonl", "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    append_jsonl(a.out, "profile_decode.jsonl", rows)
     return 0
 
 

@@ -136,7 +136,7 @@ def _fp8_gemv_row_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(
-    ws_ptr, s_ptr, b_ptr, out_ptr, M, N, stride_om, s_stride, SPLIT_K,
+    ws_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT_K,
     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -288,11 +288,15 @@ def _launch(x, w, scale, bias, out, cfg: GemvConfig) -> None:
         num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, scale, b, out, m, n, out.stride(0), s_stride, cfg.split_k,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-        )
+        _reduce_split_k(ws, b, out, m, n, cfg.split_k, bias is not None)
+
+
+def _reduce_split_k(ws, b, out, m: int, n: int, split_k: int, has_bias: bool) -> None:
+    """Sum the fp32 partials of the K splits, add the bias, round once into ``out``."""
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+        ws, b, out, m, n, out.stride(0), split_k, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+    )
 
 
 def _launch_row(x, w, scale, bias, out, cfg: GemvConfig, s_stride: int) -> None:
@@ -317,11 +321,7 @@ def _launch_row(x, w, scale, bias, out, cfg: GemvConfig, s_stride: int) -> None:
         num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(n, block),)](
-            ws, scale, b, out, 1, n, out.stride(0), s_stride, cfg.split_k,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-        )
+        _reduce_split_k(ws, b, out, 1, n, cfg.split_k, bias is not None)
 
 
 def _autotune_enabled() -> bool:
