@@ -28,8 +28,9 @@ from typing import Any, Callable, Sequence
 
 __all__ = ["main", "run_demo", "WAN22_DEMO_CONFIG", "QWEN3_MOE_DEMO_CONFIG"]
 
-# The Wan2.2-TI2V-5B VAE structure (FACTS.md: base_dim 160, decoder_base_dim 256, z_dim 48,
-# dim_mult [1,2,4,4], 2 res blocks, temporal downsample [F,T,T], residual, 12 channels, patch 2)
+# The Wan2.2-TI2V-5B VAE structure (the vae/config.json of Wan-AI/Wan2.2-TI2V-5B-Diffusers: base_dim 160,
+# decoder_base_dim 256, z_dim 48, dim_mult [1,2,4,4], 2 res blocks, temporal downsample [F,T,T], residual,
+# 12 channels, patch 2)
 # with the widths divided by 20 and 16 so that a decode takes well under a second on a CPU core.
 # (The encoder is not run by the demo; base_dim only sizes its weights.)
 WAN22_DEMO_CONFIG: dict[str, Any] = dict(
