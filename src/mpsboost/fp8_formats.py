@@ -480,7 +480,7 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
 
     Changes nothing: the model may be on the meta device or hold real weights.
     """
-    from .recipes.fp8_weights import _expert_weight_names, _is_hf_experts
+    from .fp8_modules import expert_weight_names as _expert_weight_names, is_hf_experts as _is_hf_experts
     from .registry import join_path
 
     plan = LoadPlan(ckpt, root, prefix)
