@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import torch
 
 from .errors import Fp8ConversionError, Fp8FileError, Fp8MismatchError, Fp8StateError  # noqa: F401 (re-exported)
-from .fp8_modules import expert_weight_names, is_hf_experts
+from .fp8_modules import expert_weight_names, is_hf_experts, plain_linear
 
 __all__ = ["save_fp8", "load_fp8", "describe_checkpoint", "Fp8FileError", "Fp8MismatchError", "Fp8ConversionError", "Fp8StateError", "FORMAT", "FORMAT_VERSION"]
 
@@ -398,7 +398,7 @@ def _load_v1(obj: Any, path: Any):
         if mod is None:
             problems.append(f"{mpath}: no such module in this {type(obj).__name__}")
             continue
-        if kind == "linear" and type(mod) is not torch.nn.Linear:
+        if kind == "linear" and not plain_linear(mod):
             problems.append(f"{mpath}: the file holds a linear layer, the model has a {type(mod).__name__}")
             continue
         if kind == "experts" and not is_hf_experts(mod):

@@ -11,7 +11,10 @@ import os
 
 import torch
 
-__all__ = ["is_hf_experts", "expert_weight_names"]
+__all__ = ["is_hf_experts", "expert_weight_names", "plain_linear", "FP8_BASE_ATTR"]
+
+# On the fp8 layer classes fp8_weights swaps onto converted instances: the class they were made from.
+FP8_BASE_ATTR = "_mpsboost_fp8_of"
 
 
 def is_hf_experts(module: torch.nn.Module) -> bool:
@@ -34,3 +37,10 @@ def expert_weight_names(module: torch.nn.Module) -> tuple[str, str]:
     """The stacked expert weights of an experts module: (``gate_up_proj`` or ``up_proj``, ``down_proj``)."""
     up = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
     return up, "down_proj"
+
+
+def plain_linear(module: torch.nn.Module) -> bool:
+    """Exactly ``torch.nn.Linear`` (subclasses such as ``MultiheadAttention``'s ``out_proj`` read their
+    weight directly and are not converted), or the fp8 layer class fp8_weights swapped onto one."""
+    t = type(module)
+    return t is torch.nn.Linear or t.__dict__.get(FP8_BASE_ATTR) is torch.nn.Linear

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import logging
 import re
 import warnings
@@ -59,8 +60,9 @@ from ..gate import Env, check
 from ..ops import fp8 as fp8_ops
 from ..ops import fp8_moe
 from ..errors import Fp8ConversionError, Fp8StateError
-from ..fp8_modules import expert_weight_names as _expert_weight_names, is_hf_experts as _is_hf_experts
-from ..registry import Decision, Match, Patch, Recipe, at_commit, bind_forward, join_path, original_forward, register, replace_at_commit
+from ..fp8_modules import FP8_BASE_ATTR, expert_weight_names as _expert_weight_names, is_hf_experts as _is_hf_experts, plain_linear
+from ..registry import (ATTR, Decision, Match, Patch, Recipe, at_commit, bind_forward, join_path, original_forward, register,
+                        replace_at_commit, swap_class)
 
 NAME = "fp8_weights"
 log = logging.getLogger("mpsboost")
@@ -191,7 +193,7 @@ class _State:
     """Per-module facts the bound forward needs; ``converted`` flips at the transaction's commit."""
 
     __slots__ = ("kind", "compute_dtype", "granularity", "gemv_max_m", "converted", "large_path", "compiled_path", "gather_max",
-                 "native_grouped", "histc_int", "bias_in_mm")
+                 "native_grouped", "histc_int", "bias_in_mm", "backing")
 
     def __init__(self, **kw: Any):
         self.converted = False
@@ -200,6 +202,58 @@ class _State:
 
     def mark_converted(self) -> None:
         self.converted = True
+
+
+# ------------------------------------------------------------------------------------------ the fp8 layer classes
+
+def _fp8_repr(module: torch.nn.Module) -> str:
+    """What ``print(model)`` shows of a converted layer: storage, granularity, scale shapes, backing path."""
+    entry = module.__dict__.get(ATTR, {}).get(NAME) or {}
+    state = entry.get("fp8")
+    if state is None or not state.converted:
+        return "fp8=pending (converted when the patch() transaction commits)"
+    names = ("weight",) if isinstance(module, torch.nn.Linear) else _expert_weight_names(module)
+    codes = getattr(module, names[0])
+    dtype = "float8_e4m3fn" if codes.dtype == torch.float8_e4m3fn else f"float8_e4m3fn codes in {str(codes.dtype).replace('torch.', '')}"
+    parts = [f"fp8={dtype}", f"granularity={state.granularity}"]
+    for n in names:
+        scale = getattr(module, n + "_scale")
+        if n != "weight":
+            parts.append(f"{n}={list(getattr(module, n).shape)}")
+        parts.append(f"{n}_scale={list(scale.shape)}")
+    parts.append(f"compute_dtype={str(state.compute_dtype).replace('torch.', '')}")
+    parts.append(f"backing={getattr(state, 'backing', None) or state.kind}")
+    return ", ".join(parts)
+
+
+class FP8Linear(torch.nn.Linear):
+    """A ``torch.nn.Linear`` whose weight fp8_weights stores as float8_e4m3fn codes with float32 scales.
+
+    Never constructed: fp8_weights swaps it onto a converted instance (``registry.swap_class``), so that
+    ``print(model)`` shows the layer for what it is. ``isinstance(m, torch.nn.Linear)`` still holds and
+    the forward is the instance's own (bound by the recipe). The conversion cannot be undone.
+    """
+
+    _mpsboost_fp8_of = torch.nn.Linear
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {_fp8_repr(self)}"
+
+
+def _experts_repr(self: torch.nn.Module) -> str:
+    base = super(type(self), self).extra_repr()
+    return f"{base}, {_fp8_repr(self)}" if base else _fp8_repr(self)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_class(cls: type) -> type:
+    """The fp8 layer class of ``cls``: :class:`FP8Linear` for ``torch.nn.Linear``, else one subclass per
+    experts class (``FP8Qwen3MoeExperts``, ...), made once and cached."""
+    if cls is torch.nn.Linear:
+        return FP8Linear
+    name = f"FP8{cls.__name__}"
+    return type(name, (cls,), {"extra_repr": _experts_repr, FP8_BASE_ATTR: cls, "__module__": __name__, "__qualname__": name,
+                               "__doc__": f"{cls.__name__} with its expert weights stored in fp8 by mpsboost's fp8_weights."})
 
 
 def _cast_error(module: torch.nn.Module, name: str, t: torch.Tensor) -> Exception:
@@ -355,7 +409,7 @@ class Fp8Weights(Recipe):
         ctx = None
         modules = dict(root.named_modules())
         for name, mod in modules.items():
-            if type(mod) is torch.nn.Linear:
+            if plain_linear(mod):
                 kind, tensors = "linear", [("weight", mod.weight)]
             elif _is_hf_experts(mod):
                 kind = "experts"
@@ -501,13 +555,15 @@ class Fp8Weights(Recipe):
             bias_in_mm = d["path_kind"] in ("fused", "mps_scaled_mm") and d["storage"] == "float8" and \
                 fp8_ops.scaled_mm_bias_supported(str(device))
             state = _State(kind=d["path_kind"], compute_dtype=compute_dtype, granularity=d["granularity"],
-                           gemv_max_m=d["gemv_max_m"], bias_in_mm=bias_in_mm)
+                           gemv_max_m=d["gemv_max_m"], bias_in_mm=bias_in_mm, backing=decision.backing)
             fwd = _linear_forward(state)
         else:
             state = _State(kind="experts", compute_dtype=compute_dtype, granularity=d["granularity"], large_path=d["large_path"],
                            compiled_path=d["compiled_path"], gather_max=d["gather_max_pairs"],
-                           native_grouped=check("grouped_mm", env).ok, histc_int=check("histc_int", env).ok)
+                           native_grouped=check("grouped_mm", env).ok, histc_int=check("histc_int", env).ok,
+                           backing=decision.backing)
             fwd = _experts_forward(state)
+
         def converted() -> None:
             state.mark_converted()
             if d["kind"] == "linear" and d["path_kind"] == "fused" and d["gemv_max_m"] > 0:
@@ -522,6 +578,8 @@ class Fp8Weights(Recipe):
         convert = _converter(d["granularity"], d["storage"], dict(zip(names, k_dims)), load, match.path)
         return Patch.chain(
             [bind_forward(mod, NAME, fwd, fp8=state),
+             # print(model) shows an FP8Linear (FP8<Experts>): a per-instance class swap, kept with the conversion.
+             swap_class(mod, NAME, _fp8_class(type(mod))),
              replace_at_commit(mod, names, convert, explanation=self.unpatch_hint(), description=f"{NAME}: convert {match.path}"),
              at_commit(converted, f"{NAME}: {match.path} converted")],
             on_commit_error=keep_original, description=f"{NAME}: {match.path}",
