@@ -73,6 +73,8 @@ class MoeExpertsOptions:
     compiled_batched_form: str | None = None
     path: str = "auto"
     cuda_eager: bool = False
+
+
 # Eager generate() on CUDA (H200, whole job, stock and patched alternated in one run) showed no gain from
 # the recipe's own paths: decode per token no different, time to the first token slower in most rounds.
 # There the eager forward runs transformers' own kernels (chosen per call size as generate() chooses them
