@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import mpsboost
 from mpsboost.gate import Env
 from mpsboost.ops import gemv_triton
-from mpsboost.registry import Match, get_recipe
+from mpsboost.registry import Match, get_recipe, make_options
 
 from tiny_models import build, run
 
@@ -98,12 +98,12 @@ def test_compiled_measurement_flips_the_compiled_decision(qwen3, monkeypatch):
     recipe = get_recipe("decode_linear")
     env = Env.simulate("cuda:9.0", "2.11.0")
     _fake_table(monkeypatch, {}, {key: 1.3})
-    d = recipe.decide(Match(q, "q"), env, {})
+    d = recipe.decide(Match(q, "q"), env, make_options(recipe, {}))
     assert d.applicable and d.details["eager"] == "stock" and d.details["compiled"] == "gemv", d
     assert "1.30x over cuBLAS measured under torch.compile" in d.reason
     _fake_table(monkeypatch, {key: 1.4}, {})
-    assert not recipe.decide(Match(q, "q"), env, {}).applicable
-    d = recipe.decide(Match(q, "q"), env, {"cuda_graphs": True})
+    assert not recipe.decide(Match(q, "q"), env, make_options(recipe, {})).applicable
+    d = recipe.decide(Match(q, "q"), env, make_options(recipe, {"cuda_graphs": True}))
     assert d.details["eager"] == "gemv_graph" and d.details["compiled"] == "stock", d
 
 
@@ -256,7 +256,7 @@ def test_forced_triton_path_compiles_fullgraph_on_cpu_tensors(rng_seed):
     lin = torch.nn.Linear(64, 48).requires_grad_(False)
     recipe = get_recipe("decode_linear")
     env = Env.simulate("cuda:9.0", "2.11.0")
-    opts = {"path": "triton", "cuda_eager": True}
+    opts = make_options(recipe, {"path": "triton", "cuda_eager": True})
     m = Match(lin, "lin")
     undo = recipe.apply(m, recipe.decide(m, env, opts), env, opts)
     x = torch.randn(1, 1, 64)
@@ -301,8 +301,9 @@ def test_triton_path_in_cuda_graph_only_by_default():
     recipe = get_recipe("decode_linear")
     env = Env.detect("cuda")
     m = Match(lin, "lin")
-    d = recipe.decide(m, env, {"path": "triton"})
-    undo = recipe.apply(m, d, env, {"path": "triton"})
+    opts = make_options(recipe, {"path": "triton"})
+    d = recipe.decide(m, env, opts)
+    undo = recipe.apply(m, d, env, opts)
     x = torch.randn(1, 1, 256, device="cuda", dtype=torch.bfloat16)
     with mock.patch.object(gemv_triton, "gemv", wraps=gemv_triton.gemv) as spy:
         eager = lin(x)

@@ -49,6 +49,7 @@ def test_demo_prints_reports_and_the_four_record_kinds(demo_run):
     assert "mpsboost vs stock" in text
     # every speed ratio again with its range over the repeats, per workload
     assert "speed ratios with their range over the repeats:" in text
+    assert "what the speed rows measure:" in text and "  throughput: the whole job" in text
     for workload in ("wan22_vae_decode", "qwen3_moe_prefill", "qwen3_moe_decode"):
         assert f"  {workload}: mpsboost vs stock: throughput " in text
     assert text.count("over the repeats)") >= 6  # throughput and the operator, three workloads
@@ -145,3 +146,52 @@ def test_ratio_lines_warn_when_the_repeats_spread_too_far():
     assert "WARNING" in busy and "load average 9.0 on 2 cores" in busy
     one = "\n".join(ratio_lines([_rec("w", "stock", [1.0]), _rec("w", "mpsboost", [0.5])], load_before=(0.1, 64)))
     assert "throughput 2.00x (one repeat: no spread)" in one
+
+
+def test_measure_lines_explain_an_op_ratio_that_goes_the_other_way():
+    from mpsboost.demo import measure_lines
+
+    # The whole job 2x faster, its operator alone 4x slower: the text says what each measures and why.
+    recs = [_rec("w", "stock", [2.0, 2.0, 2.0], [100, 100, 100]), _rec("w", "mpsboost", [1.0, 1.0, 1.0], [400, 400, 400])]
+    text = "\n".join(measure_lines(recs))
+    assert "throughput: the whole job" in text and "op conv: one call of that module alone" in text
+    assert "w: mpsboost vs stock: op conv 0.25x but throughput 2.00x. These time different work" in text
+    assert "Throughput is faster and op conv slower here" in text
+    # The other way round is explained too.
+    recs = [_rec("w", "stock", [1.0, 1.0], [400, 400]), _rec("w", "mpsboost", [2.0, 2.0], [100, 100])]
+    text = "\n".join(measure_lines(recs))
+    assert "op conv 4.00x but throughput 0.50x" in text and "Op conv is faster and throughput slower here" in text
+    # Same direction: the legend only, no explanation line.
+    same = measure_lines([_rec("w", "stock", [2.0, 2.0], [100, 100]), _rec("w", "mpsboost", [1.0, 1.0], [50, 50])])
+    assert not any("These time different work" in line for line in same)
+    assert any(line.startswith("  throughput: the whole job") for line in same)
+
+
+def test_each_variant_times_its_operator_on_its_own_inputs(monkeypatch):
+    """The patched job's operator is timed on the inputs the patched job hands it (captured in its own
+    run), never on stock's captured inputs (which may differ in layout from what the patched job uses)."""
+    import torch
+
+    from mpsboost import demo
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    job = demo._Job(name="w", shape={}, run=lambda: model(torch.ones(1, 4)), items=1, unit="frames/s",
+                    op_name="Linear", op_class="Linear", psnr=False, data_range=None, root=model)
+    monkeypatch.setattr(demo, "_wan_vae", lambda device, dtype: (model, [job], lambda: job.run()))
+    seen = []
+
+    class _Rec:
+        extra: dict = {}
+
+        def replace(self, **kw):
+            return self
+
+    def fake_measure(j, variant, env, device, *, op, **kw):
+        seen.append((variant, op))
+        return _Rec(), torch.zeros(1)
+
+    monkeypatch.setattr(demo, "_measure", fake_measure)
+    demo.run_demo("cpu", torch.float32, repeats=1, models=("wan_vae",))
+    (v1, op1), (v2, op2) = seen
+    assert (v1, v2) == ("stock", "mpsboost")
+    assert op1 is not op2 and op2.module is None  # the patched run captures its own call

@@ -49,3 +49,91 @@ def test_ops_hold_tensor_functions_only():
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(("diffusers.", "transformers.")):
                 offenders.append(f"{path.name}: names {node.value!r}")
     assert not offenders, offenders
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """{module: modules it imports} over src/mpsboost, module-level and function-level imports alike
+    (every ``import`` / ``from ... import`` statement anywhere in the file), internal modules only."""
+    import ast
+    from pathlib import Path
+
+    import mpsboost
+
+    root = Path(mpsboost.__file__).parent
+    names = {}
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root.parent).with_suffix("")
+        parts = list(rel.parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        names[".".join(parts)] = (path, is_pkg)
+    graph: dict[str, set[str]] = {}
+    for mod, (path, is_pkg) in names.items():
+        base = mod.split(".") if is_pkg else mod.split(".")[:-1]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    pkg = base[: len(base) - (node.level - 1)]
+                    head = ".".join(pkg + ([node.module] if node.module else []))
+                else:
+                    head = node.module or ""
+                # "from . import x" and "from .pkg import mod" name modules; then the package is only their parent
+                subs = [f"{head}.{a.name}" for a in node.names if f"{head}.{a.name}" in names]
+                targets = subs or [head]
+            for t in targets:
+                # A package that holds the module is imported before it anyway: not an edge of its own.
+                if t in names and t != mod and not mod.startswith(t + "."):
+                    deps.add(t)
+        graph[mod] = deps
+    return graph
+
+
+def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | None:
+    """A path of imports from ``start`` to ``goal``, or None."""
+    stack, seen = [(start, [start])], {start}
+    while stack:
+        node, path = stack.pop()
+        for nxt in graph.get(node, ()):
+            if nxt == goal:
+                return path + [nxt]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, path + [nxt]))
+    return None
+
+
+def test_import_graph_has_no_fp8_io_recipe_cycle():
+    graph = _import_graph()
+    io, recipe = "mpsboost.fp8_io", "mpsboost.recipes.fp8_weights"
+    assert io in graph and recipe in graph and "mpsboost.fp8_modules" in graph[recipe]
+    assert recipe not in graph[io] and io not in graph[recipe]
+    for a, b in ((io, recipe), (recipe, io), ("mpsboost.fp8_formats", recipe)):
+        path = _reaches(graph, a, b)
+        back = _reaches(graph, b, a)
+        assert path is None or back is None, f"import cycle: {' -> '.join(path)} and back {' -> '.join(back or [])}"
+    # The recipe reaches neither the fp8 file code nor the API at all.
+    assert _reaches(graph, recipe, io) is None
+    assert _reaches(graph, recipe, "mpsboost.api") is None
+
+
+def test_import_graph_ops_stay_below_registry_and_recipes():
+    graph = _import_graph()
+    ops = [m for m in graph if m.startswith("mpsboost.ops.")]
+    assert len(ops) >= 10
+    offenders = [f"{m} -> {d}" for m in ops for d in graph[m]
+                 if d == "mpsboost.registry" or d == "mpsboost.recipes" or d.startswith("mpsboost.recipes.")
+                 or d in ("mpsboost.api", "mpsboost.fp8_io", "mpsboost.fp8_formats")]
+    assert not offenders, offenders
+    # The shared fp8 helpers are neutral too: neither registry nor recipes.
+    assert not (graph["mpsboost.fp8_modules"] & {"mpsboost.registry", "mpsboost.recipes", "mpsboost.fp8_io"})
+
+
+def test_import_graph_sees_function_level_imports():
+    """The graph would have missed the old cycle: fp8_io imported the recipe inside functions."""
+    graph = _import_graph()
+    assert "mpsboost.api" in graph["mpsboost.fp8_io"]  # only imported inside functions there

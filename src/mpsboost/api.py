@@ -21,11 +21,12 @@ from .errors import (
     NotPatchedError,
     PatchedCopyError,
     PatchError,
+    RecipeOptionError,
     RecipeSkippedError,
     UnsupportedTargetError,
 )
 from .gate import Env
-from .registry import Decision, Match, Recipe, Undo, all_recipes, class_path, get_recipe, is_patched_by, matches_class
+from .registry import Decision, Match, Patch, Recipe, accepted_options, all_recipes, make_options, class_path, get_recipe, is_patched_by, matches_class
 from .report import ALREADY_PATCHED, APPLIED, NOT_APPLICABLE, SKIPPED, WOULD_APPLY, PatchReport, Row
 
 __all__ = ["patch", "unpatch", "patched", "plan", "last_report", "FP8_GRANULARITIES"]
@@ -45,7 +46,7 @@ _LOCK = threading.RLock()
 class _Applied:
     recipe: Recipe
     match: Match
-    undo: Undo
+    undo: Patch
 
 
 @dataclass
@@ -220,6 +221,12 @@ def _check_not_meta(targets) -> None:
 
 # ------------------------------------------------------------------------------------------ selection
 
+def _keyword_recipes(keywords: Mapping[str, Any]) -> list[Recipe]:
+    """The recipes a public keyword selects (``fp8="rowwise"`` selects fp8_weights): declared by each
+    recipe (``Recipe.keyword``), not known to this module."""
+    return [r for r in all_recipes() if r.keyword is not None and keywords.get(r.keyword) is not None]
+
+
 def _select(recipes: Sequence[str] | str | None, exclude: Sequence[str], fp8: str | None) -> tuple[list[Recipe], set[str]]:
     if fp8 is not None and fp8 not in FP8_GRANULARITIES:
         raise ValueError(f"fp8 must be None, 'rowwise' or 'tensorwise'; got {fp8!r}")
@@ -228,10 +235,10 @@ def _select(recipes: Sequence[str] | str | None, exclude: Sequence[str], fp8: st
     if not isinstance(exclude, (list, tuple, set, frozenset)):
         raise TypeError(f"exclude must be a list of recipe names, got {type(exclude).__name__}")
     excluded = {get_recipe(n).name for n in exclude}
+    by_keyword = _keyword_recipes({"fp8": fp8})
     if recipes is None:
         chosen = [r for r in all_recipes() if r.default and r.lossless]
-        if fp8 is not None:
-            chosen += [r for r in all_recipes() if getattr(r, "enabled_by", None) == "fp8" and r not in chosen]
+        chosen += [r for r in by_keyword if r not in chosen]
         requested: set[str] = set()
     else:
         if isinstance(recipes, str):
@@ -239,30 +246,48 @@ def _select(recipes: Sequence[str] | str | None, exclude: Sequence[str], fp8: st
         if not isinstance(recipes, (list, tuple, set, frozenset)):
             raise TypeError(f"recipes must be None or a list of recipe names, got {type(recipes).__name__}")
         chosen = [get_recipe(n) for n in recipes]
-        if fp8 is not None:
-            chosen += [r for r in all_recipes() if getattr(r, "enabled_by", None) == "fp8" and r not in chosen]
+        chosen += [r for r in by_keyword if r not in chosen]
         requested = {r.name for r in chosen}
     chosen = [r for r in chosen if r.name not in excluded]
     chosen.sort(key=lambda r: (r.order, r.name))
     return chosen, requested
 
 
-def _options(recipe: Recipe, fp8: str | None, options: Mapping[str, Mapping[str, Any]] | None) -> dict:
-    opts: dict[str, Any] = {"fp8": fp8}
-    if options:
-        if not isinstance(options, Mapping):
-            raise TypeError(f"options must map recipe names to dicts, got {type(options).__name__}")
-        for name in options:
-            get_recipe(name)  # unknown names raise with the registered list
-        opts.update(options.get(recipe.name, {}))
-    return opts
+def _check_options(options: Mapping[str, Mapping[str, Any]] | None) -> None:
+    """The shape of ``options`` and its recipe names, before anything is decided."""
+    if options is None:
+        return
+    if not isinstance(options, Mapping):
+        raise TypeError(f"options must map recipe names to dicts, got {type(options).__name__}")
+    for name, given in options.items():
+        recipe = get_recipe(name)  # unknown names raise with the registered list
+        if not isinstance(given, Mapping):
+            raise RecipeOptionError(
+                f"options[{name!r}] must be a dict of option names to values, got {type(given).__name__}; "
+                f"accepted options of {name}: {accepted_options(recipe)}", recipe=name)
+        make_options(recipe, given)  # unknown keys and wrong types, also for a recipe not selected
+
+
+def _options(recipe: Recipe, fp8: str | None, options: Mapping[str, Mapping[str, Any]] | None) -> Any:
+    """``recipe``'s typed options: the user's dict for it checked against ``recipe.Options``, with the
+    public keyword (``fp8=``) filled in as the option field the recipe declares for it."""
+    given = dict((options or {}).get(recipe.name, {}))
+    keyword_value = {"fp8": fp8}.get(recipe.keyword or "")
+    if keyword_value is not None and recipe.keyword_field:
+        if given.get(recipe.keyword_field, keyword_value) != keyword_value:
+            raise RecipeOptionError(
+                f"{recipe.keyword}={keyword_value!r} and options={{{recipe.name!r}: {{{recipe.keyword_field!r}: "
+                f"{given[recipe.keyword_field]!r}}}}} disagree; pass one of them", recipe=recipe.name)
+        given[recipe.keyword_field] = keyword_value
+    return make_options(recipe, given)
 
 
 # ------------------------------------------------------------------------------------------ planning
 
-def _plan_rows(chosen, targets, env, fp8, options, *, mode: str) -> tuple[list[Row], list[tuple[Recipe, Match, Decision, dict]]]:
+def _plan_rows(chosen, targets, env, fp8, options, *, mode: str) -> tuple[list[Row], list[tuple[Recipe, Match, Decision, Any]]]:
     rows: list[Row] = []
-    actions: list[tuple[Recipe, Match, Decision, dict]] = []
+    actions: list[tuple[Recipe, Match, Decision, Any]] = []
+    _check_options(options)
     for recipe in chosen:
         opts = _options(recipe, fp8, options)
         seen: set[int] = set()
@@ -355,7 +380,10 @@ def patch(
     ``recipes=[...]`` picks by name, ``exclude=[...]`` drops some, ``fp8="rowwise"|"tensorwise"`` opts
     in to FP8 weight storage (lossy, irreversible). ``strict=True`` turns any skip of a selected recipe
     into :class:`RecipeSkippedError` before anything changes. ``options={"recipe": {...}}`` passes
-    recipe-specific settings.
+    recipe-specific settings, checked against the recipe's ``Options`` dataclass: an unknown key or a
+    value of the wrong type raises :class:`~mpsboost.errors.RecipeOptionError` (a ``TypeError``) naming
+    the recipe, the key and the accepted keys with their types. ``fp8=`` is the fp8_weights recipe's
+    ``fp8`` option (its granularity).
 
     One transaction: if any recipe fails while applying, every change made by this call is undone and
     :class:`PatchError` names the recipe and module. Patching again is a no-op (rows say "already patched").
@@ -384,8 +412,8 @@ def patch(
         try:
             for recipe, match, decision, opts in actions:
                 undo = recipe.apply(match, decision, env, opts)
-                if not isinstance(undo, Undo):
-                    raise TypeError(f"{recipe.name}.apply must return an mpsboost.registry.Undo, got {type(undo).__name__}")
+                if not isinstance(undo, Patch):
+                    raise TypeError(f"{recipe.name}.apply must return an mpsboost.registry.Patch, got {type(undo).__name__}")
                 if not recipe.reversible:
                     undo.reversible = False
                 rec.applied.append(_Applied(recipe, match, undo))
@@ -458,7 +486,7 @@ def _unpatch_records(obj: Any, recs: list[_Record]) -> None:
         names = sorted({a.recipe.name for a in irreversible})
         paths = [a.match.path for a in irreversible]
         shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
-        hints = "; ".join(sorted({a.recipe.unpatch_hint() for a in irreversible}))
+        hints = "; ".join(sorted({a.undo.explanation or a.recipe.unpatch_hint() for a in irreversible}))
         raise IrreversiblePatchError(
             f"cannot unpatch this {type(obj).__name__}: {', '.join(names)} converted weights in place "
             f"({shown}); the original values are gone. Nothing was changed. To get the original model: {hints}."
@@ -516,7 +544,7 @@ def last_report(obj: Any) -> PatchReport:
     return recs[-1].report
 
 
-def applied_undos(obj: Any) -> list[tuple[str, str, Undo]]:
+def applied_undos(obj: Any) -> list[tuple[str, str, Patch]]:
     """(recipe, module path, undo) of every live patch on ``obj`` (for diagnostics and tests)."""
     recs = _records(obj) or []
     return [(a.recipe.name, a.match.path, a.undo) for r in recs for a in r.applied]

@@ -22,6 +22,11 @@ class PatchError(MpsboostError):
         self.target = target
 
 
+class RecipeOptionError(PatchError, TypeError):
+    """An option a recipe does not know, or a value of a type it does not take (``options={recipe: {...}}``).
+    A TypeError; also a PatchError (raised before anything changes)."""
+
+
 class UnsupportedTargetError(MpsboostError, TypeError):
     """The object handed to patch/unpatch/plan is not something mpsboost can patch."""
 
@@ -54,3 +59,19 @@ class UserInputError(MpsboostError, ValueError):
 
 class IrreversiblePatchError(MpsboostError):
     """unpatch() met a recipe that cannot be undone (weights converted in place)."""
+
+
+class Fp8FileError(MpsboostError, ValueError):
+    """The path is not a readable mpsboost fp8 safetensors file (not safetensors, truncated, other format)."""
+
+
+class Fp8MismatchError(MpsboostError, ValueError):
+    """An fp8 file does not fit the model it is loaded into (module paths, kinds, tensor names, shapes, dtypes)."""
+
+
+class Fp8ConversionError(MpsboostError, ValueError):
+    """A weight cannot be converted to fp8 (no data on the meta device, inf or NaN values)."""
+
+
+class Fp8StateError(MpsboostError, RuntimeError):
+    """A converted module no longer holds fp8 codes (the model was cast after patching), or holds none to save."""

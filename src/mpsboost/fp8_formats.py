@@ -480,7 +480,7 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
 
     Changes nothing: the model may be on the meta device or hold real weights.
     """
-    from .recipes.fp8_weights import _expert_weight_names, _is_hf_experts
+    from .fp8_modules import expert_weight_names as _expert_weight_names, is_hf_experts as _is_hf_experts, plain_linear
     from .registry import join_path
 
     plan = LoadPlan(ckpt, root, prefix)
@@ -535,7 +535,7 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
                 continue
             if s is None or ents[s[0]].dtype != "F8_E4M3":
                 continue
-            if type(mod) is not torch.nn.Linear:
+            if not plain_linear(mod):
                 plan.problems.append(f"{path}.weight: fp8 codes in the file, but the model's module is a {type(mod).__name__}; mpsboost loads fp8 into torch.nn.Linear layers")
                 continue
             w = mod.weight

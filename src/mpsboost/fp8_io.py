@@ -31,7 +31,8 @@ from typing import Any, Iterator
 
 import torch
 
-from .errors import MpsboostError
+from .errors import Fp8ConversionError, Fp8FileError, Fp8MismatchError, Fp8StateError  # noqa: F401 (re-exported)
+from .fp8_modules import expert_weight_names, is_hf_experts, plain_linear
 
 __all__ = ["save_fp8", "load_fp8", "describe_checkpoint", "Fp8FileError", "Fp8MismatchError", "Fp8ConversionError", "Fp8StateError", "FORMAT", "FORMAT_VERSION"]
 
@@ -39,22 +40,6 @@ FORMAT = "mpsboost.fp8"
 FORMAT_VERSION = "2"
 _RECIPE = "fp8_weights"
 _ST_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32"}
-
-
-class Fp8FileError(MpsboostError, ValueError):
-    """The path is not a readable mpsboost fp8 safetensors file (not safetensors, truncated, other format)."""
-
-
-class Fp8MismatchError(MpsboostError, ValueError):
-    """An fp8 file does not fit the model it is loaded into (module paths, kinds, tensor names, shapes, dtypes)."""
-
-
-class Fp8ConversionError(MpsboostError, ValueError):
-    """A weight cannot be converted to fp8 (no data on the meta device, inf or NaN values)."""
-
-
-class Fp8StateError(MpsboostError, RuntimeError):
-    """A converted module no longer holds fp8 codes (the model was cast after patching), or holds none to save."""
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -67,7 +52,6 @@ def _roots(obj: Any) -> list[tuple[str, torch.nn.Module]]:
 
 def _converted(obj: Any) -> Iterator[tuple[str, torch.nn.Module, tuple[str, ...], Any]]:
     """(report path, module, tensor names, recipe state) of every module whose weights fp8_weights converted."""
-    from .recipes.fp8_weights import _expert_weight_names
     from .registry import ATTR, join_path
 
     for prefix, root in _roots(obj):
@@ -76,7 +60,7 @@ def _converted(obj: Any) -> Iterator[tuple[str, torch.nn.Module, tuple[str, ...]
             state = entry.get("fp8") if entry else None
             if state is None or not state.converted:
                 continue
-            names = ("weight",) if isinstance(mod, torch.nn.Linear) else _expert_weight_names(mod)
+            names = ("weight",) if isinstance(mod, torch.nn.Linear) else expert_weight_names(mod)
             yield join_path(prefix, name), mod, names, state
 
 
@@ -332,7 +316,7 @@ def _read_header(target: Path) -> tuple[dict[str, str], dict[str, tuple[str, tup
     end = 0
     for name, info in header.items():
         try:
-            dt, shape, (a, b) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
+            dt, shape, (_, b) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise Fp8FileError(f"{what}: malformed entry for tensor {name!r}") from None
         shapes[name] = (dt, shape)
@@ -370,7 +354,6 @@ def _load_v1(obj: Any, path: Any):
     every module was converted already and only received the file's values, its rows say "already patched".
     """
     from .api import patch
-    from .recipes.fp8_weights import _expert_weight_names, _is_hf_experts
     from .registry import ATTR
 
     target = _as_path(path)
@@ -415,13 +398,13 @@ def _load_v1(obj: Any, path: Any):
         if mod is None:
             problems.append(f"{mpath}: no such module in this {type(obj).__name__}")
             continue
-        if kind == "linear" and type(mod) is not torch.nn.Linear:
+        if kind == "linear" and not plain_linear(mod):
             problems.append(f"{mpath}: the file holds a linear layer, the model has a {type(mod).__name__}")
             continue
-        if kind == "experts" and not _is_hf_experts(mod):
+        if kind == "experts" and not is_hf_experts(mod):
             problems.append(f"{mpath}: the file holds experts weights, the model has a {type(mod).__name__}")
             continue
-        want = ["weight"] if kind == "linear" else list(_expert_weight_names(mod))
+        want = ["weight"] if kind == "linear" else list(expert_weight_names(mod))
         if names != want:
             problems.append(f"{mpath}: the file holds tensors {names}, the model's are {want}")
             continue
@@ -511,13 +494,12 @@ def _routed_block_forward(block: tuple[int, int], down_block: tuple[int, int], c
     """The forward of an experts module whose fp8 stacks carry block scales (the up and down projections
     may have blocks of their own shape)."""
     from .ops.fp8_block import fp8_block_experts
-    from .recipes.fp8_weights import _expert_weight_names
 
     def forward(self, hidden_states, *args, **kwargs):
         rest = list(args)
         top_k_index = rest.pop(0) if rest else kwargs.pop("top_k_index", kwargs.pop("router_indices", None))
         top_k_weights = rest.pop(0) if rest else kwargs.pop("top_k_weights", kwargs.pop("routing_weights", None))
-        up_name, down_name = _expert_weight_names(self)
+        up_name, down_name = expert_weight_names(self)
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         has_bias = bool(getattr(self, "has_bias", False))
@@ -814,11 +796,11 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
     from .fp8_formats import read_tensor
     from .ops import fp8 as fp8_ops
     from .ops import fp8_moe
-    from .recipes import fp8_weights as fw
     from .registry import Match, Undo, bind_forward, get_recipe
     from .report import APPLIED, Row
-    from .gate import check
 
+    # The fp8_weights recipe's forwards, through the registry (fp8_io imports no recipe module).
+    recipe = get_recipe(_RECIPE)
     ckpt = plan.ckpt
     ents = ckpt.entries
     storage = fp8_ops.storage_for(env)
@@ -877,7 +859,6 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
             if t is not None and t.device.type not in ("meta", dev.type):
                 _set_tensor(mod, b, t.to(dev), False, undo_log)
     # Forwards, records and report rows: the fp8_weights recipe's, so that reports, save_fp8 and unpatch know them.
-    recipe = get_recipe(_RECIPE)
     where = f"{ckpt.name} ({ckpt.format})"
     for qts in by_module.values():
         mod, path = qts[0].module, qts[0].path
@@ -900,9 +881,8 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
             # The same patch-time facts as fp8_weights records (never asked inside a forward).
             bias_in_mm = lp.kind in ("fused", "mps_scaled_mm") and storage == "float8" and \
                 fp8_ops.scaled_mm_bias_supported(str(dev))
-            state = fw._State(kind=lp.kind, compute_dtype=compute, granularity=schemes[0], gemv_max_m=lp.gemv_max_m,
-                              bias_in_mm=bias_in_mm, large=lp.large)
-            fwd = fw._linear_forward(state)
+            state, fwd = recipe.linear_forward(kind=lp.kind, compute_dtype=compute, granularity=schemes[0],
+                                               gemv_max_m=lp.gemv_max_m, bias_in_mm=bias_in_mm, large=lp.large)
             backing, reason = lp.backing, f"{schemes[0]} scales from {where}, {lp.storage} storage: {lp.reason}"
         elif qts[0].kind == "linear" or (env.device_type != "cuda" and not getattr(mod, "is_transposed", False)):
             # Where the layer is dequantised before its matmul anyway, the file's scales are applied in float32
@@ -920,11 +900,8 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
         else:
             tr = bool(getattr(mod, "is_transposed", False))
             ws = [torch.empty(q.shape, dtype=compute, device="meta") for q in qts]
-            large, why = fw.Fp8Weights._experts_path(env, ws, tr, storage, {"moe_path": "auto"})
-            state = fw._State(kind="experts", compute_dtype=compute, granularity="+".join(schemes), large_path=large,
-                              compiled_path=fw._compiled_path(large), gather_max=16,
-                              native_grouped=check("grouped_mm", env).ok, histc_int=check("histc_int", env).ok)
-            fwd = fw._experts_forward(state)
+            state, fwd, large, why = recipe.experts_forward(env, ws, tr, storage, compute_dtype=compute,
+                                                            granularity="+".join(schemes), gather_max=16)
             backing = fp8_moe.BACKING[large] + ("" if large == "gather" else " (gather at <= 16 routed pairs)")
             reason = f"{'+'.join(schemes)} scales per expert from {where}, {storage} storage: {why}"
         undo_fwd = bind_forward(mod, _RECIPE, fwd, fp8=state)

@@ -5,8 +5,9 @@ which torch version it exists, whether only nightlies have it so far, the upstre
 brought it (for the reason text) and an optional runtime probe. :func:`check` answers with a
 :class:`Verdict`. Nothing else in mpsboost compares torch versions.
 
-Version strings (FACTS.md): ``2.15.0`` (release; an RC reports the same), ``2.15.0+cpu`` (local tag),
-``2.15.0a0+gitabc1234`` (source build), ``2.16.0.dev20261101`` (nightly). PEP 440 sorts
+Version strings torch reports (``torch.__version__``): ``2.15.0`` (release; an RC reports the same),
+``2.15.0+cpu`` / ``2.15.0+cu130`` (local tag off macOS),
+``2.15.0a0+gitabc1234`` (source build), ``2.16.0.dev20261101`` (nightly; no local tag on macOS). PEP 440 sorts
 ``2.16.0.dev...`` below ``2.16.0``, so a plain ``>=`` would be wrong for nightlies: we compare the
 release triple, and a nightly of the very version that introduces a feature counts only from the
 feature's merge date, where that date is known.
@@ -74,7 +75,7 @@ class TorchVersion:
 
 
 def parse_torch_version(text: str) -> TorchVersion:
-    """Parse any torch version string of FACTS.md; raise :class:`GateError` for anything else."""
+    """Parse a torch version string (the forms in this module's docstring); raise :class:`GateError` for anything else."""
     if not isinstance(text, str):
         raise TypeError(f"torch version must be a str such as '2.15.0', got {type(text).__name__}: {text!r}")
     raw = text.strip()

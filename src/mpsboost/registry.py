@@ -12,7 +12,7 @@ A recipe module opens with its declaration::
         requires = ()
 
 then implements :meth:`Recipe.decide` (pure: which backing path, or why not) and :meth:`Recipe.apply`
-(changes one instance, returns an :class:`Undo`). ``plan()`` calls only ``find`` and ``decide``;
+(changes one instance through this module's helpers, returns a :class:`Patch`). ``plan()`` calls only ``find`` and ``decide``;
 ``patch()`` calls ``apply`` for every applicable match, as one transaction.
 
 Targets are matched by class path strings against each module's MRO, so matching imports nothing:
@@ -20,20 +20,28 @@ Targets are matched by class path strings against each module's MRO, so matching
 """
 from __future__ import annotations
 
+import dataclasses
 import types
+import typing
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
 
 import torch
 
-from .errors import UnknownRecipeError
+from .errors import RecipeOptionError, UnknownRecipeError
 from .gate import Env, check_all
 
 __all__ = [
     "Recipe",
     "Match",
     "Decision",
+    "NoOptions",
+    "make_options",
+    "accepted_options",
+    "Patch",
     "Undo",
+    "Changes",
     "register",
     "unregister",
     "get_recipe",
@@ -43,6 +51,17 @@ __all__ = [
     "matches_class",
     "join_path",
     "bind_forward",
+    "set_instance_attr",
+    "hold_instance_attr",
+    "held_by",
+    "set_attr",
+    "keep_attrs",
+    "swap_class",
+    "register_in_interface",
+    "relayout_param",
+    "replace_at_commit",
+    "at_commit",
+    "no_change",
     "call_original",
     "ATTR",
 ]
@@ -92,15 +111,24 @@ class Decision:
         return cls(False, "", reason, details)
 
 
-class Undo:
-    """Returned by :meth:`Recipe.apply`. Calling it restores what apply changed.
+class Patch:
+    """The handle of one change (or one group of changes) a recipe made; calling it undoes the change.
 
-    ``commit`` (optional) runs once the whole ``patch()`` transaction succeeded, e.g. to free the
-    original weights that an irreversible recipe kept only so that a failed transaction could roll back.
-    After commit, an irreversible recipe's undo may no longer be possible: ``reversible`` says so.
+    Every change a recipe makes goes through a helper of this module that returns a Patch: a bound
+    forward (:func:`bind_forward`), an instance attribute (:func:`set_instance_attr`,
+    :func:`hold_instance_attr`), an attribute of a non-module object (:func:`set_attr`,
+    :func:`keep_attrs`), a per-instance class swap (:func:`swap_class`), a key in a library's function
+    registry (:func:`register_in_interface`), a parameter's memory layout (:func:`relayout_param`) and the
+    replacement of parameters by buffers (:func:`replace_at_commit`). ``mpsboost.api`` alone applies,
+    commits and undoes them.
+
+    ``commit`` (optional) runs once the whole ``patch()`` transaction succeeded, e.g. to convert weights
+    that an irreversible recipe kept unchanged only so that a failed transaction could roll back. After
+    commit an irreversible change cannot be undone: ``reversible`` is False and ``explanation`` says what
+    to do instead (``unpatch`` shows it).
     """
 
-    __slots__ = ("_undo", "_commit", "reversible", "description", "done")
+    __slots__ = ("_undo", "_commit", "reversible", "description", "explanation", "done")
 
     def __init__(
         self,
@@ -109,11 +137,13 @@ class Undo:
         commit: Callable[[], None] | None = None,
         reversible: bool = True,
         description: str = "",
+        explanation: str = "",
     ):
         self._undo = undo
         self._commit = commit
         self.reversible = reversible
         self.description = description
+        self.explanation = explanation
         self.done = False
 
     def __call__(self) -> None:
@@ -123,22 +153,89 @@ class Undo:
 
     def commit(self) -> None:
         if self._commit is not None:
-            self._commit()
-            self._commit = None
+            fn, self._commit = self._commit, None
+            fn()
+
+    def __repr__(self) -> str:
+        state = "undone" if self.done else ("reversible" if self.reversible else "irreversible after commit")
+        return f"<Patch {self.description or '(no description)'}: {state}>"
 
     @staticmethod
-    def chain(undos: "list[Undo]", **kw: Any) -> "Undo":
-        """One undo that runs ``undos`` in reverse order."""
+    def chain(
+        parts: "Iterable[Patch]",
+        *,
+        on_commit_error: Callable[[BaseException], None] | None = None,
+        **kw: Any,
+    ) -> "Patch":
+        """One Patch that undoes ``parts`` in reverse order and commits them in order.
+
+        ``reversible`` defaults to every part's; ``explanation`` to the first part's that has one.
+        ``on_commit_error``: when a part's commit raises, the parts are undone instead (nothing of the
+        failed commit stayed: each commit helper leaves its change undone when it fails) and this is
+        called with the exception; without it, the exception propagates.
+        """
+        parts = list(parts)
+        kw.setdefault("reversible", all(p.reversible for p in parts))
+        kw.setdefault("explanation", next((p.explanation for p in parts if p.explanation), ""))
 
         def run() -> None:
-            for u in reversed(undos):
-                u()
+            for p in reversed(parts):
+                p()
 
         def commit() -> None:
-            for u in undos:
-                u.commit()
+            try:
+                for p in parts:
+                    p.commit()
+            except Exception as exc:
+                if on_commit_error is None:
+                    raise
+                run()
+                handle.reversible = True  # nothing of it is left to undo
+                handle.done = True
+                on_commit_error(exc)
 
-        return Undo(run, commit=commit, **kw)
+        handle = Patch(run, commit=commit, **kw)
+        return handle
+
+
+# The name the first releases used; kept for code written against it.
+Undo = Patch
+
+
+class Changes:
+    """Collects the Patches of one ``apply`` as they are made; on an exception inside the ``with``
+    block every change made so far is undone (in reverse) before the exception propagates::
+
+        with Changes() as ch:
+            ch.add(bind_forward(m, NAME, fwd))
+            ch.add(set_instance_attr(root, NAME, "_flag", True))
+        return ch.patch(description="...")
+    """
+
+    def __init__(self) -> None:
+        self.parts: list[Patch] = []
+
+    def add(self, part: Patch) -> Patch:
+        if not isinstance(part, Patch):
+            raise TypeError(f"Changes.add takes an mpsboost.registry.Patch, got {type(part).__name__}")
+        self.parts.append(part)
+        return part
+
+    def __enter__(self) -> "Changes":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is not None:
+            for p in reversed(self.parts):
+                try:
+                    p()
+                except Exception:  # keep undoing the rest; the original exception is the one to see
+                    pass
+            self.parts.clear()
+        return False
+
+    def patch(self, **kw: Any) -> Patch:
+        return Patch.chain(self.parts, **kw)
 
 
 class Recipe:
@@ -154,6 +251,18 @@ class Recipe:
     default: ClassVar[bool] = True
     # Recipes run in ascending order; irreversible ones should run last (see api.patch).
     order: ClassVar[int] = 100
+    # The frozen dataclass of the options it takes (``patch(..., options={name: {...}})``); api checks
+    # the keys and types against it and hands the recipe an instance. None: it takes no options.
+    Options: ClassVar[type | None] = None
+    # A public keyword of patch()/plan() that selects this recipe (e.g. ``fp8``) and the option field
+    # its value fills (``fp8="rowwise"`` is sugar for ``options={"fp8_weights": {"granularity": "rowwise"}}``).
+    keyword: ClassVar[str | None] = None
+    keyword_field: ClassVar[str | None] = None
+
+    @property
+    def enabled_by(self) -> str | None:
+        """The public keyword that selects this recipe (the name :attr:`keyword` had before)."""
+        return self.keyword
 
     # ------------------------------------------------------------------ finding targets
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
@@ -163,8 +272,11 @@ class Recipe:
                 yield Match(mod, join_path(prefix, name))
 
     # ------------------------------------------------------------------ deciding
-    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
-        """Which backing path this match gets in ``env``, or why it is skipped. Must not change anything."""
+    def decide(self, match: Match, env: Env, options: Any) -> Decision:
+        """Which backing path this match gets in ``env``, or why it is skipped. Must not change anything.
+
+        ``options``: an instance of :attr:`Options` (its defaults where the user gave none), or of
+        :class:`NoOptions` for a recipe that takes none."""
         raise NotImplementedError
 
     def gate(self, env: Env) -> Decision | None:
@@ -175,8 +287,8 @@ class Recipe:
         return None if v.ok else Decision.skip(v.reason)
 
     # ------------------------------------------------------------------ applying
-    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
-        """Change ``match.module`` (the instance only) and return how to undo it."""
+    def apply(self, match: Match, decision: Decision, env: Env, options: Any) -> Patch:
+        """Change ``match.module`` (the instance only) through this module's helpers; return the Patch."""
         raise NotImplementedError
 
     def unpatch_hint(self) -> str:
@@ -185,6 +297,86 @@ class Recipe:
 
     def __repr__(self) -> str:
         return f"<recipe {self.name}>"
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a recipe that takes none."""
+
+
+def _type_text(tp: Any) -> str:
+    if tp is type(None):
+        return "None"
+    if isinstance(tp, type):
+        return tp.__name__
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_text(a) for a in typing.get_args(tp))
+    return str(tp).replace("typing.", "")
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    """``value`` is of the annotated type ``tp`` (builtins, unions, ``tuple[X, ...]``, ``Any``)."""
+    if tp is Any or tp is object:
+        return True
+    if tp is type(None):
+        return value is None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in typing.get_args(tp))
+    if origin in (tuple, list):
+        args = typing.get_args(tp)
+        if not isinstance(value, origin):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return len(args) == len(value) and all(_fits(v, a) for v, a in zip(value, args))
+    if tp is int:  # True is an int to Python, not to a user setting a count
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def option_types(recipe: Recipe) -> dict[str, Any]:
+    """{option name: its annotated type} of ``recipe`` (empty for a recipe that takes none)."""
+    cls = recipe.Options
+    if cls is None:
+        return {}
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def accepted_options(recipe: Recipe) -> str:
+    """The option names of ``recipe`` with their types, for error messages and ``mpsboost doctor``."""
+    types_ = option_types(recipe)
+    if not types_:
+        return "none (this recipe takes no options)"
+    return ", ".join(types_) + " (" + "; ".join(f"{k}: {_type_text(t)}" for k, t in types_.items()) + ")"
+
+
+def make_options(recipe: Recipe, given: Mapping[str, Any] | None) -> Any:
+    """``recipe``'s Options instance from the user's dict: an unknown key or a value of the wrong type
+    raises :class:`~mpsboost.errors.RecipeOptionError` (a ``TypeError``) naming the recipe, the key
+    passed and the accepted keys with their types. Values are checked further by the recipe."""
+    given = dict(given or {})
+    cls = recipe.Options or NoOptions
+    types_ = option_types(recipe)
+    unknown = sorted(k for k in given if k not in types_)
+    if unknown:
+        shown = ", ".join(f"{k}={given[k]!r}" for k in unknown)
+        raise RecipeOptionError(
+            f"unknown {recipe.name} option(s) {unknown} (passed {shown}); accepted: {accepted_options(recipe)}",
+            recipe=recipe.name,
+        )
+    for key, value in given.items():
+        if not _fits(value, types_[key]):
+            raise RecipeOptionError(
+                f"{recipe.name} option {key}={value!r} has type {type(value).__name__}; {key} takes "
+                f"{_type_text(types_[key])}. Accepted options: {accepted_options(recipe)}",
+                recipe=recipe.name,
+            )
+    return cls(**given)
 
 
 def join_path(prefix: str, name: str) -> str:
@@ -289,7 +481,7 @@ def _forward_slot(module: torch.nn.Module) -> str:
     return _ACCELERATE_SLOT if ("_hf_hook" in d and _ACCELERATE_SLOT in d) else "forward"
 
 
-def bind_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[..., Any], **saved: Any) -> Undo:
+def bind_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[..., Any], **saved: Any) -> Patch:
     """Bind ``new_forward(self, *args, **kw)`` as the forward of this instance only.
 
     The previous instance attribute (if any) is kept under ``module._mpsboost_patches[recipe]`` and put
@@ -333,7 +525,7 @@ def bind_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[...
         if not d.get(ATTR):
             d.pop(ATTR, None)
 
-    return Undo(undo, description=f"{recipe}: restore forward")
+    return Patch(undo, description=f"{recipe}: restore forward")
 
 
 def saved_state(module: torch.nn.Module, recipe: str) -> dict:
@@ -364,7 +556,7 @@ def is_patched_by(module: torch.nn.Module, recipe: str) -> bool:
     return recipe in store or any(k.startswith(recipe + ":") for k in store)
 
 
-def set_instance_attr(module: torch.nn.Module, recipe: str, name: str, value: Any) -> Undo:
+def set_instance_attr(module: torch.nn.Module, recipe: str, name: str, value: Any) -> Patch:
     """Set a plain (non-parameter, non-module) instance attribute reversibly, recorded under ``recipe``."""
     if isinstance(value, (torch.nn.Parameter, torch.nn.Module)):
         raise TypeError(f"set_instance_attr is for plain values; {name} would be a {type(value).__name__}")
@@ -386,4 +578,211 @@ def set_instance_attr(module: torch.nn.Module, recipe: str, name: str, value: An
         if not module.__dict__.get(ATTR):
             module.__dict__.pop(ATTR, None)
 
-    return Undo(undo, description=f"{recipe}: restore {name}")
+    return Patch(undo, description=f"{recipe}: restore {name}")
+
+
+def no_change(description: str) -> Patch:
+    """A Patch for a match where the recipe decided at apply time that nothing needs changing."""
+    return Patch(lambda: None, description=description)
+
+
+def at_commit(fn: Callable[[], None], description: str) -> Patch:
+    """A Patch that changes nothing now and runs ``fn`` when the ``patch()`` transaction commits (e.g. to
+    mark a recipe's state converted or to warm a kernel once the weights are in place)."""
+    return Patch(lambda: None, commit=fn, description=description)
+
+
+# ---------------------------------------------------------------------- shared instance attributes
+
+# module -> {attribute name: [value, [holder data, ...]]}. Weak keys: a held attribute never keeps a
+# model alive.
+_HOLDS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, list]]" = weakref.WeakKeyDictionary()
+
+
+def hold_instance_attr(module: torch.nn.Module, name: str, make_value: Callable[[], Any], data: Any = None,
+                       *, description: str = "") -> Patch:
+    """Set one instance attribute that several matches of a recipe share (e.g. one method on the model
+    for all its experts modules): the first holder sets ``make_value()``, every holder adds ``data``
+    (read with :func:`held_by`), the last holder's undo removes the attribute if it is still the one set.
+
+    An attribute already on the instance that mpsboost did not set is left alone (the Patch changes
+    nothing, and :func:`held_by` gives ``None``): someone else bound it, and mpsboost follows theirs.
+    """
+    holds = _HOLDS.get(module)
+    entry = holds.get(name) if holds is not None else None
+    if entry is None:
+        if name in module.__dict__:
+            return no_change(description or f"{name} already bound on the instance")
+        value = make_value()
+        entry = [value, []]
+        _HOLDS.setdefault(module, {})[name] = entry
+        module.__dict__[name] = value
+    token = (object(), data)
+    entry[1].append(token)
+
+    def undo() -> None:
+        entry[1][:] = [t for t in entry[1] if t is not token]
+        if entry[1]:
+            return
+        mine = _HOLDS.get(module, {})
+        if mine.get(name) is entry:
+            del mine[name]
+            if not mine:
+                _HOLDS.pop(module, None)
+        if module.__dict__.get(name) is entry[0]:
+            del module.__dict__[name]
+
+    return Patch(undo, description=description or f"restore {name}")
+
+
+def held_by(module: torch.nn.Module, name: str) -> list | None:
+    """The ``data`` of every live holder of ``name`` on ``module`` (see :func:`hold_instance_attr`), or
+    None when mpsboost does not hold it."""
+    entry = _HOLDS.get(module, {}).get(name)
+    return None if entry is None else [d for _, d in entry[1]]
+
+
+# ---------------------------------------------------------------------- objects that are not modules
+
+def set_attr(obj: Any, name: str, value: Any, *, restore: Any = _MISSING, description: str = "") -> Patch:
+    """Set ``obj.name = value`` on an object that is not a module (a model's config), through the
+    object's own ``__setattr__``; nothing is stored on ``obj`` (its serialisation stays as it was).
+
+    The undo runs only if the attribute still holds ``value`` (someone who chose another value since
+    keeps theirs) and puts back the previous value, or ``restore`` when given.
+    """
+    previous = obj.__dict__.get(name, _MISSING)
+    if getattr(obj, name, _MISSING) is not value:
+        setattr(obj, name, value)
+    back = previous if restore is _MISSING else restore
+
+    def undo() -> None:
+        if obj.__dict__.get(name, _MISSING) is not value:
+            return
+        if back is _MISSING:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, back)
+
+    return Patch(undo, description=description or f"restore {type(obj).__name__}.{name}")
+
+
+def keep_attrs(objs: Iterable[Any], name: str, *, description: str = "") -> Patch:
+    """Remember ``name`` of every object in ``objs`` as it is now (absent counts as None); the undo
+    writes those values back. For a library call that changes them (e.g. transformers'
+    ``set_attn_implementation`` writing every sub-config): take this Patch first, then make the call."""
+    before = [(o, o.__dict__.get(name)) for o in objs]
+
+    def undo() -> None:
+        for o, v in before:
+            setattr(o, name, v)
+
+    return Patch(undo, description=description or f"restore {name}")
+
+
+# ---------------------------------------------------------------------- class swap
+
+def swap_class(obj: torch.nn.Module, recipe: str, new_cls: type) -> Patch:
+    """Make ``obj`` an instance of ``new_cls`` (a subclass of its class, cached by the recipe so that
+    every instance of one class gets the same subclass); the undo restores the very same original
+    class. The class of other instances is not touched."""
+    original = type(obj)
+    if not (isinstance(new_cls, type) and issubclass(new_cls, original)):
+        raise TypeError(f"swap_class needs a subclass of {class_path(original)}, got {new_cls!r}")
+    store = obj.__dict__.setdefault(ATTR, {})
+    key = f"{recipe}:__class__"
+    if key in store:
+        raise RuntimeError(f"{recipe} already swapped the class of this module")
+    store[key] = {"class": original}
+    object.__setattr__(obj, "__class__", new_cls)
+
+    def undo() -> None:
+        entry = obj.__dict__.get(ATTR, {}).get(key)
+        if entry is None:
+            return
+        if type(obj) is not new_cls:
+            raise RuntimeError(
+                f"the class of this {original.__name__} was changed after mpsboost's {recipe} patched it "
+                f"(now {class_path(type(obj))}); cannot restore {class_path(entry['class'])}"
+            )
+        object.__setattr__(obj, "__class__", entry["class"])
+        obj.__dict__[ATTR].pop(key, None)
+        if not obj.__dict__.get(ATTR):
+            obj.__dict__.pop(ATTR, None)
+
+    return Patch(undo, description=f"{recipe}: restore the class {class_path(original)}")
+
+
+def swapped_class_key(recipe: str) -> str:
+    """The key under which :func:`swap_class` records the original class in ``module._mpsboost_patches``."""
+    return f"{recipe}:__class__"
+
+
+# ---------------------------------------------------------------------- library function registries
+
+# (id of the interface, key) -> the function mpsboost registered there.
+_INTERFACE_KEYS: dict[tuple[int, str], Callable[..., Any]] = {}
+
+
+def register_in_interface(interface: Any, key: str, make_fn: Callable[[], Callable[..., Any]], *, description: str = "") -> Patch:
+    """Add ``key`` to a library's function registry (``interface.register(key, fn)``, e.g. transformers'
+    ``AttentionInterface``), once per process: a key mpsboost registered already is reused.
+
+    Only a new key is added; no function of the library is replaced (a key the library or the user
+    registered already is refused). The key stays registered after undo, by design: it is the name a
+    model's config refers to, and a copy of a patched model (``copy.deepcopy``) may still use it after
+    the original was unpatched; an unused key changes nothing.
+    """
+    slot = (id(interface), key)
+    if slot not in _INTERFACE_KEYS:
+        existing = getattr(interface, "_global_mapping", {})
+        if key in existing:
+            raise RuntimeError(f"{getattr(interface, '__name__', interface)!r} already has a function named {key!r} that mpsboost did not register")
+        fn = make_fn()
+        interface.register(key, fn)
+        _INTERFACE_KEYS[slot] = fn
+    return Patch(lambda: None, description=description or f"{key} stays registered (a new key only)")
+
+
+# ---------------------------------------------------------------------- tensors
+
+def relayout_param(param: torch.nn.Parameter, memory_format: torch.memory_format) -> Patch:
+    """Re-lay ``param``'s data in ``memory_format`` (same Parameter object, same values); the undo puts
+    it back in the contiguous layout. No copy of the old layout is kept (that would double the memory)."""
+    with torch.no_grad():
+        param.data = param.data.contiguous(memory_format=memory_format)
+
+    def undo() -> None:
+        with torch.no_grad():
+            param.data = param.data.contiguous()
+
+    return Patch(undo, description="weight back to the contiguous layout")
+
+
+def replace_at_commit(
+    module: torch.nn.Module,
+    names: Iterable[str],
+    convert: Callable[[str, torch.Tensor], Mapping[str, torch.Tensor]],
+    *,
+    explanation: str,
+    description: str = "",
+) -> Patch:
+    """Replace parameters of ``module`` by buffers, irreversibly, when the ``patch()`` transaction commits.
+
+    Until then the originals stay in place untouched, so a rolled-back transaction leaves the very same
+    tensors. At commit, for each name in turn: ``convert(name, tensor)`` gives the new buffers
+    ({buffer name: tensor}); the parameter leaves the module first, so the original is freed as soon as
+    nothing else holds it (one tensor at a time, never a second copy of the model). After commit the
+    Patch is irreversible; ``explanation`` is what ``unpatch`` tells the user to do instead.
+    """
+    names = tuple(names)
+
+    def commit() -> None:
+        for name in names:
+            new = convert(name, getattr(module, name))
+            delattr(module, name)
+            for buf_name, t in new.items():
+                module.register_buffer(buf_name, t)
+
+    return Patch(lambda: None, commit=commit, reversible=False, explanation=explanation,
+                 description=description or f"{type(module).__name__}: {', '.join(names)} replaced at commit")

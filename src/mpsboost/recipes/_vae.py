@@ -2,7 +2,7 @@
 
 The recipes describe their diffusers classes by dotted path (:class:`VaeClasses`); this module finds
 the instances by class path (no diffusers import), binds the new forwards on each instance, and
-returns one :class:`~mpsboost.registry.Undo` that restores every original object.
+returns one :class:`~mpsboost.registry.Patch` that restores every original object.
 
 Per instance, by option:
 
@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..gate import Env, check
-from ..registry import Decision, Match, Undo, bind_forward, class_path, join_path, matches_class, original_forward, set_instance_attr
+from ..registry import Changes, Decision, Match, Patch, bind_forward, class_path, join_path, matches_class, original_forward, relayout_param, set_instance_attr
 from ..ops import vae_tiles
 from ..ops.causal_conv import avg_down3d, causal_conv3d, pad_right_bottom, rms_norm_channels, silu_inplace
 
 __all__ = [
     "VaeClasses",
     "VaeOptions",
+    "VaePadOptions",
     "WAN",
     "QWEN",
     "MODULES",
@@ -47,7 +48,6 @@ __all__ = [
 ]
 
 LAYOUTS = ("auto", "channels_last", "contiguous")
-_OPTION_KEYS = ("layout", "fused_norm", "single_frame_2d", "tile_loop", "memory_watch", "memory_threshold")
 #: Default share of ``torch.mps.recommended_max_memory()`` above which the tile loop frees the cache.
 MEMORY_THRESHOLD = 0.85
 
@@ -66,6 +66,22 @@ class VaeClasses:
     first_chunk: bool  # decoder takes first_chunk=
     clamp_tiled: bool  # tiled_decode clamps
     patchify: bool  # module has patchify / unpatchify (Wan2.2 patch_size)
+
+
+@dataclass(frozen=True)
+class VaePadOptions:
+    """``options={"wan_vae_pad" | "qwen_image_vae": {...}}``, as the user gives them (see :func:`parse_options`).
+
+    ``fused_norm``, ``single_frame_2d``, ``tile_loop``, ``memory_watch``: True, False or "auto"/None (the
+    device's default); ``memory_watch`` also takes a :class:`~mpsboost.ops.vae_tiles.MemoryWatcher`.
+    """
+
+    layout: str = "auto"
+    fused_norm: bool | str | None = None
+    single_frame_2d: bool | str | None = None
+    tile_loop: bool | str | None = None
+    memory_threshold: float = MEMORY_THRESHOLD
+    memory_watch: bool | str | vae_tiles.MemoryWatcher | None = "auto"
 
 
 @dataclass(frozen=True)
@@ -95,8 +111,9 @@ def _bool_option(recipe: str, key: str, value: Any, default: bool) -> bool:
     raise ValueError(f"{recipe} option {key}={value!r} is not accepted; pass True, False or 'auto'")
 
 
-def parse_options(recipe: str, options: Mapping[str, Any], device_type: str) -> VaeOptions:
-    """The recipe's options resolved for ``device_type``; unknown keys or values raise ValueError.
+def parse_options(recipe: str, options: VaePadOptions, device_type: str) -> VaeOptions:
+    """The recipe's options resolved for ``device_type``; values it does not accept raise ValueError
+    (api checked the keys and types against :class:`VaePadOptions`).
 
     Defaults: channels-last layout and the fused norm on CUDA (where cuDNN and the fused RMS-norm
     kernel are known); the contiguous layout elsewhere (the MPS and CPU paths change only what the
@@ -105,21 +122,18 @@ def parse_options(recipe: str, options: Mapping[str, Any], device_type: str) -> 
     :class:`~mpsboost.ops.vae_tiles.MemoryWatcher` with its own counters; ``memory_threshold``: the
     share of the recommended maximum, default 0.85).
     """
-    unknown = sorted(k for k in options if k != "fp8" and k not in _OPTION_KEYS)
-    if unknown:
-        raise ValueError(f"{recipe} does not know option(s) {unknown}; accepted: {', '.join(_OPTION_KEYS)}")
-    layout = options.get("layout", "auto")
+    layout = options.layout
     if layout not in LAYOUTS:
         raise ValueError(f"{recipe} option layout={layout!r} is not accepted; pass one of {', '.join(LAYOUTS)}")
     if layout == "auto":
         layout = "channels_last" if device_type == "cuda" else "contiguous"
-    fused = _bool_option(recipe, "fused_norm", options.get("fused_norm"), layout == "channels_last")
-    sf = _bool_option(recipe, "single_frame_2d", options.get("single_frame_2d"), True)
-    tl = _bool_option(recipe, "tile_loop", options.get("tile_loop"), True)
-    threshold = options.get("memory_threshold", MEMORY_THRESHOLD)
+    fused = _bool_option(recipe, "fused_norm", options.fused_norm, layout == "channels_last")
+    sf = _bool_option(recipe, "single_frame_2d", options.single_frame_2d, True)
+    tl = _bool_option(recipe, "tile_loop", options.tile_loop, True)
+    threshold = options.memory_threshold
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < float(threshold) <= 1.0:
         raise ValueError(f"{recipe} option memory_threshold={threshold!r} is not accepted; pass a fraction in (0, 1], e.g. 0.85")
-    watch = options.get("memory_watch", "auto")
+    watch = options.memory_watch
     watcher: vae_tiles.MemoryWatcher | None
     if isinstance(watch, vae_tiles.MemoryWatcher):
         watcher = watch
@@ -196,7 +210,7 @@ MODULES = {"wan": _WAN, "qwen": _QWEN}
 
 # ----------------------------------------------------------------------------------------- binding
 
-def bind_module_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[..., Any]) -> Undo:
+def bind_module_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[..., Any]) -> Patch:
     """Bind ``new_forward`` on this instance (inside an accelerate hook where there is one: the
     registry puts it in ``_old_forward`` so that offloading keeps moving the weights in)."""
     return bind_forward(module, recipe, new_forward)
@@ -207,28 +221,20 @@ def _inner_forward(module: torch.nn.Module, recipe: str) -> Callable[..., Any]:
     return original_forward(module, recipe)
 
 
-def _convert_weights(root: torch.nn.Module, channels_last: bool) -> Undo:
-    """Conv weights of ``root`` in channels-last layout; the undo puts the contiguous layout back.
+def _convert_weights(root: torch.nn.Module, channels_last: bool) -> list[Patch]:
+    """Conv weights of ``root`` in channels-last layout; each undo puts the contiguous layout back.
 
     The Parameter objects stay the same (only ``.data`` is re-laid); values are unchanged.
     """
-    changed: list[torch.nn.Parameter] = []
+    patches: list[Patch] = []
     if channels_last:
         for m in root.modules():
             if isinstance(m, (torch.nn.Conv3d, torch.nn.Conv2d)) and isinstance(m.weight, torch.nn.Parameter):
                 w = m.weight
                 fmt = torch.channels_last_3d if w.dim() == 5 else torch.channels_last
                 if w.device.type != "meta" and not w.is_contiguous(memory_format=fmt):
-                    with torch.no_grad():
-                        w.data = w.data.contiguous(memory_format=fmt)
-                    changed.append(w)
-
-    def undo() -> None:
-        with torch.no_grad():
-            for w in changed:
-                w.data = w.data.contiguous()
-
-    return Undo(undo, description="conv weights back to the contiguous layout")
+                    patches.append(relayout_param(w, fmt))
+    return patches
 
 
 def loop_spec(
@@ -266,15 +272,14 @@ def patch_tree(
     *,
     spec: vae_tiles.VaeLoopSpec | None = None,
     decoder_output: Callable[..., Any] | None = None,
-) -> Undo:
+) -> Patch:
     """Apply the treatment to every target under ``root``; one undo for all of it.
 
     ``spec`` and ``decoder_output`` (diffusers' ``DecoderOutput``) are given for a whole VAE: with
     ``opts.tile_loop`` its frame and tile loops are replaced too. On an exception part-way, what
     was applied so far is undone before re-raising.
     """
-    undos: list[Undo] = []
-    try:
+    with Changes() as ch:
         sf, cl = opts.single_frame_2d, opts.channels_last
 
         def conv_forward(self: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
@@ -297,18 +302,19 @@ def patch_tree(
 
         for m in root.modules():
             if matches_class(m, (classes.conv,)):
-                undos.append(bind_module_forward(m, recipe, conv_forward))
+                ch.add(bind_module_forward(m, recipe, conv_forward))
             elif classes.avg_down and matches_class(m, (classes.avg_down,)):
-                undos.append(bind_module_forward(m, recipe, avg_forward))
+                ch.add(bind_module_forward(m, recipe, avg_forward))
             elif opts.fused_norm and matches_class(m, (classes.norm,)):
-                undos.append(bind_module_forward(m, recipe, norm_forward))
+                ch.add(bind_module_forward(m, recipe, norm_forward))
         for pad in _resample_pads(root, classes):
-            undos.append(bind_module_forward(pad, recipe, pad_forward))
+            ch.add(bind_module_forward(pad, recipe, pad_forward))
         if opts.fused_norm:
             # Each of these SiLUs receives the fresh output of a norm: in place is safe there.
             for act in _block_activations(root, classes):
-                undos.append(bind_module_forward(act, recipe, silu_forward))
-        undos.append(_convert_weights(root, cl))
+                ch.add(bind_module_forward(act, recipe, silu_forward))
+        for p in _convert_weights(root, cl):
+            ch.add(p)
 
         if spec is not None and decoder_output is not None and opts.tile_loop:
 
@@ -329,12 +335,8 @@ def patch_tree(
                 return vae_tiles.tiled_encode(self, x, spec, watcher=watcher)
 
             for name, fn in (("_decode", _decode), ("_encode", _encode), ("tiled_decode", tiled_decode), ("tiled_encode", tiled_encode)):
-                undos.append(set_instance_attr(root, recipe, name, types.MethodType(fn, root)))
-    except BaseException:
-        for u in reversed(undos):
-            u()
-        raise
-    return Undo.chain(undos, description=f"{recipe}: restore {class_path(type(root))}")
+                ch.add(set_instance_attr(root, recipe, name, types.MethodType(fn, root)))
+    return ch.patch(description=f"{recipe}: restore {class_path(type(root))}")
 
 
 # ----------------------------------------------------------------------------------------- recipe glue
@@ -351,7 +353,7 @@ def find_targets(root: torch.nn.Module, prefix: str, classes: VaeClasses) -> Ite
         yield Match(root, prefix or "<root>", {"vae": False})
 
 
-def decide(recipe: str, classes: VaeClasses, match: Match, env: Env, options: Mapping[str, Any], backing: str) -> Decision:
+def decide(recipe: str, classes: VaeClasses, match: Match, env: Env, options: VaePadOptions, backing: str) -> Decision:
     """The shared decision: always applicable (lossless), with the reason for this environment."""
     opts = parse_options(recipe, options, env.device_type)
     extras = []

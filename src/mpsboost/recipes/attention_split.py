@@ -22,14 +22,16 @@ is taken to have the fault (no fix is known). On CUDA and CPU it steps aside. Op
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
 from ..gate import FEATURES, Env, check
 from ..ops.attention_split import MAX_SCORES, SdpaSplitMode, score_elements
 from . import _hf
-from ..registry import Decision, Match, Recipe, Undo, bind_forward, call_original, class_path, matches_class, register, set_instance_attr
+from ..registry import (Changes, Decision, Match, Patch, Recipe, bind_forward, call_original, class_path, keep_attrs, matches_class,
+                        register, register_in_interface, set_instance_attr)
 
 NAME = "attention_split"
 
@@ -38,47 +40,47 @@ IMPLEMENTATION = "mpsboost_sdpa_split"
 _PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
 _MODELMIXIN = "diffusers.models.modeling_utils.ModelMixin"
 _DIFFUSERS_ATTENTION = ("diffusers.models.attention_processor.Attention", "diffusers.models.attention.AttentionModuleMixin")
-_OPTIONS = ("max_scores", "force")
 
 
-def _options(options: Mapping[str, Any]) -> tuple[int, bool]:
-    unknown = sorted(set(options) - set(_OPTIONS) - {"fp8"})
-    if unknown:
-        raise ValueError(f"{NAME} does not know option(s) {unknown}; accepted: {', '.join(_OPTIONS)}")
-    limit = options.get("max_scores", MAX_SCORES)
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+@dataclass(frozen=True)
+class AttentionSplitOptions:
+    """``options={"attention_split": {...}}``: the score budget of one SDPA call, and force on any env."""
+
+    max_scores: int = MAX_SCORES
+    force: bool = False
+
+
+def _options(options: AttentionSplitOptions) -> tuple[int, bool]:
+    limit = options.max_scores
+    if limit < 1:
         raise ValueError(f"{NAME} option max_scores={limit!r} is not accepted; pass a positive int (default 2**31)")
-    return limit, bool(options.get("force", False))
+    return limit, options.force
 
 
 def _implementation(limit: int) -> str:
     return IMPLEMENTATION if limit == MAX_SCORES else f"{IMPLEMENTATION}_{limit}"
 
 
-_REGISTERED: set[str] = set()
-
-
-def _register_with_transformers(limit: int) -> str:
+def _register_with_transformers(limit: int) -> tuple[str, list[Patch]]:
     """Add the split SDPA function for ``limit`` to transformers' interfaces (adds a key only)."""
     name = _implementation(limit)
-    if name in _REGISTERED:
-        return name
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 
-    def split_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        # [B, H, L, D]: within the budget (static shapes under torch.compile) transformers' own function
-        # runs untouched; above it, with its SDPA call split.
-        if score_elements(query, key) <= limit:
-            return sdpa_attention_forward(module, query, key, *args, **kwargs)
-        with SdpaSplitMode(limit):
-            return sdpa_attention_forward(module, query, key, *args, **kwargs)
+    def make() -> Any:
+        def split_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            # [B, H, L, D]: within the budget (static shapes under torch.compile) transformers' own function
+            # runs untouched; above it, with its SDPA call split.
+            if score_elements(query, key) <= limit:
+                return sdpa_attention_forward(module, query, key, *args, **kwargs)
+            with SdpaSplitMode(limit):
+                return sdpa_attention_forward(module, query, key, *args, **kwargs)
 
-    AttentionInterface.register(name, split_attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
-    _REGISTERED.add(name)
-    return name
+        return split_attention_forward
+
+    return name, [register_in_interface(AttentionInterface, name, make),
+                  register_in_interface(AttentionMaskInterface, name, lambda: sdpa_mask)]
 
 
 def _may_exceed(module: torch.nn.Module, args: tuple, kwargs: dict, limit: int) -> bool:
@@ -111,6 +113,7 @@ class AttentionSplit(Recipe):
     requires = ()
     default = True
     order = 110  # after metal_attention: it wraps whatever attention implementation that one chose
+    Options = AttentionSplitOptions
 
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
         covered: list[torch.nn.Module] = []
@@ -125,7 +128,7 @@ class AttentionSplit(Recipe):
                 covered.append(mod)
                 yield Match(mod, path, {"kind": "diffusers"})
 
-    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+    def decide(self, match: Match, env: Env, options: AttentionSplitOptions) -> Decision:
         limit, force = _options(options)
         if match.data.get("kind") == "transformers":
             impl = getattr(getattr(match.module, "config", None), "_attn_implementation", None)
@@ -150,7 +153,7 @@ class AttentionSplit(Recipe):
             why = "no MPS build is known to compute SDPA over more than 2^31 scores correctly (ComfyUI#14837)"
         return Decision.apply(found.backing, f"{why}; calls above {limit} scores are split; {found.reason}", **found.details)
 
-    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+    def apply(self, match: Match, decision: Decision, env: Env, options: AttentionSplitOptions) -> Patch:
         limit = int(decision.details["max_scores"])
         if match.data.get("kind") == "transformers":
             return self._apply_transformers(match.module, limit)
@@ -163,31 +166,23 @@ class AttentionSplit(Recipe):
             with SdpaSplitMode(limit):
                 return call_original(self_, NAME, *args, **kwargs)
 
-        undos: list[Undo] = []
-        try:
+        with Changes() as ch:
             # A mark on the model itself: patch() sees it patched (a second call is a no-op).
-            undos.append(set_instance_attr(match.module, NAME, "_mpsboost_split_limit", limit))
+            ch.add(set_instance_attr(match.module, NAME, "_mpsboost_split_limit", limit))
             for m in _attention_modules(match.module):
-                undos.append(bind_forward(m, NAME, forward))
-        except BaseException:
-            for u in reversed(undos):
-                u()
-            raise
-        return Undo.chain(undos, description=f"{NAME}: restore attention forwards")
+                ch.add(bind_forward(m, NAME, forward))
+        return ch.patch(description=f"{NAME}: restore attention forwards")
 
-    def _apply_transformers(self, model: torch.nn.Module, limit: int) -> Undo:
-        name = _register_with_transformers(limit)
-        before = [(cfg, cfg.__dict__.get("_attn_implementation_internal")) for cfg in _hf.configs(model)]
-        model.set_attn_implementation(name)
-        if getattr(model.config, "_attn_implementation", None) != name:
-            for cfg, value in before:
-                cfg._attn_implementation_internal = value
-            raise RuntimeError(f"{class_path(type(model))} did not accept attention implementation {name!r}")
-        undo_attr = set_instance_attr(model, NAME, "_mpsboost_split_before", tuple(v for _, v in before))
-
-        def undo() -> None:
-            for cfg, value in before:
-                cfg._attn_implementation_internal = value
-            undo_attr()
-
-        return Undo(undo, description=f"{NAME}: restore attention implementations")
+    def _apply_transformers(self, model: torch.nn.Module, limit: int) -> Patch:
+        with Changes() as ch:
+            name, keys = _register_with_transformers(limit)
+            for k in keys:
+                ch.add(k)
+            configs = list(_hf.configs(model))
+            before = tuple(c.__dict__.get("_attn_implementation_internal") for c in configs)
+            ch.add(keep_attrs(configs, "_attn_implementation_internal"))
+            model.set_attn_implementation(name)
+            if getattr(model.config, "_attn_implementation", None) != name:
+                raise RuntimeError(f"{class_path(type(model))} did not accept attention implementation {name!r}")
+            ch.add(set_instance_attr(model, NAME, "_mpsboost_split_before", before))
+        return ch.patch(description=f"{NAME}: restore attention implementations")

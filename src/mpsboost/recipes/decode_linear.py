@@ -25,14 +25,15 @@ Options (``options={"decode_linear": {...}}``):
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
 from ..gate import Env, check
 from ..ops import gemv_triton
 from ..ops.linear import make_forward
-from ..registry import Decision, Match, Recipe, Undo, bind_forward, class_path, matches_class, register
+from ..registry import Decision, Match, Recipe, Patch, bind_forward, class_path, matches_class, register
 
 _MODEL_ROOTS = (
     "transformers.modeling_utils.PreTrainedModel",
@@ -41,6 +42,15 @@ _MODEL_ROOTS = (
 _LINEAR = "torch.nn.modules.linear.Linear"
 _PATHS = ("auto", "fold", "triton")
 _NO_COMPILED_GAIN = "compiled: stock F.linear; no compiled end-to-end measurement shows a gain"
+
+
+@dataclass(frozen=True)
+class DecodeLinearOptions:
+    """``options={"decode_linear": {...}}``."""
+
+    path: str = "auto"  # "auto", "fold" or "triton"
+    cuda_eager: bool = False
+    cuda_graphs: bool = False
 
 
 @register
@@ -53,6 +63,7 @@ class DecodeLinear(Recipe):
     requires = ()
     default = True
     order = 100
+    Options = DecodeLinearOptions
 
     # Only the nn.Linear layers of transformers and diffusers models: a user's own modules keep theirs.
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
@@ -67,9 +78,9 @@ class DecodeLinear(Recipe):
                 full = ".".join(p for p in (prefix, name, sub_name) if p) or "<root>"
                 yield Match(sub, full)
 
-    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+    def decide(self, match: Match, env: Env, options: DecodeLinearOptions) -> Decision:
         mod = match.module
-        path = options.get("path", "auto")
+        path = options.path
         if path not in _PATHS:
             raise ValueError(f"decode_linear option 'path' must be one of {_PATHS}, got {path!r}")
         if type(mod).forward is not torch.nn.Linear.forward:
@@ -87,7 +98,7 @@ class DecodeLinear(Recipe):
             return Decision.apply("[B,K] layout for one-token rows", "forced by options (path='fold'); compiled: the same fold",
                                   n=n, k=k, eager="fold", compiled="fold")
         if path == "triton":
-            eager = "gemv" if options.get("cuda_eager", False) else "gemv_graph"
+            eager = "gemv" if options.cuda_eager else "gemv_graph"
             return Decision.apply("triton GEMV, fused bias", "forced by options (path='triton'); compiled: the same operator",
                                   n=n, k=k, eager=eager, compiled="gemv")
 
@@ -103,7 +114,7 @@ class DecodeLinear(Recipe):
         # CUDA
         return self._decide_cuda(env, n, k, has_bias, w.dtype, options)
 
-    def _decide_cuda(self, env: Env, n: int, k: int, has_bias: bool, dtype: torch.dtype, options: Mapping[str, Any]) -> Decision:
+    def _decide_cuda(self, env: Env, n: int, k: int, has_bias: bool, dtype: torch.dtype, options: DecodeLinearOptions) -> Decision:
         graph, where = gemv_triton.measured(env, "cuda_graph")
         if graph is None:
             return Decision.skip(f"cuBLAS kept: {where}")
@@ -120,8 +131,8 @@ class DecodeLinear(Recipe):
         src = f"{gemv_triton.TUNING}: {where}"
         if not (use_graph or use_comp):
             return Decision.skip(f"cuBLAS measured as fast or faster for {shape} ({src}); kept")
-        eager_opt = bool(options.get("cuda_eager", False))
-        if not (use_comp or eager_opt or options.get("cuda_graphs", False)):
+        eager_opt = bool(options.cuda_eager)
+        if not (use_comp or eager_opt or options.cuda_graphs):
             # The measured win is inside CUDA graphs captured around eager code. Neither mode users run
             # gets it: eager launches stay on cuBLAS, compiled forwards keep F.linear (no compiled gain
             # measured). Binding a forward that runs stock F.linear in both is overhead with no return.
@@ -142,7 +153,7 @@ class DecodeLinear(Recipe):
             comp, why = "stock", f"{why}; {_NO_COMPILED_GAIN} ({gemv_triton.TUNING})"
         return Decision.apply("triton GEMV, fused bias", why, n=n, k=k, speedup=s_graph or s_comp, eager=eager, compiled=comp)
 
-    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+    def apply(self, match: Match, decision: Decision, env: Env, options: DecodeLinearOptions) -> Patch:
         d = decision.details
         fwd = make_forward(d["eager"], d["compiled"])
         if d["eager"] in ("gemv", "gemv_graph") or d["compiled"] == "gemv":

@@ -45,13 +45,15 @@ dequantises the layer's stack instead (``"stack"``); the report row says so.
 """
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import functools
 import logging
-import os
 import re
 import warnings
 from collections import Counter
-from typing import Any, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
@@ -59,39 +61,19 @@ from .. import tuning
 from ..gate import Env, check
 from ..ops import fp8 as fp8_ops
 from ..ops import fp8_moe
-from ..registry import Decision, Match, Recipe, Undo, join_path, bind_forward, original_forward, register
+from ..errors import Fp8ConversionError, Fp8StateError
+from ..fp8_modules import FP8_BASE_ATTR, expert_weight_names as _expert_weight_names, is_hf_experts as _is_hf_experts, plain_linear
+from ..registry import (ATTR, Decision, Match, Patch, Recipe, at_commit, bind_forward, join_path, original_forward, register,
+                        replace_at_commit, swap_class)
 
 NAME = "fp8_weights"
 log = logging.getLogger("mpsboost")
 
-_OPTION_KEYS = ("fp8", "include", "exclude", "include_lm_head", "experts", "gemv_max_m", "moe_gather_max_pairs", "moe_path", "activations", "load")
 _VAE_PREFIX = "diffusers.models.autoencoders."
-_EXPERT_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 _ROUTER_NAMES = ("gate", "router")
 
 
 # ------------------------------------------------------------------------------------------ finding
-
-def _is_hf_experts(module: torch.nn.Module) -> bool:
-    """An instance of a class decorated by transformers' ``use_experts_implementation``.
-
-    The decorator replaces the class's ``forward`` by its dispatcher in ``integrations/moe.py``
-    (``functools.wraps`` keeps the original's name, not its code). Same test as moe_experts uses.
-    """
-    fwd = getattr(type(module), "forward", None)
-    code = getattr(fwd, "__code__", None)
-    if code is None:
-        return False
-    if os.path.normpath(code.co_filename).split(os.sep)[-2:] != ["integrations", "moe.py"]:
-        return False
-    qual = getattr(code, "co_qualname", "use_experts_implementation.<locals>.wrapper.<locals>.forward")
-    return "use_experts_implementation" in qual and hasattr(module, "down_proj")
-
-
-def _expert_weight_names(module: torch.nn.Module) -> tuple[str, str]:
-    up = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
-    return up, "down_proj"
-
 
 def _class_paths(mod: torch.nn.Module) -> list[str]:
     return [f"{c.__module__}.{c.__qualname__}" for c in type(mod).__mro__]
@@ -175,39 +157,40 @@ def _patterns(value: Any, key: str) -> tuple[str, ...]:
     raise ValueError(f"fp8_weights option {key}={value!r}: expected a glob pattern or a list of them, e.g. ['*.attn.*']")
 
 
-def _parse(options: Mapping[str, Any]) -> dict:
-    unknown = sorted(set(options) - set(_OPTION_KEYS))
-    if unknown:
-        raise ValueError(f"unknown fp8_weights option(s) {unknown}; accepted: {', '.join(k for k in _OPTION_KEYS if k not in ('fp8', 'load'))}")
-    gran = options.get("fp8") or "rowwise"
+@dataclass(frozen=True)
+class Fp8WeightsOptions:
+    """``options={"fp8_weights": {...}}`` (see the module docstring). ``fp8``, the granularity
+    ("rowwise" or "tensorwise"), is what the public ``fp8=`` keyword of patch() sets; ``load`` is set by
+    :func:`mpsboost.load_fp8`."""
+
+    fp8: str | None = None
+    include: str | tuple[str, ...] | list[str] | None = None
+    exclude: str | tuple[str, ...] | list[str] | None = None
+    include_lm_head: bool = False
+    experts: bool = True
+    gemv_max_m: int | None = None  # None: from the tuning file (see _thresholds)
+    moe_gather_max_pairs: int | None = None
+    moe_path: str = "auto"
+    activations: str = "bf16"  # above the GEMV: "bf16" dequantises the layer (exact), "fp8" quantises activations
+    load: Any = None
+
+
+def _parse(options: Fp8WeightsOptions) -> Fp8WeightsOptions:
+    """The options with their values checked (ValueError) and normalised: a granularity, pattern tuples."""
+    gran = options.fp8 or "rowwise"
     if gran not in fp8_ops.GRANULARITIES:
         raise ValueError(f"fp8 granularity must be one of {fp8_ops.GRANULARITIES}, got {gran!r}")
-    out = {
-        "granularity": gran,
-        "include": _patterns(options.get("include"), "include"),
-        "exclude": _patterns(options.get("exclude"), "exclude"),
-        "load": options.get("load"),
-    }
-    for key, default in (("include_lm_head", False), ("experts", True)):
-        v = options.get(key, default)
-        if not isinstance(v, bool):
-            raise ValueError(f"fp8_weights option {key}={v!r}: expected True or False")
-        out[key] = v
     for key in ("gemv_max_m", "moe_gather_max_pairs"):
-        v = options.get(key)  # None: from the tuning file (see _thresholds)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        v = getattr(options, key)
+        if v is not None and v < 0:
             raise ValueError(f"fp8_weights option {key}={v!r}: expected an int >= 0")
-        out[key] = v
-    mp = options.get("moe_path", "auto")
-    if mp not in ("auto", *fp8_moe.PATHS):
-        raise ValueError(f"fp8_weights option moe_path={mp!r}: expected 'auto' or one of {', '.join(fp8_moe.PATHS)}")
-    out["moe_path"] = mp
-    act = options.get("activations", "bf16")
-    if act not in fp8_ops.ACTIVATIONS:
-        raise ValueError(f"fp8_weights option activations={act!r}: expected 'bf16' (dequantise large batches, exact) "
-                         "or 'fp8' (quantise activations for scaled_mm)")
-    out["activations"] = act
-    return out
+    if options.moe_path not in ("auto", *fp8_moe.PATHS):
+        raise ValueError(f"fp8_weights option moe_path={options.moe_path!r}: expected 'auto' or one of {', '.join(fp8_moe.PATHS)}")
+    if options.activations not in fp8_ops.ACTIVATIONS:
+        raise ValueError(f"fp8_weights option activations={options.activations!r}: expected 'bf16' (dequantise large "
+                         "batches, exact) or 'fp8' (quantise activations for scaled_mm)")
+    return dataclasses.replace(options, fp8=gran, include=_patterns(options.include, "include"),
+                               exclude=_patterns(options.exclude, "exclude"))
 
 
 # ------------------------------------------------------------------------------------------ forwards
@@ -215,8 +198,8 @@ def _parse(options: Mapping[str, Any]) -> dict:
 class _State:
     """Per-module facts the bound forward needs; ``converted`` flips at the transaction's commit."""
 
-    __slots__ = ("kind", "compute_dtype", "granularity", "gemv_max_m", "converted", "large_path", "compiled_path", "gather_max", "large",
-                 "native_grouped", "histc_int", "bias_in_mm")
+    __slots__ = ("kind", "compute_dtype", "granularity", "gemv_max_m", "converted", "large_path", "compiled_path", "gather_max",
+                 "large", "native_grouped", "histc_int", "bias_in_mm", "backing")
 
     def __init__(self, **kw: Any):
         self.converted = False
@@ -224,10 +207,63 @@ class _State:
         for k, v in kw.items():
             setattr(self, k, v)
 
+    def mark_converted(self) -> None:
+        self.converted = True
+
+
+# ------------------------------------------------------------------------------------------ the fp8 layer classes
+
+def _fp8_repr(module: torch.nn.Module) -> str:
+    """What ``print(model)`` shows of a converted layer: storage, granularity, scale shapes, backing path."""
+    entry = module.__dict__.get(ATTR, {}).get(NAME) or {}
+    state = entry.get("fp8")
+    if state is None or not state.converted:
+        return "fp8=pending (converted when the patch() transaction commits)"
+    names = ("weight",) if isinstance(module, torch.nn.Linear) else _expert_weight_names(module)
+    codes = getattr(module, names[0])
+    dtype = "float8_e4m3fn" if codes.dtype == torch.float8_e4m3fn else f"float8_e4m3fn codes in {str(codes.dtype).replace('torch.', '')}"
+    parts = [f"fp8={dtype}", f"granularity={state.granularity}"]
+    for n in names:
+        scale = getattr(module, n + "_scale")
+        if n != "weight":
+            parts.append(f"{n}={list(getattr(module, n).shape)}")
+        parts.append(f"{n}_scale={list(scale.shape)}")
+    parts.append(f"compute_dtype={str(state.compute_dtype).replace('torch.', '')}")
+    parts.append(f"backing={getattr(state, 'backing', None) or state.kind}")
+    return ", ".join(parts)
+
+
+class FP8Linear(torch.nn.Linear):
+    """A ``torch.nn.Linear`` whose weight fp8_weights stores as float8_e4m3fn codes with float32 scales.
+
+    Never constructed: fp8_weights swaps it onto a converted instance (``registry.swap_class``), so that
+    ``print(model)`` shows the layer for what it is. ``isinstance(m, torch.nn.Linear)`` still holds and
+    the forward is the instance's own (bound by the recipe). The conversion cannot be undone.
+    """
+
+    _mpsboost_fp8_of = torch.nn.Linear
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, {_fp8_repr(self)}"
+
+
+def _experts_repr(self: torch.nn.Module) -> str:
+    base = super(type(self), self).extra_repr()
+    return f"{base}, {_fp8_repr(self)}" if base else _fp8_repr(self)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_class(cls: type) -> type:
+    """The fp8 layer class of ``cls``: :class:`FP8Linear` for ``torch.nn.Linear``, else one subclass per
+    experts class (``FP8Qwen3MoeExperts``, ...), made once and cached."""
+    if cls is torch.nn.Linear:
+        return FP8Linear
+    name = f"FP8{cls.__name__}"
+    return type(name, (cls,), {"extra_repr": _experts_repr, FP8_BASE_ATTR: cls, "__module__": __name__, "__qualname__": name,
+                               "__doc__": f"{cls.__name__} with its expert weights stored in fp8 by mpsboost's fp8_weights."})
+
 
 def _cast_error(module: torch.nn.Module, name: str, t: torch.Tensor) -> Exception:
-    from ..fp8_io import Fp8StateError
-
     return Fp8StateError(
         f"{type(module).__name__}.{name} was converted to fp8 by mpsboost but is now {t.dtype} (the model was cast "
         "with .to(dtype)/.half() after patching?). Cast the model before mpsboost.patch(..., fp8=...), or reload it."
@@ -310,23 +346,18 @@ def _tune_gemv(module: torch.nn.Module, dtype: torch.dtype) -> None:
         fp8_ops.fp8_gemv(torch.zeros(1, q.shape[1], device=q.device, dtype=dtype), q, module.weight_scale, module.bias)
 
 
-def _replace_with_buffers(module: torch.nn.Module, name: str, q: torch.Tensor, scale: torch.Tensor) -> None:
-    # The parameter leaves the module first, so the original tensor is freed as soon as nothing else
-    # holds it (the caller's local reference ends with its frame): one layer at a time.
-    delattr(module, name)
-    module.register_buffer(name, q)
-    module.register_buffer(name + "_scale", scale)
+def _converter(granularity: str, storage: str, k_dims: dict[str, int], load: Any, path: str):
+    """The conversion of one weight for :func:`registry.replace_at_commit`: its fp8 codes under its own
+    name and its float32 scales as ``<name>_scale`` (quantised here, or read from the fp8 file)."""
 
-
-def _convert(module: torch.nn.Module, names: tuple[str, ...], granularity: str, storage: str, k_dims: tuple[int, ...], load: Any, path: str) -> None:
-    for name, k_dim in zip(names, k_dims):
-        w = getattr(module, name)
+    def convert(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         if load is not None:
             q, scale = load.tensors(path, name, storage=storage, device=w.device)
         else:
-            q, scale = fp8_ops.quantize(w.detach(), granularity, storage, k_dim=k_dim)
-        del w
-        _replace_with_buffers(module, name, q, scale)
+            q, scale = fp8_ops.quantize(w.detach(), granularity, storage, k_dim=k_dims[name])
+        return {name: q, name + "_scale": scale}
+
+    return convert
 
 
 # ------------------------------------------------------------------------------------------ thresholds
@@ -335,10 +366,10 @@ _DEFAULT_GEMV_MAX_M = 16
 _DEFAULT_GATHER_MAX = 16
 
 
-def _thresholds(env: Env, opts: dict) -> tuple[int, int, str]:
+def _thresholds(env: Env, opts: Fp8WeightsOptions) -> tuple[int, int, str]:
     """(gemv_max_m, moe_gather_max_pairs, where they come from) for ``env``: options first, then the
     tuning file ``fp8_gemv`` where it was measured on this kind of device, else the defaults."""
-    gemv, gather = opts["gemv_max_m"], opts["moe_gather_max_pairs"]
+    gemv, gather = opts.gemv_max_m, opts.moe_gather_max_pairs
     if gemv is not None and gather is not None:
         return gemv, gather, "thresholds set by options"
     if env.device_type != "cuda":
@@ -376,7 +407,9 @@ class Fp8Weights(Recipe):
     lossless = False
     reversible = False
     default = False
-    enabled_by = "fp8"
+    keyword = "fp8"  # patch(..., fp8="rowwise" | "tensorwise") selects it and sets its option fp8
+    keyword_field = "fp8"
+    Options = Fp8WeightsOptions
     requires = ()
     order = 200
 
@@ -384,7 +417,7 @@ class Fp8Weights(Recipe):
         ctx = None
         modules = dict(root.named_modules())
         for name, mod in modules.items():
-            if type(mod) is torch.nn.Linear:
+            if plain_linear(mod):
                 kind, tensors = "linear", [("weight", mod.weight)]
             elif _is_hf_experts(mod):
                 kind = "experts"
@@ -403,27 +436,27 @@ class Fp8Weights(Recipe):
                                                    "lm_head": skip is not None and skip.startswith("output embedding")})
 
     # ------------------------------------------------------------------ deciding
-    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+    def decide(self, match: Match, env: Env, options: Fp8WeightsOptions) -> Decision:
         opts = _parse(options)
         data, mod, path = match.data, match.module, match.path
         skip = data["skip"]
-        if skip is not None and not (data["lm_head"] and opts["include_lm_head"]):
+        if skip is not None and not (data["lm_head"] and opts.include_lm_head):
             return Decision.skip(skip)
-        load = opts["load"]
+        load = opts.load
         if load is not None and not load.has(path):
             return Decision.skip(f"not in the fp8 file {load.name}")
-        if opts["include"] and not any(fnmatch.fnmatchcase(path, p) for p in opts["include"]):
-            return Decision.skip(f"not matched by include patterns {list(opts['include'])}")
-        hit = next((p for p in opts["exclude"] if fnmatch.fnmatchcase(path, p)), None)
+        if opts.include and not any(fnmatch.fnmatchcase(path, p) for p in opts.include):
+            return Decision.skip(f"not matched by include patterns {list(opts.include)}")
+        hit = next((p for p in opts.exclude if fnmatch.fnmatchcase(path, p)), None)
         if hit is not None:
             return Decision.skip(f"excluded by pattern {hit!r}")
-        gran = load.granularity(path) if load is not None else opts["granularity"]
+        gran = load.granularity(path) if load is not None else opts.fp8
         storage = fp8_ops.storage_for(env)
         gemv_max, gather_max, where = _thresholds(env, opts)
         if data["kind"] == "linear":
             w = mod.weight
             n, k = w.shape
-            lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=w.dtype, gemv_max_m=gemv_max, activations=opts["activations"])
+            lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=w.dtype, gemv_max_m=gemv_max, activations=opts.activations)
             before = w.numel() * w.element_size()
             after = w.numel() + (4 * n if gran == "rowwise" else 4)
             extra = f"; {where}" if where and lp.kind == "fused" else ""
@@ -433,7 +466,7 @@ class Fp8Weights(Recipe):
                 kind="linear", granularity=gran, storage=lp.storage, compute_dtype=str(w.dtype).replace("torch.", ""),
                 bytes_before=before, bytes_after=after, path_kind=lp.kind, gemv_max_m=lp.gemv_max_m, large=lp.large,
             )
-        if not opts["experts"]:
+        if not opts.experts:
             return Decision.skip("expert weights excluded by option experts=False")
         names = _expert_weight_names(mod)
         ws = [getattr(mod, n) for n in names]
@@ -442,7 +475,7 @@ class Fp8Weights(Recipe):
         # Few routed pairs (decoding) gather their experts in fp8: on the H200 a Qwen3-30B-A3B-shaped decode
         # step took 15.1 ms this way vs 16.2 (scaled_grouped_mm) and 17.4 (hit experts); stock batched_mm
         # 51.8 ms (benchmarks/results/fp8-cuda-2026-11-29-run2.jsonl).
-        gather = gather_max if opts["moe_path"] == "auto" else (1 << 62 if opts["moe_path"] == "gather" else 0)
+        gather = gather_max if opts.moe_path == "auto" else (1 << 62 if opts.moe_path == "gather" else 0)
         backing = fp8_moe.BACKING[large]
         if large != "gather" and gather > 0:
             backing += f" (gather at <= {gather} routed pairs)"
@@ -462,8 +495,8 @@ class Fp8Weights(Recipe):
         )
 
     @staticmethod
-    def _experts_path(env: Env, ws: list[torch.Tensor], transposed: bool, storage: str, opts: dict) -> tuple[str, str]:
-        forced = opts["moe_path"]
+    def _experts_path(env: Env, ws: list[torch.Tensor], transposed: bool, storage: str, opts: Fp8WeightsOptions) -> tuple[str, str]:
+        forced = opts.moe_path
         sg = check("scaled_grouped_mm", env)
         aligned = all(w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0 for w in ws)
         sg_ok = sg.ok and storage == "float8" and not transposed and aligned and ws[0].dtype == torch.bfloat16
@@ -484,16 +517,34 @@ class Fp8Weights(Recipe):
         gm = check("grouped_mm", env)
         return "hit", f"no fp8 grouped kernel ({why}); hit experts then {'native grouped_mm' if gm.ok else 'one expert at a time'}"
 
-    # ------------------------------------------------------------------ applying
-    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
-        from ..fp8_io import Fp8ConversionError
+    # ------------------------------------------------------------------ forwards for loaded checkpoints
+    # mpsboost.fp8_io binds these on layers it loads already converted (published fp8 checkpoints); it
+    # reaches them through the registry, so that neither module imports the other.
+    @staticmethod
+    def linear_forward(**fields: Any) -> tuple[_State, Any]:
+        """A converted linear layer's state (``fields``: kind, compute_dtype, granularity, gemv_max_m,
+        bias_in_mm, large) and the forward that reads it."""
+        state = _State(**fields)
+        return state, _linear_forward(state)
 
+    @classmethod
+    def experts_forward(cls, env: Env, ws: list[torch.Tensor], transposed: bool, storage: str, *,
+                        compute_dtype: torch.dtype, granularity: str, gather_max: int) -> tuple[_State, Any, str, str]:
+        """A converted experts module's state and forward, and the path it takes for many tokens with why."""
+        large, why = cls._experts_path(env, ws, transposed, storage, Fp8WeightsOptions())
+        state = _State(kind="experts", compute_dtype=compute_dtype, granularity=granularity, large_path=large,
+                       compiled_path=_compiled_path(large), gather_max=gather_max,
+                       native_grouped=check("grouped_mm", env).ok, histc_int=check("histc_int", env).ok)
+        return state, _experts_forward(state), large, why
+
+    # ------------------------------------------------------------------ applying
+    def apply(self, match: Match, decision: Decision, env: Env, options: Fp8WeightsOptions) -> Patch:
         opts = _parse(options)
         mod, d = match.module, decision.details
         names = ("weight",) if d["kind"] == "linear" else _expert_weight_names(mod)
         tr = bool(getattr(mod, "is_transposed", False))
         k_dims = (1,) if d["kind"] == "linear" else ((1 if tr else 2),) * 2
-        load = opts["load"]
+        load = opts.load
         # Validate now, while the transaction can still roll back: after this, conversion at commit
         # cannot fail on the data.
         for n in names:
@@ -512,29 +563,36 @@ class Fp8Weights(Recipe):
             bias_in_mm = d["path_kind"] in ("fused", "mps_scaled_mm") and d["storage"] == "float8" and \
                 fp8_ops.scaled_mm_bias_supported(str(device))
             state = _State(kind=d["path_kind"], compute_dtype=compute_dtype, granularity=d["granularity"],
-                           gemv_max_m=d["gemv_max_m"], bias_in_mm=bias_in_mm, large=d.get("large", "dequant"))
+                           gemv_max_m=d["gemv_max_m"], bias_in_mm=bias_in_mm, large=d.get("large", "dequant"),
+                           backing=decision.backing)
             fwd = _linear_forward(state)
         else:
             state = _State(kind="experts", compute_dtype=compute_dtype, granularity=d["granularity"], large_path=d["large_path"],
                            compiled_path=d["compiled_path"], gather_max=d["gather_max_pairs"],
-                           native_grouped=check("grouped_mm", env).ok, histc_int=check("histc_int", env).ok)
+                           native_grouped=check("grouped_mm", env).ok, histc_int=check("histc_int", env).ok,
+                           backing=decision.backing)
             fwd = _experts_forward(state)
-        # The state rides along in the module's mpsboost record, where save_fp8 finds it.
-        undo_fwd = bind_forward(mod, NAME, fwd, fp8=state)
 
-        def commit() -> None:
-            try:
-                _convert(mod, names, d["granularity"], d["storage"], k_dims, load, match.path)
-            except Exception as exc:  # out of memory at commit: keep this layer as it was, say so
-                undo_fwd()
-                warnings.warn(f"mpsboost: fp8_weights could not convert {match.path} ({type(exc).__name__}: {exc}); "
-                              "it keeps its original weights and forward", stacklevel=3)
-                return
-            state.converted = True
+        def converted() -> None:
+            state.mark_converted()
             if d["kind"] == "linear" and d["path_kind"] == "fused" and d["gemv_max_m"] > 0:
                 _tune_gemv(mod, compute_dtype)
 
-        return Undo(undo_fwd, commit=commit, reversible=False, description=f"{NAME}: {match.path}")
+        def keep_original(exc: BaseException) -> None:  # out of memory at commit: this layer stays as it was
+            warnings.warn(f"mpsboost: fp8_weights could not convert {match.path} ({type(exc).__name__}: {exc}); "
+                          "it keeps its original weights and forward", stacklevel=5)
+
+        # The state rides along in the module's mpsboost record, where save_fp8 finds it. Nothing is
+        # converted before the transaction commits: a rollback leaves the very same weights.
+        convert = _converter(d["granularity"], d["storage"], dict(zip(names, k_dims)), load, match.path)
+        return Patch.chain(
+            [bind_forward(mod, NAME, fwd, fp8=state),
+             # print(model) shows an FP8Linear (FP8<Experts>): a per-instance class swap, kept with the conversion.
+             swap_class(mod, NAME, _fp8_class(type(mod))),
+             replace_at_commit(mod, names, convert, explanation=self.unpatch_hint(), description=f"{NAME}: convert {match.path}"),
+             at_commit(converted, f"{NAME}: {match.path} converted")],
+            on_commit_error=keep_original, description=f"{NAME}: {match.path}",
+        )
 
     def unpatch_hint(self) -> str:
         return ("reload the model from its checkpoint (from_pretrained); to skip the conversion next time, save the "

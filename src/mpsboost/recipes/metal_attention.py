@@ -27,14 +27,16 @@ On CPU and CUDA it does not apply. ``options={"metal_attention": {"force": True}
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
 from ..gate import Env, Verdict, check
 from ..ops.attention import METAL_HEAD_DIMS, metal_head_dim_ok, sdpa
 from . import _hf
-from ..registry import Decision, Match, Recipe, Undo, class_path, matches_class, register, set_instance_attr
+from ..registry import (Changes, Decision, Match, Patch, Recipe, class_path, keep_attrs, matches_class, register,
+                        register_in_interface, set_instance_attr)
 
 IMPLEMENTATION = "mpsboost_metal"
 _PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
@@ -83,20 +85,13 @@ def metal_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-_REGISTERED = False
-
-
-def _register_with_transformers() -> None:
-    """Add ``"mpsboost_metal"`` to transformers' attention and mask interfaces (idempotent, adds a key only)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
+def _register_with_transformers() -> list[Patch]:
+    """Add ``"mpsboost_metal"`` to transformers' attention and mask interfaces (once; adds a key only)."""
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
     from transformers.modeling_utils import AttentionInterface
 
-    AttentionInterface.register(IMPLEMENTATION, metal_attention_forward)
-    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
-    _REGISTERED = True
+    return [register_in_interface(AttentionInterface, IMPLEMENTATION, lambda: metal_attention_forward),
+            register_in_interface(AttentionMaskInterface, IMPLEMENTATION, lambda: sdpa_mask)]
 
 
 def _head_dim(cfg: Any) -> int | None:
@@ -109,6 +104,13 @@ def _head_dim(cfg: Any) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class MetalAttentionOptions:
+    """``options={"metal_attention": {...}}``: ``force`` applies it on any env (tests, CUDA)."""
+
+    force: bool = False
+
+
 @register
 class MetalAttention(Recipe):
     name = "metal_attention"
@@ -119,6 +121,7 @@ class MetalAttention(Recipe):
     requires = ()
     default = True
     order = 100
+    Options = MetalAttentionOptions
 
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
         covered: list[torch.nn.Module] = []
@@ -133,12 +136,12 @@ class MetalAttention(Recipe):
             elif matches_class(mod, (_DIFFUSERS_ATTENTION,)):
                 yield Match(mod, path, {"kind": "diffusers"})
 
-    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+    def decide(self, match: Match, env: Env, options: MetalAttentionOptions) -> Decision:
         kind = match.data.get("kind")
         found = self._decide_transformers(match) if kind == "transformers" else self._decide_diffusers(match)
         if not found.applicable:
             return found
-        if options.get("force", False):
+        if options.force:
             return Decision.apply(found.backing, f"forced by options (force=True); {found.reason}", **found.details)
         v = _native_kernels(env)
         if not v.ok:
@@ -183,7 +186,7 @@ class MetalAttention(Recipe):
         return Decision.apply(f"sdpa ({_SDPA_PROCESSOR[pname]})", f"was {pname}", processor=_SDPA_PROCESSOR[pname])
 
     # -------------------------------------------------------------- applying
-    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+    def apply(self, match: Match, decision: Decision, env: Env, options: MetalAttentionOptions) -> Patch:
         if match.data.get("kind") == "transformers":
             return self._apply_transformers(match.module)
         import diffusers.models.attention_processor as ap
@@ -191,23 +194,19 @@ class MetalAttention(Recipe):
         processor = getattr(ap, decision.details["processor"])()
         return set_instance_attr(match.module, self.name, "processor", processor)
 
-    def _apply_transformers(self, model: torch.nn.Module) -> Undo:
-        _register_with_transformers()
-        before = [(cfg, cfg.__dict__.get("_attn_implementation_internal")) for cfg in _hf.configs(model)]
-        model.set_attn_implementation(IMPLEMENTATION)
-        if getattr(model.config, "_attn_implementation", None) != IMPLEMENTATION:
-            # Restore whatever set_attn_implementation touched before reporting.
-            for cfg, value in before:
-                cfg._attn_implementation_internal = value
-            raise RuntimeError(f"{class_path(type(model))} did not accept attention implementation {IMPLEMENTATION!r}")
-        undo_attr = set_instance_attr(model, self.name, "_mpsboost_attention_before", tuple(v for _, v in before))
-
-        def undo() -> None:
-            for cfg, value in before:
-                cfg._attn_implementation_internal = value
-            undo_attr()
-
-        return Undo(undo, description="metal_attention: restore attention implementations")
+    def _apply_transformers(self, model: torch.nn.Module) -> Patch:
+        with Changes() as ch:
+            for k in _register_with_transformers():
+                ch.add(k)
+            configs = list(_hf.configs(model))
+            before = tuple(c.__dict__.get("_attn_implementation_internal") for c in configs)
+            # Whatever set_attn_implementation touches is restored on failure and on undo.
+            ch.add(keep_attrs(configs, "_attn_implementation_internal"))
+            model.set_attn_implementation(IMPLEMENTATION)
+            if getattr(model.config, "_attn_implementation", None) != IMPLEMENTATION:
+                raise RuntimeError(f"{class_path(type(model))} did not accept attention implementation {IMPLEMENTATION!r}")
+            ch.add(set_instance_attr(model, self.name, "_mpsboost_attention_before", before))
+        return ch.patch(description="metal_attention: restore attention implementations")
 
 
 def _native_kernels(env: Env) -> Verdict:

@@ -45,15 +45,14 @@ import dataclasses
 import contextlib
 import os
 import types
-import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Iterator
 
 import torch
 
 from ..gate import Env, check
 from ..ops import moe as moe_ops
-from ..registry import Decision, Match, Recipe, Undo, join_path, bind_forward, matches_class, register
+from ..registry import Changes, Decision, Match, Patch, Recipe, bind_forward, held_by, hold_instance_attr, join_path, matches_class, no_change, register, set_attr
 
 NAME = "moe_experts"
 
@@ -63,7 +62,19 @@ _JETMOE = (
     "transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE",
     "transformers.models.jetmoe.modeling_jetmoe.JetMoeMoA",
 )
-_OPTION_KEYS = ("fp8", "batched_max_tokens", "compiled_batched_max_tokens", "compiled_batched_form", "path", "cuda_eager")
+
+
+@dataclass(frozen=True)
+class MoeExpertsOptions:
+    """``options={"moe_experts": {...}}`` (see the module docstring); None: from the tuning file."""
+
+    batched_max_tokens: int | None = None
+    compiled_batched_max_tokens: int | None = None
+    compiled_batched_form: str | None = None
+    path: str = "auto"
+    cuda_eager: bool = False
+
+
 # Eager generate() on CUDA (H200, whole job, stock and patched alternated in one run) showed no gain from
 # the recipe's own paths: decode per token no different (that run's time-to-first-token figures included
 # the patch call and are void). There the eager forward runs transformers' own kernels (chosen per call
@@ -142,9 +153,11 @@ class _Choice:
                                    compiling=compiling, device_type=self.sim_device or dev)
 
 
-def _int_option(options: Mapping[str, Any], key: str, default: int) -> int:
-    value = options.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+def _int_option(options: MoeExpertsOptions, key: str, default: int) -> int:
+    value = getattr(options, key)
+    if value is None:
+        return default
+    if value < 0:
         raise ValueError(f"moe_experts option {key}={value!r}: expected an int >= 0 (routed token-expert pairs per call)")
     return value
 
@@ -259,10 +272,8 @@ def _jetmoe_experts_forward(choice: _Choice):
 
 # ----------------------------------------------------------------------------------------- generate()'s decode switch
 
-# Per patched model: one vote per patched experts module, True where that module follows
-# transformers' decode switch (no measured thresholds here). Weak keys: a model that goes away
-# takes its entry along.
-_DECODE_VOTES: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+# One vote per patched experts module of a model, held with the bound switch (registry.hold_instance_attr):
+# True where that module follows transformers' decode switch (no measured thresholds here).
 _DECODE_ATTR = "_optimize_model_for_decode"
 
 
@@ -277,52 +288,30 @@ def _decode_switch(model):
     while it would touch only those. Where a patched module follows the switch (no measurement for
     this device), or a config the recipe does not own names grouped_mm, transformers' switch runs.
     """
-    votes = _DECODE_VOTES.get(model, ())
+    votes = held_by(model, _DECODE_ATTR) or ()
     impls = model.get_experts_implementation() if hasattr(model, "get_experts_implementation") else {}
     unowned = any(v == _DEFAULT_IMPL and v is not OWNED for v in impls.values())
-    if any(follow for _, follow in votes) or unowned:
+    if any(votes) or unowned:
         with type(model)._optimize_model_for_decode(model):
             yield
     else:
         yield
 
 
-def _hold_decode_switch(root: torch.nn.Module, follow: bool) -> Undo:
+def _hold_decode_switch(root: torch.nn.Module, follow: bool) -> Patch:
     """Bind :func:`_decode_switch` on ``root`` (once for all its experts modules); undone by the last holder."""
     if not callable(getattr(type(root), _DECODE_ATTR, None)):
-        return Undo(lambda: None, description=f"{NAME}: no generate() decode switch on {type(root).__name__}")
-    if _DECODE_ATTR in root.__dict__ and root not in _DECODE_VOTES:
-        # Someone else bound it on this instance: leave theirs in place and follow it.
-        return Undo(lambda: None, description=f"{NAME}: decode switch already bound on the instance")
-    votes = _DECODE_VOTES.setdefault(root, [])
-    token = object()
-    votes.append((token, follow))
-    if len(votes) == 1:
-        root.__dict__[_DECODE_ATTR] = types.MethodType(_decode_switch, root)
-
-    def undo() -> None:
-        left = [v for v in _DECODE_VOTES.get(root, []) if v[0] is not token]
-        if left:
-            _DECODE_VOTES[root] = left
-            return
-        _DECODE_VOTES.pop(root, None)
-        if getattr(root.__dict__.get(_DECODE_ATTR), "__func__", None) is _decode_switch:
-            del root.__dict__[_DECODE_ATTR]
-
-    return Undo(undo, description=f"{NAME}: restore generate()'s decode switch")
+        return no_change(f"{NAME}: no generate() decode switch on {type(root).__name__}")
+    # Someone else bound it on this instance: hold_instance_attr leaves theirs in place and we follow it.
+    return hold_instance_attr(root, _DECODE_ATTR, lambda: types.MethodType(_decode_switch, root), follow,
+                              description=f"{NAME}: restore generate()'s decode switch")
 
 
-def _own_config(config) -> Undo:
+def _own_config(config) -> Patch:
     """Store :data:`OWNED` as the config's experts implementation; undo puts the plain default back
     if nobody chose another implementation in between."""
-    if config._experts_implementation_internal is not OWNED:
-        config._experts_implementation_internal = OWNED
-
-    def undo() -> None:
-        if config.__dict__.get("_experts_implementation_internal") is OWNED:
-            config._experts_implementation_internal = _DEFAULT_IMPL
-
-    return Undo(undo, description=f"{NAME}: restore config._experts_implementation")
+    return set_attr(config, "_experts_implementation_internal", OWNED, restore=_DEFAULT_IMPL,
+                    description=f"{NAME}: restore config._experts_implementation")
 
 
 # ----------------------------------------------------------------------------------------- the recipe
@@ -348,6 +337,7 @@ class MoeExperts(Recipe):
     reversible = True
     requires = ()
     order = 100
+    Options = MoeExpertsOptions
 
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
         for name, mod in root.named_modules():
@@ -361,14 +351,11 @@ class MoeExperts(Recipe):
                 yield Match(mod, join_path(prefix, name), {"kind": "jetmoe"})
 
     # ------------------------------------------------------------------ deciding
-    def _choice(self, match: Match, env: Env, options: Mapping[str, Any]) -> tuple[_Choice, str, str]:
+    def _choice(self, match: Match, env: Env, options: MoeExpertsOptions) -> tuple[_Choice, str, str]:
         """(the static choice for this module, why, why the native kernel is out for its dtype or "")."""
-        unknown = sorted(set(options) - set(_OPTION_KEYS))
-        if unknown:
-            raise ValueError(f"unknown moe_experts option(s) {unknown}; accepted: {', '.join(_OPTION_KEYS[1:])}")
         native = check("grouped_mm", env)
         thr = moe_ops.thresholds_for_env(env, native.ok)
-        forced = options.get("path", "auto")
+        forced = options.path
         if forced not in ("auto", *moe_ops.PATHS):
             raise ValueError(f"moe_experts option path={forced!r}: expected 'auto' or one of {', '.join(moe_ops.PATHS)}")
         weights = self._weights(match)
@@ -394,10 +381,10 @@ class MoeExperts(Recipe):
             compiled_batched_max_tokens=_int_option(options, "compiled_batched_max_tokens", thr.compiled_batched_max_tokens),
             forced=None if forced == "auto" else forced,
             histc_int=check("histc_int", env).ok,
-            compiled_form=options.get("compiled_batched_form", thr.compiled_batched_form),
+            compiled_form=options.compiled_batched_form if options.compiled_batched_form is not None else thr.compiled_batched_form,
             follow_decode_switch=thr.follow_decode_switch,
             eager_stock=(env.device_type == "cuda" and forced == "auto" and match.data["kind"] == "hf"
-                         and not options.get("cuda_eager", False)),
+                         and not options.cuda_eager),
             sim_device=env.device_type if env.simulated else None,
         )
         if choice.compiled_form not in ("fused", "bmm"):
@@ -425,7 +412,7 @@ class MoeExperts(Recipe):
         impl = getattr(match.module.config, "_experts_implementation", _DEFAULT_IMPL)
         return None if impl == _DEFAULT_IMPL else impl
 
-    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+    def decide(self, match: Match, env: Env, options: MoeExpertsOptions) -> Decision:
         chosen = self._user_choice(match)
         if chosen is not None:
             return Decision.skip(
@@ -464,30 +451,26 @@ class MoeExperts(Recipe):
         )
 
     # ------------------------------------------------------------------ applying
-    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+    def apply(self, match: Match, decision: Decision, env: Env, options: MoeExpertsOptions) -> Patch:
         choice, _, _ = self._choice(match, env, options)
         m, kind = match.module, match.data["kind"]
         if kind == "stacked":
             return bind_forward(m, NAME, _stacked_forward(choice))
         if kind == "dbrx":
             return bind_forward(m, NAME, _dbrx_forward(choice))
-        undos: list[Undo] = []
-        try:
+        with Changes() as ch:
             if kind == "hf":
                 if choice.eager_stock:
                     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
                     choice = dataclasses.replace(choice, stock_functions=(ALL_EXPERTS_FUNCTIONS["batched_mm"],
                                                                           ALL_EXPERTS_FUNCTIONS["grouped_mm"]))
-                undos.append(_own_config(m.config))
-                undos.append(_hold_decode_switch(match.data["root"], choice.follow_decode_switch))
-                undos.append(bind_forward(m, NAME, _hf_forward(choice)))
-                return Undo.chain(undos, description=f"{NAME}: restore experts forward, config and decode switch")
+                ch.add(_own_config(m.config))
+                ch.add(_hold_decode_switch(match.data["root"], choice.follow_decode_switch))
+                ch.add(bind_forward(m, NAME, _hf_forward(choice)))
+                return ch.patch(description=f"{NAME}: restore experts forward, config and decode switch")
             # JetMoE: the router keeps sizes on the device, both parallel-expert layers take them as a tensor.
-            undos.append(bind_forward(m.router, NAME, _jetmoe_router_forward))
+            ch.add(bind_forward(m.router, NAME, _jetmoe_router_forward))
             for lin in (m.input_linear, m.output_linear):
-                undos.append(bind_forward(lin, NAME, _jetmoe_experts_forward(choice)))
-        except BaseException:
-            Undo.chain(undos)()
-            raise
-        return Undo.chain(undos, description=f"{NAME}: restore JetMoE router and experts forwards")
+                ch.add(bind_forward(lin, NAME, _jetmoe_experts_forward(choice)))
+        return ch.patch(description=f"{NAME}: restore JetMoE router and experts forwards")

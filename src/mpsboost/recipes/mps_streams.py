@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import importlib
 import types
-from typing import Any, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
@@ -28,7 +29,7 @@ from ..gate import Env, check
 from ..ops import vae_tiles
 from . import _vae as vae_patch
 from ..ops.streams import SideStream
-from ..registry import Decision, Match, Recipe, Undo, join_path, matches_class, register, set_instance_attr
+from ..registry import Decision, Match, Recipe, Patch, join_path, matches_class, register, set_instance_attr
 
 _FAMILIES = (vae_patch.WAN, vae_patch.QWEN)
 
@@ -38,6 +39,13 @@ def _family(module: torch.nn.Module) -> vae_patch.VaeClasses | None:
         if matches_class(module, (fam.vae,)):
             return fam
     return None
+
+
+@dataclass(frozen=True)
+class MpsStreamsOptions:
+    """``options={"mps_streams": {...}}``: ``on_cuda`` opts in on CUDA."""
+
+    on_cuda: bool = False
 
 
 @register
@@ -50,6 +58,7 @@ class MpsStreams(Recipe):
     requires = ("device_streams",)
     default = True
     order = 110  # after wan_vae_pad / qwen_image_vae, whose tile loop this one replaces
+    Options = MpsStreamsOptions
 
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
         for name, mod in root.named_modules():
@@ -57,13 +66,8 @@ class MpsStreams(Recipe):
             if fam is not None:
                 yield Match(mod, join_path(prefix, name), {"family": fam.family})
 
-    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
-        unknown = sorted(k for k in options if k not in ("fp8", "on_cuda"))
-        if unknown:
-            raise ValueError(f"{self.name} does not know option(s) {unknown}; accepted: on_cuda (True/False)")
-        on_cuda = options.get("on_cuda", False)
-        if not isinstance(on_cuda, bool):
-            raise ValueError(f"{self.name} option on_cuda={on_cuda!r} is not accepted; pass True or False")
+    def decide(self, match: Match, env: Env, options: MpsStreamsOptions) -> Decision:
+        on_cuda = options.on_cuda
         v = check("device_streams", env)
         if not v.ok:
             return Decision.skip(v.reason)
@@ -81,7 +85,7 @@ class MpsStreams(Recipe):
             use_tiling=bool(getattr(match.module, "use_tiling", False)),
         )
 
-    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+    def apply(self, match: Match, decision: Decision, env: Env, options: MpsStreamsOptions) -> Patch:
         fam = _family(match.module)
         mod = importlib.import_module(vae_patch.MODULES[fam.family])
         from diffusers.models.autoencoders.vae import DecoderOutput

@@ -11,13 +11,13 @@ about a third of the FLOPs, and no cache copies since nothing follows the frame.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Iterator, Mapping
+from typing import Iterator
 
 import torch
 
 from ..gate import Env, check
 from . import _vae as vae_patch
-from ..registry import Decision, Match, Recipe, Undo, register
+from ..registry import Decision, Match, Recipe, Patch, register
 
 CLASSES = vae_patch.QWEN
 
@@ -44,11 +44,12 @@ class QwenImageVae(Recipe):
     requires = ()
     default = True
     order = 100
+    Options = vae_patch.VaePadOptions
 
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
         return vae_patch.find_targets(root, prefix, CLASSES)
 
-    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+    def decide(self, match: Match, env: Env, options: vae_patch.VaePadOptions) -> Decision:
         opts = vae_patch.parse_options(self.name, options, env.device_type)
         backing = "conv padding fold" + (", 2-D conv for single frame" if opts.single_frame_2d else "")
         decision = vae_patch.decide(self.name, CLASSES, match, env, options, backing)
@@ -56,7 +57,7 @@ class QwenImageVae(Recipe):
             decision = replace(decision, reason=f"{decision.reason}; {_single_frame_reason(env)}")
         return decision
 
-    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+    def apply(self, match: Match, decision: Decision, env: Env, options: vae_patch.VaePadOptions) -> Patch:
         opts = vae_patch.parse_options(self.name, options, env.device_type)
         spec = out_cls = None
         if match.data.get("vae"):

@@ -31,14 +31,15 @@ import functools
 import inspect
 import re
 import types
-from typing import Any, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
 from .. import tuning
 from ..gate import Env, check
 from ..ops.sampling import CURRENT, SamplingState, sampling_globals, with_globals
-from ..registry import ATTR, Decision, Match, Recipe, Undo, class_path, matches_class, register
+from ..registry import ATTR, Decision, Match, Patch, Recipe, class_path, matches_class, register, swap_class, swapped_class_key
 
 _GENERATIVE = "transformers.generation.utils.GenerationMixin"
 _PATHS = ("auto", "probs", "logits")
@@ -102,7 +103,7 @@ def _subclass(cls: type, logits_path: bool) -> type:
         rest = list(rv[2:])
         if rest and isinstance(rest[0], dict) and ATTR in rest[0]:
             state = dict(rest[0])
-            store = {k: v for k, v in state[ATTR].items() if k != "softmax"}
+            store = {k: v for k, v in state[ATTR].items() if k != swapped_class_key("softmax")}
             if store:
                 state[ATTR] = store
             else:
@@ -122,6 +123,13 @@ def _subclass(cls: type, logits_path: bool) -> type:
     return sub
 
 
+@dataclass(frozen=True)
+class SoftmaxOptions:
+    """``options={"softmax": {...}}``: ``path`` "auto", "probs" or "logits" (see the module docstring)."""
+
+    path: str = "auto"
+
+
 @register
 class Softmax(Recipe):
     name = "softmax"
@@ -132,14 +140,15 @@ class Softmax(Recipe):
     requires = ()
     default = True
     order = 100
+    Options = SoftmaxOptions
 
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
         for name, mod in root.named_modules():
             if matches_class(mod, self.targets) and hasattr(type(mod), "_sample"):
                 yield Match(mod, ".".join(p for p in (prefix, name) if p) or "<root>")
 
-    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
-        path = options.get("path", "auto")
+    def decide(self, match: Match, env: Env, options: SoftmaxOptions) -> Decision:
+        path = options.path
         if path not in _PATHS:
             raise ValueError(f"softmax option 'path' must be one of {_PATHS}, got {path!r}")
         cls = type(match.module)
@@ -178,28 +187,6 @@ class Softmax(Recipe):
                                   f"{step['logits']} us on logits ({_TUNING}: {t.describe()}); {syncs}", logits=True)
         return Decision.apply("native softmax, sync-free draw", f"{v.reason}; {syncs}", logits=False)
 
-    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+    def apply(self, match: Match, decision: Decision, env: Env, options: SoftmaxOptions) -> Patch:
         model = match.module
-        original = type(model)
-        sub = _subclass(original, bool(decision.details.get("logits", False)))
-        store = model.__dict__.setdefault(ATTR, {})
-        if self.name in store:
-            raise RuntimeError("softmax already patched this model")
-        store[self.name] = {"class": original}
-        model.__class__ = sub
-
-        def undo() -> None:
-            entry = model.__dict__.get(ATTR, {}).get(self.name)
-            if entry is None:
-                return
-            if type(model) is not sub:
-                raise RuntimeError(
-                    f"the class of this model was changed after mpsboost patched it (now {class_path(type(model))}); "
-                    f"cannot restore {class_path(entry['class'])}"
-                )
-            model.__class__ = entry["class"]
-            model.__dict__[ATTR].pop(self.name, None)
-            if not model.__dict__.get(ATTR):
-                model.__dict__.pop(ATTR, None)
-
-        return Undo(undo, description="softmax: restore the model's class")
+        return swap_class(model, self.name, _subclass(type(model), bool(decision.details.get("logits", False))))

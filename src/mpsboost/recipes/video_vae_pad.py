@@ -35,13 +35,14 @@ True}}`` applies it anywhere.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 import torch
 
 from ..gate import FEATURES, Env, check
 from ..ops import pad5d as p5
-from ..registry import Decision, Match, Recipe, Undo, bind_forward, call_original, join_path, matches_class, register, set_instance_attr
+from ..registry import Changes, Decision, Match, Patch, Recipe, bind_forward, call_original, join_path, matches_class, register, set_instance_attr
 
 _AE = "diffusers.models.autoencoders"
 
@@ -129,6 +130,13 @@ def _gate_reasons(env: Env) -> list[str]:
     return [v.reason for v in (check(n, env) for n in names) if not v.ok]
 
 
+@dataclass(frozen=True)
+class VideoVaePadOptions:
+    """``options={"video_vae_pad": {...}}``: ``force`` applies it on any env."""
+
+    force: bool = False
+
+
 @register
 class VideoVaePad(Recipe):
     name = NAME
@@ -139,21 +147,19 @@ class VideoVaePad(Recipe):
     requires = ()
     default = True
     order = 100
+    Options = VideoVaePadOptions
 
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
         for name, mod in root.named_modules():
             if matches_class(mod, VAES):
                 yield Match(mod, join_path(prefix, name))
 
-    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
-        unknown = sorted(set(options) - {"force", "fp8"})
-        if unknown:
-            raise ValueError(f"{NAME} does not know option(s) {unknown}; accepted: force")
+    def decide(self, match: Match, env: Env, options: VideoVaePadOptions) -> Decision:
         counts = count_targets(match.module)
         if sum(counts.values()) == 0:
             return Decision.skip("no module of this VAE pads a 5-D tensor", **counts)
         backing = "conv padding fold + pad as slice copies" if counts["folded"] else "pad as slice copies"
-        if options.get("force", False):
+        if options.force:
             return Decision.apply(backing, "forced by options (force=True)", **counts)
         if env.device_type != "mps":
             return Decision.skip(f"pads of 5-D tensors are native and correct on {env.device_type}; stock kept", **counts)
@@ -169,7 +175,7 @@ class VideoVaePad(Recipe):
         )
         return Decision.apply(backing, reason, **counts)
 
-    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+    def apply(self, match: Match, decision: Decision, env: Env, options: VideoVaePadOptions) -> Patch:
         def routed(self_: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
             with p5.Pad5dMode():
                 return call_original(self_, NAME, *args, **kwargs)
@@ -187,16 +193,11 @@ class VideoVaePad(Recipe):
             return p5.conv3d_padding_mode(self_, x)
 
         forwards = {"route": routed, "fold_cosmos": fold_cosmos, "fold_vidtok": fold_vidtok, "pad_conv": pad_conv, "conv_mode": conv_mode}
-        undos: list[Undo] = []
-        try:
+        with Changes() as ch:
             # A mark on the VAE itself: patch() sees it patched (a second call is a no-op).
-            undos.append(set_instance_attr(match.module, NAME, "_mpsboost_pad5d", True))
+            ch.add(set_instance_attr(match.module, NAME, "_mpsboost_pad5d", True))
             for m in match.module.modules():
                 k = _kind(m)
                 if k:
-                    undos.append(bind_forward(m, NAME, forwards[k]))
-        except BaseException:
-            for u in reversed(undos):
-                u()
-            raise
-        return Undo.chain(undos, description=f"{NAME}: restore forwards")
+                    ch.add(bind_forward(m, NAME, forwards[k]))
+        return ch.patch(description=f"{NAME}: restore forwards")

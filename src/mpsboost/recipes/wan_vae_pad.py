@@ -11,13 +11,13 @@ tile loop that blends as it goes; on CUDA also channels-last activations and a f
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping
+from typing import Iterator
 
 import torch
 
 from ..gate import Env
 from . import _vae as vae_patch
-from ..registry import Decision, Match, Recipe, Undo, register
+from ..registry import Decision, Match, Recipe, Patch, register
 
 CLASSES = vae_patch.WAN
 
@@ -32,14 +32,15 @@ class WanVaePad(Recipe):
     requires = ()
     default = True
     order = 100
+    Options = vae_patch.VaePadOptions
 
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
         return vae_patch.find_targets(root, prefix, CLASSES)
 
-    def decide(self, match: Match, env: Env, options: Mapping[str, Any]) -> Decision:
+    def decide(self, match: Match, env: Env, options: vae_patch.VaePadOptions) -> Decision:
         return vae_patch.decide(self.name, CLASSES, match, env, options, "conv padding fold")
 
-    def apply(self, match: Match, decision: Decision, env: Env, options: Mapping[str, Any]) -> Undo:
+    def apply(self, match: Match, decision: Decision, env: Env, options: vae_patch.VaePadOptions) -> Patch:
         opts = vae_patch.parse_options(self.name, options, env.device_type)
         spec = out_cls = None
         if match.data.get("vae"):
