@@ -34,9 +34,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
-import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -47,7 +45,7 @@ import mpsboost
 import mpsboost.ops.moe
 from mpsboost.bench.memory import measure_memory
 from mpsboost.bench.quality import relative_error
-from mpsboost.bench.records import Correctness, OpTime, Record, RecordEnv, Throughput, Workload
+from mpsboost.bench.records import Correctness, Record, RecordEnv, Throughput, Workload
 from mpsboost.bench.harness import copy_bandwidth
 from mpsboost.bench.timing import synchronize, time_fn
 
@@ -66,7 +64,6 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 HF_IMPLS = ("eager", "batched_mm", "grouped_mm")
 STOCK = "stock"  # transformers as configured by default: grouped_mm (generate() switches decoding to batched_mm off CPU)
-COPY_BW_FALLBACK = 4.15e12  # bytes/s, H200 device copy (read + write), FACTS.md; used only off CUDA
 
 
 class _Run:
@@ -149,10 +146,12 @@ def _env(device: str, dtype: torch.dtype, compile: bool | str = False) -> Record
     return RecordEnv.capture(device, dtype, compile=compile)
 
 
-def _copy_bandwidth(device: str) -> tuple[float, str]:
-    if not device.startswith("cuda"):
-        return COPY_BW_FALLBACK, "H200 copy bandwidth from FACTS.md (not measured in this run)"
-    return copy_bandwidth(device, nbytes=2 << 30), "measured in this run: device copy of 2 GiB, read + write bytes over time"
+def _copy_bandwidth(device: str) -> tuple[float | None, str]:
+    """The device's copy bandwidth measured in this run; None on the CPU (a memcpy figure is no ceiling)."""
+    bw = copy_bandwidth(device, nbytes=2 << 30)
+    if bw is None:
+        return None, "not measured on this device (no bandwidth share is computed)"
+    return bw, "measured in this run: device copy of 2 GiB, read + write bytes over time"
 
 
 # ----------------------------------------------------------------------------------------- stage 1: sweep
@@ -501,7 +500,7 @@ def _compiled_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict, bw: f
         run.summary.append(f"compiled {layers} layers: not run (time budget)")
         return
     model = _build_model(s, layers, dev, dtype)
-    limit_s = _active_bytes_per_token(model, s) / bw
+    limit_s = _active_bytes_per_token(model, s) / bw if bw else None
     env = _env(dev, dtype, compile="reduce-overhead, static cache (transformers generate)")
     prompt = torch.randint(0, s["vocab"], (1, s["prompt"]), device=dev)
     n1, n2 = s["compiled_new"]
@@ -550,17 +549,18 @@ def _compiled_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict, bw: f
             a = min(gen(n1) for _ in range(2))
             b = min(gen(n2) for _ in range(2))
         per_tok = (b - a) / (n2 - n1)
-        frac = limit_s / per_tok if per_tok > 0 else float("nan")
+        frac = limit_s / per_tok if per_tok > 0 and limit_s is not None else None
         run.add(Record(
             workload=Workload("moe-decode-compiled", {"layers": layers, "batch": 1, "context": s["prompt"], "hidden": s["hidden"],
                                                       "experts": s["experts"], "top_k": s["top_k"], "moe_intermediate": s["inter"]}),
             variant=v, env=env, throughput=Throughput(1.0 / per_tok, "tokens/s", seconds_per_call=per_tok, items_per_call=1),
-            extra={"ms_per_token": per_tok * 1e3, "hbm_limit_ms_per_token": limit_s * 1e3, "fraction_of_hbm_limit": frac,
+            extra={"ms_per_token": per_tok * 1e3, "hbm_limit_ms_per_token": None if limit_s is None else limit_s * 1e3, "fraction_of_hbm_limit": frac,
                    "copy_bandwidth_bytes_per_s": bw, "copy_bandwidth_source": bw_source, "first_generate_s": compile_s,
                    "method": f"(t(generate {n2}) - t(generate {n1})) / {n2 - n1}, best of 2 each",
                    "fullgraph": cc.fullgraph},
         ))
-        line = f"compiled {v:24s} {layers} layers: decode {per_tok * 1e3:7.3f} ms/token = {frac * 100:5.1f}% of HBM limit {limit_s * 1e3:.3f} ms (first generate {compile_s:.0f}s)"
+        share = "no HBM limit measured" if frac is None else f"{frac * 100:5.1f}% of HBM limit {limit_s * 1e3:.3f} ms"
+        line = f"compiled {v:24s} {layers} layers: decode {per_tok * 1e3:7.3f} ms/token = {share} (first generate {compile_s:.0f}s)"
         run.log(line)
         run.summary.append(line)
     _set_variant(model, "transformers:grouped_mm")
@@ -580,7 +580,7 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     r = _Run(device, Path(out), budget)
     torch.manual_seed(0)
     bw, bw_source = _copy_bandwidth(device)
-    r.log(f"{device} torch {torch.__version__}; copy bandwidth {bw / 1e12:.2f} TB/s ({bw_source})")
+    r.log(f"{device} torch {torch.__version__}; copy bandwidth " + (f"{bw / 1e12:.2f} TB/s ({bw_source})" if bw else bw_source))
     times = _sweep(r, s, dtype) if "sweep" in stages else {}
     bound = _threshold(times, s) if times else mpsboost.ops.moe.thresholds_for(device.split(":")[0], True).batched_max_tokens
     options = {"batched_max_tokens": bound}

@@ -302,6 +302,11 @@ def test_transformers_fp8_moe_blocks(tmp_path, env, experts):
     assert _rel(_lm_out(model), _lm_out(ref)) < RTOL
     with pytest.raises(IrreversiblePatchError, match="fp8_weights"):
         mpsboost.unpatch(model)
+    # The loaded layers print as what they are, as after patch(fp8=...).
+    q = model.model.layers[0].self_attn.q_proj
+    assert type(q).__name__ == "FP8Linear" and isinstance(q, torch.nn.Linear)
+    assert "granularity=block" in repr(q) and "block=[16, 48]" in repr(q) and "backing=block-scaled fp8" in repr(q)
+    assert type(experts_mod).__name__.startswith("FP8") and isinstance(experts_mod, type(experts_mod).__mro__[1])
 
 
 @pytest.mark.parametrize("env", ["mps-2.14.1", "cpu"])
@@ -525,12 +530,14 @@ def _rewrite(folder: Path, out: Path, *, drop=(), replace=None, config=None) -> 
 
 def _unchanged_after(model, call, err, *words):
     before = tm.snapshot(model)
+    classes = {name: type(m) for name, m in model.named_modules()}
     with pytest.raises(err) as info:
         call()
     msg = str(info.value)
     for w in words:
         assert w in msg, (w, msg)
     assert not tm.diff_snapshot(before, tm.snapshot(model))
+    assert {name: type(m) for name, m in model.named_modules()} == classes  # no layer left as FP8Linear
     assert not mpsboost.api.is_patched(model)
     assert all(p.device.type == "meta" for p in model.parameters())
     return msg
@@ -616,22 +623,60 @@ def test_scaled_fp8_without_scales_and_compressed_tensors_wrong_scales(tmp_path)
                      "compressed-tensors", key, "[7, 1]")
 
 
-def test_a_failure_while_reading_puts_every_tensor_back(fp8_folder, monkeypatch):
+@pytest.mark.parametrize("fmt", ["mpsboost", "compressed-tensors"])
+@pytest.mark.parametrize("fail_at", ["early", "late"])
+def test_a_failure_while_reading_puts_every_tensor_back(fp8_folder, tmp_path, monkeypatch, fail_at, fmt):
     from mpsboost import fp8_formats
 
-    model = _meta_lm(_qwen3_config)
+    if fmt == "compressed-tensors":  # published formats are read by load_fp8 itself, layer by layer
+        write_compressed_tensors(_lm(_qwen3_config), tmp_path / "ct", strategy="channel")
+        fp8_folder = tmp_path / "ct"
+
     real = fp8_formats.read_tensor
+    total = {"n": 0}
+
+    def counting(entry, out=None):
+        total["n"] += 1
+        return real(entry, out)
+
+    monkeypatch.setattr(fp8_formats, "read_tensor", counting)
+    mpsboost.load_fp8(_meta_lm(_qwen3_config), fp8_folder, device="cpu")
+    # early: among the first tensors; late: after almost every tensor was read into place
+    stop = 12 if fail_at == "early" else total["n"] - 2
+    model = _meta_lm(_qwen3_config)
     calls = {"n": 0}
 
     def flaky(entry, out=None):
         calls["n"] += 1
-        if calls["n"] == 12:
+        if calls["n"] == stop:
             raise OSError("disk went away")
         return real(entry, out)
 
     monkeypatch.setattr(fp8_formats, "read_tensor", flaky)
     _unchanged_after(model, lambda: mpsboost.load_fp8(model, fp8_folder, device="cpu"), Fp8FileError, "disk went away", "nothing was changed")
-    assert calls["n"] == 12
+    assert calls["n"] == stop
+
+
+def test_a_failure_while_binding_gives_back_every_class(tmp_path, monkeypatch):
+    # Published formats: every tensor is read first, then each layer gets its forward and its fp8 class;
+    # a failure at the third layer must give the first two back their original class (and tensors).
+    from mpsboost import registry
+
+    write_compressed_tensors(_lm(_qwen3_config), tmp_path / "ct", strategy="channel")
+    model = _meta_lm(_qwen3_config)
+    real = registry.bind_forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("bind failed")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(registry, "bind_forward", flaky)
+    _unchanged_after(model, lambda: mpsboost.load_fp8(model, tmp_path / "ct", device="cpu"), Fp8FileError, "bind failed",
+                     "nothing was changed")
+    assert calls["n"] == 3
 
 
 # ------------------------------------------------------------------------------------------ memory

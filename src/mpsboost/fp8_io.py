@@ -796,7 +796,7 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
     from .fp8_formats import read_tensor
     from .ops import fp8 as fp8_ops
     from .ops import fp8_moe
-    from .registry import Match, Undo, bind_forward, get_recipe
+    from .registry import Match, Undo, bind_forward, get_recipe, swap_class
     from .report import APPLIED, Row
 
     # The fp8_weights recipe's forwards, through the registry (fp8_io imports no recipe module).
@@ -906,6 +906,9 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
             reason = f"{'+'.join(schemes)} scales per expert from {where}, {storage} storage: {why}"
         undo_fwd = bind_forward(mod, _RECIPE, fwd, fp8=state)
         undo_log.append(undo_fwd)
+        # The layer prints as what it now is (FP8Linear / FP8<Experts>), as after patch(fp8=...).
+        state.backing = backing
+        undo_log.append(swap_class(mod, _RECIPE, recipe.layer_class(type(mod))))
         state.converted = True
         rows.append(Row(_RECIPE, path, APPLIED, backing, reason, details))
         applied.append((recipe, Match(mod, path, {"kind": qts[0].kind}), Undo(undo_fwd, reversible=False, description=f"{_RECIPE}: {path} (loaded)")))

@@ -223,11 +223,14 @@ def _fp8_repr(module: torch.nn.Module) -> str:
     codes = getattr(module, names[0])
     dtype = "float8_e4m3fn" if codes.dtype == torch.float8_e4m3fn else f"float8_e4m3fn codes in {str(codes.dtype).replace('torch.', '')}"
     parts = [f"fp8={dtype}", f"granularity={state.granularity}"]
+    if getattr(state, "block", None):
+        parts.append(f"block={list(state.block)}")
     for n in names:
-        scale = getattr(module, n + "_scale")
         if n != "weight":
             parts.append(f"{n}={list(getattr(module, n).shape)}")
-        parts.append(f"{n}_scale={list(scale.shape)}")
+        scale = getattr(module, n + "_scale", None)
+        if scale is not None:
+            parts.append(f"{n}_scale={list(scale.shape)}")
     parts.append(f"compute_dtype={str(state.compute_dtype).replace('torch.', '')}")
     parts.append(f"backing={getattr(state, 'backing', None) or state.kind}")
     return ", ".join(parts)
@@ -520,6 +523,11 @@ class Fp8Weights(Recipe):
     # ------------------------------------------------------------------ forwards for loaded checkpoints
     # mpsboost.fp8_io binds these on layers it loads already converted (published fp8 checkpoints); it
     # reaches them through the registry, so that neither module imports the other.
+    @staticmethod
+    def layer_class(cls: type) -> type:
+        """The class a converted ``cls`` instance is swapped to (:func:`_fp8_class`; used by load_fp8 too)."""
+        return _fp8_class(cls)
+
     @staticmethod
     def linear_forward(**fields: Any) -> tuple[_State, Any]:
         """A converted linear layer's state (``fields``: kind, compute_dtype, granularity, gemv_max_m,
