@@ -27,9 +27,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _lm(kind: str, *, dtype=torch.float32, layers: int = 2, inter: int = 16, impl: str | None = None):
+def _lm(kind: str, *, dtype=torch.float32, layers: int = 2, inter: int = 16, impl: str | None = None,
+        decisive_router: bool | None = None):
     """A tiny causal LM of ``kind`` with random weights; ``impl``: an experts implementation set in the
-    config before the model is built (as ``from_pretrained(..., experts_implementation=...)`` does)."""
+    config before the model is built (as ``from_pretrained(..., experts_implementation=...)`` does).
+
+    ``decisive_router`` (default: in bf16) scales the router weights by 20 so that no token's top-k is a
+    near tie: two evaluation orders of one bf16 model may otherwise pick different experts for a token
+    (about one seed in eight here), which changes that token's output entirely and is not what the
+    patched-vs-stock comparisons measure."""
     import transformers as T
 
     common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -47,7 +53,12 @@ def _lm(kind: str, *, dtype=torch.float32, layers: int = 2, inter: int = 16, imp
         raise KeyError(kind)
     if impl is not None:
         cfg._experts_implementation = impl
-    return _init(T.AutoModelForCausalLM.from_config(cfg), 0.3).to(dtype)
+    model = _init(T.AutoModelForCausalLM.from_config(cfg), 0.3)
+    if decisive_router if decisive_router is not None else dtype == torch.bfloat16:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.mul_(20)
+    return model.to(dtype)
 
 
 def _experts_modules(model):
