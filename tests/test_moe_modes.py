@@ -5,6 +5,8 @@ Random weights and inputs (seed per test from ``rng_seed``); tolerances are rela
 """
 from __future__ import annotations
 
+import copy
+
 import contextlib
 from unittest import mock
 
@@ -245,8 +247,10 @@ def test_compiled_forward_equals_eager_patched(env_name, rng_seed):
 
     dtype = ENVS[env_name][2]
     model = _lm("qwen3_moe", dtype=dtype).eval()
+    ref32 = copy.deepcopy(model).float()  # the same weights, unpatched, in fp32: the truth both are held to
     ids = torch.randint(0, 96, (2, 40))  # 160 pairs: above every compiled batched threshold
     with torch.no_grad():
+        truth = ref32(ids).logits
         report = mpsboost.patch(model, recipes=["moe_experts"], device=_env(env_name))
         assert all(r.status == "applied" for r in report.rows if r.recipe == "moe_experts"), report
         eager = model(ids).logits
@@ -257,7 +261,15 @@ def test_compiled_forward_equals_eager_patched(env_name, rng_seed):
     # grouped_mm traces in bf16 only (and MPS before 2.15 has none): the dense fallback otherwise.
     native = dtype == torch.bfloat16 and env_name != "mps_2.14.1"
     assert _grouped_mm_calls(cnt.graphs[0]) == (4 if native else 0)
-    assert _rel(out, eager) <= (BF16_TOL if dtype == torch.bfloat16 else COMPILED_FP32_TOL)
+    if dtype == torch.bfloat16:
+        # Eager and compiled bf16 round at different points (inductor keeps fused intermediates in fp32);
+        # each lands about 1e-2 from the fp32 model, and over some 60 seeds either was up to 2.4e-2 from
+        # the other or from the fp32 truth (a token near a top-k tie can take another expert). A wrong
+        # expert for every token or a dropped projection is at ~1: 5e-2 holds both to the fp32 truth.
+        assert _rel(out, truth) <= 2.5 * BF16_TOL and _rel(eager, truth) <= 2.5 * BF16_TOL
+        assert _rel(out, eager) <= 2.5 * BF16_TOL
+    else:
+        assert _rel(out, eager) <= COMPILED_FP32_TOL
     mpsboost.unpatch(model)
     torch._dynamo.reset()
 
