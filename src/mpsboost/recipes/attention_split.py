@@ -30,7 +30,7 @@ import torch
 from ..gate import FEATURES, Env, check
 from ..ops.attention_split import MAX_SCORES, SdpaSplitMode, score_elements
 from . import _hf
-from ..registry import (Changes, Decision, Match, Patch, Recipe, bind_forward, call_original, class_path, keep_attrs, matches_class,
+from ..registry import (Changes, Decision, Match, Patch, Recipe, bind_forward, call_original, matches_class,
                         register, register_in_interface, set_instance_attr)
 
 NAME = "attention_split"
@@ -174,15 +174,6 @@ class AttentionSplit(Recipe):
         return ch.patch(description=f"{NAME}: restore attention forwards")
 
     def _apply_transformers(self, model: torch.nn.Module, limit: int) -> Patch:
-        with Changes() as ch:
-            name, keys = _register_with_transformers(limit)
-            for k in keys:
-                ch.add(k)
-            configs = list(_hf.configs(model))
-            before = tuple(c.__dict__.get("_attn_implementation_internal") for c in configs)
-            ch.add(keep_attrs(configs, "_attn_implementation_internal"))
-            model.set_attn_implementation(name)
-            if getattr(model.config, "_attn_implementation", None) != name:
-                raise RuntimeError(f"{class_path(type(model))} did not accept attention implementation {name!r}")
-            ch.add(set_instance_attr(model, NAME, "_mpsboost_split_before", before))
-        return ch.patch(description=f"{NAME}: restore attention implementations")
+        name, keys = _register_with_transformers(limit)
+        return _hf.use_attn_implementation(model, NAME, name, keys, "_mpsboost_split_before",
+                                           f"{NAME}: restore attention implementations")

@@ -35,7 +35,7 @@ import torch
 from ..gate import Env, Verdict, check
 from ..ops.attention import METAL_HEAD_DIMS, metal_head_dim_ok, sdpa
 from . import _hf
-from ..registry import (Changes, Decision, Match, Patch, Recipe, class_path, keep_attrs, matches_class, register,
+from ..registry import (Decision, Match, Patch, Recipe, class_path, matches_class, register,
                         register_in_interface, set_instance_attr)
 
 IMPLEMENTATION = "mpsboost_metal"
@@ -195,18 +195,9 @@ class MetalAttention(Recipe):
         return set_instance_attr(match.module, self.name, "processor", processor)
 
     def _apply_transformers(self, model: torch.nn.Module) -> Patch:
-        with Changes() as ch:
-            for k in _register_with_transformers():
-                ch.add(k)
-            configs = list(_hf.configs(model))
-            before = tuple(c.__dict__.get("_attn_implementation_internal") for c in configs)
-            # Whatever set_attn_implementation touches is restored on failure and on undo.
-            ch.add(keep_attrs(configs, "_attn_implementation_internal"))
-            model.set_attn_implementation(IMPLEMENTATION)
-            if getattr(model.config, "_attn_implementation", None) != IMPLEMENTATION:
-                raise RuntimeError(f"{class_path(type(model))} did not accept attention implementation {IMPLEMENTATION!r}")
-            ch.add(set_instance_attr(model, self.name, "_mpsboost_attention_before", before))
-        return ch.patch(description="metal_attention: restore attention implementations")
+        # _register_with_transformers() runs first: a failure there leaves nothing to undo.
+        return _hf.use_attn_implementation(model, self.name, IMPLEMENTATION, _register_with_transformers(),
+                                           "_mpsboost_attention_before", "metal_attention: restore attention implementations")
 
 
 def _native_kernels(env: Env) -> Verdict:
