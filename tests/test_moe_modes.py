@@ -21,6 +21,10 @@ from test_moe_zoo import _init
 
 FP32_TOL = 1e-5   # patched vs transformers eager, fp32 (different summation order only)
 BF16_TOL = 2e-2   # bf16: different accumulation order and rounding points
+# Eager against compiled in bf16: inductor keeps fused intermediates in fp32, so the two round at
+# different points; each lands about 1e-2 from the fp32 model and, over some 60 seeds, up to 2.4e-2 from
+# the other (a token near a top-k tie can take another expert). A broken path is at ~1.
+COMPILED_BF16_TOL = 5e-2
 COMPILED_FP32_TOL = 1e-4  # inductor's fused reductions reorder fp32 sums
 
 
@@ -236,7 +240,7 @@ def test_several_layers_compile_into_one_graph_without_recompiles(rng_seed):
         eager2 = model(ids2).logits
     assert cnt.frame_count == 1, f"{cnt.frame_count} frames compiled"
     assert _grouped_mm_calls(cnt.graphs[0]) == 8  # up and down projections of 4 layers
-    assert _rel(out, eager) <= BF16_TOL and _rel(out2, eager2) <= BF16_TOL
+    assert _rel(out, eager) <= COMPILED_BF16_TOL and _rel(out2, eager2) <= COMPILED_BF16_TOL
     mpsboost.unpatch(model)
     torch._dynamo.reset()
 
@@ -262,12 +266,9 @@ def test_compiled_forward_equals_eager_patched(env_name, rng_seed):
     native = dtype == torch.bfloat16 and env_name != "mps_2.14.1"
     assert _grouped_mm_calls(cnt.graphs[0]) == (4 if native else 0)
     if dtype == torch.bfloat16:
-        # Eager and compiled bf16 round at different points (inductor keeps fused intermediates in fp32);
-        # each lands about 1e-2 from the fp32 model, and over some 60 seeds either was up to 2.4e-2 from
-        # the other or from the fp32 truth (a token near a top-k tie can take another expert). A wrong
-        # expert for every token or a dropped projection is at ~1: 5e-2 holds both to the fp32 truth.
-        assert _rel(out, truth) <= 2.5 * BF16_TOL and _rel(eager, truth) <= 2.5 * BF16_TOL
-        assert _rel(out, eager) <= 2.5 * BF16_TOL
+        # Both held to the fp32 truth as well as to each other (see COMPILED_BF16_TOL).
+        assert _rel(out, truth) <= COMPILED_BF16_TOL and _rel(eager, truth) <= COMPILED_BF16_TOL
+        assert _rel(out, eager) <= COMPILED_BF16_TOL
     else:
         assert _rel(out, eager) <= COMPILED_FP32_TOL
     mpsboost.unpatch(model)
@@ -361,7 +362,7 @@ def test_cuda_bf16_forward_and_static_cache_generate(rng_seed):
         assert paths == ["grouped_mm", "grouped_mm"]
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, dynamic=False)(ids).logits
-    assert _rel(eager, ref) <= BF16_TOL and _rel(compiled, eager) <= BF16_TOL
+    assert _rel(eager, ref) <= BF16_TOL and _rel(compiled, eager) <= COMPILED_BF16_TOL
     mpsboost.unpatch(model)
     # Greedy tokens compared in fp32 (bf16 rounding differences could flip an argmax).
     model = _lm("qwen3_moe").eval().cuda()
