@@ -5,8 +5,8 @@ weight bytes fastest, and how close each gets to the device's copy bandwidth; wh
 ``generate()`` is measured by ``benchmarks/e2e.py``.
 
 For each (N, K) of the Qwen3-8B decoder and its lm_head, ``L`` distinct weights (together well over the
-L2 cache, as the layers of one decode step are) are run one after the other inside one CUDA graph, and
-the graph is replayed; the time per layer is the replay time over ``L``. Variants, all in one process:
+L2 cache, as the layers of one decode step are) are run one after the other, captured into one CUDA
+graph (``mpsboost.bench.timing.time_fn``); the time per layer is the time per cycle over ``L``. Variants, all in one process:
 
 * ``bf16``: ``F.linear`` on the bf16 weights (cuBLAS), the baseline a user has without fp8;
 * ``fp8 mma <cfg>`` / ``fp8 row <cfg>``: each launch configuration the tuner considers, for the
@@ -44,30 +44,6 @@ SHAPES = {  # (N, K): what one Qwen3-8B decode step runs at batch 1
 }
 
 
-def _graph_time(fn, replays: int, repeats: int) -> list[float]:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(replays):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / 1e3 / replays)
-    return out
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -83,6 +59,7 @@ def main(argv=None) -> int:
 
     import mpsboost
     from mpsboost.bench.harness import copy_bandwidth
+    from mpsboost.bench.timing import time_fn
     from mpsboost.ops import fp8_triton as ft
 
     dev = torch.device("cuda")
@@ -131,7 +108,7 @@ def main(argv=None) -> int:
                         ft._launch(x, codes[i], scales[i].reshape(-1), None, outs[i], cfg)
                 wbytes = n * k + 4 * n
             try:
-                ts = _graph_time(fn, replays, a.repeats)
+                ts = list(time_fn(fn, device=dev, warmup=2, repeats=a.repeats, cuda_graph=True, calls=replays).samples_s)
             except Exception as exc:  # noqa: BLE001 - a configuration that fails to compile is recorded
                 records.append({"shape": name, "n": n, "k": k, "variant": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
                 print(f"{name:14s} {label:44s} failed: {exc}"[:200])

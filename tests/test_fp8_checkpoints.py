@@ -186,25 +186,19 @@ def write_compressed_tensors(model, folder: Path, strategy="channel"):
     return ref
 
 
-# diffusers' names -> the original Wan repository's (the inverse of convert_wan_transformer_to_diffusers).
-_WAN_BACK = [
-    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"), ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
-    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"), ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-    ("condition_embedder.time_proj", "time_projection.1"), ("attn2", "cross_attn"), ("attn1", "self_attn"), (".to_out.0.", ".o."),
-    (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
-    ("norm2", "norm__x"), ("norm3", "norm2"), ("norm__x", "norm3"),
-]
-
-
 def _wan_original_name(key: str) -> str:
-    if key == "scale_shift_table":
-        return "head.modulation"
-    if key.startswith("proj_out."):
-        return "head.head." + key[len("proj_out."):]
-    out = key.replace("scale_shift_table", "modulation")
-    for a, b in _WAN_BACK:
-        out = out.replace(a, b)
-    return out
+    """diffusers' Wan key -> the original Wan repository's: the cookbook's mapping (recipes/fp8_checkpoint.py),
+    which writes such files offline; diffusers' own single-file conversion maps them back on load."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("mpsboost_cookbook_fp8_checkpoint", root / "recipes" / "fp8_checkpoint.py")
+    module = sys.modules.get(spec.name)
+    if module is None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[spec.name] = module
+    return module.wan_original_name(key)
 
 
 def write_scaled_fp8(model, path: Path, prefix="model.diffusion_model.", original_names=True):

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Mapping
 
-from .errors import CudaGraphCaptureError, TimingError
-from .timing import Timing, _summarise, device_type_of, time_fn
+from .errors import TimingError
+from .timing import Timing, _summarise, capture_cuda_graph, device_type_of, time_fn
 
 __all__ = [
     "copy_bandwidth",
@@ -121,22 +121,7 @@ def _sampler(fn: Callable[[], Any], device: Any, calls: int, cuda_graph: bool) -
     kind = device_type_of(device)
     if kind == "cuda":
         if cuda_graph:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            try:
-                with torch.cuda.stream(side):
-                    fn()
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(calls):
-                        fn()
-                torch.cuda.synchronize()
-            except Exception as exc:  # capture fails with many error types
-                with contextlib.suppress(Exception):
-                    torch.cuda.synchronize()
-                raise CudaGraphCaptureError(f"could not capture the timed function into a CUDA graph ({type(exc).__name__}: {exc})") from exc
+            graph = capture_cuda_graph(fn, calls=calls)
             graph.replay()
             torch.cuda.synchronize()
 

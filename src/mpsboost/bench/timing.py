@@ -274,19 +274,20 @@ class _HostSync(Exception):
     """fn synchronised with the host during the pre-capture check."""
 
 
-def _time_cuda_graph(fn, *, warmup: int, repeats: int, calls: int, progress) -> Timing:
+def capture_cuda_graph(fn, *, warmup: int = 1, calls: int = 1):
+    """``calls`` calls of ``fn`` captured into one ``torch.cuda.CUDAGraph``, after ``warmup`` calls on a
+    side stream (capture needs the allocator and cuBLAS workspaces set up outside the graph) and one
+    call under ``set_sync_debug_mode("error")``: a function that synchronises with the host is refused
+    before any capture is attempted (a failed capture can leave the stream in capture state).
+    Raises :class:`CudaGraphCaptureError` saying why."""
     import torch
 
-    # Warm up on a side stream, as capture requires (allocator and cuBLAS workspaces get set up
-    # outside the graph), then capture `calls` calls into one graph.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     try:
         with torch.cuda.stream(side):
             for _ in range(max(warmup, 1)):
                 fn()
-            # A capture that fails on a host sync can leave the CUDA generator and stream in capture
-            # state for the rest of the process: find syncs first, with capture never attempted.
             previous = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
             try:
@@ -319,6 +320,13 @@ def _time_cuda_graph(fn, *, warmup: int, repeats: int, calls: int, progress) -> 
             "Graphs need static shapes, no host synchronisation (.item(), .tolist(), nonzero, printing) "
             "and no CPU tensors inside; time with cuda_graph=False, or cuda_graph='auto' to fall back"
         ) from exc
+    return graph
+
+
+def _time_cuda_graph(fn, *, warmup: int, repeats: int, calls: int, progress) -> Timing:
+    import torch
+
+    graph = capture_cuda_graph(fn, warmup=warmup, calls=calls)
     graph.replay()  # one untimed replay: first replay uploads the graph
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]

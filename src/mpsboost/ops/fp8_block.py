@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .fp8 import FP8_DTYPE, decode_e4m3
+from .fp8 import widen
 
 __all__ = ["expand_block_scale", "dequantize_block", "fp8_block_linear", "fp8_block_experts", "check_block_scale"]
 
@@ -45,14 +45,6 @@ def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[i
     return s.repeat_interleave(bk, dim=-1)[..., :cols]
 
 
-def _widen(q: torch.Tensor) -> torch.Tensor:
-    if q.dtype == torch.uint8:
-        return decode_e4m3(q, torch.float32)
-    if q.dtype == FP8_DTYPE:
-        return q.float()
-    raise TypeError(f"block-scaled fp8 weights are float8_e4m3fn or uint8 codes, got {q.dtype}")
-
-
 def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """Codes ``[..., N, K]`` and block scales -> ``dtype`` ``[..., N, K]``: ``code * scale`` in float32, rounded once."""
     bn, bk = block
@@ -67,7 +59,7 @@ def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
         for r in range(0, rows, per):
             r1 = min(rows, r + per)
             sc = expand_block_scale(s2[e, r // bn: -(-r1 // bn)], r1 - r, cols, block)
-            o2[e, r:r1] = (_widen(q2[e, r:r1]) * sc).to(dtype)
+            o2[e, r:r1] = (widen(q2[e, r:r1]) * sc).to(dtype)
     return out
 
 
