@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -765,27 +765,27 @@ def render(text: str, results: Path | None = None, blocks: dict[str, Callable[..
     return _MARKER.sub(sub, text)
 
 
-def check(root: Path = ROOT, results: Path | None = None, docs: Sequence[str] = DOCS) -> list[str]:
-    """Unified diffs of every document whose generated blocks differ from the records (empty: all current)."""
-    diffs = []
+def _stale(root: Path, results: Path | None, docs: Sequence[str]) -> Iterator[tuple[str, Path, str, str]]:
+    """(doc, path, committed text, text from the records) of every document whose generated blocks differ."""
     for doc in docs:
         path = root / doc
         old = path.read_text(encoding="utf-8")
         new = render(old, results)
         if new != old:
-            diffs.append("".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"{doc} (committed)", f"{doc} (from records)")))
-    return diffs
+            yield doc, path, old, new
+
+
+def check(root: Path = ROOT, results: Path | None = None, docs: Sequence[str] = DOCS) -> list[str]:
+    """Unified diffs of every document whose generated blocks differ from the records (empty: all current)."""
+    return ["".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"{doc} (committed)", f"{doc} (from records)"))
+            for doc, _, old, new in _stale(root, results, docs)]
 
 
 def write(root: Path = ROOT, results: Path | None = None, docs: Sequence[str] = DOCS) -> list[str]:
     changed = []
-    for doc in docs:
-        path = root / doc
-        old = path.read_text(encoding="utf-8")
-        new = render(old, results)
-        if new != old:
-            path.write_text(new, encoding="utf-8")
-            changed.append(doc)
+    for doc, path, _, new in list(_stale(root, results, docs)):
+        path.write_text(new, encoding="utf-8")
+        changed.append(doc)
     return changed
 
 
