@@ -641,15 +641,19 @@ def block_fp8_load(results: Path | None = None) -> str:
             dev_b, dev_v = base.memory.tensor_allocated, var.memory.tensor_allocated
             host_b, host_v = base.extra["host_peak_bytes"], var.extra["host_peak_bytes"]
             rel = var.correctness.rel_error if var.correctness else None
+            f32, floor = var.extra.get("rel_error_vs_fp32"), var.extra.get("bf16_reference_vs_fp32")
+            floor_text = "not recorded" if f32 is None else f"{f32:.1e} (stock bf16: {floor:.1e})"
             path_text = "; ".join(var.extra.get("backing") or []) or "-"
             rows.append([f"{sh['workload']} ({sh['layers']} layers), {sh['format']}; files: bf16 {gib(sh['bf16_bytes'])}, fp8 {gib(sh['fp8_bytes'])}",
                          path_text,
                          f"{base.throughput.value:.1f} s -> {var.throughput.value:.1f} s (one run each)",
                          f"{gib(dev_b)} -> {gib(dev_v)} ({dev_v / dev_b:.3f}x)", f"{gib(host_b)} -> {gib(host_v)} ({host_v / host_b:.3f}x)",
-                         "-" if rel is None else f"{rel:.1e}", source(path.name, g)])
+                         "-" if rel is None else f"{rel:.1e}", floor_text, source(path.name, g)])
     if not rows:
         return "No fp8_load records committed yet."
-    return md_table(["workload", "fp8 forward path (as recorded)", "load time: bf16 + convert -> load_fp8", "device tensor peak", "host peak", "logits rel. error vs the file's exact dequantisation", "record"], rows)
+    return md_table(["workload", "fp8 forward path (as recorded)", "load time: bf16 + convert -> load_fp8", "device tensor peak", "host peak",
+                     "output rel. error vs the file's exact dequantisation (stock bf16 forward)",
+                     "rel. error vs a float32 forward of the same weights", "record"], rows)
 
 
 def block_e2e(results: Path | None = None) -> str:

@@ -84,6 +84,26 @@ def test_round_trip_error_is_within_half_an_e4m3_step(granularity, dtype, rng_se
         assert fp8_ops.sqnr_db(back, wf) >= 28.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("storage", ["float8", "uint8"])
+def test_dequantize_rounds_the_fp32_product_once(dtype, granularity, storage, rng_seed):
+    """dequantize() widens the codes straight to the compute dtype and multiplies in place; the result
+    must be bit for bit code x scale in float32, rounded once (not a product with a rounded scale)."""
+    w = torch.randn(96, 130) * torch.rand(96, 1) * 7
+    q, s = fp8_ops.quantize(w, granularity, storage)
+    codes = q.view(torch.float8_e4m3fn) if storage == "uint8" else q
+    want = (codes.float() * s.float()).to(dtype)
+    got = fp8_ops.dequantize(q, s, dtype)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # What the 0-dim trap (a tensorwise scale left out of type promotion) or a rounded scale would give
+    # differs: the comparison above can fail.
+    rounded = (codes.to(dtype) * s.to(dtype)).to(dtype)
+    assert not torch.equal(rounded.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(fp8_ops.fused_dequantize(codes, s, dtype).view(torch.int16), want.view(torch.int16))
+
+
 def test_uint8_storage_holds_the_same_bits_and_decodes_identically(rng_seed):
     w = torch.randn(64, 96, dtype=torch.bfloat16) * 0.1
     for gran in ("rowwise", "tensorwise"):
@@ -337,7 +357,7 @@ _OPCHECK = ("test_faketensor", "test_aot_dispatch_static")
 
 
 def test_registered_operators_match_their_references_and_fakes(rng_seed):
-    """mpsboost::fp8_gemv and mpsboost::fp8_quantize_rows on CPU (their reference kernels), checked by
+    """mpsboost::fp8_gemv, mpsboost::fp8_quantize_rows and mpsboost::fp8_dequantize on CPU (their reference kernels), checked by
     torch.library.opcheck (schema, fake kernel, dispatch) and against the dequantised layer."""
     w = torch.randn(48, 96, dtype=torch.bfloat16)
     b = torch.randn(48, dtype=torch.bfloat16)
@@ -359,6 +379,9 @@ def test_registered_operators_match_their_references_and_fakes(rng_seed):
     rq, rs = fp8_ops.quantize_rows(x)
     assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(xs, rs)
     torch.library.opcheck(torch.ops.mpsboost.fp8_quantize_rows.default, (x,), test_utils=_OPCHECK)
+    for gran in ("rowwise", "tensorwise"):
+        q, s = fp8_ops.quantize(w, gran, "float8")
+        torch.library.opcheck(torch.ops.mpsboost.fp8_dequantize.default, (q, s, torch.bfloat16), test_utils=_OPCHECK)
 
 
 def test_scaled_mm_bias_is_a_patch_time_probe(rng_seed):
@@ -547,6 +570,12 @@ assert torch.equal(s, s2), "scales"
 # hardware's, and the cuda-marked test holds the kernel to torch's codes. Here: scales exact, and
 # the codes torch and the kernel agree on are the clear majority.
 same = (q.view(torch.uint8) == q2.view(torch.uint8)).float().mean().item()
+# The one-pass dequantisation: bit for bit dequantize() (fp16 out: numpy rounds fp32 -> fp16 correctly).
+for n, k in [(37, 300), (5, 4096 + 13)]:
+    for gran in ("rowwise", "tensorwise"):
+        qd, sd = fp8.quantize(torch.randn(n, k) * torch.rand(n, 1) * 9, gran)
+        assert torch.equal(ft.dequantize(qd, sd, torch.float16).view(torch.int16),
+                           fp8.dequantize(qd, sd, torch.float16).view(torch.int16)), (n, k, gran)
 print("WORST", worst, "SAME", same)
 '''
 

@@ -102,7 +102,11 @@ def test_explicit_choice_after_patch_takes_effect(kind, device, rng_seed):
         model.set_experts_implementation("eager")
         eager = model(ids).logits
         model.set_experts_implementation("grouped_mm")
-        report = mpsboost.patch(model, recipes=["moe_experts"])
+        # Eager on CUDA the recipe's default hands calls to transformers' own kernels (bound at patch
+        # time, so the mocks below could not see them); cuda_eager=True takes the recipe's paths, which
+        # is what "the recipe ran" counts.
+        options = {"moe_experts": {"cuda_eager": True}} if device == "cuda" else None
+        report = mpsboost.patch(model, recipes=["moe_experts"], options=options)
         rows = [r for r in report.rows if r.recipe == "moe_experts"]
         assert rows and all(r.status == "applied" for r in rows), report
         assert model.config._experts_implementation is recipe_mod.OWNED
