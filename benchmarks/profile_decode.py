@@ -7,6 +7,13 @@ the kernels by total CUDA time, grouped into GEMV/GEMM, attention, fp8 kernels a
 the wall time of the call next to the summed kernel time (the difference is host time the GPU waited).
 
     python benchmarks/profile_decode.py --device cuda --layers 36 --out OUT
+
+``--workload qwen-image`` profiles one denoising forward of the Qwen-Image transformer instead (real
+widths, random weights, ``--layers`` of its 60 blocks, 1024 image and 64 text tokens: a 512x512 image),
+stock bf16 against ``patch(transformer, fp8="rowwise")`` (what ``load_fp8`` of a scaled_fp8 file
+gives), each forward run twice first:
+
+    python benchmarks/profile_decode.py --device cuda --workload qwen-image --layers 16 --out OUT
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from _diag import append_jsonl  # noqa: E402
 
 def _group(name: str) -> str:
     n = name.lower()
-    if "fp8_gemv" in n or "quant_rows" in n or "_splitk_reduce_kernel" in n:
+    if "fp8_gemv" in n or "quant_rows" in n or "_splitk_reduce_kernel" in n or "_dequant_kernel" in n:
         return "mpsboost fp8"
     if "gemv" in n or "gemm" in n or "sm90_xmma" in n or "cutlass" in n or "nvjet" in n:
         return "cuBLAS GEMM/GEMV"
@@ -40,35 +47,48 @@ def _group(name: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--workload", choices=("qwen3-8b", "qwen-image"), default="qwen3-8b")
+    p.add_argument("--layers", type=int, default=None, help="default: 36 (qwen3-8b), 16 (qwen-image)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.device != "cuda" or not torch.cuda.is_available():
         print("profile_decode profiles CUDA kernels: run it with --device cuda on a CUDA machine")
         return 2
-    import e2e  # the same model builder and config as the matrix
+    import e2e  # the same model builders and configs as the matrix
 
     import mpsboost
 
-    cfg = e2e.llm_config("qwen3-8b", "real", a.layers)
-    prompt = torch.randint(0, cfg.vocab_size, (1, 512), generator=torch.Generator().manual_seed(1)).cuda()
-    rows = []
-    for variant in ("stock", "fp8"):
-        model = e2e.build_llm(cfg, "cuda", torch.bfloat16, 0)
-        if variant == "fp8":
-            mpsboost.patch(model, fp8="rowwise")
+    if a.layers is None:
+        a.layers = 36 if a.workload == "qwen3-8b" else 16
+    if a.workload == "qwen-image":
+        call, build, per, unit = _qwen_image(a.layers)
+    else:
+        cfg = e2e.llm_config("qwen3-8b", "real", a.layers)
+        prompt = torch.randint(0, cfg.vocab_size, (1, 512), generator=torch.Generator().manual_seed(1)).cuda()
         kw = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False,
                   cache_implementation="static", attention_mask=torch.ones_like(prompt))
+
+        def call(model):
+            return model.generate(prompt, **kw)
+
+        def build():
+            return e2e.build_llm(cfg, "cuda", torch.bfloat16, 0)
+
+        per, unit = a.new_tokens, "token"
+    rows = []
+    for variant in ("stock", "fp8"):
+        model = build()
+        report = mpsboost.patch(model, fp8="rowwise") if variant == "fp8" else None
         with torch.no_grad():
-            model.generate(prompt, **kw)  # compile
-            model.generate(prompt, **kw)
+            call(model)  # compile (static cache), tune and allocate
+            call(model)
             torch.cuda.synchronize()
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 t = time.perf_counter()
-                model.generate(prompt, **kw)
+                call(model)
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - t
         kernels: dict[str, float] = {}
@@ -79,21 +99,48 @@ def main(argv=None) -> int:
         groups: dict[str, float] = {}
         for k, v in kernels.items():
             groups[_group(k)] = groups.get(_group(k), 0.0) + v
-        print(f"== {variant}: {a.layers} layers, {a.new_tokens} new tokens after 512: wall {wall * 1e3:.1f} ms, "
+        what = f"{a.new_tokens} new tokens after 512" if a.workload == "qwen3-8b" else "one 512x512 denoising forward"
+        print(f"== {a.workload} {variant}: {a.layers} layers, {what}: wall {wall * 1e3:.1f} ms, "
               f"kernels {total:.1f} ms ({total / wall / 10:.0f}% of wall)")
         for g, v in sorted(groups.items(), key=lambda x: -x[1]):
-            print(f"   {g:20s} {v:8.2f} ms  {v / a.new_tokens:7.3f} ms/token")
+            print(f"   {g:20s} {v:8.2f} ms  {v / per:7.3f} ms/{unit}")
         top = sorted(kernels.items(), key=lambda x: -x[1])[:12]
         for k, v in top:
             print(f"      {v:8.2f} ms  {k[:110]}")
-        rows.append({"variant": variant, "layers": a.layers, "new_tokens": a.new_tokens, "wall_ms": wall * 1e3,
-                     "kernel_ms": total, "groups_ms": groups, "top_kernels_ms": dict(top),
-                     "torch": torch.__version__, "device": torch.cuda.get_device_name()})
+        applied = sorted({f"{r.recipe}: {r.backing}" for r in report.rows if r.status == "applied"}) if report else []
+        rows.append({"workload": a.workload, "variant": variant, "layers": a.layers, "new_tokens": per, "unit": unit,
+                     "wall_ms": wall * 1e3, "kernel_ms": total, "groups_ms": groups, "top_kernels_ms": dict(top),
+                     "applied": applied, "torch": torch.__version__, "device": torch.cuda.get_device_name()})
         del model
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     append_jsonl(a.out, "profile_decode.jsonl", rows)
     return 0
+
+
+def _qwen_image(layers: int):
+    """(call, build, calls per profile, unit) for one denoising forward of the Qwen-Image transformer."""
+    import e2e
+
+    def build():
+        pipe, _ = e2e.build_pipe("qwen-image", "real", "cuda", torch.bfloat16, 0, layers)
+        model = pipe.transformer
+        del pipe
+        return model.eval()
+
+    cfg = e2e.C.config("qwen_image", "real", "transformer.json")
+    g = torch.Generator().manual_seed(3)
+    side = 32  # 512x512 pixels -> 64x64 latent, patch 2 -> 32x32 tokens
+    hs = torch.randn(1, side * side, cfg["in_channels"], generator=g).to("cuda", torch.bfloat16)
+    enc = torch.randn(1, 64, cfg["joint_attention_dim"], generator=g).to("cuda", torch.bfloat16)
+    mask = torch.ones(1, 64, dtype=torch.long, device="cuda")
+    t = torch.tensor([0.5], device="cuda", dtype=torch.bfloat16)
+
+    def call(model):
+        return model(hidden_states=hs, encoder_hidden_states=enc, encoder_hidden_states_mask=mask, timestep=t,
+                     img_shapes=[[(1, side, side)]], return_dict=False)[0]
+
+    return call, build, 1, "forward"
 
 
 if __name__ == "__main__":

@@ -432,7 +432,7 @@ def block_gaps(results: Path | None = None) -> str:
     gs = [x for x in groups(fp, results) if x.workload.name == "decode_linear" and "mpsboost" in x.variants]
     fr = [x.variants["mpsboost"].extra.get("fraction_of_copy_bandwidth") for x in gs]
     fr = [f for f in fr if f is not None]
-    rows.append([f"`fp8_weights` one-token decode, fraction of copy bandwidth on the largest layers", f">= {TARGETS['fp8_decode_fraction']:.0%}",
+    rows.append(["`fp8_weights` one-token decode, fraction of copy bandwidth on the largest layers", f">= {TARGETS['fp8_decode_fraction']:.0%}",
                  f"at most {max(fr):.0%} over the {len(gs)} shapes measured", "not met" if max(fr) < TARGETS["fp8_decode_fraction"] else "met", source(fp, gs[0])])
     sw = sweep_summary(fp, gs, "mpsboost", op="linear")
     total = TARGETS["fp8_decode_shapes"]
@@ -730,11 +730,16 @@ def block_profile_decode(results: Path | None = None) -> str:
         rows = []
         for r in recs:
             groups_ = ", ".join(f"{k} {v / r['new_tokens']:.2f}" for k, v in sorted(r["groups_ms"].items(), key=lambda x: -x[1]))
-            rows.append([r["variant"], f"{r['layers']} layers, {r['new_tokens']} new tokens", f"{r['wall_ms']:.1f} ms",
+            if r.get("unit", "token") == "token":
+                call = f"{r.get('workload', 'qwen3-8b')} static-cache generate(), {r['layers']} layers, {r['new_tokens']} new tokens"
+            else:
+                call = f"{r['workload']} transformer, {r['layers']} layers, one 512x512 denoising forward"
+            rows.append([r["variant"], call, f"{r['wall_ms']:.1f} ms",
                          f"{r['kernel_ms']:.1f} ms ({r['kernel_ms'] / r['wall_ms']:.0%} of the wall)", groups_])
         if rows:
             out.append(f"`{path.name}`: {recs[0]['device']}, torch {recs[0]['torch']}\n\n" + md_table(
-                ["variant", "call", "wall time of generate()", "summed GPU kernel time", "kernel time per new token by group (ms, prefill included)"], rows))
+                ["variant", "call", "wall time of the call", "summed GPU kernel time",
+                 "kernel time per new token (generate(), prefill included) or per forward, by group (ms)"], rows))
     return "\n\n".join(out) or "No profile_decode records committed yet."
 
 
