@@ -4,7 +4,8 @@ A diagnostic, not a benchmark: it explains an end-to-end figure of ``benchmarks/
 A Qwen3-8B-shaped model (random weights, ``--layers`` of its 36) runs ``generate(max_new_tokens=N,
 cache_implementation="static")`` once to compile, then once under ``torch.profiler``; the table lists
 the kernels by total CUDA time, grouped into GEMV/GEMM, attention, fp8 kernels and the rest, and
-the wall time of the call next to the summed kernel time (the difference is host time the GPU waited).
+the wall time of the call next to the summed kernel time (the difference is host time the GPU waited),
+and the median wall time of five calls without the profiler (which adds host time of its own).
 
     python benchmarks/profile_decode.py --device cuda --layers 36 --out OUT
 
@@ -84,6 +85,13 @@ def main(argv=None) -> int:
             call(model)  # compile (static cache), tune and allocate
             call(model)
             torch.cuda.synchronize()
+            plain = []  # the wall time of the call without the profiler's own host cost
+            for _ in range(5):
+                t = time.perf_counter()
+                call(model)
+                torch.cuda.synchronize()
+                plain.append((time.perf_counter() - t) * 1e3)
+            plain_ms = sorted(plain)[2]
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -101,7 +109,7 @@ def main(argv=None) -> int:
             groups[_group(k)] = groups.get(_group(k), 0.0) + v
         what = f"{a.new_tokens} new tokens after 512" if a.workload == "qwen3-8b" else "one 512x512 denoising forward"
         print(f"== {a.workload} {variant}: {a.layers} layers, {what}: wall {wall * 1e3:.1f} ms, "
-              f"kernels {total:.1f} ms ({total / wall / 10:.0f}% of wall)")
+              f"kernels {total:.1f} ms ({total / wall / 10:.0f}% of wall); without the profiler: median {plain_ms:.1f} ms of 5")
         for g, v in sorted(groups.items(), key=lambda x: -x[1]):
             print(f"   {g:20s} {v:8.2f} ms  {v / per:7.3f} ms/{unit}")
         top = sorted(kernels.items(), key=lambda x: -x[1])[:12]
@@ -109,7 +117,7 @@ def main(argv=None) -> int:
             print(f"      {v:8.2f} ms  {k[:110]}")
         applied = sorted({f"{r.recipe}: {r.backing}" for r in report.rows if r.status == "applied"}) if report else []
         rows.append({"workload": a.workload, "variant": variant, "layers": a.layers, "new_tokens": per, "unit": unit,
-                     "wall_ms": wall * 1e3, "kernel_ms": total, "groups_ms": groups, "top_kernels_ms": dict(top),
+                     "wall_ms": wall * 1e3, "plain_wall_ms": plain_ms, "plain_wall_all_ms": plain, "kernel_ms": total, "groups_ms": groups, "top_kernels_ms": dict(top),
                      "applied": applied, "torch": torch.__version__, "device": torch.cuda.get_device_name()})
         del model
         torch._dynamo.reset()

@@ -133,6 +133,29 @@ def test_one_pass_dequantize_is_bit_identical(n, k, granularity, dtype, rng_seed
 
 
 @needs_fp8
+def test_eager_calls_skip_the_dispatcher_traced_and_autograd_calls_do_not(rng_seed):
+    from unittest import mock
+
+    q, s = fp8_ops.quantize(torch.randn(256, 512, device="cuda"), "rowwise", "float8")
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    with mock.patch.object(fp8_ops, "_fp8_gemv_cuda", wraps=fp8_ops._fp8_gemv_cuda) as direct:
+        y = fp8_ops.fp8_gemv(x, q, s)
+        assert direct.call_count == 1
+        xg = x.clone().requires_grad_()
+        yg = fp8_ops.fp8_gemv(xg, q, s)
+        assert direct.call_count == 1  # through the registered operator, which has no backward
+        torch.testing.assert_close(yg.detach(), y, rtol=0, atol=0)
+        with pytest.raises(RuntimeError):
+            yg.sum().backward()
+        compiled = torch.compile(lambda a: fp8_ops.fp8_gemv(a, q, s), fullgraph=True)
+        torch.testing.assert_close(compiled(x), y, rtol=0, atol=0)
+        assert direct.call_count == 1  # the traced call is the operator
+    with mock.patch.object(fp8_ops, "_dequantize_cuda", wraps=fp8_ops._dequantize_cuda) as direct:
+        w = fp8_ops.fused_dequantize(q, s, torch.bfloat16)
+        assert direct.call_count == 1 and torch.equal(w, fp8_ops.dequantize(q, s, torch.bfloat16))
+
+
+@needs_fp8
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 4096])
 @pytest.mark.parametrize("n,k", [(3072, 3072), (1537, 1001)])
 @pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
