@@ -15,6 +15,8 @@ stock bf16 against ``patch(transformer, fp8="rowwise")`` (what ``load_fp8`` of a
 gives), each forward run twice first:
 
     python benchmarks/profile_decode.py --device cuda --workload qwen-image --layers 16 --out OUT
+
+``--host-profile`` adds a cProfile of one call (the Python functions by their own time).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--workload", choices=("qwen3-8b", "qwen-image"), default="qwen3-8b")
     p.add_argument("--layers", type=int, default=None, help="default: 36 (qwen3-8b), 16 (qwen-image)")
+    p.add_argument("--host-profile", action="store_true", help="also cProfile one call: the Python functions by own time")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -92,6 +95,7 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 plain.append((time.perf_counter() - t) * 1e3)
             plain_ms = sorted(plain)[2]
+            host = _host_profile(call, model) if a.host_profile else None
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
@@ -118,12 +122,31 @@ def main(argv=None) -> int:
         applied = sorted({f"{r.recipe}: {r.backing}" for r in report.rows if r.status == "applied"}) if report else []
         rows.append({"workload": a.workload, "variant": variant, "layers": a.layers, "new_tokens": per, "unit": unit,
                      "wall_ms": wall * 1e3, "plain_wall_ms": plain_ms, "plain_wall_all_ms": plain, "kernel_ms": total, "groups_ms": groups, "top_kernels_ms": dict(top),
-                     "applied": applied, "torch": torch.__version__, "device": torch.cuda.get_device_name()})
+                     "applied": applied, "host_profile": host, "torch": torch.__version__, "device": torch.cuda.get_device_name()})
         del model
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     append_jsonl(a.out, "profile_decode.jsonl", rows)
     return 0
+
+
+def _host_profile(call, model, top: int = 25) -> list[dict]:
+    """cProfile of one call: the ``top`` Python functions by own (exclusive) time, printed and returned."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    call(model)
+    torch.cuda.synchronize()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = sorted(((v[2], v[3], v[1], f"{Path(k[0]).name}:{k[1]}:{k[2]}") for k, v in st.stats.items()), reverse=True)[:top]
+    out = []
+    for tt, ct, calls, where in rows:
+        print(f"      host {tt * 1e3:8.2f} ms own, {ct * 1e3:8.2f} ms cumulative, {calls:6d} calls  {where}")
+        out.append({"own_ms": tt * 1e3, "cumulative_ms": ct * 1e3, "calls": calls, "function": where})
+    return out
 
 
 def _qwen_image(layers: int):

@@ -104,6 +104,29 @@ def test_dequantize_rounds_the_fp32_product_once(dtype, granularity, storage, rn
     assert torch.equal(fp8_ops.fused_dequantize(codes, s, dtype).view(torch.int16), want.view(torch.int16))
 
 
+@pytest.mark.parametrize("shape", [(256, 384), (3, 128, 256), (200, 300), (2, 130, 256)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("storage", ["float8", "uint8"])
+def test_block_dequantize_is_the_fp32_product_rounded_once(shape, dtype, storage, monkeypatch, rng_seed):
+    """dequantize_block on tiling and ragged weights, matrices and expert stacks, in several CPU slices
+    (a small slice size forces them) and in one: bit for bit code x its block's scale in fp32, rounded once."""
+    from mpsboost.ops import fp8_block
+
+    block = (128, 128)
+    codes = (torch.randn(shape) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    sshape = tuple(shape[:-2]) + (-(-shape[-2] // 128), -(-shape[-1] // 128))
+    scale = torch.rand(sshape) * 1e-2 + 1e-4
+    expanded = scale.repeat_interleave(128, -2)[..., :shape[-2], :].repeat_interleave(128, -1)[..., :shape[-1]]
+    want = (codes.float() * expanded).to(dtype)
+    q = codes.view(torch.uint8) if storage == "uint8" else codes
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for chunk in (fp8_block._CHUNK_ELEMENTS, 128 * 256):
+        monkeypatch.setattr(fp8_block, "_CHUNK_ELEMENTS", chunk)
+        got = fp8_block.dequantize_block(q, scale, block, dtype)
+        assert got.dtype == dtype and got.shape == codes.shape
+        assert torch.equal(got.view(bits), want.view(bits)), chunk
+
+
 def test_uint8_storage_holds_the_same_bits_and_decodes_identically(rng_seed):
     w = torch.randn(64, 96, dtype=torch.bfloat16) * 0.1
     for gran in ("rowwise", "tensorwise"):

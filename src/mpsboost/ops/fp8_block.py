@@ -7,8 +7,8 @@ is the inverse of the quantisation scale). Expert stacks ``[E, N, K]`` carry ``[
 ceil(K/bk)]``.
 
 The scales are kept as they are in the file, never folded into other scales, and applied here:
-each code is widened to float32 (exact), multiplied by its block's float32 scale (one rounding, the
-same as the file's own dequantisation in float32) and rounded once to the compute dtype. Codes are
+each code times its block's float32 scale, computed in float32 (one rounding, the same as the file's
+own dequantisation in float32) and rounded once to the compute dtype (see :func:`dequantize_block`). Codes are
 float8_e4m3fn or, where float8 tensors cannot live on the device (MPS before torch 2.15,
 pytorch#194074), their uint8 bytes decoded with :func:`mpsboost.ops.fp8.decode_e4m3` (bit-identical).
 
@@ -46,9 +46,28 @@ def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[i
 
 
 def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    """Codes ``[..., N, K]`` and block scales -> ``dtype`` ``[..., N, K]``: ``code * scale`` in float32, rounded once."""
+    """Codes ``[..., N, K]`` and block scales -> ``dtype`` ``[..., N, K]``: ``code * scale`` in float32, rounded once.
+
+    Where the blocks tile the weight (N and K multiples of the block, as in every published checkpoint
+    we know), the codes are widened straight to ``dtype`` (exact) and multiplied in place by the scales
+    viewed as ``[..., N/bn, 1, K/bk, 1]``: type promotion computes each product in float32 and rounds
+    it once, no per-element scale is materialised, and one kernel does a whole layer (CUDA, MPS). On
+    CPU, whose TensorIterator makes a float32 copy of what it writes, it goes in slices of row blocks.
+    Ragged weights expand their scales slice by slice."""
     bn, bk = block
     rows, cols = q.shape[-2:]
+    if rows % bn == 0 and cols % bk == 0 and rows and cols:
+        w = widen(q, dtype)
+        nb, kb = rows // bn, cols // bk
+        w4 = w.view(-1, bn, kb, bk)  # [(experts x) row blocks, bn, kb, bk]
+        s4 = scale.float().reshape(-1, 1, kb, 1)
+        if q.device.type != "cpu":
+            w4.mul_(s4)
+            return w
+        per = max(1, _CHUNK_ELEMENTS // (bn * cols))
+        for r in range(0, w4.shape[0], per):
+            w4[r:r + per].mul_(s4[r:r + per])
+        return w
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     q2 = q.reshape(-1, rows, cols)
     s2 = scale.reshape(-1, *scale.shape[-2:])
