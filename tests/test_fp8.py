@@ -7,7 +7,6 @@ several layers add up; the figures of the real-size models are in benchmarks/res
 """
 from __future__ import annotations
 
-import math
 import weakref
 from unittest import mock
 
@@ -97,11 +96,17 @@ def test_dequantize_rounds_the_fp32_product_once(dtype, granularity, storage, rn
     got = fp8_ops.dequantize(q, s, dtype)
     assert got.dtype == dtype and got.shape == q.shape
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    # What the 0-dim trap (a tensorwise scale left out of type promotion) or a rounded scale would give
-    # differs: the comparison above can fail.
-    rounded = (codes.to(dtype) * s.to(dtype)).to(dtype)
-    assert not torch.equal(rounded.view(torch.int16), want.view(torch.int16))
-    assert torch.equal(fp8_ops.fused_dequantize(codes, s, dtype).view(torch.int16), want.view(torch.int16))
+    # Every finite code times a 0-dim scale of 0.1: a scale rounded to ``dtype`` first changes 60 (bf16)
+    # / 66 (fp16) of these 254 products. (CPU kernels read a 0-dim operand as a float scalar; on a device
+    # it would be cast to ``dtype`` by type promotion: test_fp8_cuda holds tensorwise scales there.)
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    every = every[~every.float().isnan()]
+    tenth = torch.tensor(0.1)
+    want = (every.float() * tenth).to(dtype)
+    trap = every.to(dtype) * tenth.to(dtype)
+    assert not torch.equal(trap.view(torch.int16), want.view(torch.int16))
+    every_q = every.view(torch.uint8) if storage == "uint8" else every
+    assert torch.equal(fp8_ops.dequantize(every_q, tenth, dtype).view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (3, 128, 256), (200, 300), (2, 130, 256)])
@@ -380,7 +385,7 @@ _OPCHECK = ("test_faketensor", "test_aot_dispatch_static")
 
 
 def test_registered_operators_match_their_references_and_fakes(rng_seed):
-    """mpsboost::fp8_gemv, mpsboost::fp8_quantize_rows and mpsboost::fp8_dequantize on CPU (their reference kernels), checked by
+    """mpsboost::fp8_gemv and mpsboost::fp8_quantize_rows on CPU (their reference kernels), checked by
     torch.library.opcheck (schema, fake kernel, dispatch) and against the dequantised layer."""
     w = torch.randn(48, 96, dtype=torch.bfloat16)
     b = torch.randn(48, dtype=torch.bfloat16)
@@ -402,9 +407,6 @@ def test_registered_operators_match_their_references_and_fakes(rng_seed):
     rq, rs = fp8_ops.quantize_rows(x)
     assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(xs, rs)
     torch.library.opcheck(torch.ops.mpsboost.fp8_quantize_rows.default, (x,), test_utils=_OPCHECK)
-    for gran in ("rowwise", "tensorwise"):
-        q, s = fp8_ops.quantize(w, gran, "float8")
-        torch.library.opcheck(torch.ops.mpsboost.fp8_dequantize.default, (q, s, torch.bfloat16), test_utils=_OPCHECK)
 
 
 def test_scaled_mm_bias_is_a_patch_time_probe(rng_seed):
@@ -593,12 +595,6 @@ assert torch.equal(s, s2), "scales"
 # hardware's, and the cuda-marked test holds the kernel to torch's codes. Here: scales exact, and
 # the codes torch and the kernel agree on are the clear majority.
 same = (q.view(torch.uint8) == q2.view(torch.uint8)).float().mean().item()
-# The one-pass dequantisation: bit for bit dequantize() (fp16 out: numpy rounds fp32 -> fp16 correctly).
-for n, k in [(37, 300), (5, 4096 + 13)]:
-    for gran in ("rowwise", "tensorwise"):
-        qd, sd = fp8.quantize(torch.randn(n, k) * torch.rand(n, 1) * 9, gran)
-        assert torch.equal(ft.dequantize(qd, sd, torch.float16).view(torch.int16),
-                           fp8.dequantize(qd, sd, torch.float16).view(torch.int16)), (n, k, gran)
 print("WORST", worst, "SAME", same)
 '''
 

@@ -18,8 +18,8 @@ input rows):
 * ``fused`` (CUDA, compute capability >= 8.9, Triton): M <= ``gemv_max_m`` through the fp8 GEMV
   (``torch.ops.mpsboost.fp8_gemv``: fp8 weight loaded, widened and accumulated in fp32 in registers,
   scale and bias in the epilogue); larger M by default dequantise-then-``F.linear`` (the stored
-  weights exactly, activations untouched; the dequantisation is one Triton pass,
-  ``torch.ops.mpsboost.fp8_dequantize``), or, with ``activations="fp8"``, one fused
+  weights exactly, activations untouched; two plain torch ops, which ``torch.compile`` fuses into one
+  kernel), or, with ``activations="fp8"``, one fused
   activation-quantisation kernel (``torch.ops.mpsboost.fp8_quantize_rows``) plus ``torch._scaled_mm``
   with rowwise scales. Quantising activations is not the same math as the stored weights: on the
   Qwen-Image transformer it gave a relative error of 5.9e-2 against the file's exact dequantisation,
@@ -70,7 +70,6 @@ __all__ = [
     "fp8_gemv",
     "fp8_gemv_reference",
     "fused_quantize_rows",
-    "fused_dequantize",
     "stored_bytes",
     "sqnr_db",
 ]
@@ -234,7 +233,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     type promotion computes each product in float32 and rounds it once into ``dtype``, so the result
     is bit for bit that of ``codes.float() * scale`` without a float32 copy of the layer on CUDA and
     MPS (CPU's TensorIterator still makes one) and with 7 bytes of traffic per weight instead of 19.
-    On CUDA with Triton, :func:`fused_dequantize` does it in one pass (3 bytes per weight)."""
+    Two dispatches of a few microseconds each: a one-pass Triton kernel (3 bytes per weight) was
+    measured slower in an eager Qwen-Image forward on the H200, whose host time it doubled (Triton's
+    launcher costs tens of microseconds a layer, and the forward is host-bound); under torch.compile
+    these two ops fuse into one kernel anyway."""
     s = scale.float()
     if s.dim() == 0:
         # A 0-dim tensor does not take part in type promotion: the product would be computed in
@@ -327,25 +329,6 @@ def _quantize_rows_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty((m, k), dtype=FP8_DTYPE), x.new_empty((m, 1), dtype=torch.float32)
 
 
-@torch.library.custom_op("mpsboost::fp8_dequantize", mutates_args=())
-def _dequantize_op(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return dequantize(q, scale, dtype)
-
-
-@_dequantize_op.register_kernel("cuda")
-def _dequantize_cuda(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if not _have_triton() or q.dtype != FP8_DTYPE or q.dim() != 2 or scale.numel() not in (1, q.shape[0]):
-        return dequantize(q, scale, dtype)
-    from . import fp8_triton
-
-    return fp8_triton.dequantize(q, scale, dtype)
-
-
-@_dequantize_op.register_fake
-def _dequantize_fake(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return q.new_empty(q.shape, dtype=dtype)
-
-
 def _eager_cuda(x: torch.Tensor) -> bool:
     """Whether a call may go straight to an operator's CUDA kernel: eager, on CUDA, nothing to
     differentiate. The dispatcher of a ``custom_op`` costs about 20 us of host time per call, which an
@@ -353,14 +336,6 @@ def _eager_cuda(x: torch.Tensor) -> bool:
     (torch.compile, export) and autograd (the operators have no backward: they raise) still go through
     the registered operator."""
     return x.is_cuda and not torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled())
-
-
-def fused_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """:func:`dequantize` as ``torch.ops.mpsboost.fp8_dequantize``: on CUDA one Triton kernel for a 2-D
-    layer with a per-tensor or per-row scale (reads 1 byte and writes 2 per weight; same bits)."""
-    if _eager_cuda(q):
-        return _dequantize_cuda(q, scale, dtype)
-    return torch.ops.mpsboost.fp8_dequantize(q, scale, dtype)
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -517,7 +492,7 @@ def fp8_linear(
             xq, xs = fused_quantize_rows(x2)
             y = scaled_mm_rowwise(xq, q, xs, scale, bias, bias_in_mm=bias_in_mm)
         else:
-            return F.linear(x, fused_dequantize(q, scale, compute_dtype), bias)
+            return F.linear(x, dequantize(q, scale, compute_dtype), bias)
         return y.reshape(*x.shape[:-1], n)
     if kind == "mps_scaled_mm" and _rows(x) <= gemv_max_m and q.dtype == FP8_DTYPE and x.dtype == torch.bfloat16:
         n, k = q.shape

@@ -58,7 +58,7 @@ def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
     rows, cols = q.shape[-2:]
     if rows % bn == 0 and cols % bk == 0 and rows and cols:
         w = widen(q, dtype)
-        nb, kb = rows // bn, cols // bk
+        kb = cols // bk
         w4 = w.view(-1, bn, kb, bk)  # [(experts x) row blocks, bn, kb, bk]
         s4 = scale.float().reshape(-1, 1, kb, 1)
         if q.device.type != "cpu":

@@ -1,5 +1,5 @@
 """Triton kernels of the fused CUDA fp8 path (compute capability >= 8.9). Imported only on that path:
-by the CUDA kernels of the registered operators ``mpsboost::fp8_gemv``, ``mpsboost::fp8_dequantize`` and ``mpsboost::fp8_quantize_rows``
+by the CUDA kernels of the registered operators ``mpsboost::fp8_gemv`` and ``mpsboost::fp8_quantize_rows``
 (:mod:`mpsboost.ops.fp8`), so ``torch.compile`` never traces a launch here and everything in this module
 (checks, the tuning cache, timing) runs in an operator's eager body.
 
@@ -11,8 +11,6 @@ by the CUDA kernels of the registered operators ``mpsboost::fp8_gemv``, ``mpsboo
   the padding costs arithmetic, which is idle at decode, not bytes. Layers with few output rows
   split K over more programs (partials in fp32, then one small reduction kernel with the epilogue),
   so that every multiprocessor streams weight bytes.
-* :func:`dequantize` -- a layer's codes times its scale, rounded once, in one pass: the weight
-  ``F.linear`` takes above the GEMV's rows (3 bytes of traffic per weight).
 * :func:`quantize_rows` -- rowwise fp8 quantisation of an activation in one kernel (amax, scale,
   codes), feeding ``torch._scaled_mm`` on the large-M path.
 
@@ -31,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fp8_gemv", "dequantize", "quantize_rows", "gemv_config", "GemvConfig", "clear_tuning_cache"]
+__all__ = ["fp8_gemv", "quantize_rows", "gemv_config", "GemvConfig", "clear_tuning_cache"]
 
 FP8_MAX = 448.0
 _BLOCK_M = 16
@@ -153,19 +151,6 @@ def _splitk_reduce_kernel(
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m.to(tl.int64) * stride_om + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _dequant_kernel(q_ptr, s_ptr, out_ptr, total, K, ROWWISE: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < total
-    c = tl.load(q_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    if ROWWISE:
-        s = tl.load(s_ptr + offs // K, mask=ok, other=0.0)
-    else:
-        s = tl.load(s_ptr)
-    # One fp32 product, rounded once to the output dtype: the weight the GEMV forms in registers.
-    tl.store(out_ptr + offs, (c * s).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -413,25 +398,6 @@ def fp8_gemv(
             if not capturing:
                 _TUNED[key] = config
     _launch(x, w, scale, bias, out, config)
-    return out
-
-
-def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``q [N, K]`` float8_e4m3fn times its per-tensor or per-row float32 scale, rounded once to ``dtype``,
-    in one pass (the bits of :func:`mpsboost.ops.fp8.dequantize`)."""
-    if q.dim() != 2 or q.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"dequantize takes 2-D float8_e4m3fn codes, got {q.dtype} of shape {tuple(q.shape)}")
-    n, k = q.shape
-    s = scale.float().reshape(-1).contiguous()
-    if s.numel() not in (1, n):
-        raise ValueError(f"dequantize: a [{n}, {k}] weight takes 1 or {n} scales, got {s.numel()}")
-    q = q.contiguous()
-    out = torch.empty((n, k), dtype=dtype, device=q.device)
-    total = n * k
-    if total == 0:
-        return out
-    block = 4096
-    _dequant_kernel[(triton.cdiv(total, block),)](q, s, out, total, k, ROWWISE=s.numel() > 1, BLOCK=block, num_warps=8)
     return out
 
 
