@@ -627,33 +627,50 @@ def block_gaps_e2e(results: Path | None = None) -> str:
 
 def block_fp8_load(results: Path | None = None) -> str:
     """``load_fp8`` onto a meta-built model against loading the bf16 model and converting (``fp8_load-*.jsonl``):
-    load time, peak memory on the device and the host, error against the file's exact dequantisation."""
-    rows = []
+    load time, peak memory on the device and the host, the decode (denoising) step, errors against the
+    file's exact dequantisation and against a float32 forward. One row per workload from its newest
+    record file (files sort by date and letter); the older files are listed below the table."""
+    latest: dict[str, tuple] = {}
+    seen: list[str] = []
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     for path in sorted((results or RESULTS).glob("fp8_load-*.jsonl")):
+        steps = {g.workload.shape["workload"]: g for g in groups(path.name, results) if g.workload.name == "fp8_decode_step"}
         for g in groups(path.name, results):
             if g.workload.name != "fp8_load":
                 continue
-            base, var = g.variants.get("bf16 load + convert"), g.variants.get("mpsboost load_fp8")
-            if base is None or var is None:
+            if g.variants.get("bf16 load + convert") is None or g.variants.get("mpsboost load_fp8") is None:
                 continue
-            sh = g.workload.shape
-            dev_b, dev_v = base.memory.tensor_allocated, var.memory.tensor_allocated
-            host_b, host_v = base.extra["host_peak_bytes"], var.extra["host_peak_bytes"]
-            rel = var.correctness.rel_error if var.correctness else None
-            f32, floor = var.extra.get("rel_error_vs_fp32"), var.extra.get("bf16_reference_vs_fp32")
-            floor_text = "not recorded" if f32 is None else f"{f32:.1e} (stock bf16: {floor:.1e})"
-            path_text = "; ".join(var.extra.get("backing") or []) or "-"
-            rows.append([f"{sh['workload']} ({sh['layers']} layers), {sh['format']}; files: bf16 {gib(sh['bf16_bytes'])}, fp8 {gib(sh['fp8_bytes'])}",
-                         path_text,
-                         f"{base.throughput.value:.1f} s -> {var.throughput.value:.1f} s (one run each)",
-                         f"{gib(dev_b)} -> {gib(dev_v)} ({dev_v / dev_b:.3f}x)", f"{gib(host_b)} -> {gib(host_v)} ({host_v / host_b:.3f}x)",
-                         "-" if rel is None else f"{rel:.1e}", floor_text, source(path.name, g)])
+            latest[g.workload.shape["workload"]] = (path.name, g, steps.get(g.workload.shape["workload"]))
+            seen.append(path.name)
+    rows = []
+    for name, (fname, g, step) in latest.items():
+        base, var = g.variants["bf16 load + convert"], g.variants["mpsboost load_fp8"]
+        sh = g.workload.shape
+        dev_b, dev_v = base.memory.tensor_allocated, var.memory.tensor_allocated
+        host_b, host_v = base.extra["host_peak_bytes"], var.extra["host_peak_bytes"]
+        rel = var.correctness.rel_error if var.correctness else None
+        f32, floor = var.extra.get("rel_error_vs_fp32"), var.extra.get("bf16_reference_vs_fp32")
+        floor_text = "not recorded" if f32 is None else f"{f32:.1e} (stock bf16: {floor:.1e})"
+        step_text = "-"
+        if step is not None and {"bf16", "mpsboost load_fp8"} <= set(step.variants):
+            a, b = step.variants["bf16"].throughput.value, step.variants["mpsboost load_fp8"].throughput.value
+            step_text = f"{a:.1f} ms -> {b:.1f} ms ({b / a:.2f}x the time; one median each)"
+        path_text = "; ".join(var.extra.get("backing") or []) or "-"
+        rows.append([f"{sh['workload']} ({sh['layers']} layers), {sh['format']}; files: bf16 {gib(sh['bf16_bytes'])}, fp8 {gib(sh['fp8_bytes'])}",
+                     path_text,
+                     f"{base.throughput.value:.1f} s -> {var.throughput.value:.1f} s (one run each)",
+                     f"{gib(dev_b)} -> {gib(dev_v)} ({dev_v / dev_b:.3f}x)", f"{gib(host_b)} -> {gib(host_v)} ({host_v / host_b:.3f}x)",
+                     step_text, "-" if rel is None else f"{rel:.1e}", floor_text, source(fname, g)])
     if not rows:
         return "No fp8_load records committed yet."
-    return md_table(["workload", "fp8 forward path (as recorded)", "load time: bf16 + convert -> load_fp8", "device tensor peak", "host peak",
-                     "output rel. error vs the file's exact dequantisation (stock bf16 forward)",
-                     "rel. error vs a float32 forward of the same weights", "record"], rows)
+    older = sorted(set(seen) - {v[0] for v in latest.values()})
+    table = md_table(["workload", "fp8 forward path (as recorded)", "load time: bf16 + convert -> load_fp8", "device tensor peak", "host peak",
+                      "decode step (LMs: one token after 128; Qwen-Image: one 512x512 denoising forward), bf16 -> fp8",
+                      "output rel. error vs the file's exact dequantisation (stock bf16 forward)",
+                      "rel. error vs a float32 forward of the same weights", "record"], rows)
+    if older:
+        table += "\n\nOlder records of this table (earlier code; see their commits in the NOTES): " + ", ".join(f"`{f}`" for f in older) + "."
+    return table
 
 
 def block_e2e(results: Path | None = None) -> str:
