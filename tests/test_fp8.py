@@ -109,7 +109,7 @@ def test_dequantize_rounds_the_fp32_product_once(dtype, granularity, storage, rn
     assert torch.equal(fp8_ops.dequantize(every_q, tenth, dtype).view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("shape", [(256, 384), (3, 128, 256), (200, 300), (2, 130, 256)])
+@pytest.mark.parametrize("shape", [(256, 384), (3, 128, 256), (200, 300), (2, 130, 256), (3, 300, 260), (520, 130), (100, 50)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("storage", ["float8", "uint8"])
 def test_block_dequantize_is_the_fp32_product_rounded_once(shape, dtype, storage, monkeypatch, rng_seed):
@@ -130,6 +130,74 @@ def test_block_dequantize_is_the_fp32_product_rounded_once(shape, dtype, storage
         got = fp8_block.dequantize_block(q, scale, block, dtype)
         assert got.dtype == dtype and got.shape == codes.shape
         assert torch.equal(got.view(bits), want.view(bits)), chunk
+
+
+class _Float32OfWeightShape:
+    """A TorchDispatchMode (built on first use) recording every aten call whose output is a float32
+    tensor of the shape of a converted weight (or of one expert of a stack): a weight widened to fp32."""
+
+    def __new__(cls, shapes):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        class Mode(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.hits = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and tuple(t.shape) in shapes:
+                        self.hits.append(f"{func} -> {tuple(t.shape)}")
+                return out
+
+        return Mode()
+
+
+def _fp8_weight_shapes(model) -> set:
+    shapes = set()
+    for m in model.modules():
+        for b in m._buffers.values():
+            if b is not None and b.dtype in (FP8, torch.uint8):
+                shapes |= {tuple(b.shape), tuple(b.shape[-2:])}
+    return shapes
+
+
+@pytest.mark.parametrize("sim", [None, ("mps", "2.14.1"), ("mps", "2.15.0")])
+@pytest.mark.parametrize("name,granularity", [("qwen3", "rowwise"), ("qwen3", "tensorwise"), ("qwen3_moe", "rowwise")])
+def test_no_fp8_weight_is_widened_to_float32_in_full(name, granularity, sim, rng_seed):
+    """The forward of converted layers (prefill above the small-M paths, then decode steps) on CPU and
+    under simulated MPS builds (uint8 codes before 2.15) never makes a float32 copy of a stored weight."""
+    model = tm.build(name, dtype="bfloat16")
+    env = Env.simulate(*sim) if sim else None
+    report = mpsboost.patch(model, fp8=granularity, device=env)
+    assert _applied(report)
+    shapes = _fp8_weight_shapes(model)
+    assert shapes
+    mode = _Float32OfWeightShape(shapes)
+    with mode:
+        out = tm.run(name, model, rng_seed % 1000, dtype="bfloat16", prompt=24)
+    assert torch.isfinite(out.float()).all()
+    assert mode.hits == [], mode.hits[:5]
+    # The same probe sees a widening where there is one: the float32 dequantisation of the first weight.
+    q, sc = next((m.weight, m.weight_scale) for m in model.modules() if getattr(m, "weight_scale", None) is not None)
+    with mode:
+        fp8_ops.dequantize(q, sc, torch.float32)
+    assert mode.hits
+
+
+def test_block_dequantisation_never_widens_to_float32(rng_seed):
+    from mpsboost.ops import fp8_block
+
+    for shape in [(256, 384), (2, 300, 260)]:
+        q = (torch.randn(shape) * 30).clamp(-448, 448).to(FP8)
+        scale = torch.rand(tuple(shape[:-2]) + (-(-shape[-2] // 128), -(-shape[-1] // 128))) + 0.5
+        mode = _Float32OfWeightShape({tuple(shape), tuple(shape[-2:])})
+        with mode:
+            fp8_block.dequantize_block(q, scale, (128, 128), torch.bfloat16)
+            fp8_block.dequantize_block(q.view(torch.uint8), scale, (128, 128), torch.bfloat16)
+        assert mode.hits == [], mode.hits
 
 
 def test_uint8_storage_holds_the_same_bits_and_decodes_identically(rng_seed):

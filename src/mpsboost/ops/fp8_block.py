@@ -25,7 +25,7 @@ from .fp8 import widen
 
 __all__ = ["expand_block_scale", "dequantize_block", "fp8_block_linear", "fp8_block_experts", "check_block_scale"]
 
-# Rows are dequantised in slices so that the float32 scratch stays small next to the layer.
+# On CPU, blocks are dequantised in slices so that TensorIterator's float32 scratch stays small next to the layer.
 _CHUNK_ELEMENTS = 1 << 24
 
 
@@ -39,7 +39,8 @@ def check_block_scale(shape: tuple[int, ...], scale_shape: tuple[int, ...], bloc
 
 
 def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
-    """``scale [..., ceil(rows/bn), ceil(cols/bk)]`` -> one scale per element ``[..., rows, cols]`` (float32)."""
+    """``scale [..., ceil(rows/bn), ceil(cols/bk)]`` -> one scale per element ``[..., rows, cols]`` (float32).
+    A reference for tests and tools; :func:`dequantize_block` never materialises it."""
     bn, bk = block
     s = scale.float().repeat_interleave(bn, dim=-2)[..., :rows, :]
     return s.repeat_interleave(bk, dim=-1)[..., :cols]
@@ -48,38 +49,34 @@ def expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[i
 def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """Codes ``[..., N, K]`` and block scales -> ``dtype`` ``[..., N, K]``: ``code * scale`` in float32, rounded once.
 
-    Where the blocks tile the weight (N and K multiples of the block, as in every published checkpoint
-    we know), the codes are widened straight to ``dtype`` (exact) and multiplied in place by the scales
-    viewed as ``[..., N/bn, 1, K/bk, 1]``: type promotion computes each product in float32 and rounds
-    it once, no per-element scale is materialised, and one kernel does a whole layer (CUDA, MPS). On
-    CPU, whose TensorIterator makes a float32 copy of what it writes, it goes in slices of row blocks.
-    Ragged weights expand their scales slice by slice."""
+    The codes are widened straight to ``dtype`` (exact) and multiplied in place by their float32 block
+    scales, viewed so that they broadcast over each block: the full blocks as ``[.., N/bn, bn, K/bk, bk]``
+    against ``[.., N/bn, 1, K/bk, 1]``, then the short last row and column of blocks, if any. Type
+    promotion computes each product in float32 and rounds it once into ``dtype``; no float32 copy of the
+    weight and no per-element scale is made, and one kernel covers the full blocks (CUDA, MPS). On CPU,
+    whose TensorIterator keeps a float32 copy of what it writes, the full blocks go in slices."""
     bn, bk = block
     rows, cols = q.shape[-2:]
-    if rows % bn == 0 and cols % bk == 0 and rows and cols:
-        w = widen(q, dtype)
-        kb = cols // bk
-        w4 = w.view(-1, bn, kb, bk)  # [(experts x) row blocks, bn, kb, bk]
-        s4 = scale.float().reshape(-1, 1, kb, 1)
-        if q.device.type != "cpu":
-            w4.mul_(s4)
-            return w
-        per = max(1, _CHUNK_ELEMENTS // (bn * cols))
-        for r in range(0, w4.shape[0], per):
-            w4[r:r + per].mul_(s4[r:r + per])
-        return w
-    out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    q2 = q.reshape(-1, rows, cols)
-    s2 = scale.reshape(-1, *scale.shape[-2:])
-    o2 = out.view(-1, rows, cols)
-    # Slices of whole row blocks, so that each slice has its own rows of scales.
-    per = max(bn, (_CHUNK_ELEMENTS // max(1, cols)) // bn * bn)
-    for e in range(q2.shape[0]):
-        for r in range(0, rows, per):
-            r1 = min(rows, r + per)
-            sc = expand_block_scale(s2[e, r // bn: -(-r1 // bn)], r1 - r, cols, block)
-            o2[e, r:r1] = (widen(q2[e, r:r1]) * sc).to(dtype)
-    return out
+    w = widen(q, dtype)
+    w3 = w.view(-1, rows, cols)
+    s = scale.float().reshape(-1, *scale.shape[-2:])
+    nb, kb = rows // bn, cols // bk  # full blocks
+    rm, cm = nb * bn, kb * bk
+    per = nb
+    if q.device.type == "cpu":
+        per = max(1, _CHUNK_ELEMENTS // max(1, w3.shape[0] * bn * cols))
+    if kb:
+        for r in range(0, nb, per):
+            r1 = min(nb, r + per)
+            blocks = w3[:, r * bn:r1 * bn, :cm].unflatten(2, (kb, bk)).unflatten(1, (r1 - r, bn))
+            blocks.mul_(s[:, r:r1, None, :kb, None])
+    if cm < cols and nb:  # the short last column of blocks
+        w3[:, :rm, cm:].unflatten(1, (nb, bn)).mul_(s[:, :nb, None, kb:kb + 1])
+    if rm < rows and kb:  # the short last row of blocks
+        w3[:, rm:, :cm].unflatten(2, (kb, bk)).mul_(s[:, nb:nb + 1, :kb, None])
+    if rm < rows and cm < cols:  # the corner
+        w3[:, rm:, cm:].mul_(s[:, nb:nb + 1, kb:kb + 1])
+    return w
 
 
 def fp8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], *,
