@@ -477,6 +477,18 @@ def test_registered_operators_match_their_references_and_fakes(rng_seed):
     torch.library.opcheck(torch.ops.mpsboost.fp8_quantize_rows.default, (x,), test_utils=_OPCHECK)
 
 
+def test_only_plain_eager_cuda_tensors_skip_the_registered_operators():
+    """The eager shortcut past the custom_op dispatcher (CUDA) must never take a traced or fake tensor,
+    or one that needs a gradient: those go through the operator (checked here without a GPU; the
+    cuda-marked test checks a real CUDA tensor takes the shortcut)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(2, 8, device="cuda")
+    assert fake.is_cuda and not fp8_ops._eager_cuda(fake)
+    assert not fp8_ops._eager_cuda(torch.randn(2, 8))
+
+
 def test_scaled_mm_bias_is_a_patch_time_probe(rng_seed):
     """No module-global flag flipped from inside a forward: the probe answers per device at patch time,
     and both forms of the bias give the same layer."""

@@ -334,9 +334,10 @@ def _eager_cuda(x: torch.Tensor) -> bool:
     """Whether a call may go straight to an operator's CUDA kernel: eager, on CUDA, nothing to
     differentiate. The dispatcher of a ``custom_op`` costs about 20 us of host time per call, which an
     eager forward pays once per layer (224 layers in a 16-block Qwen-Image transformer); tracing
-    (torch.compile, export) and autograd (the operators have no backward: they raise) still go through
-    the registered operator."""
-    return x.is_cuda and not torch.compiler.is_compiling() and not (x.requires_grad and torch.is_grad_enabled())
+    (torch.compile, export), tensor subclasses (fake, functional, distributed tensors of any tracer) and
+    autograd (the operators have no backward: they raise) still go through the registered operator."""
+    return (type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
+            and not (x.requires_grad and torch.is_grad_enabled()))
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
