@@ -204,10 +204,6 @@ def _decode_step(name: str, model, device: str, cfg, dtype: torch.dtype = torch.
         return ts[len(ts) // 2], logits
 
 
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 def _exact_reference(name: str, model, cfg, device: str) -> torch.nn.Module:
     """The stock model holding the fp8 model's exact dequantisation (independent formula), plain tensors shared."""
     meta = _meta_model(name, cfg)
@@ -243,6 +239,7 @@ def _exact_reference(name: str, model, cfg, device: str) -> torch.nn.Module:
 
 def phase(kind: str, name: str, layers: int, files: dict, device: str) -> dict:
     import mpsboost
+    from mpsboost.bench.quality import relative_error
 
     cfg = _config(name, layers)
     cuda = device.startswith("cuda")
@@ -280,7 +277,7 @@ def phase(kind: str, name: str, layers: int, files: dict, device: str) -> dict:
         ms, got = _decode_step(name, model, device, cfg)
         ref = _exact_reference(name, model, cfg, device)
         _, want = _decode_step(name, ref, device, cfg)
-        rel = _rel(got, want)
+        rel = relative_error(got, want)
         # The same weights (the exact dequantisation's bf16 values) in a float32 forward: the function
         # both bf16 forwards approximate. How far the stock bf16 forward lands from it is the floor any
         # bf16 kernel with another summation order (the fp8 GEMV against cuBLAS) is measured against.
@@ -289,7 +286,7 @@ def phase(kind: str, name: str, layers: int, files: dict, device: str) -> dict:
         _, exact32 = _decode_step(name, ref, device, cfg, torch.float32)
         rows = [r for r in report.rows if r.recipe == "fp8_weights" and r.status == "applied"]
         out = {"load_s": load_s, "total_s": load_s, "decode_ms": ms, "host_peak": host_load, "rel_error": rel,
-               "rel_error_vs_fp32": _rel(got, exact32), "bf16_reference_vs_fp32": _rel(want, exact32),
+               "rel_error_vs_fp32": relative_error(got, exact32), "bf16_reference_vs_fp32": relative_error(want, exact32),
                "fp8_modules": len(rows), "backing": sorted({r.backing for r in rows})}
         if cuda:
             out.update(device_peak=load_peak[0], device_reserved=load_peak[1])

@@ -21,6 +21,7 @@ gives), each forward run twice first:
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from _diag import append_jsonl  # noqa: E402
+from mpsboost.bench.timing import time_fn  # noqa: E402
 
 
 def _group(name: str) -> str:
@@ -85,16 +87,11 @@ def main(argv=None) -> int:
         model = build()
         report = mpsboost.patch(model, fp8="rowwise") if variant == "fp8" else None
         with torch.no_grad():
-            call(model)  # compile (static cache), tune and allocate
-            call(model)
-            torch.cuda.synchronize()
-            plain = []  # the wall time of the call without the profiler's own host cost
-            for _ in range(5):
-                t = time.perf_counter()
-                call(model)
-                torch.cuda.synchronize()
-                plain.append((time.perf_counter() - t) * 1e3)
-            plain_ms = sorted(plain)[2]
+            # Two untimed calls (compile the static cache, tune, allocate), then the call timed five
+            # times without the profiler's own host cost.
+            timed = time_fn(functools.partial(call, model), device="cuda", warmup=2, repeats=5)
+            plain_ms = timed.median_s * 1e3
+            plain = [v * 1e3 for v in timed.samples_s]
             host = _host_profile(call, model) if a.host_profile else None
             from torch.profiler import ProfilerActivity, profile
 

@@ -634,8 +634,9 @@ def block_fp8_load(results: Path | None = None) -> str:
     seen: list[str] = []
     gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
     for path in sorted((results or RESULTS).glob("fp8_load-*.jsonl")):
-        steps = {g.workload.shape["workload"]: g for g in groups(path.name, results) if g.workload.name == "fp8_decode_step"}
-        for g in groups(path.name, results):
+        gs = groups(path.name, results)
+        steps = {g.workload.shape["workload"]: g for g in gs if g.workload.name == "fp8_decode_step"}
+        for g in gs:
             if g.workload.name != "fp8_load":
                 continue
             if g.variants.get("bf16 load + convert") is None or g.variants.get("mpsboost load_fp8") is None:

@@ -336,7 +336,8 @@ def _eager_cuda(x: torch.Tensor) -> bool:
     eager forward pays once per layer (224 layers in a 16-block Qwen-Image transformer); tracing
     (torch.compile, export), tensor subclasses (fake, functional, distributed tensors of any tracer) and
     autograd (the operators have no backward: they raise) still go through the registered operator."""
-    return (type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling()
+    # is_compiling() first: under dynamo it is a constant True and nothing after it is traced.
+    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor and x.is_cuda
             and not (x.requires_grad and torch.is_grad_enabled()))
 
 
