@@ -6,14 +6,18 @@
 
 Workloads (real architectures, random weights built from shipped configs directly on the device):
 
-* ``qwen3-8b`` (Qwen3-8B shape, ``benchmarks/configs/qwen3_dense``) and ``qwen3-30b-a3b`` (Qwen3-30B-A3B
-  shape, ``recipes/configs/qwen3_moe``): ``generate()`` of ``--new-tokens`` after a prompt of
+* ``qwen3-8b`` (Qwen3-8B shape, ``benchmarks/configs/qwen3_dense``), ``qwen3-30b-a3b`` (Qwen3-30B-A3B
+  shape, ``recipes/configs/qwen3_moe``) and ``qwen3.6-35b-a3b`` (Qwen3.6-35B-A3B: 30 Gated DeltaNet + 10
+  attention layers, 256 experts, ``benchmarks/configs/qwen3_5_moe``): ``generate()`` of ``--new-tokens`` after a prompt of
   ``--prompt-tokens`` random ids, greedy and sampled (``do_sample=True``, the global RNG seeded before
   every call). Modes: ``eager`` (the default dynamic cache) and ``static``
   (``cache_implementation="static"``: transformers compiles the forward itself). Variants: ``stock``,
   ``mpsboost`` (``mpsboost.patch(model)`` on the same model, unpatched again for every stock call) and
   ``fp8`` (a second model built from the same seed and patched with ``fp8="rowwise"``, which cannot be
-  undone; its baseline is the stock bf16 model of the same run). Both phases come from one
+  undone; its baseline is the stock bf16 model of the same run) and ``mac`` (``mpsboost:mac-2.15.0``:
+  the same model patched with the decisions a Mac on torch ``--mac-torch`` gets,
+  ``patch(model, device=Env.simulate("mps", V))``, computing on this device. Its tokens and logits check
+  the Mac paths for correctness at real size; its speed here says nothing about a Mac). Both phases come from one
   ``generate(max_new_tokens=N)`` call: prefill (time to first token) runs from the call to the first
   call of a logits processor (which synchronises the device once: the prompt's forward is done), and
   decode time per token is the rest of the call over ``N - 1``. The share of the bandwidth limit is
@@ -21,7 +25,10 @@ Workloads (real architectures, random weights built from shipped configs directl
   where the bytes are every parameter and buffer of the model except the input embedding (one row is
   read), with 3-D expert weights counted at top_k/num_experts. Generated tokens are compared with the
   first stock round's (reported, not asserted); the last-position logits of one forward over the
-  prompt are compared with stock's (relative error, SQNR).
+  prompt are compared with stock's (relative error, SQNR). In eager mode one more untimed pass per
+  variant times each module kind (Gated DeltaNet, attention, MoE block, of which experts) with
+  device-synchronising forward hooks, over the prompt's forward and ``--breakdown-steps`` decode steps
+  (``extra.breakdown``; the hooks' own synchronisation is in those figures, not in the timed rounds).
 * ``wan22-ti2v-5b`` (``WanPipeline``, 480x832, 81 frames) and ``qwen-image`` (``QwenImagePipeline``,
   1024x1024): ``--steps`` denoising steps and the VAE decode. No text encoder is built: the pipeline
   gets random ``prompt_embeds`` (and negative ones) of the text encoder's output shape and dtype; the
@@ -63,14 +70,16 @@ from mpsboost.bench.records import Correctness, OpTime, Record, RecordEnv, Throu
 from mpsboost.bench.timing import synchronize, time_fn  # noqa: E402
 
 NAME = "e2e"
-LLM = {"qwen3-8b": ("qwen3_dense", ROOT / "configs"), "qwen3-30b-a3b": ("qwen3_moe", C.CONFIGS)}
+LLM = {"qwen3-8b": ("qwen3_dense", ROOT / "configs"), "qwen3-30b-a3b": ("qwen3_moe", C.CONFIGS),
+       "qwen3.6-35b-a3b": ("qwen3_5_moe", ROOT / "configs")}
 DIFFUSION = {"wan22-ti2v-5b": "wan22_ti2v", "qwen-image": "qwen_image"}
 WORKLOADS = tuple(LLM) + tuple(DIFFUSION)
 LLM_MODES = ("eager", "static")
 DIFFUSION_MODES = ("eager", "compile", "offload")
-LLM_VARIANTS = ("stock", "mpsboost", "fp8")
+LLM_VARIANTS = ("stock", "mpsboost", "fp8", "mac")
 DIFFUSION_VARIANTS = ("stock", "mpsboost")
 FP8_VARIANT = "mpsboost:fp8-rowwise"
+MAC_PREFIX = "mpsboost:mac-"  # + the simulated torch version: the decisions a Mac gets, computed here
 # The diffusers workloads at real size (the brief's shapes, not the 704x1280 of the cookbook's run.json).
 REAL_VIDEO = {"height": 480, "width": 832, "frames": 81}
 REAL_IMAGE = {"height": 1024, "width": 1024}
@@ -295,6 +304,81 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
+# Module kinds of the breakdown, by class-name suffix (transformers' naming; a recipe may swap the class for
+# a subclass of the same name) or, for the block of a decoder layer, by attribute name.
+BREAKDOWN_KINDS = (("linear_attention", ("GatedDeltaNet",), ()), ("attention", ("Attention",), ("self_attn",)),
+                   ("experts", ("Experts",), ("experts",)), ("moe_block", ("SparseMoeBlock", "MoeBlock", "MoE"), ("mlp",)))
+
+
+def breakdown_kinds(model) -> dict[str, list[torch.nn.Module]]:
+    """{kind: modules} for the breakdown: the Gated DeltaNet layers, attention layers, MoE blocks and
+    their experts of every decoder layer (``model.model.layers[i].<linear_attn|self_attn|mlp>``)."""
+    found: dict[str, list[torch.nn.Module]] = {k: [] for k, _, _ in BREAKDOWN_KINDS}
+    for name, mod in model.named_modules():
+        parts = name.split(".")
+        if "layers" not in parts or len(parts) - parts.index("layers") not in (3, 4):
+            continue
+        cls = type(mod).__name__
+        for kind, suffixes, attrs in BREAKDOWN_KINDS:
+            if cls.endswith(suffixes) or (parts[-1] in attrs and kind != "moe_block") or (
+                    kind == "moe_block" and parts[-1] == "mlp" and any(type(c).__name__.endswith("Experts") for c in mod.children())):
+                if kind in ("attention", "linear_attention") and len(parts) - parts.index("layers") != 3:
+                    continue
+                found[kind].append(mod)
+                break
+    return {k: v for k, v in found.items() if v}
+
+
+def module_breakdown(model, prompt: torch.Tensor, mask: torch.Tensor, steps: int, dev: str) -> dict:
+    """Time per module kind with device-synchronising forward hooks: one forward over the prompt (prefill)
+    and ``steps`` greedy decode steps on its cache. Untimed by the rounds; the hooks' synchronisation
+    makes the step slower than in the rounds, so the figures are shares of a hooked step, in ms."""
+    kinds = breakdown_kinds(model)
+    acc = {k: 0.0 for k in kinds}
+    starts: dict[int, float] = {}
+    hooks = []
+    for kind, mods in kinds.items():
+        for m in mods:
+            def pre(mod, args, kwargs=None):
+                synchronize(dev)
+                starts[id(mod)] = time.perf_counter()
+
+            def post(mod, args, out, kind=kind):
+                synchronize(dev)
+                acc[kind] += time.perf_counter() - starts.pop(id(mod))
+
+            hooks.append(m.register_forward_pre_hook(pre))
+            hooks.append(m.register_forward_hook(post))
+    try:
+        with torch.no_grad():
+            synchronize(dev)
+            t0 = time.perf_counter()
+            out = model(prompt, attention_mask=mask, use_cache=True)
+            synchronize(dev)
+            prefill_s = time.perf_counter() - t0
+            prefill = dict(acc)
+            for k in acc:
+                acc[k] = 0.0
+            cache, am = out.past_key_values, mask
+            nxt = out.logits[:, -1:].argmax(-1)
+            synchronize(dev)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                am = torch.cat([am, am.new_ones(am.shape[0], 1)], dim=1)
+                out = model(nxt, attention_mask=am, past_key_values=cache, use_cache=True)
+                nxt = out.logits[:, -1:].argmax(-1)
+            synchronize(dev)
+            decode_s = time.perf_counter() - t0
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"decode_ms_per_token": {k: v / steps * 1e3 for k, v in acc.items()},
+            "decode_step_ms_hooked": decode_s / steps * 1e3,
+            "prefill_ms": {k: v * 1e3 for k, v in prefill.items()}, "prefill_ms_hooked": prefill_s * 1e3,
+            "modules": {k: len(v) for k, v in kinds.items()}, "steps": steps,
+            "method": "forward pre/post hooks that synchronise the device; experts are inside moe_block (of which)"}
+
+
 def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], decodings: list[str]) -> None:
     a = run.args
     dev, dtype = run.device, torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
@@ -318,6 +402,11 @@ def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], deco
     report = mpsboost.patch(model)
     if is_patched(model):  # a default that applies nothing on this device leaves nothing to undo
         mpsboost.unpatch(model)
+    mac_report = None
+    if "mac" in variants:
+        mac_report = mpsboost.patch(model, device=mac_env(a.mac_torch))
+        if is_patched(model):
+            mpsboost.unpatch(model)
     bw, bw_source = run.copy_bandwidth()
     gen = torch.Generator().manual_seed(a.seed + 1)
     prompt = torch.randint(0, cfg.vocab_size, (1, a.prompt_tokens), generator=gen).to(dev)
@@ -331,7 +420,7 @@ def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], deco
                     continue
                 try:
                     llm_mode(run, workload, cfg, mode, decoding, variants, model, fp8_model, report, fp8_report, fp8_error,
-                             prompt, mask, N, bw, bw_source, dtype, {"stock": build_s, FP8_VARIANT: fp8_build_s})
+                             prompt, mask, N, bw, bw_source, dtype, {"stock": build_s, FP8_VARIANT: fp8_build_s}, mac_report)
                 except Exception as exc:  # noqa: BLE001 - the next mode or decoding still runs
                     run.log(f"{workload} {mode} {decoding}: failed: {error_text(exc)}")
                     traceback.print_exc(limit=5)
@@ -344,12 +433,23 @@ def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], deco
         free()
 
 
+def mac_env(version: str):
+    """The decisions a Mac on torch ``version`` gets (the model still computes on this device)."""
+    from mpsboost.gate import Env
+
+    return Env.simulate("mps", version)
+
+
 def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: list[str], model, fp8_model, report,
-             fp8_report, fp8_error, prompt, mask, N: int, bw: float, bw_source: str, dtype, build_s: dict) -> None:
+             fp8_report, fp8_error, prompt, mask, N: int, bw: float, bw_source: str, dtype, build_s: dict,
+             mac_report=None) -> None:
     a = run.args
     dev = run.device
-    names = ["stock"] + (["mpsboost"] if "mpsboost" in variants else []) + ([FP8_VARIANT] if fp8_model is not None else [])
-    models = {"stock": model, "mpsboost": model, FP8_VARIANT: fp8_model}
+    mac_name = MAC_PREFIX + a.mac_torch
+    names = (["stock"] + (["mpsboost"] if "mpsboost" in variants else []) + ([FP8_VARIANT] if fp8_model is not None else [])
+             + ([mac_name] if "mac" in variants else []))
+    models = {"stock": model, "mpsboost": model, FP8_VARIANT: fp8_model, mac_name: model}
+    on_model: list[str | None] = [None]  # which patch the shared model carries now (None: stock)
     errors: dict[str, str] = {}
     if "fp8" in variants and fp8_model is None:
         errors[FP8_VARIANT] = fp8_error or "not built"
@@ -367,14 +467,17 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
         """Patch or unpatch the shared model for ``name``; never inside a timed region (the time a
         switch takes is recorded on its own, as ``switch_s``)."""
         m = models[name]
-        if m is model:
+        want = None if name == "stock" else name
+        if m is model and on_model[0] != want:
             t = time.perf_counter()
-            if name == "mpsboost" and not is_patched(model):
-                mpsboost.patch(model)
-                switch_s[name].append(time.perf_counter() - t)
-            elif name == "stock" and is_patched(model):
+            if is_patched(model):
                 mpsboost.unpatch(model)
-                switch_s[name].append(time.perf_counter() - t)
+            if want == "mpsboost":
+                mpsboost.patch(model)
+            elif want == mac_name:
+                mpsboost.patch(model, device=mac_env(a.mac_torch))
+            on_model[0] = want
+            switch_s[name].append(time.perf_counter() - t)
         return m
 
     def generate(name: str, first: Any = None):
@@ -430,10 +533,15 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
             for n in names if len(full[n]) == r + 1))
     recompiled = graphs_compiled() - graphs0
     logits: dict[str, torch.Tensor] = {}
+    breakdown: dict[str, dict] = {}
     for name in names:
         if not full[name]:
             continue
         try:
+            if mode == "eager" and a.breakdown_steps > 0:
+                breakdown[name] = module_breakdown(select(name), prompt, mask, a.breakdown_steps, dev)
+                run.log(f"{label}: {name} breakdown per decoded token: " + ", ".join(
+                    f"{k} {v:.2f} ms" for k, v in breakdown[name]["decode_ms_per_token"].items()))
             if not mem_on_warmup:
                 select(name)
                 with measure_memory(dev) as probe:
@@ -445,6 +553,7 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
             errors.setdefault(name, f"memory pass: {error_text(exc)}")
     if is_patched(model):
         mpsboost.unpatch(model)
+    on_model[0] = None
 
     env = RecordEnv.capture(dev, dtype, compile="transformers-static-cache" if mode == "static" else False)
     shape = {"model": workload, "layers": cfg.num_hidden_layers, "mode": mode, "decoding": decoding,
@@ -455,7 +564,7 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
     med = {n: {k: statistics.median(v) for k, v in (("prefill", prefill[n]), ("decode", decode[n]), ("call", full[n])) if v}
            for n in names}
     recs = []
-    for name in ["stock", "mpsboost", FP8_VARIANT]:
+    for name in ["stock", "mpsboost", FP8_VARIANT, mac_name]:
         if name not in names and name not in errors:
             continue
         extra: dict[str, Any] = {"mode": mode, "decoding": decoding, "sampling_seed": a.seed + 2 if decoding == "sampled" else None,
@@ -469,9 +578,14 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
             extra["error"] = errors[name]
         extra["memory_pass"] = ("the untimed warm-up call (eager: nothing compiles)" if mem_on_warmup
                                 else "one untimed call after the rounds")
-        rep = fp8_report if name == FP8_VARIANT else (report if name == "mpsboost" else None)
+        rep = {FP8_VARIANT: fp8_report, "mpsboost": report, mac_name: mac_report}.get(name)
         if rep is not None:
             extra["patch"] = patch_summary(rep)
+        if name == mac_name:
+            extra["decisions"] = (f"simulated: the decisions of an Apple MPS machine on torch {a.mac_torch}, computed on this "
+                                  "device; tokens and logits check the Mac paths, the speed here says nothing about a Mac")
+        if name in breakdown:
+            extra["breakdown"] = breakdown[name]
         if name == FP8_VARIANT:
             extra["baseline"] = "stock bf16 model of this run (fp8 cannot be undone: a second model, same seed)"
         throughput = ops = corr = None
@@ -774,7 +888,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--only", default=",".join(WORKLOADS), help=f"workloads: {', '.join(WORKLOADS)}")
     p.add_argument("--modes", default=",".join(dict.fromkeys(LLM_MODES + DIFFUSION_MODES)),
                    help="LLM: eager, static; diffusers: eager, compile, offload (each workload runs those of its kind)")
-    p.add_argument("--variants", default="mpsboost,fp8", help="besides stock (always run): mpsboost, fp8 (LLM only)")
+    p.add_argument("--variants", default="mpsboost,fp8",
+                   help="besides stock (always run): mpsboost, fp8 (LLM only), mac (LLM only: Mac decisions, see --mac-torch)")
+    p.add_argument("--mac-torch", default="2.15.0", help="the torch version of the simulated Mac of the 'mac' variant")
+    p.add_argument("--breakdown-steps", type=int, default=8,
+                   help="eager LLM modes: decode steps of the per-module breakdown pass (0: none)")
     p.add_argument("--decoding", default="greedy,sampled", help="LLM decoding: greedy, sampled")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds, each running every variant once (>= 3 for figures you report)")
     p.add_argument("--layers", type=int, default=None, help="override the number of layers (transformer blocks) of every model")

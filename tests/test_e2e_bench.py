@@ -133,3 +133,25 @@ def test_an_fp8_model_is_freed_after_its_workload(e2e):
     del model, report  # mpsboost keeps its records on the model itself: nothing else holds it
     gc.collect()
     assert ref() is None
+
+
+def test_qwen36_mac_variant_and_breakdown(e2e, tmp_path):
+    # The seed's model (Gated DeltaNet + attention + MoE) at toy width: stock, native and Mac decisions in
+    # one run, each with its per-module breakdown; the Mac variant says its decisions are simulated.
+    a = e2e.parse(["--device", "cpu", "--size", "tiny", "--only", "qwen3.6-35b-a3b", "--modes", "eager",
+                   "--variants", "mpsboost,mac", "--decoding", "greedy", "--rounds", "1", "--new-tokens", "3",
+                   "--breakdown-steps", "2", "--out", str(tmp_path)])
+    recs = e2e._main(a)
+    assert [r.variant for r in recs] == ["stock", "mpsboost", "mpsboost:mac-2.15.0"]
+    assert recs[0].workload.shape["layers"] == 4
+    for r in recs:
+        b = r.extra["breakdown"]
+        # 3 Gated DeltaNet layers, 1 attention layer, 4 MoE blocks (each with its experts) in the tiny config
+        assert b["modules"] == {"linear_attention": 3, "attention": 1, "experts": 4, "moe_block": 4}
+        assert all(v > 0 for v in b["decode_ms_per_token"].values())
+        # the kinds are disjoint layers (experts sit inside moe_block), so their sum fits in the hooked step
+        parts = b["decode_ms_per_token"]
+        assert parts["linear_attention"] + parts["attention"] + parts["moe_block"] <= b["decode_step_ms_hooked"]
+    mac = recs[2].extra
+    assert "simulated" in mac["decisions"] and mac["patch"]["applied"] + mac["patch"]["skipped"] > 0
+    assert recs[2].correctness is not None and recs[2].correctness.rel_error < 0.05
