@@ -747,6 +747,16 @@ FEATURES: dict[str, Feature] = {
             },
         ),
         Feature(
+            "rms_norm_fused",
+            "F.rms_norm as one fused kernel (input and weight floating point, no grad)",
+            {
+                # aten's rms_norm on MPS calls the Metal kernel directly when a weight is given (pytorch#145301,
+                # merged 2025-01-23, in 2.7); elsewhere on the CPU it is the composite (pow, mean, rsqrt, muls).
+                # pytorch#187779 (fp16/bf16 weight multiply kept in fp32) does not matter to fp32 calls.
+                "mps": (Rule(since="2.7", upstream="pytorch#145301"),),
+            },
+        ),
+        Feature(
             "histc_int",
             "torch.histc on integer input",
             {

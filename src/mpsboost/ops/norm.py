@@ -1,0 +1,36 @@
+"""RMS norms as one ``F.rms_norm`` call: the three forms transformers' RMSNorm classes compute.
+
+Every form normalises in float32. They differ in where the weight enters and where the result is
+rounded to the input's dtype:
+
+* ``"round_then_scale"`` (Llama and 140-odd classes copied from it): ``w * round(x * rsqrt(mean(x^2) + eps))``;
+* ``"scale_in_fp32"`` (gpt-oss, OLMo, Helium, ...): ``round(x * rsqrt(...) * w)``;
+* ``"zero_centered"`` (Gemma, Qwen3.5/3.6, Qwen3-Next): ``round(x * rsqrt(...) * (1 + w))``.
+
+On MPS ``F.rms_norm`` with a weight is one Metal kernel (pytorch#145301) where the module's forward
+dispatches eight to ten ops; on the CPU it is the same composite as the module's code, op for op, so the
+result is bit-identical there. ``round_then_scale`` passes a weight of ones so that the fused path is
+taken and the weight is applied after rounding, as the module does.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FORMS", "rms_norm"]
+
+FORMS = ("round_then_scale", "scale_in_fp32", "zero_centered")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, form: str) -> torch.Tensor:
+    """The RMS norm of ``x`` over its last dimension in ``form`` (see the module docstring)."""
+    shape = (x.shape[-1],)
+    xf = x.float()
+    if form == "zero_centered":
+        return F.rms_norm(xf, shape, 1.0 + weight.float(), eps).to(x.dtype)
+    if form == "scale_in_fp32":
+        return F.rms_norm(xf, shape, weight.float(), eps).to(x.dtype)
+    if form == "round_then_scale":
+        ones = torch.ones(shape, dtype=torch.float32, device=x.device)
+        return weight * F.rms_norm(xf, shape, ones, eps).to(x.dtype)
+    raise ValueError(f"unknown RMS norm form {form!r}; known: {', '.join(FORMS)}")

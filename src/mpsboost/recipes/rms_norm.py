@@ -1,0 +1,198 @@
+"""Recipe ``rms_norm``: transformers' RMSNorm layers as one ``F.rms_norm`` call (one Metal kernel on MPS).
+
+A Mac runs transformers eagerly, where every aten op costs host time (dispatch and command encoding).
+An RMSNorm layer's forward dispatches eight to ten ops (casts, pow, mean, add, rsqrt, multiplies); on
+MPS ``F.rms_norm`` with a weight is one Metal kernel (pytorch#145301, torch 2.7). A decoder layer has
+two of them, attention layers with q/k norms two more: Qwen3.6-35B-A3B runs 101 per decoded token.
+
+Which classes: every class whose ``forward`` is the very same code as one of three reference classes of
+the installed transformers (compared as syntax trees, names included), each form checked numerically
+against mpsboost's formula once per process (:mod:`mpsboost.ops.norm`): Llama's (``round_then_scale``,
+about 140 classes), gpt-oss's and Helium's (``scale_in_fp32``), Gemma's and Qwen3.5's (``zero_centered``).
+A class whose code differs in any way (a hub kernel bound by ``kernelize``, another formula) is left alone.
+
+Where: on MPS (torch >= 2.7). On the CPU ``F.rms_norm`` is the same composite as the module's code
+(nothing to gain); on CUDA no end-to-end measurement shows a gain yet, so it steps aside there unless
+``options={"rms_norm": {"devices": ("cuda",)}}`` asks for it. The result equals the module's bit for
+bit on the CPU; on MPS the Metal kernel sums the squares in its own order (float32 rounding of the mean).
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from ..gate import Env, check
+from ..ops.norm import FORMS, rms_norm
+from ..registry import Decision, Match, Patch, Recipe, bind_forward, join_path, register
+
+NAME = "rms_norm"
+
+# The reference class of each form in transformers (module, class). The form's formula is mpsboost's own
+# (ops.norm); the reference only says which code computes it, and is checked against it numerically.
+REFERENCES: dict[str, tuple[tuple[str, str], ...]] = {
+    "round_then_scale": (("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),),
+    "scale_in_fp32": (("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssRMSNorm"),
+                      ("transformers.models.helium.modeling_helium", "HeliumRMSNorm")),
+    "zero_centered": (("transformers.models.gemma.modeling_gemma", "GemmaRMSNorm"),
+                      ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeRMSNorm")),
+}
+DEVICES = ("mps", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class RmsNormOptions:
+    """``options={"rms_norm": {...}}``: ``devices``, the device types it applies on (default: MPS only)."""
+
+    devices: tuple[str, ...] = ("mps",)
+
+
+def _code_key(fn: Any) -> str | None:
+    """The syntax tree of a function without its name, decorators, docstring, annotations and comments."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        return None
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, ast.FunctionDef):
+        return None
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+        body = body[1:]
+    args = ast.arguments(posonlyargs=[], args=[ast.arg(a.arg) for a in node.args.args], vararg=None, kwonlyargs=[],
+                         kw_defaults=[], kwarg=None, defaults=[])
+    return ast.dump(ast.Module(body=[ast.FunctionDef("f", args, body, [], None, None)], type_ignores=[]),
+                    annotate_fields=False)
+
+
+def _class_key(cls: type) -> tuple[str | None, str | None]:
+    return _code_key(cls.forward), _code_key(getattr(cls, "_norm", None)) if hasattr(cls, "_norm") else None
+
+
+def _eps(module: torch.nn.Module) -> float | None:
+    for name in ("variance_epsilon", "eps"):
+        v = module.__dict__.get(name)
+        if isinstance(v, float) and not isinstance(v, bool):
+            return v
+    return None
+
+
+def _formula_holds(cls: type, form: str) -> bool:
+    """The reference class computes ``form`` exactly on the CPU, in float32 and bfloat16 (fixed inputs)."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            mod = cls(16) if "eps" not in inspect.signature(cls.__init__).parameters else cls(16, eps=1e-6)
+        except Exception:  # noqa: BLE001 - a reference that cannot be built at toy size proves nothing
+            return False
+        eps = _eps(mod)
+        if eps is None or not isinstance(getattr(mod, "weight", None), torch.nn.Parameter):
+            return False
+        with torch.no_grad():
+            mod.weight.copy_(torch.randn(16, generator=g) * 0.5)
+            mod.to(dtype)
+            x = (torch.randn(3, 16, generator=g) * 3).to(dtype)
+            if not torch.equal(mod(x), rms_norm(x, mod.weight, eps, form)):
+                return False
+    return True
+
+
+_LOCK = threading.Lock()
+# form -> code keys of its reference classes whose formula was checked in this process (classes of the
+# installed transformers only; never a model or a module instance).
+_CHECKED: dict[str, set] = {}
+
+
+def _known_keys() -> dict[tuple[str | None, str | None], str]:
+    """{code key: form} of the reference classes whose formula holds, computed once per process."""
+    import importlib
+
+    with _LOCK:
+        if not _CHECKED:
+            for form, refs in REFERENCES.items():
+                keys = set()
+                for mod_name, cls_name in refs:
+                    try:
+                        cls = getattr(importlib.import_module(mod_name), cls_name)
+                    except (ImportError, AttributeError):
+                        continue
+                    if _formula_holds(cls, form):
+                        keys.add(_class_key(cls))
+                _CHECKED[form] = keys
+        return {key: form for form, keys in _CHECKED.items() for key in keys}
+
+
+_FORM_OF_CLASS: dict[str, str | None] = {}  # "module.qualname" of a transformers class -> form or None
+
+
+def form_of(module: torch.nn.Module) -> str | None:
+    """The form ``module``'s class computes, or None when its code is not one mpsboost knows."""
+    cls = type(module)
+    if not cls.__name__.endswith("RMSNorm") or not cls.__module__.startswith("transformers."):
+        return None
+    path = f"{cls.__module__}.{cls.__qualname__}"
+    if path not in _FORM_OF_CLASS:
+        _FORM_OF_CLASS[path] = _known_keys().get(_class_key(cls))
+    return _FORM_OF_CLASS[path]
+
+
+def _forward(form: str, eps: float):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, eps, form)
+
+    return forward
+
+
+@register
+class RmsNorm(Recipe):
+    name = NAME
+    summary = "transformers RMSNorm layers as one F.rms_norm call (one Metal kernel on MPS)"
+    # The reference classes; find() matches every class whose forward is the same code as one of them.
+    targets = tuple(f"{m}.{c}" for refs in REFERENCES.values() for m, c in refs)
+    lossless = True
+    reversible = True
+    requires = ()
+    default = True
+    order = 100
+    Options = RmsNormOptions
+
+    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
+        for name, mod in root.named_modules():
+            if type(mod).__name__.endswith("RMSNorm") and type(mod).__module__.startswith("transformers."):
+                form = form_of(mod)
+                if form is not None:
+                    yield Match(mod, join_path(prefix, name), {"form": form})
+
+    def decide(self, match: Match, env: Env, options: RmsNormOptions) -> Decision:
+        bad = [d for d in options.devices if d not in DEVICES]
+        if bad:
+            raise ValueError(f"rms_norm option devices={options.devices!r}: unknown {bad}; accepted: {', '.join(DEVICES)}")
+        mod = match.module
+        if _eps(mod) is None or not isinstance(getattr(mod, "weight", None), torch.Tensor) or mod.weight.dim() != 1:
+            return Decision.skip("no float eps or 1-D weight on this instance")
+        form = match.data["form"]
+        if env.device_type not in options.devices:
+            why = {
+                "cpu": "on the CPU F.rms_norm is the same composite of ops as the module's code: nothing to gain",
+                "cuda": "no end-to-end measurement on CUDA shows a gain yet (options devices=('cuda',) asks for it)",
+                "mps": "MPS left out by options devices",
+            }[env.device_type]
+            return Decision.skip(why)
+        if env.device_type == "mps":
+            v = check("rms_norm_fused", env)
+            if not v.ok:
+                return Decision.skip(v.reason)
+            return Decision.apply(f"F.rms_norm, one Metal kernel ({form})", v.reason)
+        return Decision.apply(f"F.rms_norm ({form})", f"asked for on {env.device_type} by options devices")
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: RmsNormOptions) -> Patch:
+        # eps is read once: transformers sets it at construction and never changes it
+        return bind_forward(match.module, NAME, _forward(match.data["form"], _eps(match.module)))
+
+
+assert set(REFERENCES) == set(FORMS)
