@@ -26,7 +26,8 @@ from mpsboost.registry import Decision, Recipe, all_recipes, register, unregiste
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 #: Every hand-written document a user reads.
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "recipes" / "README.md", ROOT / "benchmarks" / "README.md"]
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "recipes" / "README.md", ROOT / "benchmarks" / "README.md",
+         ROOT / "src" / "mpsboost" / "recipes" / "README.md"]
 #: The bound the README and docs/usage.md state for the VAE recipes against stock (fp32, CPU).
 VAE_BOUND = 1e-5
 
@@ -175,7 +176,7 @@ def test_readme_is_a_front_door():
     text = "\n".join(lines)
     # No record-derived figures in the front door: those live in docs/figures.md.
     assert "NVIDIA H200;" not in text
-    for heading in ("## Mac quick start", "## What applies on my Mac and torch", "## Recipes", "## The seed's workloads, one call each"):
+    for heading in ("## Mac quick start", "## What applies on my Mac and torch", "## Recipes", "## Workloads, one call each"):
         assert heading in lines, heading
     for link in ("docs/contributing.md", "docs/figures.md", "docs/support.md"):
         assert f"]({link})" in text, link
