@@ -42,6 +42,15 @@ __all__ = [
     "recipe_table",
     "samples_line",
     "headline",
+    "build_samples",
+    "options_table",
+    "gate_table",
+    "selection",
+    "blocks",
+    "APPLIES",
+    "OPT_IN",
+    "STEPS_ASIDE",
+    "NO_TARGET",
 ]
 
 
@@ -420,6 +429,25 @@ def options_table() -> str:
     return _md(["recipe", "options"], rows)
 
 
+def gate_table(device: str = "mps") -> str:
+    """Every feature of the gate that ``device`` has rules for: what it is, the upstream change, the first
+    release, and the table's verdict on each build of :data:`ENVS` for that device (a real device also
+    runs the feature's probe, which can only say no)."""
+    from .gate import FEATURES, check, feature_info
+
+    columns = [c for c in ENVS if c.device.partition(":")[0] == device]
+    rows = []
+    for name, feat in FEATURES.items():
+        if device not in feat.rules:
+            continue
+        info = feature_info(name, device)
+        upstream = "; ".join(r["upstream"] for r in info["rules"] if r["upstream"]) or "-"
+        first = "; ".join(dict.fromkeys(r["first_release"] for r in info["rules"]))
+        marks = ["yes" if check(name, c.env()).ok else "no" for c in columns]
+        rows.append([f"`{name}`", feat.description, upstream, first + (" (probed on the device)" if info["probe"] else "")] + marks)
+    return _md(["feature", "what", "upstream", "first release"] + [c.short or c.heading for c in columns], rows)
+
+
 def blocks() -> Mapping[str, Callable[..., str]]:
     """The generated blocks of this module by marker name (``benchmarks/tables.py`` adds them to its own)."""
     return {
@@ -428,4 +456,5 @@ def blocks() -> Mapping[str, Callable[..., str]]:
         "recipe-list": lambda results=None: recipe_table(columns=README_ENVS, fold=3, summary=False),
         "recipe-details": lambda results=None: recipe_table(columns=ENVS, fold=None, summary=True),
         "recipe-options": lambda results=None: options_table(),
+        "gate-mps": lambda results=None: gate_table("mps"),
     }
