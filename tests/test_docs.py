@@ -9,8 +9,6 @@ recipes are defaults as ``mpsboost doctor`` reports them), and that links and sn
 from __future__ import annotations
 
 import ast
-import contextlib
-import io
 import json
 import re
 import sys
@@ -254,8 +252,7 @@ def test_regeneration_is_one_command():
         assert doc in tables.DOCS
     names = set(re.findall(r"<!-- tables:([a-z0-9-]+):begin -->", README.read_text()))
     assert names and names <= set(tables.all_blocks())
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert tables.main(["--check"]) == 0
+    # Whether every document is current: tests/test_tables.py::test_committed_documents_match_the_records.
 
 
 def test_gate_table_is_the_gate():
