@@ -1,6 +1,9 @@
-"""Every published benchmark figure, computed from the committed records in ``benchmarks/results/``.
+"""Every generated table of the documentation: the benchmark figures, computed from the committed
+records in ``benchmarks/results/``, and the tables that describe the tool (which recipe applies on
+which Mac and torch build, the recipe list), computed from the registry and the gate by
+:mod:`mpsboost.docs`.
 
-    python benchmarks/tables.py            # rewrite the generated blocks of README.md and benchmarks/README.md
+    python benchmarks/tables.py            # rewrite the generated blocks of every document in DOCS
     python benchmarks/tables.py --check    # exit 1 and print a diff where a document differs
 
 A generated block sits between ``<!-- tables:NAME:begin -->`` and ``<!-- tables:NAME:end -->``; the
@@ -30,7 +33,9 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-DOCS = ("README.md", "benchmarks/README.md")
+#: The documents with generated blocks. The figures live in docs/ and benchmarks/README.md; the README
+#: holds only the tables that describe the tool.
+DOCS = ("README.md", "benchmarks/README.md", "docs/figures.md", "docs/known-gaps.md", "docs/fp8-checkpoints.md", "docs/support.md")
 
 if str(ROOT / "src") not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(ROOT / "src"))
@@ -777,12 +782,23 @@ BLOCKS: dict[str, Callable[..., str]] = {
     "fp8-load": block_fp8_load,
 }
 
+
+def _tool_blocks() -> dict[str, Callable[..., str]]:
+    """The blocks computed from the registry and the gate (mpsboost.docs), not from records."""
+    from mpsboost import docs
+
+    return dict(docs.blocks())
+
+
+def all_blocks() -> dict[str, Callable[..., str]]:
+    return {**BLOCKS, **_tool_blocks()}
+
 _MARKER = re.compile(r"(<!-- tables:(?P<name>[a-z0-9-]+):begin -->\n)(?P<body>.*?)(\n?<!-- tables:(?P=name):end -->)", re.S)
 
 
 def render(text: str, results: Path | None = None, blocks: dict[str, Callable[..., str]] | None = None) -> str:
     """``text`` with every generated block recomputed from the records."""
-    blocks = blocks or BLOCKS
+    blocks = blocks or all_blocks()
 
     def sub(m: re.Match) -> str:
         name = m.group("name")
@@ -820,7 +836,7 @@ def write(root: Path = ROOT, results: Path | None = None, docs: Sequence[str] = 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 and print a diff where a document differs from the records")
-    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout whose README.md and benchmarks/README.md to check or rewrite")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout whose documents (README.md, benchmarks/README.md, docs/) to check or rewrite")
     args = ap.parse_args(argv)
     if args.check:
         diffs = check(args.root)

@@ -54,7 +54,7 @@ def load(args, device: str, dtype: torch.dtype, seed: int):
             import diffusers
 
             cls = getattr(diffusers, cfg["_class_name"])
-            model = cls.from_pretrained(args.model, subfolder=args.subfolder, torch_dtype=dtype)
+            model = cls.from_pretrained(args.model, subfolder=args.subfolder, dtype=dtype)
         else:
             import transformers
 

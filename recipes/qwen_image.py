@@ -42,9 +42,9 @@ def build(args, device: str, dtype: torch.dtype):
             run[key] = getattr(args, key)
     if args.model is not None:
         if args.vae_only:
-            vae = AutoencoderKLQwenImage.from_pretrained(args.model, subfolder="vae", torch_dtype=dtype).to(device)
+            vae = AutoencoderKLQwenImage.from_pretrained(args.model, subfolder="vae", dtype=dtype).to(device)
             return None, vae, run
-        pipe = QwenImagePipeline.from_pretrained(args.model, torch_dtype=dtype).to(device)
+        pipe = QwenImagePipeline.from_pretrained(args.model, dtype=dtype).to(device)
         pipe.set_progress_bar_config(disable=True)
         return pipe, pipe.vae, run
     C.seeded(args.seed)

@@ -39,8 +39,8 @@ def build(args, device: str, dtype: torch.dtype):
             run[key] = getattr(args, key)
     if args.model is not None:
         # The VAE in fp32 (the diffusers recommendation for Wan), the rest in the compute dtype.
-        vae = AutoencoderKLWan.from_pretrained(args.model, subfolder="vae", torch_dtype=torch.float32)
-        pipe = WanPipeline.from_pretrained(args.model, vae=vae, torch_dtype=dtype)
+        vae = AutoencoderKLWan.from_pretrained(args.model, subfolder="vae", dtype=torch.float32)
+        pipe = WanPipeline.from_pretrained(args.model, vae=vae, dtype=dtype)
         pipe.to(device)
     else:
         C.seeded(args.seed)

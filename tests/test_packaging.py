@@ -72,6 +72,21 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert "index-url" not in command and "torch" not in command
 
 
+def test_readme_install_commands_name_extras_that_exist():
+    """Every ``pip install -e ".[...]"`` of the README (the two set-up commands, the Mac quick start)
+    asks for extras that pyproject.toml defines: a typo there installs nothing and says so only as a warning."""
+    import re
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    asked = re.findall(r'pip install (?:-q )?-e "\.\[([a-z,]+)\]"', text)
+    assert len(asked) >= 3, asked  # command 1, command 2, the Mac quick start
+    for group in asked:
+        unknown = set(group.split(",")) - extras
+        assert not unknown, f"README installs unknown extras {sorted(unknown)}; pyproject.toml has {sorted(extras)}"
+
+
 def test_install_hints_match_the_wheel_extras():
     """mpsboost.install.EXTRAS (what the hints print) says what pyproject.toml's extras hold."""
     import tomllib

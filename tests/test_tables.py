@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -46,17 +47,29 @@ def test_check_reports_a_hand_edited_figure(tmp_path):
         (tmp_path / doc).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / doc).write_text((ROOT / doc).read_text())
     assert tables.check(root=tmp_path) == []
-    readme = tmp_path / "README.md"
-    text = readme.read_text()
+    figures = tmp_path / "docs" / "figures.md"
+    text = figures.read_text()
     begin = text.index("<!-- tables:recipes:begin -->")
     end = text.index("<!-- tables:recipes:end -->")
     edited = text[:begin] + text[begin:end].replace("1.86x", "3.60x", 1) + text[end:]
     assert edited != text
-    readme.write_text(edited)
+    figures.write_text(edited)
     diffs = tables.check(root=tmp_path)
     assert len(diffs) == 1 and "-" in diffs[0] and "3.60x" in diffs[0]
-    assert tables.write(root=tmp_path) == ["README.md"]
-    assert readme.read_text() == text
+    assert tables.write(root=tmp_path) == ["docs/figures.md"]
+    assert figures.read_text() == text
+
+
+def test_the_readme_carries_no_benchmark_figures():
+    """The front door holds the tables that describe the tool; every record-derived table lives in docs/
+    or benchmarks/README.md."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = set(re.findall(r"<!-- tables:([a-z0-9-]+):begin -->", readme))
+    assert blocks and not blocks & set(tables.BLOCKS), sorted(blocks & set(tables.BLOCKS))
+    everywhere = set()
+    for doc in tables.DOCS:
+        everywhere |= set(re.findall(r"<!-- tables:([a-z0-9-]+):begin -->", (ROOT / doc).read_text()))
+    assert set(tables.BLOCKS) <= everywhere, f"figure blocks published nowhere: {sorted(set(tables.BLOCKS) - everywhere)}"
 
 
 def test_the_command_line_check_exits_non_zero_on_a_stale_document(tmp_path, capsys):
