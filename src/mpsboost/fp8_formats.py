@@ -31,13 +31,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from .fp8_io import Fp8FileError, safetensors_header
+from .errors import Fp8FileError
 
 __all__ = [
     "FORMATS",
@@ -65,8 +66,11 @@ if hasattr(torch, "float8_e8m0fnu"):
 _ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4,
              "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
-_INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
-_SINGLE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
+# mpsboost's own folder names first (fp8_io.save_fp8 writes them: plain loaders do not read them), then Hugging Face's.
+_INDEX_NAMES = ("model.fp8.safetensors.index.json", "model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
+_SINGLE_NAMES = ("model.fp8.safetensors", "model.safetensors", "diffusion_pytorch_model.safetensors")
+# The shard that save_fp8's decoy indexes name (fp8_io.DECOY_SHARD): such an index is not the weights' own.
+_DECOY_MARK = "load-it-with-mpsboost.load_fp8"
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,29 @@ class Checkpoint:
 
 
 # ------------------------------------------------------------------------------------------ reading
+
+# The one safetensors header reader of mpsboost: this module imports no other fp8 module at import
+# time (fp8_io imports it, never the other way round).
+def safetensors_header(path: Path, what: str) -> tuple[int, dict]:
+    """(header length, the JSON header as a dict) of a safetensors file, read from its first bytes only;
+    ``what`` opens every error message (a truncated file, a wrong length, a header that is not JSON)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise Fp8FileError(f"{what}: it has {size} bytes, fewer than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 * 2**20):
+            raise Fp8FileError(f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file (truncated, or not safetensors)")
+        try:
+            header = json.loads(fh.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise Fp8FileError(f"{what}: its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise Fp8FileError(f"{what}: its header is not a JSON object")
+    return n, header
+
+
 
 def _header(path: Path) -> tuple[dict[str, str], dict[str, TensorEntry]]:
     what = f"{path.name} is not a readable safetensors file"
@@ -178,6 +205,8 @@ def _shard_files(folder: Path) -> tuple[list[Path], Optional[dict[str, str]]]:
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise Fp8FileError(f"{idx}: not a shard index (a JSON object with a 'weight_map')") from None
             files = sorted({str(v) for v in weight_map.values()})
+            if files and all(_DECOY_MARK in f for f in files):
+                continue  # save_fp8's guard against plain from_pretrained, not an index of this folder's weights
             missing = [f for f in files if not (folder / f).is_file()]
             if missing:
                 raise Fp8FileError(f"{folder.name}: partial checkpoint: the index {name} lists shard(s) {missing[:3]} that are not in the folder")
@@ -258,8 +287,12 @@ def detect(ckpt: Checkpoint) -> str:
     method = (q or {}).get("quant_method")
     if meta.get("format") == "mpsboost.fp8":
         ver = meta.get("format_version")
-        if ver not in ("1", "2"):
-            raise Fp8FileError(f"{ckpt.name} has mpsboost fp8 format version {ver!r}; this mpsboost reads '1' and '2'")
+        if ver == "1":
+            raise Fp8FileError(f"{ckpt.name} is an mpsboost fp8 file of format version '1' (converted layers only, written by "
+                               "unreleased development builds), which is no longer read: load the model's bf16 weights, "
+                               "mpsboost.patch(model, fp8=...) and save it again with mpsboost.save_fp8")
+        if ver != "2":
+            raise Fp8FileError(f"{ckpt.name} has mpsboost fp8 format version {ver!r}; this mpsboost reads '2'")
         ckpt.format = "mpsboost"
         ckpt.info = {"version": ver}
         try:
