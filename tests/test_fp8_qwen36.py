@@ -256,3 +256,97 @@ def test_qwen36_fp8_file_with_a_mislabelled_module_is_refused(qwen36_folder, tmp
     with pytest.raises(Fp8MismatchError, match="shared_expert_gate.*modules_to_not_convert"):
         mpsboost.load_fp8(model, bad, device="cpu")
     assert all(t.device.type == "meta" for t in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------ memory while loading
+
+_MEM_SCRIPT = """
+import json, sys, torch
+import mpsboost
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+cfg = Qwen3_5MoeTextConfig(**json.loads(sys.argv[2]))
+with torch.device("meta"):
+    model = Qwen3_5MoeForCausalLM(cfg)
+mpsboost.load_fp8(model, sys.argv[1], device="cpu", lossless_recipes=False)  # warm-up: imports, first-call costs
+del model
+with torch.device("meta"):
+    model = Qwen3_5MoeForCausalLM(cfg)
+with open("/proc/self/clear_refs", "w") as fh:
+    fh.write("5")  # resets the peak resident set size (VmHWM) to the current one
+base = rss("VmRSS:")
+mpsboost.load_fp8(model, sys.argv[1], device="cpu", lossless_recipes=False)
+print(json.dumps({"base": base, "peak": rss("VmHWM:"), "after": rss("VmRSS:")}))
+"""
+
+_MEM_TEXT = {**TEXT, "vocab_size": 32000, "hidden_size": 1024, "num_experts": 32, "moe_intermediate_size": 512,
+             "shared_expert_intermediate_size": 512, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+             "linear_key_head_dim": 128, "linear_value_head_dim": 128, "num_attention_heads": 8, "num_key_value_heads": 2,
+             "head_dim": 128}
+
+
+def _write_random_qwen36(folder: Path) -> tuple[int, int]:
+    """The published layout with random codes and scales, from the meta model's shapes (no bf16 model):
+    (file bytes, bytes of the largest tensor as loaded)."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    with torch.device("meta"):
+        model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**_MEM_TEXT))
+    g = torch.Generator().manual_seed(0)
+    fp8_linears = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n != "lm_head" and not n.endswith(_BF16_LINEARS)}
+    tensors, largest = {}, 0
+
+    def codes(n, k):
+        q = torch.randint(0, 0x7E, (n, k), generator=g, dtype=torch.uint8).view(FP8)  # no NaN codes
+        s = (torch.rand(-(-n // BLOCK[0]), -(-k // BLOCK[1]), generator=g) * 1e-3).to(torch.bfloat16)
+        return q, s
+
+    for key, p in model.state_dict().items():
+        fkey = key if key.startswith("lm_head") else PREFIX + key[len("model."):]
+        if key.rsplit(".", 1)[0] in fp8_linears:
+            tensors[fkey], tensors[fkey + "_scale_inv"] = codes(*p.shape)
+            largest = max(largest, p.numel())
+        elif key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            base = fkey.rsplit(".", 1)[0]
+            e, n, k = p.shape
+            subs = ("gate_proj", "up_proj") if key.endswith("gate_up_proj") else ("down_proj",)
+            for i in range(e):
+                for sub in subs:
+                    tensors[f"{base}.{i}.{sub}.weight"], tensors[f"{base}.{i}.{sub}.weight_scale_inv"] = codes(n // len(subs), k)
+            largest = max(largest, p.numel())
+        else:
+            tensors[fkey] = (torch.randn(tuple(p.shape), generator=g) * 0.02).to(torch.bfloat16)
+            largest = max(largest, 2 * p.numel())
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "text_config": _MEM_TEXT,
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": list(BLOCK), "activation_scheme": "dynamic",
+                                "modules_to_not_convert": _not_converted(_MEM_TEXT["num_hidden_layers"])}}))
+    return (folder / "model.safetensors").stat().st_size, largest
+
+
+@pytest.mark.slow
+def test_qwen36_layout_loads_within_file_plus_largest_layer(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    size, largest = _write_random_qwen36(tmp_path / "big")
+    assert size > 200 * 2**20
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(mpsboost.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+               PYTHONWARNINGS="ignore")
+    out = subprocess.run([sys.executable, "-c", _MEM_SCRIPT, str(tmp_path / "big"), json.dumps(_MEM_TEXT)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    peak = m["peak"] - m["base"]
+    margin = 48 * 2**20  # Python objects, allocator slack, the rotary tables of a donor build
+    print(f"file {size / 2**20:.1f} MiB, largest tensor {largest / 2**20:.1f} MiB, peak over baseline {peak / 2**20:.1f} MiB")
+    assert peak <= size + largest + margin, (peak, size, largest)
