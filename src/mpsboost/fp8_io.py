@@ -509,6 +509,12 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     plans = _load_plans(obj, target, roots)
+    for p in plans:
+        if p.ignored:  # e.g. a Qwen3.6 wrapper's vision tower and multi-token-prediction head, loaded into the text model
+            import logging
+
+            logging.getLogger("mpsboost").info("load_fp8: %d tensor(s) of %s are not part of this %s and were not read (e.g. %s)",
+                                               len(p.ignored), p.ckpt.name, type(p.root).__name__, ", ".join(p.ignored[:3]))
     problems = [(p.ckpt, pr) for p in plans for pr in p.problems]
     for p in plans:
         for q in p.quant:
