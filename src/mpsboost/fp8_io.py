@@ -24,8 +24,9 @@ exist. Every tensor is checked against the model before anything changes (:class
 or :class:`Fp8FileError` for a file that is unreadable, truncated, partial or of no known format,
 each naming the format and what is missing); a failure while reading puts every tensor back. Loaded
 layers are the ``fp8_weights`` recipe's (report rows, ``save_fp8``, ``unpatch`` raising
-:class:`~mpsboost.errors.IrreversiblePatchError`). Version-1 files (converted layers only, written by
-mpsboost 0.1) still load into a model that holds the other weights.
+:class:`~mpsboost.errors.IrreversiblePatchError`). Folders of the earlier layout (``model.safetensors``
+without the guard) still load; version-1 files (converted layers only, from unreleased development
+builds) are refused with a message saying how to re-save them.
 """
 from __future__ import annotations
 
