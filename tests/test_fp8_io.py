@@ -173,7 +173,7 @@ def _bad_files(path, tmp):
 def test_every_bad_file_is_refused_by_name_and_changes_nothing(saved, tmp_path):
     _, path = saved
     cases = list(_bad_files(path, tmp_path))
-    assert len(cases) == 10
+    assert len(cases) == 11
     for label, err, bad, words in cases:
         target = tm.build("qwen3_moe", dtype="bfloat16", seed=1)
         before = tm.snapshot(target)
