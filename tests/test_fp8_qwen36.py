@@ -19,8 +19,11 @@ fine-grained FP8, read from transformers 5.24's loader: ``integrations/finegrain
 * bf16: embeddings, ``lm_head``, norms, ``mlp.gate`` (router), ``shared_expert_gate``, ``in_proj_a``,
   ``in_proj_b``, ``conv1d``, ``dt_bias``; ``A_log`` float32.
 
-The reference is the stock ``Qwen3_5MoeForCausalLM`` in bf16 holding the file's exact dequantisation
-(code x scale in float32, rounded once to bf16) and the file's other tensors as they are.
+The file is written from a tiny ``Qwen3_5MoeForConditionalGeneration`` (its real bf16 vision tower
+included) and loaded into both classes built on the meta device: ``Qwen3_5MoeForCausalLM`` (what
+``AutoModelForCausalLM.from_config`` builds from the published config) and the wrapper itself. The
+reference is the stock class holding the file's exact dequantisation (code x scale in float32, rounded
+once to bf16) and the file's other tensors as they are: logits are compared for equality.
 """
 from __future__ import annotations
 
@@ -90,25 +93,36 @@ def _not_converted(n_layers: int) -> list[str]:
     return out + ["model.visual", "mtp"]
 
 
+VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 256, "patch_size": 4,
+          "spatial_merge_size": 2, "temporal_patch_size": 2}
+
+
+def _wrapper_config():
+    from transformers import Qwen3_5MoeConfig
+
+    return Qwen3_5MoeConfig(text_config=dict(TEXT), vision_config=dict(VISION), tie_word_embeddings=False)
+
+
 def write_qwen36_fp8(folder: Path, seed: int = 0) -> dict:
-    """The published layout from a random-weight tiny model; returns the reference state (model keys)."""
+    """The published layout from a random-weight tiny ``Qwen3_5MoeForConditionalGeneration``; returns the
+    reference state under the file's (the wrapper's) keys: the exact dequantisation of every fp8 tensor."""
     from safetensors.torch import save_file
-    from transformers import Qwen3_5MoeForCausalLM
+    from transformers import Qwen3_5MoeForConditionalGeneration
 
     torch.manual_seed(seed)
-    src = Qwen3_5MoeForCausalLM(_config())
+    src = Qwen3_5MoeForConditionalGeneration(_wrapper_config())
     tensors: dict[str, torch.Tensor] = {}
     ref: dict[str, torch.Tensor] = {}
-    fp8_linears = {n for n, m in src.named_modules() if type(m) is torch.nn.Linear and n != "lm_head" and not n.endswith(_BF16_LINEARS)}
+    fp8_linears = {n for n, m in src.named_modules() if type(m) is torch.nn.Linear and n.startswith(PREFIX)
+                   and not n.endswith(_BF16_LINEARS)}
     for key, t in src.state_dict().items():
-        fkey = key if key.startswith("lm_head") else PREFIX + key[len("model."):]
         mod = key.rsplit(".", 1)[0]
         if key.endswith(".weight") and mod in fp8_linears:
             q, s = quant_block(t)
-            tensors[fkey], tensors[fkey + "_scale_inv"] = q, s
+            tensors[key], tensors[key + "_scale_inv"] = q, s
             ref[key] = dequant_block(q, s).to(torch.bfloat16)
         elif key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            base = fkey.rsplit(".", 1)[0]
+            base = key.rsplit(".", 1)[0]
             deq = torch.empty(t.shape)
             for e in range(t.shape[0]):
                 inter = t.shape[1] // 2
@@ -119,30 +133,28 @@ def write_qwen36_fp8(folder: Path, seed: int = 0) -> dict:
                     tensors[f"{base}.{e}.{name}.weight"], tensors[f"{base}.{e}.{name}.weight_scale_inv"] = q, s
                     deq[e, r0:r1] = dequant_block(q, s)
             ref[key] = deq.to(torch.bfloat16)
-        else:
+        else:  # bf16 as published (the vision tower too); A_log float32
             v = t.float() if key.endswith("A_log") else t.to(torch.bfloat16)
-            tensors[fkey] = v
+            tensors[key] = v
             ref[key] = v
-    # What a text model does not load: the vision tower and the multi-token-prediction head (fp8 among them).
+    # The multi-token-prediction head, which neither transformers class loads (fp8 among its tensors).
     g = torch.Generator().manual_seed(seed + 1)
-    tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2, generator=g).to(torch.bfloat16)
-    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.randn(24, 8, generator=g).to(FP8)
-    tensors["model.visual.blocks.0.attn.qkv.weight_scale_inv"] = torch.ones(1, 1, dtype=torch.bfloat16)
     tensors["mtp.fc.weight"] = torch.randn(256, 512, generator=g).to(FP8)
     tensors["mtp.fc.weight_scale_inv"] = torch.ones(2, 4, dtype=torch.bfloat16)
     tensors["mtp.norm.weight"] = torch.ones(256, dtype=torch.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
-    text = _config().to_dict()
-    config = {
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-        "text_config": text, "vision_config": {"depth": 1, "hidden_size": 8, "num_heads": 1, "out_hidden_size": 256},
-        "image_token_id": 248056, "tie_word_embeddings": False,
-        "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                "weight_block_size": list(BLOCK), "modules_to_not_convert": _not_converted(TEXT["num_hidden_layers"])},
-    }
+    config = _wrapper_config().to_dict()
+    config["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(BLOCK),
+                                     "modules_to_not_convert": _not_converted(TEXT["num_hidden_layers"])}
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return ref
+
+
+def _text_state(ref: dict) -> dict:
+    """The wrapper-keyed reference under Qwen3_5MoeForCausalLM's keys (transformers' PrefixChange)."""
+    return {("model." + k[len(PREFIX):] if k.startswith(PREFIX) else k): v for k, v in ref.items() if k.startswith((PREFIX, "lm_head."))}
 
 
 def _meta_model():
@@ -158,7 +170,7 @@ def _reference(ref_state: dict):
     # Built in float32 and given the file's tensors (assign): the rotary inv_freq stays float32, as
     # from_pretrained keeps it (a model.to(bf16) would round it and move the attention layers' outputs).
     model = Qwen3_5MoeForCausalLM(_config()).eval()
-    missing, unexpected = model.load_state_dict(ref_state, strict=False, assign=True)
+    missing, unexpected = model.load_state_dict(_text_state(ref_state), strict=False, assign=True)
     assert not unexpected and all("inv_freq" in k for k in missing), (missing, unexpected)
     return model
 
@@ -183,7 +195,12 @@ def test_qwen36_fp8_layout_loads_into_a_meta_model_exactly(qwen36_folder, env, c
     with caplog.at_level("INFO", logger="mpsboost"):
         report = mpsboost.load_fp8(model, folder, device=ENVS[env]())
     # The vision tower and the mtp head of the wrapper's file are skipped, as transformers skips them, and said so.
-    assert "6 tensor(s) of Qwen3.6-35B-A3B-FP8-tiny are not part of this Qwen3_5MoeForCausalLM" in caplog.text
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        skipped = sum(k.startswith(("model.visual.", "mtp.")) for k in f.keys())  # noqa: SIM118 (a safe_open handle)
+    assert skipped > 3
+    assert f"{skipped} tensor(s) of Qwen3.6-35B-A3B-FP8-tiny are not part of this Qwen3_5MoeForCausalLM" in caplog.text
     rows = {r.target: r for r in report.rows if r.recipe == "fp8_weights" and r.status == "applied"}
     # Per linear-attention layer: in_proj_qkv, in_proj_z, out_proj; per full-attention layer q/k/v/o; per
     # layer the shared expert's three projections and the experts module.
@@ -354,3 +371,26 @@ def test_qwen36_layout_loads_within_file_plus_largest_layer(tmp_path):
     margin = 48 * 2**20  # Python objects, allocator slack, the rotary tables of a donor build
     print(f"file {size / 2**20:.1f} MiB, largest tensor {largest / 2**20:.1f} MiB, peak over baseline {peak / 2**20:.1f} MiB")
     assert peak <= size + largest + margin, (peak, size, largest)
+
+
+def test_qwen36_fp8_loads_into_the_multimodal_wrapper_built_from_the_published_config(qwen36_folder):
+    """The file's own class, built as a user would from its config.json (``AutoConfig`` -> the wrapper):
+    keys match as they are; the bf16 vision tower is read, the mtp head is not; text logits equal the
+    stock wrapper holding the exact dequantisation."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    folder, ref_state = qwen36_folder
+    cfg = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(cfg).eval()
+    assert type(model).__name__ == "Qwen3_5MoeForConditionalGeneration"
+    report = mpsboost.load_fp8(model, folder, device="cpu")
+    rows = [r for r in report.rows if r.recipe == "fp8_weights" and r.status == "applied"]
+    assert rows and all(r.target.startswith(PREFIX) for r in rows)
+    assert not any(r.target.startswith("model.visual") for r in rows)
+    assert model.model.visual.blocks[0].attn.qkv.weight.dtype == torch.bfloat16
+    ref = type(model)(_wrapper_config()).eval()
+    missing, unexpected = ref.load_state_dict(ref_state, strict=False, assign=True)
+    assert not unexpected and all("inv_freq" in k for k in missing), (missing, unexpected)
+    got, want = _logits(model), _logits(ref)
+    assert torch.equal(got, want), ((got - want).norm() / want.norm()).item()
