@@ -8,6 +8,15 @@ Workloads (real widths, random weights; ``--layers`` cuts the depth, ``--only`` 
   stored one Linear per expert as in Qwen/Qwen3-30B-A3B-FP8; default 12 of its 48 layers (disk and time);
 * ``qwen_image``: the Qwen-Image transformer (recipes/configs/qwen_image/real/transformer.json) as a
   single ``scaled_fp8`` file (one scale per weight); default 16 of its 60 blocks.
+* ``qwen3.6``: Qwen3.6-35B-A3B (``Qwen3_5MoeForCausalLM``: hidden 2048, 40 layers, 3 of 4 Gated DeltaNet,
+  256 experts top-8 of width 512, a shared expert, vocab 248,320) in the layout of
+  ``Qwen/Qwen3.6-35B-A3B-FP8``: the multimodal wrapper's ``model.language_model.*`` keys, 128x128
+  blocks with BF16 ``weight_scale_inv``, experts one Linear per expert, the published
+  ``modules_to_not_convert`` (router, ``shared_expert_gate``, ``in_proj_a``/``in_proj_b``, conv, norms,
+  embeddings, ``lm_head``) in bf16. Default: all 40 layers (the fp8 file is ~36 GB; no bf16 file is
+  written: the bf16 path is the model built on the device from its config, random weights, then
+  converted, which is the bf16 model's own device peak). ``--tiny``: a small config of the same class
+  for a CPU smoke test.
 
 For each: both checkpoints are written from the same random bf16 values (generated on the device,
 tensor by tensor: the bf16 model never exists in memory while writing). Then two fresh processes:
@@ -29,6 +38,8 @@ forward for Qwen-Image.
 
     python benchmarks/fp8_load.py --device cuda --out benchmarks/results                   # ~8 min on an H200
     python benchmarks/fp8_load.py --device cuda --only qwen3_8b --layers 8 --out /tmp/r    # a quick look
+    python benchmarks/fp8_load.py --device cuda --only qwen3.6 --layers 40 --out benchmarks/results
+    python benchmarks/fp8_load.py --device cpu --only qwen3.6 --tiny --out /tmp/r           # CPU smoke test
 
 Records go to ``OUT/fp8_load.jsonl`` with the environment of the run. Files are written under
 ``--workdir`` (default: a temporary folder; needs about 40 GB free at the defaults) and removed after.
@@ -51,15 +62,31 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "recipes"))
 
-WORKLOADS = ("qwen3_8b", "qwen3_30b_a3b", "qwen_image")
-DEFAULT_LAYERS = {"qwen3_8b": 36, "qwen3_30b_a3b": 12, "qwen_image": 16}
+WORKLOADS = ("qwen3_8b", "qwen3_30b_a3b", "qwen_image", "qwen3.6")
+DEFAULT_LAYERS = {"qwen3_8b": 36, "qwen3_30b_a3b": 12, "qwen_image": 16, "qwen3.6": 40}
+# Qwen/Qwen3.6-35B-A3B-FP8's layout (see tests/test_fp8_qwen36.py for the same, by hand).
+QWEN36_PREFIX = "model.language_model."
+QWEN36_KEEP = ("mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
+# A small config of the same class, for --tiny (a CPU smoke test of the whole benchmark).
+QWEN36_TINY = {"vocab_size": 512, "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+               "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+               "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 192}
 TARGET_PEAK = 0.55
 TARGET_REL = 1e-3
 
 
 # ------------------------------------------------------------------------------------------ models
 
-def _config(name: str, layers: int):
+def _config(name: str, layers: int, tiny: bool = False):
+    if name == "qwen3.6":
+        from transformers import Qwen3_5MoeTextConfig
+
+        # The class defaults are Qwen3.6-35B-A3B's widths; every 4th layer is full attention.
+        types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
+        return Qwen3_5MoeTextConfig(num_hidden_layers=layers, layer_types=types, tie_word_embeddings=False,
+                                    architectures=["Qwen3_5MoeForCausalLM"], **(QWEN36_TINY if tiny else {}))
+    if tiny:
+        raise SystemExit(f"--tiny is a size of the qwen3.6 workload only, not of {name}")
     if name == "qwen3_8b":
         from transformers import Qwen3Config
 
@@ -96,7 +123,8 @@ def _meta_model(name: str, cfg):
 # ------------------------------------------------------------------------------------------ writing
 
 def write_checkpoints(name: str, cfg, work: Path, device: str) -> dict:
-    """The bf16 checkpoint and the published fp8 one, from the same values, one tensor at a time."""
+    """The bf16 checkpoint and the published fp8 one, from the same values, one tensor at a time
+    (qwen3.6: the fp8 one only)."""
     from fp8_checkpoint import StreamWriter, write_published
 
     meta = _meta_model(name, cfg)
@@ -105,7 +133,7 @@ def write_checkpoints(name: str, cfg, work: Path, device: str) -> dict:
     bf16_dir.mkdir(parents=True, exist_ok=True)
     fname = "diffusion_pytorch_model.safetensors" if name == "qwen_image" else "model.safetensors"
     specs = [(k, torch.bfloat16 if v.is_floating_point() else v.dtype, tuple(v.shape)) for k, v in state.items()]
-    w16 = StreamWriter(bf16_dir / fname, specs)
+    w16 = StreamWriter(bf16_dir / fname, specs) if name != "qwen3.6" else None
     g = torch.Generator(device=device).manual_seed(0)
 
     def values():
@@ -116,10 +144,13 @@ def write_checkpoints(name: str, cfg, work: Path, device: str) -> dict:
                 v = (1 + 0.1 * torch.randn(t.shape, generator=g, device=device)).to(torch.bfloat16)
             else:
                 v = (0.02 * torch.randn(t.shape, generator=g, device=device)).to(torch.bfloat16)
-            w16.write(key, v)
+            if w16 is not None:
+                w16.write(key, v)
             yield key, v
 
     t0 = time.perf_counter()
+    if name == "qwen3.6":
+        return _write_qwen36(meta, cfg, work, values, t0)
     if name == "qwen_image":
         meta.save_config(bf16_dir)
         path, _ = write_published(meta, "scaled_fp8", work / "fp8", tensors=values(), keep_reference=False)
@@ -131,6 +162,26 @@ def write_checkpoints(name: str, cfg, work: Path, device: str) -> dict:
     sizes = {"bf16_bytes": (bf16_dir / fname).stat().st_size,
              "fp8_bytes": sum(f.stat().st_size for f in ([path] if path.is_file() else path.glob("*.safetensors")))}
     return {"bf16": str(bf16_dir), "fp8": str(path), "write_s": time.perf_counter() - t0, **sizes}
+
+
+def _write_qwen36(meta, cfg, work: Path, values, t0: float) -> dict:
+    """Qwen/Qwen3.6-35B-A3B-FP8's layout: the wrapper's config and key prefix, BF16 block scales, per-expert Linears."""
+    from fp8_checkpoint import write_published
+
+    not_convert = ["lm_head", QWEN36_PREFIX + "embed_tokens"]
+    for i in range(cfg.num_hidden_layers):
+        p = f"{QWEN36_PREFIX}layers.{i}."
+        not_convert += [p + s for s in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.q_norm",
+                                        "self_attn.k_norm", "linear_attn.A_log", "linear_attn.conv1d", "linear_attn.dt_bias",
+                                        "linear_attn.norm", *QWEN36_KEEP)]
+    wrapper = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "text_config": cfg.to_dict(),
+               "tie_word_embeddings": False}
+    path, _ = write_published(meta, "transformers", work / "fp8", block=(128, 128), tensors=values(), config=wrapper,
+                              keep_reference=False, rename=lambda k: k if k.startswith("lm_head") else QWEN36_PREFIX + k[len("model."):],
+                              keep=QWEN36_KEEP, scale_dtype=torch.bfloat16, modules_to_not_convert=not_convert)
+    bf16_bytes = sum(t.numel() * 2 for t in meta.state_dict().values())
+    return {"bf16": None, "fp8": str(path), "write_s": time.perf_counter() - t0, "bf16_bytes": bf16_bytes,
+            "fp8_bytes": sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))}
 
 
 # ------------------------------------------------------------------------------------------ one process per path
@@ -189,7 +240,7 @@ def _decode_step(name: str, model, device: str, cfg, dtype: torch.dtype = torch.
 
         g = torch.Generator().manual_seed(7)
         ids = torch.randint(0, cfg.vocab_size, (1, 128), generator=g).to(device)
-        cache = DynamicCache()
+        cache = DynamicCache(config=model.config)  # the hybrid models (Qwen3.6) need their layer types
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
         logits = out.logits.float()
         tok = out.logits[:, -1:].argmax(-1)
@@ -237,18 +288,24 @@ def _exact_reference(name: str, model, cfg, device: str) -> torch.nn.Module:
     return meta.eval()
 
 
-def phase(kind: str, name: str, layers: int, files: dict, device: str) -> dict:
+def phase(kind: str, name: str, layers: int, files: dict, device: str, tiny: bool = False) -> dict:
     import mpsboost
     from mpsboost.bench.quality import relative_error
 
-    cfg = _config(name, layers)
+    cfg = _config(name, layers, tiny)
     cuda = device.startswith("cuda")
     base_host = _host_peak_reset()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     if kind == "bf16":
-        if name == "qwen_image":
+        if name == "qwen3.6":
+            # No bf16 file (disk): the bf16 model built on the device (random weights); its peak is the bf16 model's.
+            from transformers import AutoModelForCausalLM
+
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        elif name == "qwen_image":
             from diffusers import QwenImageTransformer2DModel
 
             model = QwenImageTransformer2DModel.from_pretrained(files["bf16"], torch_dtype=torch.bfloat16, device_map=device)
@@ -278,15 +335,20 @@ def phase(kind: str, name: str, layers: int, files: dict, device: str) -> dict:
         ref = _exact_reference(name, model, cfg, device)
         _, want = _decode_step(name, ref, device, cfg)
         rel = relative_error(got, want)
+        equal = bool(torch.equal(got, want))
         # The same weights (the exact dequantisation's bf16 values) in a float32 forward: the function
         # both bf16 forwards approximate. How far the stock bf16 forward lands from it is the floor any
         # bf16 kernel with another summation order (the fp8 GEMV against cuBLAS) is measured against.
         del model
-        ref.float()
-        _, exact32 = _decode_step(name, ref, device, cfg, torch.float32)
+        exact32 = None
+        ref_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+        if not cuda or torch.cuda.mem_get_info()[0] > 1.2 * ref_bytes:  # a float32 copy of the whole reference must fit
+            ref.float()
+            _, exact32 = _decode_step(name, ref, device, cfg, torch.float32)
         rows = [r for r in report.rows if r.recipe == "fp8_weights" and r.status == "applied"]
-        out = {"load_s": load_s, "total_s": load_s, "decode_ms": ms, "host_peak": host_load, "rel_error": rel,
-               "rel_error_vs_fp32": relative_error(got, exact32), "bf16_reference_vs_fp32": relative_error(want, exact32),
+        out = {"load_s": load_s, "total_s": load_s, "decode_ms": ms, "host_peak": host_load, "rel_error": rel, "logits_equal": equal,
+               "rel_error_vs_fp32": None if exact32 is None else relative_error(got, exact32),
+               "bf16_reference_vs_fp32": None if exact32 is None else relative_error(want, exact32),
                "fp8_modules": len(rows), "backing": sorted({r.backing for r in rows})}
         if cuda:
             out.update(device_peak=load_peak[0], device_reserved=load_peak[1])
@@ -304,6 +366,9 @@ def _records(name: str, layers: int, files: dict, a: dict, b: dict, device: str)
     shape = {"workload": name, "layers": layers, "weights": "random",
              "format": "scaled_fp8" if name == "qwen_image" else "transformers-fp8 (128x128 blocks)",
              "bf16_bytes": files["bf16_bytes"], "fp8_bytes": files["fp8_bytes"]}
+    if name == "qwen3.6":
+        shape.update(layout="Qwen/Qwen3.6-35B-A3B-FP8 (model.language_model.* keys, BF16 scale_inv, per-expert Linears)",
+                     bf16_path="built on the device from the config (random weights, no file), then patch(fp8='rowwise')")
     ratio = b.get("device_peak", 0) / a["device_peak"] if a.get("device_peak") else None
     host_ratio = b["host_peak"] / a["host_peak"] if a.get("host_peak") else None
     recs = [
@@ -317,7 +382,7 @@ def _records(name: str, layers: int, files: dict, a: dict, b: dict, device: str)
                       "target_peak_ratio": TARGET_PEAK, "target_rel_error": TARGET_REL,
                       "peak_ok": ratio is not None and ratio <= TARGET_PEAK, "rel_ok": b["rel_error"] <= TARGET_REL,
                       "rel_error_vs_fp32": b.get("rel_error_vs_fp32"), "bf16_reference_vs_fp32": b.get("bf16_reference_vs_fp32"),
-                      "fp8_modules": b["fp8_modules"], "backing": b["backing"]}),
+                      "fp8_modules": b["fp8_modules"], "backing": b["backing"], "logits_equal": b.get("logits_equal")}),
         Record(Workload("fp8_decode_step", shape), "bf16", env, throughput=Throughput(a["decode_ms"], "ms")),
         Record(Workload("fp8_decode_step", shape), "mpsboost load_fp8", env, throughput=Throughput(b["decode_ms"], "ms")),
     ]
@@ -332,12 +397,13 @@ def main(argv=None) -> int:
                    + ", ".join(f"{k} {v}" for k, v in DEFAULT_LAYERS.items()))
     p.add_argument("--workdir", type=Path, default=None, help="where the checkpoints are written (removed after)")
     p.add_argument("--out", type=Path, default=None, help="folder for fp8_load.jsonl")
+    p.add_argument("--tiny", action="store_true", help="qwen3.6 only: a small config of the same class (CPU smoke test)")
     p.add_argument("--phase", choices=("bf16", "fp8"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--workload", default=None, help=argparse.SUPPRESS)
     p.add_argument("--files", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.phase:
-        res = phase(args.phase, args.workload, args.layers, json.loads(args.files), args.device)
+        res = phase(args.phase, args.workload, args.layers, json.loads(args.files), args.device, args.tiny)
         print("RESULT " + json.dumps(res))
         return 0
     names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -352,14 +418,15 @@ def main(argv=None) -> int:
         layers = args.layers or DEFAULT_LAYERS[name]
         work = Path(tempfile.mkdtemp(prefix=f"fp8_load_{name}_", dir=args.workdir))
         try:
-            files = write_checkpoints(name, _config(name, layers), work, args.device)
-            print(f"{name} ({layers} layers): wrote bf16 {files['bf16_bytes'] / 2**30:.2f} GiB and fp8 "
+            files = write_checkpoints(name, _config(name, layers, args.tiny), work, args.device)
+            print(f"{name} ({layers} layers{', tiny' if args.tiny else ''}): wrote bf16 {files['bf16_bytes'] / 2**30:.2f} GiB"
+                  f"{'' if files['bf16'] else ' (size only: no file)'} and fp8 "
                   f"{files['fp8_bytes'] / 2**30:.2f} GiB in {files['write_s']:.0f} s", flush=True)
             res = {}
             for kind in ("bf16", "fp8"):
                 proc = subprocess.run([sys.executable, __file__, "--phase", kind, "--workload", name, "--layers", str(layers),
-                                       "--files", json.dumps(files), "--device", args.device], capture_output=True, text=True,
-                                      env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                                       "--files", json.dumps(files), "--device", args.device] + (["--tiny"] if args.tiny else []),
+                                      capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
                 line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
                 if proc.returncode != 0 or line is None:
                     print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
@@ -373,8 +440,9 @@ def main(argv=None) -> int:
             print(f"  load_fp8:       {b['total_s']:.1f} s, device peak {b.get('device_peak', 0) / 2**30:.2f} GiB "
                   f"({ratio if ratio is None else round(ratio, 3)}x, target <= {TARGET_PEAK}), host peak {b['host_peak'] / 2**30:.2f} GiB "
                   f"({host_ratio if host_ratio is None else round(host_ratio, 3)}x), decode step {b['decode_ms']:.2f} ms, "
-                  f"rel error {b['rel_error']:.2e} (target <= {TARGET_REL}); against the fp32 forward of the same "
-                  f"weights: fp8 {b['rel_error_vs_fp32']:.2e}, stock bf16 {b['bf16_reference_vs_fp32']:.2e}", flush=True)
+                  f"rel error {b['rel_error']:.2e} (target <= {TARGET_REL}; bit-equal: {b.get('logits_equal')})" +
+                  ("" if b["rel_error_vs_fp32"] is None else f"; against the fp32 forward of the same weights: fp8 "
+                   f"{b['rel_error_vs_fp32']:.2e}, stock bf16 {b['bf16_reference_vs_fp32']:.2e}"), flush=True)
         except Exception as exc:  # one workload failing does not lose the others' records
             failed = True
             print(f"{name}: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -151,20 +151,25 @@ def wan_original_name(key: str) -> str:
 
 
 def published_tensors(model: torch.nn.Module, fmt: str, *, block=(128, 128), tensors: Iterator | None = None,
-                      original_names=None) -> tuple[list, Iterator]:
+                      original_names=None, rename=None, keep: tuple[str, ...] = (), scale_dtype=torch.float32) -> tuple[list, Iterator]:
     """(specs, generator) of a published fp8 checkpoint of ``model`` in ``fmt``.
 
     ``tensors`` yields (model key, bf16 tensor) in state-dict order (default: the model's state); the
     generator yields (file key, tensor) in the order of ``specs``, quantising one weight at a time.
     It also yields (model key, ("ref", exact dequantisation)) items for the caller's reference.
+    ``rename``: model key -> file key (transformers formats; e.g. Qwen3.6's ``model.language_model.``
+    prefix); ``keep``: module-name suffixes left in bf16 besides ``lm_head`` and ``mlp.gate``;
+    ``scale_dtype``: of ``weight_scale_inv`` (Qwen's FP8 releases store BF16 scales).
     """
     linears = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear}
     state = model.state_dict(keep_vars=True)
     specs: list = []
     plan: list = []
+    keep = ("mlp.gate", *keep)
     for key, t in state.items():
         mod = key.rsplit(".", 1)[0]
-        quant = key.endswith(".weight") and mod in linears and not key.startswith("lm_head") and not mod.endswith("mlp.gate")
+        quant = key.endswith(".weight") and mod in linears and not key.startswith("lm_head") and not mod.endswith(keep)
+        fkey = rename(key) if rename is not None and fmt != "scaled_fp8" else key
         if fmt == "scaled_fp8":
             quant = quant and key.startswith(("blocks.", "transformer_blocks."))
             name = "model.diffusion_model." + ((original_names or (lambda k: k))(key))
@@ -175,29 +180,34 @@ def published_tensors(model: torch.nn.Module, fmt: str, *, block=(128, 128), ten
                 specs.append((name, t.dtype, tuple(t.shape)))
             plan.append((key, name, quant, None))
         elif key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            base = key.rsplit(".", 1)[0]
+            base = fkey.rsplit(".", 1)[0]
             e, n, k = t.shape
             subs = (("gate_proj", 0, n // 2), ("up_proj", n // 2, n)) if key.endswith("gate_up_proj") else (("down_proj", 0, n),)
+            sdt = scale_dtype if fmt == "transformers" else torch.float32
             for ex in range(e):
                 for sub, r0, r1 in subs:
                     w = f"{base}.{ex}.{sub}.weight"
                     sshape = ((-(-(r1 - r0) // block[0]), -(-k // block[1])) if fmt == "transformers" else (r1 - r0, 1))
-                    specs += [(w, FP8, (r1 - r0, k)), (w + ("_scale_inv" if fmt == "transformers" else "_scale"), torch.float32, sshape)]
+                    specs += [(w, FP8, (r1 - r0, k)), (w + ("_scale_inv" if fmt == "transformers" else "_scale"), sdt, sshape)]
             plan.append((key, base, "experts", subs))
         elif quant:
             n, k = t.shape
             if fmt == "transformers":
-                specs += [(key, FP8, (n, k)), (key + "_scale_inv", torch.float32, (-(-n // block[0]), -(-k // block[1])))]
+                specs += [(fkey, FP8, (n, k)), (fkey + "_scale_inv", scale_dtype, (-(-n // block[0]), -(-k // block[1])))]
             else:
-                specs += [(key, FP8, (n, k)), (mod + ".weight_scale", torch.float32, (n, 1))]
-            plan.append((key, key, True, None))
+                specs += [(fkey, FP8, (n, k)), (fkey.rsplit(".", 1)[0] + ".weight_scale", torch.float32, (n, 1))]
+            plan.append((key, fkey, True, None))
         else:
-            specs.append((key, t.dtype, tuple(t.shape)))
-            plan.append((key, key, False, None))
+            specs.append((fkey, t.dtype, tuple(t.shape)))
+            plan.append((key, fkey, False, None))
 
     def quantise(w):
         if fmt == "transformers":
             q, s = quant_block(w, block)
+            if scale_dtype != torch.float32:  # the stored scale is what the file means: codes from it, exactly
+                s = s.to(scale_dtype)
+                per = s.float().repeat_interleave(block[0], 0)[:w.shape[0]].repeat_interleave(block[1], 1)[:, :w.shape[1]]
+                q = (w.float() / per).clamp(-448, 448).to(FP8)
             return q, s, dequant(q, s, block, w.dtype)
         if fmt == "compressed-tensors":
             q, s = quant_rows(w)
@@ -241,10 +251,14 @@ def published_tensors(model: torch.nn.Module, fmt: str, *, block=(128, 128), ten
 
 
 def write_published(model: torch.nn.Module, fmt: str, out: Path, *, block=(128, 128), tensors=None, config: dict | None = None,
-                    keep_reference: bool = True) -> tuple[Path, dict]:
-    """Write ``model`` as a published fp8 checkpoint in ``fmt`` under ``out``; returns (path, reference state)."""
+                    keep_reference: bool = True, rename=None, keep: tuple[str, ...] = (), scale_dtype=torch.float32,
+                    modules_to_not_convert: list | None = None) -> tuple[Path, dict]:
+    """Write ``model`` as a published fp8 checkpoint in ``fmt`` under ``out``; returns (path, reference state).
+    ``rename``, ``keep``, ``scale_dtype``: see :func:`published_tensors`; ``modules_to_not_convert``: the
+    transformers quantization_config's list (default ``["lm_head"]``)."""
     orig = wan_original_name if fmt == "scaled_fp8" and type(model).__name__ == "WanTransformer3DModel" else None
-    specs, gen = published_tensors(model, fmt, block=block, tensors=tensors, original_names=orig)
+    specs, gen = published_tensors(model, fmt, block=block, tensors=tensors, original_names=orig, rename=rename, keep=keep,
+                                   scale_dtype=scale_dtype)
     if fmt == "scaled_fp8":
         path = out / f"{type(model).__name__}_fp8_scaled.safetensors"
     else:
@@ -266,7 +280,7 @@ def write_published(model: torch.nn.Module, fmt: str, out: Path, *, block=(128, 
         cfg = dict(config)
         if fmt == "transformers":
             cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block),
-                                          "modules_to_not_convert": ["lm_head"]}
+                                          "modules_to_not_convert": list(modules_to_not_convert or ["lm_head"])}
         else:
             cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
                                           "quantization_status": "compressed",

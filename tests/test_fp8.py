@@ -633,7 +633,7 @@ def test_second_patch_is_a_no_op():
     model = tm.build("qwen3", dtype="bfloat16")
     mpsboost.patch(model, fp8="rowwise")
     codes = model.model.layers[0].mlp.up_proj.weight
-    again = mpsboost.patch(model, fp8="tensorwise")
+    again = mpsboost.patch(model, fp8="rowwise")  # another granularity raises (test_second_fp8_request_...)
     assert not [r for r in again.rows_for(NAME) if r.status == "applied"]
     assert model.model.layers[0].mlp.up_proj.weight is codes
 
@@ -694,3 +694,30 @@ def test_triton_kernels_under_the_interpreter(tmp_path, rng_seed):
     worst, same = float(line.split()[1]), float(line.split()[3])
     assert worst < 1e-3, line  # fp16 output rounding only
     assert same > 0.9, line
+
+
+# ------------------------------------------------------------------------------------------ a second fp8 request
+
+@pytest.mark.parametrize(("first", "second"), [("rowwise", "tensorwise"), ("tensorwise", "rowwise")])
+def test_second_fp8_request_with_another_granularity_is_refused(first, second):
+    """Before: patch(m, fp8="tensorwise") on a rowwise model reported "already patched" and kept rowwise."""
+    model = tm.build("qwen3_moe", dtype="bfloat16", seed=0)
+    mpsboost.patch(model, fp8=first)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    forwards = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+    with pytest.raises(PatchError) as err:
+        mpsboost.patch(model, fp8=second)
+    msg = str(err.value)
+    assert err.value.recipe == NAME and f"{first} scales" in msg and f"fp8={second!r}" in msg, msg
+    assert err.value.target in {n for n, m in model.named_modules() if NAME in m.__dict__.get("_mpsboost_patches", {})}
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert forwards == {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+    # The same granularity again: a reported no-op, every converted module says which scales it holds.
+    again = mpsboost.patch(model, fp8=first)
+    rows = again.rows_for(NAME)
+    converted = [r for r in rows if r.status == "already patched"]
+    assert converted and not [r for r in rows if r.status == "applied"]
+    assert all(r.reason == f"converted already with {first} scales (the granularity asked for)" for r in converted)
+    out = tm.run("qwen3_moe", model, 1, dtype="bfloat16")
+    assert torch.isfinite(out).all()

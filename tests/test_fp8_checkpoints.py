@@ -431,10 +431,10 @@ def test_complete_checkpoint_sharded_round_trip(tmp_path, env):
     mpsboost.patch(src, fp8="rowwise")
     out = mpsboost.save_fp8(src, tmp_path / "ck", max_shard_size="40KB")
     files = sorted(p.name for p in out.iterdir())
-    assert "config.json" in files and "model.safetensors.index.json" in files
-    shards = [f for f in files if f.startswith("model-")]
+    assert "config.json" in files and "model.fp8.safetensors.index.json" in files
+    shards = [f for f in files if f.startswith("model.fp8-")]
     assert len(shards) > 1 and all(f.endswith(f"-of-{len(shards):05d}.safetensors") for f in shards)
-    index = json.loads((out / "model.safetensors.index.json").read_text())
+    index = json.loads((out / "model.fp8.safetensors.index.json").read_text())
     assert "lm_head.weight" in index["weight_map"] and "model.embed_tokens.weight" in index["weight_map"]
     model = _meta_lm(lambda: src.config)
     mpsboost.load_fp8(model, out, device=ENVS[env]())
@@ -452,7 +452,7 @@ def test_complete_checkpoint_of_a_pipeline(tmp_path):
     pipe = tm.build("wan22_ti2v_pipeline", dtype="bfloat16")
     mpsboost.patch(pipe, fp8="tensorwise")
     out = mpsboost.save_fp8(pipe, tmp_path / "pipe")
-    assert (out / "transformer" / "config.json").is_file() and (out / "text_encoder" / "model.safetensors").is_file()
+    assert (out / "transformer" / "config.json").is_file() and (out / "text_encoder" / "model.fp8.safetensors").is_file()
     fresh = tm.build("wan22_ti2v_pipeline", dtype="bfloat16")
     metas = {}
     for name in ("transformer", "text_encoder", "vae"):
@@ -586,7 +586,7 @@ def test_sharded_folder_with_a_shard_missing(tmp_path):
     src = tm.build("qwen3", dtype="bfloat16")
     mpsboost.patch(src, fp8="rowwise")
     out = mpsboost.save_fp8(src, tmp_path / "ck", max_shard_size="30KB")
-    victim = sorted(out.glob("model-*.safetensors"))[1]
+    victim = sorted(out.glob("model.fp8-*.safetensors"))[1]
     victim.unlink()
     model = _meta_lm(lambda: src.config)
     _unchanged_after(model, lambda: mpsboost.load_fp8(model, out, device="cpu"), Fp8FileError, "partial", victim.name)

@@ -103,10 +103,10 @@ def test_pipeline_round_trip_keeps_component_paths(tmp_path):
     path = mpsboost.save_fp8(pipe, tmp_path / "wan")
     from safetensors import safe_open
 
-    with safe_open(str(path / "transformer" / "model.safetensors"), framework="pt") as f:
+    with safe_open(str(path / "transformer" / "model.fp8.safetensors"), framework="pt") as f:
         keys = set(f.keys())
         assert json.loads(f.metadata()["architectures"])[""] == "WanTransformer3DModel"
-    assert any(k.startswith("blocks.0.") for k in keys) and (path / "text_encoder" / "model.safetensors").is_file()
+    assert any(k.startswith("blocks.0.") for k in keys) and (path / "text_encoder" / "model.fp8.safetensors").is_file()
     # The VAE has no fp8 layer, and is written whole all the same (a complete checkpoint).
     assert (path / "vae" / "config.json").is_file()
     fresh = tm.build("wan22_ti2v_pipeline")
@@ -154,6 +154,7 @@ def _bad_files(path, tmp):
     yield "extra tensor", Fp8MismatchError, _rewrite(path, tmp / "extra.safetensors", replace={"foo.weight": q}), "foo.weight"
     yield "wrong experts shape", Fp8MismatchError, _rewrite(path, tmp / "experts.safetensors", replace={E: e[:, :-2].contiguous()}), E
     yield "other version", Fp8FileError, _rewrite(path, tmp / "plain.safetensors", meta={"format_version": "7"}), "version '7'"
+    yield "version 1", Fp8FileError, _rewrite(path, tmp / "v1.safetensors", meta={"format_version": "1"}), "no longer read"
     mods = tmp / "mods.safetensors"
     yield "unknown module", Fp8MismatchError, _rewrite(path, mods, meta={"modules": json.dumps({"model.nope": {
         "kind": "linear", "tensors": ["weight"], "granularity": "rowwise"}})}), "model.nope"
@@ -172,7 +173,7 @@ def _bad_files(path, tmp):
 def test_every_bad_file_is_refused_by_name_and_changes_nothing(saved, tmp_path):
     _, path = saved
     cases = list(_bad_files(path, tmp_path))
-    assert len(cases) == 10
+    assert len(cases) == 11
     for label, err, bad, words in cases:
         target = tm.build("qwen3_moe", dtype="bfloat16", seed=1)
         before = tm.snapshot(target)
@@ -200,3 +201,69 @@ def test_missing_file_and_bad_path_type():
         mpsboost.load_fp8(model, "/nonexistent/nope.safetensors")
     with pytest.raises(TypeError, match="os.PathLike"):
         mpsboost.load_fp8(model, 42)
+
+
+# ------------------------------------------------------------------------------------------ plain loaders refuse a saved folder
+
+def _plain_load_refused(load, folder) -> str:
+    with pytest.raises((OSError, ValueError)) as err:
+        load(folder)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+def test_plain_transformers_from_pretrained_of_a_saved_folder_refuses(tmp_path, granularity):
+    """Before: config.json + model.safetensors, and AutoModelForCausalLM.from_pretrained built a bf16 model
+    that read the fp8 codes as weights (logits 1.39 relative away). Now it raises, naming load_fp8."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
+
+    model = tm.build("qwen3_moe", dtype="bfloat16", seed=0)
+    mpsboost.patch(model, fp8=granularity)
+    folder = mpsboost.save_fp8(model, tmp_path / "ck", max_shard_size="60KB" if granularity == "tensorwise" else "5GB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for load in (AutoModelForCausalLM.from_pretrained, Qwen3MoeForCausalLM.from_pretrained,
+                     lambda f: AutoModelForCausalLM.from_pretrained(f, dtype=torch.bfloat16)):
+            assert "mpsboost.load_fp8" in _plain_load_refused(load, folder)
+    # mpsboost reads the folder all the same, into a model built without weights: the saved model's output.
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(model.config).eval()
+    mpsboost.load_fp8(fresh, folder, device="cpu", lossless_recipes=False)
+    a, b = _fp8_state(model), _fp8_state(fresh)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x, y = tm.run("qwen3_moe", fresh, 3, dtype="bfloat16"), tm.run("qwen3_moe", model, 3, dtype="bfloat16")
+    assert ((x - y).norm() / y.norm()).item() < 2e-2  # same codes and scales; bf16 rounding of the two forwards
+
+
+def test_plain_diffusers_from_pretrained_of_a_saved_folder_refuses(tmp_path):
+    import warnings
+
+    from diffusers import WanTransformer3DModel as cls
+
+    tr = tm.build("wan_transformer", dtype="bfloat16")
+    mpsboost.patch(tr, fp8="rowwise")
+    folder = mpsboost.save_fp8(tr, tmp_path / "transformer")
+    assert json.loads((folder / "config.json").read_text())["_class_name"] == "WanTransformer3DModel"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert "mpsboost.load_fp8" in _plain_load_refused(cls.from_pretrained, folder)
+        assert "mpsboost.load_fp8" in _plain_load_refused(lambda f: cls.from_pretrained(f, torch_dtype=torch.bfloat16), folder)
+        from diffusers import AutoModel
+
+        assert "mpsboost.load_fp8" in _plain_load_refused(AutoModel.from_pretrained, folder)
+
+
+def test_a_folder_of_the_earlier_layout_still_loads(tmp_path):
+    """Folders written before the guard (model.safetensors, no decoy index) stay readable by load_fp8."""
+    model = tm.build("qwen3", dtype="bfloat16", seed=0)
+    mpsboost.patch(model, fp8="rowwise")
+    folder = mpsboost.save_fp8(model, tmp_path / "ck")
+    (folder / "model.fp8.safetensors").rename(folder / "model.safetensors")
+    for name in ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json"):
+        (folder / name).unlink()
+    fresh = tm.build("qwen3", dtype="bfloat16", seed=1)
+    mpsboost.load_fp8(fresh, folder, device="cpu", lossless_recipes=False)
+    a, b = _fp8_state(model), _fp8_state(fresh)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

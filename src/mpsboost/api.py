@@ -299,7 +299,10 @@ def _plan_rows(chosen, targets, env, fp8, options, *, mode: str) -> tuple[list[R
                 seen.add(id(match.module))
                 found = True
                 if is_patched_by(match.module, recipe.name):
-                    rows.append(Row(recipe.name, match.path, ALREADY_PATCHED, reason="patched by an earlier call"))
+                    # A recipe may refuse a repeat that asks for something else (fp8_weights: another granularity).
+                    repeat = getattr(recipe, "repeat_request", None)
+                    why = repeat(match, opts) if repeat is not None else None
+                    rows.append(Row(recipe.name, match.path, ALREADY_PATCHED, reason=why or "patched by an earlier call"))
                     continue
                 try:
                     # The declared requirements first (Recipe.requires): a recipe never decides on a build

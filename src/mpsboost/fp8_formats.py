@@ -31,13 +31,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from .fp8_io import Fp8FileError, safetensors_header
+from .errors import Fp8FileError
 
 __all__ = [
     "FORMATS",
@@ -65,8 +66,11 @@ if hasattr(torch, "float8_e8m0fnu"):
 _ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4,
              "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
-_INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
-_SINGLE_NAMES = ("model.safetensors", "diffusion_pytorch_model.safetensors")
+# mpsboost's own folder names first (fp8_io.save_fp8 writes them: plain loaders do not read them), then Hugging Face's.
+_INDEX_NAMES = ("model.fp8.safetensors.index.json", "model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
+_SINGLE_NAMES = ("model.fp8.safetensors", "model.safetensors", "diffusion_pytorch_model.safetensors")
+# The shard that save_fp8's decoy indexes name (fp8_io.DECOY_SHARD): such an index is not the weights' own.
+_DECOY_MARK = "load-it-with-mpsboost.load_fp8"
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,29 @@ class Checkpoint:
 
 
 # ------------------------------------------------------------------------------------------ reading
+
+# The one safetensors header reader of mpsboost: this module imports no other fp8 module at import
+# time (fp8_io imports it, never the other way round).
+def safetensors_header(path: Path, what: str) -> tuple[int, dict]:
+    """(header length, the JSON header as a dict) of a safetensors file, read from its first bytes only;
+    ``what`` opens every error message (a truncated file, a wrong length, a header that is not JSON)."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise Fp8FileError(f"{what}: it has {size} bytes, fewer than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 * 2**20):
+            raise Fp8FileError(f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file (truncated, or not safetensors)")
+        try:
+            header = json.loads(fh.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise Fp8FileError(f"{what}: its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise Fp8FileError(f"{what}: its header is not a JSON object")
+    return n, header
+
+
 
 def _header(path: Path) -> tuple[dict[str, str], dict[str, TensorEntry]]:
     what = f"{path.name} is not a readable safetensors file"
@@ -178,6 +205,8 @@ def _shard_files(folder: Path) -> tuple[list[Path], Optional[dict[str, str]]]:
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise Fp8FileError(f"{idx}: not a shard index (a JSON object with a 'weight_map')") from None
             files = sorted({str(v) for v in weight_map.values()})
+            if files and all(_DECOY_MARK in f for f in files):
+                continue  # save_fp8's guard against plain from_pretrained, not an index of this folder's weights
             missing = [f for f in files if not (folder / f).is_file()]
             if missing:
                 raise Fp8FileError(f"{folder.name}: partial checkpoint: the index {name} lists shard(s) {missing[:3]} that are not in the folder")
@@ -258,8 +287,12 @@ def detect(ckpt: Checkpoint) -> str:
     method = (q or {}).get("quant_method")
     if meta.get("format") == "mpsboost.fp8":
         ver = meta.get("format_version")
-        if ver not in ("1", "2"):
-            raise Fp8FileError(f"{ckpt.name} has mpsboost fp8 format version {ver!r}; this mpsboost reads '1' and '2'")
+        if ver == "1":
+            raise Fp8FileError(f"{ckpt.name} is an mpsboost fp8 file of format version '1' (converted layers only, written by "
+                               "unreleased development builds), which is no longer read: load the model's bf16 weights, "
+                               "mpsboost.patch(model, fp8=...) and save it again with mpsboost.save_fp8")
+        if ver != "2":
+            raise Fp8FileError(f"{ckpt.name} has mpsboost fp8 format version {ver!r}; this mpsboost reads '2'")
         ckpt.format = "mpsboost"
         ckpt.info = {"version": ver}
         try:
@@ -377,6 +410,7 @@ class LoadPlan:
     rebuild: list[tuple[torch.nn.Module, str]] = field(default_factory=list)  # non-persistent buffers on meta
     problems: list[str] = field(default_factory=list)
     compute_dtype: Optional[torch.dtype] = None
+    ignored: list[str] = field(default_factory=list)  # file tensors the model does not load (another tower, mtp)
 
 
 def _scale_key(fmt: str, codes: str) -> str:
@@ -392,13 +426,65 @@ def _key_mapper(ckpt: Checkpoint, root: torch.nn.Module, model_keys: list[str]) 
     ents = ckpt.entries
     if ckpt.format == "scaled_fp8":
         return _diffusers_key_map(ckpt, root, model_keys)
-    # transformers: a base model (Qwen3Model) against a ForCausalLM file, or the other way round.
+    # transformers: a base model (Qwen3Model) against a ForCausalLM file, or the other way round; and the
+    # multimodal wrappers' text prefix: Qwen3.5/3.6-MoE files are Qwen3_5MoeForConditionalGeneration's
+    # (``model.language_model.*``, ``lm_head.*``), which transformers maps onto Qwen3_5MoeForCausalLM's
+    # ``model.*`` with PrefixChange(prefix_to_remove="language_model", model_prefix="model")
+    # (conversion_mapping.py, "qwen3_5_text"); a text-only file onto the wrapper is the reverse.
     best, best_hits = None, -1
-    for fn in (lambda k: k, lambda k: "model." + k, lambda k: k[len("model."):] if k.startswith("model.") else k):
+    for fn in _KEY_MAPS:
         hits = sum(fn(k) in ents for k in model_keys)
         if hits > best_hits:
             best, best_hits = fn, hits
     return {k: (best(k), None) for k in model_keys}, []
+
+
+_LM = "model.language_model."
+
+
+_KEY_MAPS = (
+    lambda k: k,
+    lambda k: "model." + k,
+    lambda k: k.removeprefix("model."),
+    lambda k: _LM + k[len("model."):] if k.startswith("model.") and not k.startswith(_LM) else k,  # ForCausalLM <- wrapper file
+    lambda k: _LM + k,  # the text base model <- wrapper file
+    lambda k: "model." + k[len(_LM):] if k.startswith(_LM) else k,  # wrapper <- ForCausalLM file
+)
+
+
+def _ignored_keys(ckpt: Checkpoint, root: torch.nn.Module, used: set[str]) -> set[str]:
+    """File tensors a text model does not load, as transformers skips them: the class's
+    ``_keys_to_ignore_on_load_unexpected`` patterns (Qwen3_5MoeForCausalLM: ``^mtp.*``, ``^model.visual.*``),
+    and, when the file is a multimodal wrapper's (``model.language_model.*`` loaded), its other towers."""
+    pats = [p for cls in type(root).__mro__ for p in (getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    wrapper = any(k.startswith(_LM) for k in used) and not any(n.startswith("language_model.") or ".language_model." in n
+                                                              for n, _ in root.named_modules())
+    out = set()
+    for k in ckpt.entries:
+        if k in used:
+            continue
+        if any(re.search(p, k) for p in pats) or (wrapper and not k.startswith(_LM) and not k.startswith("lm_head.")):
+            out.add(k)
+    return out
+
+
+def _not_converted(ckpt: Checkpoint, file_module: str) -> bool:
+    """Whether the checkpoint's own ``quantization_config.modules_to_not_convert`` names this module (file
+    names), matched as transformers matches it (quantizers_utils.should_convert_module: a prefix up to a
+    module boundary, a regex with that boundary, or a suffix)."""
+    pats = (_qconfig(ckpt) or {}).get("modules_to_not_convert") or ()
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    for key in pats:
+        if not isinstance(key, str):
+            continue
+        try:
+            if re.match(rf"(?:{key}){boundary}", file_module):
+                return True
+        except re.error:
+            pass
+        if file_module.endswith(key):
+            return True
+    return False
 
 
 def _diffusers_key_map(ckpt: Checkpoint, root: torch.nn.Module, model_keys: list[str]):
@@ -605,6 +691,9 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
     for qt in plan.quant:
         for part in qt.parts:
             used.add(part.codes)
+            if fmt == "transformers-fp8" and _not_converted(ckpt, part.codes.rsplit(".", 1)[0]):
+                plan.problems.append(f"{part.codes}: fp8 codes in the file for a module its quantization_config.modules_to_not_convert "
+                                     "keeps in high precision (a broken export)")
             ce = ents[part.codes]
             if part.scale not in ents:
                 plan.problems.append(f"{part.scale}: missing from the file ({ckpt.format} scale of {part.codes})")
@@ -683,7 +772,9 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
         for m in sorted(set(listed) - have):
             plan.problems.append(f"{m}: listed among the file's fp8 modules, but this {type(root).__name__} has no fp8 codes for it there")
     ignored = tuple(ckpt.info.get("ignored_suffixes", ()))
-    extra = sorted(k for k in ents if k not in used and k != "scaled_fp8" and not k.endswith(ignored))
+    plan.ignored = sorted(_ignored_keys(ckpt, root, used))
+    skip = set(plan.ignored)
+    extra = sorted(k for k in ents if k not in used and k not in skip and k != "scaled_fp8" and not k.endswith(ignored))
     if extra:
         plan.problems.append(f"{len(extra)} tensor(s) in the file belong to no tensor of this {type(root).__name__}: {extra[:4]}" + (" ..." if len(extra) > 4 else ""))
     # The compute dtype of fp8 layers: the dtype most plain floating bytes of the file have.

@@ -4,9 +4,16 @@
 model's state, the codes of converted layers as ``F8_E4M3`` (whatever the storage on the device:
 uint8 bytes are the same bits) with their float32 ``<tensor>_scale``, every other tensor in its own
 dtype, tied tensors once, and the model's config (``config.json`` in a folder, or the metadata of a
-single file). Above ``max_shard_size`` a folder gets Hugging Face's shards
-(``model-0000k-of-0000n.safetensors`` plus ``model.safetensors.index.json``); a pipeline gets one
-such folder per component. The metadata says, per converted module, its kind, scales (granularity,
+single file). A folder holds ``model.fp8.safetensors`` (above ``max_shard_size``: shards
+``model.fp8-0000k-of-0000n.safetensors`` plus ``model.fp8.safetensors.index.json``); a pipeline gets one
+such folder per component.
+
+Such a folder never loads wrong elsewhere (see :data:`DECOY_SHARD`): the weights are under names that
+plain ``from_pretrained`` (transformers, diffusers) does not read, and the folder also holds the
+indexes those loaders do read (``model.safetensors.index.json``,
+``diffusion_pytorch_model.safetensors.index.json``), which name one shard that does not exist and
+whose name says what to do: their ``from_pretrained`` raises an error naming ``mpsboost.load_fp8``
+instead of building a bf16 model that reads fp8 codes as weights. The metadata says, per converted module, its kind, scales (granularity,
 block) and compute dtype. Files are written tensor by tensor: saving never holds a second copy.
 
 ``load_fp8`` reads mpsboost's own checkpoints and the formats people publish
@@ -17,8 +24,9 @@ exist. Every tensor is checked against the model before anything changes (:class
 or :class:`Fp8FileError` for a file that is unreadable, truncated, partial or of no known format,
 each naming the format and what is missing); a failure while reading puts every tensor back. Loaded
 layers are the ``fp8_weights`` recipe's (report rows, ``save_fp8``, ``unpatch`` raising
-:class:`~mpsboost.errors.IrreversiblePatchError`). Version-1 files (converted layers only, written by
-mpsboost 0.1) still load into a model that holds the other weights.
+:class:`~mpsboost.errors.IrreversiblePatchError`). Folders of the earlier layout (``model.safetensors``
+without the guard) still load; version-1 files (converted layers only, from unreleased development
+builds) are refused with a message saying how to re-save them.
 """
 from __future__ import annotations
 
@@ -32,12 +40,23 @@ from typing import Any, Iterator
 import torch
 
 from .errors import Fp8ConversionError, Fp8FileError, Fp8MismatchError, Fp8StateError  # noqa: F401 (re-exported)
-from .fp8_modules import expert_weight_names, is_hf_experts, plain_linear
+from .fp8_modules import expert_weight_names
 
 __all__ = ["save_fp8", "load_fp8", "describe_checkpoint", "Fp8FileError", "Fp8MismatchError", "Fp8ConversionError", "Fp8StateError", "FORMAT", "FORMAT_VERSION"]
 
 FORMAT = "mpsboost.fp8"
 FORMAT_VERSION = "2"
+WEIGHTS_NAME = "model.fp8.safetensors"
+INDEX_NAME = "model.fp8.safetensors.index.json"
+# Why not a quantization_config that transformers understands instead: transformers skips an unknown
+# quant_method with a warning and loads the codes as bf16 weights (quantizers/auto.py,
+# supports_quant_method); its fine-grained FP8 takes one block size for every layer (per-row scales
+# of layers of different widths do not fit) and diffusers has no fp8 quantizer. An index whose one
+# shard is missing is refused by both loaders, and their error prints the shard's name:
+#   transformers: "No such file or directory: <folder>/<DECOY_SHARD>"
+#   diffusers:    "<folder> does not appear to have a file named <DECOY_SHARD> which is required according to the checkpoint index"
+DECOY_SHARD = "THIS-FOLDER-HOLDS-FP8-CODES--load-it-with-mpsboost.load_fp8.safetensors"
+DECOY_INDEXES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
 _RECIPE = "fp8_weights"
 _ST_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32"}
 
@@ -62,20 +81,6 @@ def _converted(obj: Any) -> Iterator[tuple[str, torch.nn.Module, tuple[str, ...]
                 continue
             names = ("weight",) if isinstance(mod, torch.nn.Linear) else expert_weight_names(mod)
             yield join_path(prefix, name), mod, names, state
-
-
-def _module_at(obj: Any, path: str) -> torch.nn.Module | None:
-    for prefix, root in _roots(obj):
-        if prefix and not (path == prefix or path.startswith(prefix + ".")):
-            continue
-        rel = path[len(prefix) + 1:] if prefix else path
-        if rel == "<root>" or path == prefix:
-            rel = ""
-        try:
-            return root.get_submodule(rel)
-        except AttributeError:
-            continue
-    return None
 
 
 def _as_path(path: Any) -> Path:
@@ -123,10 +128,12 @@ def save_fp8(obj: Any, path: Any, *, max_shard_size: Any = _SHARD_DEFAULT) -> Pa
 
     Every tensor of the model's state is written: fp8 codes (``F8_E4M3``) and float32 scales of the
     converted layers, every other tensor in its own dtype; tied tensors once. ``path`` ending in
-    ``.safetensors``: one file, the model's config in its metadata. Otherwise a folder like Hugging
-    Face's: ``config.json`` and ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` shards
-    of at most ``max_shard_size`` plus ``model.safetensors.index.json``. A pipeline is written to a
-    folder with one such subfolder per model component. Returns the path.
+    ``.safetensors``: one file, the model's config in its metadata. Otherwise a folder: ``config.json``
+    and ``model.fp8.safetensors``, or ``model.fp8-0000k-of-0000n.safetensors`` shards of at most
+    ``max_shard_size`` plus ``model.fp8.safetensors.index.json``; plain ``from_pretrained`` of the folder
+    (transformers or diffusers) raises an error naming ``mpsboost.load_fp8`` instead of loading fp8 codes
+    as weights (see the module docstring). A pipeline is written to a folder with one such subfolder
+    per model component. Returns the path.
     Raises :class:`Fp8StateError` when ``obj`` has no converted module.
     """
     target = _as_path(path)
@@ -213,22 +220,28 @@ def _save_root(root: torch.nn.Module, prefix: str, mods: dict, dest: Path, singl
             size = 0
         shards[-1].append(item)
         size += nbytes
-    for old in list(dest.glob("model*.safetensors")) + list(dest.glob("model.safetensors.index.json")):
+    # Files an earlier save left here (this layout's and the one before it, which used plain loaders' names).
+    for old in [*dest.glob("model*.safetensors"), *dest.glob("diffusion_pytorch_model*.safetensors"), *dest.glob("*.safetensors.index.json")]:
         old.unlink()
+    decoy = {"metadata": {"format": FORMAT, "note": "this folder holds fp8 codes and their scales (mpsboost.save_fp8): "
+                                                     "load it with mpsboost.load_fp8(model, folder), not from_pretrained"},
+             "weight_map": {key: DECOY_SHARD for key, _, _ in tensors}}
     if len(shards) == 1:
-        _write_safetensors(dest / "model.safetensors", shards[0], meta)
-        return
-    n = len(shards)
-    weight_map = {}
-    total = 0
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-        _write_safetensors(dest / fname, shard, meta)
-        for key, t, _ in shard:
-            weight_map[key] = fname
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total, "format": FORMAT, "format_version": FORMAT_VERSION}, "weight_map": weight_map}
-    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _write_safetensors(dest / WEIGHTS_NAME, shards[0], meta)
+    else:
+        n = len(shards)
+        weight_map = {}
+        total = 0
+        for i, shard in enumerate(shards, 1):
+            fname = f"model.fp8-{i:05d}-of-{n:05d}.safetensors"
+            _write_safetensors(dest / fname, shard, meta)
+            for key, t, _ in shard:
+                weight_map[key] = fname
+                total += t.numel() * t.element_size()
+        index = {"metadata": {"total_size": total, "format": FORMAT, "format_version": FORMAT_VERSION}, "weight_map": weight_map}
+        (dest / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    for name in DECOY_INDEXES:
+        (dest / name).write_text(json.dumps(decoy, indent=1, sort_keys=True) + "\n")
 
 
 def _write_safetensors(target: Path, tensors: list[tuple[str, torch.Tensor, str]], meta: dict[str, str]) -> None:
@@ -258,215 +271,6 @@ def _write_safetensors(target: Path, tensors: list[tuple[str, torch.Tensor, str]
 
 
 # ------------------------------------------------------------------------------------------ load
-
-class _Source:
-    """A validated fp8 file, handed to the recipe (``options={"fp8_weights": {"load": source}}``)."""
-
-    def __init__(self, path: Path, modules: dict[str, dict]):
-        self.path = path
-        self.name = path.name
-        self.modules = modules
-
-    def has(self, mpath: str) -> bool:
-        return mpath in self.modules
-
-    def granularity(self, mpath: str) -> str:
-        return self.modules[mpath]["granularity"]
-
-    def tensors(self, mpath: str, name: str, *, storage: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        from safetensors import safe_open
-
-        with safe_open(str(self.path), framework="pt") as f:
-            q = f.get_tensor(f"{mpath}.{name}")
-            s = f.get_tensor(f"{mpath}.{name}_scale")
-        if storage == "uint8":
-            q = q.view(torch.uint8)
-        return q.to(device), s.to(device)
-
-
-def safetensors_header(path: Path, what: str) -> tuple[int, dict]:
-    """(header length, the JSON header as a dict) of a safetensors file, read from its first bytes only;
-    ``what`` opens every error message (a truncated file, a wrong length, a header that is not JSON)."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise Fp8FileError(f"{what}: it has {size} bytes, fewer than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, 100 * 2**20):
-            raise Fp8FileError(f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file (truncated, or not safetensors)")
-        try:
-            header = json.loads(fh.read(n).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise Fp8FileError(f"{what}: its header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise Fp8FileError(f"{what}: its header is not a JSON object")
-    return n, header
-
-
-def _read_header(target: Path) -> tuple[dict[str, str], dict[str, tuple[str, tuple[int, ...]]]]:
-    """(metadata, {tensor name: (safetensors dtype, shape)}) without reading any tensor data."""
-    if not target.exists():
-        raise FileNotFoundError(f"fp8 file {str(target)!r} does not exist; write one with mpsboost.save_fp8(model, path)")
-    what = f"{target.name} is not an mpsboost fp8 safetensors file"
-    n, header = safetensors_header(target, what)
-    size = target.stat().st_size
-    meta = header.pop("__metadata__", None) or {}
-    shapes: dict[str, tuple[str, tuple[int, ...]]] = {}
-    end = 0
-    for name, info in header.items():
-        try:
-            dt, shape, (_, b) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise Fp8FileError(f"{what}: malformed entry for tensor {name!r}") from None
-        shapes[name] = (dt, shape)
-        end = max(end, int(b))
-    if 8 + n + end != size:
-        raise Fp8FileError(f"{what}: the header describes {8 + n + end} bytes but the file has {size} (truncated or padded)")
-    # The safetensors library checks the rest (offsets, dtype sizes) the same way it will when reading.
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(target), framework="pt") as f:
-            f.metadata()
-    except Exception as exc:  # safetensors raises its own SafetensorError for malformed files
-        raise Fp8FileError(f"{what}: {exc}") from None
-    return meta, shapes
-
-
-def _expected_shapes(mod: torch.nn.Module, name: str) -> tuple[tuple[int, ...], set[tuple[int, ...]]]:
-    """(codes shape, accepted scale shapes) for tensor ``name`` of ``mod`` in its current state."""
-    t = getattr(mod, name)
-    shape = tuple(t.shape)
-    if len(shape) == 2:
-        return shape, {(shape[0], 1), ()}
-    e = shape[0]
-    tr = bool(getattr(mod, "is_transposed", False))
-    row = (e, 1, shape[2]) if tr else (e, shape[1], 1)
-    return shape, {row, (e, 1, 1)}
-
-
-def _load_v1(obj: Any, path: Any):
-    """Load fp8 codes and scales of a version-1 file (converted layers only) into ``obj``; validated before anything changes.
-
-    ``obj`` is the same architecture, loaded normally (e.g. ``from_pretrained`` in bf16) or already
-    patched with ``fp8=``. Returns the :class:`~mpsboost.report.PatchReport` of the conversion; when
-    every module was converted already and only received the file's values, its rows say "already patched".
-    """
-    from .api import patch
-    from .registry import ATTR
-
-    target = _as_path(path)
-    meta, shapes = _read_header(target)
-    fname = target.name
-    if meta.get("format") != FORMAT:
-        raise Fp8FileError(
-            f"{fname} is a safetensors file but not an mpsboost fp8 file (metadata format={meta.get('format')!r}); "
-            "write one with mpsboost.save_fp8(model, path)"
-        )
-    if meta.get("format_version") != "1":
-        raise Fp8FileError(f"{fname} has mpsboost fp8 format version {meta.get('format_version')!r}; this reader takes '1'")
-    try:
-        modules = json.loads(meta["modules"])
-    except (KeyError, TypeError, json.JSONDecodeError):
-        modules = None
-    if not isinstance(modules, dict):
-        raise Fp8FileError(f"{fname}: its module list (metadata 'modules') is missing or not a JSON object")
-
-    problems: list[str] = []
-    try:
-        archs = json.loads(meta.get("architectures", "{}"))
-    except json.JSONDecodeError:
-        archs = None
-    if not isinstance(archs, dict):
-        raise Fp8FileError(f"{fname}: its metadata 'architectures' is not a JSON object")
-    have = {prefix: type(root).__name__ for prefix, root in _roots(obj)}
-    for prefix, cls in sorted(archs.items()):
-        if prefix in have and have[prefix] != cls:
-            problems.append(f"{prefix or 'the model'} is a {have[prefix]}, the file was saved from a {cls}")
-    expected: set[str] = set()
-    fresh: list[str] = []
-    converted: list[tuple[str, torch.nn.Module, str]] = []
-    for mpath, info in sorted(modules.items()):
-        kind = info.get("kind") if isinstance(info, dict) else None
-        names = info.get("tensors") if isinstance(info, dict) else None
-        gran = info.get("granularity") if isinstance(info, dict) else None
-        if kind not in ("linear", "experts") or not isinstance(names, list) or gran not in ("rowwise", "tensorwise"):
-            problems.append(f"{mpath}: malformed module entry {info!r}")
-            continue
-        mod = _module_at(obj, mpath)
-        if mod is None:
-            problems.append(f"{mpath}: no such module in this {type(obj).__name__}")
-            continue
-        if kind == "linear" and not plain_linear(mod):
-            problems.append(f"{mpath}: the file holds a linear layer, the model has a {type(mod).__name__}")
-            continue
-        if kind == "experts" and not is_hf_experts(mod):
-            problems.append(f"{mpath}: the file holds experts weights, the model has a {type(mod).__name__}")
-            continue
-        want = ["weight"] if kind == "linear" else list(expert_weight_names(mod))
-        if names != want:
-            problems.append(f"{mpath}: the file holds tensors {names}, the model's are {want}")
-            continue
-        entry = mod.__dict__.get(ATTR, {}).get(_RECIPE)
-        is_conv = bool(entry) and entry.get("fp8") is not None and entry["fp8"].converted
-        for n in names:
-            key, skey = f"{mpath}.{n}", f"{mpath}.{n}_scale"
-            expected.update((key, skey))
-            if not isinstance(getattr(mod, n, None), torch.Tensor):
-                problems.append(f"{key}: the model has no tensor {n}")
-                continue
-            shape, scale_shapes = _expected_shapes(mod, n)
-            for k, want_dt in ((key, "F8_E4M3"), (skey, "F32")):
-                if k not in shapes:
-                    problems.append(f"{k}: missing from the file")
-                elif shapes[k][0] != want_dt:
-                    problems.append(f"{k}: dtype {shapes[k][0]} in the file, expected {want_dt}")
-            if key in shapes and shapes[key][1] != shape:
-                problems.append(f"{key}: shape {list(shapes[key][1])} in the file, the model's is {list(shape)}")
-            if skey in shapes:
-                got = shapes[skey][1]
-                if got not in scale_shapes:
-                    problems.append(f"{skey}: shape {list(got)} in the file, expected one of {sorted(list(s) for s in scale_shapes)}")
-                elif is_conv and got != tuple(mod._buffers[n + '_scale'].shape):
-                    problems.append(f"{skey}: {gran} in the file, but the module was converted with other scales {list(mod._buffers[n + '_scale'].shape)}")
-            if is_conv:
-                converted.append((mpath, mod, n))
-        if not is_conv:
-            if _RECIPE in mod.__dict__.get(ATTR, {}):
-                problems.append(f"{mpath}: patched by fp8_weights but not converted (a failed conversion); reload the model")
-            fresh.append(mpath)
-    extra = sorted(set(shapes) - expected)
-    if extra:
-        problems.append(f"tensors in the file that belong to no listed module: {extra[:5]}" + (" ..." if len(extra) > 5 else ""))
-    if problems:
-        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise Fp8MismatchError(f"{fname} does not fit this {type(obj).__name__} ({len(problems)} problem(s)): {shown}. Nothing was changed.")
-
-    source = _Source(target, {m: modules[m] for m in fresh})
-    report = None
-    if fresh:
-        grans = {modules[m]["granularity"] for m in fresh}
-        with warnings.catch_warnings():
-            # Modules not in the file are reported as skipped ("not in the fp8 file"): expected here.
-            warnings.simplefilter("ignore")
-            report = patch(obj, recipes=[_RECIPE], fp8=sorted(grans)[0], options={_RECIPE: {"load": source}})
-        missing = [m for m in fresh if not any(r.target == m and r.status == "applied" for r in report.rows)]
-        if missing:
-            raise Fp8MismatchError(f"{fname}: modules {missing[:5]} could not be converted from the file (see the report rows)")
-    if converted:
-        from safetensors import safe_open
-
-        with safe_open(str(target), framework="pt") as f:
-            for mpath, mod, n in converted:
-                q = f.get_tensor(f"{mpath}.{n}")
-                buf = mod._buffers[n]
-                buf.copy_(q.view(torch.uint8) if buf.dtype == torch.uint8 else q)
-                mod._buffers[n + "_scale"].copy_(f.get_tensor(f"{mpath}.{n}_scale"))
-    from .api import loaded_report
-
-    return loaded_report(obj, report, list(dict.fromkeys(mpath for mpath, _, _ in converted)), _RECIPE)
-
 
 # ------------------------------------------------------------------------------------------ complete and published checkpoints
 
@@ -701,15 +505,17 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
     """
     target = _as_path(path)
     roots = _roots(obj)
-    if target.is_file():
-        meta, _ = _read_header_meta(target)
-        if meta.get("format") == FORMAT and meta.get("format_version") == "1":
-            return _load_v1(obj, target)
     if not target.exists():
         raise FileNotFoundError(f"fp8 checkpoint {str(target)!r} does not exist")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     plans = _load_plans(obj, target, roots)
+    for p in plans:
+        if p.ignored:  # e.g. a Qwen3.6 wrapper's vision tower and multi-token-prediction head, loaded into the text model
+            import logging
+
+            logging.getLogger("mpsboost").info("load_fp8: %d tensor(s) of %s are not part of this %s and were not read (e.g. %s)",
+                                               len(p.ignored), p.ckpt.name, type(p.root).__name__, ", ".join(p.ignored[:3]))
     problems = [(p.ckpt, pr) for p in plans for pr in p.problems]
     for p in plans:
         for q in p.quant:
@@ -763,12 +569,6 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
 
         report = PatchReport.from_rows("patch", env, list(report.rows) + list(rest.rows), target_type=type(obj).__name__)
     return report
-
-
-def _read_header_meta(target: Path) -> tuple[dict, dict]:
-    from .fp8_formats import _header
-
-    return _header(target)
 
 
 def _set_tensor(mod: torch.nn.Module, name: str, value: torch.Tensor, is_param: bool, undo_log: list) -> None:

@@ -61,7 +61,7 @@ from .. import tuning
 from ..gate import Env, check
 from ..ops import fp8 as fp8_ops
 from ..ops import fp8_moe
-from ..errors import Fp8ConversionError, Fp8StateError
+from ..errors import Fp8ConversionError, Fp8StateError, PatchError
 from ..fp8_modules import FP8_BASE_ATTR, expert_weight_names as _expert_weight_names, is_hf_experts as _is_hf_experts, plain_linear
 from ..registry import (ATTR, Decision, Match, Patch, Recipe, at_commit, bind_forward, join_path, original_forward, register,
                         replace_at_commit, swap_class)
@@ -437,6 +437,29 @@ class Fp8Weights(Recipe):
                 skip = "expert weights are not 3-D [E, out, in] stacks"
             yield Match(mod, join_path(prefix, name), {"kind": kind, "skip": skip,
                                                    "lm_head": skip is not None and skip.startswith("output embedding")})
+
+    # ------------------------------------------------------------------ a module converted already
+    def repeat_request(self, match: Match, options: Fp8WeightsOptions) -> str | None:
+        """For a module this recipe converted by an earlier call (the API asks before reporting "already
+        patched"): the same granularity again is a no-op (returns the row's reason); another one raises
+        :class:`PatchError` naming both, since the codes cannot be re-quantised from themselves and
+        silently keeping the first would report a request that was never carried out. Nothing has
+        changed when it raises (planning precedes every change)."""
+        entry = match.module.__dict__.get(ATTR, {}).get(NAME) or {}
+        state = entry.get("fp8")
+        have = getattr(state, "granularity", None)
+        want = options.fp8
+        if state is None or want is None or have is None:
+            return None
+        block = getattr(state, "block", None)
+        have_text = f"{have} {block[0]}x{block[1]}" if have == "block" and block else have
+        if want != have:
+            raise PatchError(
+                f"fp8_weights: {match.path} holds fp8 weights with {have_text} scales already (an earlier patch(fp8=...) "
+                f"or load_fp8); this call asks for fp8={want!r}. fp8 codes are not re-quantised to another granularity: "
+                f"call patch(model, fp8={have!r}) (a no-op), or reload the bf16 weights and patch(model, fp8={want!r}). "
+                "Nothing was changed.", recipe=NAME, target=match.path)
+        return f"converted already with {have_text} scales (the granularity asked for)"
 
     # ------------------------------------------------------------------ deciding
     def decide(self, match: Match, env: Env, options: Fp8WeightsOptions) -> Decision:
