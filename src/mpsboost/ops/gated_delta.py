@@ -1,0 +1,192 @@
+"""Gated delta rule (Gated DeltaNet linear attention): a one-token recurrent step in few ops, and a chunked
+prefill whose unit lower-triangular solves are matmuls.
+
+Tensor functions only (no modules, no transformers import). The math is transformers'
+``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule`` (``models/qwen3_5_moe``), the
+reference every Mac runs because flash-linear-attention is CUDA/Triton-only:
+
+    S_t = a_t S_{t-1} + k_t beta_t (v_t - a_t S_{t-1}^T k_t)^T,   o_t = S_t^T q_t,   a_t = exp(g_t)
+
+with ``k``, ``q`` L2-normalised, ``q`` scaled by ``d_k ** -0.5``, and the state ``S`` (per value head,
+``[d_k, d_v]``) kept in float32.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "conv_step",
+    "qk_normalize",
+    "gates",
+    "recurrent_step",
+    "gated_rms_norm",
+    "unit_lower_solve",
+    "chunk_gated_delta_rule",
+]
+
+
+def conv_step(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One token of a depthwise causal conv with its rolling state, updated in place.
+
+    ``conv_state`` ``[B, C, W]`` (the cache's own tensor, oldest column first), ``x`` ``[B, C, 1]`` the new
+    column, ``weight`` ``[C, W]``. Returns the pre-activation output ``[B, C]``. The roll is a copy of the
+    shifted window (no ``conv1d`` and no slice of its padded output); the conv a multiply-sum.
+    """
+    window = torch.cat((conv_state[..., 1:], x), dim=-1)
+    conv_state.copy_(window)
+    out = (window * weight).sum(-1)
+    return out if bias is None else out + bias
+
+
+def qk_normalize(qk: torch.Tensor, eps_rep: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """L2-normalise query and key rows in float32 and repeat them for grouped value heads, in one product.
+
+    ``qk`` ``[B, Hk, 1, 2, d]`` (row 0 query, row 1 key; any float dtype), ``eps_rep`` float32 ``[r, 1, 1]``
+    filled with the norm's epsilon (its leading dim repeats each key head for ``r`` value heads),
+    ``scale`` float32 ``[2, 1]`` (``d ** -0.5`` for the query row, 1 for the key row). Returns float32
+    ``[B, Hk, r, 2, d]``: ``x * rsqrt(sum(x^2) + eps) * scale`` as transformers' ``l2norm`` computes it.
+    """
+    n = torch.linalg.vector_norm(qk, dim=-1, keepdim=True, dtype=torch.float32)
+    coef = torch.rsqrt(torch.addcmul(eps_rep, n, n)) * scale
+    return qk * coef
+
+
+def gates(ba: torch.Tensor, z_bias: torch.Tensor, z_sign: torch.Tensor, e_add: torch.Tensor, e_mult: torch.Tensor) -> torch.Tensor:
+    """``beta`` and the decay ``exp(g)`` of every value head in four elementwise ops, in float32.
+
+    ``ba`` ``[..., 2]``: the raw ``b`` and ``a`` projections side by side. With ``x = a + dt_bias``:
+    ``logsigmoid([b, -x])`` is ``[log sigmoid(b), -softplus(x)]``; times ``[1, exp(A_log)]`` plus
+    ``[log c, 0]`` and exponentiated, it is ``[c * sigmoid(b), exp(-exp(A_log) * softplus(x))]``: the
+    reference's ``beta`` (``c`` = 2 where a model allows negative eigenvalues, else 1) and ``exp(g)``.
+    ``z_bias`` = ``[0, -dt_bias]``, ``z_sign`` = ``[1, -1]``, ``e_add`` = ``[log c, 0]``,
+    ``e_mult`` = ``[1, exp(A_log)]``, float32, broadcast against ``ba``.
+    """
+    log_s = torch.nn.functional.logsigmoid(torch.addcmul(z_bias, ba, z_sign))
+    return torch.exp(torch.addcmul(e_add, log_s, e_mult))
+
+
+def recurrent_step(state: torch.Tensor, kq: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+    """One token of the gated delta rule; ``state`` (float32 ``[B, H, dk, dv]``, contiguous: the cache's
+    own tensor) is updated in place.
+
+    ``kq`` float32 ``[B, H, 2, dk]`` contiguous (row 0 the scaled query, row 1 the key, both normalised),
+    ``v`` ``[B, H, 1, dv]``, ``beta`` and ``decay`` ``[B, H, 1, 1]``. Returns ``o = S_t^T q`` as
+    ``[B * H, 1, dv]`` float32. Two reads of the state by ``bmm``, the decay and the rank-one delta update
+    in place: no per-head Python loop, no copy of the state.
+    """
+    b, h, dk, dv = state.shape
+    s3 = state.view(b * h, dk, dv)
+    k_row = kq.as_strided((b * h, 1, dk), (2 * dk, dk, 1), kq.storage_offset() + dk)
+    u = torch.bmm(k_row, s3)  # S^T k of the old state: [B*H, 1, dv]
+    delta = torch.addcmul(v, u.view(b, h, 1, dv), decay, value=-1.0) * beta  # beta (v - a S^T k)
+    state.mul_(decay)
+    state.addcmul_(kq.as_strided((b, h, dk, 1), (h * 2 * dk, 2 * dk, 1, 1), kq.storage_offset() + dk), delta)
+    q_row = kq.as_strided((b * h, 1, dk), (2 * dk, dk, 1), kq.storage_offset())
+    return torch.bmm(q_row, s3)
+
+
+def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, dim: int) -> torch.Tensor:
+    """``weight * o * rsqrt(mean(o^2) + eps) * silu(gate)`` over the last dim (size ``dim``), float32.
+
+    ``eps`` is a float32 tensor broadcastable to ``o[..., :1]``. The mean of squares comes from one
+    ``vector_norm`` (``mean = n^2 / dim``) folded with the epsilon into one ``addcmul``.
+    """
+    n = torch.linalg.vector_norm(o, dim=-1, keepdim=True)
+    r = torch.rsqrt(torch.addcmul(eps, n, n, value=1.0 / dim))
+    return (o * r) * (weight * torch.nn.functional.silu(gate.to(torch.float32)))
+
+
+def unit_lower_solve(a: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``X`` with ``(I + tril(a, -1)) X = rhs``: what ``torch.linalg.solve_triangular(a, rhs, upper=False,
+    unitriangular=True)`` returns, by matmuls only.
+
+    ``a`` ``[..., n, n]`` (its diagonal and upper part are ignored), ``rhs`` ``[..., n, m]``. With
+    ``M = -tril(a, -1)`` nilpotent (``M^n = 0``), ``(I - M)^-1 = sum_{j<n} M^j = prod_{i<log2 n} (I + M^(2^i))``:
+    ``ceil(log2 n)`` steps, each one ``X += P X`` and one squaring ``P = P P`` (6 steps for 64-token
+    chunks). On MPS ``solve_triangular`` costs about 15 ms per call whatever its size (kshetrajna12/reflex#1);
+    these batched matmuls do not.
+    """
+    n = a.shape[-1]
+    p = -torch.tril(a, diagonal=-1)
+    x = rhs
+    steps = max(1, (n - 1).bit_length())
+    for i in range(steps):
+        x = x + p @ x
+        if i + 1 < steps:
+            p = p @ p
+    return x
+
+
+def chunk_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    solve: str = "matmul",
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' ``torch_chunk_gated_delta_rule`` (q/k L2-normalised inside), with the two unit
+    lower-triangular solves per call done by :func:`unit_lower_solve` (``solve="matmul"``) or by
+    ``torch.linalg.solve_triangular`` (``solve="triangular"``). Same arguments and layout: ``query``/``key``
+    ``[B, S, Hk, dk]``, ``value`` ``[B, S, Hv, dv]``, ``g``/``beta`` ``[B, S, Hv]``; returns ``[B, S, Hv, dv]``
+    in the query's dtype and the float32 state ``[B, Hv, dk, dv]`` (or None).
+    """
+    initial_dtype = query.dtype
+    b, seq, hk, dk = key.shape
+    hv, dv = value.shape[-2:]
+    if hk != hv:
+        query = query.repeat_interleave(hv // hk, dim=2)
+        key = key.repeat_interleave(hv // hk, dim=2)
+    query, key, value, beta, g = [
+        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (query, key, value, beta, g)
+    ]
+    query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + eps)
+    key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + eps)
+    query = query * (dk ** -0.5)
+
+    pad = (chunk_size - seq % chunk_size) % chunk_size
+    f = torch.nn.functional
+    query, key, value = (f.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, g = (f.pad(x, (0, pad)) for x in (beta, g))
+    n_chunks = (seq + pad) // chunk_size
+
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+    query, key, k_beta, v_beta = [x.reshape(b, hv, n_chunks, chunk_size, x.shape[-1]) for x in (query, key, k_beta, v_beta)]
+    g = g.reshape(b, hv, n_chunks, chunk_size)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
+    cum = g.cumsum(dim=3)
+    pair = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ key.transpose(-1, -2)) * pair
+    intra = (query @ key.transpose(-1, -2)) * pair
+    decayed_k_beta = k_beta * cum.exp().unsqueeze(-1)
+    if solve == "matmul":
+        # Both right-hand sides in one solve: [.., C, dv + dk].
+        both = unit_lower_solve(system, torch.cat((v_beta, decayed_k_beta), dim=-1))
+        new_values, k_cumdecay = both[..., :dv], both[..., dv:]
+    elif solve == "triangular":
+        new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+        k_cumdecay = torch.linalg.solve_triangular(system, decayed_k_beta, upper=False, unitriangular=True)
+    else:
+        raise ValueError(f"solve must be 'matmul' or 'triangular', got {solve!r}")
+
+    if initial_state is None:
+        state = torch.zeros(b, hv, dk, dv, dtype=torch.float32, device=value.device)
+    else:
+        state = initial_state.to(torch.float32)
+    out = torch.zeros_like(new_values)
+    query = query * cum.exp().unsqueeze(-1)
+    key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    for i in range(n_chunks):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        out[:, :, i] = query[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(b, hv, -1, dv)[:, :, :seq]
+    out = out.transpose(1, 2).to(initial_dtype, memory_format=torch.contiguous_format)
+    return out, (state if output_final_state else None)
