@@ -38,17 +38,16 @@ def conv_step(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, b
     return out if bias is None else out + bias
 
 
-def qk_normalize(qk: torch.Tensor, eps_rep: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def qk_normalize(qk: torch.Tensor, eps_rep: torch.Tensor) -> torch.Tensor:
     """L2-normalise query and key rows in float32 and repeat them for grouped value heads, in one product.
 
     ``qk`` ``[B, Hk, 1, 2, d]`` (row 0 query, row 1 key; any float dtype), ``eps_rep`` float32 ``[r, 1, 1]``
-    filled with the norm's epsilon (its leading dim repeats each key head for ``r`` value heads),
-    ``scale`` float32 ``[2, 1]`` (``d ** -0.5`` for the query row, 1 for the key row). Returns float32
-    ``[B, Hk, r, 2, d]``: ``x * rsqrt(sum(x^2) + eps) * scale`` as transformers' ``l2norm`` computes it.
+    filled with the norm's epsilon (its leading dim repeats each key head for ``r`` value heads). Returns
+    float32 ``[B, Hk, r, 2, d]``: ``x * rsqrt(sum(x^2) + eps)`` as transformers' ``l2norm`` computes it. The
+    query's ``d ** -0.5`` scale is left out: the output norm absorbs it (see :func:`gated_rms_norm`).
     """
     n = torch.linalg.vector_norm(qk, dim=-1, keepdim=True, dtype=torch.float32)
-    coef = torch.rsqrt(torch.addcmul(eps_rep, n, n)) * scale
-    return qk * coef
+    return qk * torch.rsqrt(torch.addcmul(eps_rep, n, n))
 
 
 def gates(ba: torch.Tensor, z_bias: torch.Tensor, z_sign: torch.Tensor, e_add: torch.Tensor, e_mult: torch.Tensor) -> torch.Tensor:
@@ -69,8 +68,9 @@ def recurrent_step(state: torch.Tensor, kq: torch.Tensor, v: torch.Tensor, beta:
     """One token of the gated delta rule; ``state`` (float32 ``[B, H, dk, dv]``, contiguous: the cache's
     own tensor) is updated in place.
 
-    ``kq`` float32 ``[B, H, 2, dk]`` contiguous (row 0 the scaled query, row 1 the key, both normalised),
-    ``v`` ``[B, H, 1, dv]``, ``beta`` and ``decay`` ``[B, H, 1, 1]``. Returns ``o = S_t^T q`` as
+    ``kq`` float32 ``[B, H, 2, dk]`` contiguous (row 0 the query, row 1 the key, both normalised). ``v``,
+    ``beta`` and ``decay`` are ``[B, H, 1, dv]``, ``[B, H, 1, 1]``, or, for one sequence (B = 1), ``[H, 1, dv]``
+    and ``[H, 1, 1]`` (the batch merged with the heads: two views fewer). Returns ``o = S_t^T q`` as
     ``[B * H, 1, dv]`` float32. Two reads of the state by ``bmm``, the decay and the rank-one delta update
     in place: no per-head Python loop, no copy of the state.
     """
@@ -78,9 +78,14 @@ def recurrent_step(state: torch.Tensor, kq: torch.Tensor, v: torch.Tensor, beta:
     s3 = state.view(b * h, dk, dv)
     k_row = kq.as_strided((b * h, 1, dk), (2 * dk, dk, 1), kq.storage_offset() + dk)
     u = torch.bmm(k_row, s3)  # S^T k of the old state: [B*H, 1, dv]
-    delta = torch.addcmul(v, u.view(b, h, 1, dv), decay, value=-1.0) * beta  # beta (v - a S^T k)
+    if v.dim() == 4:
+        u = u.view(b, h, 1, dv)
+        k_col = kq.as_strided((b, h, dk, 1), (h * 2 * dk, 2 * dk, 1, 1), kq.storage_offset() + dk)
+    else:
+        k_col = kq.as_strided((h, dk, 1), (2 * dk, 1, 1), kq.storage_offset() + dk)
+    delta = torch.addcmul(v, u, decay, value=-1.0) * beta  # beta (v - a S^T k)
     state.mul_(decay)
-    state.addcmul_(kq.as_strided((b, h, dk, 1), (h * 2 * dk, 2 * dk, 1, 1), kq.storage_offset() + dk), delta)
+    state.addcmul_(k_col, delta)
     q_row = kq.as_strided((b * h, 1, dk), (2 * dk, dk, 1), kq.storage_offset())
     return torch.bmm(q_row, s3)
 
@@ -89,7 +94,8 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     """``weight * o * rsqrt(mean(o^2) + eps) * silu(gate)`` over the last dim (size ``dim``), float32.
 
     ``eps`` is a float32 tensor broadcastable to ``o[..., :1]``. The mean of squares comes from one
-    ``vector_norm`` (``mean = n^2 / dim``) folded with the epsilon into one ``addcmul``.
+    ``vector_norm`` (``mean = n^2 / dim``) folded with the epsilon into one ``addcmul``. For ``o = s * o'``
+    (a scale the caller left out) pass ``eps / s^2``: ``s o' rsqrt(s^2 m' + eps) = o' rsqrt(m' + eps / s^2)``.
     """
     n = torch.linalg.vector_norm(o, dim=-1, keepdim=True)
     r = torch.rsqrt(torch.addcmul(eps, n, n, value=1.0 / dim))
