@@ -15,13 +15,14 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "conv_step",
-    "qk_normalize",
-    "gates",
-    "recurrent_step",
-    "gated_rms_norm",
-    "unit_lower_solve",
     "chunk_gated_delta_rule",
+    "conv_step",
+    "gated_rms_norm",
+    "gates",
+    "qk_normalize",
+    "recurrent_step",
+    "unit_lower_inverse",
+    "unit_lower_solve",
 ]
 
 
@@ -68,7 +69,8 @@ def recurrent_step(state: torch.Tensor, kq: torch.Tensor, v: torch.Tensor, beta:
     """One token of the gated delta rule; ``state`` (float32 ``[B, H, dk, dv]``, contiguous: the cache's
     own tensor) is updated in place.
 
-    ``kq`` float32 ``[B, H, 2, dk]`` contiguous (row 0 the query, row 1 the key, both normalised). ``v``,
+    ``kq`` float32 ``[B, H, 2, dk]``, contiguous with storage offset 0 (a fresh result; row 0 the query, row 1
+    the key, both normalised). ``v``,
     ``beta`` and ``decay`` are ``[B, H, 1, dv]``, ``[B, H, 1, 1]``, or, for one sequence (B = 1), ``[H, 1, dv]``
     and ``[H, 1, 1]`` (the batch merged with the heads: two views fewer). Returns ``o = S_t^T q`` as
     ``[B * H, 1, dv]`` float32. Two reads of the state by ``bmm``, the decay and the rank-one delta update
@@ -76,17 +78,17 @@ def recurrent_step(state: torch.Tensor, kq: torch.Tensor, v: torch.Tensor, beta:
     """
     b, h, dk, dv = state.shape
     s3 = state.view(b * h, dk, dv)
-    k_row = kq.as_strided((b * h, 1, dk), (2 * dk, dk, 1), kq.storage_offset() + dk)
+    k_row = kq.as_strided((b * h, 1, dk), (2 * dk, dk, 1), dk)
     u = torch.bmm(k_row, s3)  # S^T k of the old state: [B*H, 1, dv]
     if v.dim() == 4:
         u = u.view(b, h, 1, dv)
-        k_col = kq.as_strided((b, h, dk, 1), (h * 2 * dk, 2 * dk, 1, 1), kq.storage_offset() + dk)
+        k_col = kq.as_strided((b, h, dk, 1), (h * 2 * dk, 2 * dk, 1, 1), dk)
     else:
-        k_col = kq.as_strided((h, dk, 1), (2 * dk, 1, 1), kq.storage_offset() + dk)
+        k_col = kq.as_strided((h, dk, 1), (2 * dk, 1, 1), dk)
     delta = torch.addcmul(v, u, decay, value=-1.0) * beta  # beta (v - a S^T k)
     state.mul_(decay)
     state.addcmul_(k_col, delta)
-    q_row = kq.as_strided((b * h, 1, dk), (2 * dk, dk, 1), kq.storage_offset())
+    q_row = kq.as_strided((b * h, 1, dk), (2 * dk, dk, 1), 0)
     return torch.bmm(q_row, s3)
 
 
@@ -102,25 +104,43 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return (o * r) * (weight * torch.nn.functional.silu(gate.to(torch.float32)))
 
 
-def unit_lower_solve(a: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """``X`` with ``(I + tril(a, -1)) X = rhs``: what ``torch.linalg.solve_triangular(a, rhs, upper=False,
-    unitriangular=True)`` returns, by matmuls only.
+def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+    """``(I + tril(a, -1))^-1`` by block doubling, matmuls only (``a`` ``[..., n, n]``; its diagonal and upper
+    part are ignored).
 
-    ``a`` ``[..., n, n]`` (its diagonal and upper part are ignored), ``rhs`` ``[..., n, m]``. With
-    ``M = -tril(a, -1)`` nilpotent (``M^n = 0``), ``(I - M)^-1 = sum_{j<n} M^j = prod_{i<log2 n} (I + M^(2^i))``:
-    ``ceil(log2 n)`` steps, each one ``X += P X`` and one squaring ``P = P P`` (6 steps for 64-token
-    chunks). On MPS ``solve_triangular`` costs about 15 ms per call whatever its size (kshetrajna12/reflex#1);
-    these batched matmuls do not.
+    ``[[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]]``: starting from the 1x1 diagonal blocks (all
+    ones), every level joins pairs of diagonal blocks, all pairs of all matrices in one batched product:
+    ``log2 n`` levels (6 for 64-token chunks). This is the recursive triangular inversion LAPACK uses, as
+    accurate as substitution; a product of powers of the nilpotent part (``prod (I + M^(2^i))``) is as
+    short but measured 300x less accurate on an OLMo-Hybrid layer (beta up to 2: 7.5e-5 against 2.3e-7).
     """
     n = a.shape[-1]
-    p = -torch.tril(a, diagonal=-1)
-    x = rhs
-    steps = max(1, (n - 1).bit_length())
-    for i in range(steps):
-        x = x + p @ x
-        if i + 1 < steps:
-            p = p @ p
-    return x
+    size = 1 << max(0, (n - 1).bit_length())
+    lower = torch.tril(a, diagonal=-1)
+    if size != n:  # pad to a power of two with an identity block: the top-left block of the inverse is the answer
+        lower = torch.nn.functional.pad(lower, (0, size - n, 0, size - n))
+    batch = lower.shape[:-2]
+    inv = torch.eye(size, dtype=a.dtype, device=a.device).expand(*batch, size, size).clone()
+    s = 1
+    while s < size:
+        m = size // (2 * s)
+        low = torch.diagonal(lower.reshape(*batch, m, 2, s, m, 2, s), dim1=-6, dim2=-3)  # [..., 2, s, 2, s, m]
+        blk = torch.diagonal(inv.view(*batch, m, 2, s, m, 2, s), dim1=-6, dim2=-3)
+        c = low[..., 1, :, 0, :, :].movedim(-1, -3)
+        a_inv = blk[..., 0, :, 0, :, :].movedim(-1, -3)
+        d_inv = blk[..., 1, :, 1, :, :].movedim(-1, -3)
+        blk[..., 1, :, 0, :, :].copy_((-(d_inv @ c) @ a_inv).movedim(-3, -1))
+        s *= 2
+    return inv if size == n else inv[..., :n, :n]
+
+
+def unit_lower_solve(a: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``X`` with ``(I + tril(a, -1)) X = rhs``: what ``torch.linalg.solve_triangular(a, rhs, upper=False,
+    unitriangular=True)`` returns, by matmuls only (:func:`unit_lower_inverse`, then one product). On MPS
+    ``solve_triangular`` costs about 15 ms per call whatever its size (kshetrajna12/reflex#1); these
+    batched matmuls do not.
+    """
+    return unit_lower_inverse(a) @ rhs
 
 
 def chunk_gated_delta_rule(
@@ -140,7 +160,8 @@ def chunk_gated_delta_rule(
     lower-triangular solves per call done by :func:`unit_lower_solve` (``solve="matmul"``) or by
     ``torch.linalg.solve_triangular`` (``solve="triangular"``). Same arguments and layout: ``query``/``key``
     ``[B, S, Hk, dk]``, ``value`` ``[B, S, Hv, dv]``, ``g``/``beta`` ``[B, S, Hv]``; returns ``[B, S, Hv, dv]``
-    in the query's dtype and the float32 state ``[B, Hv, dk, dv]`` (or None).
+    in the query's dtype and the float32 state ``[B, Hv, dk, dv]`` (or None). Float64 inputs are computed
+    in float64 (a reference for the error bounds).
     """
     initial_dtype = query.dtype
     b, seq, hk, dk = key.shape
@@ -148,8 +169,9 @@ def chunk_gated_delta_rule(
     if hk != hv:
         query = query.repeat_interleave(hv // hk, dim=2)
         key = key.repeat_interleave(hv // hk, dim=2)
+    acc = torch.promote_types(query.dtype, torch.float32)  # float32 (float64 stays float64: references)
     query, key, value, beta, g = [
-        x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format) for x in (query, key, value, beta, g)
+        x.transpose(1, 2).to(acc, memory_format=torch.contiguous_format) for x in (query, key, value, beta, g)
     ]
     query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + eps)
     key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + eps)
@@ -182,9 +204,9 @@ def chunk_gated_delta_rule(
         raise ValueError(f"solve must be 'matmul' or 'triangular', got {solve!r}")
 
     if initial_state is None:
-        state = torch.zeros(b, hv, dk, dv, dtype=torch.float32, device=value.device)
+        state = torch.zeros(b, hv, dk, dv, dtype=acc, device=value.device)
     else:
-        state = initial_state.to(torch.float32)
+        state = initial_state.to(acc)
     out = torch.zeros_like(new_values)
     query = query * cum.exp().unsqueeze(-1)
     key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)

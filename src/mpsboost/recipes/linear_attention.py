@@ -20,8 +20,8 @@ Decode (one token with a cache), eager: 43 aten ops per layer instead of 103 (on
 - the recurrent state stays float32 in the model's own cache tensor, where stock keeps it, updated in
   place (two ``bmm`` reads, the decay and a rank-one update): stock and patched layers mix.
 
-Prefill: on MPS the chunked rule with the unit lower-triangular solves done by matmuls (repeated
-squaring of the nilpotent part, 6 steps per 64-token chunk; ``solve_triangular`` costs about 15 ms per
+Prefill: on MPS the chunked rule with the unit lower-triangular solves done by matmuls (block
+doubling of the inverse, 6 levels per 64-token chunk; ``solve_triangular`` costs about 15 ms per
 call there, gate feature ``solve_triangular_fast``); elsewhere the stock forward.
 
 Exactness (tested): float32 layer outputs within 1e-5 relative of stock, prefill and decode; bfloat16
@@ -49,7 +49,18 @@ import torch.nn.functional as F
 
 from ..gate import Env, check
 from ..ops import gated_delta as gd
-from ..registry import Changes, Decision, Match, Patch, Recipe, bind_forward, call_original, class_path, register, set_instance_attr
+from ..registry import (
+    Changes,
+    Decision,
+    Match,
+    Patch,
+    Recipe,
+    bind_forward,
+    call_original,
+    class_path,
+    register,
+    set_instance_attr,
+)
 
 NAME = "linear_attention"
 _STATE = "_mpsboost_linear_attention"
@@ -254,7 +265,7 @@ def _qkvz_perm(lay: _Layout, device: torch.device) -> torch.Tensor:
 def _derive(mod: torch.nn.Module, lay: _Layout, state: _State | None) -> dict[str, Any]:
     """The constants of the decode step, from the layer's current Parameters. Eager mode keeps them until a
     Parameter changes; traced code builds them inside the graph (no state read)."""
-    hk, r, hv = lay.hk, lay.r, lay.hv
+    hk, r = lay.hk, lay.r
     a_log, dt = mod.A_log, mod.dt_bias
     dev = a_log.device
     f32 = torch.float32
@@ -269,8 +280,9 @@ def _derive(mod: torch.nn.Module, lay: _Layout, state: _State | None) -> dict[st
         "eps_rep": torch.full((r, 1, 1), _QK_EPS, dtype=f32, device=dev),
         # The query's dk ** -0.5 is folded into the output norm's epsilon (gd.gated_rms_norm).
         "eps_norm": torch.tensor(lay.norm_eps * lay.dk, dtype=f32, device=dev),
-        "conv_w": conv.weight.view(lay.conv_dim, lay.width),
-        "conv_b": conv.bias,
+        # float32: the multiply-sum then accumulates unrounded products in any model dtype (no cast op).
+        "conv_w": conv.weight.view(lay.conv_dim, lay.width).to(f32),
+        "conv_b": None if conv.bias is None else conv.bias.to(f32),
         "norm_w": getattr(mod, _NORM[lay.family]).weight,
         "out_wt": getattr(mod, _OUT[lay.family]).weight.t(),
         "perm": _qkvz_perm(lay, dev) if lay.family == "qkvz" else None,
@@ -326,9 +338,9 @@ def _decode(mod: torch.nn.Module, lay: _Layout, d: dict[str, Any], hs: torch.Ten
     hk, hv, r, dk, dv, c, n = lay.hk, lay.hv, lay.r, lay.dk, lay.dv, lay.conv_dim, lay.n
     kd, vd = hk * dk, hv * dv
     y = _project(mod, lay, d, hs.view(b, lay.hidden))
-    o0 = y.storage_offset()
+    o0 = 0  # y and qkv are fresh results (storage offset 0): as_strided views address them directly
     qkv = F.silu(gd.conv_step(conv_state, y.as_strided((b, c, 1), (n, 1, 1), o0), d["conv_w"], d["conv_b"]))
-    q0 = qkv.storage_offset()
+    q0 = 0
     kq = gd.qk_normalize(qkv.as_strided((b, hk, 1, 2, dk), (c, dk, dk, kd, 1), q0), d["eps_rep"])
     e = gd.gates(y.as_strided((b, hk, r, 2), (n, r, 1, hv), o0 + 2 * kd + 2 * vd), d["z_bias"], d["z_sign"], d["e_add"], d["e_mult"])
     # One sequence (the usual decode): batch and heads merge into one dim, which saves two views.
@@ -383,7 +395,7 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, cache: Any = No
         # autograd must reach the Parameters: the stock forward uses them directly
         or (not compiling and torch.is_grad_enabled() and self.A_log.requires_grad)
     )
-    b, s = hidden_states.shape[:2]
+    s = hidden_states.shape[1]
     conv_state = rec = None
     if not stock and cache is not None:
         conv_state = cache.get_conv_state(self.layer_idx, state_idx=0)
@@ -440,8 +452,8 @@ class LinearAttention(Recipe):
         compiled = options.compiled if options.compiled != "auto" else ("recipe" if env.device_type == "mps" else "stock")
         backing = "fused projections, recurrent step in fp32"
         backing += "; prefill chunked, matmul triangular inverse" if prefill == "matmul" else "; prefill stock (solve_triangular)"
-        why = [f"eager decode: fused projections, conv roll, gates and state update in few ops (stock: 103 aten ops per step); "
-               f"prefill: {'forced by options' if options.prefill != 'auto' else solve.reason}"]
+        why = [("eager decode: fused projections, conv roll, gates and state update in few ops (stock: 103 aten ops per step); "
+                f"prefill: {'forced by options' if options.prefill != 'auto' else solve.reason}")]
         if compiled == "recipe":
             why.append("compiled: the recipe's forward, traced (weights read from the Parameters)"
                        + ("; on MPS solve_triangular stays slow under compile too" if env.device_type == "mps" else ""))
