@@ -56,7 +56,9 @@ class _Ops(TorchDispatchMode):
 
 def _layer(size: str, dtype: torch.dtype, device: str):
     import transformers as t
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+        Qwen3_5MoeGatedDeltaNet,
+    )
 
     cfg = t.Qwen3_5MoeTextConfig(num_hidden_layers=1, layer_types=["linear_attention"], **SIZES[size])
     torch.manual_seed(0)

@@ -7,6 +7,7 @@ import gc
 import weakref
 
 import pytest
+import tiny_models as tm
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -15,8 +16,6 @@ from mpsboost.errors import PatchError
 from mpsboost.gate import Env
 from mpsboost.ops import gated_delta as gd
 from mpsboost.recipes import linear_attention as la
-
-import tiny_models as tm
 
 pytest.importorskip("transformers")
 
@@ -332,7 +331,9 @@ def test_unit_lower_solve_matches_solve_triangular(n):
 
 
 def test_chunked_rule_matches_transformers_reference():
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_chunk_gated_delta_rule as ref_rule
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+        torch_chunk_gated_delta_rule as ref_rule,
+    )
 
     g = torch.Generator().manual_seed(15)
     b, s, hk, hv, d = 2, 100, 2, 4, 32
@@ -345,3 +346,27 @@ def test_chunked_rule_matches_transformers_reference():
     for solve in ("matmul", "triangular"):
         out, state = gd.chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=init, output_final_state=True, solve=solve)
         assert tm.relative_error(out, ref) <= FP32_TOL and tm.relative_error(state, ref_state) <= FP32_TOL
+
+
+@pytest.mark.slow
+def test_mac_compile_static_cache_generates_the_eager_tokens():
+    """The opt-in compiled mode: transformers compiles the patched model's decode step (static cache) where
+    it would not by itself (MPS; CPU here), in one graph, and the greedy tokens equal eager decoding."""
+    torch._dynamo.reset()
+    model = _model(seed=4)
+    _patch(model, Env.simulate("mps", "2.15.0"))
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    eager = model.generate(ids, **kw)
+    before = model.generation_config.compile_config
+    undo = la.mac_compile(model, backend="eager", fullgraph=True)
+    assert model.generation_config.compile_config._compile_all_devices is True
+    torch._dynamo.utils.counters.clear()
+    compiled = model.generate(ids, cache_implementation="static", **kw)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    assert torch.equal(eager, compiled)
+    undo()
+    assert model.generation_config.compile_config is before
+    with pytest.raises(TypeError, match="generation_config"):
+        la.mac_compile(torch.nn.Linear(2, 2))
+    torch._dynamo.reset()

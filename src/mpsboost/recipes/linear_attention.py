@@ -36,6 +36,12 @@ or causal-conv1d importable: skipped, transformers runs those kernels.
 
 Options (``options={"linear_attention": {...}}``): ``prefill`` "auto" | "matmul" | "stock";
 ``compiled`` "auto" | "recipe" | "stock".
+
+Compiled decoding on a Mac (opt-in, :func:`mac_compile`): transformers compiles the decode step itself
+with a static cache (``generate(..., cache_implementation="static")``) on cuda, xpu, neuron and tpu only
+(``_valid_auto_compile_criteria``); MPS needs ``CompileConfig._compile_all_devices``. ``mac_compile(model)``
+sets that on the model's own generation config, reversibly; nothing does it by default (no Mac
+measurement of the compiled mode yet).
 """
 from __future__ import annotations
 
@@ -59,6 +65,7 @@ from ..registry import (
     call_original,
     class_path,
     register,
+    set_attr,
     set_instance_attr,
 )
 
@@ -474,3 +481,31 @@ class LinearAttention(Recipe):
             ch.add(bind_forward(mod, NAME, _forward))
             _eager_derived(mod, state)  # now, not inside the first decode step
         return ch.patch(description=f"{NAME}: restore forward and projection storage")
+
+
+# ---------------------------------------------------------------------------- compiled decoding on a Mac
+
+def mac_compile(model: Any, *, backend: str = "inductor", mode: str | None = None, fullgraph: bool = False) -> Patch:
+    """Let ``generate(..., cache_implementation="static")`` compile the decode step on MPS (opt-in).
+
+    transformers compiles it by itself on cuda/xpu/neuron/tpu only; on other devices it needs
+    ``CompileConfig._compile_all_devices`` (``generation/utils.py``, ``_valid_auto_compile_criteria``).
+    This sets ``model.generation_config.compile_config`` to a copy of the model's own (or a new
+    ``CompileConfig(backend, mode, fullgraph)``; ``mode`` default "default": transformers' "reduce-overhead"
+    means CUDA graphs) with that flag on. Returns a :class:`~mpsboost.registry.Patch`: call it to put the
+    previous config back. Works on any device (the tests use CPU); the patched Gated DeltaNet layers trace
+    with ``fullgraph=True``.
+    """
+    cfg = getattr(model, "generation_config", None)
+    if cfg is None or not hasattr(cfg, "compile_config"):
+        raise TypeError(f"mac_compile needs a transformers generative model (with a generation_config), got {type(model).__name__}")
+    if not isinstance(backend, str) or not isinstance(fullgraph, bool) or not (mode is None or isinstance(mode, str)):
+        raise TypeError(f"mac_compile takes backend: str, mode: str | None, fullgraph: bool; got {backend!r}, {mode!r}, {fullgraph!r}")
+    import copy as _copy
+
+    from transformers import CompileConfig
+
+    previous = cfg.compile_config
+    new = _copy.copy(previous) if previous is not None else CompileConfig(backend=backend, mode=mode or "default", fullgraph=fullgraph)
+    new._compile_all_devices = True  # not an __init__ argument in transformers 5.24: a class-level default
+    return set_attr(cfg, "compile_config", new, description="mac_compile: restore generation_config.compile_config")
