@@ -370,3 +370,21 @@ def test_mac_compile_static_cache_generates_the_eager_tokens():
     with pytest.raises(TypeError, match="generation_config"):
         la.mac_compile(torch.nn.Linear(2, 2))
     torch._dynamo.reset()
+
+
+def test_weights_converted_after_patch_fall_back_to_stock_and_free_the_fused_storage():
+    stock = _model(seed=16)
+    patched = copy.deepcopy(stock)
+    _patch(patched, Env.simulate("mps", "2.15.0"))
+    layer = _deltanets(patched)[0]
+    assert layer.__dict__[la._STATE].fused is not None
+    # What a weight-converting recipe does at commit: the Parameter leaves, a buffer takes its name.
+    w = layer.out_proj.weight.detach().clone()
+    del layer.out_proj.weight
+    layer.out_proj.register_buffer("weight", w)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(17))
+    ref, got = [], []
+    _steps(stock, ids, 5, outputs=ref)
+    _steps(patched, ids, 5, outputs=got)
+    assert len(got) == 3 and all(tm.relative_error(g, r) <= FP32_TOL for g, r in zip(got, ref))
+    assert layer.__dict__[la._STATE].fused is None

@@ -315,11 +315,13 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
     key = _key(mod, lay)
     if key == state.key and state.derived is not None:
         return state.derived
+    linears = [(getattr(mod, name, None), lay.hidden, rows) for name, rows in zip(_PROJ[lay.family], lay.widths)]
+    linears.append((getattr(mod, _OUT[lay.family], None), lay.hv * lay.dv, lay.hidden))
+    if any(_plain_linear(*x) for x in linears) or len({(m.weight.dtype, m.weight.device) for m, _, _ in linears}) != 1:
+        state.fused = state.derived = state.key = None  # e.g. weights converted by another recipe: free the old storage
+        return None
     params = _proj_params(mod, lay)
     if not _fused_views(params, state.fused):
-        if _plain_linear(getattr(mod, _PROJ[lay.family][0]), lay.hidden, lay.widths[0]) or len({(p.dtype, p.device) for p in params}) != 1:
-            state.fused = state.derived = state.key = None  # e.g. weights converted by another recipe: free the old storage
-            return None
         state.fused = _fuse(params)
         key = _key(mod, lay)
     with torch.no_grad():
