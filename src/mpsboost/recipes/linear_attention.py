@@ -346,7 +346,7 @@ def _decode(mod: torch.nn.Module, lay: _Layout, d: dict[str, Any], hs: torch.Ten
     b = hs.shape[0]
     hk, hv, r, dk, dv, c, n = lay.hk, lay.hv, lay.r, lay.dk, lay.dv, lay.conv_dim, lay.n
     kd, vd = hk * dk, hv * dv
-    y = _project(mod, lay, d, hs.view(b, lay.hidden))
+    y = _project(mod, lay, d, hs.reshape(b, lay.hidden))
     o0 = 0  # y and qkv are fresh results (storage offset 0): as_strided views address them directly
     qkv = F.silu(gd.conv_step(conv_state, y.as_strided((b, c, 1), (n, 1, 1), o0), d["conv_w"], d["conv_b"]))
     q0 = 0
