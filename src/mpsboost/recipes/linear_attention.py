@@ -302,10 +302,12 @@ def _derive(mod: torch.nn.Module, lay: _Layout, state: _State | None) -> dict[st
 
 
 def _key(mod: torch.nn.Module, lay: _Layout) -> tuple:
-    # Host-side metadata only (no aten op, no device sync); eager mode alone calls it.
-    ps = (*_proj_params(mod, lay), mod.conv1d.weight, getattr(mod, _OUT[lay.family]).weight,
-          getattr(mod, _NORM[lay.family]).weight, mod.A_log, mod.dt_bias)
-    return tuple((p.data_ptr(), p._version, p.dtype) for p in ps) + (getattr(mod.conv1d.bias, "_version", None),)
+    """Where and at which version every tensor the decode constants come from is: host-side metadata only
+    (no aten op, no device sync); eager mode alone calls it."""
+    names = (*_PROJ[lay.family], "conv1d", _OUT[lay.family], _NORM[lay.family])
+    ts = [getattr(getattr(mod, n, None), "weight", None) for n in names]
+    ts += [mod.A_log, mod.dt_bias, getattr(mod.conv1d, "bias", None)]
+    return tuple((t.data_ptr(), t._version, t.dtype) if isinstance(t, torch.Tensor) else None for t in ts)
 
 
 def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None:
@@ -402,7 +404,7 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, cache: Any = No
         or kwargs.get("cu_seq_lens_q") is not None
         or kwargs.get("seq_idx") is not None
         # autograd must reach the Parameters: the stock forward uses them directly
-        or (not compiling and torch.is_grad_enabled() and self.A_log.requires_grad)
+        or (not compiling and torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
     )
     s = hidden_states.shape[1]
     conv_state = rec = None
