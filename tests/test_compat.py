@@ -106,10 +106,13 @@ def test_fullgraph_compile_has_no_graph_break_from_mpsboost(name, model_name):
         args, kwargs = inputs[path]
         mod_p, mod_s = _module_at(patched, path), _module_at(stock, path)
         torch._dynamo.reset()
+        # Each call gets its own copy of the inputs: a recurrent layer's cache (linear attention) changes
+        # state with every call, so the two calls must start from the same one.
+        fresh = copy.deepcopy
         with torch.no_grad():
-            eager = _first_tensor(mod_p(*args, **kwargs))
+            eager = _first_tensor(mod_p(*args, **fresh(kwargs)))
             try:
-                compiled = _first_tensor(torch.compile(mod_p, fullgraph=True, backend="eager")(*args, **kwargs))
+                compiled = _first_tensor(torch.compile(mod_p, fullgraph=True, backend="eager")(*args, **fresh(kwargs)))
             except Exception as exc:  # a graph break under fullgraph=True: is it mpsboost's?
                 torch._dynamo.reset()
                 ex = torch._dynamo.explain(mod_p)(*args, **kwargs)

@@ -229,6 +229,28 @@ def _llama():
     return LlamaForCausalLM(LlamaConfig(**_LM_COMMON, intermediate_size=64))
 
 
+# Gated DeltaNet hybrids (linear_attention): one DeltaNet layer, then one full-attention layer; two key
+# heads shared by four value heads (grouped values, as in Qwen3.6: 16 key / 32 value heads).
+_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])
+_GDN_MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+
+
+def gated_deltanet_lm(family: str = "qwen3_5_moe"):
+    """A tiny transformers LM with a Gated DeltaNet layer: ``qwen3_5_moe`` (Qwen3.6-35B-A3B's classes),
+    ``qwen3_5`` (dense), ``qwen3_next`` (fused qkvz/ba projections) or ``olmo_hybrid`` (separate
+    projections, beta in [0, 2])."""
+    import transformers as t
+
+    cfg, cls, extra = {
+        "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(head_dim=32, **_GDN_MOE)),
+        "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(head_dim=32, intermediate_size=64)),
+        "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(head_dim=32, intermediate_size=64, **_GDN_MOE)),
+        "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(intermediate_size=64, linear_allow_neg_eigval=True)),
+    }[family]
+    return getattr(t, cls)(getattr(t, cfg)(**_LM_COMMON, **_GDN, **extra))
+
+
 def _run_lm(model, seed: int, *, batch: int = 2, prompt: int = 6, steps: int = 3, dtype: str = "float32") -> torch.Tensor:
     """Teacher-forced logits: a prefill of ``prompt`` tokens, then ``steps`` one-token decode steps.
 
@@ -367,6 +389,7 @@ TINY: dict[str, Tiny] = {
         Tiny("deepseek_v3", "transformers", "lm", _deepseek_v3, _run_lm, {}, _LM_SPACE),
         Tiny("qwen3", "transformers", "lm", _qwen3_dense, _run_lm, {}, _LM_SPACE),
         Tiny("llama", "transformers", "lm", _llama, _run_lm, {}, _LM_SPACE),
+        Tiny("qwen3_5_moe", "transformers", "lm", gated_deltanet_lm, _run_lm, {}, _LM_SPACE),
         Tiny("umt5_encoder", "transformers", "encoder", _umt5_encoder, _run_encoder, {},
              {"batch": (1, 2), "tokens": (1, 7, 16), "dtype": ("float32", "bfloat16")}),
         Tiny("wan22_ti2v_pipeline", "diffusers", "pipeline", _wan22_ti2v_pipeline, _run_pipeline, {"frames": 5}, _PIPE_SPACE),

@@ -757,6 +757,19 @@ FEATURES: dict[str, Feature] = {
             },
         ),
         Feature(
+            "solve_triangular_fast",
+            "torch.linalg.solve_triangular at matmul speed (Gated DeltaNet chunked prefill: two calls per layer)",
+            {
+                # On MPS each call costs about 15 ms whatever its size; a matmul-based inverse of the unit
+                # lower-triangular system was 4x faster on the whole prefill (kshetrajna12/reflex#1, Qwen3.5 on
+                # MPS: 81% of request time in this path). No upstream fix known.
+                "mps": (Rule(never=True, upstream="kshetrajna12/reflex#1 (about 15 ms per call on MPS)",
+                             note="linear_attention solves by matmuls instead"),),
+                "cuda": _ALWAYS,
+                "cpu": _ALWAYS,
+            },
+        ),
+        Feature(
             "histc_int",
             "torch.histc on integer input",
             {
