@@ -76,9 +76,10 @@ DIFFUSION = {"wan22-ti2v-5b": "wan22_ti2v", "qwen-image": "qwen_image"}
 WORKLOADS = tuple(LLM) + tuple(DIFFUSION)
 LLM_MODES = ("eager", "static")
 DIFFUSION_MODES = ("eager", "compile", "offload")
-LLM_VARIANTS = ("stock", "mpsboost", "fp8", "mac")
+LLM_VARIANTS = ("stock", "mpsboost", "fp8", "mac", "options")
 DIFFUSION_VARIANTS = ("stock", "mpsboost")
 FP8_VARIANT = "mpsboost:fp8-rowwise"
+OPTIONS_VARIANT = "mpsboost:options"  # patch(model, options=--options): a choice measured before it becomes a default
 MAC_PREFIX = "mpsboost:mac-"  # + the simulated torch version: the decisions a Mac gets, computed here
 # The diffusers workloads at real size (the brief's shapes, not the 704x1280 of the cookbook's run.json).
 REAL_VIDEO = {"height": 480, "width": 832, "frames": 81}
@@ -402,6 +403,11 @@ def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], deco
     report = mpsboost.patch(model)
     if is_patched(model):  # a default that applies nothing on this device leaves nothing to undo
         mpsboost.unpatch(model)
+    opt_report = None
+    if "options" in variants:
+        opt_report = mpsboost.patch(model, options=a.options)
+        if is_patched(model):
+            mpsboost.unpatch(model)
     mac_report = None
     if "mac" in variants:
         mac_report = mpsboost.patch(model, device=mac_env(a.mac_torch))
@@ -420,7 +426,8 @@ def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], deco
                     continue
                 try:
                     llm_mode(run, workload, cfg, mode, decoding, variants, model, fp8_model, report, fp8_report, fp8_error,
-                             prompt, mask, N, bw, bw_source, dtype, {"stock": build_s, FP8_VARIANT: fp8_build_s}, mac_report)
+                             prompt, mask, N, bw, bw_source, dtype, {"stock": build_s, FP8_VARIANT: fp8_build_s}, mac_report,
+                             opt_report)
                 except Exception as exc:  # noqa: BLE001 - the next mode or decoding still runs
                     run.log(f"{workload} {mode} {decoding}: failed: {error_text(exc)}")
                     traceback.print_exc(limit=5)
@@ -442,13 +449,13 @@ def mac_env(version: str):
 
 def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: list[str], model, fp8_model, report,
              fp8_report, fp8_error, prompt, mask, N: int, bw: float, bw_source: str, dtype, build_s: dict,
-             mac_report=None) -> None:
+             mac_report=None, opt_report=None) -> None:
     a = run.args
     dev = run.device
     mac_name = MAC_PREFIX + a.mac_torch
     names = (["stock"] + (["mpsboost"] if "mpsboost" in variants else []) + ([FP8_VARIANT] if fp8_model is not None else [])
-             + ([mac_name] if "mac" in variants else []))
-    models = {"stock": model, "mpsboost": model, FP8_VARIANT: fp8_model, mac_name: model}
+             + ([mac_name] if "mac" in variants else []) + ([OPTIONS_VARIANT] if "options" in variants else []))
+    models = {"stock": model, "mpsboost": model, FP8_VARIANT: fp8_model, mac_name: model, OPTIONS_VARIANT: model}
     on_model: list[str | None] = [None]  # which patch the shared model carries now (None: stock)
     errors: dict[str, str] = {}
     if "fp8" in variants and fp8_model is None:
@@ -476,6 +483,8 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
                 mpsboost.patch(model)
             elif want == mac_name:
                 mpsboost.patch(model, device=mac_env(a.mac_torch))
+            elif want == OPTIONS_VARIANT:
+                mpsboost.patch(model, options=a.options)
             on_model[0] = want
             switch_s[name].append(time.perf_counter() - t)
         return m
@@ -564,7 +573,7 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
     med = {n: {k: statistics.median(v) for k, v in (("prefill", prefill[n]), ("decode", decode[n]), ("call", full[n])) if v}
            for n in names}
     recs = []
-    for name in ["stock", "mpsboost", FP8_VARIANT, mac_name]:
+    for name in ["stock", "mpsboost", FP8_VARIANT, mac_name, OPTIONS_VARIANT]:
         if name not in names and name not in errors:
             continue
         extra: dict[str, Any] = {"mode": mode, "decoding": decoding, "sampling_seed": a.seed + 2 if decoding == "sampled" else None,
@@ -578,7 +587,9 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
             extra["error"] = errors[name]
         extra["memory_pass"] = ("the untimed warm-up call (eager: nothing compiles)" if mem_on_warmup
                                 else "one untimed call after the rounds")
-        rep = {FP8_VARIANT: fp8_report, "mpsboost": report, mac_name: mac_report}.get(name)
+        rep = {FP8_VARIANT: fp8_report, "mpsboost": report, mac_name: mac_report, OPTIONS_VARIANT: opt_report}.get(name)
+        if name == OPTIONS_VARIANT:
+            extra["options"] = a.options
         if rep is not None:
             extra["patch"] = patch_summary(rep)
         if name == mac_name:
@@ -881,6 +892,18 @@ def _list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     return items
 
 
+def _json_options(text: str) -> dict:
+    """--options JSON with its lists as tuples (recipe options take tuples; JSON has none)."""
+    def tup(v):
+        if isinstance(v, list):
+            return tuple(tup(x) for x in v)
+        if isinstance(v, dict):
+            return {k: tup(x) for k, x in v.items()}
+        return v
+
+    return tup(json.loads(text))
+
+
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -889,7 +912,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default=",".join(dict.fromkeys(LLM_MODES + DIFFUSION_MODES)),
                    help="LLM: eager, static; diffusers: eager, compile, offload (each workload runs those of its kind)")
     p.add_argument("--variants", default="mpsboost,fp8",
-                   help="besides stock (always run): mpsboost, fp8 (LLM only), mac (LLM only: Mac decisions, see --mac-torch)")
+                   help="besides stock (always run): mpsboost, fp8 (LLM only), mac (LLM only: Mac decisions, see --mac-torch), options (LLM only: --options)")
+    p.add_argument("--options", type=_json_options, default=None,
+                   help='the options variant\'s patch(options=...), as JSON, e.g. \'{"rms_norm": {"devices": ["cuda"]}}\'')
     p.add_argument("--mac-torch", default="2.15.0", help="the torch version of the simulated Mac of the 'mac' variant")
     p.add_argument("--breakdown-steps", type=int, default=8,
                    help="eager LLM modes: decode steps of the per-module breakdown pass (0: none)")
@@ -911,6 +936,8 @@ def parse(argv=None) -> argparse.Namespace:
     a.modes = _list(a.modes, tuple(dict.fromkeys(LLM_MODES + DIFFUSION_MODES)), "modes")
     a.variants = _list(a.variants, ("stock",) + LLM_VARIANTS[1:], "variants")
     a.decoding = _list(a.decoding, ("greedy", "sampled"), "decoding")
+    if "options" in a.variants and not isinstance(a.options, dict):
+        raise SystemExit("--variants options needs --options '{\"recipe\": {...}}'")
     if a.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
     if a.prompt_tokens is None:
