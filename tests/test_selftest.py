@@ -41,7 +41,7 @@ def _by(lines, kind):
 
 
 def test_cpu_selftest_writes_a_file_that_validates(run):
-    lines, jsonl, md, printed = run
+    _, jsonl, md, printed = run
     assert jsonl.name == f"mpsboost-selftest-cpu-{torch.__version__}.jsonl" and md.name == jsonl.name[:-6] + ".md"
     summary = validate(jsonl)
     assert summary["machine"]["device"] == "cpu" and summary["machine"]["torch"] == torch.__version__
@@ -120,7 +120,7 @@ def test_scrub_removes_home_user_host_and_the_output_folder(tmp_path):
 
 
 def test_markdown_says_what_it_holds_and_where_to_send_it(run):
-    lines, jsonl, md, _ = run
+    _, jsonl, md, _ = run
     text = md.read_text()
     assert selftest.issue_tracker() in text and jsonl.name in text
     assert "What the file contains" in text and "pytorch#194922" in text and "qwen36_decode" in text
@@ -264,7 +264,7 @@ def test_a_failing_workload_is_reported_not_raised(tmp_path, monkeypatch):
 
 
 def test_the_time_budget_skips_what_does_not_fit(tmp_path):
-    lines, jsonl, md = selftest.run_selftest("cpu", size="test", processes=2, budget_s=1e-6, out_dir=tmp_path,
+    lines, jsonl, _ = selftest.run_selftest("cpu", size="test", processes=2, budget_s=1e-6, out_dir=tmp_path,
                                              probes=["fp8_cast"], workloads=["fp8_linear_m1"], recipes=[], echo=lambda s: None)
     assert [x["verdict"] for x in lines if x["kind"] == "probe"] == ["skipped"]
     assert [x["status"] for x in lines if x["kind"] == "workload"] == ["skipped"]

@@ -69,9 +69,9 @@ def revisit(probes: Sequence[dict], gate_ok: dict[str, bool]) -> list[str]:
         if feature is None or measured is None or feature not in gate_ok or gate_ok[feature] == measured:
             continue
         believes = "available" if gate_ok[feature] else "unavailable"
-        found = "fixed in this build" if measured else "present in this build"
+        found = "this build free of the bug" if measured else "the bug in this build"
         out.append(f"revisit gate feature {feature!r}: the gate says {believes}, probe {p['name']} "
-                   f"({', '.join(p.get('upstream', []))}) found the bug {found}")
+                   f"({', '.join(p.get('upstream', []))}) found {found}")
     return out
 
 
