@@ -355,7 +355,7 @@ def gemm_verdict(samples: list[float], device: str) -> dict:
         return _out("skipped", "measured in one process only; run with --processes 2 or more", samples_s=samples)
     lo, hi = min(samples), max(samples)
     spread = hi / lo if lo > 0 else 1.0
-    detail = (f"one bf16 GEMM (M=1024, K=N=2048) in {len(samples)} fresh processes: fastest {lo * 1e3:.3f} ms, slowest "
+    detail = (f"one GEMM (bf16 M=1024, K=N=2048 on a GPU; small fp32 on a CPU) in {len(samples)} fresh processes: fastest {lo * 1e3:.3f} ms, slowest "
               f"{hi * 1e3:.3f} ms ({spread:.2f}x; pytorch#182815: 2-3x slower in about 40% of processes)")
     res = _out("has the bug" if spread > 1.8 else "fixed", detail, samples_s=samples, spread=spread)
     return res if device == "mps" else dict(res, verdict="not applicable", detail=f"MPS-only bug; on {device}: {detail}")
