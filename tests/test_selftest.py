@@ -316,3 +316,31 @@ def test_revisit_names_the_decision_a_probe_contradicts():
               {"name": "linear_b1k", "feature": "linear_3d_fast", "verdict": "skipped", "upstream": ["pytorch#189847"]}]
     todo = selftest.revisit(probes, {"pad_rank5_correct": False, "float8_storage": True, "linear_3d_fast": False})
     assert len(todo) == 1 and "pad_rank5_correct" in todo[0] and "pad_rank5_65536" in todo[0] and "pytorch#194922" in todo[0]
+
+
+def test_a_stock_failure_is_a_finding_when_patched_runs(tmp_path, monkeypatch):
+    """A build whose stock path raises (a missing MPS kernel) and whose patched path runs: 'stock fails', a valid finding."""
+    import mpsboost
+    from mpsboost.selftest import workloads
+
+    real_build = workloads.SEED_WORKLOADS["fp8_linear_m1"].build
+
+    def build(size, device):
+        built = real_build(size, device)
+        inner = built.run
+
+        def run(module):
+            if not mpsboost.api.is_patched(module):
+                raise NotImplementedError("The operator 'aten::linear' is not currently implemented for the MPS device")
+            return inner(module)
+
+        return workloads.Built(built.model, run, built.shape, built.dtype)
+
+    monkeypatch.setitem(workloads.SEED_WORKLOADS, "fp8_linear_m1", workloads.SeedWorkload(
+        "fp8_linear_m1", "synthetic", build, metric="rel", cpu_reference=False, fp8="rowwise"))
+    lines, jsonl, md = selftest.run_selftest("cpu", size="test", processes=1, out_dir=tmp_path, probes=[], workloads=["fp8_linear_m1"],
+                                             recipes=[], echo=lambda s: None)
+    (w,) = [x for x in lines if x["kind"] == "workload"]
+    assert w["status"] == "stock fails" and "NotImplementedError" in w["stock"]["error"] and w["patched"]["seconds"][0] > 0
+    assert validate(jsonl)["workloads"] == {"fp8_linear_m1": "stock fails"}
+    assert "stock fails" in md.read_text()

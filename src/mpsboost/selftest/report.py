@@ -213,6 +213,10 @@ def _check_line(where: str, rec: dict, seen: dict) -> None:
                 raise SelftestFormatError(f"{where}: workload {name!r} ran but has no positive speed ratio")
             if not isinstance(rec.get("vs_stock"), dict):
                 raise SelftestFormatError(f"{where}: workload {name!r} ran but has no comparison with stock")
+        if status == "stock fails":
+            secs = (rec.get("patched") or {}).get("seconds")
+            if not isinstance((rec.get("stock") or {}).get("error"), str) or not isinstance(secs, list) or not all(_positive(x) for x in secs):
+                raise SelftestFormatError(f"{where}: workload {name!r} 'stock fails' needs stock's error and patched seconds")
         seen[kind][name] = status
     elif kind == "recipe":
         _check_recipe(where, rec, name, RECIPE_STATUSES)
@@ -296,7 +300,7 @@ def validate(path: str | Path) -> dict:
     from .probes import EVIDENCE
 
     probes, workloads, recipes = seen.get("probe", {}), seen.get("workload", {}), seen.get("recipe", {})
-    ok = (sum(v in EVIDENCE for v in probes.values()) + sum(v in ("pass", "fail") for v in workloads.values())
+    ok = (sum(v in EVIDENCE for v in probes.values()) + sum(v in ("pass", "fail", "stock fails") for v in workloads.values())
           + sum(v in ("pass", "fail") for v in recipes.values()))
     if not ok:
         raise SelftestFormatError(f"{p}: no successful case: every probe, workload and recipe errored, was skipped or did not apply "

@@ -179,7 +179,7 @@ def run_selftest(
             gemm.append(got["gemm_s"])
         for w in wl_lines:
             t = got["workloads"].get(w["name"])
-            if t and "error" not in t and t.get("patched_s"):
+            if t and "error" not in t and t.get("patched_s") and t.get("stock_s") and w["status"] in ("pass", "fail"):
                 w["stock"]["seconds"].append(t["stock_s"])
                 w["patched"]["seconds"].append(t["patched_s"])
             elif t and "error" in t:

@@ -26,7 +26,9 @@ from typing import Any
 __all__ = ["SEED_WORKLOADS", "SIZES", "SeedWorkload", "run_workload", "time_workload"]
 
 SIZES = ("test", "quick", "full")
-STATUSES = ("pass", "fail", "not applicable", "skipped", "error")
+# "stock fails": stock torch raised on this build and the patched model ran (e.g. a missing MPS kernel
+# that a recipe avoids) -- a finding, with the patched measurements and no ratio.
+STATUSES = ("pass", "fail", "stock fails", "not applicable", "skipped", "error")
 
 
 @dataclass(frozen=True)
@@ -298,8 +300,11 @@ def run_workload(wl: SeedWorkload, device: str, size: str, repeats: int) -> dict
     built = wl.build(size, device)
     model, run = built.model, built.run
     rec.update(shape=built.shape, dtype=built.dtype)
-    with measure_memory(device) as probe:
-        stock_out = run(model).detach()
+    try:
+        with measure_memory(device) as probe:
+            stock_out = run(model).detach()
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        return _stock_fails(rec, wl, model, run, device, repeats, e, t0)
     stock = {"seconds": [_time(run, model, device, repeats)], "memory": _memory_dict(probe.peaks())}
     ref = None
     if wl.cpu_reference:
@@ -347,6 +352,28 @@ def run_workload(wl: SeedWorkload, device: str, size: str, repeats: int) -> dict
     return rec
 
 
+def _stock_fails(rec: dict, wl: SeedWorkload, model, run, device: str, repeats: int, error: Exception, t0: float) -> dict:
+    """Stock raised: patch and run anyway; the record says what stock raised and whether patched ran."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    rec["stock"] = {"error": f"{type(error).__name__}: {first}"}
+    report = _patch(model, wl)
+    rec["recipes"] = sorted({r.recipe for r in report.rows if r.status == "applied"})
+    if not rec["recipes"]:
+        rec.update(status="error", reason=f"stock raised {rec['stock']['error']}; patch() applied nothing here")
+    else:
+        from ..bench import measure_memory
+
+        with measure_memory(device) as probe:
+            out = run(model).detach()
+        finite = bool(out.float().isfinite().all())
+        rec["patched"] = {"seconds": [_time(run, model, device, repeats)], "memory": _memory_dict(probe.peaks()), "finite": finite}
+        rec.update(status="stock fails" if finite else "error",
+                   reason=f"stock raised {rec['stock']['error']}; patched ran" + ("" if finite else " but its output is not finite"))
+    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    _release(device)
+    return rec
+
+
 def _fmt(v: float | None) -> str:
     return "NaN" if v is None else f"{v:.2e}"
 
@@ -355,8 +382,11 @@ def time_workload(wl: SeedWorkload, device: str, size: str, repeats: int) -> dic
     """Stock and patched seconds only (a repeat in a fresh process): no reference, no memory."""
     built = wl.build(size, device)
     model, run = built.model, built.run
-    run(model)
-    stock = _time(run, model, device, repeats)
+    try:
+        run(model)
+        stock = _time(run, model, device, repeats)
+    except (RuntimeError, NotImplementedError, TypeError):
+        stock = None  # recorded once by the first process; a repeat has no ratio to add
     report = _patch(model, wl)
     patched = _time(run, model, device, repeats) if any(r.status == "applied" for r in report.rows) else None
     del model, built
