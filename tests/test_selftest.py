@@ -344,3 +344,63 @@ def test_a_stock_failure_is_a_finding_when_patched_runs(tmp_path, monkeypatch):
     assert w["status"] == "stock fails" and "NotImplementedError" in w["stock"]["error"] and w["patched"]["seconds"][0] > 0
     assert validate(jsonl)["workloads"] == {"fp8_linear_m1": "stock fails"}
     assert "stock fails" in md.read_text()
+
+
+# ------------------------------------------------------------------------------------------ probes on a simulated MPS build
+
+class _BuggyMps:
+    """A Ctx whose 'device' tensors are CPU tensors marked as on a buggy MPS build (no device here)."""
+
+    device, small, repeats = "mps", False, 1
+
+    def __init__(self, fail: Exception | None = None):
+        self.fail = fail
+
+    def to(self, x):
+        if self.fail is not None:
+            raise self.fail
+        y = x.clone()
+        y._on_buggy_mps = True
+        return y
+
+
+def test_pad_probe_finds_the_rank5_bug_at_65536(monkeypatch):
+    import torch.nn.functional as F
+
+    from mpsboost.selftest import probes
+
+    real = F.pad
+
+    def buggy_pad(x, pad, mode="constant", value=None):
+        out = real(x, pad, mode=mode)
+        if getattr(x, "_on_buggy_mps", False) and x.dim() == 5 and x.shape[-1] * x.shape[-2] >= 65536:
+            out = out.clone()
+            out.view(-1)[: int(out.numel() * 0.8)] = 7.0  # pytorch#194922: about 80% of elements corrupt
+        return out
+
+    monkeypatch.setattr(F, "pad", buggy_pad)
+    res = probes._pad_rank5(_BuggyMps())
+    assert res["verdict"] == "has the bug" and res["measured"]["hw"] == 65536 and res["measured"]["wrong_fraction"] > 0.5
+    fixed = probes._pad_rank5(type("Fixed", (_BuggyMps,), {"to": lambda self, x: x.clone()})())
+    assert fixed["verdict"] == "fixed"
+
+
+@pytest.mark.parametrize("probe, error", [
+    ("_fp8_cast", TypeError("Trying to convert Float8_e4m3fn to the MPS backend but it does not have support for that dtype.")),
+    ("_grouped_mm", NotImplementedError("The operator 'aten::_grouped_mm' is not currently implemented for the MPS device")),
+])
+def test_a_build_that_raises_has_the_bug(probe, error):
+    from mpsboost.selftest import probes
+
+    res = getattr(probes, probe)(_BuggyMps(error))
+    assert res["verdict"] == "has the bug" and type(error).__name__ in res["detail"]
+
+
+def test_fresh_process_gemm_verdict():
+    from mpsboost.selftest.probes import gemm_verdict
+
+    assert gemm_verdict([1e-3], "mps")["verdict"] == "skipped"
+    assert gemm_verdict([1e-3, 1.05e-3, 0.98e-3], "mps")["verdict"] == "fixed"
+    slow = gemm_verdict([1e-3, 2.6e-3, 1e-3], "mps")  # pytorch#182815: 2-3x in some processes
+    assert slow["verdict"] == "has the bug" and slow["measured"]["spread"] == pytest.approx(2.6)
+    assert gemm_verdict([1e-3, 2.6e-3], "cpu")["verdict"] == "not applicable"
