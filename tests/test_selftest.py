@@ -404,3 +404,15 @@ def test_fresh_process_gemm_verdict():
     slow = gemm_verdict([1e-3, 2.6e-3, 1e-3], "mps")  # pytorch#182815: 2-3x in some processes
     assert slow["verdict"] == "has the bug" and slow["measured"]["spread"] == pytest.approx(2.6)
     assert gemm_verdict([1e-3, 2.6e-3], "cpu")["verdict"] == "not applicable"
+
+
+def test_scrubbing_keeps_values_that_equal_a_user_name(monkeypatch):
+    """A user called 'mps' or 'test': the device and size fields survive, a sentence loses the name."""
+    from mpsboost.selftest import machine
+
+    monkeypatch.setattr(machine.getpass, "getuser", lambda: "mps")
+    lines = [{"kind": "selftest", "machine": {"device": "mps"}, "size": "test"},
+             {"kind": "probe", "detail": "OSError: cannot open /Users/mps/x owned by mps"}]
+    clean = machine.scrub_all(lines)
+    assert clean[0]["machine"]["device"] == "mps" and clean[0]["size"] == "test"
+    assert "owned by <user>" in clean[1]["detail"]

@@ -164,8 +164,11 @@ def scrub(text: str, extra: tuple[str, ...] = ()) -> str:
 
 
 def scrub_all(obj: Any, extra: tuple[str, ...] = ()) -> Any:
-    """Every string inside ``obj`` (dicts, lists) scrubbed."""
+    """Every string inside ``obj`` (dicts, lists) scrubbed, except a value that is itself one of the
+    words scrubbed (a user called ``test`` or ``mps`` must not turn ``"size": "test"`` into ``"<user>"``)."""
     if isinstance(obj, str):
+        if any(obj.lower() == value.lower() for value, _ in _personal() if "/" not in value):
+            return obj
         return scrub(obj, extra)
     if isinstance(obj, dict):
         return {k: scrub_all(v, extra) for k, v in obj.items()}

@@ -399,6 +399,19 @@ PROBES: dict[str, Probe] = {
 }
 
 
+def _release(device: str) -> None:
+    """Hand a probe's buffers back before the next one (the attention probe alone may hold GiBs)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device == "mps":
+        torch.mps.empty_cache()
+    elif device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def run_probe(probe: Probe, device: str, small: bool, repeats: int = 5) -> dict:
     """One probe's record: name, upstream numbers, gate feature, verdict, detail, measured values, seconds."""
     t0 = time.perf_counter()
@@ -407,6 +420,7 @@ def run_probe(probe: Probe, device: str, small: bool, repeats: int = 5) -> dict:
     except Exception as e:  # noqa: BLE001 - a probe that breaks is a finding about the probe, not the end of the selftest
         first = (str(e).strip().splitlines() or [""])[0][:300]
         res = _out("error", f"{type(e).__name__}: {first}")
+    _release(device)
     return {"kind": "probe", "name": probe.name, "upstream": list(probe.upstream), "what": probe.what, "trigger": probe.trigger,
             "feature": probe.feature, "decision": probe.decision, **res, "seconds": round(time.perf_counter() - t0, 3),
             "small": small}
