@@ -238,7 +238,7 @@ def test_validator_names_file_and_line(run, tmp_path):
 def test_validator_on_benchmark_results():
     """Other result files are refused with a clear message; contributed Mac files validate."""
     for f in sorted(RESULTS.glob("*.jsonl"))[:5]:
-        with pytest.raises(SelftestFormatError, match="not a selftest line|not JSON"):
+        with pytest.raises(SelftestFormatError, match="a bench record, not a selftest line|not a selftest line|not JSON"):
             validate(f)
     for f in sorted((RESULTS / "mac").glob("*.jsonl")):
         assert validate(f)["machine"]["device"] == "mps"
@@ -416,3 +416,11 @@ def test_scrubbing_keeps_values_that_equal_a_user_name(monkeypatch):
     clean = machine.scrub_all(lines)
     assert clean[0]["machine"]["device"] == "mps" and clean[0]["size"] == "test"
     assert "owned by <user>" in clean[1]["detail"]
+
+
+def test_size_flags():
+    parse = selftest.build_parser().parse_args
+    assert parse([]).size == "quick" and parse(["--full"]).size == "full" and parse(["--size", "test"]).size == "test"
+    with pytest.raises(SystemExit):
+        parse(["--quick", "--full"])
+    assert selftest.PROCESSES["quick"] >= 3 and selftest.BUDGET_S["quick"] < 600  # a Mac run stays under 10 minutes

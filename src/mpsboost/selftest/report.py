@@ -262,6 +262,9 @@ def read_lines(path: str | Path) -> list[dict]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise SelftestFormatError(f"{p}:{no}: not JSON ({e.msg})") from None
+        if isinstance(rec, dict) and "kind" not in rec and "workload" in rec and "variant" in rec:
+            raise SelftestFormatError(f"{p}:{no}: a bench record, not a selftest line (a file of an older mpsboost selftest, "
+                                      "or a benchmark's results); run `mpsboost selftest` with this version")
         if not isinstance(rec, dict) or rec.get("kind") not in KINDS:
             got = rec.get("kind") if isinstance(rec, dict) else type(rec).__name__
             raise SelftestFormatError(f"{p}:{no}: not a selftest line (kind {got!r}; expected one of {', '.join(KINDS)})")
