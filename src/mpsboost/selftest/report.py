@@ -108,20 +108,27 @@ def markdown(lines: Sequence[dict], jsonl_name: str) -> str:
     ]
     out += [f"| {p['name']} | {', '.join(p['upstream'])} | **{p['verdict']}** | {p['detail']} |" for p in probes]
     out += ["", "### Workloads (stock against `mpsboost.patch`)", "",
-            "| workload | status | speed (stock / patched) | vs CPU (stock / patched) | driver peak (stock / patched) | recipes |",
-            "|---|---|---|---|---|---|"]
+            ("| workload | status | speed (stock / patched) | vs CPU (stock / patched) | tensor peak (stock / patched) "
+            "| driver peak (stock / patched) | recipes |"),
+            "|---|---|---|---|---|---|---|"]
     for w in workloads:
         q = "-"
         s_cpu, p_cpu = (w.get("stock") or {}).get("vs_cpu"), (w.get("patched") or {}).get("vs_cpu")
         if s_cpu:
             key = "psnr_db" if "psnr_db" in s_cpu else "rel_error"
             unit = " dB" if key == "psnr_db" else ""
-            q = f"{_num(s_cpu.get(key))}{unit}" + (f" / {_num(p_cpu.get(key))}{unit}" if p_cpu else "")
-        mem = "-"
+
+            def cell(v, unit=unit):
+                text = _num(v)
+                return text if text in ("exact", "NaN") else text + unit
+
+            q = cell(s_cpu.get(key)) + (f" / {cell(p_cpu.get(key))}" if p_cpu else "")
+        mem = {}
         sm, pm = (w.get("stock") or {}).get("memory"), (w.get("patched") or {}).get("memory")
-        if sm:
-            mem = _gib(sm.get("driver_level")) + (f" / {_gib(pm.get('driver_level'))}" if pm else "")
-        out.append(f"| {w['name']} | {w['status']} | {fmt_ratio(w.get('ratio'))} | {q} | {mem} | {', '.join(w.get('recipes', [])) or '-'} |")
+        for key in ("tensor_allocated", "driver_level"):
+            mem[key] = "-" if not sm else _gib(sm.get(key)) + (f" / {_gib(pm.get(key))}" if pm else "")
+        out.append(f"| {w['name']} | {w['status']} | {fmt_ratio(w.get('ratio'))} | {q} | {mem['tensor_allocated']} | {mem['driver_level']} "
+                   f"| {', '.join(w.get('recipes', [])) or '-'} |")
     notes = [f"- {w['name']}: {w['reason']}" for w in workloads if w.get("reason")]
     out += [""] + notes if notes else []
     if recipes:
@@ -130,7 +137,7 @@ def markdown(lines: Sequence[dict], jsonl_name: str) -> str:
             counts[r["status"]] = counts.get(r["status"], 0) + 1
         out += ["", "### Recipe checks (tiny models)", "", ", ".join(f"{n} {s}" for s, n in counts.items()), ""]
         out += [f"- {r['recipe']}: {r['status']}" + (f" ({r['reason']})" if r["status"] in ("fail", "error") else "") for r in recipes]
-    decided = [g for g in gates if g.get("probe")]
+    decided = [g for g in gates if g.get("decided_by") == "probed"]
     if decided:
         out += ["", "### Gate decisions a probe of this build made", ""]
         out += [f"- {g['feature']}: {'yes' if g['ok'] else 'no'} [{g['decided_by']}] {g['reason']}" for g in decided]
@@ -142,6 +149,8 @@ def markdown(lines: Sequence[dict], jsonl_name: str) -> str:
 def _num(v: Any) -> str:
     if v is None:
         return "NaN"
+    if v >= 999:  # an identical pair's PSNR (recorded as 999 dB: JSON has no infinity)
+        return "exact"
     return f"{v:.1f}" if abs(v) >= 1 else f"{v:.1e}"
 
 
