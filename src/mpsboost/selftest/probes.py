@@ -331,6 +331,53 @@ def _long_k(ctx: Ctx) -> dict:
     return _mps_only(ctx, _out("has the bug" if ratio > 3.0 else "fixed", detail, ratio=ratio, s_short=t1, s_long=t2))
 
 
+def _sdpa_broadcast(ctx: Ctx) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    length = 16 if ctx.small else 256
+    q = torch.randn(2, 8, length, 64, generator=g)
+    kb, vb = torch.randn(1, 8, length, 64, generator=g), torch.randn(1, 8, length, 64, generator=g)  # batch broadcast
+    kh, vh = torch.randn(2, 1, length, 64, generator=g), torch.randn(2, 1, length, 64, generator=g)  # head broadcast
+    errs = []
+    for k, v in ((kb, vb), (kh, vh)):
+        ref = F.scaled_dot_product_attention(q, k.expand(2, 8, -1, -1), v.expand(2, 8, -1, -1))
+        try:
+            got = F.scaled_dot_product_attention(ctx.to(q), ctx.to(k), ctx.to(v))
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0][:200]
+            return _mps_only(ctx, _out("has the bug", f"SDPA with a broadcast batch/head dimension raises: RuntimeError: {first}"))
+        errs.append(_rel(got, ref))
+    worst = max(errs)
+    detail = f"SDPA with K/V broadcast over batch and over heads (L={length}): rel. errors {errs[0]:.1e} / {errs[1]:.1e} vs CPU"
+    return _mps_only(ctx, _out("has the bug" if worst > 1e-4 else "fixed", detail, rel_errors=errs))
+
+
+def _conv3d(ctx: Ctx) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    c, t, hw = (8, 3, 16) if ctx.small else (128, 4, 64)
+    dtype = torch.float32 if ctx.device == "cpu" else torch.float16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, c, t + 2, hw + 2, hw + 2, generator=g)
+    w = torch.randn(c, c, 3, 3, 3, generator=g) / (27 * c) ** 0.5
+    ref = F.conv3d(x, w)
+    xd, wd = ctx.to(x).to(dtype), ctx.to(w).to(dtype)
+    err = _rel(F.conv3d(xd, wd), ref)
+    t_conv = _time(ctx, lambda: F.conv3d(xd, wd))
+    # The same multiply-adds as one matmul: [T*H*W, 27*C] x [27*C, C].
+    a = ctx.to(torch.randn(t * hw * hw, 27 * c, generator=g)).to(dtype)
+    b = ctx.to(torch.randn(27 * c, c, generator=g)).to(dtype)
+    t_mm = _time(ctx, lambda: a @ b)
+    share = t_mm / t_conv if t_conv > 0 else 1.0
+    detail = (f"conv3d 3x3x3, {c} channels, [{t}, {hw}, {hw}] output, {str(dtype).replace('torch.', '')}: {share:.0%} of the throughput "
+              f"of a matmul with the same multiply-adds (issue pytorch#192213: 7% on 2.12, 97% on 2.14); rel. error {err:.1e} vs CPU")
+    bad = share < 0.25 or err > 1e-2
+    return _mps_only(ctx, _out("has the bug" if bad else "fixed", detail, conv_s=t_conv, matmul_s=t_mm, share=share, rel_error=err))
+
+
 def _gemm_placeholder(ctx: Ctx) -> dict:
     # Decided across processes by gemm_verdict; a single process cannot tell.
     return _out("skipped", "measured in every process; the verdict needs two or more (--processes)")
@@ -391,6 +438,11 @@ PROBES: dict[str, Probe] = {
         Probe("sdpa_above_2p31", ("issue pytorch#179352", "fix pytorch#179592 (not confirmed merged)", "ComfyUI#14837"),
               "attention wrong once B*H*Lq*Lk >= 2^31 (32-bit indexing)", "16 heads x 11586^2 scores", "sdpa_large_scores_correct",
               _sdpa_2p31, "attention_split splits attention below 2^31 scores"),
+        Probe("sdpa_broadcast", ("pytorch#189631", "pytorch#179771"), "SDPA wrong or failing with K/V broadcast over batch or heads",
+              "batch 2 / 8 heads against K/V of 1", "sdpa_broadcast", _sdpa_broadcast, "metal_attention expands K/V where the build needs it"),
+        Probe("conv3d_throughput", ("issue pytorch#192213", "pytorch#188802", "pytorch#192229"),
+              "conv3d at 7% of matmul throughput on MPSGraph (before the Metal kernels)", "a 3x3x3 conv, 128 channels",
+              "conv3d_metal", _conv3d, "qwen_image_vae's single-frame 2-D path: sold on speed before 2.14, on memory after"),
         Probe("long_k_matmul", ("pytorch#198182",), "on M1/M2 with macOS >= 14.4 matmuls with K > 32768 take a 6-10x slower kernel",
               "K = 33280", None, _long_k, "none yet (a measurement hygiene fact)"),
         Probe("gemm_fresh_process", ("pytorch#182815",), "MPSGraph picks a 2-3x slower GEMM kernel in about 40% of fresh processes",
