@@ -101,13 +101,8 @@ def facts(device: str) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if device == "mps":
         name = f"Apple MPS ({_chip()})"
-        for fn in ("recommended_max_memory", "driver_allocated_memory"):
-            f = getattr(torch.mps, fn, None)
-            if fn == "recommended_max_memory" and f is not None:
-                try:
-                    extra["mps_recommended_max_memory"] = int(f())
-                except RuntimeError:
-                    pass
+        if hasattr(torch.mps, "recommended_max_memory"):  # what the Metal device lets one process hold
+            extra["mps_recommended_max_memory"] = int(torch.mps.recommended_max_memory())
     elif device == "cuda":
         name = torch.cuda.get_device_name()
     return {
