@@ -36,6 +36,9 @@ def collect(folder: Path) -> tuple[list[dict], list[tuple[str, str]]]:
         except SelftestFormatError as e:
             bad.append((f.name, str(e).replace(str(f), f.name)))
             continue
+        if summary["machine"]["device"] != "mps":  # a valid CPU or CUDA run is no evidence from a Mac
+            bad.append((f.name, f"a selftest on {summary['machine']['device']}, not on MPS; this table shows Mac runs only"))
+            continue
         good.append({"file": f.name, "summary": summary, "lines": read_lines(f)})
     good.sort(key=lambda e: (e["summary"]["machine"]["chip"], e["summary"]["machine"]["torch"], e["file"]))
     return good, bad

@@ -76,6 +76,7 @@ def test_a_synthetic_mac_file_renders_the_tables(mac_results, tmp_path, capsys):
     folder.mkdir()
     _write(folder / "mpsboost-selftest-mps-2.15.0.jsonl", _machine())
     _write(folder / "mpsboost-selftest-mps-2.15.0-fake.jsonl", _machine(os="Linux", arch="x86_64"))  # rejected
+    _write(folder / "mpsboost-selftest-cpu-2.15.0.jsonl", _machine(device="cpu", os="Linux", arch="x86_64"))  # valid, not a Mac run
     out = tmp_path / "docs" / "mac-results.md"
     assert mac_results.main(["--folder", str(folder), "--out", str(out)]) == 0
     text = out.read_text()
@@ -86,6 +87,8 @@ def test_a_synthetic_mac_file_renders_the_tables(mac_results, tmp_path, capsys):
     assert "| 1 | has the bug | fixed | fixed |" in text
     assert "1.50x (1.40-1.60, 3 processes)" in text and "not applicable" in text
     assert "## Files left out" in text and "mpsboost-selftest-mps-2.15.0-fake.jsonl" in text and "claims device 'mps'" in text
+    assert "mpsboost-selftest-cpu-2.15.0.jsonl`: a selftest on cpu, not on MPS" in text
+    (folder / "mpsboost-selftest-cpu-2.15.0.jsonl").unlink()
     printed = capsys.readouterr()
     # the file disagrees with the gate twice: the pad bug on 2.15.0, and streams found by the probe
     assert "revisit gate feature 'pad_rank5_correct'" in printed.out and "pad_rank5_65536" in printed.out
