@@ -190,3 +190,64 @@ def test_doctor_and_plan_say_which_path_an_fp8_checkpoint_takes(tmp_path, model_
     plan = _run("plan", str(model_folders["lm"]), "--device", "mps", "--torch", "2.14.1", "--fp8-checkpoint", str(ck)).stdout
     assert line_old in plan
     _one_line_user_error(_run("doctor", "--fp8-checkpoint", str(tmp_path / "nothing-here"), check=False), "nothing-here")
+
+
+# ------------------------------------------------------------------------------------------ doctor: hub kernels
+
+def _fake_versions(monkeypatch, **installed):
+    import importlib.metadata as md
+
+    real = md.version
+
+    def version(dist):
+        if dist in installed:
+            if installed[dist] is None:
+                raise md.PackageNotFoundError(dist)
+            return installed[dist]
+        return real(dist)
+
+    monkeypatch.setattr(md, "version", version)
+
+
+@pytest.mark.parametrize(
+    "kernels, flag, would, words",
+    [
+        (None, None, False, ["`kernels` package is not installed", "kernels>=0.18.2,<0.19.0"]),
+        ("0.17.2", None, False, ["kernels 0.17.2 is installed", "needs kernels>=0.18.2,<0.19.0", "silently"]),
+        ("0.19.1", None, False, ["kernels 0.19.1 is installed"]),
+        ("0.18.3", None, True, ["kernels 0.18.3 fits kernels>=0.18.2,<0.19.0"]),
+        ("0.18.3", "0", False, ["USE_HUB_KERNELS=0 turns them off"]),
+    ],
+)
+def test_doctor_says_whether_transformers_hub_kernels_would_load(monkeypatch, kernels, flag, would, words):
+    """transformers 5.24 loads kernels-community/metal-flash-sdpa and mlx-rmsnorm only with kernels>=0.18.2,<0.19."""
+    from mpsboost.cli import _hub_kernels
+    from mpsboost.gate import Env
+
+    pytest.importorskip("transformers")
+    _fake_versions(monkeypatch, kernels=kernels)
+    if flag is None:
+        monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("USE_HUB_KERNELS", flag)
+    info = _hub_kernels(Env.simulate("mps", "2.15.0"))
+    assert info["would_load"] is would and info["kernels"] == kernels
+    assert info["repos"] == ["kernels-community/metal-flash-sdpa", "kernels-community/mlx-rmsnorm"]
+    for w in words:
+        assert w in info["why"], info["why"]
+    off_mac = _hub_kernels(Env.simulate("cpu", "2.15.0"))
+    assert off_mac["would_load"] is False and "Metal kernels and this is cpu" in off_mac["why"]
+
+
+def test_doctor_prints_hub_kernels_and_who_decided(capsys):
+    from mpsboost.cli import main as cli_main
+
+    assert cli_main(["doctor", "--device", "mps", "--torch", "2.15.0"]) == 0
+    out = capsys.readouterr().out
+    assert "transformers hub kernels for Metal" in out and "metal-flash-sdpa" in out
+    assert "[by version]" in out and "[table]" not in out
+    assert "mps_compile_shader" in out and "mps_load_metallib" in out
+    assert cli_main(["doctor", "--device", "mps", "--torch", "2.15.0", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info["hub_kernels"]) >= {"would_load", "why", "kernels", "needs", "repos"}
+    assert info["features"]["device_streams"]["decided_by"] == "by version"

@@ -185,7 +185,7 @@ def test_each_entry_either_side(feature, device, without, with_, cite):
     yes = check(feature, Env.simulate(device, with_))
     assert not no.ok and cite in no.reason and without in no.reason, no.reason
     assert yes.ok, yes.reason
-    assert no.decided_by == yes.decided_by == "table"  # simulated: the table's word
+    assert no.decided_by == yes.decided_by == "by version"  # simulated: the version rule decides
 
 
 # (feature, nightly of the first version before the merge, nightly of the merge day)
@@ -271,7 +271,7 @@ def fresh_probes():
 
 def _with_probe(monkeypatch, name, probe):
     feat = gate.FEATURES[name]
-    monkeypatch.setitem(gate.FEATURES, name, Feature(feat.name, feat.description, feat.rules, probe))
+    monkeypatch.setitem(gate.FEATURES, name, Feature(feat.name, feat.description, feat.rules, probe, feat.probe_decides))
 
 
 def test_probe_vetoes_a_nightly_the_table_lets_through(monkeypatch, fresh_probes):
@@ -285,20 +285,25 @@ def test_probe_vetoes_a_nightly_the_table_lets_through(monkeypatch, fresh_probes
     _with_probe(monkeypatch, "device_streams", no_streams)
     env = _real_mps("2.16.0.dev20261101")
     v = check("device_streams", env)
-    assert not v.ok and v.decided_by == "probe" and "torch.mps.Stream" in v.reason
+    assert not v.ok and v.decided_by == "probed" and "torch.mps.Stream" in v.reason and "probed on mps" in v.reason
     assert check("device_streams", env) == v
     assert calls == ["mps"]  # once per process
-    # a simulated environment takes the table's word and never probes
+    # a simulated environment takes the version rule's word and never probes
     sim = check("device_streams", Env.simulate("mps", "2.16.0.dev20261101"))
-    assert sim.ok and sim.decided_by == "table" and calls == ["mps"]
-    # a build the table already refuses is not probed
-    assert not check("device_streams", _real_mps("2.15.0")).ok and calls == ["mps"]
+    assert sim.ok and sim.decided_by == "by version" and "by version" in sim.reason and calls == ["mps"]
+
+
+def test_a_veto_only_probe_does_not_run_where_the_version_refuses(monkeypatch, fresh_probes):
+    calls = []
+    _with_probe(monkeypatch, "grouped_mm", lambda env: calls.append(1))
+    v = check("grouped_mm", _real_mps("2.14.1"))
+    assert not v.ok and v.decided_by == "by version" and calls == []
 
 
 def test_probe_confirms_and_says_so(monkeypatch, fresh_probes):
     _with_probe(monkeypatch, "grouped_mm", lambda env: None)
     v = check("grouped_mm", _real_mps("2.15.0"))
-    assert v.ok and v.decided_by == "probe" and "confirmed by a probe on mps" in v.reason
+    assert v.ok and v.decided_by == "probed" and "probed on mps: confirmed" in v.reason
 
 
 def test_probe_that_raises_is_a_missing_feature(monkeypatch, fresh_probes):
@@ -307,7 +312,7 @@ def test_probe_that_raises_is_a_missing_feature(monkeypatch, fresh_probes):
 
     _with_probe(monkeypatch, "float8_storage", broken)
     v = check("float8_storage", _real_mps("2.15.0"))
-    assert not v.ok and v.decided_by == "probe" and "Float8_e4m3fn" in v.reason and "probe failed" in v.reason
+    assert not v.ok and v.decided_by == "probed" and "Float8_e4m3fn" in v.reason and "probe failed" in v.reason
 
 
 def test_probe_never_runs_inside_traced_code(monkeypatch, fresh_probes):
@@ -317,9 +322,9 @@ def test_probe_never_runs_inside_traced_code(monkeypatch, fresh_probes):
     _with_probe(monkeypatch, "sdpa_metal_gqa", lambda env: calls.append(1))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     v = check("sdpa_metal_gqa", _real_mps("2.15.0"))
-    assert v.ok and v.decided_by == "table" and "deferred" in v.reason and calls == []
+    assert v.ok and v.decided_by == "by version" and "deferred" in v.reason and calls == []
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-    assert check("sdpa_metal_gqa", _real_mps("2.15.0")).decided_by == "probe" and calls == [1]
+    assert check("sdpa_metal_gqa", _real_mps("2.15.0")).decided_by == "probed" and calls == [1]
 
 
 @pytest.mark.parametrize("feature", ["device_streams", "grouped_mm", "float8_storage", "sdpa_metal_gqa"])
@@ -331,7 +336,50 @@ def test_api_and_dtype_features_have_probes(feature):
 def test_real_probes_run_on_this_cpu(feature, fresh_probes):
     """The probe functions themselves are device-generic: on the CPU they run for real."""
     v = check(feature, Env.detect("cpu"))
-    assert v.ok and v.decided_by == "probe", v.reason
+    assert v.ok and v.decided_by == "probed", v.reason
+
+
+class _FakeMpsStream:
+    """What torch.mps.Stream (pytorch#191415) gives: a stream other than the current one."""
+
+
+@pytest.mark.parametrize("version", ["2.15.0", "2.16.0.dev20261101", "2.14.1"])
+def test_streams_probed_when_torch_mps_stream_exists(monkeypatch, fresh_probes, version):
+    """The build has torch.mps.Stream: streams are on, decided by the probe, whatever the version says."""
+    import torch
+
+    monkeypatch.setattr(torch.mps, "Stream", _FakeMpsStream, raising=False)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: object())
+    v = check("device_streams", _real_mps(version))
+    assert v.ok and v.decided_by == "probed" and "probed on mps" in v.reason, v.reason
+    if version == "2.15.0":
+        assert "present in this build" in v.reason and "by version alone" in v.reason
+    # where no probe is possible (a simulated environment) the version rule decides, and says so
+    sim = check("device_streams", Env.simulate("mps", version))
+    assert sim.decided_by == "by version" and "by version" in sim.reason
+    assert sim.ok is (version.startswith("2.16"))
+
+
+def test_streams_probed_absent_without_torch_mps_stream(monkeypatch, fresh_probes):
+    import torch
+
+    if hasattr(torch.mps, "Stream"):
+        monkeypatch.delattr(torch.mps, "Stream")
+    v = check("device_streams", _real_mps("2.16.0.dev20261101"))
+    assert not v.ok and v.decided_by == "probed" and "pytorch#191415" in v.reason
+
+
+@pytest.mark.parametrize("feature, attr", [("mps_compile_shader", "compile_shader"), ("mps_load_metallib", "load_metallib")])
+def test_metal_library_apis_are_probed_and_reported(monkeypatch, fresh_probes, feature, attr):
+    import torch
+
+    assert gate.FEATURES[feature].probe_decides
+    monkeypatch.setattr(torch.mps, attr, lambda *a, **k: None, raising=False)
+    assert check(feature, _real_mps("2.15.0")).decided_by == "probed"
+    gate.clear_probe_cache()
+    monkeypatch.delattr(torch.mps, attr)
+    v = check(feature, _real_mps("2.15.0"))
+    assert not v.ok and v.decided_by == "probed" and f"torch.mps.{attr}" in v.reason
 
 
 def test_streams_probe_on_a_build_without_mps_streams(monkeypatch, fresh_probes):
@@ -364,16 +412,16 @@ def test_doctor_shows_upstream_dates_conditions_and_decider(capsys):
     assert cli_main(["doctor", "--device", "mps", "--torch", "2.13.0.dev20260510"]) == 0
     out = capsys.readouterr().out
     assert "sdpa_metal_gqa" in out and "merged 2026-05-11" in out and "first release 2.13.0" in out
-    assert "predates the merge" in out and "[table]" in out
+    assert "predates the merge" in out and "[by version]" in out
     assert "fp16/bf16" in out and "macOS >= 26.2" in out
     assert cli_main(["doctor", "--device", "mps", "--torch", "2.15.0", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     f = info["features"]["sdpa_large_scores_correct"]
-    assert f["available"] is False and f["decided_by"] == "table" and f["rules"][0]["first_release"].startswith("none")
+    assert f["available"] is False and f["decided_by"] == "by version" and f["rules"][0]["first_release"].startswith("none")
     # the real CPU build: API/dtype features are confirmed by a probe
     gate.clear_probe_cache()
     assert cli_main(["doctor", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     if info["env"]["device_type"] == "cpu":
-        assert info["features"]["float8_storage"]["decided_by"] == "probe"
-        assert info["features"]["histc_int"]["decided_by"] == "table"
+        assert info["features"]["float8_storage"]["decided_by"] == "probed"
+        assert info["features"]["histc_int"]["decided_by"] == "by version"

@@ -73,6 +73,7 @@ def _doctor(args: argparse.Namespace) -> int:
             for r in all_recipes()
         ],
     }
+    info["hub_kernels"] = _hub_kernels(env)
     if getattr(args, "fp8_checkpoint", None):
         info["fp8_checkpoint"] = _describe_fp8(args.fp8_checkpoint, env)
     if args.json:
@@ -99,9 +100,70 @@ def _doctor(args: argparse.Namespace) -> int:
         for r in info["recipes"]:
             tags = ", ".join(t for t, on in (("lossless", r["lossless"]), ("reversible", r["reversible"]), ("default", r["default"])) if on) or "opt-in, lossy, irreversible"
             print(f"  {r['name'].ljust(w)}  {r['summary']} [{tags}]")
+    hk = info["hub_kernels"]
+    print(f"\ntransformers hub kernels for Metal ({', '.join(hk['repos'])}): {'would load' if hk['would_load'] else 'would not load'}"
+          f"\n  {hk['why']}")
     if "fp8_checkpoint" in info:
         print(f"\nfp8 checkpoint {args.fp8_checkpoint}:\n  {info['fp8_checkpoint']}")
     return 0
+
+
+# transformers' hub kernels for Metal: transformers/integrations/hub_kernels.py maps RMSNorm on "mps" to
+# kernels-community/mlx-rmsnorm; gpt_oss and openai_privacy_filter ask for kernels-community/metal-flash-sdpa.
+# They load only when transformers.utils.import_utils.is_kernels_available() holds: the `kernels` package
+# installed with KERNELS_MIN_VERSION <= version < KERNELS_MAX_VERSION (0.18.2 and 0.19.0 in transformers 5.24),
+# and USE_HUB_KERNELS not set to a false value. Otherwise transformers falls back silently.
+_HUB_REPOS = ("kernels-community/metal-flash-sdpa", "kernels-community/mlx-rmsnorm")
+
+
+def _hub_kernels(env: Any) -> dict[str, Any]:
+    """Would transformers' hub kernels for Metal load here, and why not."""
+    import importlib.util
+    import os
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import InvalidVersion, Version
+
+    def installed(dist: str) -> str | None:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return None
+
+    out: dict[str, Any] = {"repos": list(_HUB_REPOS), "kernels": installed("kernels"), "transformers": installed("transformers"),
+                           "needs": None, "would_load": False}
+    lo = hi = None
+    if out["transformers"] is not None and importlib.util.find_spec("transformers") is not None:
+        try:  # the bounds transformers itself checks, read from the installed version
+            from transformers.utils import import_utils
+
+            lo, hi = getattr(import_utils, "KERNELS_MIN_VERSION", None), getattr(import_utils, "KERNELS_MAX_VERSION", None)
+        except ImportError:
+            lo = hi = None
+    if lo and hi:
+        out["needs"] = f"kernels>={lo},<{hi}"
+    flag = os.environ.get("USE_HUB_KERNELS", "YES").upper()
+    why = []
+    if out["transformers"] is None:
+        why.append("transformers is not installed")
+    elif not (lo and hi):
+        why.append(f"transformers {out['transformers']} has no hub-kernel version check (KERNELS_MIN_VERSION)")
+    if out["kernels"] is None:
+        why.append(f"the `kernels` package is not installed (transformers needs {out['needs'] or 'it'})")
+    elif lo and hi:
+        try:
+            fits = Version(lo) <= Version(out["kernels"]) < Version(hi)
+        except InvalidVersion:
+            fits = False
+        if not fits:
+            why.append(f"kernels {out['kernels']} is installed; transformers {out['transformers']} needs {out['needs']} and skips them silently")
+    if flag not in ("1", "ON", "YES", "TRUE"):
+        why.append(f"USE_HUB_KERNELS={os.environ.get('USE_HUB_KERNELS')} turns them off")
+    if env.device_type != "mps":
+        why.append(f"they are Metal kernels and this is {env.device_type}")
+    out["would_load"] = not why
+    out["why"] = "; ".join(why) if why else f"kernels {out['kernels']} fits {out['needs']} (the first use downloads them from the Hub)"
+    return out
 
 
 def _describe_fp8(path: str, env: Any) -> str:
@@ -276,7 +338,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("demo", help="the main job: real architectures with random weights, stock vs patched, four records", add_help=False)
     sub.add_parser("bench", help="run a recipe's benchmark (stock vs mpsboost vs peers)", add_help=False)
-    sub.add_parser("selftest", help="every recipe that applies here, stock vs patched on tiny real models; JSONL + markdown to attach to an issue", add_help=False)
+    sub.add_parser("selftest", help="evidence from this machine: known MPS bugs probed, workloads stock vs patched across fresh "
+                   "processes; JSONL + markdown report to send (--quick, --full, --validate FILE)", add_help=False)
     return p
 
 

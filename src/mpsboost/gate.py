@@ -13,10 +13,13 @@ release triple, and a nightly of the very version that introduces a feature coun
 feature's merge date, where that date is known.
 
 Versions alone lie for nightlies (a 2.16 nightly says nothing about whether an open pull request
-has landed), so where a feature is an API or a dtype the table's verdict is confirmed by a probe on
+has landed), so where a feature is an API or a dtype the table's verdict is checked by a probe on
 the real device: once per process (cached), cheaply (a few elements), at patch time and never inside
-traced code. A simulated environment takes the table's word. Every :class:`Verdict` says which of the
-two decided (``decided_by``: ``"table"`` or ``"probe"``).
+traced code. Most probes can only veto a passing rule; a feature marked ``probe_decides`` (an API the
+build either has or not: ``torch.mps.Stream``, ``float8_e4m3fn`` on MPS, ``torch.mps.compile_shader``,
+``torch.mps.load_metallib``) is decided by its probe either way, whatever the version says. Where no
+probe is possible (a simulated environment, traced code) the version rule decides. Every
+:class:`Verdict` says which decided: ``decided_by`` is ``"probed"`` or ``"by version"``.
 """
 from __future__ import annotations
 
@@ -46,9 +49,15 @@ __all__ = [
     "RESEARCHED",
     "feature_info",
     "clear_probe_cache",
+    "BY_VERSION",
+    "PROBED",
 ]
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
+
+# Verdict.decided_by: the version rule of FEATURES, or a probe of this build on the real device.
+BY_VERSION = "by version"
+PROBED = "probed"
 
 # The date the upstream status in FEATURES was last checked against pytorch's repository and tracker.
 RESEARCHED = _dt.date(2026, 11, 30)
@@ -242,12 +251,13 @@ def _macos_version() -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class Verdict:
-    """``ok`` and a ``reason`` a person can read; ``decided_by`` says whether the FEATURES table
-    (torch version, device, capability) or a probe on the real device settled it."""
+    """``ok`` and a ``reason`` a person can read; ``decided_by`` says whether the version rule of the
+    FEATURES table (torch version, device, capability: ``"by version"``) or a probe on the real device
+    (``"probed"``) settled it."""
 
     ok: bool
     reason: str
-    decided_by: str = "table"
+    decided_by: str = BY_VERSION
 
     def __bool__(self) -> bool:
         return self.ok
@@ -300,6 +310,9 @@ class Feature:
     # A runtime probe for the real (not simulated) environment; returns a Verdict to override a passing
     # rule (e.g. "triton is not importable"), or None to agree.
     probe: Callable[[Env], Verdict | None] | None = None
+    # The probe decides both ways: an API or dtype the build has or lacks, whatever its version says
+    # (torch.mps.Stream ships in whichever build merges pytorch#191415, not in a known version).
+    probe_decides: bool = False
 
 
 def _rule_verdict(feature: Feature, rule: Rule, env: Env) -> Verdict:
@@ -356,8 +369,10 @@ def check(feature: str, env: Env) -> Verdict:
     verdicts = [_rule_verdict(feat, r, env) for r in rules]
     ok = [v for v in verdicts if v.ok]
     verdict = ok[0] if ok else verdicts[-1]
-    if verdict.ok and feat.probe is not None and not env.simulated:
+    if feat.probe is not None and not env.simulated and (verdict.ok or feat.probe_decides):
         return _with_probe(feat, env, verdict)
+    if feat.probe is not None and env.simulated:
+        return replace(verdict, reason=f"{verdict.reason}; by version (a simulated environment is not probed)")
     return verdict
 
 
@@ -394,18 +409,23 @@ def _with_probe(feat: Feature, env: Env, table: Verdict) -> Verdict:
         outcome = _PROBE_CACHE.get(key)
     if not known:
         if _tracing():
-            return replace(table, reason=f"{table.reason}; device probe deferred (traced code)")
+            return replace(table, reason=f"{table.reason}; by version (device probe deferred: traced code)")
         assert feat.probe is not None
         try:
             outcome = feat.probe(env)
         except Exception as e:  # a probe that raises is a build without the feature
             outcome = Verdict(False, f"{feat.description}: the {env.device_type} probe failed: {type(e).__name__}: {e}")
         if outcome is not None:
-            outcome = replace(outcome, decided_by="probe")
+            outcome = replace(outcome, reason=f"probed on {env.device_type}: {outcome.reason}", decided_by=PROBED)
         with _PROBE_LOCK:
             _PROBE_CACHE[key] = outcome
+    if outcome is None and not table.ok:
+        # probe_decides: the build has it although the version rule says no (a nightly or source build
+        # that merged the change, a backport).
+        return Verdict(True, f"{feat.description}: probed on {env.device_type}: present in this build "
+                             f"(by version alone: {table.reason})", PROBED)
     if outcome is None:
-        return replace(table, reason=f"{table.reason}; confirmed by a probe on {env.device_type}", decided_by="probe")
+        return replace(table, reason=f"{table.reason}; probed on {env.device_type}: confirmed", decided_by=PROBED)
     return outcome
 
 
@@ -420,6 +440,7 @@ def feature_info(name: str, device_type: str) -> dict:
     return {
         "description": feat.description,
         "probe": feat.probe is not None,
+        "probe_decides": feat.probe_decides,
         "rules": [
             {
                 "upstream": r.upstream,
@@ -503,18 +524,35 @@ def _probe_float8(env: Env) -> Verdict | None:
 def _probe_streams(env: Env) -> Verdict | None:
     import torch
 
-    if not hasattr(torch, "Stream") or not hasattr(torch, "accelerator"):
-        return Verdict(False, "this torch build lacks torch.Stream / torch.accelerator")
     if env.device_type == "mps":
-        # torch.mps.Stream is what pytorch#191415 adds; without it there is one MPS stream only.
+        # torch.mps.Stream is what pytorch#191415 adds; without it there is one MPS stream only. The API
+        # is the fact a user needs (the pull request is open and documented on main only), not the version.
         if not hasattr(torch.mps, "Stream"):
             return Verdict(False, "this torch build has no torch.mps.Stream (pytorch#191415 not in it): one MPS stream only")
+        if not hasattr(torch, "accelerator"):
+            return Verdict(False, "this torch build has torch.mps.Stream but no torch.accelerator to switch streams")
         side = torch.mps.Stream()
         if side == torch.accelerator.current_stream(torch.device("mps")):
             return Verdict(False, "torch.mps.Stream() returned the current stream: no side streams in this build")
     elif env.device_type == "cuda":
+        if not hasattr(torch, "Stream") or not hasattr(torch, "accelerator"):
+            return Verdict(False, "this torch build lacks torch.Stream / torch.accelerator")
         torch.Stream(device=env.device_type)
     return None
+
+
+def _probe_mps_api(attr: str, upstream: str) -> Callable[[Env], Verdict | None]:
+    """A probe for an API of ``torch.mps`` (reported by doctor and the selftest; no recipe uses it yet)."""
+
+    def probe(env: Env) -> Verdict | None:
+        import torch
+
+        if not callable(getattr(torch.mps, attr, None)):
+            return Verdict(False, f"this torch build has no torch.mps.{attr} ({upstream})")
+        return None
+
+    probe.__name__ = f"_probe_mps_{attr}"
+    return probe
 
 
 def _probe_sdpa_gqa(env: Env) -> Verdict | None:
@@ -585,6 +623,7 @@ FEATURES: dict[str, Feature] = {
                 "cpu": (Rule(since="2.1"),),
             },
             probe=_probe_float8,
+            probe_decides=True,
         ),
         Feature(
             "scaled_mm",
@@ -666,6 +705,21 @@ FEATURES: dict[str, Feature] = {
                 "cuda": (Rule(since="2.4", note="torch.Stream / torch.accelerator"),),
             },
             probe=_probe_streams,
+            probe_decides=True,
+        ),
+        Feature(
+            "mps_compile_shader",
+            "torch.mps.compile_shader: Metal kernels compiled from source at run time (reported for future recipes)",
+            {"mps": (Rule(since="2.7", upstream="torch.mps.compile_shader (public since 2.7)"),)},
+            probe=_probe_mps_api("compile_shader", "public since torch 2.7"),
+            probe_decides=True,
+        ),
+        Feature(
+            "mps_load_metallib",
+            "torch.mps.load_metallib: precompiled Metal libraries (reported for future recipes)",
+            {"mps": (Rule(since="2.13", upstream="pytorch#177276"),)},
+            probe=_probe_mps_api("load_metallib", "pytorch#177276, torch 2.13"),
+            probe_decides=True,
         ),
         Feature(
             "sdpa_metal_prefill",

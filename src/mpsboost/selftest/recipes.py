@@ -1,43 +1,22 @@
-"""``mpsboost selftest``: every recipe that applies here, on a tiny real-architecture workload, stock vs patched.
+"""Per-recipe checks: every registered recipe on a tiny real-architecture workload, stock vs patched.
 
-For each registered recipe with a workload below, on this device and torch build:
-
-1. build the workload's model (a real diffusers/transformers class from a tiny config, random weights
-   from a fixed seed), move it to the device in the chosen dtype;
-2. ask :func:`mpsboost.plan` whether the recipe applies here; if not, record why and go on;
-3. run it stock, then patched (only that recipe), each: output, time (:func:`mpsboost.bench.time_fn`,
-   device-synchronised, median of repeats) and memory peaks (:func:`mpsboost.bench.measure_memory`:
-   tensor-allocated, allocator-reserved, driver-level, each where the device has the counter);
-4. check patched against stock and both against a CPU fp32 reference of the same model and inputs:
-   the recipe passes when patched stays within a tolerance of stock and is no further from the CPU
-   reference than stock is (plus the same tolerance).
-
-It prints a table and writes ``mpsboost-selftest-<device>-<torch>.jsonl`` (records of
-:mod:`mpsboost.bench`, one ``stock`` and one ``mpsboost`` record per recipe that ran, one record per recipe
-that did not apply, the selftest's findings under ``extra["selftest"]``) and a short markdown summary
-next to it, to attach to an issue. :func:`validate` checks such a file (also one copied into
-``benchmarks/results/``).
-
-Runs on MPS, CUDA and CPU; on a 2-core CPU the whole run takes seconds.
+For each recipe with a workload below: build the model (a real diffusers/transformers class from a
+tiny config, random weights from a fixed seed), ask :func:`mpsboost.plan` whether the recipe applies
+here (if not, record why), run it stock and patched (only that recipe), and check patched against
+stock and both against a CPU fp32 reference: a recipe passes when patched stays within a tolerance
+of stock and is no further from the CPU reference than stock is. These are correctness checks of
+each recipe on this device (tiny models: launch-bound, not a benchmark); the seed workloads in
+:mod:`.workloads` carry the speed and memory evidence.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import math
-import platform
-import re
-import sys
-import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-from .errors import MpsboostError
-
-__all__ = ["WORKLOADS", "Workload", "RecipeResult", "run_selftest", "validate", "SelftestFormatError", "main"]
+__all__ = ["LOSSY", "STATUSES", "TOLERANCE", "WORKLOADS", "RecipeResult", "Workload", "check_recipe", "format_table"]
 
 KIND = "selftest"
 STATUSES = ("pass", "fail", "not applicable", "no workload", "error")
@@ -47,14 +26,10 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2}
 LOSSY = 0.25
 
 
-class SelftestFormatError(MpsboostError, ValueError):
-    """A selftest JSONL file that does not have the expected records; the message names file and line."""
-
-
 # ------------------------------------------------------------------------------------------ workloads
 
-_LM = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-           max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_LM = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "max_position_embeddings": 64, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
 def _wan22_vae():
@@ -256,7 +231,7 @@ def _best_device() -> str:
 
 def _measure(run: Callable[[Any], Any], module: Any, device: str, repeats: int):
     """Output and memory peaks of a first call (which also warms up), then the timed repeats."""
-    from .bench import measure_memory, time_fn
+    from ..bench import measure_memory, time_fn
 
     with measure_memory(device) as probe:
         out = run(module)
@@ -265,18 +240,20 @@ def _measure(run: Callable[[Any], Any], module: Any, device: str, repeats: int):
 
 
 def _compare(x, ref, metric: str, reference: str):
-    from .bench import correctness
+    from ..bench import correctness
 
     if metric == "psnr":
         return correctness(x, ref, reference=reference, data_range=2.0)
     return correctness(x, ref, reference=reference, psnr_too=False)
 
 
-def _one(name: str, recipe: Any, device: str, dtype_name: str, repeats: int, env: Any, record_env: Any) -> RecipeResult:
+def check_recipe(name: str, recipe: Any, device: str, dtype_name: str, repeats: int, env: Any, record_env: Any) -> RecipeResult:
     import torch
 
     import mpsboost
-    from .bench import Record, Workload as BenchWorkload
+
+    from ..bench import Record
+    from ..bench import Workload as BenchWorkload
 
     wl = WORKLOADS.get(name)
     if wl is None:
@@ -348,69 +325,6 @@ def _one(name: str, recipe: Any, device: str, dtype_name: str, repeats: int, env
     return RecipeResult(name, info["status"], why, wl.name, backing, ratio, vs_stock, recs)
 
 
-def _file_stem(device: str, torch_version: str) -> str:
-    return f"mpsboost-{KIND}-{device}-" + re.sub(r"[^A-Za-z0-9.+_-]", "_", torch_version)
-
-
-def run_selftest(
-    device: str | None = None,
-    *,
-    dtype: str = "float32",
-    recipes: Sequence[str] | None = None,
-    out_dir: str | Path = ".",
-    repeats: int = 3,
-    echo: Callable[[str], None] = print,
-) -> tuple[list[RecipeResult], Path, Path]:
-    """Run the selftest; returns the per-recipe results and the paths of the JSONL and markdown files."""
-    import torch
-
-    from .bench import RecordEnv, write_jsonl
-    from .gate import Env
-    from .registry import all_recipes
-
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not accepted; pass one of {', '.join(DTYPES)}")
-    device = device or _best_device()
-    env = Env.detect(device)
-    known = {r.name: r for r in all_recipes()}
-    if recipes:
-        unknown = sorted(set(recipes) - set(known))
-        if unknown:
-            raise ValueError(f"unknown recipe(s) {unknown}; known: {', '.join(sorted(known))}")
-        chosen = [known[n] for n in recipes]
-    else:
-        chosen = list(known.values())
-    record_env = RecordEnv.capture(device, _dtype(dtype))
-    echo(f"mpsboost selftest on {env.describe()}, {dtype}")
-    results: list[RecipeResult] = []
-    for recipe in chosen:
-        t0 = time.perf_counter()
-        try:
-            res = _one(recipe.name, recipe, device, dtype, repeats, env, record_env)
-        except Exception as e:  # one recipe's failure is a finding, not the end of the run
-            from .bench import Record, Workload as BenchWorkload
-
-            why = f"{type(e).__name__}: {e}"
-            rec = Record(BenchWorkload(f"{KIND}:{recipe.name}", {"dtype": dtype}), "mpsboost", record_env,
-                         extra={KIND: {"recipe": recipe.name, "status": "error", "reason": why}})
-            res = RecipeResult(recipe.name, "error", why, records=[rec])
-        echo(f"  {recipe.name}: {res.status} ({time.perf_counter() - t0:.1f} s)")
-        results.append(res)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = _file_stem(device, torch.__version__)
-    jsonl = out / f"{stem}.jsonl"
-    records = [r for res in results for r in res.records]
-    write_jsonl(jsonl, records)
-    md = out / f"{stem}.md"
-    table = format_table(results)
-    md.write_text(_markdown(env, record_env.device_name, dtype, table, results, jsonl.name))
-    echo("")
-    echo(table)
-    echo(f"\nwrote {jsonl} and {md}")
-    return results, jsonl, md
-
-
 def _fmt_bytes(n: int | None) -> str:
     if n is None:
         return "-"
@@ -455,119 +369,3 @@ def format_table(results: Sequence[RecipeResult]) -> str:
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
-def _markdown(env: Any, device_name: str, dtype: str, table: str, results: Sequence[RecipeResult], jsonl_name: str) -> str:
-    from . import __version__
-
-    counts = {s: sum(r.status == s for r in results) for s in STATUSES}
-    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
-    mac = platform.mac_ver()[0]
-    return (
-        f"## mpsboost selftest: {env.device_type}, torch {env.torch_version.raw}\n\n"
-        f"- mpsboost {__version__}, python {platform.python_version()}, {platform.platform()}"
-        + (f", macOS {mac}" if mac else "") + "\n"
-        f"- device: {device_name}; dtype {dtype}\n"
-        f"- result: {summary}\n"
-        f"- records: `{jsonl_name}` (attach it too)\n\n"
-        "Speed is stock time / patched time (tiny models: launch-bound, not a benchmark). Memory: stock -> patched peaks.\n\n"
-        f"```\n{table}\n```\n"
-    )
-
-
-# ------------------------------------------------------------------------------------------ validation
-
-def validate(path: str | Path) -> dict:
-    """Check a selftest JSONL file; returns ``{"env": ..., "recipes": {name: status}}``.
-
-    Every line must be an mpsboost bench record of a selftest workload (``selftest:<recipe>``) with its
-    findings under ``extra["selftest"]``; a recipe that ran has a ``stock`` and an ``mpsboost`` record,
-    each with throughput, memory and (except sampled tokens off the CPU) correctness against
-    ``cpu-fp32``, the patched one with its agreement with stock; all records share one environment.
-    Raises :class:`SelftestFormatError` naming the file and line.
-    """
-    from .bench import Record
-    from .bench.errors import RecordError
-
-    p = Path(path)
-    if not p.is_file():
-        raise SelftestFormatError(f"{p}: no such file (expected a mpsboost-selftest-*.jsonl written by `mpsboost selftest`)")
-    recipes: dict[str, dict[str, Any]] = {}
-    env0 = None
-    lines = p.read_text().splitlines()
-    if not any(line.strip() for line in lines):
-        raise SelftestFormatError(f"{p}: empty file; a selftest writes at least one record per recipe")
-    for no, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{p}:{no}"
-        try:
-            rec = Record.from_dict(json.loads(line))
-        except (json.JSONDecodeError, RecordError) as e:
-            raise SelftestFormatError(f"{where}: not an mpsboost bench record: {e}") from None
-        if not rec.workload.name.startswith(f"{KIND}:"):
-            raise SelftestFormatError(f"{where}: workload {rec.workload.name!r} is not a selftest workload ('{KIND}:<recipe>')")
-        info = rec.extra.get(KIND)
-        if not isinstance(info, dict):
-            raise SelftestFormatError(f"{where}: missing extra[{KIND!r}] with the recipe's findings")
-        name, status = info.get("recipe"), info.get("status")
-        if name != rec.workload.name.split(":", 1)[1]:
-            raise SelftestFormatError(f"{where}: extra[{KIND!r}]['recipe'] = {name!r} does not match workload {rec.workload.name!r}")
-        if status not in STATUSES:
-            raise SelftestFormatError(f"{where}: status {status!r} is not one of {', '.join(STATUSES)}")
-        if not isinstance(info.get("reason", ""), str):
-            raise SelftestFormatError(f"{where}: extra[{KIND!r}]['reason'] must be text")
-        key = rec.env.to_dict()
-        if env0 is None:
-            env0 = key
-        elif key != env0:
-            diff = sorted(k for k in key if key[k] != env0.get(k))
-            raise SelftestFormatError(f"{where}: environment differs from the first record's in {diff}; one selftest run per file")
-        entry = recipes.setdefault(name, {"status": status, "variants": set()})
-        if entry["status"] != status:
-            raise SelftestFormatError(f"{where}: {name} has status {status!r} here and {entry['status']!r} on an earlier line")
-        if rec.variant in entry["variants"]:
-            raise SelftestFormatError(f"{where}: a second {rec.variant!r} record for {name}")
-        entry["variants"].add(rec.variant)
-        if status in ("pass", "fail"):
-            if rec.variant not in ("stock", "mpsboost"):
-                raise SelftestFormatError(f"{where}: variant {rec.variant!r}; a recipe that ran has 'stock' and 'mpsboost' records")
-            if rec.throughput is None or rec.memory is None:
-                raise SelftestFormatError(f"{where}: {name} ran but its {rec.variant} record lacks throughput or memory")
-            if rec.correctness is not None and rec.correctness.reference != "cpu-fp32":
-                raise SelftestFormatError(f"{where}: correctness reference {rec.correctness.reference!r}, expected 'cpu-fp32'")
-            if rec.correctness is None and info.get("metric") != "ids":
-                raise SelftestFormatError(f"{where}: {name} ran but its {rec.variant} record has no correctness against cpu-fp32")
-            ratio = info.get("speed_ratio")
-            if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not (ratio > 0 and math.isfinite(ratio)):
-                raise SelftestFormatError(f"{where}: speed_ratio {ratio!r} is not a positive number")
-            if rec.variant == "mpsboost" and not isinstance(info.get("vs_stock"), dict):
-                raise SelftestFormatError(f"{where}: the mpsboost record of {name} lacks extra[{KIND!r}]['vs_stock']")
-    for name, entry in recipes.items():
-        if entry["status"] in ("pass", "fail") and entry["variants"] != {"stock", "mpsboost"}:
-            raise SelftestFormatError(f"{p}: {name} ran but has only {sorted(entry['variants'])} records; expected stock and mpsboost")
-    return {"env": env0, "recipes": {n: e["status"] for n, e in recipes.items()}}
-
-
-# ------------------------------------------------------------------------------------------ command line
-
-def build_parser(prog: str = "mpsboost selftest") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Every recipe that applies here, stock vs patched on a tiny real model; "
-                                "writes a JSONL and a markdown summary to attach to an issue.")
-    p.add_argument("--device", choices=("mps", "cuda", "cpu"), help="default: mps, then cuda, then cpu")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--recipes", nargs="*", help="only these recipes (default: every registered recipe)")
-    p.add_argument("--out", default=".", help="folder for the JSONL and markdown files (default: here)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per variant (default 3)")
-    p.add_argument("--validate", metavar="JSONL", help="only check a selftest JSONL file and print its summary")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    if args.validate:
-        summary = validate(args.validate)
-        print(json.dumps(summary, indent=2, default=str))
-        return 0
-    if args.repeats < 1:
-        raise SystemExit("mpsboost selftest: --repeats must be at least 1")
-    results, _, _ = run_selftest(args.device, dtype=args.dtype, recipes=args.recipes, out_dir=args.out, repeats=args.repeats)
-    return 1 if any(r.status in ("fail", "error") for r in results) else 0

@@ -1,0 +1,515 @@
+"""The bug probes: each known upstream MPS bug at its trigger size, stock torch against a CPU reference.
+
+Every probe names its upstream issue or pull request and the gate feature it confirms or refutes,
+runs plain torch (no mpsboost code) on the device at the size where the bug shows, compares with the
+CPU (or times against a workaround) and records one verdict:
+
+* ``has the bug``: this build shows it;
+* ``fixed``: this build does not;
+* ``not applicable``: the bug is MPS-only and this run is not on MPS (the probe still runs, at a
+  small size, so that the file shows it works);
+* ``skipped``: not run here (memory, time budget, a single process), with why;
+* ``error``: the probe itself broke (the message says how).
+
+Each probe keeps memory and time bounded so that a 16 GB Mac survives the whole run: the attention
+probe asks for its memory first and is skipped when the device cannot spare it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "PROBES",
+    "VERDICTS",
+    "Probe",
+    "decisions",
+    "feature_ok",
+    "gemm_sample",
+    "gemm_verdict",
+    "run_probe",
+    "run_probes",
+]
+
+VERDICTS = ("has the bug", "fixed", "not applicable", "skipped", "error")
+EVIDENCE = ("has the bug", "fixed")  # verdicts that are a finding about this build
+
+
+@dataclass(frozen=True)
+class Probe:
+    name: str
+    upstream: tuple[str, ...]  # issue / pull request numbers, the first one is the bug
+    what: str  # the bug, in words
+    trigger: str  # the size at which it shows
+    feature: str | None  # the gate feature a "fixed" confirms and a "has the bug" refutes (None: no gate decision)
+    run: Callable[[Ctx], dict]
+    decision: str = ""  # the mpsboost decision the verdict informs, in words
+
+
+@dataclass(frozen=True)
+class Ctx:
+    device: str
+    small: bool  # CPU and CI runs: small sizes
+    repeats: int
+
+    def to(self, x):
+        return x.to(self.device)
+
+
+def _out(verdict: str, detail: str, **measured: Any) -> dict:
+    return {"verdict": verdict, "detail": detail, "measured": measured}
+
+
+def _rel(got, ref) -> float:
+    got, ref = got.detach().float().cpu(), ref.detach().float().cpu()
+    den = float(ref.norm())
+    return float((got - ref).norm()) / den if den > 0 else float((got - ref).norm())
+
+
+def _time(ctx: Ctx, fn: Callable[[], Any], calls: int = 1) -> float:
+    from ..bench import time_fn
+
+    return time_fn(fn, device=ctx.device, warmup=3, repeats=max(3, ctx.repeats), calls=calls).median_s
+
+
+def _mps_only(ctx: Ctx, result: dict) -> dict:
+    """On a device other than MPS an MPS-only bug is not applicable; the measurement stays in the record."""
+    if ctx.device == "mps":
+        return result
+    return dict(result, verdict="not applicable", detail=f"MPS-only bug; on {ctx.device}: {result['detail']}")
+
+
+# ------------------------------------------------------------------------------------------ probes
+
+def _pad_rank5(ctx: Ctx, mode: str = "constant") -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    # Wan's causal conv pads (1, 1, 1, 1, 2, 0): width, height, then two frames in front.
+    hw = 16 if ctx.small else 256  # 256 x 256 = 65536 = 2^16, the first size that corrupts
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 3, hw, hw, generator=g)
+    pad = (1, 1, 1, 1, 2, 0)
+    ref = F.pad(x, pad, mode=mode)
+    got = F.pad(ctx.to(x), pad, mode=mode).cpu()
+    wrong = float((got - ref).abs().gt(1e-6).float().mean())
+    detail = f"F.pad {mode} {pad} on [1, 4, 3, {hw}, {hw}] (H*W = {hw * hw}): {wrong:.1%} of elements differ from the CPU"
+    return _mps_only(ctx, _out("has the bug" if wrong > 0 else "fixed", detail, wrong_fraction=wrong, hw=hw * hw))
+
+
+def _pad_driver_memory(ctx: Ctx) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    calls = 8 if ctx.small else 200
+    hw = 16 if ctx.small else 64
+    x = ctx.to(torch.randn(1, 96, 3, hw, hw))
+    out_bytes = 96 * 5 * (hw + 2) ** 2 * 4  # one fp32 output of the pad
+    if ctx.device != "mps":
+        for _ in range(calls):
+            F.pad(x, (1, 1, 1, 1, 2, 0))
+        return _mps_only(ctx, _out("fixed", f"{calls} pads ran; driver memory is an MPS counter", calls=calls))
+    torch.mps.synchronize()
+    torch.mps.empty_cache()
+    before = torch.mps.driver_allocated_memory()
+    for _ in range(calls):
+        y = F.pad(x, (1, 1, 1, 1, 2, 0))
+        del y
+    torch.mps.synchronize()
+    torch.mps.empty_cache()
+    grown = torch.mps.driver_allocated_memory() - before
+    per_call = grown / calls
+    # Fixed: the outputs are freed and the cache emptied, nothing stays. The bug kept about 31 MiB per
+    # call in MPSGraph (270 GiB over 8,764 pads of a Wan2.2 decode); more than one output per call kept is the bug.
+    bad = per_call > out_bytes
+    detail = f"{calls} constant pads of [1, 96, 3, {hw}, {hw}]: driver memory grew {grown / 2**20:.1f} MiB ({per_call / 2**20:.2f} MiB per call)"
+    return _out("has the bug" if bad else "fixed", detail, grown_bytes=int(grown), per_call_bytes=per_call, calls=calls)
+
+
+def _grouped_mm(ctx: Ctx) -> dict:
+    import torch
+
+    fn = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if fn is None:
+        return _mps_only(ctx, _out("has the bug", "this torch build has no grouped_mm at all"))
+    e, k, n = (4, 16, 16) if ctx.small else (8, 256, 256)
+    counts = [(i * 7) % 13 + (1 if ctx.small else 40) for i in range(e)]  # uneven groups, one per expert
+    m = sum(counts)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(m, k, generator=g), torch.randn(e, k, n, generator=g)
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    ref = torch.cat([a[s:t] @ b[i] for i, (s, t) in enumerate(zip([0] + ends.tolist()[:-1], ends.tolist()))])
+    dtype = torch.float32 if ctx.device == "cpu" else torch.bfloat16
+    try:
+        got = fn(ctx.to(a).to(dtype), ctx.to(b).to(dtype), offs=ctx.to(ends)).float().cpu()
+    except (NotImplementedError, RuntimeError) as e_:
+        first = str(e_).strip().splitlines()[0][:200]
+        return _mps_only(ctx, _out("has the bug", f"grouped_mm with offsets does not run on {ctx.device}: {type(e_).__name__}: {first}"))
+    err = _rel(got, ref)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    detail = f"grouped_mm of {e} groups ({m} rows, K={k}, N={n}) with offsets on the device: rel. error {err:.1e} vs CPU"
+    return _mps_only(ctx, _out("has the bug" if err > tol else "fixed", detail, rel_error=err, rows=m))
+
+
+def _fp8_cast(ctx: Ctx) -> dict:
+    import torch
+
+    if not hasattr(torch, "float8_e4m3fn"):
+        return _mps_only(ctx, _out("has the bug", "this torch build has no torch.float8_e4m3fn"))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, generator=g) * 8
+    ref = x.to(torch.float8_e4m3fn).float()
+    try:
+        got = ctx.to(x).to(torch.float8_e4m3fn).float().cpu()
+    except (TypeError, RuntimeError) as e:
+        first = str(e).strip().splitlines()[0][:200]
+        return _mps_only(ctx, _out("has the bug", f"float8_e4m3fn on {ctx.device}: {type(e).__name__}: {first}"))
+    same = bool(torch.equal(got, ref))
+    return _mps_only(ctx, _out("fixed" if same else "has the bug",
+                               f"4096 values cast to float8_e4m3fn on the device and back: {'identical to' if same else 'differ from'} the CPU cast"))
+
+
+def _scaled_mm(ctx: Ctx) -> dict:
+    import torch
+
+    fn = getattr(torch, "_scaled_mm", None)
+    if fn is None or not hasattr(torch, "float8_e4m3fn"):
+        return _mps_only(ctx, _out("has the bug", "this torch build has no torch._scaled_mm / float8"))
+    m, k, n = (16, 64, 64) if ctx.small else (1024, 2048, 2048)  # M >= 512: the slow general kernel of #196916
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    sa = x.abs().amax(1, keepdim=True) / 448
+    sb = w.abs().amax(1, keepdim=True) / 448
+    xq, wq = (x / sa).to(torch.float8_e4m3fn), (w / sb).to(torch.float8_e4m3fn)
+    ref = (xq.float() * sa) @ (wq.float() * sb).t()
+    d = ctx.device
+    args = (ctx.to(xq), ctx.to(wq).t(), )
+    kw = {"scale_a": ctx.to(sa), "scale_b": ctx.to(sb.t().contiguous()), "out_dtype": torch.bfloat16}
+    try:
+        got = fn(*args, **kw)
+    except (NotImplementedError, RuntimeError, TypeError) as e:
+        first = str(e).strip().splitlines()[0][:200]
+        return _mps_only(ctx, _out("has the bug", f"rowwise _scaled_mm on {d}: {type(e).__name__}: {first}"))
+    err = _rel(got, ref)
+    t_fp8 = _time(ctx, lambda: fn(*args, **kw))
+    xb, wb = ctx.to(x).to(torch.bfloat16), ctx.to(w).to(torch.bfloat16)
+    t_bf16 = _time(ctx, lambda: xb @ wb.t())
+    speed = t_bf16 / t_fp8 if t_fp8 > 0 else None
+    detail = (f"rowwise _scaled_mm at M={m}, K={k}, N={n}: rel. error {err:.1e} vs CPU; {speed:.2f}x the speed of bf16 "
+              "(pytorch#196916: 0.12-0.25x for M >= 512, a storage format only)")
+    return _mps_only(ctx, _out("has the bug" if err > 2e-2 else "fixed", detail, rel_error=err, fp8_s=t_fp8, bf16_s=t_bf16,
+                               speed_vs_bf16=speed, m=m))
+
+
+def _linear_b1k(ctx: Ctx) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    b, k, n = (4, 64, 64) if ctx.small else (4, 4096, 4096)
+    dtype = torch.float32 if ctx.device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    w = ctx.to(torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    x2 = ctx.to(torch.randn(b, k, generator=g)).to(dtype)
+    x3 = x2[:, None, :]
+    t2 = _time(ctx, lambda: F.linear(x2, w), calls=10)
+    t3 = _time(ctx, lambda: F.linear(x3, w), calls=10)
+    err = _rel(F.linear(x3, w)[:, 0], F.linear(x2, w))
+    slow = t3 / t2 if t2 > 0 else 1.0
+    detail = f"F.linear [{b},1,{k}] vs [{b},{k}] by a {n}x{k} weight: {slow:.2f}x the time (pytorch#189847: 8.5x before the fix)"
+    bad = slow > 2.0 or err > 1e-3
+    return _mps_only(ctx, _out("has the bug" if bad else "fixed", detail, ratio=slow, s_2d=t2, s_3d=t3, rel_error=err))
+
+
+def _softmax_wide(ctx: Ctx) -> dict:
+    import torch
+
+    v = 4096 if ctx.small else 128256
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, v, generator=g) * 4
+    xd = ctx.to(x)
+    err = _rel(torch.softmax(xd, -1), torch.softmax(x, -1))
+    t_soft = _time(ctx, lambda: torch.softmax(xd, -1), calls=20)
+    t_mul = _time(ctx, lambda: xd * 1.5, calls=20)  # same bytes read and written: what a native kernel costs
+    ratio = t_soft / t_mul if t_mul > 0 else 1.0
+    detail = (f"fp32 softmax of one row of {v}: {t_soft * 1e6:.1f} us, {ratio:.1f}x an elementwise op of the same bytes "
+              f"(pytorch#196071: 57.4 -> 7.1 us); rel. error {err:.1e} vs CPU")
+    bad = ratio > 4.0 or err > 1e-4
+    return _mps_only(ctx, _out("has the bug" if bad else "fixed", detail, softmax_s=t_soft, elementwise_s=t_mul, ratio=ratio, rel_error=err))
+
+
+def _unit_lower(n_heads: int, c: int, device: str):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1, n_heads, c, c, generator=g).tril(-1) * 0.1
+    return (a + torch.eye(c)).to(device)
+
+
+def _matmul_inverse(a):
+    """Inverse of a unit lower-triangular ``a = I + N`` by (I - N)(I + N^2)(I + N^4)...: N is nilpotent."""
+    import torch
+
+    eye = torch.eye(a.shape[-1], device=a.device, dtype=a.dtype)
+    n = eye - a  # a = I - n, inverse = I + n + n^2 + ... = (I + n)(I + n^2)(I + n^4)...
+    inv, p = eye + n, n
+    steps = max(1, (a.shape[-1] - 1).bit_length())
+    for _ in range(steps - 1):
+        p = p @ p
+        inv = inv + inv @ p
+    return inv
+
+
+def _solve_triangular(ctx: Ctx) -> dict:
+    import torch
+
+    heads, c = (4, 16) if ctx.small else (32, 64)  # Qwen3.6 Gated DeltaNet: 32 value heads, 64-token chunks
+    a = _unit_lower(heads, c, ctx.device)
+    eye = torch.eye(c, device=ctx.device).expand_as(a)
+    ref = torch.linalg.inv(a.cpu().double()).float()
+    solve = lambda: torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
+    err_s, err_m = _rel(solve(), ref), _rel(_matmul_inverse(a), ref)
+    t_s = _time(ctx, solve)
+    t_m = _time(ctx, lambda: _matmul_inverse(a))
+    ratio = t_s / t_m if t_m > 0 else 1.0
+    detail = (f"solve_triangular on [1, {heads}, {c}, {c}]: {t_s * 1e3:.2f} ms, {ratio:.1f}x a matmul-based inverse "
+              f"({t_m * 1e3:.2f} ms; reflex#1: ~15 ms per call on MPS, 4x slower); rel. errors {err_s:.1e} / {err_m:.1e}")
+    bad = (ratio > 3.0 and t_s > 1e-3) or err_s > 1e-4
+    return _mps_only(ctx, _out("has the bug" if bad else "fixed", detail, solve_s=t_s, matmul_inverse_s=t_m, ratio=ratio,
+                               rel_error=err_s, matmul_inverse_rel_error=err_m))
+
+
+def _free_bytes(device: str) -> int | None:
+    import torch
+
+    if device == "mps":
+        return int(torch.mps.recommended_max_memory()) - int(torch.mps.driver_allocated_memory())
+    if device == "cuda":
+        return int(torch.cuda.mem_get_info()[0])
+    return None
+
+
+def _sdpa_2p31(ctx: Ctx) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    # 16 heads x 11586^2 = 2,147,766,336 scores, just above 2^31 = 2,147,483,648.
+    h, length, d = (2, 64, 64) if ctx.small else (16, 11586, 64)
+    scores = h * length * length
+    dtype = torch.float32 if ctx.device == "cpu" else torch.float16
+    # A path that materialises the scores holds them in fp16 and fp32 at once at worst: 6 bytes each.
+    need = scores * 6 + (1 << 30)
+    free = _free_bytes(ctx.device)
+    if not ctx.small and free is not None and free < need:
+        return _out("skipped", f"needs {need / 2**30:.0f} GiB of device memory, {free / 2**30:.1f} GiB free here", need_bytes=need)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, length, d, generator=g) for _ in range(3))
+    got = F.scaled_dot_product_attention(*(ctx.to(t).to(dtype) for t in (q, k, v)))
+    rows = torch.cat([torch.arange(0, 16), torch.arange(length - 16, length)])
+    picked = got[:, :, rows.to(got.device)].float().cpu()
+    del got
+    ref = F.scaled_dot_product_attention(q[:, :, rows], k, v)  # 32 query rows on the CPU: cheap
+    err = _rel(picked, ref)
+    detail = (f"SDPA with B*H*Lq*Lk = {scores:,} scores ({'above' if scores >= 2**31 else 'below'} 2^31), "
+              f"{str(dtype).replace('torch.', '')}: rel. error {err:.1e} vs CPU on 32 query rows")
+    return _mps_only(ctx, _out("has the bug" if err > 5e-3 else "fixed", detail, scores=scores, rel_error=err))
+
+
+def _long_k(ctx: Ctx) -> dict:
+    import torch
+
+    m = 64
+    k1, k2 = (256, 320) if ctx.small else (32768, 33280)  # K > 32768 goes to the slow kernel on M1/M2
+    dtype = torch.float32 if ctx.device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    a, b = (ctx.to(torch.randn(m, k2, generator=g)).to(dtype), ctx.to(torch.randn(k2, m, generator=g)).to(dtype))
+    a1, b1 = a[:, :k1].contiguous(), b[:k1].contiguous()  # contiguous: no copy inside the timed call
+    t1 = _time(ctx, lambda: a1 @ b1)
+    t2 = _time(ctx, lambda: a @ b)
+    ratio = (t2 / k2) / (t1 / k1) if t1 > 0 else 1.0
+    detail = f"matmul {m}x{k2}x{m} vs {m}x{k1}x{m}: {ratio:.1f}x the time per K (pytorch#198182: 6-10x on M1/M2, macOS >= 14.4)"
+    return _mps_only(ctx, _out("has the bug" if ratio > 3.0 else "fixed", detail, ratio=ratio, s_short=t1, s_long=t2))
+
+
+def _sdpa_broadcast(ctx: Ctx) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    length = 16 if ctx.small else 256
+    q = torch.randn(2, 8, length, 64, generator=g)
+    kb, vb = torch.randn(1, 8, length, 64, generator=g), torch.randn(1, 8, length, 64, generator=g)  # batch broadcast
+    kh, vh = torch.randn(2, 1, length, 64, generator=g), torch.randn(2, 1, length, 64, generator=g)  # head broadcast
+    errs = []
+    for k, v in ((kb, vb), (kh, vh)):
+        ref = F.scaled_dot_product_attention(q, k.expand(2, 8, -1, -1), v.expand(2, 8, -1, -1))
+        try:
+            got = F.scaled_dot_product_attention(ctx.to(q), ctx.to(k), ctx.to(v))
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0][:200]
+            return _mps_only(ctx, _out("has the bug", f"SDPA with a broadcast batch/head dimension raises: RuntimeError: {first}"))
+        errs.append(_rel(got, ref))
+    worst = max(errs)
+    detail = f"SDPA with K/V broadcast over batch and over heads (L={length}): rel. errors {errs[0]:.1e} / {errs[1]:.1e} vs CPU"
+    return _mps_only(ctx, _out("has the bug" if worst > 1e-4 else "fixed", detail, rel_errors=errs))
+
+
+def _conv3d(ctx: Ctx) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    c, t, hw = (8, 3, 16) if ctx.small else (128, 4, 64)
+    dtype = torch.float32 if ctx.device == "cpu" else torch.float16
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, c, t + 2, hw + 2, hw + 2, generator=g)
+    w = torch.randn(c, c, 3, 3, 3, generator=g) / (27 * c) ** 0.5
+    ref = F.conv3d(x, w)
+    xd, wd = ctx.to(x).to(dtype), ctx.to(w).to(dtype)
+    err = _rel(F.conv3d(xd, wd), ref)
+    t_conv = _time(ctx, lambda: F.conv3d(xd, wd))
+    # The same multiply-adds as one matmul: [T*H*W, 27*C] x [27*C, C].
+    a = ctx.to(torch.randn(t * hw * hw, 27 * c, generator=g)).to(dtype)
+    b = ctx.to(torch.randn(27 * c, c, generator=g)).to(dtype)
+    t_mm = _time(ctx, lambda: a @ b)
+    share = t_mm / t_conv if t_conv > 0 else 1.0
+    detail = (f"conv3d 3x3x3, {c} channels, [{t}, {hw}, {hw}] output, {str(dtype).replace('torch.', '')}: {share:.0%} of the throughput "
+              f"of a matmul with the same multiply-adds (issue pytorch#192213: 7% on 2.12, 97% on 2.14); rel. error {err:.1e} vs CPU")
+    bad = share < 0.25 or err > 1e-2
+    return _mps_only(ctx, _out("has the bug" if bad else "fixed", detail, conv_s=t_conv, matmul_s=t_mm, share=share, rel_error=err))
+
+
+def _gemm_placeholder(ctx: Ctx) -> dict:
+    # Decided across processes by gemm_verdict; a single process cannot tell.
+    return _out("skipped", "measured in every process; the verdict needs two or more (--processes)")
+
+
+def gemm_sample(device: str, small: bool) -> float:
+    """Seconds of one bf16 GEMM with M in [768, 3072] (the range of pytorch#182815) in this process."""
+    import torch
+
+    from ..bench import time_fn
+
+    m, k, n = (64, 64, 64) if small else (1024, 2048, 2048)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(m, k, generator=g).to(device, dtype), torch.randn(k, n, generator=g).to(device, dtype))
+    return time_fn(lambda: a @ b, device=device, warmup=3, repeats=10, calls=5).median_s
+
+
+def gemm_verdict(samples: list[float], device: str) -> dict:
+    """The verdict of the fresh-process GEMM probe from one sample per process."""
+    if len(samples) < 2:
+        return _out("skipped", "measured in one process only; run with --processes 2 or more", samples_s=samples)
+    lo, hi = min(samples), max(samples)
+    spread = hi / lo if lo > 0 else 1.0
+    detail = (f"one GEMM (bf16 M=1024, K=N=2048 on a GPU; small fp32 on a CPU) in {len(samples)} fresh processes: fastest {lo * 1e3:.3f} ms, slowest "
+              f"{hi * 1e3:.3f} ms ({spread:.2f}x; pytorch#182815: 2-3x slower in about 40% of processes)")
+    res = _out("has the bug" if spread > 1.8 else "fixed", detail, samples_s=samples, spread=spread)
+    return res if device == "mps" else dict(res, verdict="not applicable", detail=f"MPS-only bug; on {device}: {detail}")
+
+
+PROBES: dict[str, Probe] = {
+    p.name: p
+    for p in [
+        Probe("pad_rank5_65536", ("pytorch#194922", "fix pytorch#194944", "fix pytorch#195147"),
+              "constant time-padding of rank-5 tensors corrupts about 80% of elements", "H*W = 65536 (2^16) and above",
+              "pad_rank5_correct", _pad_rank5, "wan_vae_pad / qwen_image_vae fold the padding into the conv on MPS < 2.15"),
+        Probe("pad3d_replicate_65536", ("pytorch#195147", "issue pytorch#194922"),
+              "replicate pad3d on rank-5 tensors wrong from the same size", "H*W = 65536",
+              "pad3d_all_modes_correct", lambda ctx: _pad_rank5(ctx, "replicate"),
+              "video_vae_pad replaces replicate time padding on MPS < 2.15"),
+        Probe("pad_driver_memory", ("pytorch#195368",),
+              "each constant pad builds an MPSGraph that keeps driver memory (270 GiB in a Wan2.2 tiled decode)",
+              "hundreds of 5-D pads", "pad_constant_native", _pad_driver_memory, "wan_vae_pad removes every 5-D F.pad on MPS < 2.15"),
+        Probe("grouped_mm_offsets", ("pytorch#194917", "pytorch#194933"),
+              "no grouped matmul with device offsets on MPS", "any MoE routing", "grouped_mm", _grouped_mm,
+              "moe_experts picks grouped_mm or batched_mm per device and torch"),
+        Probe("fp8_cast", ("pytorch#194074",), "float8_e4m3fn tensors cannot live on MPS", "any fp8 tensor",
+              "float8_storage", _fp8_cast, "fp8_weights stores float8 on the device, or steps aside"),
+        Probe("fp8_scaled_mm", ("pytorch#196916",), "fp8 _scaled_mm missing, or 0.12-0.25x of bf16 for M >= 512",
+              "M = 1024", "scaled_mm", _scaled_mm, "fp8_weights forward: scaled_mm or dequantize then linear"),
+        Probe("linear_b1k", ("issue pytorch#189847", "fix pytorch#189855"), "F.linear on [B,1,K] 8.5x slower than on [B,K]",
+              "one decode token, 4096x4096 bf16", "linear_3d_fast", _linear_b1k, "decode_linear routes [B,1,K] to [B,K]"),
+        Probe("softmax_128256", ("pytorch#196071",), "fp32 softmax of a 128,256-wide row on MPSGraph: 57.4 us vs 7.1 us",
+              "one row of 128,256", "softmax_native", _softmax_wide, "softmax recipe for sampling"),
+        Probe("solve_triangular", ("kshetrajna12/reflex#1",), "solve_triangular ~15 ms per call on MPS, 4x a matmul-based inverse",
+              "[1, 32, 64, 64] (a Gated DeltaNet prefill chunk)", None, _solve_triangular,
+              "linear_attention: chunked prefill without solve_triangular on MPS"),
+        Probe("sdpa_above_2p31", ("issue pytorch#179352", "fix pytorch#179592 (not confirmed merged)", "ComfyUI#14837"),
+              "attention wrong once B*H*Lq*Lk >= 2^31 (32-bit indexing)", "16 heads x 11586^2 scores", "sdpa_large_scores_correct",
+              _sdpa_2p31, "attention_split splits attention below 2^31 scores"),
+        Probe("sdpa_broadcast", ("pytorch#189631", "pytorch#179771"), "SDPA wrong or failing with K/V broadcast over batch or heads",
+              "batch 2 / 8 heads against K/V of 1", "sdpa_broadcast", _sdpa_broadcast, "metal_attention expands K/V where the build needs it"),
+        Probe("conv3d_throughput", ("issue pytorch#192213", "pytorch#188802", "pytorch#192229"),
+              "conv3d at 7% of matmul throughput on MPSGraph (before the Metal kernels)", "a 3x3x3 conv, 128 channels",
+              "conv3d_metal", _conv3d, "qwen_image_vae's single-frame 2-D path: sold on speed before 2.14, on memory after"),
+        Probe("long_k_matmul", ("pytorch#198182",), "on M1/M2 with macOS >= 14.4 matmuls with K > 32768 take a 6-10x slower kernel",
+              "K = 33280", None, _long_k, "none yet (a measurement hygiene fact)"),
+        Probe("gemm_fresh_process", ("pytorch#182815",), "MPSGraph picks a 2-3x slower GEMM kernel in about 40% of fresh processes",
+              "M in [768, 3072], across processes", None, _gemm_placeholder, "selftest and benchmarks time across fresh processes"),
+    ]
+}
+
+
+def _release(device: str) -> None:
+    """Hand a probe's buffers back before the next one (the attention probe alone may hold GiBs)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device == "mps":
+        torch.mps.empty_cache()
+    elif device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_probe(probe: Probe, device: str, small: bool, repeats: int = 5) -> dict:
+    """One probe's record: name, upstream numbers, gate feature, verdict, detail, measured values, seconds."""
+    t0 = time.perf_counter()
+    try:
+        res = probe.run(Ctx(device, small, repeats))
+    except Exception as e:  # noqa: BLE001 - a probe that breaks is a finding about the probe, not the end of the selftest
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        res = _out("error", f"{type(e).__name__}: {first}")
+    _release(device)
+    return {"kind": "probe", "name": probe.name, "upstream": list(probe.upstream), "what": probe.what, "trigger": probe.trigger,
+            "feature": probe.feature, "decision": probe.decision, **res, "seconds": round(time.perf_counter() - t0, 3),
+            "small": small}
+
+
+def run_probes(device: str, small: bool, *, deadline: float | None = None, only: tuple[str, ...] = (),
+               echo: Callable[[str], None] = print) -> list[dict]:
+    out = []
+    for probe in PROBES.values():
+        if only and probe.name not in only:
+            continue
+        if deadline is not None and time.perf_counter() > deadline:
+            rec = {"kind": "probe", "name": probe.name, "upstream": list(probe.upstream), "what": probe.what, "trigger": probe.trigger,
+                   "feature": probe.feature, "decision": probe.decision, **_out("skipped", "time budget spent"), "seconds": 0.0, "small": small}
+        else:
+            rec = run_probe(probe, device, small)
+        echo(f"  probe {probe.name}: {rec['verdict']} ({rec['seconds']:.1f} s)")
+        out.append(rec)
+    return out
+
+
+def feature_ok(verdict: str) -> bool | None:
+    """What a probe verdict says about its gate feature: True (present/fixed), False (bug), None (no evidence)."""
+    return {"fixed": True, "has the bug": False}.get(verdict)
+
+
+def decisions() -> list[dict]:
+    """For each MPS decision of the gate, the probe that confirms or refutes it (selftest probe, gate API probe, or none)."""
+    from ..gate import FEATURES
+
+    rows = []
+    for name, feat in FEATURES.items():
+        if "mps" not in feat.rules:
+            continue
+        probes = [p.name for p in PROBES.values() if p.feature == name]
+        rows.append({"feature": name, "description": feat.description, "selftest_probes": probes,
+                     "gate_probe": feat.probe is not None,
+                     "upstream": "; ".join(r.upstream for r in feat.rules["mps"] if r.upstream)})
+    return rows

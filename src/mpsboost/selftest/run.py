@@ -1,0 +1,311 @@
+"""Running the selftest: refuse an absent device, probe, measure, repeat in fresh processes, write the files."""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from .report import SCHEMA, SelftestFormatError, markdown, validate
+
+__all__ = ["BUDGET_S", "PROCESSES", "DeviceAbsentError", "build_parser", "main", "run_selftest"]
+
+# Fresh processes per size: MPSGraph picks a 2-3x slower GEMM kernel in about 40% of fresh processes
+# (pytorch#182815), so one process is one draw; three show a spread, five estimate it.
+PROCESSES = {"test": 1, "quick": 3, "full": 5}
+REPEATS = {"test": 1, "quick": 3, "full": 5}
+# Seconds; quick keeps a whole run under 10 minutes on a Mac (the rest is skipped, saying so).
+BUDGET_S = {"test": 600.0, "quick": 480.0, "full": 1800.0}
+_CHILD_MARK = "MPSBOOST-SELFTEST-CHILD "
+
+
+class DeviceAbsentError(SelftestFormatError):
+    """The device asked for is not present: the selftest refuses before writing anything."""
+
+
+def _file_stem(device: str, torch_version: str) -> str:
+    return f"mpsboost-selftest-{device}-" + re.sub(r"[^A-Za-z0-9.+_-]", "_", torch_version)
+
+
+def _gate_lines(device: str) -> list[dict]:
+    from ..gate import FEATURES, Env, check
+
+    env = Env.detect(device)
+    out = []
+    for name, feat in FEATURES.items():
+        v = check(name, env)
+        out.append({"kind": "gate", "feature": name, "ok": v.ok, "decided_by": v.decided_by, "reason": v.reason,
+                    "probe": feat.probe is not None})
+    return out
+
+
+def _ratio(stock: list[float], patched: list[float]) -> dict:
+    ratios = [s / p for s, p in zip(stock, patched) if p and p > 0]
+    if not ratios:
+        return {"median": None, "processes": 0}
+    med = statistics.median(ratios)
+    return {"median": med, "min": min(ratios), "max": max(ratios), "spread": (max(ratios) - min(ratios)) / med if med else None,
+            "per_process": ratios, "processes": len(ratios)}
+
+
+def _child_cmd(device: str, size: str, names: Sequence[str], repeats: int) -> list[str]:
+    return [sys.executable, "-m", "mpsboost.selftest", "--child", "--device", device, "--size", size, "--repeats", str(repeats),
+            "--workloads", ",".join(names) if names else "-"]
+
+
+def _run_child(cmd: list[str], timeout: float) -> dict | str:
+    """One fresh process's timings, or why there are none."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, timeout), check=False, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        return f"killed after {timeout:.0f} s (time budget)"
+    for line in out.stdout.splitlines():
+        if line.startswith(_CHILD_MARK):
+            return json.loads(line[len(_CHILD_MARK):])
+    tail = (out.stderr.strip().splitlines() or ["no output"])[-1][:300]
+    return f"exit status {out.returncode}: {tail}"
+
+
+def child_main(device: str, size: str, names: Sequence[str], repeats: int) -> int:
+    """A fresh process: the GEMM sample and each workload's stock and patched seconds, as one JSON line."""
+    from .probes import gemm_sample
+    from .workloads import SEED_WORKLOADS, time_workload
+
+    res: dict[str, Any] = {"gemm_s": gemm_sample(device, size == "test"), "workloads": {}}
+    for name in names:
+        try:
+            res["workloads"][name] = time_workload(SEED_WORKLOADS[name], device, size, repeats)
+        except Exception as e:  # noqa: BLE001 - one workload's failure in a repeat is reported in the parent, not fatal
+            res["workloads"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    print(_CHILD_MARK + json.dumps(res), flush=True)
+    return 0
+
+
+def run_selftest(
+    device: str | None = None,
+    *,
+    size: str = "quick",
+    processes: int | None = None,
+    repeats: int | None = None,
+    budget_s: float | None = None,
+    out_dir: str | Path = ".",
+    probes: Sequence[str] | None = None,
+    workloads: Sequence[str] | None = None,
+    recipes: Sequence[str] | None = None,
+    dtype: str = "float32",
+    command: str = "mpsboost selftest",
+    echo: Callable[[str], None] = print,
+) -> tuple[list[dict], Path, Path]:
+    """Run the selftest; returns its lines and the paths of the JSONL and markdown files.
+
+    ``probes`` / ``workloads`` / ``recipes``: only these (an empty list: none of that section; None: all).
+    Raises :class:`DeviceAbsentError` (nothing written) when ``device`` is not present.
+    """
+    import torch
+
+    from .machine import device_absent, facts, scrub_all
+    from .probes import PROBES, gemm_sample, gemm_verdict, run_probes
+    from .recipes import DTYPES
+    from .workloads import SEED_WORKLOADS, SIZES, run_workload
+
+    if size not in SIZES:
+        raise ValueError(f"size {size!r} is not accepted; pass one of {', '.join(SIZES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not accepted; pass one of {', '.join(DTYPES)}")
+    if device is None:
+        device = "mps" if torch.backends.mps.is_available() else "cuda" if torch.cuda.is_available() else "cpu"
+    why = device_absent(device)
+    if why:
+        raise DeviceAbsentError(f"--device {device}: {why}; nothing was run or written")
+    for label, chosen, known in (("probe", probes, PROBES), ("workload", workloads, SEED_WORKLOADS)):
+        unknown = sorted(set(chosen or ()) - set(known))
+        if unknown:
+            raise ValueError(f"unknown {label}(s) {unknown}; known: {', '.join(known)}")
+    from ..registry import all_recipes
+
+    known_recipes = {r.name: r for r in all_recipes()}
+    unknown = sorted(set(recipes or ()) - set(known_recipes))
+    if unknown:
+        raise ValueError(f"unknown recipe(s) {unknown}; known: {', '.join(sorted(known_recipes))}")
+    processes = PROCESSES[size] if processes is None else processes
+    repeats = REPEATS[size] if repeats is None else repeats
+    budget_s = BUDGET_S[size] if budget_s is None else budget_s
+    if processes < 1 or repeats < 1 or budget_s <= 0:
+        raise ValueError(f"processes ({processes}) and repeats ({repeats}) must be at least 1 and the budget ({budget_s}) positive")
+    small = size == "test" or device == "cpu"
+    t0 = time.perf_counter()
+    deadline = t0 + budget_s
+    echo(f"mpsboost selftest on {device} (size {size}, {processes} process(es), budget {budget_s:.0f} s)")
+    lines: list[dict] = _gate_lines(device)
+    chosen_probes = tuple(PROBES) if probes is None else tuple(probes)
+    probe_lines = run_probes(device, small, deadline=deadline, only=chosen_probes, echo=echo) if chosen_probes else []
+    names = list(SEED_WORKLOADS) if workloads is None else list(workloads)
+    wl_lines = []
+    for name in names:
+        if time.perf_counter() > deadline:
+            rec = {"kind": "workload", "name": name, "what": SEED_WORKLOADS[name].what, "size": size, "status": "skipped",
+                   "reason": "time budget spent"}
+        else:
+            try:
+                rec = run_workload(SEED_WORKLOADS[name], device, size, repeats)
+            except Exception as e:  # noqa: BLE001 - one workload's failure is a finding, not the end of the run
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                rec = {"kind": "workload", "name": name, "what": SEED_WORKLOADS[name].what, "size": size, "status": "error",
+                       "reason": f"{type(e).__name__}: {first}"}
+        echo(f"  workload {name}: {rec['status']} ({rec.get('seconds', 0):.1f} s)")
+        wl_lines.append(rec)
+    # Repeats in fresh processes: the timings only (no reference, no memory), each in a new interpreter.
+    gemm = [gemm_sample(device, small)] if "gemm_fresh_process" in chosen_probes else []
+    ran = [w["name"] for w in wl_lines if w["status"] in ("pass", "fail")]
+    child_notes = []
+    for i in range(1, processes):
+        left = deadline - time.perf_counter()
+        if left <= 5:
+            child_notes.append(f"process {i + 1}: not started (time budget spent)")
+            continue
+        got = _run_child(_child_cmd(device, size, ran, repeats), left)
+        if isinstance(got, str):
+            child_notes.append(f"process {i + 1}: {got}")
+            continue
+        if gemm:
+            gemm.append(got["gemm_s"])
+        for w in wl_lines:
+            t = got["workloads"].get(w["name"])
+            if t and "error" not in t and t.get("patched_s") and t.get("stock_s") and w["status"] in ("pass", "fail"):
+                w["stock"]["seconds"].append(t["stock_s"])
+                w["patched"]["seconds"].append(t["patched_s"])
+            elif t and "error" in t:
+                w.setdefault("repeat_errors", []).append(t["error"])
+        echo(f"  process {i + 1}: timed {len(got['workloads'])} workload(s)")
+    for w in wl_lines:
+        if w["status"] in ("pass", "fail"):
+            w["ratio"] = _ratio(w["stock"]["seconds"], w["patched"]["seconds"])
+        elif "stock" in w:
+            w["ratio"] = None
+    if gemm:
+        for p in probe_lines:
+            if p["name"] == "gemm_fresh_process":
+                p.update(gemm_verdict(gemm, device))
+    lines += probe_lines + wl_lines
+    if recipes is None or recipes:
+        lines += _recipe_lines(device, dtype, recipes, repeats, deadline, echo)
+    head = {"kind": "selftest", "schema": SCHEMA, "machine": facts(device), "size": size, "processes": processes,
+            "repeats": repeats, "budget_s": budget_s, "duration_s": round(time.perf_counter() - t0, 1),
+            "date": _dt.date.today().isoformat(), "command": command, "process_notes": child_notes}
+    lines = [head] + lines
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = scrub_all(lines, (str(out.resolve()),))
+    stem = _file_stem(device, torch.__version__)
+    jsonl, md = out / f"{stem}.jsonl", out / f"{stem}.md"
+    jsonl.write_text("".join(json.dumps(x, default=str) + "\n" for x in lines), encoding="utf-8")
+    md.write_text(markdown(lines, jsonl.name), encoding="utf-8")
+    echo(f"\nwrote {jsonl.name} and {md.name} in {out}; paste the .md into an issue and attach the .jsonl")
+    return lines, jsonl, md
+
+
+def _recipe_lines(device: str, dtype: str, names: Sequence[str] | None, repeats: int, deadline: float,
+                  echo: Callable[[str], None]) -> list[dict]:
+    from ..bench import Record, RecordEnv
+    from ..bench import Workload as BenchWorkload
+    from ..gate import Env
+    from ..registry import all_recipes
+    from .recipes import KIND, RecipeResult, check_recipe
+
+    env = Env.detect(device)
+    known = {r.name: r for r in all_recipes()}
+    chosen = [known[n] for n in names] if names else list(known.values())
+    record_env = RecordEnv.capture(device, {"float32": "float32"}.get(dtype, dtype))
+    out = []
+    for recipe in chosen:
+        t0 = time.perf_counter()
+        if time.perf_counter() > deadline:
+            res = RecipeResult(recipe.name, "error", "not run: time budget spent")
+        else:
+            try:
+                res = check_recipe(recipe.name, recipe, device, dtype, repeats, env, record_env)
+            except Exception as e:  # noqa: BLE001 - one recipe's failure is a finding, not the end of the run
+                why = f"{type(e).__name__}: {e}"
+                rec = Record(BenchWorkload(f"{KIND}:{recipe.name}", {"dtype": dtype}), "mpsboost", record_env,
+                             extra={KIND: {"recipe": recipe.name, "status": "error", "reason": why}})
+                res = RecipeResult(recipe.name, "error", why, records=[rec])
+        echo(f"  recipe {recipe.name}: {res.status} ({time.perf_counter() - t0:.1f} s)")
+        out.append({"kind": "recipe", "recipe": res.recipe, "status": res.status, "reason": res.reason, "workload": res.workload,
+                    "backing": res.backing, "speed_ratio": res.speed_ratio, "records": [r.to_dict() for r in res.records]})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ command line
+
+def _names(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    return [] if text in ("", "-", "none") else [t for t in text.split(",") if t]
+
+
+def build_parser(prog: str = "mpsboost selftest") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Evidence from this machine: the known MPS bugs probed at their trigger sizes, the seed's workloads "
+        "stock against patched across fresh processes, each recipe's check; writes a JSONL and a markdown report to "
+        "paste into an issue. No personal data is recorded.")
+    p.add_argument("--device", choices=("mps", "cuda", "cpu"), help="default: mps, then cuda, then cpu; an absent device is refused (exit 2)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", dest="size", action="store_const", const="quick", help="sizes that reach the triggers, about 8 minutes (default)")
+    size.add_argument("--full", dest="size", action="store_const", const="full", help="the sizes of the upstream reports, up to 30 minutes")
+    size.add_argument("--size", dest="size", choices=("test", "quick", "full"), help="test: tiny models (CI, seconds)")
+    p.add_argument("--processes", type=int, help="fresh processes that time the workloads (default: quick 3, full 5, test 1)")
+    p.add_argument("--repeats", type=int, help="timed repeats per variant in each process")
+    p.add_argument("--budget", type=float, help="seconds; what does not fit is recorded as skipped (default: quick 480, full 1800)")
+    p.add_argument("--probes", help="comma-separated probe names (default all; '-' for none)")
+    p.add_argument("--workloads", help="comma-separated workload names (default all; '-' for none)")
+    p.add_argument("--recipes", nargs="*", help="only these recipes' checks (default every recipe; give none for no checks)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype of the recipe checks")
+    p.add_argument("--out", default=".", help="folder for the JSONL and markdown files (default: here)")
+    p.add_argument("--validate", metavar="JSONL", help="only check a selftest file and print its summary")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(size="quick")
+    return p
+
+
+def _command(argv: Sequence[str]) -> str:
+    """The command line for the report, without the output folder (a path is personal data)."""
+    words, skip = ["mpsboost", "selftest"], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--out":
+            skip = True
+            continue
+        if not a.startswith("--out="):
+            words.append(a)
+    return " ".join(words)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.validate:
+        summary = validate(args.validate)
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    if args.child:
+        return child_main(args.device, args.size, _names(args.workloads) or [], args.repeats or 1)
+    for flag in ("processes", "repeats"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise SelftestFormatError(f"--{flag} must be at least 1, got {value}")
+    lines, _, _ = run_selftest(args.device, size=args.size, processes=args.processes, repeats=args.repeats, budget_s=args.budget,
+                               out_dir=args.out, probes=_names(args.probes), workloads=_names(args.workloads),
+                               recipes=args.recipes, dtype=args.dtype, command=_command(argv))
+    bad = [x for x in lines if x.get("status") in ("fail", "error") or x.get("verdict") == "error"]
+    return 1 if bad else 0
