@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..gate import Env, check
-from ..registry import Changes, Decision, Match, Patch, bind_forward, class_path, join_path, matches_class, original_forward, relayout_param, set_instance_attr
+from ..registry import Changes, Decision, Match, Patch, bind_forward, call_original, class_path, join_path, matches_class, relayout_param, set_instance_attr
 from ..ops import vae_tiles
 from ..ops.causal_conv import avg_down3d, causal_conv3d, frame_conv2d, frame_conv_foldable, pad_right_bottom, rms_norm_channels, silu_inplace
 
@@ -252,11 +252,6 @@ def bind_module_forward(module: torch.nn.Module, recipe: str, new_forward: Calla
     return bind_forward(module, recipe, new_forward)
 
 
-def _inner_forward(module: torch.nn.Module, recipe: str) -> Callable[..., Any]:
-    """The forward the recipe replaced (for fallbacks), hook or not."""
-    return original_forward(module, recipe)
-
-
 def _convert_weights(root: torch.nn.Module, channels_last: bool) -> list[Patch]:
     """Conv weights of ``root`` in channels-last layout; each undo puts the contiguous layout back.
 
@@ -325,7 +320,7 @@ def patch_tree(
             if cache_x is not None or x.dim() != 5 or x.shape[2] != 1:
                 # The stock forward's own error (it takes one frame and no cache); shapes are static
                 # under torch.compile, so this is a guard, not a host sync.
-                return _inner_forward(self, recipe)(x, cache_x)
+                return call_original(self, recipe, x, cache_x)
             return frame_conv2d(self, x, channels_last=cl)
 
         frame2d = classes.conv_kind == "frame2d"
@@ -335,12 +330,13 @@ def patch_tree(
 
         def pad_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             if x.dim() != 4:
-                return _inner_forward(self, recipe)(x)
+                return call_original(self, recipe, x)
             return pad_right_bottom(x)
 
         def norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             y = rms_norm_channels(self, x)
-            return y if y is not None else _inner_forward(self, recipe)(x)
+            # call_original, not a bound method built here: torch.compile traces straight through it.
+            return y if y is not None else call_original(self, recipe, x)
 
         def silu_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             return silu_inplace(x)
