@@ -195,10 +195,11 @@ def test_plan_under_mac_and_other_decisions():
     rows = [r for r in stock_plan.rows if r.status == "would apply"]
     assert [(r.recipe, r.backing) for r in rows] == [(RECIPE, "conv2d padding fold")]
     old = rows[0]
-    assert "avoids pytorch#195368" in old.reason and "pytorch#194922" in old.reason
+    assert "avoids pytorch#195368" in old.reason and "pytorch#194922" in old.reason and "Qwen-Image-2.1#6" in old.reason
     assert "2-D conv" not in old.reason  # the 1.0 VAE's single-frame note does not apply: these are 2-D already
     new = mpsboost.plan(vae, device="mps", torch_version="2.15.0", recipes=[RECIPE]).rows[0]
     assert new.status == "would apply" and "for speed:" in new.reason and new.backing == "conv2d padding fold"
+    assert "Qwen-Image-2.1#6" not in new.reason
     cuda = mpsboost.plan(vae, device="cuda", torch_version="2.11.0", recipes=[RECIPE]).rows[0]
     assert cuda.backing == "conv2d padding fold + channels-last, fused RMS norm" and "for speed:" in cuda.reason
 

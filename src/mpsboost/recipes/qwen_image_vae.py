@@ -68,7 +68,12 @@ class QwenImageVae(Recipe):
         opts = vae_patch.parse_options(self.name, options, env.device_type)
         if fam.conv_kind == "frame2d":
             # Its convolutions are 2-D already: the fold is the whole change (single_frame_2d has nothing to do).
-            return vae_patch.decide(self.name, fam, match, env, options, "conv2d padding fold")
+            decision = vae_patch.decide(self.name, fam, match, env, options, "conv2d padding fold")
+            if env.device_type == "mps" and not check("pad_rank5_correct", env).ok:
+                decision = replace(decision, reason=(
+                    f"{decision.reason}; in this VAE the 5-D pads are the encoder's AvgDown3D time pads, whose "
+                    "corruption makes the latents wrong (QwenLM/Qwen-Image-2.1#6, ComfyUI#16433)"))
+            return decision
         backing = "conv padding fold" + (", 2-D conv for single frame" if opts.single_frame_2d else "")
         decision = vae_patch.decide(self.name, fam, match, env, options, backing)
         if decision.applicable and opts.single_frame_2d and env.device_type == "mps":
