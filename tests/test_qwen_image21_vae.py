@@ -233,3 +233,16 @@ def test_patched_down_block_traces_fullgraph(rng_seed):
     finally:
         torch._dynamo.reset()
     assert rel(out, ref) <= 1e-5
+
+
+def test_the_harness_counter_sees_pads_of_every_rank():
+    # The counter the assertions above rely on: 4-D pads go to by_rank only, 5-D ones to both.
+    import torch.nn.functional as F
+
+    x = torch.randn(1, 2, 1, 4, 4)
+    with count_pad5d() as c:
+        F.pad(x.squeeze(2), (1, 1, 1, 1))  # what the stock frame convolution does
+        torch.nn.ZeroPad2d((0, 1, 0, 1))(x.squeeze(2))
+        F.pad(x, (0, 0, 0, 0, 1, 0))  # AvgDown3D's time pad
+    assert c.by_rank == {4: 2, 5: 1} and c.all_ranks == 3 and c.total == 1
+    assert c.to_dict()["by_rank"] == {"4": 2, "5": 1}

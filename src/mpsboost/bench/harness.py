@@ -5,7 +5,8 @@ measure loop.
   time), the ceiling that "fraction of the bandwidth limit" figures refer to.
 * :func:`count_pad5d`: counts padding at the aten level on rank-5 inputs (``constant_pad_nd``,
   ``replication_pad3d``, ``reflection_pad3d``), whatever Python function issued it (``F.pad``,
-  ``nn.ZeroPad3d``, a library's own helper), through a ``TorchDispatchMode``.
+  ``nn.ZeroPad3d``, a library's own helper), through a ``TorchDispatchMode``; ``by_rank`` counts
+  every pad operator by input rank (the 4-D pads of 2-D VAEs such as Qwen-Image-2.1's).
 * :func:`measure_variants`: times several variants of one workload in alternation (round ``r``
   runs every variant once, in an order rotated by ``r``), so that a machine that slows down or
   speeds up during the run touches every variant alike. Each variant gets a
