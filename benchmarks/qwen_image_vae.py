@@ -1,16 +1,23 @@
-"""Benchmark of ``qwen_image_vae``: Qwen-Image VAE encode+decode roundtrips, stock vs mpsboost.
+"""Benchmark of ``qwen_image_vae``: Qwen-Image 1.0 and 2.1 VAE encode+decode roundtrips, stock vs mpsboost.
 
-Workloads (size "real": the Qwen-Image VAE config, i.e. the class defaults, random weights):
+Workloads (size "real": each VAE's config, i.e. the class defaults of diffusers 0.42.1, random weights):
 
-* ``qwen_image_vae_roundtrip`` of one image at 1024x1024 and 1328x1328, untiled (as the Qwen-Image
-  pipelines run it), and 1024x1024 tiled (36 tiles of 256 px);
-* ``qwen_image_vae_roundtrip_ref``: a 128x128 roundtrip against a CPU fp32 reference.
+* Qwen-Image 1.0 (``AutoencoderKLQwenImage``): ``qwen_image_vae_roundtrip`` of one image at 1024x1024
+  and 1328x1328, untiled (as the Qwen-Image pipelines run it), and 1024x1024 tiled (36 tiles of 256 px);
+  ``qwen_image_vae_roundtrip_ref``: a 128x128 roundtrip against a CPU fp32 reference;
+* Qwen-Image-2.1 (``AutoencoderKLQwenImage21``: RGBA, 338M parameters, 2-D frame convolutions that
+  pad 4-D, AvgDown3D blocks that pad 5-D): ``qwen_image21_vae_roundtrip`` at 1024x1024 untiled and
+  tiled; ``qwen_image21_vae_roundtrip_ref`` at 128x128 against a CPU fp32 reference.
 
 fp32 and bf16, variants stock and mpsboost (and, on CUDA, mpsboost without the channels-last
-layout), one run. Records: time, pad-call count, correctness (mpsboost vs stock of the same run:
-PSNR and relative error; the reduced roundtrip vs CPU fp32), memory peaks of a separate pass.
+layout), one run. Records: time (median of alternating rounds), aten-level pad count (``extra.pad5d_aten``:
+5-D pads in ``total``, every rank in ``all_ranks`` / ``by_rank``), correctness (mpsboost vs stock of
+the same run: PSNR and relative error; the reduced roundtrip vs CPU fp32), memory peaks (allocated,
+reserved, driver) of a separate pass. ``--models`` picks the VAEs (default both).
 
     python benchmarks/qwen_image_vae.py --device cuda --size real --out benchmarks/results
+    python benchmarks/qwen_image_vae.py --device cuda --size real --out benchmarks/results --models qwen_image21
+    python benchmarks/qwen_image_vae.py --device cpu --size tiny --out /tmp/qvae --models qwen_image21
 """
 from __future__ import annotations
 
@@ -31,16 +38,31 @@ from mpsboost.bench import Record, RecordEnv, Workload  # noqa: E402
 QWEN_TINY = dict(base_dim=4, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
                  latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
 QWEN_SMALL = dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+# Qwen-Image-2.1: "real" is the class defaults (base_dim 96, decoder_base_dim 144, z_dim 64, dim_mult
+# [1, 2, 4, 8, 8], 4 channels in and out, spatial factor 16).
+QWEN21_TINY = dict(base_dim=4, decoder_base_dim=6, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                   temperal_downsample=[False, True, True], scale_factor_spatial=8, latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+QWEN21_SMALL = dict(base_dim=16, decoder_base_dim=24, z_dim=16, dim_mult=[1, 2, 4, 4, 4], num_res_blocks=2,
+                    temperal_downsample=[False, True, True, True], latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
+#: model -> (diffusers class, configs by size, workload name, seed of its inputs)
+MODELS = {
+    "qwen_image": ("AutoencoderKLQwenImage", {"real": {}, "small": QWEN_SMALL, "tiny": QWEN_TINY}, "qwen_image_vae_roundtrip", 2),
+    "qwen_image21": ("AutoencoderKLQwenImage21", {"real": {}, "small": QWEN21_SMALL, "tiny": QWEN21_TINY}, "qwen_image21_vae_roundtrip", 3),
+}
 
 
-def build_qwen(size: str, device: str) -> torch.nn.Module:
-    from diffusers import AutoencoderKLQwenImage
+def build_qwen(size: str, device: str, model: str = "qwen_image") -> torch.nn.Module:
+    import diffusers
 
-    cfg = {"real": {}, "small": QWEN_SMALL, "tiny": QWEN_TINY}[size]
+    cls_name, cfgs, _, _ = MODELS[model]
     torch.manual_seed(0)
     with torch.device(device):
-        vae = AutoencoderKLQwenImage(**cfg)
+        vae = getattr(diffusers, cls_name)(**cfgs[size])
     return vae.eval().requires_grad_(False)
+
+
+def _channels(vae: torch.nn.Module) -> int:
+    return int(getattr(vae.config, "in_channels", 3))  # RGBA for Qwen-Image-2.1; 1.0 has 3 (input_channels)
 
 
 def roundtrip(vae: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -48,8 +70,11 @@ def roundtrip(vae: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return vae.decode(z).sample
 
 
-def _workloads(size: str) -> list[dict]:
+def _workloads(size: str, model: str = "qwen_image") -> list[dict]:
     if size == "real":
+        if model == "qwen_image21":
+            return [{"label": "1024x1024", "hw": (1024, 1024), "tiled": False},
+                    {"label": "1024x1024 tiled", "hw": (1024, 1024), "tiled": True}]
         return [{"label": "1024x1024", "hw": (1024, 1024), "tiled": False},
                 {"label": "1328x1328", "hw": (1328, 1328), "tiled": False},
                 {"label": "1024x1024 tiled", "hw": (1024, 1024), "tiled": True}]
@@ -65,8 +90,9 @@ def _tiling(vae: torch.nn.Module, size: str, on: bool) -> None:
             vae.enable_tiling()
         elif size == "small":
             vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=24, tile_sample_stride_width=24)
-        else:  # a 2x2 grid of tiles on the 16x24 image
-            vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8, tile_sample_stride_width=12)
+        else:  # a 2x2 grid of tiles on the 16x24 image (Qwen-Image-2.1, spatial factor 8: 2x3 tiles, each a whole latent pixel)
+            stride_w = 8 if getattr(vae.config, "scale_factor_spatial", None) == 8 else 12
+            vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8, tile_sample_stride_width=stride_w)
 
 
 def _variants(device: str) -> list[tuple[str, list[str] | None, dict | None]]:
@@ -76,15 +102,27 @@ def _variants(device: str) -> list[tuple[str, list[str] | None, dict | None]]:
     return v
 
 
-def run(device: str, size: str, out: Path) -> list[Record]:
+def run(device: str, size: str, out: Path, models: tuple[str, ...] = tuple(MODELS)) -> list[Record]:
     records: list[Record] = []
-    vae = build_qwen(size, device)
+    for model in models:
+        if model not in MODELS:
+            raise ValueError(f"unknown model {model!r}; pass one or more of {', '.join(MODELS)}")
+        records += _run_model(device, size, out, model)
+    return records
+
+
+def _run_model(device: str, size: str, out: Path, model: str) -> list[Record]:
+    records: list[Record] = []
+    vae = build_qwen(size, device, model)
+    _, _, wname, seed = MODELS[model]
     repeats = MIN_REPEATS
-    gen = torch.Generator(device="cpu").manual_seed(2)
-    work = _workloads(size)
-    images = {w["label"]: torch.rand((1, 3, 1, *w["hw"]), generator=gen) * 2 - 1 for w in work}
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    work = _workloads(size, model)
+    chans = _channels(vae)
+    images = {w["label"]: torch.rand((1, chans, 1, *w["hw"]), generator=gen) * 2 - 1 for w in work}
     ref_hw = (128, 128) if size != "tiny" else (16, 16)
-    ref_img = torch.rand((1, 3, 1, *ref_hw), generator=gen) * 2 - 1
+    ref_img = torch.rand((1, chans, 1, *ref_hw), generator=gen) * 2 - 1
+    log(f"{model}: {type(vae).__name__}, {sum(p.numel() for p in vae.parameters()) / 1e6:.1f}M parameters")
 
     log("CPU fp32 reference (reduced roundtrip)")
     cpu_vae = cpu_fp32_copy(vae)
@@ -96,7 +134,7 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     for dname, dtype in DTYPES.items():
         vae.to(dtype)
         ref_in = ref_img.to(device, dtype)
-        wl = Workload("qwen_image_vae_roundtrip_ref", {"image": list(ref_img.shape), "dtype": dname, "tiled": False, "reference": "cpu-fp32"})
+        wl = Workload(f"{wname}_ref", {"image": list(ref_img.shape), "dtype": dname, "tiled": False, "reference": "cpu-fp32"})
         ref_records, ref_corr = reference_pass(
             vae, _variants(device), roundtrip, ref_in, cpu_ref, workload=wl, device=device, dtype=dtype,
             repeats=repeats, untile=lambda v: _tiling(v, size, False), label=f"reduced roundtrip {dname}")
@@ -106,7 +144,7 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                 log(f"budget: skipping {w['label']} {dname}")
                 continue
             x = images[w["label"]].to(device, dtype)
-            wl = Workload("qwen_image_vae_roundtrip", {"image": w["label"], "shape": [1, 3, 1, *w["hw"]], "dtype": dname, "tiled": w["tiled"]})
+            wl = Workload(wname, {"image": w["label"], "shape": [1, chans, 1, *w["hw"]], "dtype": dname, "tiled": w["tiled"]})
             variants = [v for v in _variants(device) if v[0] != "mpsboost:contiguous" or w["label"] == "1024x1024"]
 
             def cref(name, report, ref_corr=ref_corr):
@@ -121,7 +159,7 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                 for rec in recs:
                     if rec.variant == "stock":
                         rec = rec.replace(correctness=_ref_with_label(
-                            ref_corr.get("stock"), f"cpu-fp32, reduced roundtrip {ref_hw[0]}x{ref_hw[1]} (qwen_image_vae_roundtrip_ref)"))
+                            ref_corr.get("stock"), f"cpu-fp32, reduced roundtrip {ref_hw[0]}x{ref_hw[1]} ({wname}_ref)"))
                     records.append(rec)
             free(device)
             del stock_out, x
@@ -137,7 +175,7 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                     with torch.no_grad():
                         roundtrip(vae, x)
                     ops = top_ops(lambda: roundtrip(vae, x), device)
-                rec = Record(workload=Workload("qwen_image_vae_roundtrip_profile", {"image": work[0]["label"], "dtype": "fp32", "tiled": False}),
+                rec = Record(workload=Workload(f"{wname}_profile", {"image": work[0]["label"], "dtype": "fp32", "tiled": False}),
                              variant=variant, env=RecordEnv.capture(device, torch.float32), extra={"top_device_ops": ops})
                 stream_record(rec)
                 records.append(rec)
@@ -148,6 +186,16 @@ def run(device: str, size: str, out: Path) -> list[Record]:
 
 
 if __name__ == "__main__":
+    import argparse
+    import functools
+
     from mpsboost.bench.cli import script_main
 
-    raise SystemExit(script_main(__file__, run))
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of: {', '.join(MODELS)}")
+    known, rest = extra.parse_known_args()
+    chosen = tuple(m for m in known.models.split(",") if m)
+    bad = [m for m in chosen if m not in MODELS]
+    if bad:
+        raise SystemExit(f"qwen_image_vae.py: unknown --models {', '.join(bad)}; accepted: {', '.join(MODELS)}")
+    raise SystemExit(script_main(__file__, functools.partial(run, models=chosen), argv=rest))

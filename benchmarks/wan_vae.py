@@ -139,7 +139,7 @@ def measure_workload(
         stream_record(rec)
         records.append(rec)
         log(f"{workload.describe()} {name} {str(dtype).replace('torch.', '')}: {t.median_s:.4f} s/call ({t.min_s:.4f}..{t.max_s:.4f}, "
-            f"{t.repeats} alternating rounds{', busy machine' if m.busy else ''}), {p['pads']['total']} 5-D pads (aten)"
+            f"{t.repeats} alternating rounds{', busy machine' if m.busy else ''}), {p['pads']['total']} 5-D pads, {p['pads'].get('all_ranks', '-')} of any rank (aten)"
             + ("" if name == "stock" else f", {m.ratio(name):.2f}x stock ({m.verdict(name)})")
             + (f", rel err vs {reference_name} {p['corr'].rel_error:.2e}" if p["corr"] else ""))
     return records, stock_out

@@ -93,6 +93,18 @@ def _qwen_image_vae():
     )
 
 
+def _qwen_image21_vae():
+    from diffusers import AutoencoderKLQwenImage21
+
+    # The Qwen-Image-2.1 structure (residual blocks, AvgDown3D with time and space factors, DupUp3D,
+    # RGBA in and out, 2-D causal convolutions) at base_dim 8, three downsamplings (spatial factor 8:
+    # the tiled runs then have 4x4 tiles, as the Qwen-Image one).
+    return AutoencoderKLQwenImage21(
+        base_dim=8, decoder_base_dim=12, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+        temperal_downsample=[False, True, True], scale_factor_spatial=8, latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+    )
+
+
 def _run_vae(vae, seed: int, *, frames: int = 5, size: int = 32, tiled: bool = False, dtype: str = "float32", mode: str = "roundtrip") -> torch.Tensor:
     """Encode and decode a random video/image (``mode="roundtrip"``) or decode a random latent.
 
@@ -116,7 +128,9 @@ def _run_vae(vae, seed: int, *, frames: int = 5, size: int = 32, tiled: bool = F
                 lat_t = (frames - 1) // 4 + 1
                 z = torch.randn(1, cfg.z_dim, lat_t, size // spatial, size // spatial, generator=g).to(dt)
                 return vae.decode(z).sample.float()
-            x = (torch.rand(1, 3, frames, size, size, generator=g) * 2 - 1).to(dt)
+            # Image channels: 3, or the VAE's own (RGBA for Qwen-Image-2.1), before Wan2.2's patchify.
+            chans = getattr(cfg, "in_channels", 3) // (getattr(cfg, "patch_size", None) or 1) ** 2
+            x = (torch.rand(1, chans, frames, size, size, generator=g) * 2 - 1).to(dt)
             return vae(x, sample_posterior=False).sample.float()
     finally:
         if tiled:
@@ -379,6 +393,8 @@ TINY: dict[str, Tiny] = {
         Tiny("wan22_vae", "diffusers", "vae", _wan22_vae, _run_vae, {"frames": 5, "size": 32}, _VAE_SPACE),
         Tiny("qwen_image_vae", "diffusers", "vae", _qwen_image_vae, _run_vae, {"frames": 1, "size": 32},
              dict(_VAE_SPACE, frames=(1,))),  # single images: the Qwen-Image case (its 3-D path costs 10x on a CPU)
+        Tiny("qwen_image21_vae", "diffusers", "vae", _qwen_image21_vae, _run_vae, {"frames": 1, "size": 32},
+             dict(_VAE_SPACE, frames=(1,))),  # images only: its convolutions refuse a cache (more frames raise in diffusers)
         Tiny("wan_transformer", "diffusers", "dit", _wan_transformer, _run_wan_transformer, {},
              {"batch": (1, 2), "frames": (1, 2, 3), "size": (2, 4), "text": (1, 7), "dtype": ("float32", "bfloat16")}),
         Tiny("qwen_image_transformer", "diffusers", "dit", _qwen_image_transformer, _run_qwen_image_transformer, {},

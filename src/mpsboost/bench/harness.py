@@ -5,7 +5,8 @@ measure loop.
   time), the ceiling that "fraction of the bandwidth limit" figures refer to.
 * :func:`count_pad5d`: counts padding at the aten level on rank-5 inputs (``constant_pad_nd``,
   ``replication_pad3d``, ``reflection_pad3d``), whatever Python function issued it (``F.pad``,
-  ``nn.ZeroPad3d``, a library's own helper), through a ``TorchDispatchMode``.
+  ``nn.ZeroPad3d``, a library's own helper), through a ``TorchDispatchMode``; ``by_rank`` counts
+  every pad operator by input rank (the 4-D pads of 2-D VAEs such as Qwen-Image-2.1's).
 * :func:`measure_variants`: times several variants of one workload in alternation (round ``r``
   runs every variant once, in an order rotated by ``r``), so that a machine that slows down or
   speeds up during the run touches every variant alike. Each variant gets a
@@ -68,25 +69,34 @@ def copy_bandwidth(device: Any, *, nbytes: int = 1 << 30, repeats: int = 10) -> 
 
 #: The aten overloads that pad; counted when their input has rank 5.
 PAD_OPS_5D = ("constant_pad_nd", "replication_pad3d", "reflection_pad3d")
+#: Every aten pad overload; counted per input rank in ``PadCount.by_rank`` (e.g. the 4-D pads of a
+#: 2-D VAE such as Qwen-Image-2.1's, which also go through MPSGraph before torch 2.15: pytorch#195368).
+PAD_OPS_ANY = PAD_OPS_5D + ("replication_pad1d", "replication_pad2d", "reflection_pad1d", "reflection_pad2d")
 
 
 @dataclass
 class PadCount:
-    """Calls of each aten pad operator on rank-5 inputs seen inside :func:`count_pad5d`."""
+    """Calls of each aten pad operator on rank-5 inputs seen inside :func:`count_pad5d`, and
+    (``by_rank``) of every pad operator by the rank of its input."""
 
     by_op: dict = field(default_factory=lambda: {name: 0 for name in PAD_OPS_5D})
+    by_rank: dict = field(default_factory=dict)
 
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
 
+    @property
+    def all_ranks(self) -> int:
+        return sum(self.by_rank.values())
+
     def to_dict(self) -> dict:
-        return {"total": self.total, **self.by_op}
+        return {"total": self.total, **self.by_op, "all_ranks": self.all_ranks, "by_rank": {str(k): v for k, v in sorted(self.by_rank.items())}}
 
 
 @contextlib.contextmanager
 def count_pad5d() -> Iterator[PadCount]:
-    """Count aten-level padding of rank-5 tensors inside the block.
+    """Count aten-level padding of rank-5 tensors inside the block (and of any rank in ``by_rank``).
 
     Counting at the dispatcher sees every route to a pad kernel: ``F.pad`` in any mode, the
     ``nn.*Pad3d`` modules, and direct ``torch.ops.aten`` calls, which patching ``F.pad`` would miss.
@@ -96,14 +106,17 @@ def count_pad5d() -> Iterator[PadCount]:
 
     count = PadCount()
     aten = torch.ops.aten
-    watched = {getattr(aten, name).default: name for name in PAD_OPS_5D if hasattr(aten, name)}
-    packets = {getattr(aten, name): name for name in PAD_OPS_5D if hasattr(aten, name)}
+    watched = {getattr(aten, name).default: name for name in PAD_OPS_ANY if hasattr(aten, name)}
+    packets = {getattr(aten, name): name for name in PAD_OPS_ANY if hasattr(aten, name)}
 
     class _Counter(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = watched.get(func) or packets.get(getattr(func, "overloadpacket", None))
-            if name is not None and args and isinstance(args[0], torch.Tensor) and args[0].dim() == 5:
-                count.by_op[name] += 1
+            if name is not None and args and isinstance(args[0], torch.Tensor):
+                rank = args[0].dim()
+                count.by_rank[rank] = count.by_rank.get(rank, 0) + 1
+                if rank == 5 and name in count.by_op:
+                    count.by_op[name] += 1
             return func(*args, **(kwargs or {}))
 
     with _Counter():

@@ -14,6 +14,10 @@ first chunk of a video, every convolution of a single image), only the last time
 meets data: the 3-D convolution is exactly a 2-D convolution with ``weight[:, :, -1]`` (a third of
 the FLOPs for 3x3x3 kernels).
 
+The Qwen-Image-2.1 VAE already runs its causal convolutions as 2-D ones (``nn.Conv2d`` subclasses
+keeping ``_padding = (pW, pW, pH, pH)``): each squeezes the one frame, ``F.pad``s the 4-D tensor and
+convolves with zero own padding. :func:`frame_conv2d` folds that pad into the convolution.
+
 The other helpers replace the remaining pad calls of these VAEs (``AvgDown3D``'s time padding, the
 ``ZeroPad2d((0, 1, 0, 1))`` before stride-2 downsampling) and provide the channels-last fast path
 used on CUDA (a fused RMS norm over the channel axis, an in-place SiLU).
@@ -28,6 +32,8 @@ import torch.nn.functional as F
 __all__ = [
     "causal_conv3d",
     "single_frame_conv2d",
+    "frame_conv2d",
+    "frame_conv_foldable",
     "time_pad_front",
     "pad_right_bottom",
     "avg_down3d",
@@ -142,6 +148,34 @@ def causal_conv3d(
     else:
         inp = time_pad_front(parts, front, channels_last=channels_last)
     return F.conv3d(inp, conv.weight, conv.bias, conv.stride, (0, ph, pw), conv.dilation, conv.groups)
+
+
+def frame_conv_foldable(conv: torch.nn.Module) -> bool:
+    """True when :func:`frame_conv2d` computes what ``conv``'s own forward does: a 2-D convolution
+    with zero padding mode, no own padding, and a symmetric ``_padding = (pW, pW, pH, pH)``."""
+    p = getattr(conv, "_padding", None)
+    return (
+        isinstance(conv, torch.nn.Conv2d)
+        and conv.padding_mode == "zeros"
+        and tuple(conv.padding) == (0, 0)
+        and isinstance(p, (tuple, list))
+        and len(p) == 4
+        and p[0] == p[1]
+        and p[2] == p[3]
+    )
+
+
+def frame_conv2d(conv: torch.nn.Conv2d, x: torch.Tensor, *, channels_last: bool = False) -> torch.Tensor:
+    """What diffusers' ``QwenImage21CausalConv3d.forward(x)`` computes, without ``F.pad``.
+
+    ``x`` is ``[N, C, 1, H, W]``; the frame axis is dropped, the spatial zero padding is the
+    convolution's own ``padding`` (no padded copy of the activation; bit-exact on the CPU), and the
+    frame axis is put back. ``channels_last``: run the convolution on channels-last activations.
+    """
+    pw, _, ph, _ = conv._padding
+    x2 = to_memory_format(x.squeeze(2), channels_last)
+    y = F.conv2d(x2, conv.weight, conv.bias, conv.stride, (ph, pw), conv.dilation, conv.groups)
+    return y.unsqueeze(2)
 
 
 def pad_right_bottom(x: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ Per instance, by option:
 
 * every causal ``Conv3d``: :func:`~mpsboost.ops.causal_conv.causal_conv3d` (padding fold, zero
   slab, 2-D convolution for a single frame);
-* ``AvgDown3D`` (Wan2.2 encoder): time padding as a zero slab;
+* every frame convolution of the Qwen-Image-2.1 VAE (an ``nn.Conv2d`` that squeezes the frame and
+  pads a 4-D tensor): :func:`~mpsboost.ops.causal_conv.frame_conv2d` (padding fold);
+* ``AvgDown3D`` (Wan2.2 and Qwen-Image-2.1 encoders): time padding as a zero slab;
 * ``ZeroPad2d((0, 1, 0, 1))`` in the resample blocks: a buffer copy;
 * ``layout="channels_last"`` (the CUDA default): every convolution weight of the tree in
   channels-last layout (same values; cuDNN's native layout), so activations stay channels-last;
@@ -26,9 +28,9 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..gate import Env, check
-from ..registry import Changes, Decision, Match, Patch, bind_forward, class_path, join_path, matches_class, original_forward, relayout_param, set_instance_attr
+from ..registry import Changes, Decision, Match, Patch, bind_forward, call_original, class_path, join_path, matches_class, relayout_param, set_instance_attr
 from ..ops import vae_tiles
-from ..ops.causal_conv import avg_down3d, causal_conv3d, pad_right_bottom, rms_norm_channels, silu_inplace
+from ..ops.causal_conv import avg_down3d, causal_conv3d, frame_conv2d, frame_conv_foldable, pad_right_bottom, rms_norm_channels, silu_inplace
 
 __all__ = [
     "VaeClasses",
@@ -36,6 +38,8 @@ __all__ = [
     "VaePadOptions",
     "WAN",
     "QWEN",
+    "QWEN21",
+    "FAMILIES",
     "MODULES",
     "LAYOUTS",
     "parse_options",
@@ -54,9 +58,13 @@ MEMORY_THRESHOLD = 0.85
 
 @dataclass(frozen=True)
 class VaeClasses:
-    """The diffusers classes of one VAE family, by dotted path (matched against each MRO)."""
+    """The diffusers classes of one VAE family, by dotted path (matched against each MRO).
 
-    family: str  # "wan" / "qwen"
+    A model family is a row of :data:`FAMILIES`: a VAE whose modules pad like one of the rows' needs
+    only a new row, no new code.
+    """
+
+    family: str  # "wan" / "qwen" / "qwen21"
     vae: str
     conv: str
     norm: str
@@ -66,6 +74,12 @@ class VaeClasses:
     first_chunk: bool  # decoder takes first_chunk=
     clamp_tiled: bool  # tiled_decode clamps
     patchify: bool  # module has patchify / unpatchify (Wan2.2 patch_size)
+    # "causal3d": an nn.Conv3d with diffusers' `_padding = (pW, pW, pH, pH, 2*pT, 0)` that takes a
+    # cache (Wan, Qwen-Image); "frame2d": an nn.Conv2d with `_padding = (pW, pW, pH, pH)` that
+    # squeezes the one frame, pads a 4-D tensor and takes no cache (Qwen-Image-2.1).
+    conv_kind: str = "causal3d"
+    # Names of the (un)patchify functions in the family's diffusers module.
+    patch_fns: tuple[str, str] = ("patchify", "unpatchify")
 
 
 @dataclass(frozen=True)
@@ -175,6 +189,7 @@ def count_modules(root: torch.nn.Module, classes: VaeClasses) -> dict:
 
 _WAN = "diffusers.models.autoencoders.autoencoder_kl_wan"
 _QWEN = "diffusers.models.autoencoders.autoencoder_kl_qwenimage"
+_QWEN21 = "diffusers.models.autoencoders.autoencoder_kl_qwenimage21"
 
 #: diffusers 0.42.1's Wan2.1 / Wan2.2 VAE classes.
 WAN = VaeClasses(
@@ -204,8 +219,29 @@ QWEN = VaeClasses(
     patchify=False,
 )
 
+#: diffusers 0.42.1's Qwen-Image-2.1 VAE classes: the Wan2.2 residual design (AvgDown3D, DupUp3D,
+#: first_chunk, clamped tiles) for images only, its causal convolutions already 2-D (``nn.Conv2d``
+#: subclasses that squeeze the frame, ``F.pad`` it and refuse a cache).
+QWEN21 = VaeClasses(
+    family="qwen21",
+    vae=f"{_QWEN21}.AutoencoderKLQwenImage21",
+    conv=f"{_QWEN21}.QwenImage21CausalConv3d",
+    norm=f"{_QWEN21}.QwenImage21RMS_norm",
+    resample=f"{_QWEN21}.QwenImage21Resample",
+    blocks=(f"{_QWEN21}.QwenImage21ResidualBlock", f"{_QWEN21}.QwenImage21Encoder3d", f"{_QWEN21}.QwenImage21Decoder3d"),
+    avg_down=f"{_QWEN21}.QwenImage21AvgDown3D",
+    first_chunk=True,
+    clamp_tiled=True,
+    patchify=True,
+    conv_kind="frame2d",
+    patch_fns=("_patchify", "_unpatchify"),
+)
+
+#: Every family, by name.
+FAMILIES = {c.family: c for c in (WAN, QWEN, QWEN21)}
+
 #: diffusers module of each family (imported by the recipes, never here).
-MODULES = {"wan": _WAN, "qwen": _QWEN}
+MODULES = {"wan": _WAN, "qwen": _QWEN, "qwen21": _QWEN21}
 
 
 # ----------------------------------------------------------------------------------------- binding
@@ -214,11 +250,6 @@ def bind_module_forward(module: torch.nn.Module, recipe: str, new_forward: Calla
     """Bind ``new_forward`` on this instance (inside an accelerate hook where there is one: the
     registry puts it in ``_old_forward`` so that offloading keeps moving the weights in)."""
     return bind_forward(module, recipe, new_forward)
-
-
-def _inner_forward(module: torch.nn.Module, recipe: str) -> Callable[..., Any]:
-    """The forward the recipe replaced (for fallbacks), hook or not."""
-    return original_forward(module, recipe)
 
 
 def _convert_weights(root: torch.nn.Module, channels_last: bool) -> list[Patch]:
@@ -285,24 +316,36 @@ def patch_tree(
         def conv_forward(self: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
             return causal_conv3d(self, x, cache_x, single_frame_2d=sf, channels_last=cl)
 
+        def frame_forward(self: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+            if cache_x is not None or x.dim() != 5 or x.shape[2] != 1:
+                # The stock forward's own error (it takes one frame and no cache); shapes are static
+                # under torch.compile, so this is a guard, not a host sync.
+                return call_original(self, recipe, x, cache_x)
+            return frame_conv2d(self, x, channels_last=cl)
+
+        frame2d = classes.conv_kind == "frame2d"
+
         def avg_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             return avg_down3d(self, x)
 
         def pad_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             if x.dim() != 4:
-                return _inner_forward(self, recipe)(x)
+                return call_original(self, recipe, x)
             return pad_right_bottom(x)
 
         def norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             y = rms_norm_channels(self, x)
-            return y if y is not None else _inner_forward(self, recipe)(x)
+            # call_original, not a bound method built here: torch.compile traces straight through it.
+            return y if y is not None else call_original(self, recipe, x)
 
         def silu_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             return silu_inplace(x)
 
         for m in root.modules():
             if matches_class(m, (classes.conv,)):
-                ch.add(bind_module_forward(m, recipe, conv_forward))
+                if frame2d and not frame_conv_foldable(m):
+                    continue  # a padding mode other than zeros: left as it is
+                ch.add(bind_module_forward(m, recipe, frame_forward if frame2d else conv_forward))
             elif classes.avg_down and matches_class(m, (classes.avg_down,)):
                 ch.add(bind_module_forward(m, recipe, avg_forward))
             elif opts.fused_norm and matches_class(m, (classes.norm,)):
@@ -348,9 +391,9 @@ def find_targets(root: torch.nn.Module, prefix: str, classes: VaeClasses) -> Ite
     for name, mod in root.named_modules():
         if matches_class(mod, (classes.vae,)):
             found = True
-            yield Match(mod, join_path(prefix, name), {"vae": True})
+            yield Match(mod, join_path(prefix, name), {"vae": True, "family": classes.family})
     if not found and any(matches_class(m, (classes.conv,)) for m in root.modules()):
-        yield Match(root, prefix or "<root>", {"vae": False})
+        yield Match(root, prefix or "<root>", {"vae": False, "family": classes.family})
 
 
 def decide(recipe: str, classes: VaeClasses, match: Match, env: Env, options: VaePadOptions, backing: str) -> Decision:
