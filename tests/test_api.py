@@ -444,3 +444,44 @@ def test_report_folds_rows_with_one_reason_into_one_line(recipes):
 def test_fp8_io_names_its_own_action_for_a_wrong_object(tmp_path):
     with pytest.raises(UnsupportedTargetError, match=r"cannot save or load fp8 weights of a builtins.NoneType"):
         mpsboost.save_fp8(None, tmp_path / "x.safetensors")
+
+
+def test_unpatch_after_a_patch_that_applied_nothing_is_a_quiet_noop(recipes):
+    # Every row skipped (the gate fails on simulated MPS 2.14.1): patch() was called, last_report() has
+    # its report, and `try: patch ... finally: unpatch` must work.
+    m = _model()
+    before = _snapshot(m)
+    try:
+        report = mpsboost.patch(m, recipes=["t_gated"], device=mpsboost.Env.simulate("mps", "2.14.1"))
+        assert report.noop and {r.status for r in report.rows} == {"skipped"}
+        assert mpsboost.last_report(m) is report
+    finally:
+        mpsboost.unpatch(m)  # no NotPatchedError
+    assert _same(before, _snapshot(m))
+    # The records are gone: a second unpatch, like one on an object never passed to patch(), raises.
+    with pytest.raises(NotPatchedError, match="not patched"):
+        mpsboost.unpatch(m)
+    with pytest.raises(NotPatchedError, match="not patched"):
+        mpsboost.unpatch(_model())
+
+
+def test_unpatch_after_a_noop_patch_of_a_dense_lm_on_cuda():
+    # The README's "applies nothing here" case: a dense Qwen3 with CUDA decisions.
+    pytest.importorskip("transformers")
+    import tiny_models as tm
+
+    m = tm.build("qwen3")
+    report = mpsboost.patch(m, device=mpsboost.Env.simulate("cuda:9.0"))
+    assert report.noop, str(report)
+    mpsboost.unpatch(m)
+    assert not any(mod.__dict__.get(registry.ATTR) for mod in m.modules())
+    with pytest.raises(NotPatchedError):
+        mpsboost.unpatch(m)
+
+
+def test_unpatch_after_patch_then_noop_repatch_undoes_the_first(recipes):
+    m = _model()
+    mpsboost.patch(m, recipes=["t_scale"])
+    assert mpsboost.patch(m, recipes=["t_scale"]).noop
+    mpsboost.unpatch(m)
+    assert all("forward" not in l.__dict__ for l in m.modules() if isinstance(l, nn.Linear))

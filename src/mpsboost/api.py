@@ -451,13 +451,20 @@ def _rollback(applied: list[_Applied]) -> list[str]:
 def unpatch(obj: Any) -> None:
     """Undo every patch mpsboost applied to ``obj``; the original forwards are the very same objects again.
 
-    Raises :class:`NotPatchedError` if ``obj`` was never patched, and :class:`IrreversiblePatchError`
-    (changing nothing) if a recipe that converted weights in place was applied.
+    After a ``patch()`` that applied nothing (every recipe skipped here) it is a quiet no-op. Raises
+    :class:`NotPatchedError` if ``obj`` was never passed to ``patch()`` (or was unpatched already), and
+    :class:`IrreversiblePatchError` (changing nothing) if a recipe that converted weights in place was applied.
     """
     targets = _targets(obj, action="unpatch")
     with _LOCK:
         recs = _records(obj)
-        if not recs or not any(r.applied for r in recs):
+        if recs and not any(r.applied for r in recs):
+            # patch() was called and changed nothing (every row skipped, not applicable or already
+            # patched by a call that was undone since): there is nothing to undo, and saying "not
+            # patched" would be untrue; `try: patch(m) ... finally: unpatch(m)` must work anywhere.
+            _drop_records(obj)
+            return
+        if not recs:
             copied = _patched_modules(targets)
             if copied:
                 raise PatchedCopyError(
