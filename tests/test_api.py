@@ -484,4 +484,4 @@ def test_unpatch_after_patch_then_noop_repatch_undoes_the_first(recipes):
     mpsboost.patch(m, recipes=["t_scale"])
     assert mpsboost.patch(m, recipes=["t_scale"]).noop
     mpsboost.unpatch(m)
-    assert all("forward" not in l.__dict__ for l in m.modules() if isinstance(l, nn.Linear))
+    assert all("forward" not in lin.__dict__ for lin in m.modules() if isinstance(lin, nn.Linear))
