@@ -308,7 +308,8 @@ def test_report_reachable_and_serialisable(recipes):
 
     assert json.loads(report.to_json())["rows"][0]["recipe"] == "t_scale"
     text = str(report)
-    assert "t_scale" in text and "times two" in text and "3 applied" in text
+    assert "t_scale" in text and "times two" in text and "3 targets" in text
+    assert "1 recipe: 1 applied" in text and "Sequential: t_scale (3)" in text
 
 
 def test_not_applicable_row_when_no_targets(recipes):
@@ -436,7 +437,7 @@ def test_report_folds_rows_with_one_reason_into_one_line(recipes):
     lines = str(report).splitlines()
     body = [ln for ln in lines if ln.startswith("t_gated")]
     assert len(body) == 1, lines
-    assert "(x36)" in body[0] and "(12 targets)" in body[0]
+    assert "36 targets" in body[0] and "(12 paths)" in body[0]
     assert str(report).count("needs torch 2.15") == 1
     assert len(report.to_dict()["rows"]) == 36  # the JSON keeps every row
 
