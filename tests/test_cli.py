@@ -190,3 +190,24 @@ def test_doctor_and_plan_say_which_path_an_fp8_checkpoint_takes(tmp_path, model_
     plan = _run("plan", str(model_folders["lm"]), "--device", "mps", "--torch", "2.14.1", "--fp8-checkpoint", str(ck)).stdout
     assert line_old in plan
     _one_line_user_error(_run("doctor", "--fp8-checkpoint", str(tmp_path / "nothing-here"), check=False), "nothing-here")
+
+
+def test_every_listed_benchmark_script_exists_and_recipes_without_one_say_so():
+    from mpsboost.bench.cli import catalogue, find_benchmark, recipes_without_benchmark
+    from mpsboost.bench.errors import BenchmarkNotFoundError
+    from mpsboost.registry import recipe_names
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    rows = catalogue(root)
+    assert rows and all(path is not None and path.is_file() for _, _, path in rows), rows
+    listed = _run("bench", "--list").stdout
+    for name, stem, _ in rows:
+        assert name in listed and (root / f"{stem}.py").is_file()
+    # Every recipe either has a script or is named as having none; none points at a missing file.
+    missing = recipes_without_benchmark()
+    assert set(missing) | {n for n, _, _ in rows} >= set(recipe_names())
+    assert "metal_attention" in missing and "recipes without a benchmark: " in listed
+    for name in missing:
+        with pytest.raises(BenchmarkNotFoundError, match=f"recipe {name} has no benchmark of its own") as info:
+            find_benchmark(name, root)
+        assert f"{name}.py" not in str(info.value)
