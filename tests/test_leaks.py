@@ -18,7 +18,6 @@ import os
 import weakref
 
 import pytest
-import torch
 
 import mpsboost
 from mpsboost.gate import Env
