@@ -157,3 +157,26 @@ def test_output_attentions_of_an_eager_model_still_come_back():
     assert ref is not None and got is not None and len(got) == len(ref)
     assert all(g is not None and torch.allclose(g, r, atol=1e-6) for g, r in zip(got, ref))
     mpsboost.unpatch(model)
+
+
+def test_the_split_bound_reads_the_mask_by_name_and_never_underestimates():
+    """The per-call bound of a transformers attention module: the mask's key length when a mask is
+    passed (by position or keyword), else the config's longest sequence; never a tensor in another slot."""
+    from mpsboost.recipes.attention_split import _hf_may_exceed_for
+
+    model = tm.build("qwen3")
+    attn = next(m for _, m in _hf.attention_modules(model))
+    bound = _hf_may_exceed_for(attn)
+    heads = model.config.num_attention_heads
+    hidden = torch.zeros(2, 5, model.config.hidden_size)
+    pos = (torch.zeros(2, 5, 32), torch.zeros(2, 5, 32))
+    mask = torch.zeros(2, 1, 5, 40, dtype=torch.bool)  # 40 keys: 35 cached + 5 new
+    exact = 2 * heads * 5 * 40
+    for args, kwargs in (((hidden, pos, mask), {}), ((hidden, pos), {"attention_mask": mask}),
+                         ((), {"hidden_states": hidden, "position_embeddings": pos, "attention_mask": mask})):
+        assert bound(attn, args, kwargs, exact) is False
+        assert bound(attn, args, kwargs, exact - 1) is True
+    # No mask: bounded by max_position_embeddings (64 here), never by Lq alone.
+    longest = 2 * heads * 5 * model.config.max_position_embeddings
+    assert bound(attn, (hidden, pos, None), {}, longest) is False
+    assert bound(attn, (hidden, pos, None), {}, longest - 1) is True

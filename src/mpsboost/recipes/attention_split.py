@@ -23,6 +23,7 @@ is taken to have the fault (no fix is known). On CUDA and CPU it steps aside. Op
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -57,28 +58,48 @@ def _options(options: AttentionSplitOptions) -> tuple[int, bool]:
     return limit, options.force
 
 
-def _hf_may_exceed(module: torch.nn.Module, args: tuple, kwargs: dict, limit: int) -> bool:
-    """False when this call of a transformers attention module surely stays within ``limit`` scores:
-    B * query heads * Lq * Lk, with Lq from ``hidden_states`` and Lk the key length of the attention mask
-    (transformers' SDPA mask spans every key, cached ones included). Without a mask the keys are bounded
-    by the longer of Lq, the config's ``max_position_embeddings`` and any other sequence passed (cross
+def _positions(module: torch.nn.Module) -> tuple[int | None, int | None]:
+    """Where ``hidden_states`` and ``attention_mask`` sit among the positional arguments of ``module``'s
+    class forward (self excluded), or None. Read at patch time, from the signature: attention classes
+    differ (T5-style ones take ``mask`` and ``key_value_states``), and a tensor in the wrong slot must
+    never be read as the mask."""
+    fwd = inspect.unwrap(getattr(type(module), "forward"))
+    try:
+        names = [p.name for p in inspect.signature(fwd).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    except (TypeError, ValueError):
+        return None, None
+    pos = {n: i for i, n in enumerate(names)}
+    return pos.get("hidden_states"), pos.get("attention_mask")
+
+
+def _hf_may_exceed_for(module: torch.nn.Module) -> Callable[[torch.nn.Module, tuple, dict, int], bool]:
+    """The bound of one transformers attention class: False when a call surely stays within ``limit``
+    scores: B * query heads * Lq * Lk, with Lq from ``hidden_states`` and Lk the key length of the attention
+    mask (transformers' masks span every key, cached ones included). Without a mask the keys are bounded
+    by the longest of Lq, the config's ``max_position_embeddings`` and any other sequence passed (cross
     attention). True when the shapes cannot be read: then every SDPA call of the module is checked."""
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    cfg = getattr(module, "config", None)
-    heads = getattr(module, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not isinstance(heads, int):
-        return True
-    mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
-    lq = hidden.shape[1]
-    if isinstance(mask, torch.Tensor) and mask.dim() >= 2:
-        lk = mask.shape[-1]
-    else:
-        longest = getattr(cfg, "max_position_embeddings", None)
-        if not isinstance(longest, int):
+    at_hidden, at_mask = _positions(module)
+
+    def may_exceed(module: torch.nn.Module, args: tuple, kwargs: dict, limit: int) -> bool:
+        hidden = args[at_hidden] if at_hidden is not None and len(args) > at_hidden else kwargs.get("hidden_states")
+        cfg = getattr(module, "config", None)
+        heads = getattr(module, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not isinstance(heads, int):
             return True
-        others = [v.shape[1] for v in (*args[1:], *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() == 3]
-        lk = max([lq, longest, *others])
-    return hidden.shape[0] * heads * lq * lk > limit
+        mask = args[at_mask] if at_mask is not None and len(args) > at_mask else kwargs.get("attention_mask")
+        lq = hidden.shape[1]
+        if isinstance(mask, torch.Tensor) and mask.dim() >= 2:
+            lk = mask.shape[-1]
+        else:
+            longest = getattr(cfg, "max_position_embeddings", None)
+            if not isinstance(longest, int):
+                return True
+            others = [v.shape[1] for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() == 3]
+            lk = max([lq, longest, *others])
+        return hidden.shape[0] * heads * lq * lk > limit
+
+    return may_exceed
 
 
 def _split_forward(limit: int, may_exceed: Callable[[torch.nn.Module, tuple, dict, int], bool]):
@@ -171,13 +192,14 @@ class AttentionSplit(Recipe):
         limit = int(decision.details["max_scores"])
         if match.data.get("kind") == "transformers":
             modules = [m for _, m in _hf.attention_modules(match.module) if _hf.implementation(m) == "sdpa"]
-            forward = _split_forward(limit, _hf_may_exceed)
+            bounds: dict[type, Callable] = {}
+            forwards = [_split_forward(limit, bounds.setdefault(type(m), _hf_may_exceed_for(m))) for m in modules]
         else:
             modules = _attention_modules(match.module)
-            forward = _split_forward(limit, _may_exceed)
+            forwards = [_split_forward(limit, _may_exceed)] * len(modules)
         with Changes() as ch:
             # A mark on the model itself: patch() sees it patched (a second call is a no-op).
             ch.add(set_instance_attr(match.module, NAME, "_mpsboost_split_limit", limit))
-            for m in modules:
+            for m, forward in zip(modules, forwards):
                 ch.add(bind_forward(m, NAME, forward))
         return ch.patch(description=f"{NAME}: restore attention forwards")
