@@ -13,6 +13,7 @@ keeps saying what it said, and transformers picks its mask for that implementati
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from typing import Any, Callable, Iterator, Mapping
@@ -112,13 +113,9 @@ def _rewrap(fn: Any, inner: types.FunctionType, new_inner: types.FunctionType) -
     cells = tuple(swap(c) for c in fn.__closure__)
     if all(a is b for a, b in zip(cells, fn.__closure__)):
         raise RuntimeError(f"the decorator {fn.__qualname__!r} does not hold the function it wraps in its closure")
-    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
-    new.__kwdefaults__ = fn.__kwdefaults__
-    new.__dict__.update(fn.__dict__)
-    new.__wrapped__ = replacement
-    new.__qualname__ = fn.__qualname__
-    new.__module__ = fn.__module__
-    return new
+    new = _copy_meta(types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells), fn)
+    # The chain stays walkable (inspect.unwrap) down to the routed function.
+    return functools.update_wrapper(new, replacement, assigned=(), updated=())
 
 
 def routable(module: torch.nn.Module) -> str:
@@ -166,13 +163,14 @@ def _with_globals(fn: types.FunctionType, overrides: Mapping[str, Any]) -> types
     g = dict(fn.__globals__)
     g.update(overrides)
     g.pop("__name__", None)
-    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
-    new.__kwdefaults__ = fn.__kwdefaults__
-    new.__dict__.update(fn.__dict__)
-    new.__qualname__ = fn.__qualname__
-    new.__module__ = fn.__module__
-    new.__doc__ = fn.__doc__
-    return new
+    return _copy_meta(types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__), fn)
+
+
+def _copy_meta(new: types.FunctionType, fn: types.FunctionType) -> types.FunctionType:
+    """``new`` (a fresh copy of ``fn``'s code) with ``fn``'s keyword defaults, names, docstring and
+    attributes (``__wrapped__`` included, so a decorator chain stays walkable)."""
+    return functools.update_wrapper(new, fn, assigned=("__kwdefaults__", "__qualname__", "__module__", "__doc__"),
+                                    updated=("__dict__",))
 
 
 def eager_function(module: torch.nn.Module) -> Callable[..., Any] | None:
