@@ -150,8 +150,11 @@ def test_a_held_method_bound_to_its_module_does_not_keep_the_module_alive():
     import types
     import weakref
 
+    def bound_to(mod):
+        return lambda: types.MethodType(lambda self: self, mod)
+
     m = torch.nn.Linear(2, 2)
-    p = hold_instance_attr(m, "_switch", lambda: types.MethodType(lambda self: self, m), True)
+    p = hold_instance_attr(m, "_switch", bound_to(m), True)
     assert m._switch() is m and held_by(m, "_switch") == [True]
     ref = weakref.ref(m)
     del m, p
