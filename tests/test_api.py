@@ -308,7 +308,8 @@ def test_report_reachable_and_serialisable(recipes):
 
     assert json.loads(report.to_json())["rows"][0]["recipe"] == "t_scale"
     text = str(report)
-    assert "t_scale" in text and "times two" in text and "3 applied" in text
+    assert "t_scale" in text and "times two" in text and "3 targets" in text
+    assert "1 recipe: 1 applied" in text and "Sequential: t_scale (3)" in text
 
 
 def test_not_applicable_row_when_no_targets(recipes):
@@ -436,7 +437,7 @@ def test_report_folds_rows_with_one_reason_into_one_line(recipes):
     lines = str(report).splitlines()
     body = [ln for ln in lines if ln.startswith("t_gated")]
     assert len(body) == 1, lines
-    assert "(x36)" in body[0] and "(12 targets)" in body[0]
+    assert "36 targets" in body[0] and "(12 paths)" in body[0]
     assert str(report).count("needs torch 2.15") == 1
     assert len(report.to_dict()["rows"]) == 36  # the JSON keeps every row
 
@@ -444,3 +445,44 @@ def test_report_folds_rows_with_one_reason_into_one_line(recipes):
 def test_fp8_io_names_its_own_action_for_a_wrong_object(tmp_path):
     with pytest.raises(UnsupportedTargetError, match=r"cannot save or load fp8 weights of a builtins.NoneType"):
         mpsboost.save_fp8(None, tmp_path / "x.safetensors")
+
+
+def test_unpatch_after_a_patch_that_applied_nothing_is_a_quiet_noop(recipes):
+    # Every row skipped (the gate fails on simulated MPS 2.14.1): patch() was called, last_report() has
+    # its report, and `try: patch ... finally: unpatch` must work.
+    m = _model()
+    before = _snapshot(m)
+    try:
+        report = mpsboost.patch(m, recipes=["t_gated"], device=mpsboost.Env.simulate("mps", "2.14.1"))
+        assert report.noop and {r.status for r in report.rows} == {"skipped"}
+        assert mpsboost.last_report(m) is report
+    finally:
+        mpsboost.unpatch(m)  # no NotPatchedError
+    assert _same(before, _snapshot(m))
+    # The records are gone: a second unpatch, like one on an object never passed to patch(), raises.
+    with pytest.raises(NotPatchedError, match="not patched"):
+        mpsboost.unpatch(m)
+    with pytest.raises(NotPatchedError, match="not patched"):
+        mpsboost.unpatch(_model())
+
+
+def test_unpatch_after_a_noop_patch_of_a_dense_lm_on_cuda():
+    # The README's "applies nothing here" case: a dense Qwen3 with CUDA decisions.
+    pytest.importorskip("transformers")
+    import tiny_models as tm
+
+    m = tm.build("qwen3")
+    report = mpsboost.patch(m, device=mpsboost.Env.simulate("cuda:9.0"))
+    assert report.noop, str(report)
+    mpsboost.unpatch(m)
+    assert not any(mod.__dict__.get(registry.ATTR) for mod in m.modules())
+    with pytest.raises(NotPatchedError):
+        mpsboost.unpatch(m)
+
+
+def test_unpatch_after_patch_then_noop_repatch_undoes_the_first(recipes):
+    m = _model()
+    mpsboost.patch(m, recipes=["t_scale"])
+    assert mpsboost.patch(m, recipes=["t_scale"]).noop
+    mpsboost.unpatch(m)
+    assert all("forward" not in lin.__dict__ for lin in m.modules() if isinstance(lin, nn.Linear))

@@ -10,7 +10,9 @@ import pytest
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "mpsboost.cli", *args], capture_output=True, text=True, timeout=240)
+    # A hang guard only: a loaded 2-core machine stretches the wall time of importing torch, transformers
+    # and diffusers 5-10x (see tests/test_cookbook.py), so it is far above a quiet run's few seconds.
+    proc = subprocess.run([sys.executable, "-m", "mpsboost.cli", *args], capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"mpsboost {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -251,3 +253,24 @@ def test_doctor_prints_hub_kernels_and_who_decided(capsys):
     info = json.loads(capsys.readouterr().out)
     assert set(info["hub_kernels"]) >= {"would_load", "why", "kernels", "needs", "repos"}
     assert info["features"]["device_streams"]["decided_by"] == "by version"
+
+
+def test_every_listed_benchmark_script_exists_and_recipes_without_one_say_so():
+    from mpsboost.bench.cli import catalogue, find_benchmark, recipes_without_benchmark
+    from mpsboost.bench.errors import BenchmarkNotFoundError
+    from mpsboost.registry import recipe_names
+
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    rows = catalogue(root)
+    assert rows and all(path is not None and path.is_file() for _, _, path in rows), rows
+    listed = _run("bench", "--list").stdout
+    for name, stem, _ in rows:
+        assert name in listed and (root / f"{stem}.py").is_file()
+    # Every recipe either has a script or is named as having none; none points at a missing file.
+    missing = recipes_without_benchmark()
+    assert set(missing) | {n for n, _, _ in rows} >= set(recipe_names())
+    assert "metal_attention" in missing and "recipes without a benchmark: " in listed
+    for name in missing:
+        with pytest.raises(BenchmarkNotFoundError, match=f"recipe {name} has no benchmark of its own") as info:
+            find_benchmark(name, root)
+        assert f"{name}.py" not in str(info.value)

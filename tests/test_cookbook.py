@@ -27,7 +27,16 @@ SCRIPTS = {
 }
 
 
-def _run(script: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+# Timeouts catch a hung script, nothing else, so they are far above any run time seen. A script's wall time
+# grows with the machine's load, not with its own work: wan22_video took 16.6 s of CPU and 88.6 s of wall
+# time on a 2-core machine at load average 14, so the former 120 s timeout (and 60 s for the scripts that
+# stop at argument checks: 2.8 s of CPU, 22.6 s of wall there) could expire on a loaded machine while the
+# same run passed on a quiet one.
+TIMEOUT = 900
+QUICK_TIMEOUT = 600
+
+
+def _run(script: str, *args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     return subprocess.run([sys.executable, str(RECIPES / f"{script}.py"), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
@@ -84,11 +93,11 @@ def test_fp8_any_saves_where_asked_and_reloads_other_architectures(tmp_path):
 
 def test_missing_local_model_fails_with_a_clear_message(tmp_path):
     missing = tmp_path / "no-such-model"
-    proc = _run("qwen3_moe_chat", "--model", str(missing), "--device", "cpu", timeout=60)
+    proc = _run("qwen3_moe_chat", "--model", str(missing), "--device", "cpu", timeout=QUICK_TIMEOUT)
     assert proc.returncode != 0
     assert str(missing) in proc.stderr or "no-such-model" in proc.stderr
 
 
 def test_model_and_random_weights_exclude_each_other():
-    proc = _run("wan22_video", "--model", "x", "--random-weights", "tiny", timeout=60)
+    proc = _run("wan22_video", "--model", "x", "--random-weights", "tiny", timeout=QUICK_TIMEOUT)
     assert proc.returncode == 2 and "not allowed with argument" in proc.stderr

@@ -142,3 +142,24 @@ def test_cuda_side_stream_equals_stock():
             out = vae.decode(z).sample
     torch.cuda.synchronize()
     assert torch.equal(out, ref)
+
+
+def test_opt_in_everywhere_as_the_doctor_says(capsys):
+    """Never measured harmless (no MPS record; no gain on an H200): a plain patch() leaves it out even on
+    an MPS build with user streams, naming it applies it there, and the doctor's tag says so."""
+    import json
+
+    from mpsboost.cli import main as cli_main
+    from mpsboost.registry import get_recipe
+
+    nightly = Env.simulate("mps", "2.16.0.dev20271231")
+    assert gate.check("device_streams", nightly).ok
+    assert get_recipe(RECIPE).default is False
+    vae = wan22()
+    default = mpsboost.plan(vae, env=nightly)
+    assert RECIPE not in default.recipes() and "wan_vae_pad" in default.recipes("would apply")
+    named = mpsboost.plan(vae, env=nightly, recipes=["wan_vae_pad", RECIPE])
+    assert {r.status for r in named.rows_for(RECIPE)} == {"would apply"}
+    assert cli_main(["doctor", "--json"]) == 0
+    recipes = {r["name"]: r for r in json.loads(capsys.readouterr().out)["recipes"]}
+    assert recipes[RECIPE]["default"] is False and recipes["wan_vae_pad"]["default"] is True

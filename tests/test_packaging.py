@@ -32,11 +32,11 @@ PUBLIC = ("patch", "unpatch", "patched", "plan", "last_report", "save_fp8", "loa
 IMPORT_PROBE = """
 import json, sys, time
 t0 = time.perf_counter(); import torch; t1 = time.perf_counter()
-import mpsboost; t2 = time.perf_counter()
+c1 = time.process_time(); import mpsboost; t2 = time.perf_counter(); c2 = time.process_time()
 names = mpsboost.recipe_names()
 missing = [n for n in {public!r} if not hasattr(mpsboost, n)]
 heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('diffusers', 'transformers', 'accelerate'))
-print(json.dumps({{"torch_s": t1 - t0, "mpsboost_s": t2 - t1, "version": mpsboost.__version__, "recipes": names,
+print(json.dumps({{"torch_s": t1 - t0, "mpsboost_s": t2 - t1, "mpsboost_cpu_s": c2 - c1, "version": mpsboost.__version__, "recipes": names,
                   "missing": missing, "heavy": heavy, "file": mpsboost.__file__}}))
 """
 
@@ -170,8 +170,13 @@ def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_proper
     }
     for check in checks.values():
         _run([py, "-c", check], env=env, timeout=300)
-    line = f"import torch {probe['torch_s']:.2f} s, then import mpsboost {probe['mpsboost_s'] * 1000:.0f} ms"
+    line = (f"import torch {probe['torch_s']:.2f} s, then import mpsboost {probe['mpsboost_s'] * 1000:.0f} ms "
+            f"({probe['mpsboost_cpu_s'] * 1000:.0f} ms of CPU)")
     print("fresh-venv import times: " + line)
     record_property("import_times", line)
-    # `import mpsboost` after torch stays light: no diffusers/transformers, well under a second.
-    assert probe["mpsboost_s"] < 1.0, line
+    # `import mpsboost` after torch stays light: no diffusers/transformers, well under a second. The bound
+    # is on the CPU time of this process, not the wall time: on a loaded 2-core machine (the README's test
+    # command in a fresh clone, next to other jobs) the wall time of the first import of a fresh venv was
+    # seen at 10x its CPU time (0.36 s wall for 0.04 s CPU, load average 14), and a wall-time bound failed
+    # there once while passing on the next run. CPU time does not grow with other processes' load.
+    assert probe["mpsboost_cpu_s"] < 1.0, line

@@ -142,6 +142,30 @@ def test_hold_instance_attr_is_shared_and_removed_by_the_last_holder():
     assert m.__dict__["_shared"] is theirs and held_by(m, "_shared") is None
 
 
+def test_a_held_method_bound_to_its_module_does_not_keep_the_module_alive():
+    # The moe_experts decode switch: a method bound to the very module that holds it. Kept in a
+    # process-wide table (even a WeakKeyDictionary keyed by the module) the value references its key
+    # and the module is never freed; kept on the module it is a cycle the collector frees.
+    import gc
+    import types
+    import weakref
+
+    def bound_to(mod):
+        return lambda: types.MethodType(lambda self: self, mod)
+
+    m = torch.nn.Linear(2, 2)
+    p = hold_instance_attr(m, "_switch", bound_to(m), True)
+    assert m._switch() is m and held_by(m, "_switch") == [True]
+    ref = weakref.ref(m)
+    del m, p
+    gc.collect()
+    assert ref() is None
+    # And nothing of it is left in the registry module.
+    from mpsboost import registry
+
+    assert not [k for k, v in vars(registry).items() if isinstance(v, weakref.WeakKeyDictionary)]
+
+
 def test_register_in_interface_adds_a_key_once_and_never_replaces():
     class Interface:
         _global_mapping: dict = {"stock": "stock-fn"}

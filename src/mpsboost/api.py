@@ -124,6 +124,11 @@ def _targets(obj: Any, *, allow_mapping: bool = False, action: str = "patch") ->
     )
 
 
+def _components(targets: list[tuple[str, torch.nn.Module]]) -> tuple[str, ...]:
+    """The pipeline component names of ``targets`` (empty for a model): the report counts per model."""
+    return tuple(p for p, _ in targets if p)
+
+
 def _first_param_device(targets: list[tuple[str, torch.nn.Module]]) -> torch.device | None:
     for _, root in targets:
         for t in _tensors(root):
@@ -319,8 +324,15 @@ def _plan_rows(chosen, targets, env, fp8, options, *, mode: str) -> tuple[list[R
                 else:
                     rows.append(Row(recipe.name, match.path, SKIPPED, reason=decision.reason, details=dict(decision.details)))
         if not found:
-            targets_text = ", ".join(t.rsplit(".", 1)[-1] for t in recipe.targets) or "its targets"
-            rows.append(Row(recipe.name, "-", NOT_APPLICABLE, reason=f"no {targets_text} in this object"))
+            # At most two class names in the text; every one in the row's details (to_json()).
+            names = [t.rsplit(".", 1)[-1] for t in recipe.targets]
+            if not names:
+                what = "no target of this recipe in this object"
+            elif len(names) <= 2:
+                what = f"no {' or '.join(names)} in this object"
+            else:
+                what = f"no target in this object ({len(names)} classes; see to_json())"
+            rows.append(Row(recipe.name, "-", NOT_APPLICABLE, reason=what, details={"target_classes": list(recipe.targets)}))
     return rows, actions
 
 
@@ -362,7 +374,7 @@ def plan(
     chosen, _ = _select(recipes, exclude, fp8)
     with _LOCK:
         rows, _ = _plan_rows(chosen, targets, env, fp8, options, mode="plan")
-    return PatchReport.from_rows("plan", env, rows, target_type=type(obj).__name__)
+    return PatchReport.from_rows("plan", env, rows, target_type=type(obj).__name__, components=_components(targets))
 
 
 # ------------------------------------------------------------------------------------------ patching
@@ -411,7 +423,8 @@ def patch(
             if names:  # one warning per call, naming each requested recipe that skipped and why
                 why = "; ".join(f"requested recipe {n} was skipped: {next(r.reason for r in skipped if r.recipe == n)}" for n in names)
                 warnings.warn(f"mpsboost: {why}", stacklevel=2)
-        rec = _Record(report=PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__))
+        rec = _Record(report=PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__,
+                                                   components=_components(targets)))
         try:
             for recipe, match, decision, opts in actions:
                 undo = recipe.apply(match, decision, env, opts)
@@ -436,7 +449,8 @@ def patch(
         _add_record(obj, rec)  # also for a no-op, so that last_report() gives this call's report
         note = "nothing changed: already patched" if rec.report.noop and rec.report.by_status(ALREADY_PATCHED) else ""
         if note:
-            rec.report = PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__, note=note)
+            rec.report = PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__, note=note,
+                                               components=_components(targets))
         return rec.report
 
 
@@ -454,13 +468,20 @@ def _rollback(applied: list[_Applied]) -> list[str]:
 def unpatch(obj: Any) -> None:
     """Undo every patch mpsboost applied to ``obj``; the original forwards are the very same objects again.
 
-    Raises :class:`NotPatchedError` if ``obj`` was never patched, and :class:`IrreversiblePatchError`
-    (changing nothing) if a recipe that converted weights in place was applied.
+    After a ``patch()`` that applied nothing (every recipe skipped here) it is a quiet no-op. Raises
+    :class:`NotPatchedError` if ``obj`` was never passed to ``patch()`` (or was unpatched already), and
+    :class:`IrreversiblePatchError` (changing nothing) if a recipe that converted weights in place was applied.
     """
     targets = _targets(obj, action="unpatch")
     with _LOCK:
         recs = _records(obj)
-        if not recs or not any(r.applied for r in recs):
+        if recs and not any(r.applied for r in recs):
+            # patch() was called and changed nothing (every row skipped, not applicable or already
+            # patched by a call that was undone since): there is nothing to undo, and saying "not
+            # patched" would be untrue; `try: patch(m) ... finally: unpatch(m)` must work anywhere.
+            _drop_records(obj)
+            return
+        if not recs:
             copied = _patched_modules(targets)
             if copied:
                 raise PatchedCopyError(

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping
 
@@ -594,9 +593,17 @@ def at_commit(fn: Callable[[], None], description: str) -> Patch:
 
 # ---------------------------------------------------------------------- shared instance attributes
 
-# module -> {attribute name: [value, [holder data, ...]]}. Weak keys: a held attribute never keeps a
-# model alive.
-_HOLDS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, list]]" = weakref.WeakKeyDictionary()
+# A shared attribute's record lives on the module itself, in its ``_mpsboost_patches`` store under
+# ``_HOLD + name``: [value, [(token, holder data), ...]]. The value is often a method bound to that very
+# module; kept in any process-wide table, even a WeakKeyDictionary keyed by the module, the value would
+# reference its key and keep the model alive forever. On the instance it is a plain reference cycle that
+# the garbage collector frees with the model.
+_HOLD = "<held>:"
+
+
+def _hold_entry(module: torch.nn.Module, name: str) -> list | None:
+    entry = module.__dict__.get(ATTR, {}).get(_HOLD + name)
+    return entry if isinstance(entry, list) else None
 
 
 def hold_instance_attr(module: torch.nn.Module, name: str, make_value: Callable[[], Any], data: Any = None,
@@ -607,15 +614,15 @@ def hold_instance_attr(module: torch.nn.Module, name: str, make_value: Callable[
 
     An attribute already on the instance that mpsboost did not set is left alone (the Patch changes
     nothing, and :func:`held_by` gives ``None``): someone else bound it, and mpsboost follows theirs.
+    The record of the holders lives on ``module`` (nothing process-wide refers to it).
     """
-    holds = _HOLDS.get(module)
-    entry = holds.get(name) if holds is not None else None
+    entry = _hold_entry(module, name)
     if entry is None:
         if name in module.__dict__:
             return no_change(description or f"{name} already bound on the instance")
         value = make_value()
         entry = [value, []]
-        _HOLDS.setdefault(module, {})[name] = entry
+        module.__dict__.setdefault(ATTR, {})[_HOLD + name] = entry
         module.__dict__[name] = value
     token = (object(), data)
     entry[1].append(token)
@@ -624,11 +631,11 @@ def hold_instance_attr(module: torch.nn.Module, name: str, make_value: Callable[
         entry[1][:] = [t for t in entry[1] if t is not token]
         if entry[1]:
             return
-        mine = _HOLDS.get(module, {})
-        if mine.get(name) is entry:
-            del mine[name]
-            if not mine:
-                _HOLDS.pop(module, None)
+        store = module.__dict__.get(ATTR, {})
+        if store.get(_HOLD + name) is entry:
+            del store[_HOLD + name]
+            if not store:
+                module.__dict__.pop(ATTR, None)
         if module.__dict__.get(name) is entry[0]:
             del module.__dict__[name]
 
@@ -638,7 +645,7 @@ def hold_instance_attr(module: torch.nn.Module, name: str, make_value: Callable[
 def held_by(module: torch.nn.Module, name: str) -> list | None:
     """The ``data`` of every live holder of ``name`` on ``module`` (see :func:`hold_instance_attr`), or
     None when mpsboost does not hold it."""
-    entry = _HOLDS.get(module, {}).get(name)
+    entry = _hold_entry(module, name)
     return None if entry is None else [d for _, d in entry[1]]
 
 

@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 from .errors import BenchError, BenchmarkNotFoundError
 from .records import Record, read_jsonl, write_jsonl
 
-__all__ = ["main", "script_main", "find_benchmark", "catalogue", "present_devices", "BENCHMARKS", "benchmark_dirs", "list_benchmarks", "best_device", "run_benchmark", "SIZES"]
+__all__ = ["main", "script_main", "find_benchmark", "catalogue", "present_devices", "BENCHMARKS", "recipes_without_benchmark", "benchmark_dirs", "list_benchmarks", "best_device", "run_benchmark", "SIZES"]
 
 SIZES = ("tiny", "small", "real")
 # What `mpsboost bench NAME` accepts: every recipe name, and the end-to-end matrix, mapped to the
@@ -131,6 +131,13 @@ def find_benchmark(name: str, explicit: str | os.PathLike | None = None) -> Path
     found = list_benchmarks(explicit)
     if stem in found:
         return found[stem]
+    missing = recipes_without_benchmark()
+    if name in missing:
+        # A recipe with no script: say so, rather than send the user looking for a file that never existed.
+        raise BenchmarkNotFoundError(
+            f"recipe {name} has no benchmark of its own ({missing[name]}). Benchmarks: "
+            + ", ".join(n for n, _, p in catalogue(explicit) if p is not None)
+        )
     dirs = benchmark_dirs(explicit)
     if not dirs:
         raise BenchmarkNotFoundError(f"no benchmark {name!r} here: " + NOT_SHIPPED.format(env="$" + ENV_VAR))
@@ -140,6 +147,23 @@ def find_benchmark(name: str, explicit: str | os.PathLike | None = None) -> Path
         f"no benchmark named {name!r}: {script} is not in {', '.join(str(d) for d in dirs)}. Names: {known}. "
         f"Point --benchmarks-dir or ${ENV_VAR} at the folder holding {stem}.py."
     )
+
+
+# Recipes with no benchmark script, and why (`mpsboost bench NAME` says so; `--list` names them apart).
+_NO_BENCHMARK_WHY = {
+    "metal_attention": "it routes attention to the Metal SDPA kernels, which only an MPS device runs; "
+                       "its numerics are covered by the tests and by `mpsboost selftest`",
+    "attention_split": "it changes no speed, only correctness above 2^31 attention scores on MPS; "
+                       "covered by the tests and by `mpsboost selftest`",
+    "video_vae_pad": "`mpsboost selftest` runs it (a HunyuanVideo VAE round trip); no separate script yet",
+}
+
+
+def recipes_without_benchmark() -> dict[str, str]:
+    """{recipe name: why it has no script} for every registered recipe that ``BENCHMARKS`` does not map."""
+    from ..registry import recipe_names
+
+    return {n: _NO_BENCHMARK_WHY.get(n, "no benchmark script yet") for n in recipe_names() if n not in BENCHMARKS}
 
 
 def catalogue(explicit: str | os.PathLike | None = None) -> list[tuple[str, str, Path | None]]:
@@ -252,6 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, stem, path in rows:
                 where = str(path) if path is not None else f"benchmarks/{stem}.py (not found here)"
                 print(f"{name.ljust(width)}  {where}")
+            missing = recipes_without_benchmark()
+            if missing:
+                print("\nrecipes without a benchmark: " + ", ".join(missing))
             if not dirs:
                 print("\n" + NOT_SHIPPED.format(env="$" + ENV_VAR) + ".")
                 return 1

@@ -11,9 +11,11 @@ is computed as before. Calls within the budget pass through unchanged.
   ``F.scaled_dot_product_attention`` routed to the split (``WanAttnProcessor`` and Qwen-Image's
   processor reach it through ``dispatch_attention_fn``'s native backend, ``AttnProcessor2_0``
   directly). One report row per model.
-- transformers: models on ``sdpa`` attention switch to ``"mpsboost_sdpa_split"``, registered in
-  transformers' ``AttentionInterface`` (its documented extension point): transformers' own SDPA
-  function with its SDPA calls split. ``unpatch`` restores each config's previous implementation.
+- transformers: every attention module on ``sdpa`` gets a forward of its own that runs its class's
+  forward with SDPA routed to the split, only for calls that may exceed the budget (a bound from the
+  shapes: batch, heads, queries and the key length the mask has). No config changes: the model's
+  ``config._attn_implementation`` still reads ``"sdpa"`` (transformers picks its mask by it; its own
+  tests assert it), and a model built later from the same config object is untouched.
 
 Gate: the ``sdpa_large_scores_correct`` feature where the gate has it; without it, every MPS build
 is taken to have the fault (no fix is known). On CUDA and CPU it steps aside. Options:
@@ -21,22 +23,21 @@ is taken to have the fault (no fix is known). On CUDA and CPU it steps aside. Op
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from ..gate import FEATURES, Env, check
-from ..ops.attention_split import MAX_SCORES, SdpaSplitMode, score_elements
+from ..ops.attention_split import MAX_SCORES, SdpaSplitMode
 from . import _hf
 from ..registry import (Changes, Decision, Match, Patch, Recipe, bind_forward, call_original, matches_class,
-                        register, register_in_interface, set_instance_attr)
+                        register, set_instance_attr)
 
 NAME = "attention_split"
 
-
-IMPLEMENTATION = "mpsboost_sdpa_split"
 _PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
 _MODELMIXIN = "diffusers.models.modeling_utils.ModelMixin"
 _DIFFUSERS_ATTENTION = ("diffusers.models.attention_processor.Attention", "diffusers.models.attention.AttentionModuleMixin")
@@ -57,30 +58,60 @@ def _options(options: AttentionSplitOptions) -> tuple[int, bool]:
     return limit, options.force
 
 
-def _implementation(limit: int) -> str:
-    return IMPLEMENTATION if limit == MAX_SCORES else f"{IMPLEMENTATION}_{limit}"
+def _positions(module: torch.nn.Module) -> tuple[int | None, int | None]:
+    """Where ``hidden_states`` and ``attention_mask`` sit among the positional arguments of ``module``'s
+    class forward (self excluded), or None. Read at patch time, from the signature: attention classes
+    differ (T5-style ones take ``mask`` and ``key_value_states``), and a tensor in the wrong slot must
+    never be read as the mask."""
+    fwd = inspect.unwrap(getattr(type(module), "forward"))
+    try:
+        names = [p.name for p in inspect.signature(fwd).parameters.values()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    except (TypeError, ValueError):
+        return None, None
+    pos = {n: i for i, n in enumerate(names)}
+    return pos.get("hidden_states"), pos.get("attention_mask")
 
 
-def _register_with_transformers(limit: int) -> tuple[str, list[Patch]]:
-    """Add the split SDPA function for ``limit`` to transformers' interfaces (adds a key only)."""
-    name = _implementation(limit)
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    from transformers.modeling_utils import AttentionInterface
+def _hf_may_exceed_for(module: torch.nn.Module) -> Callable[[torch.nn.Module, tuple, dict, int], bool]:
+    """The bound of one transformers attention class: False when a call surely stays within ``limit``
+    scores: B * query heads * Lq * Lk, with Lq from ``hidden_states`` and Lk the key length of the attention
+    mask (transformers' masks span every key, cached ones included). Without a mask the keys are bounded
+    by the longest of Lq, the config's ``max_position_embeddings`` and any other sequence passed (cross
+    attention). True when the shapes cannot be read: then every SDPA call of the module is checked."""
+    at_hidden, at_mask = _positions(module)
 
-    def make() -> Any:
-        def split_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            # [B, H, L, D]: within the budget (static shapes under torch.compile) transformers' own function
-            # runs untouched; above it, with its SDPA call split.
-            if score_elements(query, key) <= limit:
-                return sdpa_attention_forward(module, query, key, *args, **kwargs)
-            with SdpaSplitMode(limit):
-                return sdpa_attention_forward(module, query, key, *args, **kwargs)
+    def may_exceed(module: torch.nn.Module, args: tuple, kwargs: dict, limit: int) -> bool:
+        hidden = args[at_hidden] if at_hidden is not None and len(args) > at_hidden else kwargs.get("hidden_states")
+        cfg = getattr(module, "config", None)
+        heads = getattr(module, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or not isinstance(heads, int):
+            return True
+        mask = args[at_mask] if at_mask is not None and len(args) > at_mask else kwargs.get("attention_mask")
+        lq = hidden.shape[1]
+        if isinstance(mask, torch.Tensor) and mask.dim() >= 2:
+            lk = mask.shape[-1]
+        else:
+            longest = getattr(cfg, "max_position_embeddings", None)
+            if not isinstance(longest, int):
+                return True
+            others = [v.shape[1] for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() == 3]
+            lk = max([lq, longest, *others])
+        return hidden.shape[0] * heads * lq * lk > limit
 
-        return split_attention_forward
+    return may_exceed
 
-    return name, [register_in_interface(AttentionInterface, name, make),
-                  register_in_interface(AttentionMaskInterface, name, lambda: sdpa_mask)]
+
+def _split_forward(limit: int, may_exceed: Callable[[torch.nn.Module, tuple, dict, int], bool]):
+    def forward(self_: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # Shapes are static under torch.compile: calls that cannot exceed the budget trace the stock
+        # forward untouched; only the large ones run with SDPA routed to the split.
+        if not may_exceed(self_, args, kwargs, limit):
+            return call_original(self_, NAME, *args, **kwargs)
+        with SdpaSplitMode(limit):
+            return call_original(self_, NAME, *args, **kwargs)
+
+    return forward
 
 
 def _may_exceed(module: torch.nn.Module, args: tuple, kwargs: dict, limit: int) -> bool:
@@ -134,8 +165,12 @@ class AttentionSplit(Recipe):
             impl = getattr(getattr(match.module, "config", None), "_attn_implementation", None)
             if impl != "sdpa":
                 return Decision.skip(f"attention implementation {impl!r}: only 'sdpa' calls the kernel this recipe splits")
-            found = Decision.apply("sdpa split along queries (transformers attention function)", "was 'sdpa'",
-                                   max_scores=limit, previous=impl)
+            mods = [m for _, m in _hf.attention_modules(match.module) if _hf.implementation(m) == "sdpa"]
+            if not mods:
+                return Decision.skip("no attention module on 'sdpa' that looks up transformers' attention functions")
+            found = Decision.apply("sdpa split along queries (attention module forwards)",
+                                   f"'sdpa' kept in the config; {len(mods)} attention modules",
+                                   max_scores=limit, attention_modules=len(mods))
         else:
             n = len(_attention_modules(match.module))
             found = Decision.apply("sdpa split along queries (attention processors)", f"{n} attention modules",
@@ -156,24 +191,15 @@ class AttentionSplit(Recipe):
     def apply(self, match: Match, decision: Decision, env: Env, options: AttentionSplitOptions) -> Patch:
         limit = int(decision.details["max_scores"])
         if match.data.get("kind") == "transformers":
-            return self._apply_transformers(match.module, limit)
-
-        def forward(self_: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-            # Shapes are static under torch.compile: calls that cannot exceed the budget trace the stock
-            # forward untouched; only the large ones run with SDPA routed to the split.
-            if not _may_exceed(self_, args, kwargs, limit):
-                return call_original(self_, NAME, *args, **kwargs)
-            with SdpaSplitMode(limit):
-                return call_original(self_, NAME, *args, **kwargs)
-
+            modules = [m for _, m in _hf.attention_modules(match.module) if _hf.implementation(m) == "sdpa"]
+            bounds: dict[type, Callable] = {}
+            forwards = [_split_forward(limit, bounds.setdefault(type(m), _hf_may_exceed_for(m))) for m in modules]
+        else:
+            modules = _attention_modules(match.module)
+            forwards = [_split_forward(limit, _may_exceed)] * len(modules)
         with Changes() as ch:
             # A mark on the model itself: patch() sees it patched (a second call is a no-op).
             ch.add(set_instance_attr(match.module, NAME, "_mpsboost_split_limit", limit))
-            for m in _attention_modules(match.module):
+            for m, forward in zip(modules, forwards):
                 ch.add(bind_forward(m, NAME, forward))
         return ch.patch(description=f"{NAME}: restore attention forwards")
-
-    def _apply_transformers(self, model: torch.nn.Module, limit: int) -> Patch:
-        name, keys = _register_with_transformers(limit)
-        return _hf.use_attn_implementation(model, NAME, name, keys, "_mpsboost_split_before",
-                                           f"{NAME}: restore attention implementations")

@@ -1,11 +1,13 @@
 """metal_attention: attention of transformers and diffusers models on the Metal SDPA kernels of MPS.
 
-- transformers models on ``eager`` or ``sdpa`` attention are switched to the attention function
-  ``"mpsboost_metal"`` (registered once in transformers' ``AttentionInterface`` and
-  ``AttentionMaskInterface``, its documented extension point; the mask is transformers' own SDPA mask):
-  :func:`mpsboost.ops.attention.sdpa` with K/V left grouped, bool or query-dtype masks. Cases it does not
-  cover (softcap, position bias, attention sinks, returned attention weights) go to transformers' own SDPA
-  function unchanged. ``unpatch`` restores each config's previous implementation.
+- transformers models on ``eager`` (or ``sdpa``, forced) attention: each attention module of the instance
+  gets its class's forward with the attention function looked up for its implementation routed to
+  :func:`metal_attention_forward` (:func:`mpsboost.recipes._hf.route_attention`): SDPA with K/V left
+  grouped, bool or query-dtype masks (transformers' own mask for the configured implementation). Cases it
+  does not cover (softcap, position bias, attention sinks, returned attention weights) go to the function
+  the implementation names (transformers' eager or SDPA one). No config changes: ``config._attn_implementation``
+  still reads what it read (transformers picks its mask by it), and a model built later from the same
+  config object is untouched. ``unpatch`` restores the very same forwards.
 - diffusers ``Attention`` modules on the matmul processors (``AttnProcessor``, ``SlicedAttnProcessor``
   from ``enable_attention_slicing()``, and their added-KV variants) get diffusers' SDPA processors; the
   flash-style Metal prefill kernels keep memory linear in sequence length, which is what slicing was for.
@@ -35,8 +37,7 @@ import torch
 from ..gate import Env, Verdict, check
 from ..ops.attention import METAL_HEAD_DIMS, metal_head_dim_ok, sdpa
 from . import _hf
-from ..registry import (Decision, Match, Patch, Recipe, class_path, matches_class, register,
-                        register_in_interface, set_instance_attr)
+from ..registry import Changes, Decision, Match, Patch, Recipe, class_path, matches_class, register, set_instance_attr
 
 IMPLEMENTATION = "mpsboost_metal"
 _PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
@@ -52,6 +53,16 @@ _SDPA_PROCESSOR = {
 _SWITCHABLE = ("eager", "sdpa")
 
 
+def _uncovered(kwargs: dict) -> bool:
+    return (
+        kwargs.get("softcap") is not None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("s_aux") is not None
+        or kwargs.get("sinks") is not None
+        or bool(kwargs.get("output_attentions", False))
+    )
+
+
 def metal_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -64,16 +75,14 @@ def metal_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: ``[B, H, L, D]`` in, ``[B, L, H, D]`` out, as ``sdpa_attention_forward``."""
-    if (
-        kwargs.get("softcap") is not None
-        or kwargs.get("position_bias") is not None
-        or kwargs.get("s_aux") is not None
-        or kwargs.get("sinks") is not None
-        or kwargs.get("output_attentions", False)
-    ):
+    if _uncovered(kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    return _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal)
+
+
+def _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal):
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # As transformers' SDPA function: the causal flag only for a prefill without mask; an empty static
@@ -85,13 +94,24 @@ def metal_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register_with_transformers() -> list[Patch]:
-    """Add ``"mpsboost_metal"`` to transformers' attention and mask interfaces (once; adds a key only)."""
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    from transformers.modeling_utils import AttentionInterface
+def _eager_routed(eager: Any):
+    """The function an eager model's attention modules get: Metal SDPA on transformers' eager mask (a
+    query-dtype additive mask, always materialised); the modeling file's own eager function for the cases
+    SDPA does not cover (returned attention weights among them: an eager model's users may read them)."""
 
-    return [register_in_interface(AttentionInterface, IMPLEMENTATION, lambda: metal_attention_forward),
-            register_in_interface(AttentionMaskInterface, IMPLEMENTATION, lambda: sdpa_mask)]
+    def eager_to_metal(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if _uncovered(kwargs):
+            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return _metal(module, query, key, value, attention_mask, dropout, scaling, kwargs.get("is_causal"))
+
+    return eager_to_metal
+
+
+def _routes(module: torch.nn.Module) -> dict[str, Any]:
+    """implementation name -> the function ``module``'s forward gets for it."""
+    if _hf.implementation(module) == "eager":
+        return {"eager": _eager_routed(_hf.eager_function(module))}
+    return {"sdpa": metal_attention_forward}
 
 
 def _head_dim(cfg: Any) -> int | None:
@@ -161,13 +181,20 @@ class MetalAttention(Recipe):
             return Decision.skip(f"attention implementation {impl!r} chosen for this model; left alone")
         if not getattr(type(model), "_supports_sdpa", False):
             return Decision.skip(f"{class_path(type(model))} does not support SDPA attention")
-        can = getattr(model, "_can_set_attn_implementation", None)
-        if callable(can) and not can():
-            return Decision.skip(f"{class_path(type(model))} cannot switch attention implementation at run time")
         hd = _head_dim(cfg)
         if hd is not None and not metal_head_dim_ok(hd):
             return Decision.skip(f"head_dim {hd} has no Metal kernel (kernels: {METAL_HEAD_DIMS}); stock kept")
-        return Decision.apply("sdpa, grouped K/V (transformers attention function)", f"was {impl!r}", previous=impl)
+        mods = [m for _, m in _hf.attention_modules(model) if _hf.implementation(m) in _SWITCHABLE]
+        if not mods:
+            return Decision.skip("no attention module that looks up transformers' attention functions; left alone")
+        why = next((w for w in map(_hf.routable, mods) if w), "") or next(
+            (f"{type(m).__name__}'s modeling file has no eager_attention_forward to fall back on" for m in mods
+             if _hf.implementation(m) == "eager" and _hf.eager_function(m) is None), "")
+        if why:
+            return Decision.skip(f"cannot route its attention modules: {why}")
+        return Decision.apply("sdpa, grouped K/V (attention module forwards)",
+                              f"{impl!r} kept in the config; {len(mods)} attention modules", previous=impl,
+                              attention_modules=len(mods))
 
     def _decide_diffusers(self, match: Match) -> Decision:
         attn = match.module
@@ -195,9 +222,13 @@ class MetalAttention(Recipe):
         return set_instance_attr(match.module, self.name, "processor", processor)
 
     def _apply_transformers(self, model: torch.nn.Module) -> Patch:
-        # _register_with_transformers() runs first: a failure there leaves nothing to undo.
-        return _hf.use_attn_implementation(model, self.name, IMPLEMENTATION, _register_with_transformers(),
-                                           "_mpsboost_attention_before", "metal_attention: restore attention implementations")
+        with Changes() as ch:
+            # A mark on the model itself: patch() sees it patched (a second call is a no-op).
+            ch.add(set_instance_attr(model, self.name, "_mpsboost_metal_attention", True))
+            for _, m in _hf.attention_modules(model):
+                if _hf.implementation(m) in _SWITCHABLE:
+                    ch.add(_hf.route_attention(m, self.name, _routes(m)))
+        return ch.patch(description="metal_attention: restore attention forwards")
 
 
 def _native_kernels(env: Env) -> Verdict:

@@ -8,10 +8,14 @@ the 2.16 nightlies that have user streams (pytorch#191415 ``torch.mps.Stream``, 
 ``record_stream``, #194111 multi-stream events): the gate feature ``device_streams`` decides.
 The output is the stock one, value for value.
 
-On CUDA it is opt-in (``options={"mps_streams": {"on_cuda": True}}``): on an H200 the side stream
-left a stock tiled decode's time unchanged and made the ``wan_vae_pad`` one slower (see
-``benchmarks/results/mps_streams-cuda-*.jsonl``). There it exists to measure the code that MPS
-2.16 will run.
+Opt-in everywhere (``default = False``: a plain ``patch()`` never selects it; name it, e.g.
+``patch(vae, recipes=["wan_vae_pad", "mps_streams"])``). A recipe is on by default only where it was
+measured harmless, and this one has no such record: on MPS it has never been measured (no MPS device
+has run it; the 2.16 nightlies with user streams are the first builds where it can run), and on an H200
+it bought nothing: the side stream left a stock tiled decode's time unchanged and, next to
+``wan_vae_pad``, measured slower in one series (1.48 s vs 1.19 s, 2026-11-29) and no different in the
+next (0.99x, 2026-11-30; ``benchmarks/results/mps_streams-cuda-*.jsonl``). On CUDA, where it exists to
+measure the code that MPS 2.16 will run, it also needs ``options={"mps_streams": {"on_cuda": True}}``.
 
 Targets: the Wan and Qwen-Image VAEs (``tiled_decode``). With ``wan_vae_pad`` / ``qwen_image_vae``
 applied as well, their convolutions are used inside the same tile loop.
@@ -56,7 +60,7 @@ class MpsStreams(Recipe):
     lossless = True
     reversible = True
     requires = ("device_streams",)
-    default = True
+    default = False  # opt-in: measured harmless nowhere yet (see the module docstring)
     order = 110  # after wan_vae_pad / qwen_image_vae, whose tile loop this one replaces
     Options = MpsStreamsOptions
 
@@ -73,11 +77,12 @@ class MpsStreams(Recipe):
             return Decision.skip(v.reason)
         if env.device_type == "cuda" and not on_cuda:
             # Measured on one H200 (torch 2.11.0+cu130, Wan2.2 VAE 480x832x21 tiled, fp32): the side
-            # stream alone left the time unchanged (1.833 s vs 1.841 s stock), but together with
-            # wan_vae_pad it was slower than wan_vae_pad alone (1.479 s vs 1.189 s).
+            # stream alone left the time unchanged (1.833 s vs 1.841 s stock; 1.01x in the next series);
+            # next to wan_vae_pad it was slower than wan_vae_pad alone in one series (1.479 s vs 1.189 s,
+            # 2026-11-29) and no different in the next (1.086 s vs 1.079 s, 2026-11-30): no gain either way.
             return Decision.skip(
-                f"{v.reason}, but on CUDA the side stream measured slower next to wan_vae_pad (H200: 1.48 s vs "
-                "1.19 s per Wan2.2 480x832x21 tiled decode); opt in with options={'mps_streams': {'on_cuda': True}}"
+                f"{v.reason}, but on CUDA the side stream bought nothing (H200, Wan2.2 480x832x21 tiled decode: "
+                "0.99x-1.01x, once 0.80x next to wan_vae_pad); opt in with options={'mps_streams': {'on_cuda': True}}"
             )
         return Decision.apply(
             "side stream: blend and copy-out overlap the next tile",
