@@ -467,12 +467,13 @@ def test_unpatch_after_a_patch_that_applied_nothing_is_a_quiet_noop(recipes):
 
 
 def test_unpatch_after_a_noop_patch_of_a_dense_lm_on_cuda():
-    # The README's "applies nothing here" case: a dense Qwen3 with CUDA decisions.
+    # A patch that applies nothing: a dense Qwen3 with CUDA decisions, rms_norm left out (it applies there in
+    # eager mode since the 2026-12-01 H200 measurement; every other default recipe steps aside).
     pytest.importorskip("transformers")
     import tiny_models as tm
 
     m = tm.build("qwen3")
-    report = mpsboost.patch(m, device=mpsboost.Env.simulate("cuda:9.0"))
+    report = mpsboost.patch(m, device=mpsboost.Env.simulate("cuda:9.0"), exclude=["rms_norm"])
     assert report.noop, str(report)
     mpsboost.unpatch(m)
     assert not any(mod.__dict__.get(registry.ATTR) for mod in m.modules())

@@ -308,10 +308,14 @@ def check_recipe(name: str, recipe: Any, device: str, dtype_name: str, repeats: 
         stock_ref = _compare(stock_out, ref, wl.metric, "cpu-fp32")
         patched_ref = _compare(patched_out, ref, wl.metric, "cpu-fp32")
         rel_s, rel_p = stock_ref.rel_error, patched_ref.rel_error
-        close = vs_stock.rel_error is not None and vs_stock.rel_error <= tol
+        # On CUDA fp32 convolutions and matmuls may run TF32 (torch.backends.cudnn.allow_tf32 is on by default),
+        # so two correct algorithms (a layout or a fold cuDNN treats differently) differ by up to stock's own
+        # distance from the CPU fp32 reference; the tolerance grows to twice that distance, never less than tol.
+        bound = max(tol, 2 * rel_s) if rel_s is not None else tol
+        close = vs_stock.rel_error is not None and vs_stock.rel_error <= bound
         no_worse = rel_p is not None and rel_s is not None and rel_p <= 1.5 * rel_s + tol
         ok = bool(close and no_worse)
-        why = (f"patched vs stock rel {vs_stock.rel_error:.2e} (tolerance {tol:g}); vs CPU fp32: stock {rel_s:.2e}, patched {rel_p:.2e}")
+        why = (f"patched vs stock rel {vs_stock.rel_error:.2e} (tolerance {bound:.2g}); vs CPU fp32: stock {rel_s:.2e}, patched {rel_p:.2e}")
     ratio = stock_t.median_s / patched_t.median_s if patched_t.median_s > 0 else None
     applied = [r for r in report.rows if r.status == "applied"]
     info = {"recipe": name, "status": "pass" if ok else "fail", "reason": why, "speed_ratio": ratio, "tolerance": tol,
