@@ -290,7 +290,7 @@ def _decode(device: str, size: str, env: RecordEnv, emit, budget: _Budget, bw: f
                 except Exception as exc:  # a peer that fails here is reported, not fatal
                     print(f"peer {kind} failed on {label}: {type(exc).__name__}: {str(exc)[:200]}")
         rows.append((label, n, k, us_stock, us_fp8, frac, sq, peer_us))
-        del mods, ws, bs
+        mods = ws = bs = None  # free them (closures above still name them)
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
@@ -350,7 +350,7 @@ def _gemm(device: str, size: str, env: RecordEnv, emit, budget: _Budget) -> list
                         correctness=Correctness("float64 F.linear of the bf16 layer", sqnr_db=fp8_ops.sqnr_db(y, ref)),
                         extra={"speedup_vs_stock": t_stock.median_s / t.median_s}))
             res[variant] = t.median_s * 1e6
-            del mods, mod
+            mods = mod = None
         if size == "real":
             for kind in PEERS:
                 try:
@@ -372,7 +372,7 @@ def _gemm(device: str, size: str, env: RecordEnv, emit, budget: _Budget) -> list
                 except Exception as exc:
                     print(f"peer {kind} failed on {label}: {type(exc).__name__}: {str(exc)[:200]}")
         rows.append((label, n, k, res))
-        del w, b, x, ref
+        w = b = x = ref = None
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()

@@ -218,7 +218,7 @@ def _sweep(run: _Run, s: dict, dtype: torch.dtype) -> dict[tuple[str, int], floa
             ))
         run.log("sweep n=%d: " % n + ", ".join(f"{v.split(':')[-1] if v != 'mpsboost' else 'auto'}={times[(v, n)] * 1e6:.0f}us" for v in variants))
     _set_variant(m, "transformers:grouped_mm")
-    del m
+    m = None  # free it (the timed closures name it)
     return times
 
 
@@ -364,7 +364,7 @@ def _sync_and_graph(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> No
     for key, val in results.items():
         if not key.startswith("mpsboost") and key.endswith("sync"):
             run.summary.append(f"  {key}: {val}")
-    del m
+    m = None
 
 
 # ----------------------------------------------------------------------------------------- stage 4: whole model
@@ -436,11 +436,11 @@ def _model_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> None:
                 extra={"ms_per_token": td.median_s * 1e3},
             ))
             line += f" | decode@{c}: {td.median_s * 1e3:7.2f} ms/token"
-            del cache
+            cache = None
         run.log(line)
         run.summary.append(line)
     _set_variant(model, "transformers:grouped_mm")
-    del model, contexts
+    model = contexts = None
     gc.collect()
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -564,7 +564,7 @@ def _compiled_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict, bw: f
         run.log(line)
         run.summary.append(line)
     _set_variant(model, "transformers:grouped_mm")
-    del model
+    model = None
 
 
 # ----------------------------------------------------------------------------------------- entry

@@ -11,7 +11,7 @@ import torch
 import mpsboost
 from mpsboost.ops import moe as moe_ops
 from mpsboost.recipes import moe_experts as recipe_mod
-from test_moe_zoo import ALL_NAMES, HF_NAMES, build, routing, tiny_causal_lm
+from test_moe_zoo import ALL_NAMES, build, routing, tiny_causal_lm
 
 FP32_TOL = 1e-5   # relative, patched vs transformers eager, fp32
 BF16_TOL = 2e-2   # relative, patched vs transformers eager, bf16 (different accumulation order and rounding points)

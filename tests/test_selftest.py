@@ -424,3 +424,20 @@ def test_size_flags():
     with pytest.raises(SystemExit):
         parse(["--quick", "--full"])
     assert selftest.PROCESSES["quick"] >= 3 and selftest.BUDGET_S["quick"] < 600  # a Mac run stays under 10 minutes
+
+
+def test_float32_tolerance_rises_to_tf32_only_on_cuda(monkeypatch):
+    # cuDNN runs float32 convolutions in TF32 by default on CUDA: there two correct algorithms differ at
+    # TF32's rounding (2^-11), so the float32 tolerance is at least 1e-3; elsewhere it is what was asked.
+    import torch
+
+    from mpsboost.selftest.machine import TF32_FLOOR, fp32_tolerance
+
+    assert fp32_tolerance("cpu", "float32", 1e-4) == 1e-4
+    assert fp32_tolerance("mps", "float32", 1e-4) == 1e-4
+    assert fp32_tolerance("cuda", "bfloat16", 3e-2) == 3e-2
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    assert fp32_tolerance("cuda", "float32", 1e-4) == TF32_FLOOR == 1e-3
+    assert fp32_tolerance("cuda:0", "float32", 5e-3) == 5e-3
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    assert fp32_tolerance("cuda", "float32", 1e-4) == 1e-4

@@ -52,7 +52,6 @@ def as_tensor(output: Any):
 
 
 def _pair(x: Any, ref: Any):
-    import torch
 
     x, ref = as_tensor(x), as_tensor(ref)
     if x.shape != ref.shape:

@@ -170,3 +170,18 @@ def scrub_all(obj: Any, extra: tuple[str, ...] = ()) -> Any:
     if isinstance(obj, (list, tuple)):
         return [scrub_all(v, extra) for v in obj]
     return obj
+
+
+# TF32 keeps 10 mantissa bits (unit roundoff 2^-11, about 4.9e-4). On CUDA, cuDNN runs float32 convolutions in
+# TF32 by default (torch.backends.cudnn.allow_tf32), and two correct algorithms (a layout, a fold) then differ
+# at that scale; a float32 tolerance below it would fail correct code.
+TF32_FLOOR = 1e-3
+
+
+def fp32_tolerance(device: str, dtype_name: str, tol: float) -> float:
+    """``tol``, raised to :data:`TF32_FLOOR` for float32 on a CUDA build that lets cuDNN use TF32."""
+    import torch
+
+    if dtype_name == "float32" and str(device).startswith("cuda") and torch.backends.cudnn.allow_tf32:
+        return max(tol, TF32_FLOOR)
+    return tol

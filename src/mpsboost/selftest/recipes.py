@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .machine import fp32_tolerance
+
 __all__ = ["LOSSY", "STATUSES", "TOLERANCE", "WORKLOADS", "RecipeResult", "Workload", "check_recipe", "format_table"]
 
 KIND = "selftest"
@@ -295,7 +297,7 @@ def check_recipe(name: str, recipe: Any, device: str, dtype_name: str, repeats: 
             mpsboost.unpatch(model)
     stock_out, patched_out = (t.detach().to("cpu", torch.float32) for t in (stock_out, patched_out))
     vs_stock = _compare(patched_out, stock_out, wl.metric, "stock")
-    tol = LOSSY if not recipe.lossless else TOLERANCE[dtype_name]
+    tol = LOSSY if not recipe.lossless else fp32_tolerance(device, dtype_name, TOLERANCE[dtype_name])
     if wl.metric == "ids":
         # Sampled tokens: the same seed must draw the same tokens; the CPU reference draws from another
         # generator stream unless the device is the CPU.
@@ -308,14 +310,10 @@ def check_recipe(name: str, recipe: Any, device: str, dtype_name: str, repeats: 
         stock_ref = _compare(stock_out, ref, wl.metric, "cpu-fp32")
         patched_ref = _compare(patched_out, ref, wl.metric, "cpu-fp32")
         rel_s, rel_p = stock_ref.rel_error, patched_ref.rel_error
-        # On CUDA fp32 convolutions and matmuls may run TF32 (torch.backends.cudnn.allow_tf32 is on by default),
-        # so two correct algorithms (a layout or a fold cuDNN treats differently) differ by up to stock's own
-        # distance from the CPU fp32 reference; the tolerance grows to twice that distance, never less than tol.
-        bound = max(tol, 2 * rel_s) if rel_s is not None else tol
-        close = vs_stock.rel_error is not None and vs_stock.rel_error <= bound
+        close = vs_stock.rel_error is not None and vs_stock.rel_error <= tol
         no_worse = rel_p is not None and rel_s is not None and rel_p <= 1.5 * rel_s + tol
         ok = bool(close and no_worse)
-        why = (f"patched vs stock rel {vs_stock.rel_error:.2e} (tolerance {bound:.2g}); vs CPU fp32: stock {rel_s:.2e}, patched {rel_p:.2e}")
+        why = (f"patched vs stock rel {vs_stock.rel_error:.2e} (tolerance {tol:g}); vs CPU fp32: stock {rel_s:.2e}, patched {rel_p:.2e}")
     ratio = stock_t.median_s / patched_t.median_s if patched_t.median_s > 0 else None
     applied = [r for r in report.rows if r.status == "applied"]
     info = {"recipe": name, "status": "pass" if ok else "fail", "reason": why, "speed_ratio": ratio, "tolerance": tol,

@@ -24,6 +24,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .machine import fp32_tolerance
+from .probes import _release
+
 __all__ = ["SEED_WORKLOADS", "SIZES", "SeedWorkload", "run_workload", "time_workload"]
 
 SIZES = ("test", "quick", "full")
@@ -290,16 +293,6 @@ def _memory_dict(mem) -> dict:
     return {k: getattr(mem, k) for k in ("tensor_allocated", "allocator_reserved", "driver_level", "driver_level_source")}
 
 
-def _release(device: str) -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if device == "mps":
-        torch.mps.empty_cache()
-    elif device == "cuda":
-        torch.cuda.empty_cache()
 
 
 def run_workload(wl: SeedWorkload, device: str, size: str, repeats: int) -> dict:
@@ -343,7 +336,7 @@ def run_workload(wl: SeedWorkload, device: str, size: str, repeats: int) -> dict
         if ref is not None:
             patched["vs_cpu"] = _quality(patched_out.float().cpu(), ref, wl.metric)
         vs_stock = _quality(patched_out.float().cpu(), stock_out.float().cpu(), wl.metric)
-        tol = wl.tolerance[built.dtype]
+        tol = fp32_tolerance(device, built.dtype, wl.tolerance[built.dtype])
         close = vs_stock["rel_error"] is not None and vs_stock["rel_error"] <= tol
         why = f"patched vs stock rel. error {vs_stock['rel_error']:.2e} (tolerance {tol:g})" if vs_stock["rel_error"] is not None else "patched output has NaN"
         if ref is not None:
