@@ -86,7 +86,14 @@ def _sync(device: str) -> None:
         torch.mps.synchronize()
 
 
-def run(device: str, size: str, dtype: torch.dtype, env_text: str | None, repeats: int = 5) -> list[Record]:
+def run(device: str, size: str, out: Path | None = None) -> list[Record]:
+    """The entry point of ``mpsboost bench linear_attention --device D --size S``: native decisions, bf16 on
+    an accelerator and float32 on the CPU; sizes ``small`` and ``real`` both run the real layer."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    return measure(device, "tiny" if size == "tiny" else "real", dtype, None)
+
+
+def measure(device: str, size: str, dtype: torch.dtype, env_text: str | None, repeats: int = 5) -> list[Record]:
     cfg, stock = _layer(size, dtype, device)
     patched = copy.deepcopy(stock)
     ref = copy.deepcopy(stock).float()
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = a.device != "cpu"
     size = a.size or ("real" if gpu else "tiny")
     dtype = getattr(torch, a.dtype or ("bfloat16" if gpu else "float32"))
-    records = run(a.device, size, dtype, a.env, repeats=a.repeats)
+    records = measure(a.device, size, dtype, a.env, repeats=a.repeats)
     if a.out:
         path = write_jsonl(Path(a.out), records)
         print(f"wrote {len(records)} records to {path}")

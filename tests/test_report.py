@@ -51,11 +51,14 @@ def test_not_applicable_rows_fold_their_class_lists(reports):
             assert named <= 2, row.reason
             if len(classes) > 2:
                 assert f"no target in this object ({len(classes)} classes; see to_json())" == row.reason
-        # str(report) puts them on one line, by recipe name
+        # str(report) puts them in one paragraph by recipe name (wrapped at the line width), before the summary
         missing = [r.recipe for r in rep.by_status(NOT_APPLICABLE)]
         if missing:
-            line = next(ln for ln in str(rep).splitlines() if ln.startswith("not applicable"))
-            assert all(m in line for m in missing)
+            lines = str(rep).splitlines()
+            start = next(i for i, ln in enumerate(lines) if ln.startswith("not applicable"))
+            end = next(i for i in range(start, len(lines)) if lines[i].split(" ", 1)[0].isdigit() and " recipes:" in lines[i])
+            paragraph = " ".join(lines[start:end])
+            assert all(m in paragraph for m in missing), paragraph
 
 
 def test_counts_per_recipe_and_model_and_a_footnote(reports):

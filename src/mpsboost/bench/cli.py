@@ -38,6 +38,7 @@ BENCHMARKS = {
     "decode_linear": "decode_linear",
     "softmax": "softmax",
     "mps_streams": "mps_streams",
+    "linear_attention": "linear_attention",
     "e2e": "e2e",
 }
 NOT_SHIPPED = (

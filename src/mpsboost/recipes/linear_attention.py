@@ -64,6 +64,8 @@ from ..registry import (
     bind_forward,
     call_original,
     class_path,
+    fuse_params,
+    fuse_storage,
     register,
     set_attr,
     set_instance_attr,
@@ -145,6 +147,16 @@ class _State:
         self.key: tuple | None = None
         self.derived: dict[str, Any] | None = None
 
+    def set_fused(self, fused: torch.Tensor | None) -> None:
+        self.fused = fused
+
+    def remember(self, derived: dict[str, Any], key: tuple) -> None:
+        self.derived, self.key = derived, key
+
+    def forget(self) -> None:
+        """Drop the fused storage and the decode constants (the layer runs the stock forward until fused again)."""
+        self.fused = self.derived = self.key = None
+
 
 # ---------------------------------------------------------------------------- structure
 
@@ -216,17 +228,6 @@ def _proj_params(mod: torch.nn.Module, layout: _Layout) -> list[torch.nn.Paramet
 
 # ---------------------------------------------------------------------------- fused storage
 
-def _fuse(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """One storage holding every projection's rows; each Parameter becomes a view of its slice."""
-    with torch.no_grad(), torch.inference_mode(False):
-        fused = torch.cat([p.detach() for p in params], dim=0)
-        start = 0
-        for p in params:
-            p.data = fused[start:start + p.shape[0]]
-            start += p.shape[0]
-    return fused
-
-
 def _fused_views(params: list[torch.nn.Parameter], fused: torch.Tensor | None) -> bool:
     if fused is None:
         return False
@@ -236,20 +237,6 @@ def _fused_views(params: list[torch.nn.Parameter], fused: torch.Tensor | None) -
             return False
         start += p.shape[0] * step
     return True
-
-
-def _fuse_patch(mod: torch.nn.Module, state: _State) -> Patch:
-    def undo() -> None:
-        fused, state.fused, state.derived, state.key = state.fused, None, None, None
-        if fused is None:
-            return
-        base = fused.untyped_storage().data_ptr()
-        with torch.no_grad():
-            for p in _proj_params(mod, state.layout):
-                if p.untyped_storage().data_ptr() == base:
-                    p.data = p.data.clone()
-
-    return Patch(undo, description=f"{NAME}: projection weights back to their own storage")
 
 
 # ---------------------------------------------------------------------------- derived tensors
@@ -320,15 +307,15 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
     linears = [(getattr(mod, name, None), lay.hidden, rows) for name, rows in zip(_PROJ[lay.family], lay.widths)]
     linears.append((getattr(mod, _OUT[lay.family], None), lay.hv * lay.dv, lay.hidden))
     if any(_plain_linear(*x) for x in linears) or len({(m.weight.dtype, m.weight.device) for m, _, _ in linears}) != 1:
-        state.fused = state.derived = state.key = None  # e.g. weights converted by another recipe: free the old storage
+        state.forget()  # e.g. weights converted by another recipe: free the old storage
         return None
     params = _proj_params(mod, lay)
     if not _fused_views(params, state.fused):
-        state.fused = _fuse(params)
+        state.set_fused(fuse_storage(params))
         key = _key(mod, lay)
     with torch.no_grad():
-        state.derived = _derive(mod, lay, state)
-    state.key = key
+        derived = _derive(mod, lay, state)
+    state.remember(derived, key)
     return state.derived
 
 
@@ -479,8 +466,10 @@ class LinearAttention(Recipe):
             raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
         with Changes() as ch:
             state = _State(lay, decision.details["prefill"], decision.details["compiled"], None)  # type: ignore[arg-type]
-            ch.add(_fuse_patch(mod, state))
-            state.fused = _fuse(_proj_params(mod, lay))
+            fused, undo_fuse = fuse_params(_proj_params(mod, lay), current=lambda: state.fused,
+                                           description=f"{NAME}: projection weights back to their own storage")
+            ch.add(undo_fuse)
+            state.set_fused(fused)
             ch.add(set_instance_attr(mod, NAME, _STATE, state))
             ch.add(bind_forward(mod, NAME, _forward))
             _eager_derived(mod, state)  # now, not inside the first decode step
@@ -511,5 +500,6 @@ def mac_compile(model: Any, *, backend: str = "inductor", mode: str | None = Non
 
     previous = cfg.compile_config
     new = _copy.copy(previous) if previous is not None else CompileConfig(backend=backend, mode=mode or "default", fullgraph=fullgraph)
-    new._compile_all_devices = True  # not an __init__ argument in transformers 5.24: a class-level default
-    return set_attr(cfg, "compile_config", new, description="mac_compile: restore generation_config.compile_config")
+    # not an __init__ argument in transformers 5.24 (a class-level default): set on the new copy, never on previous
+    flag = set_attr(new, "_compile_all_devices", True)
+    return Patch.chain([flag, set_attr(cfg, "compile_config", new)], description="mac_compile: restore generation_config.compile_config")
