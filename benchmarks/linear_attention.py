@@ -33,6 +33,7 @@ from mpsboost.bench import Correctness, Record, RecordEnv, Workload
 from mpsboost.bench.harness import measure_variants
 from mpsboost.bench.quality import relative_error
 from mpsboost.bench.records import write_jsonl
+from mpsboost.bench.timing import synchronize
 from mpsboost.gate import Env
 
 SIZES = {
@@ -77,13 +78,6 @@ def _cache(cfg, layer, x):
     with torch.no_grad():
         layer(x, cache=cache)
     return cache
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    elif device == "mps":
-        torch.mps.synchronize()
 
 
 def run(device: str, size: str, out: Path | None = None) -> list[Record]:
@@ -140,7 +134,7 @@ def measure(device: str, size: str, dtype: torch.dtype, env_text: str | None, re
         with torch.no_grad():
             meas = measure_variants({k: (lambda k=k: call(k)) for k in models}, device=device, repeats=repeats,
                                     warmup=2, calls=4 if phase == "decode" else 1)
-        _sync(device)
+        synchronize(device)
         for name in models:
             t_ = meas.timings[name]
             extra = {"aten_ops_per_call": ops[name], "rel_error_vs_fp32_layer": relative_error(outs[name], ref_out),

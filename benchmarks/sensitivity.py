@@ -37,11 +37,6 @@ def _e2e():
     return module
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -53,6 +48,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     e2e = _e2e()
     import mpsboost
+    from mpsboost.bench.quality import relative_error
 
     cfg = e2e.llm_config("qwen3.6-35b-a3b", a.size, a.layers)
     model = e2e.build_llm(cfg, a.device, torch.bfloat16, a.seed)
@@ -93,7 +89,7 @@ def main(argv=None) -> int:
     stock_out = {n: norms[n](x) for n, x in inputs.items()}
     report = mpsboost.patch(model, recipes=["rms_norm"], options={"rms_norm": {"devices": (torch.device(a.device).type,)}})
     with torch.no_grad():
-        errs = {n: _rel(norms[n](x), stock_out[n]) for n, x in inputs.items()}
+        errs = {n: relative_error(norms[n](x), stock_out[n]) for n, x in inputs.items()}
         maxabs = max(float((norms[n](x).float() - stock_out[n].float()).abs().max()) for n, x in inputs.items())
         patched_logits = model(ids).logits[0].float()
     out = {
@@ -101,12 +97,12 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name() if torch.device(a.device).type == "cuda" else a.device,
         "torch": torch.__version__, "prompt_tokens": a.prompt_tokens,
         "noise_rel_std": 2.0**-9,
-        "logits_rel_error_under_noise": _rel(noisy, ref),
+        "logits_rel_error_under_noise": relative_error(noisy, ref),
         "router_topk_sets_changed_under_noise": flips, "router_topk_sets": total,
         "rms_norm_applied": len(report.applied),
         "rms_norm_max_rel_error_per_norm": max(errs.values()) if errs else None,
         "rms_norm_max_abs_error_per_norm": maxabs,
-        "rms_norm_logits_rel_error": _rel(patched_logits, ref),
+        "rms_norm_logits_rel_error": relative_error(patched_logits, ref),
     }
     print(json.dumps(out, indent=1))
     if a.out:
