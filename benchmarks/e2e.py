@@ -305,29 +305,26 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
-# Module kinds of the breakdown, by class-name suffix (transformers' naming; a recipe may swap the class for
-# a subclass of the same name) or, for the block of a decoder layer, by attribute name.
-BREAKDOWN_KINDS = (("linear_attention", ("GatedDeltaNet",), ()), ("attention", ("Attention",), ("self_attn",)),
-                   ("experts", ("Experts",), ("experts",)), ("moe_block", ("SparseMoeBlock", "MoeBlock", "MoE"), ("mlp",)))
+# The blocks of a decoder layer the breakdown times, by the attribute names transformers gives them; an MoE
+# block is an ``mlp`` with ``experts`` (timed too, inside it).
+BREAKDOWN_KINDS = {"linear_attn": "linear_attention", "self_attn": "attention", "mlp": "moe_block"}
 
 
 def breakdown_kinds(model) -> dict[str, list[torch.nn.Module]]:
     """{kind: modules} for the breakdown: the Gated DeltaNet layers, attention layers, MoE blocks and
     their experts of every decoder layer (``model.model.layers[i].<linear_attn|self_attn|mlp>``)."""
-    found: dict[str, list[torch.nn.Module]] = {k: [] for k, _, _ in BREAKDOWN_KINDS}
-    for name, mod in model.named_modules():
-        parts = name.split(".")
-        if "layers" not in parts or len(parts) - parts.index("layers") not in (3, 4):
-            continue
-        cls = type(mod).__name__
-        for kind, suffixes, attrs in BREAKDOWN_KINDS:
-            if cls.endswith(suffixes) or (parts[-1] in attrs and kind != "moe_block") or (
-                    kind == "moe_block" and parts[-1] == "mlp" and any(type(c).__name__.endswith("Experts") for c in mod.children())):
-                if kind in ("attention", "linear_attention") and len(parts) - parts.index("layers") != 3:
-                    continue
-                found[kind].append(mod)
-                break
-    return {k: v for k, v in found.items() if v}
+    layers = next(m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList))
+    found: dict[str, list[torch.nn.Module]] = {}
+    for layer in layers:
+        for attr, kind in BREAKDOWN_KINDS.items():
+            mod = getattr(layer, attr, None)
+            experts = getattr(mod, "experts", None) if kind == "moe_block" else None
+            if mod is None or (kind == "moe_block" and experts is None):
+                continue
+            found.setdefault(kind, []).append(mod)
+            if experts is not None:
+                found.setdefault("experts", []).append(experts)
+    return found
 
 
 def module_breakdown(model, prompt: torch.Tensor, mask: torch.Tensor, steps: int, dev: str) -> dict:
