@@ -534,7 +534,7 @@ def _models(device: str, size: str, env: RecordEnv, emit, budget: _Budget) -> li
 
 
 def _force_moe_path(model, path: str) -> None:
-    from mpsboost.registry import ATTR
+    from mpsboost.patching import ATTR
 
     for mod in model.modules():
         st = mod.__dict__.get(ATTR, {}).get("fp8_weights", {}).get("fp8")

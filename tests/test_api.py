@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import mpsboost
-from mpsboost import registry
+from mpsboost import patching, registry
 from mpsboost.errors import (
     IrreversiblePatchError,
     NotPatchedError,
@@ -19,7 +19,8 @@ from mpsboost.errors import (
     UnsupportedTargetError,
 )
 from mpsboost.gate import check
-from mpsboost.registry import Decision, Recipe, Undo, bind_forward, original_forward
+from mpsboost.registry import Decision, Recipe
+from mpsboost.patching import Patch, bind_forward, original_forward
 
 LINEAR = "torch.nn.modules.linear.Linear"
 
@@ -80,7 +81,7 @@ class _Irreversible(Recipe):
         def undo():
             mod.weight = old
 
-        return Undo(undo, reversible=False)
+        return Patch(undo, reversible=False)
 
     def unpatch_hint(self):
         return "rebuild the test model"
@@ -133,7 +134,7 @@ def test_patch_changes_outputs_and_unpatch_restores_identity(recipes):
     for lin in (m[0], m[2][0], m[2][1]):
         assert "forward" not in lin.__dict__
         assert lin.forward.__func__ is nn.Linear.forward
-        assert registry.ATTR not in lin.__dict__
+        assert patching.ATTR not in lin.__dict__
     torch.testing.assert_close(m(x), ref, rtol=0, atol=0)
 
 
@@ -241,9 +242,9 @@ def test_context_manager_keeps_earlier_patches(recipes):
     m = _model()
     mpsboost.patch(m, recipes=["t_gated"])
     with mpsboost.patched(m, recipes=["t_scale"]):
-        assert registry.is_patched_by(m[0], "t_scale")
-    assert not registry.is_patched_by(m[0], "t_scale")
-    assert registry.is_patched_by(m[0], "t_gated")
+        assert patching.is_patched_by(m[0], "t_scale")
+    assert not patching.is_patched_by(m[0], "t_scale")
+    assert patching.is_patched_by(m[0], "t_gated")
     mpsboost.unpatch(m)
     assert "forward" not in m[0].__dict__
 
@@ -380,8 +381,8 @@ def test_deepcopy_of_a_patched_model_unpatches_cleanly(recipes):
     torch.testing.assert_close(twin(x), m(x))
     # The copy carries the patch state; undoing it through the registry helpers restores class forwards.
     for lin in (l for l in twin.modules() if isinstance(l, nn.Linear)):
-        prev = lin.__dict__[registry.ATTR]["t_scale"]["forward"]
-        assert prev is registry._MISSING
+        prev = lin.__dict__[patching.ATTR]["t_scale"]["forward"]
+        assert prev is patching._MISSING
     mpsboost.unpatch(m)
     # A copy of a patched model: unpatch says what it is and changes nothing (its undo belongs to the original).
     from mpsboost.errors import PatchedCopyError
@@ -476,7 +477,7 @@ def test_unpatch_after_a_noop_patch_of_a_dense_lm_on_cuda():
     report = mpsboost.patch(m, device=mpsboost.Env.simulate("cuda:9.0"), exclude=["rms_norm"])
     assert report.noop, str(report)
     mpsboost.unpatch(m)
-    assert not any(mod.__dict__.get(registry.ATTR) for mod in m.modules())
+    assert not any(mod.__dict__.get(patching.ATTR) for mod in m.modules())
     with pytest.raises(NotPatchedError):
         mpsboost.unpatch(m)
 

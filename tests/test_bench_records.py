@@ -194,7 +194,7 @@ def test_importing_the_harness_stays_light():
     import sys
 
     code = (
-        "import sys, mpsboost.bench, mpsboost.bench.compare, mpsboost.bench.cli, mpsboost.demo; "
+        "import sys, mpsboost.bench, mpsboost.bench.cli, mpsboost.demo; "
         "print(sorted(m for m in ('matplotlib', 'pynvml', 'diffusers', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -309,7 +309,7 @@ def test_patching_one_pipeline_changes_no_other_instance_class_or_library_module
 
 
 def registry_free(mod: torch.nn.Module) -> bool:
-    from mpsboost.registry import ATTR
+    from mpsboost.patching import ATTR
 
     return ATTR not in mod.__dict__ and "forward" not in mod.__dict__
 

@@ -330,7 +330,7 @@ def test_compiled_forward_on_cuda_inductor(compiled_path):
     and equals the eager forward."""
     pytest.importorskip("triton")
     from mpsboost.ops.linear import make_forward
-    from mpsboost.registry import bind_forward
+    from mpsboost.patching import bind_forward
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(1024, 2048, device="cuda", dtype=torch.bfloat16).requires_grad_(False)

@@ -654,11 +654,11 @@ def test_a_failure_while_reading_puts_every_tensor_back(fp8_folder, tmp_path, mo
 def test_a_failure_while_binding_gives_back_every_class(tmp_path, monkeypatch):
     # Published formats: every tensor is read first, then each layer gets its forward and its fp8 class;
     # a failure at the third layer must give the first two back their original class (and tensors).
-    from mpsboost import registry
+    from mpsboost import patching, registry
 
     write_compressed_tensors(_lm(_qwen3_config), tmp_path / "ct", strategy="channel")
     model = _meta_lm(_qwen3_config)
-    real = registry.bind_forward
+    real = patching.bind_forward
     calls = {"n": 0}
 
     def flaky(*args, **kw):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mpsboost
-from mpsboost import registry
+from mpsboost import patching
 from mpsboost.ops import moe as moe_ops
 from mpsboost.recipes import moe_experts as recipe_mod
 from test_moe_zoo import _init
@@ -163,7 +163,7 @@ def test_unpatch_gives_back_the_plain_default_and_the_decode_switch(rng_seed):
     mpsboost.unpatch(model)
     assert type(model.config._experts_implementation) is str and model.config._experts_implementation == "grouped_mm"
     assert "_optimize_model_for_decode" not in model.__dict__
-    assert registry.held_by(model, "_optimize_model_for_decode") is None
+    assert patching.held_by(model, "_optimize_model_for_decode") is None
 
 
 # ----------------------------------------------------------------------------------------- 2. alignment

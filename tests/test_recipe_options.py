@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mpsboost
-from mpsboost import registry
+from mpsboost import patching, registry
 from mpsboost.errors import PatchError, RecipeOptionError
 from mpsboost.registry import Decision, Recipe, all_recipes, get_recipe
 
@@ -88,7 +88,7 @@ class _Opts(Recipe):
 
     def apply(self, match, decision, env, options):
         s = options.scale
-        return registry.bind_forward(match.module, self.name, lambda self_, x: registry.call_original(self_, "t_opts", x) * s)
+        return patching.bind_forward(match.module, self.name, lambda self_, x: patching.call_original(self_, "t_opts", x) * s)
 
 
 def test_options_reach_the_recipe_as_its_dataclass():

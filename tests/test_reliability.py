@@ -286,7 +286,7 @@ def test_partly_meta_model_is_refused_naming_the_tensor():
 # ---------------------------------------------------------------------------------- fp8 files
 
 def _fp8_recipe():
-    return next((r for r in RECIPES if getattr(r, "enabled_by", None) == "fp8"), None)
+    return next((r for r in RECIPES if getattr(r, "keyword", None) == "fp8"), None)
 
 
 def _fp8_saved(tmp_path, model_name="qwen3_moe"):

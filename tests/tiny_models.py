@@ -560,7 +560,7 @@ def candidate_envs(*, runnable_on_cpu: bool) -> list[tuple[str, Any]]:
 
 def fp8_for(recipe: Any) -> str | None:
     """The ``fp8=`` argument a recipe needs to be selected (FP8 recipes are opt-in by granularity)."""
-    return "rowwise" if getattr(recipe, "enabled_by", None) == "fp8" else None
+    return "rowwise" if getattr(recipe, "keyword", None) == "fp8" else None
 
 
 def applying_env(recipe: Any, obj: Any, *, runnable_on_cpu: bool, options: Mapping | None = None) -> tuple[str, Any, int] | None:

@@ -26,7 +26,18 @@ from .errors import (
     UnsupportedTargetError,
 )
 from .gate import Env
-from .registry import Decision, Match, Patch, Recipe, accepted_options, all_recipes, make_options, class_path, get_recipe, is_patched_by, matches_class
+from .registry import (
+    Decision,
+    Match,
+    Recipe,
+    accepted_options,
+    all_recipes,
+    make_options,
+    class_path,
+    get_recipe,
+    matches_class,
+)
+from .patching import Patch, is_patched_by
 from .report import ALREADY_PATCHED, APPLIED, NOT_APPLICABLE, SKIPPED, WOULD_APPLY, PatchReport, Row
 
 __all__ = ["patch", "unpatch", "patched", "plan", "last_report", "FP8_GRANULARITIES"]
@@ -429,7 +440,7 @@ def patch(
             for recipe, match, decision, opts in actions:
                 undo = recipe.apply(match, decision, env, opts)
                 if not isinstance(undo, Patch):
-                    raise TypeError(f"{recipe.name}.apply must return an mpsboost.registry.Patch, got {type(undo).__name__}")
+                    raise TypeError(f"{recipe.name}.apply must return an mpsboost.patching.Patch, got {type(undo).__name__}")
                 if not recipe.reversible:
                     undo.reversible = False
                 rec.applied.append(_Applied(recipe, match, undo))
@@ -498,7 +509,7 @@ def unpatch(obj: Any) -> None:
 
 def _patched_modules(targets) -> list[str]:
     """Paths of the modules that carry mpsboost's patch marker (the copy of a patched model has them)."""
-    from .registry import ATTR
+    from .patching import ATTR
 
     return [".".join(p for p in (prefix, name) if p) or "(root)"
             for prefix, root in targets for name, mod in root.named_modules() if mod.__dict__.get(ATTR)]

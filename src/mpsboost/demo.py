@@ -443,7 +443,7 @@ def _vs_stock_lines(records) -> list[str]:
         if not vs:
             continue
         parts = []
-        from .bench.compare import fmt_number
+        from .bench.table import fmt_number
 
         for k, label in (("psnr_db", "PSNR dB"), ("sqnr_db", "SQNR dB"), ("rel_error", "rel error"), ("max_abs", "max abs")):
             v = vs.get(k)
@@ -604,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from .bench.cli import best_device, check_device
-    from .bench.compare import compare_table
+    from .bench.table import compare_table
     from .bench.errors import BenchError
 
     device = args.device or best_device()

@@ -71,7 +71,8 @@ def _roots(obj: Any) -> list[tuple[str, torch.nn.Module]]:
 
 def _converted(obj: Any) -> Iterator[tuple[str, torch.nn.Module, tuple[str, ...], Any]]:
     """(report path, module, tensor names, recipe state) of every module whose weights fp8_weights converted."""
-    from .registry import ATTR, join_path
+    from .registry import join_path
+    from .patching import ATTR
 
     for prefix, root in _roots(obj):
         for name, mod in root.named_modules():
@@ -596,7 +597,8 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
     from .fp8_formats import read_tensor
     from .ops import fp8 as fp8_ops
     from .ops import fp8_moe
-    from .registry import Match, Undo, bind_forward, get_recipe, swap_class
+    from .registry import Match, get_recipe
+    from .patching import Patch, bind_forward, swap_class
     from .report import APPLIED, Row
 
     # The fp8_weights recipe's forwards, through the registry (fp8_io imports no recipe module).
@@ -711,7 +713,7 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
         undo_log.append(swap_class(mod, _RECIPE, recipe.layer_class(type(mod))))
         state.converted = True
         rows.append(Row(_RECIPE, path, APPLIED, backing, reason, details))
-        applied.append((recipe, Match(mod, path, {"kind": qts[0].kind}), Undo(undo_fwd, reversible=False, description=f"{_RECIPE}: {path} (loaded)")))
+        applied.append((recipe, Match(mod, path, {"kind": qts[0].kind}), Patch(undo_fwd, reversible=False, description=f"{_RECIPE}: {path} (loaded)")))
 
 
 def _st_dtype(st: str) -> torch.dtype:

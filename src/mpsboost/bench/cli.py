@@ -205,7 +205,7 @@ def run_benchmark(
     echo: Callable[[str], None] = print,
 ) -> list[Record]:
     """Call ``run(device, size, out)``, then write ``out/NAME.jsonl``, ``.txt`` table and ``.png`` chart."""
-    from .compare import compare_table
+    from .table import compare_table
 
     if size not in SIZES:
         raise BenchError(f"size {size!r} is not one of {', '.join(SIZES)}")
@@ -236,7 +236,7 @@ def run_benchmark(
 
 
 def _plot_or_explain(records: list[Record], path: Path, echo: Callable[[str], None]) -> Path | None:
-    from .compare import plot
+    from .plot import plot
 
     try:
         return plot(records, path)
@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         out = Path(args.out or "bench-out")
         if args.table:
-            from .compare import compare_table
+            from .table import compare_table
 
             records = [r for path in args.table for r in read_jsonl(path)]
             table = compare_table(records)

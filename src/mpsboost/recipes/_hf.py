@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ..registry import Patch, bind_forward
+from ..patching import Patch, bind_forward
 
 # The module global through which transformers' attention modules (5.x) look up their attention function.
 LOOKUP = "ALL_ATTENTION_FUNCTIONS"

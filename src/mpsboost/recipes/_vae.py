@@ -2,7 +2,7 @@
 
 The recipes describe their diffusers classes by dotted path (:class:`VaeClasses`); this module finds
 the instances by class path (no diffusers import), binds the new forwards on each instance, and
-returns one :class:`~mpsboost.registry.Patch` that restores every original object.
+returns one :class:`~mpsboost.patching.Patch` that restores every original object.
 
 Per instance, by option:
 
@@ -28,7 +28,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..gate import Env, check
-from ..registry import Changes, Decision, Match, Patch, bind_forward, call_original, class_path, join_path, matches_class, relayout_param, set_instance_attr
+from ..registry import Decision, Match, class_path, join_path, matches_class
+from ..patching import Changes, Patch, bind_forward, call_original, relayout_param, set_instance_attr
 from ..ops import vae_tiles
 from ..ops.causal_conv import avg_down3d, causal_conv3d, frame_conv2d, frame_conv_foldable, pad_right_bottom, rms_norm_channels, silu_inplace
 

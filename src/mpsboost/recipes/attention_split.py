@@ -33,8 +33,8 @@ import torch
 from ..gate import FEATURES, Env, check
 from ..ops.attention_split import MAX_SCORES, SdpaSplitMode
 from . import _hf
-from ..registry import (Changes, Decision, Match, Patch, Recipe, bind_forward, call_original, matches_class,
-                        register, set_instance_attr)
+from ..registry import Decision, Match, Recipe, matches_class, register
+from ..patching import Changes, Patch, bind_forward, call_original, set_instance_attr
 
 NAME = "attention_split"
 

@@ -33,7 +33,8 @@ import torch
 from ..gate import Env, check
 from ..ops import gemv_triton
 from ..ops.linear import make_forward
-from ..registry import Decision, Match, Recipe, Patch, bind_forward, class_path, matches_class, register
+from ..registry import Decision, Match, Recipe, class_path, matches_class, register
+from ..patching import Patch, bind_forward
 
 _MODEL_ROOTS = (
     "transformers.modeling_utils.PreTrainedModel",

@@ -63,8 +63,8 @@ from ..ops import fp8 as fp8_ops
 from ..ops import fp8_moe
 from ..errors import Fp8ConversionError, Fp8StateError, PatchError
 from ..fp8_modules import FP8_BASE_ATTR, expert_weight_names as _expert_weight_names, is_hf_experts as _is_hf_experts, plain_linear
-from ..registry import (ATTR, Decision, Match, Patch, Recipe, at_commit, bind_forward, join_path, original_forward, register,
-                        replace_at_commit, swap_class)
+from ..registry import Decision, Match, Recipe, join_path, register
+from ..patching import ATTR, Patch, at_commit, bind_forward, original_forward, replace_at_commit, swap_class
 
 NAME = "fp8_weights"
 log = logging.getLogger("mpsboost")
@@ -239,7 +239,7 @@ def _fp8_repr(module: torch.nn.Module) -> str:
 class FP8Linear(torch.nn.Linear):
     """A ``torch.nn.Linear`` whose weight fp8_weights stores as float8_e4m3fn codes with float32 scales.
 
-    Never constructed: fp8_weights swaps it onto a converted instance (``registry.swap_class``), so that
+    Never constructed: fp8_weights swaps it onto a converted instance (``patching.swap_class``), so that
     ``print(model)`` shows the layer for what it is. ``isinstance(m, torch.nn.Linear)`` still holds and
     the forward is the instance's own (bound by the recipe). The conversion cannot be undone.
     """
@@ -350,7 +350,7 @@ def _tune_gemv(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def _converter(granularity: str, storage: str, k_dims: dict[str, int], load: Any, path: str):
-    """The conversion of one weight for :func:`registry.replace_at_commit`: its fp8 codes under its own
+    """The conversion of one weight for :func:`patching.replace_at_commit`: its fp8 codes under its own
     name and its float32 scales as ``<name>_scale`` (quantised here, or read from the fp8 file)."""
 
     def convert(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -55,18 +55,14 @@ import torch.nn.functional as F
 
 from ..gate import Env, check
 from ..ops import gated_delta as gd
-from ..registry import (
+from ..registry import Decision, Match, Recipe, class_path, register
+from ..patching import (
     Changes,
-    Decision,
-    Match,
     Patch,
-    Recipe,
     bind_forward,
     call_original,
-    class_path,
     fuse_params,
     fuse_storage,
-    register,
     set_attr,
     set_instance_attr,
 )
@@ -485,7 +481,7 @@ def mac_compile(model: Any, *, backend: str = "inductor", mode: str | None = Non
     ``CompileConfig._compile_all_devices`` (``generation/utils.py``, ``_valid_auto_compile_criteria``).
     This sets ``model.generation_config.compile_config`` to a copy of the model's own (or a new
     ``CompileConfig(backend, mode, fullgraph)``; ``mode`` default "default": transformers' "reduce-overhead"
-    means CUDA graphs) with that flag on. Returns a :class:`~mpsboost.registry.Patch`: call it to put the
+    means CUDA graphs) with that flag on. Returns a :class:`~mpsboost.patching.Patch`: call it to put the
     previous config back. Works on any device (the tests use CPU); the patched Gated DeltaNet layers trace
     with ``fullgraph=True``.
     """

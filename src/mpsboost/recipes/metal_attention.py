@@ -37,7 +37,8 @@ import torch
 from ..gate import Env, Verdict, check
 from ..ops.attention import METAL_HEAD_DIMS, metal_head_dim_ok, sdpa
 from . import _hf
-from ..registry import Changes, Decision, Match, Patch, Recipe, class_path, matches_class, register, set_instance_attr
+from ..registry import Decision, Match, Recipe, class_path, matches_class, register
+from ..patching import Changes, Patch, set_instance_attr
 
 IMPLEMENTATION = "mpsboost_metal"
 _PRETRAINED = "transformers.modeling_utils.PreTrainedModel"

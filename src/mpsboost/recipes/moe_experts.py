@@ -52,7 +52,8 @@ import torch
 
 from ..gate import Env, check
 from ..ops import moe as moe_ops
-from ..registry import Changes, Decision, Match, Patch, Recipe, bind_forward, held_by, hold_instance_attr, join_path, matches_class, no_change, register, set_attr
+from ..registry import Decision, Match, Recipe, join_path, matches_class, register
+from ..patching import Changes, Patch, bind_forward, held_by, hold_instance_attr, no_change, set_attr
 
 NAME = "moe_experts"
 
@@ -272,7 +273,7 @@ def _jetmoe_experts_forward(choice: _Choice):
 
 # ----------------------------------------------------------------------------------------- generate()'s decode switch
 
-# One vote per patched experts module of a model, held with the bound switch (registry.hold_instance_attr):
+# One vote per patched experts module of a model, held with the bound switch (patching.hold_instance_attr):
 # True where that module follows transformers' decode switch (no measured thresholds here).
 _DECODE_ATTR = "_optimize_model_for_decode"
 

@@ -33,7 +33,8 @@ from ..gate import Env, check
 from ..ops import vae_tiles
 from . import _vae as vae_patch
 from ..ops.streams import SideStream
-from ..registry import Decision, Match, Recipe, Patch, join_path, matches_class, register, set_instance_attr
+from ..registry import Decision, Match, Recipe, join_path, matches_class, register
+from ..patching import Patch, set_instance_attr
 
 _FAMILIES = (vae_patch.WAN, vae_patch.QWEN)
 

@@ -24,7 +24,8 @@ import torch
 
 from ..gate import Env, check
 from . import _vae as vae_patch
-from ..registry import Decision, Match, Recipe, Patch, register
+from ..registry import Decision, Match, Recipe, register
+from ..patching import Patch
 
 CLASSES = vae_patch.QWEN
 #: The families this recipe serves (Qwen-Image 1.0, Qwen-Image-2.1), one row each.

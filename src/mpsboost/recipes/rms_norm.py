@@ -34,7 +34,8 @@ import torch
 
 from ..gate import Env, check
 from ..ops.norm import FORMS, rms_norm
-from ..registry import Decision, Match, Patch, Recipe, bind_forward, call_original, join_path, register
+from ..registry import Decision, Match, Recipe, join_path, register
+from ..patching import Patch, bind_forward, call_original
 
 NAME = "rms_norm"
 

@@ -39,7 +39,8 @@ import torch
 from .. import tuning
 from ..gate import Env, check
 from ..ops.sampling import CURRENT, SamplingState, sampling_globals, with_globals
-from ..registry import ATTR, Decision, Match, Patch, Recipe, class_path, matches_class, register, swap_class, swapped_class_key
+from ..registry import Decision, Match, Recipe, class_path, matches_class, register
+from ..patching import ATTR, Patch, swap_class, swapped_class_key
 
 _GENERATIVE = "transformers.generation.utils.GenerationMixin"
 _PATHS = ("auto", "probs", "logits")

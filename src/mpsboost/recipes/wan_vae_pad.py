@@ -17,7 +17,8 @@ import torch
 
 from ..gate import Env
 from . import _vae as vae_patch
-from ..registry import Decision, Match, Recipe, Patch, register
+from ..registry import Decision, Match, Recipe, register
+from ..patching import Patch
 
 CLASSES = vae_patch.WAN
 

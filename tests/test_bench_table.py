@@ -22,7 +22,8 @@ from mpsboost.bench import (
     write_jsonl,
 )
 from mpsboost.bench import cli as bench_cli
-from mpsboost.bench.compare import compare_table, group_records, plot, speed_ratio
+from mpsboost.bench.plot import plot
+from mpsboost.bench.table import compare_table, group_records, speed_ratio
 
 GiB = 1 << 30
 
@@ -224,7 +225,7 @@ def test_records_written_by_write_jsonl_compare_after_reading(tmp_path, env):
 
 
 def test_many_workloads_get_the_compact_chart(tmp_path, env):
-    from mpsboost.bench import compare as compare_mod
+    from mpsboost.bench import plot as compare_mod
 
     recs = []
     for n in range(compare_mod.MAX_DETAILED_GROUPS + 4):

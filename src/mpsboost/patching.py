@@ -1,0 +1,573 @@
+"""Patch, Changes and every write helper: the one way mpsboost changes a module instance.
+
+Every change a recipe (or ``load_fp8``) makes goes through a helper of this module that returns a
+:class:`Patch`; ``mpsboost.api`` alone applies, commits and undoes them. State lives in one place per
+module: the instance attribute ``_mpsboost_patches`` ({recipe name: what it saved}). Nothing global
+holds a module, so a model the user drops is freed.
+
+The AST guard in ``tests/core/test_patch_primitive.py`` checks that no other file of the package
+writes a module's ``forward``, ``__class__``, ``_parameters``, ``_buffers`` or ``__dict__`` itself.
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+__all__ = [
+    "ATTR",
+    "class_path",
+    "Patch",
+    "Changes",
+    "bind_forward",
+    "saved_state",
+    "original_forward",
+    "call_original",
+    "is_patched_by",
+    "set_instance_attr",
+    "hold_instance_attr",
+    "held_by",
+    "set_attr",
+    "keep_attrs",
+    "swap_class",
+    "swapped_class_key",
+    "register_in_interface",
+    "relayout_param",
+    "replace_at_commit",
+    "fuse_storage",
+    "separate_storage",
+    "fuse_params",
+    "at_commit",
+    "no_change",
+]
+
+# The one namespaced attribute on a patched module instance: {recipe name: what it saved}.
+ATTR = "_mpsboost_patches"
+
+
+def class_path(cls: type) -> str:
+    """``module.QualName`` of a class: how recipes name their targets and the report names classes."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class Patch:
+    """The handle of one change (or one group of changes) a recipe made; calling it undoes the change.
+
+    Every change a recipe makes goes through a helper of this module that returns a Patch: a bound
+    forward (:func:`bind_forward`), an instance attribute (:func:`set_instance_attr`,
+    :func:`hold_instance_attr`), an attribute of a non-module object (:func:`set_attr`,
+    :func:`keep_attrs`), a per-instance class swap (:func:`swap_class`), a key in a library's function
+    registry (:func:`register_in_interface`), a parameter's memory layout (:func:`relayout_param`) and the
+    replacement of parameters by buffers (:func:`replace_at_commit`). ``mpsboost.api`` alone applies,
+    commits and undoes them.
+
+    ``commit`` (optional) runs once the whole ``patch()`` transaction succeeded, e.g. to convert weights
+    that an irreversible recipe kept unchanged only so that a failed transaction could roll back. After
+    commit an irreversible change cannot be undone: ``reversible`` is False and ``explanation`` says what
+    to do instead (``unpatch`` shows it).
+    """
+
+    __slots__ = ("_undo", "_commit", "reversible", "description", "explanation", "done")
+
+    def __init__(
+        self,
+        undo: Callable[[], None],
+        *,
+        commit: Callable[[], None] | None = None,
+        reversible: bool = True,
+        description: str = "",
+        explanation: str = "",
+    ):
+        self._undo = undo
+        self._commit = commit
+        self.reversible = reversible
+        self.description = description
+        self.explanation = explanation
+        self.done = False
+
+    def __call__(self) -> None:
+        if not self.done:
+            self._undo()
+            self.done = True
+
+    def commit(self) -> None:
+        if self._commit is not None:
+            fn, self._commit = self._commit, None
+            fn()
+
+    def __repr__(self) -> str:
+        state = "undone" if self.done else ("reversible" if self.reversible else "irreversible after commit")
+        return f"<Patch {self.description or '(no description)'}: {state}>"
+
+    @staticmethod
+    def chain(
+        parts: "Iterable[Patch]",
+        *,
+        on_commit_error: Callable[[BaseException], None] | None = None,
+        **kw: Any,
+    ) -> "Patch":
+        """One Patch that undoes ``parts`` in reverse order and commits them in order.
+
+        ``reversible`` defaults to every part's; ``explanation`` to the first part's that has one.
+        ``on_commit_error``: when a part's commit raises, the parts are undone instead (nothing of the
+        failed commit stayed: each commit helper leaves its change undone when it fails) and this is
+        called with the exception; without it, the exception propagates.
+        """
+        parts = list(parts)
+        kw.setdefault("reversible", all(p.reversible for p in parts))
+        kw.setdefault("explanation", next((p.explanation for p in parts if p.explanation), ""))
+
+        def run() -> None:
+            for p in reversed(parts):
+                p()
+
+        def commit() -> None:
+            try:
+                for p in parts:
+                    p.commit()
+            except Exception as exc:
+                if on_commit_error is None:
+                    raise
+                run()
+                handle.reversible = True  # nothing of it is left to undo
+                handle.done = True
+                on_commit_error(exc)
+
+        handle = Patch(run, commit=commit, **kw)
+        return handle
+
+
+class Changes:
+    """Collects the Patches of one ``apply`` as they are made; on an exception inside the ``with``
+    block every change made so far is undone (in reverse) before the exception propagates::
+
+        with Changes() as ch:
+            ch.add(bind_forward(m, NAME, fwd))
+            ch.add(set_instance_attr(root, NAME, "_flag", True))
+        return ch.patch(description="...")
+    """
+
+    def __init__(self) -> None:
+        self.parts: list[Patch] = []
+
+    def add(self, part: Patch) -> Patch:
+        if not isinstance(part, Patch):
+            raise TypeError(f"Changes.add takes an mpsboost.patching.Patch, got {type(part).__name__}")
+        self.parts.append(part)
+        return part
+
+    def __enter__(self) -> "Changes":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if exc_type is not None:
+            for p in reversed(self.parts):
+                try:
+                    p()
+                except Exception:  # keep undoing the rest; the original exception is the one to see
+                    pass
+            self.parts.clear()
+        return False
+
+    def patch(self, **kw: Any) -> Patch:
+        return Patch.chain(self.parts, **kw)
+
+
+
+# ---------------------------------------------------------------------- instance changes
+
+class _Missing:
+    """Marks "the instance had no such attribute". One object, kept through copy, deepcopy and pickle."""
+
+    _instance: "_Missing | None" = None
+
+    def __new__(cls) -> "_Missing":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __reduce__(self):
+        return (_Missing, ())
+
+    def __copy__(self) -> "_Missing":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "_Missing":
+        return self
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+# accelerate's add_hook_to_module keeps the wrapped forward on this attribute and calls it from its
+# hook (after moving weights onto the execution device). A recipe's forward belongs there, inside the
+# hook, never outside it.
+_ACCELERATE_SLOT = "_old_forward"
+
+
+def _forward_slot(module: torch.nn.Module) -> str:
+    d = module.__dict__
+    return _ACCELERATE_SLOT if ("_hf_hook" in d and _ACCELERATE_SLOT in d) else "forward"
+
+
+def bind_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[..., Any], **saved: Any) -> Patch:
+    """Bind ``new_forward(self, *args, **kw)`` as the forward of this instance only.
+
+    The previous instance attribute (if any) is kept under ``module._mpsboost_patches[recipe]`` and put
+    back by the returned undo, so that after the undo ``module.forward`` resolves to the very same object
+    as before. Under accelerate hooks (offloading, ``device_map``) the recipe's forward goes inside the
+    hook (``module._old_forward``), so weights are still moved in before it runs; a hook added after
+    patching is kept on unpatch. ``saved`` lets a recipe keep more state (read it with :func:`saved_state`).
+    """
+    store = module.__dict__.setdefault(ATTR, {})
+    if recipe in store:
+        raise RuntimeError(f"{recipe} already patched this module")
+    slot = _forward_slot(module)
+    previous = module.__dict__.get(slot, _MISSING)
+    bound = types.MethodType(new_forward, module)
+    store[recipe] = {"forward": previous, "slot": slot, "bound": bound, **saved}
+    object.__setattr__(module, slot, bound)
+
+    def undo() -> None:
+        entry = module.__dict__.get(ATTR, {}).get(recipe)
+        if entry is None:
+            return
+        d = module.__dict__
+        prev = entry["forward"]
+        if d.get(entry["slot"]) is bound:
+            where = entry["slot"]
+        elif entry["slot"] == "forward" and d.get(_ACCELERATE_SLOT) is bound:
+            # accelerate wrapped our forward after we patched: keep its hook, put the original inside it.
+            where = _ACCELERATE_SLOT
+            if prev is _MISSING:
+                prev = types.MethodType(type(module).forward, module)
+        else:
+            raise RuntimeError(
+                f"the forward of this {type(module).__name__} was replaced after mpsboost's {recipe} patched it "
+                "(by something other than an accelerate hook); mpsboost cannot restore it without undoing that change"
+            )
+        d[ATTR].pop(recipe, None)
+        if prev is _MISSING:
+            d.pop(where, None)
+        else:
+            object.__setattr__(module, where, prev)
+        if not d.get(ATTR):
+            d.pop(ATTR, None)
+
+    return Patch(undo, description=f"{recipe}: restore forward")
+
+
+def saved_state(module: torch.nn.Module, recipe: str) -> dict:
+    """What :func:`bind_forward` (or a recipe) stored on ``module`` for ``recipe``."""
+    return module.__dict__[ATTR][recipe]
+
+
+def original_forward(module: torch.nn.Module, recipe: str) -> Callable[..., Any]:
+    """The forward ``module`` had before ``recipe`` bound its own (instance attribute or class method)."""
+    prev = module.__dict__[ATTR][recipe]["forward"]
+    if prev is _MISSING:
+        return types.MethodType(type(module).forward, module)
+    return prev
+
+
+def call_original(module: torch.nn.Module, recipe: str, *args: Any, **kwargs: Any) -> Any:
+    """Call the forward ``recipe`` replaced on ``module``, without building a bound method first (so that
+    torch.compile traces straight through it): the saved instance attribute, or the class's forward."""
+    prev = module.__dict__[ATTR][recipe]["forward"]
+    if prev is _MISSING:
+        return type(module).forward(module, *args, **kwargs)
+    return prev(*args, **kwargs)
+
+
+def is_patched_by(module: torch.nn.Module, recipe: str) -> bool:
+    """True when ``recipe`` bound a forward or set an attribute on this instance."""
+    store = module.__dict__.get(ATTR, {})
+    return recipe in store or any(k.startswith(recipe + ":") for k in store)
+
+
+def set_instance_attr(module: torch.nn.Module, recipe: str, name: str, value: Any) -> Patch:
+    """Set a plain (non-parameter, non-module) instance attribute reversibly, recorded under ``recipe``."""
+    if isinstance(value, (torch.nn.Parameter, torch.nn.Module)):
+        raise TypeError(f"set_instance_attr is for plain values; {name} would be a {type(value).__name__}")
+    store = module.__dict__.setdefault(ATTR, {})
+    key = f"{recipe}:{name}"
+    if key in store:
+        raise RuntimeError(f"{recipe} already set {name} on this module")
+    store[key] = {"value": module.__dict__.get(name, _MISSING)}
+    object.__setattr__(module, name, value)
+
+    def undo() -> None:
+        entry = module.__dict__.get(ATTR, {}).pop(key, None)
+        if entry is None:
+            return
+        if entry["value"] is _MISSING:
+            module.__dict__.pop(name, None)
+        else:
+            object.__setattr__(module, name, entry["value"])
+        if not module.__dict__.get(ATTR):
+            module.__dict__.pop(ATTR, None)
+
+    return Patch(undo, description=f"{recipe}: restore {name}")
+
+
+def no_change(description: str) -> Patch:
+    """A Patch for a match where the recipe decided at apply time that nothing needs changing."""
+    return Patch(lambda: None, description=description)
+
+
+def at_commit(fn: Callable[[], None], description: str) -> Patch:
+    """A Patch that changes nothing now and runs ``fn`` when the ``patch()`` transaction commits (e.g. to
+    mark a recipe's state converted or to warm a kernel once the weights are in place)."""
+    return Patch(lambda: None, commit=fn, description=description)
+
+
+# ---------------------------------------------------------------------- shared instance attributes
+
+# A shared attribute's record lives on the module itself, in its ``_mpsboost_patches`` store under
+# ``_HOLD + name``: [value, [(token, holder data), ...]]. The value is often a method bound to that very
+# module; kept in any process-wide table, even a WeakKeyDictionary keyed by the module, the value would
+# reference its key and keep the model alive forever. On the instance it is a plain reference cycle that
+# the garbage collector frees with the model.
+_HOLD = "<held>:"
+
+
+def _hold_entry(module: torch.nn.Module, name: str) -> list | None:
+    entry = module.__dict__.get(ATTR, {}).get(_HOLD + name)
+    return entry if isinstance(entry, list) else None
+
+
+def hold_instance_attr(module: torch.nn.Module, name: str, make_value: Callable[[], Any], data: Any = None,
+                       *, description: str = "") -> Patch:
+    """Set one instance attribute that several matches of a recipe share (e.g. one method on the model
+    for all its experts modules): the first holder sets ``make_value()``, every holder adds ``data``
+    (read with :func:`held_by`), the last holder's undo removes the attribute if it is still the one set.
+
+    An attribute already on the instance that mpsboost did not set is left alone (the Patch changes
+    nothing, and :func:`held_by` gives ``None``): someone else bound it, and mpsboost follows theirs.
+    The record of the holders lives on ``module`` (nothing process-wide refers to it).
+    """
+    entry = _hold_entry(module, name)
+    if entry is None:
+        if name in module.__dict__:
+            return no_change(description or f"{name} already bound on the instance")
+        value = make_value()
+        entry = [value, []]
+        module.__dict__.setdefault(ATTR, {})[_HOLD + name] = entry
+        module.__dict__[name] = value
+    token = (object(), data)
+    entry[1].append(token)
+
+    def undo() -> None:
+        entry[1][:] = [t for t in entry[1] if t is not token]
+        if entry[1]:
+            return
+        store = module.__dict__.get(ATTR, {})
+        if store.get(_HOLD + name) is entry:
+            del store[_HOLD + name]
+            if not store:
+                module.__dict__.pop(ATTR, None)
+        if module.__dict__.get(name) is entry[0]:
+            del module.__dict__[name]
+
+    return Patch(undo, description=description or f"restore {name}")
+
+
+def held_by(module: torch.nn.Module, name: str) -> list | None:
+    """The ``data`` of every live holder of ``name`` on ``module`` (see :func:`hold_instance_attr`), or
+    None when mpsboost does not hold it."""
+    entry = _hold_entry(module, name)
+    return None if entry is None else [d for _, d in entry[1]]
+
+
+# ---------------------------------------------------------------------- objects that are not modules
+
+def set_attr(obj: Any, name: str, value: Any, *, restore: Any = _MISSING, description: str = "") -> Patch:
+    """Set ``obj.name = value`` on an object that is not a module (a model's config), through the
+    object's own ``__setattr__``; nothing is stored on ``obj`` (its serialisation stays as it was).
+
+    The undo runs only if the attribute still holds ``value`` (someone who chose another value since
+    keeps theirs) and puts back the previous value, or ``restore`` when given.
+    """
+    previous = obj.__dict__.get(name, _MISSING)
+    if getattr(obj, name, _MISSING) is not value:
+        setattr(obj, name, value)
+    back = previous if restore is _MISSING else restore
+
+    def undo() -> None:
+        if obj.__dict__.get(name, _MISSING) is not value:
+            return
+        if back is _MISSING:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, back)
+
+    return Patch(undo, description=description or f"restore {type(obj).__name__}.{name}")
+
+
+def keep_attrs(objs: Iterable[Any], name: str, *, description: str = "") -> Patch:
+    """Remember ``name`` of every object in ``objs`` as it is now (absent counts as None); the undo
+    writes those values back. For a library call that changes them (e.g. transformers'
+    ``set_attn_implementation`` writing every sub-config): take this Patch first, then make the call."""
+    before = [(o, o.__dict__.get(name)) for o in objs]
+
+    def undo() -> None:
+        for o, v in before:
+            setattr(o, name, v)
+
+    return Patch(undo, description=description or f"restore {name}")
+
+
+# ---------------------------------------------------------------------- class swap
+
+def swap_class(obj: torch.nn.Module, recipe: str, new_cls: type) -> Patch:
+    """Make ``obj`` an instance of ``new_cls`` (a subclass of its class, cached by the recipe so that
+    every instance of one class gets the same subclass); the undo restores the very same original
+    class. The class of other instances is not touched."""
+    original = type(obj)
+    if not (isinstance(new_cls, type) and issubclass(new_cls, original)):
+        raise TypeError(f"swap_class needs a subclass of {class_path(original)}, got {new_cls!r}")
+    store = obj.__dict__.setdefault(ATTR, {})
+    key = f"{recipe}:__class__"
+    if key in store:
+        raise RuntimeError(f"{recipe} already swapped the class of this module")
+    store[key] = {"class": original}
+    object.__setattr__(obj, "__class__", new_cls)
+
+    def undo() -> None:
+        entry = obj.__dict__.get(ATTR, {}).get(key)
+        if entry is None:
+            return
+        if type(obj) is not new_cls:
+            raise RuntimeError(
+                f"the class of this {original.__name__} was changed after mpsboost's {recipe} patched it "
+                f"(now {class_path(type(obj))}); cannot restore {class_path(entry['class'])}"
+            )
+        object.__setattr__(obj, "__class__", entry["class"])
+        obj.__dict__[ATTR].pop(key, None)
+        if not obj.__dict__.get(ATTR):
+            obj.__dict__.pop(ATTR, None)
+
+    return Patch(undo, description=f"{recipe}: restore the class {class_path(original)}")
+
+
+def swapped_class_key(recipe: str) -> str:
+    """The key under which :func:`swap_class` records the original class in ``module._mpsboost_patches``."""
+    return f"{recipe}:__class__"
+
+
+# ---------------------------------------------------------------------- library function registries
+
+# (id of the interface, key) -> the function mpsboost registered there.
+_INTERFACE_KEYS: dict[tuple[int, str], Callable[..., Any]] = {}
+
+
+def register_in_interface(interface: Any, key: str, make_fn: Callable[[], Callable[..., Any]], *, description: str = "") -> Patch:
+    """Add ``key`` to a library's function registry (``interface.register(key, fn)``, e.g. transformers'
+    ``AttentionInterface``), once per process: a key mpsboost registered already is reused.
+
+    Only a new key is added; no function of the library is replaced (a key the library or the user
+    registered already is refused). The key stays registered after undo, by design: it is the name a
+    model's config refers to, and a copy of a patched model (``copy.deepcopy``) may still use it after
+    the original was unpatched; an unused key changes nothing.
+    """
+    slot = (id(interface), key)
+    if slot not in _INTERFACE_KEYS:
+        existing = getattr(interface, "_global_mapping", {})
+        if key in existing:
+            raise RuntimeError(f"{getattr(interface, '__name__', interface)!r} already has a function named {key!r} that mpsboost did not register")
+        fn = make_fn()
+        interface.register(key, fn)
+        _INTERFACE_KEYS[slot] = fn
+    return Patch(lambda: None, description=description or f"{key} stays registered (a new key only)")
+
+
+# ---------------------------------------------------------------------- tensors
+
+def relayout_param(param: torch.nn.Parameter, memory_format: torch.memory_format) -> Patch:
+    """Re-lay ``param``'s data in ``memory_format`` (same Parameter object, same values); the undo puts
+    it back in the contiguous layout. No copy of the old layout is kept (that would double the memory)."""
+    with torch.no_grad():
+        param.data = param.data.contiguous(memory_format=memory_format)
+
+    def undo() -> None:
+        with torch.no_grad():
+            param.data = param.data.contiguous()
+
+    return Patch(undo, description="weight back to the contiguous layout")
+
+
+def fuse_storage(params: "Iterable[torch.nn.Parameter]") -> torch.Tensor:
+    """Put the rows of ``params`` (same dtype, device and trailing shape) into one new storage, concatenated
+    along dim 0, and make each Parameter a view of its slice: the same objects with the same values (and
+    the same ``state_dict``), one matmul can read them all. Their old storages are freed once nothing else
+    holds them, so memory does not double. Returns the fused tensor. A recipe calls it at apply time
+    through :func:`fuse_params`, and may call it again later (weights moved) from its eager path."""
+    params = list(params)
+    with torch.no_grad(), torch.inference_mode(False):
+        fused = torch.cat([p.detach() for p in params], dim=0)
+        start = 0
+        for p in params:
+            p.data = fused[start:start + p.shape[0]]
+            start += p.shape[0]
+    return fused
+
+
+def separate_storage(params: "Iterable[torch.nn.Parameter]", fused: torch.Tensor | None) -> None:
+    """Give every Parameter of ``params`` that is still a view of ``fused``'s storage its own storage again."""
+    if fused is None:
+        return
+    base = fused.untyped_storage().data_ptr()
+    with torch.no_grad():
+        for p in params:
+            if p.untyped_storage().data_ptr() == base:
+                p.data = p.data.clone()
+
+
+def fuse_params(params: "Iterable[torch.nn.Parameter]", *, current: Callable[[], torch.Tensor | None] | None = None,
+                description: str = "") -> "tuple[torch.Tensor, Patch]":
+    """:func:`fuse_storage` as a reversible change: the fused tensor and the Patch whose undo gives each
+    Parameter its own storage again (the storage fused here, or ``current()`` where the recipe fused
+    again later)."""
+    params = list(params)
+    fused = fuse_storage(params)
+
+    def undo() -> None:
+        latest = current() if current is not None else None
+        separate_storage(params, latest if latest is not None else fused)
+        if latest is not None and latest is not fused:
+            separate_storage(params, fused)
+
+    return fused, Patch(undo, description=description or "weights back to their own storage")
+
+
+def replace_at_commit(
+    module: torch.nn.Module,
+    names: Iterable[str],
+    convert: Callable[[str, torch.Tensor], Mapping[str, torch.Tensor]],
+    *,
+    explanation: str,
+    description: str = "",
+) -> Patch:
+    """Replace parameters of ``module`` by buffers, irreversibly, when the ``patch()`` transaction commits.
+
+    Until then the originals stay in place untouched, so a rolled-back transaction leaves the very same
+    tensors. At commit, for each name in turn: ``convert(name, tensor)`` gives the new buffers
+    ({buffer name: tensor}); the parameter leaves the module first, so the original is freed as soon as
+    nothing else holds it (one tensor at a time, never a second copy of the model). After commit the
+    Patch is irreversible; ``explanation`` is what ``unpatch`` tells the user to do instead.
+    """
+    names = tuple(names)
+
+    def commit() -> None:
+        for name in names:
+            new = convert(name, getattr(module, name))
+            delattr(module, name)
+            for buf_name, t in new.items():
+                module.register_buffer(buf_name, t)
+
+    return Patch(lambda: None, commit=commit, reversible=False, explanation=explanation,
+                 description=description or f"{type(module).__name__}: {', '.join(names)} replaced at commit")
