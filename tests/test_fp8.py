@@ -559,7 +559,7 @@ def test_importing_the_ops_and_recipes_does_not_import_triton():
     import sys
 
     code = ("import sys, mpsboost.ops.fp8, mpsboost.ops.fp8_moe, mpsboost.ops.gemv_triton, mpsboost.ops.linear, "
-            "mpsboost.recipes.fp8_weights, mpsboost.recipes.decode_linear; "
+            "mpsboost.recipes.fp8.recipe, mpsboost.recipes.decode_linear; "
             "assert 'triton' not in sys.modules, 'triton imported'; import torch; "
             "assert hasattr(torch.ops.mpsboost, 'fp8_gemv') and hasattr(torch.ops.mpsboost, 'gemv')")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -623,7 +623,7 @@ def test_casting_a_converted_model_is_caught():
     model = tm.build("qwen3", dtype="bfloat16")
     mpsboost.patch(model, fp8="rowwise")
     model.to(torch.float16)
-    from mpsboost.fp8_io import Fp8StateError
+    from mpsboost.checkpoints import Fp8StateError
 
     with pytest.raises(Fp8StateError, match="cast"):
         tm.run("qwen3", model, 1, dtype="float16")

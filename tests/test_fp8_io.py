@@ -10,7 +10,7 @@ import torch
 
 import mpsboost
 import tiny_models as tm
-from mpsboost.fp8_io import Fp8FileError, Fp8MismatchError, Fp8StateError
+from mpsboost.checkpoints import Fp8FileError, Fp8MismatchError, Fp8StateError
 from mpsboost.gate import Env
 
 FP8 = torch.float8_e4m3fn

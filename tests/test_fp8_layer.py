@@ -14,7 +14,7 @@ import tiny_models as tm
 from mpsboost import registry
 from mpsboost.errors import IrreversiblePatchError, PatchError
 from mpsboost.ops import fp8 as fp8_ops
-from mpsboost.recipes.fp8_weights import FP8Linear
+from mpsboost.recipes.fp8.recipe import FP8Linear
 from mpsboost.registry import Decision, Recipe
 
 NAME = "fp8_weights"

@@ -33,7 +33,7 @@ def test_ops_hold_tensor_functions_only():
 
     import mpsboost.ops
 
-    forbidden_internal = {"registry", "recipes", "api", "fp8_io", "fp8_formats"}
+    forbidden_internal = {"registry", "patching", "recipes", "api", "checkpoints"}
     offenders = []
     for path in sorted(Path(mpsboost.ops.__file__).parent.glob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -109,10 +109,10 @@ def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | N
 
 def test_import_graph_has_no_fp8_io_recipe_cycle():
     graph = _import_graph()
-    io, recipe = "mpsboost.fp8_io", "mpsboost.recipes.fp8_weights"
-    assert io in graph and recipe in graph and "mpsboost.fp8_modules" in graph[recipe]
+    io, recipe = "mpsboost.checkpoints", "mpsboost.recipes.fp8.recipe"
+    assert io in graph and recipe in graph and "mpsboost.recipes.fp8.layers" in graph[recipe]
     assert recipe not in graph[io] and io not in graph[recipe]
-    for a, b in ((io, recipe), (recipe, io), ("mpsboost.fp8_formats", recipe)):
+    for a, b in ((io, recipe), (recipe, io), ("mpsboost.recipes.fp8.formats", recipe)):
         path = _reaches(graph, a, b)
         back = _reaches(graph, b, a)
         assert path is None or back is None, f"import cycle: {' -> '.join(path)} and back {' -> '.join(back or [])}"
@@ -127,16 +127,16 @@ def test_import_graph_ops_stay_below_registry_and_recipes():
     assert len(ops) >= 10
     offenders = [f"{m} -> {d}" for m in ops for d in graph[m]
                  if d == "mpsboost.registry" or d == "mpsboost.recipes" or d.startswith("mpsboost.recipes.")
-                 or d in ("mpsboost.api", "mpsboost.fp8_io", "mpsboost.fp8_formats")]
+                 or d in ("mpsboost.api", "mpsboost.checkpoints", "mpsboost.recipes.fp8.formats")]
     assert not offenders, offenders
     # The shared fp8 helpers are neutral too: neither registry nor recipes.
-    assert not (graph["mpsboost.fp8_modules"] & {"mpsboost.registry", "mpsboost.recipes", "mpsboost.fp8_io"})
+    assert not (graph["mpsboost.recipes.fp8.layers"] & {"mpsboost.registry", "mpsboost.recipes", "mpsboost.checkpoints"})
 
 
 def test_import_graph_sees_function_level_imports():
     """The graph would have missed the old cycle: fp8_io imported the recipe inside functions."""
     graph = _import_graph()
-    assert "mpsboost.api" in graph["mpsboost.fp8_io"]  # only imported inside functions there
+    assert "mpsboost.api" in graph["mpsboost.checkpoints"]  # only imported inside functions there
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -183,10 +183,10 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_import_graph_of_the_whole_package_has_no_cycle():
     """Every module of src/mpsboost, imports inside functions included: no module reaches itself again.
-    (It caught mpsboost.fp8_io -> mpsboost.fp8_formats -> mpsboost.fp8_io: fp8_formats imported the
+    (It caught mpsboost.checkpoints -> mpsboost.recipes.fp8.formats -> mpsboost.checkpoints: fp8_formats imported the
     safetensors header reader from fp8_io; the reader now lives in fp8_formats, a leaf of the fp8 code.)"""
     graph = _import_graph()
-    assert len(graph) >= 40 and "mpsboost.fp8_formats" in graph and "mpsboost.bench" in graph
+    assert len(graph) >= 40 and "mpsboost.recipes.fp8.formats" in graph and "mpsboost.bench" in graph
     cycles = _cycles(graph)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
@@ -194,8 +194,8 @@ def test_import_graph_of_the_whole_package_has_no_cycle():
 def test_cycle_finder_sees_a_cycle_through_function_level_imports():
     """The check above could pass by seeing nothing: on a graph with the old fp8 cycle put back it fails."""
     graph = {k: set(v) for k, v in _import_graph().items()}
-    graph["mpsboost.fp8_formats"].add("mpsboost.fp8_io")
-    assert "mpsboost.fp8_formats" in graph["mpsboost.fp8_io"]  # fp8_io imports it inside functions
+    graph["mpsboost.recipes.fp8.formats"].add("mpsboost.checkpoints")
+    assert "mpsboost.recipes.fp8.formats" in graph["mpsboost.checkpoints"]  # fp8_io imports it inside functions
     cycles = _cycles(graph)
-    assert len(cycles) == 1 and set(cycles[0]) == {"mpsboost.fp8_io", "mpsboost.fp8_formats"}
+    assert len(cycles) == 1 and set(cycles[0]) == {"mpsboost.checkpoints", "mpsboost.recipes.fp8.formats"}
     assert not _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) and _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}})

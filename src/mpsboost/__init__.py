@@ -30,14 +30,14 @@ from .report import PatchReport, Row
 
 def save_fp8(obj, path, **kw):  # noqa: D401 - thin lazy wrapper
     """Save a complete fp8 checkpoint (every tensor, config, shards) of a model patched with ``fp8=...``."""
-    from .fp8_io import save_fp8 as _save
+    from .checkpoints import save_fp8 as _save
 
     return _save(obj, path, **kw)
 
 
 def load_fp8(obj, path, **kw):
     """Load an fp8 checkpoint (mpsboost's, transformers' FP8, compressed-tensors, scaled_fp8) into ``obj``."""
-    from .fp8_io import load_fp8 as _load
+    from .checkpoints import load_fp8 as _load
 
     return _load(obj, path, **kw)
 

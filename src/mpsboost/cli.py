@@ -169,7 +169,7 @@ def _hub_kernels(env: Any) -> dict[str, Any]:
 def _describe_fp8(path: str, env: Any) -> str:
     """Which format a fp8 checkpoint file or folder is in, and the path its layers take in ``env``."""
     from .errors import UserInputError
-    from .fp8_formats import describe_checkpoint
+    from .recipes.fp8.formats import describe_checkpoint
 
     try:
         return describe_checkpoint(path, env)

@@ -40,7 +40,7 @@ from typing import Any, Iterator
 import torch
 
 from .errors import Fp8ConversionError, Fp8FileError, Fp8MismatchError, Fp8StateError  # noqa: F401 (re-exported)
-from .fp8_modules import expert_weight_names
+from .recipes.fp8.layers import expert_weight_names
 
 __all__ = ["save_fp8", "load_fp8", "describe_checkpoint", "Fp8FileError", "Fp8MismatchError", "Fp8ConversionError", "Fp8StateError", "FORMAT", "FORMAT_VERSION"]
 
@@ -179,7 +179,7 @@ def _save_root(root: torch.nn.Module, prefix: str, mods: dict, dest: Path, singl
         codes.update(f"{rel}.{n}" if rel else n for n in names)
     tensors: list[tuple[str, torch.Tensor, str]] = []
     seen: dict[tuple, str] = {}
-    from .fp8_formats import TORCH_TO_ST
+    from .recipes.fp8.formats import TORCH_TO_ST
 
     for key, t in root.state_dict(keep_vars=True).items():
         t = t.detach()
@@ -376,7 +376,7 @@ def _target_env(obj: Any, roots, device: Any):
 
 
 def _read_codes(entry, storage: str, dev: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-    from .fp8_formats import read_tensor
+    from .recipes.fp8.formats import read_tensor
 
     if out is not None and out.device.type == "cpu":
         return read_tensor(entry, out=out)
@@ -387,7 +387,7 @@ def _read_codes(entry, storage: str, dev: torch.device, out: torch.Tensor | None
 
 def _assemble(qt, ckpt, storage: str, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The codes and float32 scales of one model tensor, read part by part into their final buffers."""
-    from .fp8_formats import scale_to_float32
+    from .recipes.fp8.formats import scale_to_float32
 
     ents = ckpt.entries
     qdtype = torch.float8_e4m3fn if storage == "float8" else torch.uint8
@@ -463,7 +463,7 @@ def _donor_buffers(root: torch.nn.Module, pairs, dev: torch.device) -> dict:
 
 
 def _load_plans(obj: Any, target: Path, roots) -> list:
-    from .fp8_formats import open_checkpoint, plan_load
+    from .recipes.fp8.formats import open_checkpoint, plan_load
 
     pipeline = not (len(roots) == 1 and roots[0][0] == "")
     plans = []
@@ -594,7 +594,7 @@ def _set_tensor(mod: torch.nn.Module, name: str, value: torch.Tensor, is_param: 
 
 
 def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list, applied: list) -> None:
-    from .fp8_formats import read_tensor
+    from .recipes.fp8.formats import read_tensor
     from .ops import fp8 as fp8_ops
     from .ops import fp8_moe
     from .registry import Match, get_recipe
@@ -717,7 +717,7 @@ def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list
 
 
 def _st_dtype(st: str) -> torch.dtype:
-    from .fp8_formats import ST_DTYPES
+    from .recipes.fp8.formats import ST_DTYPES
 
     return ST_DTYPES[st]
 
@@ -736,6 +736,6 @@ def _record(obj: Any, env, rows: list, applied: list):
 
 def describe_checkpoint(path: Any, env: Any = None) -> str:
     """Which fp8 path a checkpoint takes in ``env`` (see :func:`mpsboost.fp8_formats.describe_checkpoint`)."""
-    from .fp8_formats import describe_checkpoint as _describe
+    from .recipes.fp8.formats import describe_checkpoint as _describe
 
     return _describe(path, env)

@@ -57,14 +57,14 @@ from typing import Any, Iterator
 
 import torch
 
-from .. import tuning
-from ..gate import Env, check
-from ..ops import fp8 as fp8_ops
-from ..ops import fp8_moe
-from ..errors import Fp8ConversionError, Fp8StateError, PatchError
-from ..fp8_modules import FP8_BASE_ATTR, expert_weight_names as _expert_weight_names, is_hf_experts as _is_hf_experts, plain_linear
-from ..registry import Decision, Match, Recipe, join_path, register
-from ..patching import ATTR, Patch, at_commit, bind_forward, original_forward, replace_at_commit, swap_class
+from ... import tuning
+from ...gate import Env, check
+from ...ops import fp8 as fp8_ops
+from ...ops import fp8_moe
+from ...errors import Fp8ConversionError, Fp8StateError, PatchError
+from .layers import FP8_BASE_ATTR, expert_weight_names as _expert_weight_names, is_hf_experts as _is_hf_experts, plain_linear
+from ...registry import Decision, Match, Recipe, join_path, register
+from ...patching import ATTR, Patch, at_commit, bind_forward, original_forward, replace_at_commit, swap_class
 
 NAME = "fp8_weights"
 log = logging.getLogger("mpsboost")

@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 import torch
 
-from .errors import Fp8FileError
+from ...errors import Fp8FileError
 
 __all__ = [
     "FORMATS",
@@ -534,7 +534,7 @@ def _diffusers_key_map(ckpt: Checkpoint, root: torch.nn.Module, model_keys: list
 
 def _entry_scheme(codes_shape: tuple[int, ...], scale_shape: tuple[int, ...], block: Optional[tuple[int, int]]) -> Optional[str]:
     """The scale layout of one fp8 source tensor: "block", "tensorwise" or "rowwise"; None when it fits none."""
-    from .ops.fp8_block import check_block_scale
+    from ...ops.fp8_block import check_block_scale
 
     if block is not None and check_block_scale(codes_shape, scale_shape, block) is None:
         return "block"
@@ -566,8 +566,8 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
 
     Changes nothing: the model may be on the meta device or hold real weights.
     """
-    from .fp8_modules import expert_weight_names as _expert_weight_names, is_hf_experts as _is_hf_experts, plain_linear
-    from .registry import join_path
+    from .layers import expert_weight_names as _expert_weight_names, is_hf_experts as _is_hf_experts, plain_linear
+    from ...registry import join_path
 
     plan = LoadPlan(ckpt, root, prefix)
     ents = ckpt.entries
@@ -797,8 +797,8 @@ def describe_checkpoint(path: Any, env: Any = None) -> str:
     """Which fp8 path the checkpoint at ``path`` takes in ``env`` (an :class:`mpsboost.Env`, a device
     string, or None for this machine), read from its headers only: format, scale layouts, storage and
     forward. For ``mpsboost plan`` and ``mpsboost doctor``."""
-    from .gate import Env
-    from .ops import fp8 as fp8_ops
+    from ...gate import Env
+    from ...ops import fp8 as fp8_ops
 
     if env is None:
         env = Env.detect()
@@ -814,7 +814,7 @@ def describe_checkpoint(path: Any, env: Any = None) -> str:
             raise Fp8FileError(f"{p}: no safetensors checkpoint in it or in its subfolders")
     lines = [f"fp8 checkpoint {p} for {env.describe()}:"]
     storage = fp8_ops.storage_for(env)
-    from .gate import check
+    from ...gate import check
 
     st = check("float8_storage", env)
     for folder in folders:
