@@ -13,8 +13,8 @@ import torch
 import mpsboost
 from mpsboost import gate
 from mpsboost.gate import Env, Rule
-from mpsboost.ops import vae_tiles
-from mpsboost.recipes import _vae as vae_patch
+from mpsboost.recipes.vae import tiles as vae_tiles
+from mpsboost.recipes.vae import common as vae_patch
 from mpsboost.ops.streams import SideStream
 
 pytest.importorskip("diffusers")

@@ -382,7 +382,7 @@ def _offences(path: Path) -> list[str]:
 
 
 def test_recipes_change_modules_only_through_registry_helpers():
-    files = sorted(_RECIPES.glob("*.py"))
+    files = sorted(f for f in _RECIPES.rglob("*.py") if f.name != "formats.py")  # formats: plain data classes
     assert len(files) >= 10
     offences = [o for f in files for o in _offences(f)]
     assert not offences, "recipe code that changes objects without a registry helper:\n" + "\n".join(offences)

@@ -167,7 +167,7 @@ def test_a_dropped_patched_vae_is_freed():
 
 def test_failure_part_way_leaves_the_vae_as_it_was():
     # The 5th binding fails (a frame convolution deep in the encoder): everything bound before it is undone.
-    from mpsboost.recipes import _vae
+    from mpsboost.recipes.vae import common as _vae
 
     vae = tiny()
     before = tm.snapshot(vae)

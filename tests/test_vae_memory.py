@@ -14,7 +14,7 @@ import torch
 
 import mpsboost
 from mpsboost.gate import Env
-from mpsboost.ops.vae_tiles import MemoryWatcher
+from mpsboost.recipes.vae.tiles import MemoryWatcher
 
 pytest.importorskip("diffusers")
 import tiny_models as tm  # noqa: E402

@@ -9,7 +9,7 @@ from the CPU result, ComfyUI#16433). For an image (one frame) every 3x3x3 causal
 about a third of the FLOPs, and no cache copies since nothing follows the frame.
 
 The Qwen-Image-2.1 VAE (``AutoencoderKLQwenImage21``) is a row of the same family table
-(:data:`~mpsboost.recipes._vae.QWEN21`): its causal convolutions are 2-D already (``nn.Conv2d``
+(:data:`~mpsboost.recipes.vae.common.QWEN21`): its causal convolutions are 2-D already (``nn.Conv2d``
 subclasses that squeeze the frame and ``F.pad`` the 4-D tensor), its encoder's ``AvgDown3D`` blocks
 pad 5-D in time. A 256x256 roundtrip issues 74 4-D and 5 5-D ``constant_pad_nd`` at the aten level;
 patched, none. The 5-D time pads are the ones pytorch#194922 corrupts on MPS before 2.15
@@ -22,10 +22,10 @@ from typing import Iterator
 
 import torch
 
-from ..gate import Env, check
-from . import _vae as vae_patch
-from ..registry import Decision, Match, Recipe, register
-from ..patching import Patch
+from ...gate import Env, check
+from . import common as vae_patch
+from ...registry import Decision, Match, Recipe, register
+from ...patching import Patch
 
 CLASSES = vae_patch.QWEN
 #: The families this recipe serves (Qwen-Image 1.0, Qwen-Image-2.1), one row each.

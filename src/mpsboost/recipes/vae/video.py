@@ -40,10 +40,10 @@ from typing import Any, Iterator
 
 import torch
 
-from ..gate import FEATURES, Env, check
-from ..ops import pad5d as p5
-from ..registry import Decision, Match, Recipe, join_path, matches_class, register
-from ..patching import Changes, Patch, bind_forward, call_original, set_instance_attr
+from ...gate import FEATURES, Env, check
+from ...ops import pad5d as p5
+from ...registry import Decision, Match, Recipe, join_path, matches_class, register
+from ...patching import Changes, Patch, bind_forward, call_original, set_instance_attr
 
 _AE = "diffusers.models.autoencoders"
 

@@ -29,12 +29,12 @@ from typing import Any, Iterator
 
 import torch
 
-from ..gate import Env, check
-from ..ops import vae_tiles
-from . import _vae as vae_patch
-from ..ops.streams import SideStream
-from ..registry import Decision, Match, Recipe, join_path, matches_class, register
-from ..patching import Patch, set_instance_attr
+from ...gate import Env, check
+from . import tiles as vae_tiles
+from . import common as vae_patch
+from ...ops.streams import SideStream
+from ...registry import Decision, Match, Recipe, join_path, matches_class, register
+from ...patching import Patch, set_instance_attr
 
 _FAMILIES = (vae_patch.WAN, vae_patch.QWEN)
 

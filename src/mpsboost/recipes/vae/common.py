@@ -17,7 +17,7 @@ Per instance, by option:
 * ``fused_norm``: the channel RMS norms as one ``F.rms_norm`` over the dense channel axis, and
   the SiLU that follows each of them in place;
 * ``tile_loop`` (a whole VAE only): ``_encode``, ``_decode``, ``tiled_encode``, ``tiled_decode``
-  replaced by :mod:`~mpsboost.ops.vae_tiles`.
+  replaced by :mod:`~mpsboost.recipes.vae.tiles`.
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..gate import Env, check
-from ..registry import Decision, Match, class_path, join_path, matches_class
-from ..patching import Changes, Patch, bind_forward, call_original, relayout_param, set_instance_attr
-from ..ops import vae_tiles
-from ..ops.causal_conv import avg_down3d, causal_conv3d, frame_conv2d, frame_conv_foldable, pad_right_bottom, rms_norm_channels, silu_inplace
+from ...gate import Env, check
+from ...registry import Decision, Match, class_path, join_path, matches_class
+from ...patching import Changes, Patch, bind_forward, call_original, relayout_param, set_instance_attr
+from . import tiles as vae_tiles
+from ...ops.causal_conv import avg_down3d, causal_conv3d, frame_conv2d, frame_conv_foldable, pad_right_bottom, rms_norm_channels, silu_inplace
 
 __all__ = [
     "VaeClasses",
@@ -88,7 +88,7 @@ class VaePadOptions:
     """``options={"wan_vae_pad" | "qwen_image_vae": {...}}``, as the user gives them (see :func:`parse_options`).
 
     ``fused_norm``, ``single_frame_2d``, ``tile_loop``, ``memory_watch``: True, False or "auto"/None (the
-    device's default); ``memory_watch`` also takes a :class:`~mpsboost.ops.vae_tiles.MemoryWatcher`.
+    device's default); ``memory_watch`` also takes a :class:`~mpsboost.recipes.vae.tiles.MemoryWatcher`.
     """
 
     layout: str = "auto"
@@ -134,7 +134,7 @@ def parse_options(recipe: str, options: VaePadOptions, device_type: str) -> VaeO
     kernel are known); the contiguous layout elsewhere (the MPS and CPU paths change only what the
     pad fold needs). The single-frame 2-D convolution and the tile loop everywhere. The memory
     watch of the tile loop on MPS only (``memory_watch``: True, False, "auto", or a
-    :class:`~mpsboost.ops.vae_tiles.MemoryWatcher` with its own counters; ``memory_threshold``: the
+    :class:`~mpsboost.recipes.vae.tiles.MemoryWatcher` with its own counters; ``memory_threshold``: the
     share of the recommended maximum, default 0.85).
     """
     layout = options.layout

@@ -15,10 +15,10 @@ from typing import Iterator
 
 import torch
 
-from ..gate import Env
-from . import _vae as vae_patch
-from ..registry import Decision, Match, Recipe, register
-from ..patching import Patch
+from ...gate import Env
+from . import common as vae_patch
+from ...registry import Decision, Match, Recipe, register
+from ...patching import Patch
 
 CLASSES = vae_patch.WAN
 

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from .streams import SideStream
+from ...ops.streams import SideStream
 
 __all__ = [
     "VaeLoopSpec",
