@@ -7,7 +7,7 @@
 Workloads (real architectures, random weights built from shipped configs directly on the device):
 
 * ``qwen3-8b`` (Qwen3-8B shape, ``benchmarks/configs/qwen3_dense``), ``qwen3-30b-a3b`` (Qwen3-30B-A3B
-  shape, ``recipes/configs/qwen3_moe``) and ``qwen3.6-35b-a3b`` (Qwen3.6-35B-A3B: 30 Gated DeltaNet + 10
+  shape, ``examples/configs/qwen3_moe``) and ``qwen3.6-35b-a3b`` (Qwen3.6-35B-A3B: 30 Gated DeltaNet + 10
   attention layers, 256 experts, ``benchmarks/configs/qwen3_5_moe``): ``generate()`` of ``--new-tokens`` after a prompt of
   ``--prompt-tokens`` random ids, greedy and sampled (``do_sample=True``, the global RNG seeded before
   every call). Modes: ``eager`` (the default dynamic cache) and ``static``
@@ -59,8 +59,8 @@ from typing import Any, Callable
 import torch
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent / "recipes"))
-import _common as C  # noqa: E402  (the shipped configs of recipes/configs)
+sys.path.insert(0, str(ROOT.parent / "examples"))
+import _common as C  # noqa: E402  (the shipped configs of examples/configs)
 
 import mpsboost  # noqa: E402
 from mpsboost.api import is_patched  # noqa: E402

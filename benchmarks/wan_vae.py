@@ -1,6 +1,6 @@
 """Benchmark of ``wan_vae_pad``: the Wan2.2 VAE decode, stock vs mpsboost, fp32 and bf16.
 
-Workloads (size "real": the Wan2.2-TI2V-5B VAE config, recipes/configs/wan22_ti2v/real/vae.json, random weights):
+Workloads (size "real": the Wan2.2-TI2V-5B VAE config, examples/configs/wan22_ti2v/real/vae.json, random weights):
 
 * ``wan22_vae_decode`` 480x832, 81 frames (latent 21x30x52), tiled (15 tiles of 256 px, stride 192)
   and untiled;

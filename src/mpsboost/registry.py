@@ -76,14 +76,16 @@ class Decision:
     backing: str = ""
     reason: str = ""
     details: Mapping[str, Any] = field(default_factory=dict)
+    # The recipe's own frozen dataclass: everything ``apply`` needs, typed (replaces ``details``).
+    plan: Any = None
 
     @classmethod
-    def apply(cls, backing: str, reason: str, **details: Any) -> "Decision":
-        return cls(True, backing, reason, details)
+    def apply(cls, backing: str, reason: str, plan: Any = None, **details: Any) -> "Decision":
+        return cls(True, backing, reason, details, plan)
 
     @classmethod
-    def skip(cls, reason: str, **details: Any) -> "Decision":
-        return cls(False, "", reason, details)
+    def skip(cls, reason: str, plan: Any = None, **details: Any) -> "Decision":
+        return cls(False, "", reason, details, plan)
 
 
 class Recipe:

@@ -16,7 +16,7 @@ from mpsboost.cli import main as cli_main
 from mpsboost.selftest import PROBES, SEED_WORKLOADS, SelftestFormatError, validate
 from mpsboost.selftest.machine import REQUIRED_FACTS, scrub
 
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 CHECKED_RECIPES = ["wan_vae_pad", "metal_attention", "fp8_weights"]
 
 

@@ -3,13 +3,13 @@
 
 With weights (network or a local copy):
 
-    python recipes/qwen3_moe_chat.py --model Qwen/Qwen3-30B-A3B --device mps --dtype bfloat16 \\
+    python examples/qwen3_moe_chat.py --model Qwen/Qwen3-30B-A3B --device mps --dtype bfloat16 \\
         --prompt "Explain grouped matrix multiplication in two sentences." --new-tokens 64
 
-Offline, real architecture with random weights (shipped configs in recipes/configs/qwen3_moe):
+Offline, real architecture with random weights (shipped configs in examples/configs/qwen3_moe):
 
-    python recipes/qwen3_moe_chat.py --random-weights tiny            # seconds on a CPU (what CI runs)
-    python recipes/qwen3_moe_chat.py --random-weights real --layers 8 --device mps   # Qwen3-30B-A3B shape, 8 of 48 layers
+    python examples/qwen3_moe_chat.py --random-weights tiny            # seconds on a CPU (what CI runs)
+    python examples/qwen3_moe_chat.py --random-weights real --layers 8 --device mps   # Qwen3-30B-A3B shape, 8 of 48 layers
 
 The job is ``generate()`` (greedy, or ``--sample``): prefill of the prompt, then one token at a time.
 Operator times: the prefill forward and one decode step with a KV cache of the prompt (the cache is

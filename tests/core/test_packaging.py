@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 PUBLIC = ("patch", "unpatch", "patched", "plan", "last_report", "save_fp8", "load_fp8", "Env", "check",

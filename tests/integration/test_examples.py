@@ -1,4 +1,4 @@
-"""The cookbook (recipes/*.py) in its tiny offline mode, as a user runs it: subprocesses, real output.
+"""The cookbook (examples/*.py) in its tiny offline mode, as a user runs it: subprocesses, real output.
 
 Each script builds its real architecture from the shipped tiny config with random weights, runs the
 job stock and patched, prints the patch report and the records, and writes them as JSON Lines; the
@@ -16,8 +16,8 @@ import pytest
 
 from mpsboost.bench import read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ROOT / "recipes"
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "examples"
 SCRIPTS = {
     "wan22_video": ["wan22_video"],
     "qwen_image": ["qwen_image_vae_roundtrip", "qwen_image_generate"],

@@ -356,7 +356,7 @@ def test_tuning_files_carry_their_provenance(name):
 
     t = tuning.load(name)
     assert t.name == name and t.device and t.torch and t.date and t.command and t.spread and t.entries
-    assert (Path(__file__).resolve().parents[1] / t.source).is_file(), t.source
+    assert (Path(__file__).resolve().parents[2] / t.source).is_file(), t.source
     own = Env.simulate(f"cuda:{t.capability[0]}.{t.capability[1]}", "2.11.0")
     assert tuning.for_env(name, own)[0] is t
     none, why = tuning.for_env(name, Env.simulate("cuda:8.0", "2.11.0"))

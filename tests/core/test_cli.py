@@ -135,7 +135,7 @@ def test_bench_takes_recipe_names_and_lists_them():
     from mpsboost.registry import all_recipes
 
     # every recipe with a benchmark script is reachable by its own name
-    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
     assert find_benchmark("moe_experts") == find_benchmark("moe") == root / "moe.py"
     assert find_benchmark("wan_vae_pad") == root / "wan_vae.py"
     assert find_benchmark("fp8_weights") == root / "fp8.py"
@@ -260,7 +260,7 @@ def test_every_listed_benchmark_script_exists_and_recipes_without_one_say_so():
     from mpsboost.bench.errors import BenchmarkNotFoundError
     from mpsboost.registry import recipe_names
 
-    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
     rows = catalogue(root)
     assert rows and all(path is not None and path.is_file() for _, _, path in rows), rows
     listed = _run("bench", "--list").stdout

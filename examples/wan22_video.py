@@ -3,13 +3,13 @@
 
 With weights (network or a local copy):
 
-    python recipes/wan22_video.py --model Wan-AI/Wan2.2-TI2V-5B-Diffusers --device mps --dtype bfloat16 \\
+    python examples/wan22_video.py --model Wan-AI/Wan2.2-TI2V-5B-Diffusers --device mps --dtype bfloat16 \\
         --prompt "a cat surfing a wave at sunset" --height 704 --width 1280 --frames 121
 
-Offline, real architecture with random weights (shipped configs in recipes/configs/wan22_ti2v):
+Offline, real architecture with random weights (shipped configs in examples/configs/wan22_ti2v):
 
-    python recipes/wan22_video.py --random-weights tiny            # seconds on a CPU (what CI runs)
-    python recipes/wan22_video.py --random-weights real --device mps --frames 21 --steps 2
+    python examples/wan22_video.py --random-weights tiny            # seconds on a CPU (what CI runs)
+    python examples/wan22_video.py --random-weights real --device mps --frames 21 --steps 2
 
 The job is the whole pipeline call (denoising steps and the VAE decode). The VAE decode of one latent
 video is also timed alone: it is what the VAE recipes (wan_vae_pad, mps_streams) change. Random

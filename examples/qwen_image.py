@@ -3,13 +3,13 @@
 
 With weights (network or a local copy):
 
-    python recipes/qwen_image.py --model Qwen/Qwen-Image --device mps --dtype bfloat16 \\
+    python examples/qwen_image.py --model Qwen/Qwen-Image --device mps --dtype bfloat16 \\
         --prompt "a coffee shop sign that says 'MPS'" --height 1024 --width 1024
 
-Offline, real architecture with random weights (shipped configs in recipes/configs/qwen_image):
+Offline, real architecture with random weights (shipped configs in examples/configs/qwen_image):
 
-    python recipes/qwen_image.py --random-weights tiny             # seconds on a CPU (what CI runs)
-    python recipes/qwen_image.py --random-weights real --vae-only --device mps   # the 127M VAE at 1024x1024
+    python examples/qwen_image.py --random-weights tiny             # seconds on a CPU (what CI runs)
+    python examples/qwen_image.py --random-weights real --vae-only --device mps   # the 127M VAE at 1024x1024
 
 Two workloads, each stock vs patched:
 1. ``qwen_image_generate``: the whole pipeline call (skipped with ``--vae-only``: the real transformer

@@ -21,7 +21,7 @@ import mpsboost
 from mpsboost import Env, docs
 from mpsboost.registry import Decision, Recipe, all_recipes, register, unregister
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 #: Every hand-written document a user reads.
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "recipes" / "README.md", ROOT / "benchmarks" / "README.md",
@@ -29,7 +29,6 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "recipes" / "READ
 #: The bound the README and docs/usage.md state for the VAE recipes against stock (fp32, CPU).
 VAE_BOUND = 1e-5
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny_models  # noqa: E402
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from mpsboost.selftest import SCHEMA
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from mpsboost.bench import EnvMismatchError, OpTime, Record, RecordEnv, Throughput, Workload, write_jsonl
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_tables():

@@ -191,7 +191,7 @@ def _wan_original_name(key: str) -> str:
     which writes such files offline; diffusers' own single-file conversion maps them back on load."""
     import importlib.util
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     spec = importlib.util.spec_from_file_location("mpsboost_cookbook_fp8_checkpoint", root / "recipes" / "fp8_checkpoint.py")
     module = sys.modules.get(spec.name)
     if module is None:
@@ -752,7 +752,7 @@ def test_peak_memory_while_loading_stays_under_file_plus_largest_layer(tmp_path)
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "scaled_fp8"])
 def test_cookbook_script_writes_and_loads_each_format(tmp_path, fmt):
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, str(root / "recipes" / "fp8_checkpoint.py"), "--random-weights", "tiny", "--write-format", fmt,
                            "--device", "cpu", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)],

@@ -1,7 +1,7 @@
 """What every cookbook script shares: arguments, configs, stock-vs-patched measurement, the records.
 
 A cookbook script builds its pipeline or model (``--model`` from the hub or a local folder, or
-``--random-weights tiny|real`` from the configs shipped in ``recipes/configs``), runs the job stock,
+``--random-weights tiny|real`` from the configs shipped in ``examples/configs``), runs the job stock,
 patches it with mpsboost, runs it again, and prints the patch report and the four records of
 ``mpsboost.bench`` for each variant: throughput of the whole job, device-synchronised time of the
 operation the recipes change, correctness against the stock output (and a CPU fp32 reference where
@@ -45,7 +45,7 @@ def parser(description: str, *, default_model: str) -> argparse.ArgumentParser:
     src.add_argument("--model", default=None,
                      help=f"hub id or local folder to load with from_pretrained (needs the weights), e.g. {default_model}")
     src.add_argument("--random-weights", choices=("tiny", "real"), default=None,
-                     help="build the architecture from recipes/configs with random weights: 'tiny' runs in seconds "
+                     help="build the architecture from examples/configs with random weights: 'tiny' runs in seconds "
                           "on a CPU (what CI runs), 'real' is the real size (needs the memory of the real model)")
     p.add_argument("--device", default=None, help="mps, cuda, cuda:1 or cpu (default: the best one present)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,

@@ -11,7 +11,7 @@ import torch
 
 from mpsboost.bench import check_comparable, read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

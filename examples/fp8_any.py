@@ -3,13 +3,13 @@
 
 With weights (network or a local copy):
 
-    python recipes/fp8_any.py --model Qwen/Qwen3-30B-A3B --device mps --granularity rowwise --save qwen3-fp8.safetensors
-    python recipes/fp8_any.py --model Wan-AI/Wan2.2-TI2V-5B-Diffusers --subfolder transformer --device mps
+    python examples/fp8_any.py --model Qwen/Qwen3-30B-A3B --device mps --granularity rowwise --save qwen3-fp8.safetensors
+    python examples/fp8_any.py --model Wan-AI/Wan2.2-TI2V-5B-Diffusers --subfolder transformer --device mps
 
-Offline, real architecture with random weights (shipped configs in recipes/configs):
+Offline, real architecture with random weights (shipped configs in examples/configs):
 
-    python recipes/fp8_any.py --random-weights tiny --arch qwen3_moe     # seconds on a CPU (what CI runs)
-    python recipes/fp8_any.py --random-weights real --arch wan_transformer --device mps
+    python examples/fp8_any.py --random-weights tiny --arch qwen3_moe     # seconds on a CPU (what CI runs)
+    python examples/fp8_any.py --random-weights real --arch wan_transformer --device mps
 
 What it does: one forward of the stock model (the reference), ``mpsboost.patch(model, fp8=...)``
 (float8_e4m3fn weights with fp32 per-row or per-tensor scales; lossy and irreversible, so it is opt-in),
