@@ -10,7 +10,7 @@ hand, so they cannot drift from the code:
   those workloads, and how it is selected (``Recipe.default``, ``lossless``, ``keyword``).
 
 ``python benchmarks/tables.py`` writes them between ``<!-- tables:NAME:begin -->`` markers together
-with the benchmark figures; ``--check`` (and ``tests/test_tables.py``) fails when a document differs.
+with the benchmark figures; ``--check`` (and ``tests/core/test_tables.py``) fails when a document differs.
 A recipe registered later (by a new module in ``mpsboost/recipes/``) gets its rows on the next run.
 
 The workloads (:data:`SAMPLES`) are tiny configs of the real classes built on the meta device: no

@@ -18,7 +18,7 @@ INSTALL = (
     "pip install 'mpsboost[diffusers] @ git+URL_OF_THE_REPOSITORY'"
 )
 
-# extra -> the packages it adds (kept in step with pyproject.toml by tests/test_packaging.py)
+# extra -> the packages it adds (kept in step with pyproject.toml by tests/core/test_packaging.py)
 EXTRAS: dict[str, tuple[str, ...]] = {
     "diffusers": ("diffusers>=0.35", "accelerate>=1.0"),
     "transformers": ("transformers>=5.0", "accelerate>=1.0"),

@@ -11,7 +11,7 @@ import pytest
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     # A hang guard only: a loaded 2-core machine stretches the wall time of importing torch, transformers
-    # and diffusers 5-10x (see tests/test_cookbook.py), so it is far above a quiet run's few seconds.
+    # and diffusers 5-10x (see tests/integration/test_examples.py), so it is far above a quiet run's few seconds.
     proc = subprocess.run([sys.executable, "-m", "mpsboost.cli", *args], capture_output=True, text=True, timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"mpsboost {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")

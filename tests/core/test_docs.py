@@ -251,7 +251,7 @@ def test_regeneration_is_one_command():
         assert doc in tables.DOCS
     names = set(re.findall(r"<!-- tables:([a-z0-9-]+):begin -->", README.read_text()))
     assert names and names <= set(tables.all_blocks())
-    # Whether every document is current: tests/test_tables.py::test_committed_documents_match_the_records.
+    # Whether every document is current: tests/core/test_tables.py::test_committed_documents_match_the_records.
 
 
 def test_gate_table_is_the_gate():

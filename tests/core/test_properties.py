@@ -57,7 +57,7 @@ def tolerance(name: str, dtype: str) -> float:
     if name in TOLERANCE:
         return TOLERANCE[name][dtype]
     if not recipe.lossless:
-        pytest.fail(f"{name} is lossy and has no tolerance in tests/test_properties.py TOLERANCE; add its stated one")
+        pytest.fail(f"{name} is lossy and has no tolerance in tests/core/test_properties.py TOLERANCE; add its stated one")
     return LOSSLESS[dtype]
 
 

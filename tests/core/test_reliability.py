@@ -5,7 +5,7 @@
   instance attribute and forward is exactly as before.
 - 1,000 patch/unpatch cycles on a tiny pipeline: no growth in Python objects or process memory.
 - The bad-input list of the reliability issue, each with its specific error and nothing changed
-  (tests/test_api.py covers the same list with test-only recipes; here the real recipes and models).
+  (tests/core/test_api.py covers the same list with test-only recipes; here the real recipes and models).
 
 Recipes are discovered from the registry, and the tiny models that hold their targets from each
 recipe's own ``find`` (tests/tiny_models.py), so a recipe that lands later is covered as it is.
