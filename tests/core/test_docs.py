@@ -24,7 +24,7 @@ from mpsboost.registry import Decision, Recipe, all_recipes, register, unregiste
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 #: Every hand-written document a user reads.
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "recipes" / "README.md", ROOT / "benchmarks" / "README.md",
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md", ROOT / "benchmarks" / "README.md",
          ROOT / "src" / "mpsboost" / "recipes" / "README.md"]
 #: The bound the README and docs/usage.md state for the VAE recipes against stock (fp32, CPU).
 VAE_BOUND = 1e-5
@@ -185,7 +185,7 @@ def test_no_deprecated_torch_dtype(page):
 
 
 def test_cookbook_scripts_use_dtype():
-    offenders = [p.name for p in (ROOT / "recipes").glob("*.py") if "torch_dtype=" in p.read_text()]
+    offenders = [p.name for p in (ROOT / "examples").glob("*.py") if "torch_dtype=" in p.read_text()]
     assert not offenders, offenders
 
 

@@ -128,7 +128,7 @@ def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_proper
 
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("mpsboost/recipes/") for n in names) and "mpsboost/cli.py" in names
-    assert not any(n.startswith(("tests/", "recipes/", "benchmarks/")) for n in names), "test or cookbook files in the wheel"
+    assert not any(n.startswith(("tests/", "examples/", "benchmarks/")) for n in names), "test or cookbook files in the wheel"
 
     venv_dir = tmp_path / "venv"
     py = _venv_reusing_this_environment(venv_dir)
