@@ -11,6 +11,9 @@ which materialises the full score matrix.
 :func:`sdpa` normalises its inputs to that layout, then calls SDPA: on CPU and CUDA it is an ordinary SDPA
 call (which is how the path is tested there).
 
+Which head dims have a kernel, and so whether routing a model here pays, is the metal_attention recipe's
+decision (``mpsboost.recipes.metal_attention.METAL_HEAD_DIMS``).
+
 ``ops`` never imports diffusers or transformers.
 """
 from __future__ import annotations
@@ -18,15 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["sdpa", "METAL_HEAD_DIMS", "metal_head_dim_ok"]
-
-# Head dims with a Metal prefill kernel (query length > 8); the decode vector kernels (<= 8) cover
-# 64, 96, 128 and 256 of them.
-METAL_HEAD_DIMS = (32, 64, 72, 80, 96, 128, 256)
-
-
-def metal_head_dim_ok(head_dim: int) -> bool:
-    return int(head_dim) in METAL_HEAD_DIMS
+__all__ = ["sdpa"]
 
 
 def sdpa(
