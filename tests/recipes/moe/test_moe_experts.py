@@ -421,7 +421,8 @@ def test_thresholds_come_from_tuning_files_with_provenance():
                 assert t.source.startswith("benchmarks/results/") and t.command and t.spread
     h200 = Env.simulate("cuda:9.0", "2.11.0")
     thr = recipe_mod.thresholds_for_env(h200, True)
-    assert thr.batched_max_tokens == 32 and "moe_thresholds_cuda_h200.json" in thr.source and "NVIDIA H200" in thr.source
+    assert thr.batched_max_tokens == 32
+    assert "moe_thresholds_cuda_h200.json" in thr.source and "NVIDIA H200" in thr.source
     assert not thr.follow_decode_switch
     # Another GPU: the measured table does not speak for it; the reason names the data and the choice.
     a100 = recipe_mod.thresholds_for_env(Env.simulate("cuda:8.0", "2.11.0"), True)
