@@ -309,7 +309,7 @@ def _print_table(table, cuda: bool, bw: float | None) -> None:
         verdicts = [row[col] for row in table]
         print(f"{name}: " + ", ".join(f"{verdicts.count(v)} {v}" for v in ("faster", "slower", "no difference")) + f" of {len(table)} shapes")
     if cuda:
-        from mpsboost.ops.gemv_triton import MIN_SPEEDUP
+        from mpsboost.recipes.decode_linear import MIN_SPEEDUP
 
         winners = {(n, k, bool(b), "bfloat16"): round(fr, 3) for lab, n, k, b, s, mu, r, v, fr, fv, st, busy in table
                    if fv == "faster" and fr >= MIN_SPEEDUP}

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 import mpsboost
-import mpsboost.ops.moe
+from mpsboost.recipes import moe_experts as moe_recipe
 from mpsboost.bench.memory import measure_memory
 from mpsboost.bench.quality import relative_error
 from mpsboost.bench.records import Correctness, Record, RecordEnv, Throughput, Workload
@@ -582,7 +582,7 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     bw, bw_source = _copy_bandwidth(device)
     r.log(f"{device} torch {torch.__version__}; copy bandwidth " + (f"{bw / 1e12:.2f} TB/s ({bw_source})" if bw else bw_source))
     times = _sweep(r, s, dtype) if "sweep" in stages else {}
-    bound = _threshold(times, s) if times else mpsboost.ops.moe.thresholds_for(device.split(":")[0], True).batched_max_tokens
+    bound = _threshold(times, s) if times else moe_recipe.thresholds_for(device.split(":")[0], True).batched_max_tokens
     options = {"batched_max_tokens": bound}
     r.add(Record(workload=Workload("moe-thresholds", {"hidden": s["hidden"], "experts": s["experts"], "top_k": s["top_k"]}),
                  variant="mpsboost", env=_env(device, dtype),

@@ -215,10 +215,12 @@ def test_large_scores_entry_says_not_fixed_and_how_to_split():
     assert "179352" in v.reason and "ComfyUI#14837" in v.reason
     assert check("sdpa_large_scores_correct", Env.simulate("cuda:9.0", "2.11.0")).ok
     assert check("sdpa_large_scores_correct", Env.simulate("cpu", "2.13.0")).ok
-    from mpsboost.ops.attention import MPS_SCORE_ELEMENTS_LIMIT, score_elements
     import torch
 
-    assert MPS_SCORE_ELEMENTS_LIMIT == 2**31
+    from mpsboost.ops.attention_split import score_elements
+    from mpsboost.recipes.attention_split import MAX_SCORES
+
+    assert MAX_SCORES == 2**31
     assert score_elements(torch.empty(2, 8, 5, 4), torch.empty(2, 2, 7, 4)) == 2 * 8 * 5 * 7
 
 

@@ -27,13 +27,14 @@ def test_public_api_is_exported():
 
 def test_ops_hold_tensor_functions_only():
     """ops/ is the shared kernel layer: it imports no registry, recipe or API module (no patching from
-    there) and names no diffusers or transformers module (the integrations live next to their recipes)."""
+    there), no tuning data (thresholds and tuning arrive as arguments from the recipe that decides) and
+    names no diffusers or transformers module (the integrations live next to their recipes)."""
     import ast
     from pathlib import Path
 
     import mpsboost.ops
 
-    forbidden_internal = {"registry", "patching", "recipes", "api", "checkpoints"}
+    forbidden_internal = {"registry", "patching", "recipes", "api", "checkpoints", "tuning", "data"}
     offenders = []
     for path in sorted(Path(mpsboost.ops.__file__).parent.glob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -42,6 +43,9 @@ def test_ops_hold_tensor_functions_only():
                 parts = (node.module or "").split(".")
                 if node.level >= 2 and parts[0] in forbidden_internal:
                     offenders.append(f"{path.name}: from {'.' * node.level}{node.module} import ...")
+                if node.level >= 2 and node.module is None:
+                    offenders += [f"{path.name}: from {'.' * node.level} import {a.name}" for a in node.names
+                                  if a.name in forbidden_internal]
                 if node.level == 0 and parts[0] in ("diffusers", "transformers", "mpsboost"):
                     offenders.append(f"{path.name}: from {node.module} import ...")
             elif isinstance(node, ast.Import):

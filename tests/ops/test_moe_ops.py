@@ -152,41 +152,6 @@ def test_choose_path_thresholds():
     assert moe.choose_path(17, native=False, batched_max_tokens=16, compiling=True, device_type="cpu") == "fallback"
     assert moe.choose_path(40, native=True, batched_max_tokens=16, compiled_batched_max_tokens=64, compiling=True) == "batched_mm"
     assert moe.choose_path(1, native=True, batched_max_tokens=0, compiling=False) == "grouped_mm"
-    for dev in ("cpu", "cuda", "mps"):
-        for native in (True, False):
-            t = moe.thresholds_for(dev, native)
-            assert t.batched_max_tokens >= 0 and t.source
-    with pytest.raises(ValueError, match="known"):
-        moe.thresholds_for("xpu", True)
-
-
-def test_thresholds_come_from_tuning_files_with_provenance():
-    from mpsboost import tuning
-    from mpsboost.gate import Env
-
-    for dev, names in moe.TUNING_FILES.items():
-        for name in names:
-            t = tuning.load(name)
-            assert t.device_type == dev and t.name == name
-            for key in ("native", "no_native"):
-                e = t.entries[key]
-                assert isinstance(e["batched_max_tokens"], int) and isinstance(e["compiled_batched_max_tokens"], int)
-                assert e["compiled_batched_form"] in ("fused", "bmm")
-            if t.extra.get("measured", True):
-                assert t.source.startswith("benchmarks/results/") and t.command and t.spread
-    h200 = Env.simulate("cuda:9.0", "2.11.0")
-    thr = moe.thresholds_for_env(h200, True)
-    assert thr.batched_max_tokens == 32 and "moe_thresholds_cuda_h200.json" in thr.source and "NVIDIA H200" in thr.source
-    assert not thr.follow_decode_switch
-    # Another GPU: the measured table does not speak for it; the reason names the data and the choice.
-    a100 = moe.thresholds_for_env(Env.simulate("cuda:8.0", "2.11.0"), True)
-    assert a100.batched_max_tokens == 0 and a100.compiled_batched_max_tokens == 0 and a100.follow_decode_switch
-    assert "moe_thresholds_cuda_h200" in a100.source and "sm_80" in a100.source and "conservative" in a100.source
-    mps = moe.thresholds_for_env(Env.simulate("mps", "2.15.0"), True)
-    assert "unmeasured default" in mps.source and mps.batched_max_tokens == 0
-    assert moe.thresholds_for_env(Env.simulate("mps", "2.14.1"), False).batched_max_tokens == 32
-    cpu = moe.thresholds_for_env(Env.simulate("cpu", "2.13.0"), True)
-    assert cpu.batched_max_tokens == 0 and "moe_thresholds_cpu.json" in cpu.source
 
 
 @pytest.mark.parametrize("dtype,wdtype,tol", [(torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1e-2),

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import mpsboost
 from mpsboost.gate import Env
 from mpsboost.ops import gemv_triton
+from mpsboost.recipes import decode_linear as recipe_mod
 from mpsboost.registry import Match, get_recipe, make_options
 
 from tiny_models import build, run
@@ -52,12 +53,12 @@ def _fake_table(monkeypatch, graph: dict, compiled: dict | None = None):
 
     from mpsboost import tuning
 
-    real = tuning.load(gemv_triton.TUNING)
+    real = tuning.load(recipe_mod.TUNING)
     rows = lambda t: [{"n": n, "k": k, "bias": b, "dtype": dt, "speedup": v} for (n, k, b, dt), v in t.items()]  # noqa: E731
     fake = dataclasses.replace(real, source="benchmarks/results/decode_linear-cuda-test.jsonl",
                                entries={"cuda_graph": rows(graph), "compiled": rows(compiled or {})})
     orig = tuning.load
-    monkeypatch.setattr(tuning, "load", lambda name: fake if name == gemv_triton.TUNING else orig(name))
+    monkeypatch.setattr(tuning, "load", lambda name: fake if name == recipe_mod.TUNING else orig(name))
     return fake
 
 
@@ -215,7 +216,7 @@ for n, k, bias, dtype, tol in [(96, 200, True, torch.bfloat16, 8e-3), (37, 1030,
     w = torch.randn(n, k, dtype=dtype)
     b = torch.randn(n, dtype=dtype) if bias else None
     # The Triton launch itself: on CPU tensors the registered operator would run its torch reference.
-    y = gemv_triton._launch(x, w, b)
+    y = gemv_triton._launch(x, w, b, gemv_triton.block_n_for(n, 264))
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert y.dtype == dtype and y.shape == (1, n), (y.dtype, y.shape)
@@ -243,12 +244,12 @@ def test_gemv_operator_reference_and_fake(rng_seed):
         x = torch.randn(1, 96, dtype=dtype)
         w = torch.randn(40, 96, dtype=dtype)
         b = torch.randn(40, dtype=dtype)
-        y = gemv_triton.gemv(x, w, b)
+        y = gemv_triton.gemv(x, w, b, 4)
         ref = F.linear(x.double(), w.double(), b.double())
         assert y.dtype == dtype and y.shape == (1, 40)
         assert ((y.double() - ref).norm() / ref.norm()).item() < tol
-        torch.library.opcheck(torch.ops.mpsboost.gemv.default, (x, w, b))
-        torch.library.opcheck(torch.ops.mpsboost.gemv.default, (x, w, None))
+        torch.library.opcheck(torch.ops.mpsboost.gemv.default, (x, w, b, 4))
+        torch.library.opcheck(torch.ops.mpsboost.gemv.default, (x, w, None, 1))
 
 
 def test_forced_triton_path_compiles_fullgraph_on_cpu_tensors(rng_seed):
@@ -272,10 +273,23 @@ def test_forced_triton_path_compiles_fullgraph_on_cpu_tensors(rng_seed):
 
 
 def test_block_n_gives_every_sm_work():
-    assert gemv_triton.block_n_for(151936) == 16
-    assert gemv_triton.block_n_for(1024) == 2
-    assert gemv_triton.block_n_for(128) == 1
-    assert all(-(-n // gemv_triton.block_n_for(n)) >= min(n, 264) for n in (32, 512, 2048, 4096, 30720))
+    programs = recipe_mod.GEMV_PROGRAMS
+    assert programs == 264  # two per SM of the H200 the tuning file was measured on
+    assert gemv_triton.block_n_for(151936, programs) == 16
+    assert gemv_triton.block_n_for(1024, programs) == 2
+    assert gemv_triton.block_n_for(128, programs) == 1
+    assert all(-(-n // gemv_triton.block_n_for(n, programs)) >= min(n, programs) for n in (32, 512, 2048, 4096, 30720))
+    assert gemv_triton.block_n_for(1024, 64) == 16
+
+
+def test_make_forward_needs_the_gemv_launch_width():
+    from mpsboost.ops.linear import make_forward
+
+    with pytest.raises(ValueError, match="gemv_block_n"):
+        make_forward("gemv_graph", "stock")
+    with pytest.raises(ValueError, match="eager path only"):
+        make_forward("stock", "gemv_graph", gemv_block_n=4)
+    assert make_forward("fold", "stock").__name__ == "forward_fold_compiled_stock"
 
 
 @pytest.mark.cuda
@@ -286,7 +300,7 @@ def test_triton_gemv_cuda_matches_cublas(n, k, bias):
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k**-0.5
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16) if bias else None
-    y = gemv_triton.gemv(x, w, b)
+    y = gemv_triton.gemv(x, w, b, gemv_triton.block_n_for(n, recipe_mod.GEMV_PROGRAMS))
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
     stock = F.linear(x, w, b)
     err = ((y.double() - ref).norm() / ref.norm()).item()
@@ -334,7 +348,8 @@ def test_compiled_forward_on_cuda_inductor(compiled_path):
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(1024, 2048, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
-    undo = bind_forward(lin, "decode_linear", make_forward("gemv_graph", compiled_path))
+    block_n = gemv_triton.block_n_for(lin.out_features, recipe_mod.GEMV_PROGRAMS)
+    undo = bind_forward(lin, "decode_linear", make_forward("gemv_graph", compiled_path, gemv_block_n=block_n))
     x = torch.randn(1, 1, 1024, device="cuda", dtype=torch.bfloat16)
     eager = F.linear(x, lin.weight, lin.bias)
     torch._dynamo.reset()

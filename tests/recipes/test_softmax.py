@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import mpsboost
-from mpsboost.ops.sampling import DeferredCheck, draw, draw_from_logits, with_globals
+from mpsboost.ops.sampling import DeferredCheck, draw, draw_from_logits
+from mpsboost.recipes._hf_sample import with_globals
 from transformers.generation.utils import GenerationMixin
 
 from tiny_models import build, generate

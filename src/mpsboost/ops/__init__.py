@@ -1,4 +1,7 @@
-"""Backing kernels: one function per operation, choosing its path by device and torch version.
+"""Tensor functions: one module per operation, the paths of that operation and nothing else.
 
-``ops`` never imports diffusers or transformers.
+Policy stays out: which path a model takes, thresholds, tuning files and device constants are decided by
+the recipes (and read from ``mpsboost.tuning``) and arrive here as arguments. How a library's code is
+reached (rebinding a forward, a function's globals) is integration and lives with the recipes too.
+``ops`` never imports diffusers or transformers, nor anything above ``mpsboost.gate``.
 """

@@ -11,6 +11,9 @@ which materialises the full score matrix.
 :func:`sdpa` normalises its inputs to that layout, then calls SDPA: on CPU and CUDA it is an ordinary SDPA
 call (which is how the path is tested there).
 
+Which head dims have a kernel, and so whether routing a model here pays, is the metal_attention recipe's
+decision (``mpsboost.recipes.metal_attention.METAL_HEAD_DIMS``).
+
 ``ops`` never imports diffusers or transformers.
 """
 from __future__ import annotations
@@ -18,28 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["sdpa", "METAL_HEAD_DIMS", "METAL_DECODE_HEAD_DIMS", "metal_head_dim_ok", "MPS_SCORE_ELEMENTS_LIMIT", "score_elements"]
-
-# The MPSGraph SDPA path (and bmm) index the score matrix with 32 bits: from about 2^31 elements the
-# results are silently wrong (gate feature ``sdpa_large_scores_correct``: issue pytorch#179352,
-# ComfyUI#14837; not fixed as of 2026-11-30). Attention must be split below this many score elements.
-MPS_SCORE_ELEMENTS_LIMIT = 2**31
-
-
-def score_elements(query: torch.Tensor, key: torch.Tensor) -> int:
-    """Elements of the score matrix ``B*H*Lq*Lk`` of SDPA on ``[..., H, Lq, D]`` / ``[..., Hkv, Lk, D]``."""
-    lead = 1
-    for n in query.shape[:-2]:
-        lead *= int(n)
-    return lead * int(query.shape[-2]) * int(key.shape[-2])
-
-# Head dims with a Metal kernel: prefill kernels (query length > 8) and decode vector kernels (<= 8).
-METAL_HEAD_DIMS = (32, 64, 72, 80, 96, 128, 256)
-METAL_DECODE_HEAD_DIMS = (64, 96, 128, 256)
-
-
-def metal_head_dim_ok(head_dim: int) -> bool:
-    return int(head_dim) in METAL_HEAD_DIMS
+__all__ = ["sdpa"]
 
 
 def sdpa(

@@ -9,7 +9,8 @@ against all keys gives the same rows, as long as each slice keeps its own rows o
 
 :func:`sdpa_split` is that computation; :class:`SdpaSplitMode` routes every
 ``F.scaled_dot_product_attention`` call made while it is active (inside a patched module's forward
-only) to it. Calls within the budget pass through unchanged.
+only) to it. Calls within the budget pass through unchanged. The budget arrives as an argument: the
+recipe that decides (``mpsboost.recipes.attention_split``) owns the 2^31 limit of the MPS kernels.
 """
 from __future__ import annotations
 
@@ -20,10 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["MAX_SCORES", "score_elements", "query_chunk", "sdpa_split", "SdpaSplitMode"]
-
-#: Score elements one SDPA call may hold (B * H * Lq * Lk).
-MAX_SCORES = 2**31
+__all__ = ["score_elements", "query_chunk", "sdpa_split", "SdpaSplitMode"]
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -34,7 +32,7 @@ def score_elements(query: torch.Tensor, key: torch.Tensor) -> int:
     return int(lead) * int(query.shape[-2]) * int(key.shape[-2])
 
 
-def query_chunk(query: torch.Tensor, key: torch.Tensor, max_scores: int = MAX_SCORES) -> int:
+def query_chunk(query: torch.Tensor, key: torch.Tensor, max_scores: int) -> int:
     """The most query rows per call that keep B * H * rows * Lk within ``max_scores`` (at least 1)."""
     per_row = int(math.prod(query.shape[:-2])) * int(key.shape[-2])
     return max(1, max_scores // max(per_row, 1))
@@ -57,7 +55,7 @@ def sdpa_split(
     scale: float | None = None,
     enable_gqa: bool = False,
     *,
-    max_scores: int = MAX_SCORES,
+    max_scores: int,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with no single call above ``max_scores`` score elements.
 
@@ -101,7 +99,7 @@ class SdpaSplitMode(TorchFunctionMode):
     many calls it split.
     """
 
-    def __init__(self, max_scores: int = MAX_SCORES) -> None:
+    def __init__(self, max_scores: int) -> None:
         super().__init__()
         self.max_scores = int(max_scores)
         self.splits = 0

@@ -10,83 +10,31 @@ opaque call with a known output shape (``register_fake``) instead of tracing int
 CUDA kernel launches Triton, every other device runs a plain-torch reference with the same numerics
 (fp32 accumulation, bias in fp32, one rounding). CI compiles the CUDA path forced onto CPU tensors.
 
-Whether this kernel is used for a layer is decided from measurements, never assumed: cuBLAS is already
-close to the bandwidth limit for large layers (one-token bf16 ``F.linear`` timed by CUDA-graph replay on an H200:
-75-100% of the copy bandwidth from 4096x4096 up, 39-53% for the smallest layers), so
-the kernel can only win where cuBLAS leaves bandwidth unused (small and medium layers). The shapes where
-it won, per execution mode, are the tuning file ``decode_linear_gemv`` (:mod:`mpsboost.tuning`); every
-other shape keeps cuBLAS.
+Whether this kernel is used for a layer, and its launch width (``block_n``, from :func:`block_n_for` and the
+number of programs the GPU wants in flight), are the decode_linear recipe's decisions from measurements
+(the tuning file ``decode_linear_gemv``); they arrive here as arguments.
 
 Importing this module never imports triton; the kernel is built on first use.
 """
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .. import tuning
-from ..gate import Env
+__all__ = ["gemv", "gemv_reference", "block_n_for"]
 
-__all__ = [
-    "TUNING",
-    "triton_available",
-    "gemv",
-    "gemv_reference",
-    "block_n_for",
-    "measured",
-    "measured_speedup",
-    "MIN_SPEEDUP",
-]
-
-# The tuning file (mpsboost/data/tuning/decode_linear_gemv.json): per mode, the layer shapes where the
-# kernel measured at least its ``min_speedup`` faster than cuBLAS, on the device it names.
-TUNING = "decode_linear_gemv"
-# Below this the difference was within the spread of repeated timings: not worth an extra kernel.
-MIN_SPEEDUP = 1.05
-
-
-def measured(env: Env, mode: str) -> tuple[dict[tuple[int, int, bool, str], float] | None, str]:
-    """``({(N, K, has_bias, dtype name): speedup}, "")`` measured in ``mode`` for this kind of GPU.
-
-    ``mode`` is ``"cuda_graph"`` (eager decode replayed as CUDA graphs) or ``"compiled"`` (the forward
-    under ``torch.compile``). ``(None, why)`` where the file speaks for another device. Patch time only.
-    """
-    t, why = tuning.for_env(TUNING, env)
-    if t is None:
-        return None, why
-    rows = t.entries.get(mode, [])
-    table = {(int(r["n"]), int(r["k"]), bool(r["bias"]), str(r["dtype"])): float(r["speedup"]) for r in rows}
-    return table, t.describe()
-
-
-def measured_speedup(n: int, k: int, has_bias: bool, dtype: torch.dtype | str, *, mode: str = "cuda_graph",
-                     env: Env | None = None) -> float | None:
-    """The speedup measured for this shape in ``mode`` (default: the file's own device), or None."""
-    name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    if env is None:
-        t = tuning.load(TUNING)
-        env = Env.simulate(t.device_type, t.torch, capability=t.capability)
-    table, _ = measured(env, mode)
-    return None if table is None else table.get((int(n), int(k), bool(has_bias), name))
-
-
-_SMS_TARGET = 264  # two programs per SM on an H200 (132 SMs): enough bytes in flight per SM
 _BLOCK_K = 512
 _NUM_WARPS = 4
 
 
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def block_n_for(n: int) -> int:
-    """Output features per program: the largest power of two up to 16 that still gives every SM work."""
+def block_n_for(n: int, programs: int) -> int:
+    """Output features per program: the largest power of two up to 16 that still launches at least
+    ``programs`` programs (e.g. two per SM, to keep enough bytes in flight on every SM)."""
     block = 16
-    while block > 1 and -(-n // block) < _SMS_TARGET:
+    while block > 1 and -(-n // block) < programs:
         block //= 2
     return block
 
@@ -138,10 +86,9 @@ def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], block_n: int) -> torch.Tensor:
     n, k = weight.shape
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    block_n = block_n_for(n)
     _kernel()[(-(-n // block_n),)](
         x,
         weight,
@@ -159,25 +106,26 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor])
 
 
 @torch.library.custom_op("mpsboost::gemv", mutates_args=())
-def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _gemv_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], block_n: int) -> torch.Tensor:
     # Every device but CUDA (and CUDA paths forced onto CPU tensors in tests): the reference.
     return gemv_reference(x, weight, bias)
 
 
 @_gemv_op.register_kernel("cuda")
-def _gemv_cuda(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return _launch(x.contiguous(), weight, bias)
+def _gemv_cuda(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], block_n: int) -> torch.Tensor:
+    return _launch(x.contiguous(), weight, bias, block_n)
 
 
 @_gemv_op.register_fake
-def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _gemv_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], block_n: int) -> torch.Tensor:
     return x.new_empty((1, weight.shape[0]))
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for ``x`` of shape ``[1, K]`` (one token): ``torch.ops.mpsboost.gemv``.
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], block_n: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` of shape ``[1, K]`` (one token): ``torch.ops.mpsboost.gemv``,
+    ``block_n`` output features per program (:func:`block_n_for`; the reference on other devices ignores it).
 
     The caller checks the preconditions (one floating dtype, each weight row contiguous, no autograd);
     they are not re-checked here because this runs once per layer per token. Traceable by torch.compile.
     """
-    return torch.ops.mpsboost.gemv(x, weight, bias)
+    return torch.ops.mpsboost.gemv(x, weight, bias, block_n)

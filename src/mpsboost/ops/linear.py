@@ -15,7 +15,8 @@ Paths (:data:`PATHS`), chosen per layer at patch time, separately for eager and 
   than cuBLAS's, and decoding small models eagerly is bound by exactly that host time).
 - ``"stock"``: ``F.linear`` unchanged.
 
-:func:`make_forward` binds one eager and one compiled path. The compiled one is selected by
+:func:`make_forward` binds one eager and one compiled path (and, for the GEMV paths, the kernel's launch
+width ``gemv_block_n``, decided by the recipe). The compiled one is selected by
 ``torch.compiler.is_compiling()``, a constant while dynamo traces, so a compiled forward contains no host
 query at all (``torch.cuda.is_current_stream_capturing()`` is asked only in eager mode).
 
@@ -30,16 +31,11 @@ import torch.nn.functional as F
 
 from . import gemv_triton
 
-__all__ = ["PATHS", "forward_fold_rows", "make_forward", "one_row"]
+__all__ = ["PATHS", "forward_fold_rows", "make_forward"]
 
 PATHS = ("stock", "fold", "gemv", "gemv_graph")
 
 Forward = Callable[[torch.nn.Linear, torch.Tensor], torch.Tensor]
-
-
-def one_row(x: torch.Tensor, k: int) -> bool:
-    """True for a single-token activation: exactly one row of ``k`` features, in any rank."""
-    return x.numel() == k and x.dim() >= 2
 
 
 def _stock(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
@@ -68,38 +64,54 @@ def _gemv_ok(self: torch.nn.Linear, input: torch.Tensor) -> bool:
     )
 
 
-def _forward_gemv(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+def _forward_gemv(self: torch.nn.Linear, input: torch.Tensor, block_n: int) -> torch.Tensor:
     if _gemv_ok(self, input):
         weight = self.weight
-        out = gemv_triton.gemv(input.reshape(1, weight.shape[1]), weight, self.bias)
+        out = gemv_triton.gemv(input.reshape(1, weight.shape[1]), weight, self.bias, block_n)
         return out.view(*input.shape[:-1], weight.shape[0])
     return F.linear(input, self.weight, self.bias)
 
 
-def _forward_gemv_graph(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+def _forward_gemv_graph(self: torch.nn.Linear, input: torch.Tensor, block_n: int) -> torch.Tensor:
     # Eager only (make_forward never binds this as the compiled path): the capture query is a host call.
     # Asked of CUDA tensors only: a CPU-only torch build has no capture state to ask.
     if input.is_cuda and torch.cuda.is_current_stream_capturing():
-        return _forward_gemv(self, input)
+        return _forward_gemv(self, input, block_n)
     return F.linear(input, self.weight, self.bias)
 
 
-_BY_PATH: dict[str, Forward] = {
-    "stock": _stock,
-    "fold": forward_fold_rows,
+_BY_PATH: dict[str, Forward] = {"stock": _stock, "fold": forward_fold_rows}
+_GEMV_PATHS: dict[str, Callable[[torch.nn.Linear, torch.Tensor, int], torch.Tensor]] = {
     "gemv": _forward_gemv,
     "gemv_graph": _forward_gemv_graph,
 }
 
 
-def make_forward(eager: str, compiled: str) -> Forward:
-    """The forward with path ``eager`` outside ``torch.compile`` and ``compiled`` inside it (:data:`PATHS`)."""
+def _path_forward(path: str, block_n: int | None) -> Forward:
+    if path in _BY_PATH:
+        return _BY_PATH[path]
+    gemv_fn = _GEMV_PATHS[path]
+
+    def forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+        return gemv_fn(self, input, block_n)
+
+    return forward
+
+
+def make_forward(eager: str, compiled: str, *, gemv_block_n: int | None = None) -> Forward:
+    """The forward with path ``eager`` outside ``torch.compile`` and ``compiled`` inside it (:data:`PATHS`).
+
+    ``gemv_block_n``: output features per program of the GEMV kernel (``gemv_triton.block_n_for``); needed
+    when either path is a GEMV path."""
     for label, path in (("eager", eager), ("compiled", compiled)):
-        if path not in _BY_PATH:
+        if path not in PATHS:
             raise ValueError(f"decode_linear {label} path must be one of {PATHS}, got {path!r}")
     if compiled == "gemv_graph":
         raise ValueError("'gemv_graph' asks the host about CUDA-graph capture: it is an eager path only; use 'gemv'")
-    eager_fn, compiled_fn = _BY_PATH[eager], _BY_PATH[compiled]
+    if gemv_block_n is None and (eager in _GEMV_PATHS or compiled in _GEMV_PATHS):
+        raise ValueError(f"make_forward({eager!r}, {compiled!r}) runs the GEMV kernel: pass gemv_block_n "
+                         "(gemv_triton.block_n_for(out_features, programs))")
+    eager_fn, compiled_fn = _path_forward(eager, gemv_block_n), _path_forward(compiled, gemv_block_n)
 
     def forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():

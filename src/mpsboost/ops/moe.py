@@ -18,13 +18,13 @@ The public API, stable for other recipes (FP8 expert weights reuse it):
 * :func:`grouped_linear`: ``x_sorted @ weight[e]`` for each row's expert, by one of :data:`PATHS`.
 * :func:`unroute`: back to token order, weighted and summed over the top-k slots.
 * :func:`routed_experts`: the whole experts call (up or gate/up, activation, down, routing weights).
-* :func:`choose_path` with :func:`thresholds_for_env` (tuning files): which path for a token count, device and torch build.
+* :func:`choose_path`: which path for a routed-pair count, given the thresholds (they arrive as arguments:
+  the moe_experts recipe reads them from its tuning files) and whether the native kernel runs here.
 
 This module never imports diffusers or transformers.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,11 +41,6 @@ __all__ = [
     "routed_experts",
     "native_grouped_mm_ok",
     "combine_slots",
-    "Thresholds",
-    "CONSERVATIVE",
-    "TUNING_FILES",
-    "thresholds_for",
-    "thresholds_for_env",
     "grouped_mm_widths_ok",
     "choose_path",
 ]
@@ -491,84 +486,6 @@ def _dense_experts(hidden_states, top_k_index, top_k_weights, ups, down_weight, 
 
 
 # ----------------------------------------------------------------------------------------- choosing a path
-
-@dataclass(frozen=True)
-class Thresholds:
-    """When to leave the grouped path for batched_mm: at or below ``batched_max_tokens`` routed pairs
-    (tokens x top-k) per experts call. ``compiled_batched_max_tokens`` is the same bound while
-    ``torch.compile`` traces (the batched form becomes a fused gather + matrix-vector reduction
-    there). ``source`` says where the numbers come from; ``compiled_batched_form`` which batched
-    formulation runs while compiling."""
-
-    batched_max_tokens: int
-    compiled_batched_max_tokens: int
-    source: str
-    # The batched_mm formulation while torch.compile traces: "fused" (gather fused into a
-    # matrix-vector reduction) or "bmm" (gathered weights, then bmm).
-    compiled_batched_form: str = "fused"
-    # Leave transformers' own decode-time switch (grouped_mm -> batched_mm inside generate()) in
-    # place and step aside while it is active: the choice where no measurement speaks for this device.
-    follow_decode_switch: bool = False
-
-
-# Measured thresholds live in data files with their provenance (mpsboost/data/tuning/moe_thresholds_*.json,
-# read by mpsboost.tuning), one file per measurement: which file speaks for which device type. A file
-# applies only to the kind of device it was measured on (tuning.for_env: device type and, for CUDA,
-# compute capability); any other environment gets CONSERVATIVE.
-TUNING_FILES: dict[str, tuple[str, ...]] = {
-    "cuda": ("moe_thresholds_cuda_h200",),
-    "cpu": ("moe_thresholds_cpu",),
-    "mps": ("moe_thresholds_mps_defaults",),
-}
-
-# No measurement for this device: grouped (or the sync-free fallback) for every call in the recipe's
-# own forward, and transformers' own decode-time switch to batched_mm left in place (the recipe steps
-# aside while it is active), so decoding runs as stock transformers would.
-CONSERVATIVE = Thresholds(0, 0, "no measured MoE thresholds for this device", "bmm", follow_decode_switch=True)
-
-
-def _thresholds_from(entry: dict, source: str) -> Thresholds:
-    return Thresholds(
-        batched_max_tokens=int(entry["batched_max_tokens"]),
-        compiled_batched_max_tokens=int(entry["compiled_batched_max_tokens"]),
-        source=source,
-        compiled_batched_form=entry.get("compiled_batched_form", "fused"),
-        follow_decode_switch=bool(entry.get("follow_decode_switch", False)),
-    )
-
-
-def thresholds_for_env(env, native: bool) -> Thresholds:
-    """The thresholds for ``env`` (a :class:`mpsboost.gate.Env`) from the tuning files, or
-    :data:`CONSERVATIVE` with the reason naming the data that does not apply. Patch time only."""
-    from .. import tuning
-
-    key = "native" if native else "no_native"
-    whys = []
-    for name in TUNING_FILES.get(env.device_type, ()):
-        t, why = tuning.for_env(name, env)
-        if t is None:
-            whys.append(why)
-            continue
-        if t.extra.get("measured", True):
-            src = f"{name}.json: {t.describe()}"
-        else:
-            src = f"{name}.json: unmeasured default ({t.notes.split('. ')[0]})"
-        return _thresholds_from(t.entries[key], src)
-    why = "; ".join(whys) or f"no MoE tuning file for device type {env.device_type!r}"
-    return dataclasses.replace(CONSERVATIVE, source=f"{why}: grouped path, transformers' decode switch kept")
-
-
-def thresholds_for(device_type: str, native: bool) -> Thresholds:
-    """The thresholds of the tuning file for ``device_type``, whatever machine it was measured on
-    (benchmarks use this; decisions use :func:`thresholds_for_env`)."""
-    from .. import tuning
-
-    names = TUNING_FILES.get(device_type)
-    if not names:
-        raise ValueError(f"no MoE thresholds for device type {device_type!r}; known: {sorted(TUNING_FILES)}")
-    t = tuning.load(names[0])
-    return _thresholds_from(t.entries["native" if native else "no_native"], f"{names[0]}.json: {t.describe()}")
-
 
 def grouped_mm_widths_ok(widths, dtype: torch.dtype, device_type: str) -> tuple[bool, str]:
     """Whether the native grouped matmul takes operands whose row widths are ``widths`` (elements),

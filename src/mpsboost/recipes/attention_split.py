@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..gate import FEATURES, Env, check
-from ..ops.attention_split import MAX_SCORES, SdpaSplitMode
+from ..ops.attention_split import SdpaSplitMode
 from . import _hf
 from ..registry import Decision, Match, Recipe, matches_class, register
 from ..patching import Changes, Patch, bind_forward, call_original, set_instance_attr
@@ -41,6 +41,11 @@ NAME = "attention_split"
 _PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
 _MODELMIXIN = "diffusers.models.modeling_utils.ModelMixin"
 _DIFFUSERS_ATTENTION = ("diffusers.models.attention_processor.Attention", "diffusers.models.attention.AttentionModuleMixin")
+
+# The MPSGraph SDPA path (and bmm) index the score matrix with 32 bits: from about 2^31 elements the
+# results are silently wrong (gate feature ``sdpa_large_scores_correct``: issue pytorch#179352,
+# ComfyUI#14837; not fixed as of 2026-11-30). The default budget of one SDPA call, B * H * Lq * Lk.
+MAX_SCORES = 2**31
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Iterator
 
 import torch
 
+from .. import tuning
 from ..gate import Env, check
 from ..ops import gemv_triton
 from ..ops.linear import make_forward
@@ -43,6 +44,32 @@ _MODEL_ROOTS = (
 _LINEAR = "torch.nn.modules.linear.Linear"
 _PATHS = ("auto", "fold", "triton")
 _NO_COMPILED_GAIN = "compiled: stock F.linear; no compiled end-to-end measurement shows a gain"
+
+# The Triton GEMV is used only where measured faster: cuBLAS is already close to the bandwidth limit for
+# large layers (one-token bf16 F.linear timed by CUDA-graph replay on an H200: 75-100% of the copy bandwidth
+# from 4096x4096 up, 39-53% for the smallest layers), so the kernel can only win where cuBLAS leaves
+# bandwidth unused. The tuning file (mpsboost/data/tuning/decode_linear_gemv.json): per mode, the layer
+# shapes where the kernel measured at least MIN_SPEEDUP faster than cuBLAS, on the device it names.
+TUNING = "decode_linear_gemv"
+# Below this the difference was within the spread of repeated timings: not worth an extra kernel.
+MIN_SPEEDUP = 1.05
+# Programs per GEMV launch the kernel aims for (gemv_triton.block_n_for): two per SM on an H200 (132 SMs),
+# enough bytes in flight per SM; the launch the tuning file was measured with.
+GEMV_PROGRAMS = 264
+
+
+def measured(env: Env, mode: str) -> tuple[dict[tuple[int, int, bool, str], float] | None, str]:
+    """``({(N, K, has_bias, dtype name): speedup}, "")`` measured in ``mode`` for this kind of GPU.
+
+    ``mode`` is ``"cuda_graph"`` (eager decode replayed as CUDA graphs) or ``"compiled"`` (the forward
+    under ``torch.compile``). ``(None, why)`` where the file speaks for another device. Patch time only.
+    """
+    t, why = tuning.for_env(TUNING, env)
+    if t is None:
+        return None, why
+    rows = t.entries.get(mode, [])
+    table = {(int(r["n"]), int(r["k"]), bool(r["bias"]), str(r["dtype"])): float(r["speedup"]) for r in rows}
+    return table, t.describe()
 
 
 @dataclass(frozen=True)
@@ -116,20 +143,20 @@ class DecodeLinear(Recipe):
         return self._decide_cuda(env, n, k, has_bias, w.dtype, options)
 
     def _decide_cuda(self, env: Env, n: int, k: int, has_bias: bool, dtype: torch.dtype, options: DecodeLinearOptions) -> Decision:
-        graph, where = gemv_triton.measured(env, "cuda_graph")
+        graph, where = measured(env, "cuda_graph")
         if graph is None:
             return Decision.skip(f"cuBLAS kept: {where}")
-        compiled, _ = gemv_triton.measured(env, "compiled")
+        compiled, _ = measured(env, "compiled")
         v = check("triton", env)
         if not v.ok:
             return Decision.skip(v.reason)
         shape = f"{n}x{k}{' +bias' if has_bias else ''} {str(dtype).removeprefix('torch.')}"
         key = (n, k, has_bias, str(dtype).removeprefix("torch."))
-        fast = gemv_triton.MIN_SPEEDUP
+        fast = MIN_SPEEDUP
         s_graph, s_comp = graph.get(key), (compiled or {}).get(key)
         use_graph = s_graph is not None and s_graph >= fast
         use_comp = s_comp is not None and s_comp >= fast
-        src = f"{gemv_triton.TUNING}: {where}"
+        src = f"{TUNING}: {where}"
         if not (use_graph or use_comp):
             return Decision.skip(f"cuBLAS measured as fast or faster for {shape} ({src}); kept")
         eager_opt = bool(options.cuda_eager)
@@ -151,17 +178,20 @@ class DecodeLinear(Recipe):
         if use_comp:
             comp, why = "gemv", f"{why}; compiled: {s_comp:.2f}x over cuBLAS measured under torch.compile"
         else:
-            comp, why = "stock", f"{why}; {_NO_COMPILED_GAIN} ({gemv_triton.TUNING})"
+            comp, why = "stock", f"{why}; {_NO_COMPILED_GAIN} ({TUNING})"
         return Decision.apply("triton GEMV, fused bias", why, n=n, k=k, speedup=s_graph or s_comp, eager=eager, compiled=comp)
 
     def apply(self, match: Match, decision: Decision, env: Env, options: DecodeLinearOptions) -> Patch:
         d = decision.details
-        fwd = make_forward(d["eager"], d["compiled"])
-        if d["eager"] in ("gemv", "gemv_graph") or d["compiled"] == "gemv":
-            w = match.module.weight
+        w = match.module.weight
+        gemv = d["eager"] in ("gemv", "gemv_graph") or d["compiled"] == "gemv"
+        block_n = gemv_triton.block_n_for(w.shape[0], GEMV_PROGRAMS) if gemv else None
+        fwd = make_forward(d["eager"], d["compiled"], gemv_block_n=block_n)
+        if gemv:
             if w.is_cuda and not torch.cuda.is_current_stream_capturing():
                 # Compile and load the kernel now (patch time): a first launch inside CUDA-graph capture
                 # would have to compile there. One launch per distinct (block, bias) configuration.
                 with torch.no_grad():
-                    gemv_triton.gemv(torch.ones(1, w.shape[1], device=w.device, dtype=w.dtype), w, match.module.bias)
+                    gemv_triton.gemv(torch.ones(1, w.shape[1], device=w.device, dtype=w.dtype), w, match.module.bias,
+                                     block_n)
         return bind_forward(match.module, self.name, fwd)

@@ -35,7 +35,7 @@ from typing import Any, Iterator
 import torch
 
 from ..gate import Env, Verdict, check
-from ..ops.attention import METAL_HEAD_DIMS, metal_head_dim_ok, sdpa
+from ..ops.attention import sdpa
 from . import _hf
 from ..registry import Decision, Match, Recipe, class_path, matches_class, register
 from ..patching import Changes, Patch, set_instance_attr
@@ -52,6 +52,14 @@ _SDPA_PROCESSOR = {
     "SlicedAttnAddedKVProcessor": "AttnAddedKVProcessor2_0",
 }
 _SWITCHABLE = ("eager", "sdpa")
+# Head dims with a Metal SDPA kernel (aten/src/ATen/native/mps/operations/Attention.mm): the prefill kernels
+# (query length > 8) take all of these, the decode vector kernels (<= 8) 64, 96, 128 and 256. Any other
+# head dim falls back to the MPSGraph path, so routing gains nothing there.
+METAL_HEAD_DIMS = (32, 64, 72, 80, 96, 128, 256)
+
+
+def metal_head_dim_ok(head_dim: int) -> bool:
+    return int(head_dim) in METAL_HEAD_DIMS
 
 
 def _uncovered(kwargs: dict) -> bool:

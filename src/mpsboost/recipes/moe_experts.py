@@ -36,7 +36,7 @@ Options (``mpsboost.patch(m, options={"moe_experts": {...}})``):
 ``compiled_batched_form`` ("fused", "bmm"): the batched_mm formulation while ``torch.compile`` traces;
 ``path`` ("auto", "grouped_mm", "batched_mm", "fallback", "cpu_loop"): force one path for every call
 (a forced path that cannot run on these tensors falls back to one that can).
-Defaults: the tuning files ``mpsboost/data/tuning/moe_thresholds_*.json`` (:func:`mpsboost.ops.moe.thresholds_for_env`).
+Defaults: the tuning files ``mpsboost/data/tuning/moe_thresholds_*.json`` (:func:`thresholds_for_env`).
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ from typing import Iterator
 
 import torch
 
+from .. import tuning
 from ..gate import Env, check
 from ..ops import moe as moe_ops
 from ..registry import Decision, Match, Recipe, join_path, matches_class, register
@@ -355,7 +356,7 @@ class MoeExperts(Recipe):
     def _choice(self, match: Match, env: Env, options: MoeExpertsOptions) -> tuple[_Choice, str, str]:
         """(the static choice for this module, why, why the native kernel is out for its dtype or "")."""
         native = check("grouped_mm", env)
-        thr = moe_ops.thresholds_for_env(env, native.ok)
+        thr = thresholds_for_env(env, native.ok)
         forced = options.path
         if forced not in ("auto", *moe_ops.PATHS):
             raise ValueError(f"moe_experts option path={forced!r}: expected 'auto' or one of {', '.join(moe_ops.PATHS)}")
@@ -475,3 +476,81 @@ class MoeExperts(Recipe):
             for lin in (m.input_linear, m.output_linear):
                 ch.add(bind_forward(lin, NAME, _jetmoe_experts_forward(choice)))
         return ch.patch(description=f"{NAME}: restore JetMoE router and experts forwards")
+
+
+# ----------------------------------------------------------------------------------------- thresholds
+# Which tuning file speaks for which device, and what holds where none does: the recipe's policy; the
+# numbers reach mpsboost.ops.moe.choose_path as arguments.
+
+@dataclass(frozen=True)
+class Thresholds:
+    """When to leave the grouped path for batched_mm: at or below ``batched_max_tokens`` routed pairs
+    (tokens x top-k) per experts call. ``compiled_batched_max_tokens`` is the same bound while
+    ``torch.compile`` traces (the batched form becomes a fused gather + matrix-vector reduction
+    there). ``source`` says where the numbers come from; ``compiled_batched_form`` which batched
+    formulation runs while compiling."""
+
+    batched_max_tokens: int
+    compiled_batched_max_tokens: int
+    source: str
+    # The batched_mm formulation while torch.compile traces: "fused" (gather fused into a
+    # matrix-vector reduction) or "bmm" (gathered weights, then bmm).
+    compiled_batched_form: str = "fused"
+    # Leave transformers' own decode-time switch (grouped_mm -> batched_mm inside generate()) in
+    # place and step aside while it is active: the choice where no measurement speaks for this device.
+    follow_decode_switch: bool = False
+
+
+# Measured thresholds live in data files with their provenance (mpsboost/data/tuning/moe_thresholds_*.json,
+# read by mpsboost.tuning), one file per measurement: which file speaks for which device type. A file
+# applies only to the kind of device it was measured on (tuning.for_env: device type and, for CUDA,
+# compute capability); any other environment gets CONSERVATIVE.
+TUNING_FILES: dict[str, tuple[str, ...]] = {
+    "cuda": ("moe_thresholds_cuda_h200",),
+    "cpu": ("moe_thresholds_cpu",),
+    "mps": ("moe_thresholds_mps_defaults",),
+}
+
+# No measurement for this device: grouped (or the sync-free fallback) for every call in the recipe's
+# own forward, and transformers' own decode-time switch to batched_mm left in place (the recipe steps
+# aside while it is active), so decoding runs as stock transformers would.
+CONSERVATIVE = Thresholds(0, 0, "no measured MoE thresholds for this device", "bmm", follow_decode_switch=True)
+
+
+def _thresholds_from(entry: dict, source: str) -> Thresholds:
+    return Thresholds(
+        batched_max_tokens=int(entry["batched_max_tokens"]),
+        compiled_batched_max_tokens=int(entry["compiled_batched_max_tokens"]),
+        source=source,
+        compiled_batched_form=entry.get("compiled_batched_form", "fused"),
+        follow_decode_switch=bool(entry.get("follow_decode_switch", False)),
+    )
+
+
+def thresholds_for_env(env: Env, native: bool) -> Thresholds:
+    """The thresholds for ``env`` (a :class:`mpsboost.gate.Env`) from the tuning files, or
+    :data:`CONSERVATIVE` with the reason naming the data that does not apply. Patch time only."""
+    key = "native" if native else "no_native"
+    whys = []
+    for name in TUNING_FILES.get(env.device_type, ()):
+        t, why = tuning.for_env(name, env)
+        if t is None:
+            whys.append(why)
+            continue
+        if t.extra.get("measured", True):
+            src = f"{name}.json: {t.describe()}"
+        else:
+            src = f"{name}.json: unmeasured default ({t.notes.split('. ')[0]})"
+        return _thresholds_from(t.entries[key], src)
+    why = "; ".join(whys) or f"no MoE tuning file for device type {env.device_type!r}"
+    return dataclasses.replace(CONSERVATIVE, source=f"{why}: grouped path, transformers' decode switch kept")
+
+
+def thresholds_for(device_type: str, native: bool) -> Thresholds:
+    """The thresholds of the tuning file for ``device_type``, whatever machine it was measured on
+    (benchmarks use this; decisions use :func:`thresholds_for_env`)."""
+    names = TUNING_FILES.get(device_type)
+    if not names:
+        raise ValueError(f"no MoE thresholds for device type {device_type!r}; known: {sorted(TUNING_FILES)}")
+    t = tuning.load(names[0])
+    return _thresholds_from(t.entries["native" if native else "no_native"], f"{names[0]}.json: {t.describe()}")

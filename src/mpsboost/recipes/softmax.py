@@ -38,7 +38,7 @@ import torch
 
 from .. import tuning
 from ..gate import Env, check
-from ..ops.sampling import CURRENT, SamplingState, sampling_globals, with_globals
+from ._hf_sample import CURRENT, SamplingState, sampling_globals, with_globals
 from ..registry import Decision, Match, Recipe, class_path, matches_class, register
 from ..patching import ATTR, Patch, swap_class, swapped_class_key
 

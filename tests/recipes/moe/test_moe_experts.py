@@ -242,10 +242,10 @@ def test_generate_follows_the_decode_switch_where_no_thresholds_were_measured(rn
     steps aside while it is active (transformers' batched_mm decodes) and takes over again after."""
     model = tiny_causal_lm("qwen3_moe").eval()
     ids = torch.randint(0, 96, (1, 12))
-    conservative = dataclasses.replace(moe_ops.CONSERVATIVE, source="test: no data")
+    conservative = dataclasses.replace(recipe_mod.CONSERVATIVE, source="test: no data")
     with torch.no_grad():
         stock = model.generate(ids, max_new_tokens=6, do_sample=False)
-        with mock.patch.object(moe_ops, "thresholds_for_env", lambda env, native: conservative):
+        with mock.patch.object(recipe_mod, "thresholds_for_env", lambda env, native: conservative):
             report = mpsboost.patch(model, recipes=["moe_experts"])
         try:
             assert "decode switch to batched_mm kept" in report.rows[0].reason
@@ -394,3 +394,42 @@ def test_compiled_batched_form_option(rng_seed):
     assert _rel(out, ref) <= FP32_TOL
     with pytest.raises(mpsboost.PatchError, match="compiled_batched_form='gemv'"):
         mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"compiled_batched_form": "gemv"}})
+
+
+def test_thresholds_for_every_device_type():
+    for dev in ("cpu", "cuda", "mps"):
+        for native in (True, False):
+            t = recipe_mod.thresholds_for(dev, native)
+            assert t.batched_max_tokens >= 0 and t.source
+    with pytest.raises(ValueError, match="known"):
+        recipe_mod.thresholds_for("xpu", True)
+
+
+def test_thresholds_come_from_tuning_files_with_provenance():
+    from mpsboost import tuning
+    from mpsboost.gate import Env
+
+    for dev, names in recipe_mod.TUNING_FILES.items():
+        for name in names:
+            t = tuning.load(name)
+            assert t.device_type == dev and t.name == name
+            for key in ("native", "no_native"):
+                e = t.entries[key]
+                assert isinstance(e["batched_max_tokens"], int) and isinstance(e["compiled_batched_max_tokens"], int)
+                assert e["compiled_batched_form"] in ("fused", "bmm")
+            if t.extra.get("measured", True):
+                assert t.source.startswith("benchmarks/results/") and t.command and t.spread
+    h200 = Env.simulate("cuda:9.0", "2.11.0")
+    thr = recipe_mod.thresholds_for_env(h200, True)
+    assert thr.batched_max_tokens == 32
+    assert "moe_thresholds_cuda_h200.json" in thr.source and "NVIDIA H200" in thr.source
+    assert not thr.follow_decode_switch
+    # Another GPU: the measured table does not speak for it; the reason names the data and the choice.
+    a100 = recipe_mod.thresholds_for_env(Env.simulate("cuda:8.0", "2.11.0"), True)
+    assert a100.batched_max_tokens == 0 and a100.compiled_batched_max_tokens == 0 and a100.follow_decode_switch
+    assert "moe_thresholds_cuda_h200" in a100.source and "sm_80" in a100.source and "conservative" in a100.source
+    mps = recipe_mod.thresholds_for_env(Env.simulate("mps", "2.15.0"), True)
+    assert "unmeasured default" in mps.source and mps.batched_max_tokens == 0
+    assert recipe_mod.thresholds_for_env(Env.simulate("mps", "2.14.1"), False).batched_max_tokens == 32
+    cpu = recipe_mod.thresholds_for_env(Env.simulate("cpu", "2.13.0"), True)
+    assert cpu.batched_max_tokens == 0 and "moe_thresholds_cpu.json" in cpu.source
