@@ -206,17 +206,17 @@ def _is_right_bottom_pad(m: torch.nn.Module) -> bool:
     return isinstance(m, torch.nn.ZeroPad2d) and tuple(m.padding) == (0, 1, 0, 1)
 
 
-def _resample_pads(root: torch.nn.Module, classes: VaeFamily) -> Iterator[torch.nn.Module]:
+def _resample_pads(root: torch.nn.Module, row: VaeFamily) -> Iterator[torch.nn.Module]:
     for m in root.modules():
-        if matches_class(m, (classes.resample,)):
+        if matches_class(m, (row.resample,)):
             for sub in m.modules():
                 if _is_right_bottom_pad(sub):
                     yield sub
 
 
-def _block_activations(root: torch.nn.Module, classes: VaeFamily) -> Iterator[torch.nn.Module]:
+def _block_activations(root: torch.nn.Module, row: VaeFamily) -> Iterator[torch.nn.Module]:
     for m in root.modules():
-        if matches_class(m, classes.blocks):
+        if matches_class(m, row.blocks):
             act = getattr(m, "nonlinearity", None)
             if isinstance(act, torch.nn.SiLU):
                 yield act
@@ -282,7 +282,7 @@ def _convert_weights(root: torch.nn.Module, channels_last: bool) -> list[Patch]:
 
 def loop_spec(
     root: torch.nn.Module,
-    classes: VaeFamily,
+    row: VaeFamily,
     *,
     patchify: Callable[..., torch.Tensor] | None = None,
     unpatchify: Callable[..., torch.Tensor] | None = None,
@@ -293,23 +293,23 @@ def loop_spec(
     enc = counts.get("encoder")
     dec = counts.get("decoder")
     if enc is None:
-        enc = sum(1 for m in root.encoder.modules() if matches_class(m, (classes.conv,)))
+        enc = sum(1 for m in root.encoder.modules() if matches_class(m, (row.conv,)))
     if dec is None:
-        dec = sum(1 for m in root.decoder.modules() if matches_class(m, (classes.conv,)))
+        dec = sum(1 for m in root.decoder.modules() if matches_class(m, (row.conv,)))
     return vae_tiles.VaeLoopSpec(
-        family=classes.name,
-        first_chunk=classes.first_chunk,
-        clamp_tiled=classes.clamp_tiled,
+        family=row.name,
+        first_chunk=row.first_chunk,
+        clamp_tiled=row.clamp_tiled,
         enc_convs=int(enc),
         dec_convs=int(dec),
-        patchify=patchify if classes.patchify else None,
-        unpatchify=unpatchify if classes.patchify else None,
+        patchify=patchify if row.patchify else None,
+        unpatchify=unpatchify if row.patchify else None,
     )
 
 
 def patch_tree(
     root: torch.nn.Module,
-    classes: VaeFamily,
+    row: VaeFamily,
     opts: VaeOptions,
     recipe: str,
     *,
@@ -335,7 +335,7 @@ def patch_tree(
                 return call_original(self, recipe, x, cache_x)
             return frame_conv2d(self, x, channels_last=cl)
 
-        frame2d = classes.conv_kind == "frame2d"
+        frame2d = row.conv_kind == "frame2d"
 
         def avg_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             return avg_down3d(self, x)
@@ -355,19 +355,19 @@ def patch_tree(
             return silu_inplace(x)
 
         for m in root.modules():
-            if matches_class(m, (classes.conv,)):
+            if matches_class(m, (row.conv,)):
                 if frame2d and not frame_conv_foldable(m):
                     continue  # a padding mode other than zeros: left as it is
                 ch.add(bind_module_forward(m, recipe, frame_forward if frame2d else conv_forward))
-            elif classes.avg_down and matches_class(m, (classes.avg_down,)):
+            elif row.avg_down and matches_class(m, (row.avg_down,)):
                 ch.add(bind_module_forward(m, recipe, avg_forward))
-            elif opts.fused_norm and matches_class(m, (classes.norm,)):
+            elif opts.fused_norm and matches_class(m, (row.norm,)):
                 ch.add(bind_module_forward(m, recipe, norm_forward))
-        for pad in _resample_pads(root, classes):
+        for pad in _resample_pads(root, row):
             ch.add(bind_module_forward(pad, recipe, pad_forward))
         if opts.fused_norm:
             # Each of these SiLUs receives the fresh output of a norm: in place is safe there.
-            for act in _block_activations(root, classes):
+            for act in _block_activations(root, row):
                 ch.add(bind_module_forward(act, recipe, silu_forward))
         for p in _convert_weights(root, cl):
             ch.add(p)
