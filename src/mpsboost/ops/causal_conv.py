@@ -16,7 +16,8 @@ the FLOPs for 3x3x3 kernels).
 
 The Qwen-Image-2.1 VAE already runs its causal convolutions as 2-D ones (``nn.Conv2d`` subclasses
 keeping ``_padding = (pW, pW, pH, pH)``): each squeezes the one frame, ``F.pad``s the 4-D tensor and
-convolves with zero own padding. :func:`frame_conv2d` folds that pad into the convolution.
+convolves with zero own padding. :func:`frame_conv2d` folds that pad into the convolution (the
+recipe checks which convolutions qualify).
 
 The other helpers replace the remaining pad calls of these VAEs (``AvgDown3D``'s time padding, the
 ``ZeroPad2d((0, 1, 0, 1))`` before stride-2 downsampling) and provide the channels-last fast path
@@ -33,7 +34,6 @@ __all__ = [
     "causal_conv3d",
     "single_frame_conv2d",
     "frame_conv2d",
-    "frame_conv_foldable",
     "time_pad_front",
     "pad_right_bottom",
     "avg_down3d",
@@ -150,21 +150,6 @@ def causal_conv3d(
     return F.conv3d(inp, conv.weight, conv.bias, conv.stride, (0, ph, pw), conv.dilation, conv.groups)
 
 
-def frame_conv_foldable(conv: torch.nn.Module) -> bool:
-    """True when :func:`frame_conv2d` computes what ``conv``'s own forward does: a 2-D convolution
-    with zero padding mode, no own padding, and a symmetric ``_padding = (pW, pW, pH, pH)``."""
-    p = getattr(conv, "_padding", None)
-    return (
-        isinstance(conv, torch.nn.Conv2d)
-        and conv.padding_mode == "zeros"
-        and tuple(conv.padding) == (0, 0)
-        and isinstance(p, (tuple, list))
-        and len(p) == 4
-        and p[0] == p[1]
-        and p[2] == p[3]
-    )
-
-
 def frame_conv2d(conv: torch.nn.Conv2d, x: torch.Tensor, *, channels_last: bool = False) -> torch.Tensor:
     """What diffusers' ``QwenImage21CausalConv3d.forward(x)`` computes, without ``F.pad``.
 
@@ -208,7 +193,7 @@ def avg_down3d(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x.mean(dim=2)
 
 
-def rms_norm_channels(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+def rms_norm_channels(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """diffusers' ``WanRMS_norm`` / ``QwenImageRMS_norm`` (channel-first) as one fused ``F.rms_norm``.
 
     ``F.normalize(x, dim=1) * sqrt(C) * gamma + bias`` equals ``x * rsqrt(mean(x**2)) * gamma +
@@ -216,13 +201,10 @@ def rms_norm_channels(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | 
     epsilon of ``1e-24 / C`` under the mean here: both give 0 for a zero vector). Rounding differs
     by an ulp or so per element (fp32: ~1e-7 relative; bf16: one rounding instead of three).
 
-    Returns None when ``x`` is not channels-last (the channel axis must be the dense inner one for
-    the fused kernel), so that the caller falls back to the stock forward.
+    ``norm`` must be channel-first, ``x`` channels-last (the channel axis the dense inner one, for the
+    fused kernel) and in the weight's dtype; the caller checks that and takes the stock forward otherwise.
     """
     gamma = norm.gamma
-    if not getattr(norm, "channel_first", False) or not is_channels_last(x) or gamma.dtype != x.dtype:
-        # Mixed dtypes promote in the stock forward; keep its result type by taking that path.
-        return None
     c = x.shape[1]
     # rms_norm's rsqrt(mean(x**2)) already carries the sqrt(C) that diffusers multiplies in as
     # `scale` (= dim ** 0.5, i.e. sqrt(C)); only a different scale would need a factor.

@@ -37,7 +37,6 @@ from torch.overrides import TorchFunctionMode
 __all__ = [
     "pad5d",
     "Pad5dMode",
-    "pad5d_mode",
     "cosmos_causal_conv3d",
     "vidtok_causal_conv3d",
     "pad_then_conv",
@@ -96,15 +95,18 @@ def pad5d(x: torch.Tensor, pad: Sequence[int], mode: str = "constant", value: fl
     axes = [(4, pad[0], pad[1]), (3, pad[2], pad[3]), (2, pad[4], pad[5])]
     if mode != "constant":
         if any(lo < 0 or hi < 0 for _, lo, hi in axes):
-            raise ValueError(f"pad5d: negative padding is accepted in constant mode only, got {tuple(pad)} in {mode} mode")
+            raise ValueError(
+                f"pad5d: negative padding is accepted in constant mode only, got {tuple(pad)} in {mode} mode")
         if mode == "reflect":
             for d, lo, hi in axes:
                 if lo >= x.shape[d] or hi >= x.shape[d]:
-                    raise ValueError(f"pad5d: reflect padding {(lo, hi)} must be smaller than dimension {d} of size {x.shape[d]}")
+                    raise ValueError(
+                        f"pad5d: reflect padding {(lo, hi)} must be smaller than dimension {d} of size {x.shape[d]}")
         if mode == "circular":
             for d, lo, hi in axes:
                 if lo > x.shape[d] or hi > x.shape[d]:
-                    raise ValueError(f"pad5d: circular padding {(lo, hi)} must not exceed dimension {d} of size {x.shape[d]}")
+                    raise ValueError(
+                        f"pad5d: circular padding {(lo, hi)} must not exceed dimension {d} of size {x.shape[d]}")
     else:
         # Cropping first: F.pad with a negative amount drops entries.
         for d, lo, hi in axes:
@@ -119,7 +121,8 @@ def pad5d(x: torch.Tensor, pad: Sequence[int], mode: str = "constant", value: fl
     shape = list(x.shape)
     for d, lo, hi in axes:
         shape[d] += lo + hi
-    fmt = torch.channels_last_3d if (x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()) else torch.contiguous_format
+    channels_last = x.is_contiguous(memory_format=torch.channels_last_3d) and not x.is_contiguous()
+    fmt = torch.channels_last_3d if channels_last else torch.contiguous_format
     out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
     (_, wl, _), (_, hl, _), (_, tl, _) = axes
     t, h, w = x.shape[2], x.shape[3], x.shape[4]
@@ -160,15 +163,11 @@ class Pad5dMode(TorchFunctionMode):
             x, pad, mode, value = _pad_args(args, kwargs)
             # Pad lengths that F.pad refuses for rank-5 input (non-constant modes take 6) go to F.pad,
             # so that the error stays F.pad's own.
-            if isinstance(x, torch.Tensor) and x.dim() == 5 and mode in _MODES and (mode == "constant" or len(pad) == 6):
+            rank5 = isinstance(x, torch.Tensor) and x.dim() == 5
+            if rank5 and mode in _MODES and (mode == "constant" or len(pad) == 6):
                 self.calls += 1
                 return pad5d(x, pad, mode, value)
         return func(*args, **kwargs)
-
-
-def pad5d_mode() -> Pad5dMode:
-    """A fresh :class:`Pad5dMode` (use as a context manager around one forward)."""
-    return Pad5dMode()
 
 
 # ------------------------------------------------------------------------- folds into the convolution

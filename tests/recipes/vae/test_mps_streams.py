@@ -15,6 +15,7 @@ from mpsboost import gate
 from mpsboost.gate import Env, Rule
 from mpsboost.recipes.vae import tiles as vae_tiles
 from mpsboost.recipes.vae import common as vae_patch
+from mpsboost.recipes.vae.families import family
 from mpsboost.ops.streams import SideStream
 
 pytest.importorskip("diffusers")
@@ -125,7 +126,7 @@ def test_side_stream_helper_on_cpu_runs_in_order():
     s.join()
     assert torch.equal(t, torch.full((3,), 2.0))
     vae = wan22()
-    spec = vae_patch.loop_spec(vae, vae_patch.WAN, patchify=wan.patchify, unpatchify=wan.unpatchify)
+    spec = vae_patch.loop_spec(vae, family("wan"), patchify=wan.patchify, unpatchify=wan.unpatchify)
     z = torch.randn(1, 16, 2, 4, 6)
     with torch.no_grad():
         assert torch.equal(vae_tiles.tiled_decode(vae, z, spec, side=SideStream("cpu")), vae_tiles.tiled_decode(vae, z, spec))

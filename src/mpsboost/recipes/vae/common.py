@@ -1,15 +1,15 @@
-"""Applying the causal-VAE treatment to one module tree: what the Wan and Qwen-Image recipes share.
+"""The code every VAE recipe shares: it reads rows of :data:`~mpsboost.recipes.vae.families.FAMILIES`.
 
-The recipes describe their diffusers classes by dotted path (:class:`VaeClasses`); this module finds
-the instances by class path (no diffusers import), binds the new forwards on each instance, and
-returns one :class:`~mpsboost.patching.Patch` that restores every original object.
+The recipes select their rows; this module finds the instances by class path (no diffusers import),
+decides (a frozen plan per match: :class:`CausalPlan`, :class:`PadPlan`), binds the new forwards on
+each instance, and returns one :class:`~mpsboost.patching.Patch` that restores every original object.
 
-Per instance, by option:
+The causal treatment (rows with ``conv``; :func:`patch_tree`), per instance, by option:
 
 * every causal ``Conv3d``: :func:`~mpsboost.ops.causal_conv.causal_conv3d` (padding fold, zero
   slab, 2-D convolution for a single frame);
-* every frame convolution of the Qwen-Image-2.1 VAE (an ``nn.Conv2d`` that squeezes the frame and
-  pads a 4-D tensor): :func:`~mpsboost.ops.causal_conv.frame_conv2d` (padding fold);
+* every frame convolution of a ``conv_kind="frame2d"`` row (an ``nn.Conv2d`` that squeezes the frame
+  and pads a 4-D tensor): :func:`~mpsboost.ops.causal_conv.frame_conv2d` (padding fold);
 * ``AvgDown3D`` (Wan2.2 and Qwen-Image-2.1 encoders): time padding as a zero slab;
 * ``ZeroPad2d((0, 1, 0, 1))`` in the resample blocks: a buffer copy;
 * ``layout="channels_last"`` (the CUDA default): every convolution weight of the tree in
@@ -18,69 +18,70 @@ Per instance, by option:
   the SiLU that follows each of them in place;
 * ``tile_loop`` (a whole VAE only): ``_encode``, ``_decode``, ``tiled_encode``, ``tiled_decode``
   replaced by :mod:`~mpsboost.recipes.vae.tiles`.
+
+The pad treatment (rows with ``pads``; :func:`patch_pads`): each module of a row's :class:`PadSite`
+classes, and every ``nn.Conv3d`` with a padding mode other than zeros, gets a forward from
+:data:`PAD_TREATMENTS` (:mod:`mpsboost.ops.pad5d`: slice copies or a folded convolution).
 """
 from __future__ import annotations
 
+import importlib
 import types
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 
-from ...gate import Env, check
-from ...registry import Decision, Match, class_path, join_path, matches_class
+from ...gate import FEATURES, Env, check
+from ...ops import pad5d as p5
+from ...ops.causal_conv import (
+    avg_down3d,
+    causal_conv3d,
+    frame_conv2d,
+    is_channels_last,
+    pad_right_bottom,
+    rms_norm_channels,
+    silu_inplace,
+)
 from ...patching import Changes, Patch, bind_forward, call_original, relayout_param, set_instance_attr
+from ...registry import Decision, Match, class_path, join_path, matches_class
 from . import tiles as vae_tiles
-from ...ops.causal_conv import avg_down3d, causal_conv3d, frame_conv2d, frame_conv_foldable, pad_right_bottom, rms_norm_channels, silu_inplace
+from .families import VaeFamily, family
 
 __all__ = [
-    "VaeClasses",
+    "VaeTarget",
     "VaeOptions",
     "VaePadOptions",
-    "WAN",
-    "QWEN",
-    "QWEN21",
-    "FAMILIES",
-    "MODULES",
+    "CausalPlan",
+    "PadPlan",
     "LAYOUTS",
+    "PAD_TREATMENTS",
     "parse_options",
     "count_modules",
     "patch_tree",
     "bind_module_forward",
     "loop_spec",
     "find_targets",
+    "find_vaes",
     "decide",
+    "apply",
+    "count_pads",
+    "decide_pads",
+    "patch_pads",
 ]
 
 LAYOUTS = ("auto", "channels_last", "contiguous")
 #: Default share of ``torch.mps.recommended_max_memory()`` above which the tile loop frees the cache.
-MEMORY_THRESHOLD = 0.85
+MEMORY_THRESHOLD = vae_tiles.MEMORY_THRESHOLD
 
 
 @dataclass(frozen=True)
-class VaeClasses:
-    """The diffusers classes of one VAE family, by dotted path (matched against each MRO).
+class VaeTarget:
+    """``Match.data`` of every VAE recipe: the row the module belongs to, and whether it is a whole
+    VAE (its tile loop can be replaced) or a bare encoder / decoder tree."""
 
-    A model family is a row of :data:`FAMILIES`: a VAE whose modules pad like one of the rows' needs
-    only a new row, no new code.
-    """
-
-    family: str  # "wan" / "qwen" / "qwen21"
-    vae: str
-    conv: str
-    norm: str
-    resample: str
-    blocks: tuple[str, ...]  # classes whose `nonlinearity` follows one of the norms
-    avg_down: str | None
-    first_chunk: bool  # decoder takes first_chunk=
-    clamp_tiled: bool  # tiled_decode clamps
-    patchify: bool  # module has patchify / unpatchify (Wan2.2 patch_size)
-    # "causal3d": an nn.Conv3d with diffusers' `_padding = (pW, pW, pH, pH, 2*pT, 0)` that takes a
-    # cache (Wan, Qwen-Image); "frame2d": an nn.Conv2d with `_padding = (pW, pW, pH, pH)` that
-    # squeezes the one frame, pads a 4-D tensor and takes no cache (Qwen-Image-2.1).
-    conv_kind: str = "causal3d"
-    # Names of the (un)patchify functions in the family's diffusers module.
-    patch_fns: tuple[str, str] = ("patchify", "unpatchify")
+    family: str
+    whole_vae: bool = True
 
 
 @dataclass(frozen=True)
@@ -113,9 +114,51 @@ class VaeOptions:
         return self.layout == "channels_last"
 
     def describe(self) -> dict:
-        out = {"layout": self.layout, "fused_norm": self.fused_norm, "single_frame_2d": self.single_frame_2d, "tile_loop": self.tile_loop}
+        out = {"layout": self.layout, "fused_norm": self.fused_norm, "single_frame_2d": self.single_frame_2d,
+               "tile_loop": self.tile_loop}
         out["memory_watch"] = self.memory_watch.threshold if self.memory_watch is not None else None
         return out
+
+
+@dataclass(frozen=True)
+class ModuleCounts:
+    """How many of each causal-treatment target a tree holds (for the report and for tests)."""
+
+    causal_convs: int
+    avg_down: int
+    zero_pads: int
+    norms: int
+
+
+@dataclass(frozen=True)
+class CausalPlan:
+    """What ``decide`` settled for one match of the causal treatment; ``apply`` reads only this."""
+
+    family: str
+    options: VaeOptions
+    counts: ModuleCounts
+    whole_vae: bool
+
+    def details(self) -> dict:
+        """The report row's details (unchanged keys: the counts, the resolved options, whole_vae)."""
+        return {**asdict(self.counts), **self.options.describe(), "whole_vae": self.whole_vae}
+
+
+@dataclass(frozen=True)
+class PadPlan:
+    """What ``decide`` settled for one VAE of the pad treatment: its row and how many modules lose a pad."""
+
+    family: str
+    folded: int
+    written_out: int
+    routed: int
+
+    def details(self) -> dict:
+        return {"folded": self.folded, "written_out": self.written_out, "routed": self.routed}
+
+    @property
+    def total(self) -> int:
+        return self.folded + self.written_out + self.routed
 
 
 def _bool_option(recipe: str, key: str, value: Any, default: bool) -> bool:
@@ -147,7 +190,8 @@ def parse_options(recipe: str, options: VaePadOptions, device_type: str) -> VaeO
     tl = _bool_option(recipe, "tile_loop", options.tile_loop, True)
     threshold = options.memory_threshold
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < float(threshold) <= 1.0:
-        raise ValueError(f"{recipe} option memory_threshold={threshold!r} is not accepted; pass a fraction in (0, 1], e.g. 0.85")
+        raise ValueError(f"{recipe} option memory_threshold={threshold!r} is not accepted; "
+                         "pass a fraction in (0, 1], e.g. 0.85")
     watch = options.memory_watch
     watcher: vae_tiles.MemoryWatcher | None
     if isinstance(watch, vae_tiles.MemoryWatcher):
@@ -162,87 +206,54 @@ def _is_right_bottom_pad(m: torch.nn.Module) -> bool:
     return isinstance(m, torch.nn.ZeroPad2d) and tuple(m.padding) == (0, 1, 0, 1)
 
 
-def _resample_pads(root: torch.nn.Module, classes: VaeClasses) -> Iterator[torch.nn.Module]:
+def _resample_pads(root: torch.nn.Module, row: VaeFamily) -> Iterator[torch.nn.Module]:
     for m in root.modules():
-        if matches_class(m, (classes.resample,)):
+        if matches_class(m, (row.resample,)):
             for sub in m.modules():
                 if _is_right_bottom_pad(sub):
                     yield sub
 
 
-def _block_activations(root: torch.nn.Module, classes: VaeClasses) -> Iterator[torch.nn.Module]:
+def _block_activations(root: torch.nn.Module, row: VaeFamily) -> Iterator[torch.nn.Module]:
     for m in root.modules():
-        if matches_class(m, classes.blocks):
+        if matches_class(m, row.blocks):
             act = getattr(m, "nonlinearity", None)
             if isinstance(act, torch.nn.SiLU):
                 yield act
 
 
-def count_modules(root: torch.nn.Module, classes: VaeClasses) -> dict:
-    """How many of each target the tree holds (for the report and for tests)."""
-    return {
-        "causal_convs": sum(1 for m in root.modules() if matches_class(m, (classes.conv,))),
-        "avg_down": sum(1 for m in root.modules() if classes.avg_down and matches_class(m, (classes.avg_down,))),
-        "zero_pads": sum(1 for _ in _resample_pads(root, classes)),
-        "norms": sum(1 for m in root.modules() if matches_class(m, (classes.norm,))),
-    }
+def count_modules(root: torch.nn.Module, row: VaeFamily) -> ModuleCounts:
+    """How many of each target of ``row`` the tree holds (for the report and for tests)."""
+    return ModuleCounts(
+        causal_convs=sum(1 for m in root.modules() if matches_class(m, (row.conv,))),
+        avg_down=sum(1 for m in root.modules() if row.avg_down and matches_class(m, (row.avg_down,))),
+        zero_pads=sum(1 for _ in _resample_pads(root, row)),
+        norms=sum(1 for m in root.modules() if matches_class(m, (row.norm,))),
+    )
 
 
-_WAN = "diffusers.models.autoencoders.autoencoder_kl_wan"
-_QWEN = "diffusers.models.autoencoders.autoencoder_kl_qwenimage"
-_QWEN21 = "diffusers.models.autoencoders.autoencoder_kl_qwenimage21"
+def frame_conv_foldable(conv: torch.nn.Module) -> bool:
+    """True when :func:`~mpsboost.ops.causal_conv.frame_conv2d` computes what ``conv``'s own forward
+    does: a 2-D convolution with zero padding mode, no own padding, and a symmetric
+    ``_padding = (pW, pW, pH, pH)``. Other frame convolutions are left as they are."""
+    p = getattr(conv, "_padding", None)
+    return (
+        isinstance(conv, torch.nn.Conv2d)
+        and conv.padding_mode == "zeros"
+        and tuple(conv.padding) == (0, 0)
+        and isinstance(p, (tuple, list))
+        and len(p) == 4
+        and p[0] == p[1]
+        and p[2] == p[3]
+    )
 
-#: diffusers 0.42.1's Wan2.1 / Wan2.2 VAE classes.
-WAN = VaeClasses(
-    family="wan",
-    vae=f"{_WAN}.AutoencoderKLWan",
-    conv=f"{_WAN}.WanCausalConv3d",
-    norm=f"{_WAN}.WanRMS_norm",
-    resample=f"{_WAN}.WanResample",
-    blocks=(f"{_WAN}.WanResidualBlock", f"{_WAN}.WanEncoder3d", f"{_WAN}.WanDecoder3d"),
-    avg_down=f"{_WAN}.AvgDown3D",
-    first_chunk=True,
-    clamp_tiled=True,
-    patchify=True,
-)
 
-#: diffusers 0.42.1's Qwen-Image VAE classes (the Wan2.1 design without AvgDown3D or patches).
-QWEN = VaeClasses(
-    family="qwen",
-    vae=f"{_QWEN}.AutoencoderKLQwenImage",
-    conv=f"{_QWEN}.QwenImageCausalConv3d",
-    norm=f"{_QWEN}.QwenImageRMS_norm",
-    resample=f"{_QWEN}.QwenImageResample",
-    blocks=(f"{_QWEN}.QwenImageResidualBlock", f"{_QWEN}.QwenImageEncoder3d", f"{_QWEN}.QwenImageDecoder3d"),
-    avg_down=None,
-    first_chunk=False,
-    clamp_tiled=False,  # diffusers' tiled_decode of this VAE does not clamp; kept as is
-    patchify=False,
-)
-
-#: diffusers 0.42.1's Qwen-Image-2.1 VAE classes: the Wan2.2 residual design (AvgDown3D, DupUp3D,
-#: first_chunk, clamped tiles) for images only, its causal convolutions already 2-D (``nn.Conv2d``
-#: subclasses that squeeze the frame, ``F.pad`` it and refuse a cache).
-QWEN21 = VaeClasses(
-    family="qwen21",
-    vae=f"{_QWEN21}.AutoencoderKLQwenImage21",
-    conv=f"{_QWEN21}.QwenImage21CausalConv3d",
-    norm=f"{_QWEN21}.QwenImage21RMS_norm",
-    resample=f"{_QWEN21}.QwenImage21Resample",
-    blocks=(f"{_QWEN21}.QwenImage21ResidualBlock", f"{_QWEN21}.QwenImage21Encoder3d", f"{_QWEN21}.QwenImage21Decoder3d"),
-    avg_down=f"{_QWEN21}.QwenImage21AvgDown3D",
-    first_chunk=True,
-    clamp_tiled=True,
-    patchify=True,
-    conv_kind="frame2d",
-    patch_fns=("_patchify", "_unpatchify"),
-)
-
-#: Every family, by name.
-FAMILIES = {c.family: c for c in (WAN, QWEN, QWEN21)}
-
-#: diffusers module of each family (imported by the recipes, never here).
-MODULES = {"wan": _WAN, "qwen": _QWEN, "qwen21": _QWEN21}
+def fused_norm_fits(norm: torch.nn.Module, x: torch.Tensor) -> bool:
+    """True when :func:`~mpsboost.ops.causal_conv.rms_norm_channels` computes ``norm(x)``: a channel-first
+    norm, ``x`` channels-last (the channel axis must be the dense inner one for the fused kernel), and
+    the weight in ``x``'s dtype (mixed dtypes promote in the stock forward; its result type is kept by
+    taking that path)."""
+    return bool(getattr(norm, "channel_first", False)) and is_channels_last(x) and norm.gamma.dtype == x.dtype
 
 
 # ----------------------------------------------------------------------------------------- binding
@@ -271,7 +282,7 @@ def _convert_weights(root: torch.nn.Module, channels_last: bool) -> list[Patch]:
 
 def loop_spec(
     root: torch.nn.Module,
-    classes: VaeClasses,
+    row: VaeFamily,
     *,
     patchify: Callable[..., torch.Tensor] | None = None,
     unpatchify: Callable[..., torch.Tensor] | None = None,
@@ -282,23 +293,23 @@ def loop_spec(
     enc = counts.get("encoder")
     dec = counts.get("decoder")
     if enc is None:
-        enc = sum(1 for m in root.encoder.modules() if matches_class(m, (classes.conv,)))
+        enc = sum(1 for m in root.encoder.modules() if matches_class(m, (row.conv,)))
     if dec is None:
-        dec = sum(1 for m in root.decoder.modules() if matches_class(m, (classes.conv,)))
+        dec = sum(1 for m in root.decoder.modules() if matches_class(m, (row.conv,)))
     return vae_tiles.VaeLoopSpec(
-        family=classes.family,
-        first_chunk=classes.first_chunk,
-        clamp_tiled=classes.clamp_tiled,
+        family=row.name,
+        first_chunk=row.first_chunk,
+        clamp_tiled=row.clamp_tiled,
         enc_convs=int(enc),
         dec_convs=int(dec),
-        patchify=patchify if classes.patchify else None,
-        unpatchify=unpatchify if classes.patchify else None,
+        patchify=patchify if row.patchify else None,
+        unpatchify=unpatchify if row.patchify else None,
     )
 
 
 def patch_tree(
     root: torch.nn.Module,
-    classes: VaeClasses,
+    row: VaeFamily,
     opts: VaeOptions,
     recipe: str,
     *,
@@ -324,7 +335,7 @@ def patch_tree(
                 return call_original(self, recipe, x, cache_x)
             return frame_conv2d(self, x, channels_last=cl)
 
-        frame2d = classes.conv_kind == "frame2d"
+        frame2d = row.conv_kind == "frame2d"
 
         def avg_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             return avg_down3d(self, x)
@@ -335,27 +346,28 @@ def patch_tree(
             return pad_right_bottom(x)
 
         def norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-            y = rms_norm_channels(self, x)
+            if fused_norm_fits(self, x):
+                return rms_norm_channels(self, x)
             # call_original, not a bound method built here: torch.compile traces straight through it.
-            return y if y is not None else call_original(self, recipe, x)
+            return call_original(self, recipe, x)
 
         def silu_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             return silu_inplace(x)
 
         for m in root.modules():
-            if matches_class(m, (classes.conv,)):
+            if matches_class(m, (row.conv,)):
                 if frame2d and not frame_conv_foldable(m):
                     continue  # a padding mode other than zeros: left as it is
                 ch.add(bind_module_forward(m, recipe, frame_forward if frame2d else conv_forward))
-            elif classes.avg_down and matches_class(m, (classes.avg_down,)):
+            elif row.avg_down and matches_class(m, (row.avg_down,)):
                 ch.add(bind_module_forward(m, recipe, avg_forward))
-            elif opts.fused_norm and matches_class(m, (classes.norm,)):
+            elif opts.fused_norm and matches_class(m, (row.norm,)):
                 ch.add(bind_module_forward(m, recipe, norm_forward))
-        for pad in _resample_pads(root, classes):
+        for pad in _resample_pads(root, row):
             ch.add(bind_module_forward(pad, recipe, pad_forward))
         if opts.fused_norm:
             # Each of these SiLUs receives the fresh output of a norm: in place is safe there.
-            for act in _block_activations(root, classes):
+            for act in _block_activations(root, row):
                 ch.add(bind_module_forward(act, recipe, silu_forward))
         for p in _convert_weights(root, cl):
             ch.add(p)
@@ -378,34 +390,62 @@ def patch_tree(
             def tiled_encode(self: Any, x: torch.Tensor) -> torch.Tensor:
                 return vae_tiles.tiled_encode(self, x, spec, watcher=watcher)
 
-            for name, fn in (("_decode", _decode), ("_encode", _encode), ("tiled_decode", tiled_decode), ("tiled_encode", tiled_encode)):
+            loops = (("_decode", _decode), ("_encode", _encode), ("tiled_decode", tiled_decode),
+                     ("tiled_encode", tiled_encode))
+            for name, fn in loops:
                 ch.add(set_instance_attr(root, recipe, name, types.MethodType(fn, root)))
     return ch.patch(description=f"{recipe}: restore {class_path(type(root))}")
 
 
-# ----------------------------------------------------------------------------------------- recipe glue
+# ----------------------------------------------------------------------------------------- causal treatment
 
-def find_targets(root: torch.nn.Module, prefix: str, classes: VaeClasses) -> Iterator[Match]:
-    """Each whole VAE under ``root`` (one match, one report row); or, when ``root`` holds causal
-    convolutions but no VAE (a bare encoder or decoder), ``root`` itself as a module-tree match."""
-    found = False
-    for name, mod in root.named_modules():
-        if matches_class(mod, (classes.vae,)):
-            found = True
-            yield Match(mod, join_path(prefix, name), {"vae": True, "family": classes.family})
-    if not found and any(matches_class(m, (classes.conv,)) for m in root.modules()):
-        yield Match(root, prefix or "<root>", {"vae": False, "family": classes.family})
+def find_targets(root: torch.nn.Module, prefix: str, rows: tuple[VaeFamily, ...]) -> Iterator[Match]:
+    """Per row: each whole VAE under ``root`` (one match, one report row); or, when ``root`` holds the
+    row's causal convolutions but no VAE (a bare encoder or decoder), ``root`` itself as a module-tree match."""
+    for row in rows:
+        found = False
+        for name, mod in root.named_modules():
+            if matches_class(mod, (row.vae,)):
+                found = True
+                yield Match(mod, join_path(prefix, name), VaeTarget(row.name, whole_vae=True))
+        if not found and any(matches_class(m, (row.conv,)) for m in root.modules()):
+            yield Match(root, prefix or "<root>", VaeTarget(row.name, whole_vae=False))
 
 
-def decide(recipe: str, classes: VaeClasses, match: Match, env: Env, options: VaePadOptions, backing: str) -> Decision:
-    """The shared decision: always applicable (lossless), with the reason for this environment."""
-    opts = parse_options(recipe, options, env.device_type)
+def _single_frame_reason(env: Env) -> str:
+    """What the single-frame 2-D path buys on this MPS build: speed before conv3d reached Metal, else memory."""
+    conv3d = check("conv3d_metal", env)
+    if not conv3d.ok:
+        # issue pytorch#192213: conv3d at 7% of matmul throughput on 2.12 (MPSGraph).
+        return ("single frames as 2-D convolutions: a third of the FLOPs, and conv3d is slow on this build "
+                f"({conv3d.reason})")
+    return (
+        "single frames as 2-D convolutions: conv3d runs on Metal kernels here (pytorch#188802, #192229), so this "
+        "buys memory (no 5-D activations or cached frames) and a graph with no F.pad, not speed"
+    )
+
+
+def _backing(row: VaeFamily, opts: VaeOptions) -> str:
+    if row.conv_kind == "frame2d":
+        # Its convolutions are 2-D already: the fold is the whole change (single_frame_2d has nothing to do).
+        backing = "conv2d padding fold"
+    elif row.images and opts.single_frame_2d:
+        backing = "conv padding fold, 2-D conv for single frame"
+    else:
+        backing = "conv padding fold"
     extras = []
     if opts.channels_last:
         extras.append("channels-last")
     if opts.fused_norm:
         extras.append("fused RMS norm")
-    full_backing = backing + (" + " + ", ".join(extras) if extras else "")
+    return backing + (" + " + ", ".join(extras) if extras else "")
+
+
+def decide(recipe: str, match: Match, env: Env, options: VaePadOptions) -> Decision:
+    """The causal treatment's decision: always applicable (lossless), with the reason for this
+    environment and a :class:`CausalPlan` (the options resolved once, for ``apply``)."""
+    row = family(match.data.family)
+    opts = parse_options(recipe, options, env.device_type)
     pad = check("pad_constant_native", env)
     rank5 = check("pad_rank5_correct", env)
     if not pad.ok or not rank5.ok:
@@ -416,7 +456,8 @@ def decide(recipe: str, classes: VaeClasses, match: Match, env: Env, options: Va
         )
     else:
         # The two upstream issues are MPS ones: cite them only where they could have applied.
-        why = "F.pad is native and correct on this build (pytorch#195368, #194922); " if env.device_type == "mps" else ""
+        mps = env.device_type == "mps"
+        why = "F.pad is native and correct on this build (pytorch#195368, #194922); " if mps else ""
         reason = f"for speed: {why}folding saves one copy of the activation per causal convolution"
         if opts.channels_last:
             reason += "; activations stay channels-last (cuDNN's native layout)"
@@ -425,5 +466,157 @@ def decide(recipe: str, classes: VaeClasses, match: Match, env: Env, options: Va
             f"; the tile loop {opts.memory_watch.describe()} (torch.mps.driver_allocated_memory against "
             "recommended_max_memory, then empty_cache), before a unified-memory Mac swaps"
         )
-    counts = count_modules(match.module, classes)
-    return Decision.apply(full_backing, reason, **counts, **opts.describe(), whole_vae=bool(match.data.get("vae")))
+    if env.device_type == "mps":
+        if row.conv_kind == "causal3d" and row.images and opts.single_frame_2d:
+            reason = f"{reason}; {_single_frame_reason(env)}"
+        if row.rank5_note and not rank5.ok:
+            reason = f"{reason}; {row.rank5_note}"
+    plan = CausalPlan(row.name, opts, count_modules(match.module, row), match.data.whole_vae)
+    return Decision.apply(_backing(row, opts), reason, plan=plan, **plan.details())
+
+
+def apply(recipe: str, match: Match, decision: Decision) -> Patch:
+    """The causal treatment on ``match.module`` as ``decision.plan`` says; a whole VAE gets the tile loop
+    with diffusers' (un)patchify and ``DecoderOutput`` (imported here, when it applies)."""
+    plan: CausalPlan = decision.plan
+    row = family(plan.family)
+    spec = out_cls = None
+    if plan.whole_vae:
+        from diffusers.models.autoencoders.vae import DecoderOutput
+
+        mod = importlib.import_module(row.module)
+        pf, upf = (getattr(mod, n, None) for n in row.patch_fns)
+        spec = loop_spec(match.module, row, patchify=pf, unpatchify=upf)
+        out_cls = DecoderOutput
+    return patch_tree(match.module, row, plan.options, recipe, spec=spec, decoder_output=out_cls)
+
+
+def find_vaes(root: torch.nn.Module, prefix: str, rows: tuple[VaeFamily, ...]) -> Iterator[Match]:
+    """Each module under ``root`` whose class is the VAE of one of ``rows`` (the first such row)."""
+    for name, mod in root.named_modules():
+        for row in rows:
+            if matches_class(mod, (row.vae,)):
+                yield Match(mod, join_path(prefix, name), VaeTarget(row.name, whole_vae=True))
+                break
+
+
+# ----------------------------------------------------------------------------------------- pad treatment
+
+def _cosmos_foldable(m: torch.nn.Module) -> bool:
+    return getattr(m, "pad_mode", None) == "constant" and p5.symmetric_spatial(m.spatial_pad) is not None
+
+
+def _vidtok_foldable(m: torch.nn.Module) -> bool:
+    conv = getattr(m, "conv", None)
+    return (
+        getattr(m, "pad_mode", None) == "constant"
+        and p5.symmetric_spatial(m.spatial_padding) is not None
+        and isinstance(conv, torch.nn.Conv3d)
+        and conv.padding == (0, 0, 0)
+    )
+
+
+def _pad_then_conv_fits(m: torch.nn.Module) -> bool:
+    return isinstance(getattr(m, "conv", None), torch.nn.Conv3d) and len(m.time_causal_padding) == 6
+
+
+@dataclass(frozen=True)
+class PadTreatment:
+    """How one kind of pad site loses its pad: when it fits a module, the forward bound on it, and the
+    report count it adds to ("folded", "written_out" or "routed")."""
+
+    fits: Callable[[torch.nn.Module], bool]
+    forward: Callable[..., Any] | None  # None: the module's own forward, run under Pad5dMode
+    counts_as: str
+
+
+#: Every ``PadSite.how`` (and "conv_mode", the rule for ``nn.Conv3d`` with a padding mode), by name.
+PAD_TREATMENTS: dict[str, PadTreatment] = {
+    "fold_cosmos": PadTreatment(_cosmos_foldable, p5.cosmos_causal_conv3d, "folded"),
+    "fold_vidtok": PadTreatment(_vidtok_foldable, p5.vidtok_causal_conv3d, "folded"),
+    "pad_then_conv": PadTreatment(_pad_then_conv_fits, p5.pad_then_conv, "written_out"),
+    "conv_mode": PadTreatment(lambda m: type(m).forward is torch.nn.Conv3d.forward, p5.conv3d_padding_mode,
+                              "written_out"),
+    "route": PadTreatment(lambda m: True, None, "routed"),
+}
+# A site whose own treatment does not fit a module (another pad mode, asymmetric padding) is routed:
+# its pads still become slice copies, through the module's own forward.
+_PRECEDENCE = ("fold_cosmos", "fold_vidtok", "pad_then_conv")
+
+
+def pad_site(m: torch.nn.Module, row: VaeFamily) -> str | None:
+    """The key of :data:`PAD_TREATMENTS` for module ``m`` of a VAE of ``row``, or None (left as it is)."""
+    sites = [s for s in row.pads if matches_class(m, (s.cls,))]
+    if sites:
+        for how in _PRECEDENCE:
+            if any(s.how == how for s in sites) and PAD_TREATMENTS[how].fits(m):
+                return how
+        return "route"
+    if isinstance(m, torch.nn.Conv3d) and m.padding_mode != "zeros":
+        # nn.Conv3d pads through F.pad for these modes; a subclass with its own forward is routed.
+        return "conv_mode" if PAD_TREATMENTS["conv_mode"].fits(m) else "route"
+    return None
+
+
+def count_pads(root: torch.nn.Module, row: VaeFamily) -> PadPlan:
+    """How many modules of ``root`` lose their pad, by kind (folded, written out, routed)."""
+    out = {"folded": 0, "written_out": 0, "routed": 0}
+    for m in root.modules():
+        how = pad_site(m, row)
+        if how:
+            out[PAD_TREATMENTS[how].counts_as] += 1
+    return PadPlan(row.name, **out)
+
+
+def _gate_reasons(env: Env) -> list[str]:
+    """The failing verdicts among the pad features (``pad3d_all_modes_correct`` where the gate has it)."""
+    names = ["pad_constant_native", "pad_rank5_correct"]
+    if "pad3d_all_modes_correct" in FEATURES:
+        names.append("pad3d_all_modes_correct")
+    return [v.reason for v in (check(n, env) for n in names) if not v.ok]
+
+
+def decide_pads(match: Match, env: Env, force: bool) -> Decision:
+    """The pad treatment's decision: on MPS builds with a faulty 5-D pad (or ``force``), with a :class:`PadPlan`."""
+    plan = count_pads(match.module, family(match.data.family))
+    counts = plan.details()
+    if plan.total == 0:
+        return Decision.skip("no module of this VAE pads a 5-D tensor", plan=plan, **counts)
+    backing = "conv padding fold + pad as slice copies" if plan.folded else "pad as slice copies"
+    if force:
+        return Decision.apply(backing, "forced by options (force=True)", plan=plan, **counts)
+    if env.device_type != "mps":
+        return Decision.skip(f"pads of 5-D tensors are native and correct on {env.device_type}; stock kept",
+                             plan=plan, **counts)
+    bad = _gate_reasons(env)
+    if not bad:
+        return Decision.skip(
+            "stock pads of 5-D tensors are native and correct on this build (pytorch#195368, #194944, #195147); "
+            "stock kept",
+            plan=plan, **counts,
+        )
+    reason = (
+        "avoids pytorch#195368 (MPSGraph pad: driver memory outside the allocator) and issue pytorch#194922 / "
+        f"#195147 (wrong constant, reflection and replication pads of rank-5 tensors) on this build: {'; '.join(bad)}"
+    )
+    return Decision.apply(backing, reason, plan=plan, **counts)
+
+
+def patch_pads(recipe: str, match: Match, decision: Decision) -> Patch:
+    """The pad treatment on the VAE of ``match``: every module with a pad site gets its forward."""
+    row = family(decision.plan.family)
+
+    def routed(self_: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with p5.Pad5dMode():
+            return call_original(self_, recipe, *args, **kwargs)
+
+    with Changes() as ch:
+        # A mark on the VAE itself: patch() sees it patched (a second call is a no-op).
+        ch.add(set_instance_attr(match.module, recipe, "_mpsboost_pad5d", True))
+        for m in match.module.modules():
+            how = pad_site(m, row)
+            if how:
+                fwd = PAD_TREATMENTS[how].forward
+                ch.add(bind_forward(m, recipe, routed if fwd is None else fwd))
+    return ch.patch(description=f"{recipe}: restore forwards")
+

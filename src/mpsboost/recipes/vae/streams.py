@@ -22,7 +22,6 @@ applied as well, their convolutions are used inside the same tile loop.
 """
 from __future__ import annotations
 
-import importlib
 import types
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -30,20 +29,23 @@ from typing import Any, Iterator
 import torch
 
 from ...gate import Env, check
-from . import tiles as vae_tiles
-from . import common as vae_patch
 from ...ops.streams import SideStream
-from ...registry import Decision, Match, Recipe, join_path, matches_class, register
 from ...patching import Patch, set_instance_attr
+from ...registry import Decision, Match, Recipe, register
+from . import common
+from . import tiles as vae_tiles
+from .families import FAMILIES, family
 
-_FAMILIES = (vae_patch.WAN, vae_patch.QWEN)
+#: The rows whose tiled decode it serves (``side_stream=True``: Wan, Qwen-Image 1.0).
+ROWS = tuple(row for row in FAMILIES if row.side_stream)
 
 
-def _family(module: torch.nn.Module) -> vae_patch.VaeClasses | None:
-    for fam in _FAMILIES:
-        if matches_class(module, (fam.vae,)):
-            return fam
-    return None
+@dataclass(frozen=True)
+class StreamsPlan:
+    """What ``decide`` settled for one VAE: its row, and whether it decodes tiled now (for the report)."""
+
+    family: str
+    use_tiling: bool
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class MpsStreamsOptions:
 class MpsStreams(Recipe):
     name = "mps_streams"
     summary = "tiled VAE decode: tile i is blended and written out on a side stream while tile i+1 decodes"
-    targets = tuple(f.vae for f in _FAMILIES)
+    targets = tuple(row.vae for row in ROWS)
     lossless = True
     reversible = True
     requires = ("device_streams",)
@@ -66,10 +68,7 @@ class MpsStreams(Recipe):
     Options = MpsStreamsOptions
 
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
-        for name, mod in root.named_modules():
-            fam = _family(mod)
-            if fam is not None:
-                yield Match(mod, join_path(prefix, name), {"family": fam.family})
+        return common.find_vaes(root, prefix, ROWS)
 
     def decide(self, match: Match, env: Env, options: MpsStreamsOptions) -> Decision:
         on_cuda = options.on_cuda
@@ -85,18 +84,23 @@ class MpsStreams(Recipe):
                 f"{v.reason}, but on CUDA the side stream bought nothing (H200, Wan2.2 480x832x21 tiled decode: "
                 "0.99x-1.01x, once 0.80x next to wan_vae_pad); opt in with options={'mps_streams': {'on_cuda': True}}"
             )
+        plan = StreamsPlan(match.data.family, bool(getattr(match.module, "use_tiling", False)))
         return Decision.apply(
             "side stream: blend and copy-out overlap the next tile",
             f"{v.reason}; applies when the VAE decodes tiled (vae.enable_tiling())",
-            use_tiling=bool(getattr(match.module, "use_tiling", False)),
+            plan=plan,
+            use_tiling=plan.use_tiling,
         )
 
     def apply(self, match: Match, decision: Decision, env: Env, options: MpsStreamsOptions) -> Patch:
-        fam = _family(match.module)
-        mod = importlib.import_module(vae_patch.MODULES[fam.family])
+        import importlib
+
         from diffusers.models.autoencoders.vae import DecoderOutput
 
-        spec = vae_patch.loop_spec(match.module, fam, patchify=getattr(mod, "patchify", None), unpatchify=getattr(mod, "unpatchify", None))
+        row = family(decision.plan.family)
+        mod = importlib.import_module(row.module)
+        pf, upf = (getattr(mod, n, None) for n in row.patch_fns)
+        spec = common.loop_spec(match.module, row, patchify=pf, unpatchify=upf)
 
         def tiled_decode(self: Any, z: torch.Tensor, return_dict: bool = True) -> Any:
             dec = vae_tiles.tiled_decode(self, z, spec, side=SideStream(z.device))

@@ -32,6 +32,7 @@ import torch
 from ...ops.streams import SideStream
 
 __all__ = [
+    "MEMORY_THRESHOLD",
     "VaeLoopSpec",
     "MemoryWatcher",
     "blend_",
@@ -44,11 +45,15 @@ __all__ = [
 ]
 
 
+#: Default share of ``torch.mps.recommended_max_memory()`` at which :class:`MemoryWatcher` frees the cache.
+MEMORY_THRESHOLD = 0.85
+
+
 @dataclass(frozen=True)
 class VaeLoopSpec:
     """What differs between the Wan and the Qwen-Image loops (read from diffusers 0.42.1)."""
 
-    family: str  # "wan" or "qwen", for messages
+    family: str  # the family's row name ("wan", "qwen", ...), for messages
     first_chunk: bool  # the decoder takes first_chunk= (Wan)
     clamp_tiled: bool  # tiled_decode clamps to [-1, 1] (Wan does; Qwen-Image's does not)
     enc_convs: int  # causal convolutions in the encoder / decoder (length of the cache lists)
@@ -73,7 +78,7 @@ class MemoryWatcher:
 
     def __init__(
         self,
-        threshold: float = 0.85,
+        threshold: float = MEMORY_THRESHOLD,
         *,
         driver_allocated: Callable[[], int] | None = None,
         recommended_max: Callable[[], int] | None = None,
@@ -91,7 +96,8 @@ class MemoryWatcher:
 
     def _fns(self) -> tuple[Callable[[], int], Callable[[], int], Callable[[], None]]:
         mps = torch.mps
-        return (self._allocated or mps.driver_allocated_memory, self._max or mps.recommended_max_memory, self._empty or mps.empty_cache)
+        return (self._allocated or mps.driver_allocated_memory, self._max or mps.recommended_max_memory,
+                self._empty or mps.empty_cache)
 
     def applies_to(self, device: torch.device) -> bool:
         return self._injected or device.type == "mps"
@@ -112,7 +118,8 @@ class MemoryWatcher:
         import logging
 
         logging.getLogger("mpsboost").info(
-            "tiled VAE loop: driver memory %.2f GiB >= %.0f%% of the recommended %.2f GiB; freed cached blocks (now %.2f GiB)",
+            "tiled VAE loop: driver memory %.2f GiB >= %.0f%% of the recommended %.2f GiB; "
+            "freed cached blocks (now %.2f GiB)",
             before / 2**30, 100 * self.threshold, limit / 2**30, after / 2**30,
         )
         return True
@@ -134,7 +141,9 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
 _WEIGHTS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _blend_weights(e: int, dtype: torch.dtype, device: torch.device, trailing: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _blend_weights(
+    e: int, dtype: torch.dtype, device: torch.device, trailing: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The blend weights ``1 - y/e`` and ``y/e`` (y < e) as Python computes them, cast to ``dtype``,
     on ``device``, shaped to broadcast over ``trailing`` axes. Cached: a host-to-device copy of
     pageable memory synchronises the stream, which must not happen once per tile."""

@@ -16,38 +16,33 @@ from typing import Iterator
 import torch
 
 from ...gate import Env
-from . import common as vae_patch
-from ...registry import Decision, Match, Recipe, register
 from ...patching import Patch
+from ...registry import Decision, Match, Recipe, register
+from . import common
+from .families import rows_for
 
-CLASSES = vae_patch.WAN
+NAME = "wan_vae_pad"
+#: Its rows of the family table (Wan2.1 / Wan2.2: one row, ``AutoencoderKLWan``).
+ROWS = rows_for(NAME)
 
 
 @register
 class WanVaePad(Recipe):
-    name = "wan_vae_pad"
+    name = NAME
     summary = "Wan VAE: spatial padding folded into each causal Conv3d, time padding as cache or zero slab; no F.pad"
-    targets = (CLASSES.vae, CLASSES.conv, CLASSES.avg_down)
+    targets = tuple(t for row in ROWS for t in (row.vae, row.conv, row.avg_down) if t)
     lossless = True
     reversible = True
     requires = ()
     default = True
     order = 100
-    Options = vae_patch.VaePadOptions
+    Options = common.VaePadOptions
 
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
-        return vae_patch.find_targets(root, prefix, CLASSES)
+        return common.find_targets(root, prefix, ROWS)
 
-    def decide(self, match: Match, env: Env, options: vae_patch.VaePadOptions) -> Decision:
-        return vae_patch.decide(self.name, CLASSES, match, env, options, "conv padding fold")
+    def decide(self, match: Match, env: Env, options: common.VaePadOptions) -> Decision:
+        return common.decide(self.name, match, env, options)
 
-    def apply(self, match: Match, decision: Decision, env: Env, options: vae_patch.VaePadOptions) -> Patch:
-        opts = vae_patch.parse_options(self.name, options, env.device_type)
-        spec = out_cls = None
-        if match.data.get("vae"):
-            import diffusers.models.autoencoders.autoencoder_kl_wan as wan
-            from diffusers.models.autoencoders.vae import DecoderOutput
-
-            spec = vae_patch.loop_spec(match.module, CLASSES, patchify=wan.patchify, unpatchify=wan.unpatchify)
-            out_cls = DecoderOutput
-        return vae_patch.patch_tree(match.module, CLASSES, opts, self.name, spec=spec, decoder_output=out_cls)
+    def apply(self, match: Match, decision: Decision, env: Env, options: common.VaePadOptions) -> Patch:
+        return common.apply(self.name, match, decision)
