@@ -25,7 +25,7 @@ Options (``options={"decode_linear": {...}}``):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -33,7 +33,7 @@ import torch
 from ..gate import Env, check
 from ..ops import gemv_triton
 from ..ops.linear import make_forward
-from ..registry import Decision, Match, Recipe, class_path, matches_class, register
+from ..registry import NOT_REPORTED, Decision, Match, Recipe, class_path, matches_class, register
 from ..patching import Patch, bind_forward
 
 _MODEL_ROOTS = (
@@ -52,6 +52,24 @@ class DecodeLinearOptions:
     path: str = "auto"  # "auto", "fold" or "triton"
     cuda_eager: bool = False
     cuda_graphs: bool = False
+
+
+@dataclass(frozen=True)
+class DecodeLinearPlan:
+    """The forward one Linear gets: its path in eager mode and under torch.compile (``"fold"``, ``"gemv"``,
+    ``"gemv_graph"`` or ``"stock"``, see :func:`mpsboost.ops.linear.make_forward`), for its weight of
+    ``n`` x ``k``; ``speedup``: the measured gain over cuBLAS that chose the Triton kernel (CUDA only)."""
+
+    n: int
+    k: int
+    eager: str
+    compiled: str
+    speedup: float | None = field(default=None, metadata=NOT_REPORTED)
+
+    def report_details(self) -> dict:
+        """The report's details as they always read: ``speedup`` only where one was measured."""
+        gain = {} if self.speedup is None else {"speedup": self.speedup}
+        return {"n": self.n, "k": self.k, **gain, "eager": self.eager, "compiled": self.compiled}
 
 
 @register
@@ -96,20 +114,23 @@ class DecodeLinear(Recipe):
         has_bias = mod.bias is not None
 
         if path == "fold":
-            return Decision.apply("[B,K] layout for one-token rows", "forced by options (path='fold'); compiled: the same fold",
-                                  n=n, k=k, eager="fold", compiled="fold")
+            return Decision.apply("[B,K] layout for one-token rows",
+                                  "forced by options (path='fold'); compiled: the same fold",
+                                  plan=DecodeLinearPlan(n, k, eager="fold", compiled="fold"))
         if path == "triton":
             eager = "gemv" if options.cuda_eager else "gemv_graph"
-            return Decision.apply("triton GEMV, fused bias", "forced by options (path='triton'); compiled: the same operator",
-                                  n=n, k=k, eager=eager, compiled="gemv")
+            return Decision.apply("triton GEMV, fused bias",
+                                  "forced by options (path='triton'); compiled: the same operator",
+                                  plan=DecodeLinearPlan(n, k, eager=eager, compiled="gemv"))
 
         if env.device_type == "mps":
             v = check("linear_3d_fast", env)
             if v.ok:
                 g = check("gemv_bias_epilogue", env)
                 return Decision.skip(f"native path: {v.reason}; {g.reason}")
-            return Decision.apply("[B,K] layout for one-token rows", f"{v.reason}; compiled: the same fold (views, traceable)",
-                                  n=n, k=k, eager="fold", compiled="fold")
+            return Decision.apply("[B,K] layout for one-token rows",
+                                  f"{v.reason}; compiled: the same fold (views, traceable)",
+                                  plan=DecodeLinearPlan(n, k, eager="fold", compiled="fold"))
         if env.device_type == "cpu":
             return Decision.skip("CPU F.linear runs the same kernel for [B,1,K] and [B,K]; nothing to gain")
         # CUDA
@@ -152,12 +173,13 @@ class DecodeLinear(Recipe):
             comp, why = "gemv", f"{why}; compiled: {s_comp:.2f}x over cuBLAS measured under torch.compile"
         else:
             comp, why = "stock", f"{why}; {_NO_COMPILED_GAIN} ({gemv_triton.TUNING})"
-        return Decision.apply("triton GEMV, fused bias", why, n=n, k=k, speedup=s_graph or s_comp, eager=eager, compiled=comp)
+        return Decision.apply("triton GEMV, fused bias", why,
+                              plan=DecodeLinearPlan(n, k, eager=eager, compiled=comp, speedup=s_graph or s_comp))
 
     def apply(self, match: Match, decision: Decision, env: Env, options: DecodeLinearOptions) -> Patch:
-        d = decision.details
-        fwd = make_forward(d["eager"], d["compiled"])
-        if d["eager"] in ("gemv", "gemv_graph") or d["compiled"] == "gemv":
+        plan: DecodeLinearPlan = decision.plan
+        fwd = make_forward(plan.eager, plan.compiled)
+        if plan.eager in ("gemv", "gemv_graph") or plan.compiled == "gemv":
             w = match.module.weight
             if w.is_cuda and not torch.cuda.is_current_stream_capturing():
                 # Compile and load the kernel now (patch time): a first launch inside CUDA-graph capture
