@@ -85,12 +85,12 @@ def plan_details(plan: Any) -> dict[str, Any]:
     every dataclass field in declaration order except those declared with ``metadata=NOT_REPORTED``."""
     if plan is None:
         return {}
-    custom = getattr(plan, "report_details", None)
-    if custom is not None:
-        return dict(custom())
     if not dataclasses.is_dataclass(plan) or isinstance(plan, type):
         raise TypeError(f"a Decision's plan is a recipe's frozen dataclass instance (or None), "
                         f"got {type(plan).__name__}: {plan!r}")
+    custom = getattr(plan, "report_details", None)
+    if custom is not None:
+        return dict(custom())
     return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.metadata.get("report", True)}
 
 

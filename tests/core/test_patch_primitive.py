@@ -579,3 +579,31 @@ def test_the_structure_scan_catches_direct_changes(tmp_path):
     # Every line of R.apply but the first, every hole in holes() (the line of `d = root.__dict__` binds an
     # alias, its write is the offence); never Helper, the plain plan/config writes or the dataclass.
     assert lines == [4, 5, 6, 7, 8, 9, 10, 17, 18, 19, 20, 21, 22, 24, 25, 26, 27, 29, 30], found
+
+
+# Files that read the per-module store by its name instead of through patching's readers (saved_state,
+# is_patched_by, held_by, without_record), each with why. An entry that matches nothing fails the test.
+_STORE_READERS = {
+    "api.py": "unpatch() tells a copy of a patched model by the store on its modules (_patched_modules)",
+    "checkpoints.py": "load_fp8 reads fp8_weights' record; patching.saved_state(module, 'fp8_weights') gives it",
+    "recipes/fp8/recipe.py": "reads its own bind_forward record; patching.saved_state(module, NAME) gives it",
+}
+
+
+def test_only_patching_names_the_per_module_store():
+    """The store (``_mpsboost_patches``) has one owner: no other file imports ``patching.ATTR`` or spells
+    the attribute's name, so its layout can change in one place."""
+    found = set()
+    for f in sorted(_PACKAGE.rglob("*.py")):
+        rel = f.relative_to(_PACKAGE).as_posix()
+        if rel == "patching.py":
+            continue
+        tree = ast.parse(f.read_text(), filename=str(f))
+        for node in ast.walk(tree):
+            imports = isinstance(node, ast.ImportFrom) and (node.module or "").endswith("patching") and any(
+                a.name == "ATTR" for a in node.names)
+            spelled = isinstance(node, ast.Constant) and node.value == patching.ATTR
+            if imports or spelled:
+                found.add(rel)
+    assert found - set(_STORE_READERS) == set(), sorted(found - set(_STORE_READERS))
+    assert set(_STORE_READERS) - found == set(), f"remove {sorted(set(_STORE_READERS) - found)} from _STORE_READERS"

@@ -25,7 +25,7 @@ Options (``options={"decode_linear": {...}}``):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -33,7 +33,7 @@ import torch
 from ..gate import Env, check
 from ..ops import gemv_triton
 from ..ops.linear import make_forward
-from ..registry import NOT_REPORTED, Decision, Match, Recipe, class_path, matches_class, register
+from ..registry import Decision, Match, Recipe, class_path, matches_class, register
 from ..patching import Patch, bind_forward
 
 _MODEL_ROOTS = (
@@ -64,7 +64,7 @@ class DecodeLinearPlan:
     k: int
     eager: str
     compiled: str
-    speedup: float | None = field(default=None, metadata=NOT_REPORTED)
+    speedup: float | None = None
 
     def report_details(self) -> dict:
         """The report's details as they always read: ``speedup`` only where one was measured."""
