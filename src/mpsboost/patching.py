@@ -1,12 +1,27 @@
 """Patch, Changes and every write helper: the one way mpsboost changes a module instance.
 
 Every change a recipe (or ``load_fp8``) makes goes through a helper of this module that returns a
-:class:`Patch`; ``mpsboost.api`` alone applies, commits and undoes them. State lives in one place per
-module: the instance attribute ``_mpsboost_patches`` ({recipe name: what it saved}). Nothing global
-holds a module, so a model the user drops is freed.
+:class:`Patch`; ``mpsboost.api`` alone applies, commits and undoes them. Nothing global holds a module,
+so a model the user drops is freed.
+
+What a patched module must remember lives in one store per module, the instance attribute
+``_mpsboost_patches`` (:data:`ATTR`): {key: record}, written and cleared only here (``_record`` /
+``_forget``), read by others through :func:`saved_state`, :func:`is_patched_by`, :func:`held_by` and
+:func:`without_record`. Its keys:
+
+- ``"<recipe>"``: the forward :func:`bind_forward` replaced (and what the recipe saved with it);
+- ``"<recipe>:<name>"``: the previous value of an attribute :func:`set_instance_attr` set;
+- ``"<recipe>:__class__"``: the class :func:`swap_class` replaced (:func:`swapped_class_key`);
+- ``"<held>:<name>"``: a value several matches share and its holders (:func:`hold_instance_attr`).
+
+Two other records are not per-module state and stay where they are: ``mpsboost.api`` keeps the log of
+each ``patch()`` call (the Patches to undo, the report) on the object passed to it, which may be a
+pipeline rather than a module, and which a copy must not inherit; and :func:`register_in_interface`
+remembers, process-wide, which keys it added to a library's function registry (functions, no module).
 
 The AST guard in ``tests/core/test_patch_primitive.py`` checks that no other file of the package
-writes a module's ``forward``, ``__class__``, ``_parameters``, ``_buffers`` or ``__dict__`` itself.
+writes a module's ``forward``, ``__class__``, ``_parameters``, ``_buffers``, ``_modules`` or ``__dict__``
+itself.
 """
 from __future__ import annotations
 
@@ -22,6 +37,7 @@ __all__ = [
     "Changes",
     "bind_forward",
     "saved_state",
+    "without_record",
     "original_forward",
     "call_original",
     "is_patched_by",
@@ -203,6 +219,52 @@ class _Missing:
 _MISSING = _Missing()
 
 
+# ---------------------------------------------------------------------- the per-module store
+
+def _records(module: Any) -> dict:
+    """The store of ``module`` (empty and unattached when it has none): read it, never write it."""
+    return module.__dict__.get(ATTR, {})
+
+
+def _record(module: Any, key: str, record: Any, *, again: str) -> None:
+    """Keep ``record`` under ``key`` in ``module``'s store (created on first use); a key taken already is
+    the error ``again`` (one recipe changing one thing twice)."""
+    store = module.__dict__.setdefault(ATTR, {})
+    if key in store:
+        raise RuntimeError(again)
+    store[key] = record
+
+
+def _forget(module: Any, key: str, record: Any = _MISSING) -> Any:
+    """Remove and return the record under ``key`` (None when absent; only when it is ``record``, if
+    given); the store itself goes once empty, so an unpatched module has no trace of mpsboost."""
+    d = module.__dict__
+    store = d.get(ATTR)
+    if not store or key not in store or (record is not _MISSING and store[key] is not record):
+        return None
+    found = store.pop(key)
+    if not store:
+        d.pop(ATTR, None)
+    return found
+
+
+def _attr_key(recipe: str, name: str) -> str:
+    return f"{recipe}:{name}"
+
+
+def without_record(state: Mapping[str, Any], key: str) -> dict:
+    """A module's ``__dict__`` (as ``__reduce_ex__`` hands it to pickle or copy) without the store record
+    ``key``, and without the store when nothing else is left in it."""
+    out = dict(state)
+    if ATTR in out:
+        rest = {k: v for k, v in out[ATTR].items() if k != key}
+        if rest:
+            out[ATTR] = rest
+        else:
+            del out[ATTR]
+    return out
+
+
 # accelerate's add_hook_to_module keeps the wrapped forward on this attribute and calls it from its
 # hook (after moving weights onto the execution device). A recipe's forward belongs there, inside the
 # hook, never outside it.
@@ -223,17 +285,15 @@ def bind_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[...
     hook (``module._old_forward``), so weights are still moved in before it runs; a hook added after
     patching is kept on unpatch. ``saved`` lets a recipe keep more state (read it with :func:`saved_state`).
     """
-    store = module.__dict__.setdefault(ATTR, {})
-    if recipe in store:
-        raise RuntimeError(f"{recipe} already patched this module")
     slot = _forward_slot(module)
     previous = module.__dict__.get(slot, _MISSING)
     bound = types.MethodType(new_forward, module)
-    store[recipe] = {"forward": previous, "slot": slot, "bound": bound, **saved}
+    _record(module, recipe, {"forward": previous, "slot": slot, "bound": bound, **saved},
+            again=f"{recipe} already patched this module")
     object.__setattr__(module, slot, bound)
 
     def undo() -> None:
-        entry = module.__dict__.get(ATTR, {}).get(recipe)
+        entry = _records(module).get(recipe)
         if entry is None:
             return
         d = module.__dict__
@@ -250,20 +310,19 @@ def bind_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[...
                 f"the forward of this {type(module).__name__} was replaced after mpsboost's {recipe} patched it "
                 "(by something other than an accelerate hook); mpsboost cannot restore it without undoing that change"
             )
-        d[ATTR].pop(recipe, None)
+        _forget(module, recipe)
         if prev is _MISSING:
             d.pop(where, None)
         else:
             object.__setattr__(module, where, prev)
-        if not d.get(ATTR):
-            d.pop(ATTR, None)
 
     return Patch(undo, description=f"{recipe}: restore forward")
 
 
-def saved_state(module: torch.nn.Module, recipe: str) -> dict:
-    """What :func:`bind_forward` (or a recipe) stored on ``module`` for ``recipe``."""
-    return module.__dict__[ATTR][recipe]
+def saved_state(module: torch.nn.Module, recipe: str) -> dict | None:
+    """What :func:`bind_forward` stored on ``module`` for ``recipe`` (the replaced forward and the
+    recipe's ``saved`` keywords), or None when ``recipe`` bound no forward there."""
+    return _records(module).get(recipe)
 
 
 def original_forward(module: torch.nn.Module, recipe: str) -> Callable[..., Any]:
@@ -285,7 +344,7 @@ def call_original(module: torch.nn.Module, recipe: str, *args: Any, **kwargs: An
 
 def is_patched_by(module: torch.nn.Module, recipe: str) -> bool:
     """True when ``recipe`` bound a forward or set an attribute on this instance."""
-    store = module.__dict__.get(ATTR, {})
+    store = _records(module)
     return recipe in store or any(k.startswith(recipe + ":") for k in store)
 
 
@@ -293,23 +352,19 @@ def set_instance_attr(module: torch.nn.Module, recipe: str, name: str, value: An
     """Set a plain (non-parameter, non-module) instance attribute reversibly, recorded under ``recipe``."""
     if isinstance(value, (torch.nn.Parameter, torch.nn.Module)):
         raise TypeError(f"set_instance_attr is for plain values; {name} would be a {type(value).__name__}")
-    store = module.__dict__.setdefault(ATTR, {})
-    key = f"{recipe}:{name}"
-    if key in store:
-        raise RuntimeError(f"{recipe} already set {name} on this module")
-    store[key] = {"value": module.__dict__.get(name, _MISSING)}
+    key = _attr_key(recipe, name)
+    _record(module, key, {"value": module.__dict__.get(name, _MISSING)},
+            again=f"{recipe} already set {name} on this module")
     object.__setattr__(module, name, value)
 
     def undo() -> None:
-        entry = module.__dict__.get(ATTR, {}).pop(key, None)
+        entry = _forget(module, key)
         if entry is None:
             return
         if entry["value"] is _MISSING:
             module.__dict__.pop(name, None)
         else:
             object.__setattr__(module, name, entry["value"])
-        if not module.__dict__.get(ATTR):
-            module.__dict__.pop(ATTR, None)
 
     return Patch(undo, description=f"{recipe}: restore {name}")
 
@@ -327,8 +382,8 @@ def at_commit(fn: Callable[[], None], description: str) -> Patch:
 
 # ---------------------------------------------------------------------- shared instance attributes
 
-# A shared attribute's record lives on the module itself, in its ``_mpsboost_patches`` store under
-# ``_HOLD + name``: [value, [(token, holder data), ...]]. The value is often a method bound to that very
+# A shared attribute's record lives on the module itself, in its store under ``_HOLD + name``:
+# [value, [(token, holder data), ...]]. The value is often a method bound to that very
 # module; kept in any process-wide table, even a WeakKeyDictionary keyed by the module, the value would
 # reference its key and keep the model alive forever. On the instance it is a plain reference cycle that
 # the garbage collector frees with the model.
@@ -336,7 +391,7 @@ _HOLD = "<held>:"
 
 
 def _hold_entry(module: torch.nn.Module, name: str) -> list | None:
-    entry = module.__dict__.get(ATTR, {}).get(_HOLD + name)
+    entry = _records(module).get(_HOLD + name)
     return entry if isinstance(entry, list) else None
 
 
@@ -356,7 +411,7 @@ def hold_instance_attr(module: torch.nn.Module, name: str, make_value: Callable[
             return no_change(description or f"{name} already bound on the instance")
         value = make_value()
         entry = [value, []]
-        module.__dict__.setdefault(ATTR, {})[_HOLD + name] = entry
+        _record(module, _HOLD + name, entry, again=f"{name} is held already")
         module.__dict__[name] = value
     token = (object(), data)
     entry[1].append(token)
@@ -365,11 +420,7 @@ def hold_instance_attr(module: torch.nn.Module, name: str, make_value: Callable[
         entry[1][:] = [t for t in entry[1] if t is not token]
         if entry[1]:
             return
-        store = module.__dict__.get(ATTR, {})
-        if store.get(_HOLD + name) is entry:
-            del store[_HOLD + name]
-            if not store:
-                module.__dict__.pop(ATTR, None)
+        _forget(module, _HOLD + name, entry)
         if module.__dict__.get(name) is entry[0]:
             del module.__dict__[name]
 
@@ -430,15 +481,12 @@ def swap_class(obj: torch.nn.Module, recipe: str, new_cls: type) -> Patch:
     original = type(obj)
     if not (isinstance(new_cls, type) and issubclass(new_cls, original)):
         raise TypeError(f"swap_class needs a subclass of {class_path(original)}, got {new_cls!r}")
-    store = obj.__dict__.setdefault(ATTR, {})
-    key = f"{recipe}:__class__"
-    if key in store:
-        raise RuntimeError(f"{recipe} already swapped the class of this module")
-    store[key] = {"class": original}
+    key = swapped_class_key(recipe)
+    _record(obj, key, {"class": original}, again=f"{recipe} already swapped the class of this module")
     object.__setattr__(obj, "__class__", new_cls)
 
     def undo() -> None:
-        entry = obj.__dict__.get(ATTR, {}).get(key)
+        entry = _records(obj).get(key)
         if entry is None:
             return
         if type(obj) is not new_cls:
@@ -447,16 +495,14 @@ def swap_class(obj: torch.nn.Module, recipe: str, new_cls: type) -> Patch:
                 f"(now {class_path(type(obj))}); cannot restore {class_path(entry['class'])}"
             )
         object.__setattr__(obj, "__class__", entry["class"])
-        obj.__dict__[ATTR].pop(key, None)
-        if not obj.__dict__.get(ATTR):
-            obj.__dict__.pop(ATTR, None)
+        _forget(obj, key)
 
     return Patch(undo, description=f"{recipe}: restore the class {class_path(original)}")
 
 
 def swapped_class_key(recipe: str) -> str:
-    """The key under which :func:`swap_class` records the original class in ``module._mpsboost_patches``."""
-    return f"{recipe}:__class__"
+    """The key under which :func:`swap_class` records the original class in a module's store."""
+    return _attr_key(recipe, "__class__")
 
 
 # ---------------------------------------------------------------------- library function registries

@@ -12,8 +12,13 @@ A recipe module opens with its declaration::
         requires = ()
 
 then implements :meth:`Recipe.decide` (pure: which backing path, or why not) and :meth:`Recipe.apply`
-(changes one instance through this module's helpers, returns a :class:`Patch`). ``plan()`` calls only ``find`` and ``decide``;
-``patch()`` calls ``apply`` for every applicable match, as one transaction.
+(changes one instance through :mod:`mpsboost.patching`'s helpers, returns a :class:`Patch`). ``plan()`` calls
+only ``find`` and ``decide``; ``patch()`` calls ``apply`` for every applicable match, as one transaction.
+
+What a recipe learns travels typed: ``find`` may put its own frozen dataclass in :attr:`Match.data` (what
+it saw in the target), and ``decide`` hands ``apply`` its own frozen plan dataclass
+(``Decision.apply(backing, reason, plan=MyPlan(...))``, read as ``decision.plan.x``). The report shows a
+decision's :attr:`~Decision.details`, derived from the plan's fields (see :func:`plan_details`).
 
 Targets are matched by class path strings against each module's MRO, so matching imports nothing:
 ``import mpsboost`` never imports diffusers or transformers.
@@ -47,6 +52,8 @@ __all__ = [
     "class_path",
     "matches_class",
     "join_path",
+    "plan_details",
+    "NOT_REPORTED",
 ]
 
 def matches_class(obj: Any, targets: Iterable[str]) -> bool:
@@ -57,11 +64,34 @@ def matches_class(obj: Any, targets: Iterable[str]) -> bool:
 
 @dataclass
 class Match:
-    """One target a recipe found: the module, its dotted path in the report, and recipe data."""
+    """One target a recipe found: the module, its dotted path in the report, and what ``find`` learnt.
+
+    ``data``: the recipe's own frozen dataclass (e.g. which kind of target this is), or None. Recipes
+    that still pass a dict keep working: a Match built without data gets an empty dict.
+    """
 
     module: torch.nn.Module
     path: str
-    data: dict = field(default_factory=dict)
+    data: Any = field(default_factory=dict)
+
+
+# Field metadata of a plan field that ``apply`` needs but the report does not show:
+# ``eps: float = field(metadata=NOT_REPORTED)``.
+NOT_REPORTED: Mapping[str, Any] = types.MappingProxyType({"report": False})
+
+
+def plan_details(plan: Any) -> dict[str, Any]:
+    """What the report shows of a recipe's plan: its ``report_details()`` where it defines one, else
+    every dataclass field in declaration order except those declared with ``metadata=NOT_REPORTED``."""
+    if plan is None:
+        return {}
+    if not dataclasses.is_dataclass(plan) or isinstance(plan, type):
+        raise TypeError(f"a Decision's plan is a recipe's frozen dataclass instance (or None), "
+                        f"got {type(plan).__name__}: {plan!r}")
+    custom = getattr(plan, "report_details", None)
+    if custom is not None:
+        return dict(custom())
+    return {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.metadata.get("report", True)}
 
 
 @dataclass(frozen=True)
@@ -70,14 +100,21 @@ class Decision:
 
     ``applicable=False``: the recipe has a reason not to touch it here (gate failed, nothing to gain).
     ``backing``: the backing path the report names, e.g. ``"conv padding fold"``.
+    ``plan``: the recipe's own frozen dataclass, everything ``apply`` needs (``decision.plan.x``).
+    ``details``: what the report row shows besides backing and reason: the plan's reported fields
+    (:func:`plan_details`), then any keywords given to :meth:`apply` / :meth:`skip`.
     """
 
     applicable: bool
     backing: str = ""
     reason: str = ""
     details: Mapping[str, Any] = field(default_factory=dict)
-    # The recipe's own frozen dataclass: everything ``apply`` needs, typed (replaces ``details``).
     plan: Any = None
+
+    def __post_init__(self) -> None:
+        if self.plan is not None:
+            # frozen: the derived details are set once, here, as dataclasses do for derived fields
+            object.__setattr__(self, "details", {**plan_details(self.plan), **self.details})
 
     @classmethod
     def apply(cls, backing: str, reason: str, plan: Any = None, **details: Any) -> "Decision":
@@ -133,7 +170,8 @@ class Recipe:
 
     # ------------------------------------------------------------------ applying
     def apply(self, match: Match, decision: Decision, env: Env, options: Any) -> Patch:
-        """Change ``match.module`` (the instance only) through this module's helpers; return the Patch."""
+        """Change ``match.module`` (the instance only) through :mod:`mpsboost.patching`'s helpers, as
+        ``decision.plan`` says; return the Patch."""
         raise NotImplementedError
 
     def unpatch_hint(self) -> str:

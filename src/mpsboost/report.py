@@ -102,32 +102,6 @@ class PatchReport:
     def to_json(self, **kw: Any) -> str:
         return json.dumps(self.to_dict(), default=str, **kw)
 
-    def folded(self) -> list[tuple[Row, int]]:
-        """Rows with layer indices folded to ``*``: (representative row, count).
-
-        Then rows of one recipe with the same status, path and reason fold into one line whose target
-        lists them (``a, b, c`` or ``a ... z (N targets)``): a 36-layer model's report fits a screen and
-        a reason repeated on every row is printed once.
-        """
-        groups: dict[tuple, list[Row]] = {}
-        for r in self.rows:
-            key = (r.recipe, _INDEX.sub("*", r.target), r.status, r.backing, r.reason)
-            groups.setdefault(key, []).append(r)
-        by_reason: dict[tuple, list[tuple[str, list[Row]]]] = {}
-        for (recipe, target, status, backing, reason), rows in groups.items():
-            by_reason.setdefault((recipe, status, backing, reason), []).append((target, rows))
-        out = []
-        for (recipe, status, backing, reason), parts in by_reason.items():
-            rows = [r for _, rs in parts for r in rs]
-            if len(parts) == 1:
-                target = parts[0][0]
-            else:
-                names = [t for t, _ in parts]
-                target = ", ".join(names) if len(names) <= 3 else f"{names[0]} ... {names[-1]} ({len(names)} targets)"
-            rep = rows[0] if len(rows) == 1 else Row(recipe, target, status, backing, reason, rows[0].details)
-            out.append((rep, len(rows)))
-        return out
-
     def _model_of(self, target: str) -> str:
         """The model a row's target belongs to: its pipeline component, or the object itself."""
         head = target.split(".", 1)[0]

@@ -488,3 +488,77 @@ def test_unpatch_after_patch_then_noop_repatch_undoes_the_first(recipes):
     assert mpsboost.patch(m, recipes=["t_scale"]).noop
     mpsboost.unpatch(m)
     assert all("forward" not in lin.__dict__ for lin in m.modules() if isinstance(lin, nn.Linear))
+
+
+# ------------------------------------------------------------------------------------------ typed plans
+
+def test_a_typed_plan_reaches_apply_and_the_report_shows_its_reported_fields():
+    from dataclasses import dataclass, field
+
+    @dataclass(frozen=True)
+    class Found:
+        out_features: int
+
+    @dataclass(frozen=True)
+    class Plan:
+        factor: int
+        seen: int
+        note: str = field(default="internal", metadata=registry.NOT_REPORTED)
+
+    applied = []
+
+    class Typed(Recipe):
+        name = "t_typed"
+        targets = (LINEAR,)
+        default = False
+
+        def find(self, root, prefix=""):
+            for m in super().find(root, prefix):
+                yield registry.Match(m.module, m.path, Found(m.module.out_features))
+
+        def decide(self, match, env, options):
+            return Decision.apply("times factor", "test", plan=Plan(factor=3, seen=match.data.out_features),
+                                  extra="kept")
+
+        def apply(self, match, decision, env, options):
+            applied.append(decision.plan)
+            factor = decision.plan.factor
+            return bind_forward(match.module, self.name,
+                                lambda mod, x: factor * original_forward(mod, "t_typed")(x))
+
+    registry.register(Typed)
+    try:
+        lin = nn.Linear(4, 5)
+        x = torch.randn(3, 4)
+        ref = lin(x)
+        report = mpsboost.patch(lin, recipes=["t_typed"])
+        assert applied == [Plan(factor=3, seen=5)]
+        # The plan's fields in declaration order, without the unreported one, then the explicit keywords.
+        assert list(report.rows[0].details.items()) == [("factor", 3), ("seen", 5), ("extra", "kept")]
+        assert report.to_dict()["rows"][0]["details"] == {"factor": 3, "seen": 5, "extra": "kept"}
+        torch.testing.assert_close(lin(x), 3 * ref)
+        mpsboost.unpatch(lin)
+        torch.testing.assert_close(lin(x), ref, rtol=0, atol=0)
+    finally:
+        registry.unregister("t_typed")
+
+
+def test_plan_details_takes_a_plan_own_report_and_refuses_what_is_not_a_plan():
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class Custom:
+        a: int
+        b: int | None = None
+
+        def report_details(self):
+            return {"a": self.a} if self.b is None else {"b": self.b, "a": self.a}
+
+    assert Decision.apply("x", "y", plan=Custom(1)).details == {"a": 1}
+    assert list(Decision.apply("x", "y", plan=Custom(1, 2)).details) == ["b", "a"]
+    assert Decision.skip("why", plan=Custom(4)).details == {"a": 4}
+    assert Decision.apply("x", "y", k=1).details == {"k": 1} and Decision.apply("x", "y").plan is None
+    with pytest.raises(TypeError, match="frozen dataclass instance.*got dict"):
+        Decision.apply("x", "y", plan={"factor": 3})
+    with pytest.raises(TypeError, match="got type"):
+        Decision.apply("x", "y", plan=Custom)  # the class, not an instance

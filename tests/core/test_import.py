@@ -1,4 +1,5 @@
-"""`import mpsboost` stays light: it imports neither diffusers nor transformers."""
+"""`import mpsboost` stays light (neither diffusers nor transformers), and the package keeps its layers:
+the gate and patching are leaves, ops import nothing above the gate, recipes never the API, no import cycle."""
 from __future__ import annotations
 
 import subprocess
@@ -203,3 +204,83 @@ def test_cycle_finder_sees_a_cycle_through_function_level_imports():
     cycles = _cycles(graph)
     assert len(cycles) == 1 and set(cycles[0]) == {"mpsboost.checkpoints", "mpsboost.recipes.fp8.formats"}
     assert not _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) and _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}})
+
+
+# ------------------------------------------------------------------------------------------ layering
+
+def _group(mod: str) -> str:
+    """The layer a module belongs to: its subpackage (``ops``, ``recipes``, ``bench``, ``selftest``) or
+    its own name (``gate``, ``registry``, ``api``, ...); the package itself is ``mpsboost``."""
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+# What each lower layer may import of mpsboost besides itself. Layers not named here (api, checkpoints,
+# cli, demo, docs, selftest, the package) sit on top and may import any of these.
+_MAY_IMPORT: dict[str, set[str]] = {
+    "errors": set(),
+    # The gate is a leaf: the version and capability table every layer asks, asking nothing of mpsboost.
+    "gate": {"errors"},
+    # The patch primitive and the per-module store: a leaf too (nothing above it can reach a module's state).
+    "patching": set(),
+    "tuning": {"errors", "gate"},
+    "report": {"errors", "gate"},
+    # ops: tensor functions. Nothing above the gate; tuning is the measured-data reader, at the gate's level.
+    "ops": {"errors", "gate", "tuning"},
+    # registry imports the package mpsboost.recipes (see _EXACT) to register the built-in recipes lazily.
+    "registry": {"errors", "gate", "patching"},
+    # recipes: never the API, checkpoints, bench or the command line; each other only within recipes/.
+    "recipes": {"errors", "gate", "tuning", "ops", "patching", "registry"},
+    # bench measures; it lists the recipe names (bench.cli) through the registry and imports no recipe,
+    # no API. (Its functions also `import mpsboost` for the package's version and location: the package
+    # is imported before any of its submodules anyway, so the graph does not count it as an edge.)
+    "bench": {"errors", "gate", "registry"},
+}
+# Single module edges allowed beyond the table, each with why.
+_EXACT = {
+    ("mpsboost.registry", "mpsboost.recipes"): "all_recipes() imports the package once; each recipe registers",
+}
+
+
+def _layer_offences(graph: dict[str, set[str]]) -> list[str]:
+    offenders = []
+    for mod, deps in sorted(graph.items()):
+        group = _group(mod)
+        if group not in _MAY_IMPORT:
+            continue
+        for dep in sorted(deps):
+            if _group(dep) != group and _group(dep) not in _MAY_IMPORT[group] and (mod, dep) not in _EXACT:
+                offenders.append(f"{mod} -> {dep} ({group} may import {sorted(_MAY_IMPORT[group]) or 'nothing'})")
+    return offenders
+
+
+def test_layers_import_only_what_lies_below_them():
+    graph = _import_graph()
+    assert {_group(m) for m in graph} >= set(_MAY_IMPORT)
+    offenders = _layer_offences(graph)
+    assert not offenders, "imports against the layering:\n" + "\n".join(offenders)
+    # The exceptions are live: an edge that went away leaves an entry to remove.
+    assert all(dep in graph[mod] for mod, dep in _EXACT), _EXACT
+
+
+def test_the_layering_check_sees_a_violation():
+    """The check above could pass by seeing nothing: each of these edges put into the real graph (a recipe
+    importing the API, ops the registry, the gate anything, bench a recipe) is reported, and only it."""
+    for mod, dep in (("mpsboost.recipes.softmax", "mpsboost.api"), ("mpsboost.ops.moe", "mpsboost.registry"),
+                     ("mpsboost.gate", "mpsboost.tuning"), ("mpsboost.bench.cli", "mpsboost.recipes.softmax"),
+                     ("mpsboost.patching", "mpsboost.gate")):
+        graph = {k: set(v) for k, v in _import_graph().items()}
+        assert mod in graph and dep in graph and dep not in graph[mod]
+        graph[mod].add(dep)
+        found = _layer_offences(graph)
+        assert len(found) == 1 and found[0].startswith(f"{mod} -> {dep} "), found
+
+
+def test_recipes_never_reach_the_api():
+    """Not only no direct import: no chain of imports from a recipe module reaches api or checkpoints."""
+    graph = _import_graph()
+    recipes = [m for m in graph if _group(m) == "recipes"]
+    assert len(recipes) >= 10
+    reached = [f"{' -> '.join(p)}" for m in recipes for goal in ("mpsboost.api", "mpsboost.checkpoints")
+               if (p := _reaches(graph, m, goal))]
+    assert not reached, reached

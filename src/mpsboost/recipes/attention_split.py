@@ -56,6 +56,21 @@ class AttentionSplitOptions:
     force: bool = False
 
 
+@dataclass(frozen=True)
+class SplitTarget:
+    """What ``find`` saw: a transformers model (``"transformers"``) or a diffusers model (``"diffusers"``)."""
+
+    kind: str
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """What ``apply`` does: bind the split forward on ``attention_modules`` modules, at ``max_scores``."""
+
+    max_scores: int
+    attention_modules: int
+
+
 def _options(options: AttentionSplitOptions) -> tuple[int, bool]:
     limit = options.max_scores
     if limit < 1:
@@ -159,14 +174,14 @@ class AttentionSplit(Recipe):
             path = ".".join(p for p in (prefix, name) if p) or "<root>"
             if matches_class(mod, (_PRETRAINED,)):
                 covered.append(mod)
-                yield Match(mod, path, {"kind": "transformers"})
+                yield Match(mod, path, SplitTarget("transformers"))
             elif matches_class(mod, (_MODELMIXIN,)) and _attention_modules(mod):
                 covered.append(mod)
-                yield Match(mod, path, {"kind": "diffusers"})
+                yield Match(mod, path, SplitTarget("diffusers"))
 
     def decide(self, match: Match, env: Env, options: AttentionSplitOptions) -> Decision:
         limit, force = _options(options)
-        if match.data.get("kind") == "transformers":
+        if match.data.kind == "transformers":
             impl = getattr(getattr(match.module, "config", None), "_attn_implementation", None)
             if impl != "sdpa":
                 return Decision.skip(f"attention implementation {impl!r}: only 'sdpa' calls the kernel this recipe splits")
@@ -175,13 +190,13 @@ class AttentionSplit(Recipe):
                 return Decision.skip("no attention module on 'sdpa' that looks up transformers' attention functions")
             found = Decision.apply("sdpa split along queries (attention module forwards)",
                                    f"'sdpa' kept in the config; {len(mods)} attention modules",
-                                   max_scores=limit, attention_modules=len(mods))
+                                   plan=SplitPlan(max_scores=limit, attention_modules=len(mods)))
         else:
             n = len(_attention_modules(match.module))
             found = Decision.apply("sdpa split along queries (attention processors)", f"{n} attention modules",
-                                   max_scores=limit, attention_modules=n)
+                                   plan=SplitPlan(max_scores=limit, attention_modules=n))
         if force:
-            return Decision.apply(found.backing, f"forced by options (force=True); {found.reason}", **found.details)
+            return Decision.apply(found.backing, f"forced by options (force=True); {found.reason}", plan=found.plan)
         if env.device_type != "mps":
             return Decision.skip(f"SDPA is correct beyond 2^31 scores on {env.device_type}; stock kept")
         if "sdpa_large_scores_correct" in FEATURES:
@@ -191,11 +206,13 @@ class AttentionSplit(Recipe):
             why = v.reason
         else:
             why = "no MPS build is known to compute SDPA over more than 2^31 scores correctly (ComfyUI#14837)"
-        return Decision.apply(found.backing, f"{why}; calls above {limit} scores are split; {found.reason}", **found.details)
+        return Decision.apply(found.backing, f"{why}; calls above {limit} scores are split; {found.reason}",
+                              plan=found.plan)
 
     def apply(self, match: Match, decision: Decision, env: Env, options: AttentionSplitOptions) -> Patch:
-        limit = int(decision.details["max_scores"])
-        if match.data.get("kind") == "transformers":
+        plan: SplitPlan = decision.plan
+        limit = plan.max_scores
+        if match.data.kind == "transformers":
             modules = [m for _, m in _hf.attention_modules(match.module) if _hf.implementation(m) == "sdpa"]
             bounds: dict[type, Callable] = {}
             forwards = [_split_forward(limit, bounds.setdefault(type(m), _hf_may_exceed_for(m))) for m in modules]

@@ -81,6 +81,24 @@ class DecodeLinearOptions:
     cuda_graphs: bool = False
 
 
+@dataclass(frozen=True)
+class DecodeLinearPlan:
+    """The forward one Linear gets: its path in eager mode and under torch.compile (``"fold"``, ``"gemv"``,
+    ``"gemv_graph"`` or ``"stock"``, see :func:`mpsboost.ops.linear.make_forward`), for its weight of
+    ``n`` x ``k``; ``speedup``: the measured gain over cuBLAS that chose the Triton kernel (CUDA only)."""
+
+    n: int
+    k: int
+    eager: str
+    compiled: str
+    speedup: float | None = None
+
+    def report_details(self) -> dict:
+        """The report's details as they always read: ``speedup`` only where one was measured."""
+        gain = {} if self.speedup is None else {"speedup": self.speedup}
+        return {"n": self.n, "k": self.k, **gain, "eager": self.eager, "compiled": self.compiled}
+
+
 @register
 class DecodeLinear(Recipe):
     name = "decode_linear"
@@ -123,20 +141,23 @@ class DecodeLinear(Recipe):
         has_bias = mod.bias is not None
 
         if path == "fold":
-            return Decision.apply("[B,K] layout for one-token rows", "forced by options (path='fold'); compiled: the same fold",
-                                  n=n, k=k, eager="fold", compiled="fold")
+            return Decision.apply("[B,K] layout for one-token rows",
+                                  "forced by options (path='fold'); compiled: the same fold",
+                                  plan=DecodeLinearPlan(n, k, eager="fold", compiled="fold"))
         if path == "triton":
             eager = "gemv" if options.cuda_eager else "gemv_graph"
-            return Decision.apply("triton GEMV, fused bias", "forced by options (path='triton'); compiled: the same operator",
-                                  n=n, k=k, eager=eager, compiled="gemv")
+            return Decision.apply("triton GEMV, fused bias",
+                                  "forced by options (path='triton'); compiled: the same operator",
+                                  plan=DecodeLinearPlan(n, k, eager=eager, compiled="gemv"))
 
         if env.device_type == "mps":
             v = check("linear_3d_fast", env)
             if v.ok:
                 g = check("gemv_bias_epilogue", env)
                 return Decision.skip(f"native path: {v.reason}; {g.reason}")
-            return Decision.apply("[B,K] layout for one-token rows", f"{v.reason}; compiled: the same fold (views, traceable)",
-                                  n=n, k=k, eager="fold", compiled="fold")
+            return Decision.apply("[B,K] layout for one-token rows",
+                                  f"{v.reason}; compiled: the same fold (views, traceable)",
+                                  plan=DecodeLinearPlan(n, k, eager="fold", compiled="fold"))
         if env.device_type == "cpu":
             return Decision.skip("CPU F.linear runs the same kernel for [B,1,K] and [B,K]; nothing to gain")
         # CUDA
@@ -179,14 +200,15 @@ class DecodeLinear(Recipe):
             comp, why = "gemv", f"{why}; compiled: {s_comp:.2f}x over cuBLAS measured under torch.compile"
         else:
             comp, why = "stock", f"{why}; {_NO_COMPILED_GAIN} ({TUNING})"
-        return Decision.apply("triton GEMV, fused bias", why, n=n, k=k, speedup=s_graph or s_comp, eager=eager, compiled=comp)
+        return Decision.apply("triton GEMV, fused bias", why,
+                              plan=DecodeLinearPlan(n, k, eager=eager, compiled=comp, speedup=s_graph or s_comp))
 
     def apply(self, match: Match, decision: Decision, env: Env, options: DecodeLinearOptions) -> Patch:
-        d = decision.details
+        plan: DecodeLinearPlan = decision.plan
         w = match.module.weight
-        gemv = d["eager"] in ("gemv", "gemv_graph") or d["compiled"] == "gemv"
+        gemv = plan.eager in ("gemv", "gemv_graph") or plan.compiled == "gemv"
         block_n = gemv_triton.block_n_for(w.shape[0], GEMV_PROGRAMS) if gemv else None
-        fwd = make_forward(d["eager"], d["compiled"], gemv_block_n=block_n)
+        fwd = make_forward(plan.eager, plan.compiled, gemv_block_n=block_n)
         if gemv:
             if w.is_cuda and not torch.cuda.is_current_stream_capturing():
                 # Compile and load the kernel now (patch time): a first launch inside CUDA-graph capture

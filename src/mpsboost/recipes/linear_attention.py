@@ -417,6 +417,17 @@ def _fast_path_packages() -> list[str]:
     return [p for p in ("fla", "causal_conv1d") if importlib.util.find_spec(p) is not None]
 
 
+@dataclass(frozen=True)
+class LinearAttentionPlan:
+    """What one Gated DeltaNet layer gets: its model ``family`` (a key of the families table), the prefill
+    path (``"matmul"``: chunked, matmul triangular inverse; ``"stock"``) and what runs while torch.compile
+    traces (``"recipe"``: the recipe's forward; ``"stock"``: the module's own)."""
+
+    family: str
+    prefill: str
+    compiled: str
+
+
 @register
 class LinearAttention(Recipe):
     name = NAME
@@ -453,7 +464,8 @@ class LinearAttention(Recipe):
                        + ("; on MPS solve_triangular stays slow under compile too" if env.device_type == "mps" else ""))
         else:
             why.append("compiled: stock forward (inductor fuses it; no compiled measurement of the recipe's path yet)")
-        return Decision.apply(backing, "; ".join(why), family=lay.family, prefill=prefill, compiled=compiled)
+        return Decision.apply(backing, "; ".join(why),
+                              plan=LinearAttentionPlan(family=lay.family, prefill=prefill, compiled=compiled))
 
     def apply(self, match: Match, decision: Decision, env: Env, options: LinearAttentionOptions) -> Patch:
         mod = match.module
@@ -461,7 +473,8 @@ class LinearAttention(Recipe):
         if isinstance(lay, str):
             raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
         with Changes() as ch:
-            state = _State(lay, decision.details["prefill"], decision.details["compiled"], None)  # type: ignore[arg-type]
+            plan: LinearAttentionPlan = decision.plan
+            state = _State(lay, plan.prefill, plan.compiled, None)  # type: ignore[arg-type]
             fused, undo_fuse = fuse_params(_proj_params(mod, lay), current=lambda: state.fused,
                                            description=f"{NAME}: projection weights back to their own storage")
             ch.add(undo_fuse)

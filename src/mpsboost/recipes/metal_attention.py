@@ -140,6 +140,30 @@ class MetalAttentionOptions:
     force: bool = False
 
 
+@dataclass(frozen=True)
+class MetalTarget:
+    """What ``find`` saw: the outermost transformers model (``"transformers"``) or one diffusers
+    ``Attention`` module (``"diffusers"``)."""
+
+    kind: str
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """A transformers model: route the attention modules' lookup; ``previous`` is the implementation its
+    config names (kept there), ``attention_modules`` how many modules get a forward of their own."""
+
+    previous: str
+    attention_modules: int
+
+
+@dataclass(frozen=True)
+class ProcessorPlan:
+    """A diffusers ``Attention`` module: give it ``processor`` (the name of a diffusers SDPA processor class)."""
+
+    processor: str
+
+
 @register
 class MetalAttention(Recipe):
     name = "metal_attention"
@@ -161,23 +185,23 @@ class MetalAttention(Recipe):
                 if any(mod is c or _contains(c, mod) for c in covered):
                     continue
                 covered.append(mod)
-                yield Match(mod, path, {"kind": "transformers"})
+                yield Match(mod, path, MetalTarget("transformers"))
             elif matches_class(mod, (_DIFFUSERS_ATTENTION,)):
-                yield Match(mod, path, {"kind": "diffusers"})
+                yield Match(mod, path, MetalTarget("diffusers"))
 
     def decide(self, match: Match, env: Env, options: MetalAttentionOptions) -> Decision:
-        kind = match.data.get("kind")
+        kind = match.data.kind
         found = self._decide_transformers(match) if kind == "transformers" else self._decide_diffusers(match)
         if not found.applicable:
             return found
         if options.force:
-            return Decision.apply(found.backing, f"forced by options (force=True); {found.reason}", **found.details)
+            return Decision.apply(found.backing, f"forced by options (force=True); {found.reason}", plan=found.plan)
         v = _native_kernels(env)
         if not v.ok:
             return Decision.skip(v.reason)
-        if kind == "transformers" and found.details.get("previous") == "sdpa":
+        if isinstance(found.plan, RoutePlan) and found.plan.previous == "sdpa":
             return Decision.skip(f"stock already does it: the model is on 'sdpa', which reaches the same Metal kernels ({v.reason})")
-        return Decision.apply(found.backing, f"{v.reason}; {found.reason}", **found.details)
+        return Decision.apply(found.backing, f"{v.reason}; {found.reason}", plan=found.plan)
 
     # -------------------------------------------------------------- what the model allows
     def _decide_transformers(self, match: Match) -> Decision:
@@ -202,8 +226,8 @@ class MetalAttention(Recipe):
         if why:
             return Decision.skip(f"cannot route its attention modules: {why}")
         return Decision.apply("sdpa, grouped K/V (attention module forwards)",
-                              f"{impl!r} kept in the config; {len(mods)} attention modules", previous=impl,
-                              attention_modules=len(mods))
+                              f"{impl!r} kept in the config; {len(mods)} attention modules",
+                              plan=RoutePlan(previous=impl, attention_modules=len(mods)))
 
     def _decide_diffusers(self, match: Match) -> Decision:
         attn = match.module
@@ -219,15 +243,17 @@ class MetalAttention(Recipe):
             hd = inner // heads
             if not metal_head_dim_ok(hd):
                 return Decision.skip(f"head_dim {hd} has no Metal kernel (kernels: {METAL_HEAD_DIMS}); stock kept")
-        return Decision.apply(f"sdpa ({_SDPA_PROCESSOR[pname]})", f"was {pname}", processor=_SDPA_PROCESSOR[pname])
+        return Decision.apply(f"sdpa ({_SDPA_PROCESSOR[pname]})", f"was {pname}",
+                              plan=ProcessorPlan(processor=_SDPA_PROCESSOR[pname]))
 
     # -------------------------------------------------------------- applying
     def apply(self, match: Match, decision: Decision, env: Env, options: MetalAttentionOptions) -> Patch:
-        if match.data.get("kind") == "transformers":
+        plan: RoutePlan | ProcessorPlan = decision.plan
+        if isinstance(plan, RoutePlan):
             return self._apply_transformers(match.module)
         import diffusers.models.attention_processor as ap
 
-        processor = getattr(ap, decision.details["processor"])()
+        processor = getattr(ap, plan.processor)()
         return set_instance_attr(match.module, self.name, "processor", processor)
 
     def _apply_transformers(self, model: torch.nn.Module) -> Patch:

@@ -45,7 +45,7 @@ import dataclasses
 import contextlib
 import os
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -53,7 +53,7 @@ import torch
 from .. import tuning
 from ..gate import Env, check
 from ..ops import moe as moe_ops
-from ..registry import Decision, Match, Recipe, join_path, matches_class, register
+from ..registry import NOT_REPORTED, Decision, Match, Recipe, join_path, matches_class, register
 from ..patching import Changes, Patch, bind_forward, held_by, hold_instance_attr, no_change, set_attr
 
 NAME = "moe_experts"
@@ -318,6 +318,28 @@ def _own_config(config) -> Patch:
 
 # ----------------------------------------------------------------------------------------- the recipe
 
+@dataclass(frozen=True, eq=False)
+class ExpertsTarget:
+    """What ``find`` saw: the kind of experts module (``"hf"``: transformers' experts classes, ``"dbrx"``,
+    ``"stacked"`` (Step3p7), ``"jetmoe"``) and, for ``"hf"``, the root module searched (the model whose
+    ``generate()`` decode switch the recipe holds)."""
+
+    kind: str
+    root: torch.nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """What ``apply`` binds: the path for many routed tokens and the batched_mm thresholds (reported), and
+    the whole static choice the bound forward reads (not reported: it is what the fields above summarise)."""
+
+    kind: str
+    large_path: str
+    batched_max_tokens: int
+    compiled_batched_max_tokens: int
+    choice: _Choice = field(metadata=NOT_REPORTED)
+
+
 @register
 class MoeExperts(Recipe):
     name = NAME
@@ -344,13 +366,13 @@ class MoeExperts(Recipe):
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
         for name, mod in root.named_modules():
             if _is_hf_experts(mod):
-                yield Match(mod, join_path(prefix, name), {"kind": "hf", "root": root})
+                yield Match(mod, join_path(prefix, name), ExpertsTarget("hf", root))
             elif matches_class(mod, (_DBRX,)):
-                yield Match(mod, join_path(prefix, name), {"kind": "dbrx"})
+                yield Match(mod, join_path(prefix, name), ExpertsTarget("dbrx"))
             elif matches_class(mod, (_STEP3P7,)):
-                yield Match(mod, join_path(prefix, name), {"kind": "stacked"})
+                yield Match(mod, join_path(prefix, name), ExpertsTarget("stacked"))
             elif matches_class(mod, _JETMOE):
-                yield Match(mod, join_path(prefix, name), {"kind": "jetmoe"})
+                yield Match(mod, join_path(prefix, name), ExpertsTarget("jetmoe"))
 
     # ------------------------------------------------------------------ deciding
     def _choice(self, match: Match, env: Env, options: MoeExpertsOptions) -> tuple[_Choice, str, str]:
@@ -385,7 +407,7 @@ class MoeExperts(Recipe):
             histc_int=check("histc_int", env).ok,
             compiled_form=options.compiled_batched_form if options.compiled_batched_form is not None else thr.compiled_batched_form,
             follow_decode_switch=thr.follow_decode_switch,
-            eager_stock=(env.device_type == "cuda" and forced == "auto" and match.data["kind"] == "hf"
+            eager_stock=(env.device_type == "cuda" and forced == "auto" and match.data.kind == "hf"
                          and not options.cuda_eager),
             sim_device=env.device_type if env.simulated else None,
         )
@@ -396,7 +418,7 @@ class MoeExperts(Recipe):
     @staticmethod
     def _weights(match: Match) -> tuple[torch.Tensor, ...]:
         """Every weight a grouped matmul of this module reads, as stored (``[E, a, b]``), up first."""
-        m, kind = match.module, match.data["kind"]
+        m, kind = match.module, match.data.kind
         if kind == "hf":
             return (m.gate_up_proj if m.has_gate else m.up_proj, m.down_proj)
         if kind == "dbrx":
@@ -409,7 +431,7 @@ class MoeExperts(Recipe):
     @staticmethod
     def _user_choice(match: Match) -> str | None:
         """The experts implementation the user chose explicitly for this module's config, if any."""
-        if match.data["kind"] != "hf":
+        if match.data.kind != "hf":
             return None
         impl = getattr(match.module.config, "_experts_implementation", _DEFAULT_IMPL)
         return None if impl == _DEFAULT_IMPL else impl
@@ -421,7 +443,7 @@ class MoeExperts(Recipe):
                 f"experts_implementation={chosen!r} was chosen explicitly (from_pretrained(experts_implementation=...), "
                 "set_experts_implementation() or the config): the user's choice outranks the recipe, which steps aside; "
                 f"to let it run, set_experts_implementation({_DEFAULT_IMPL!r}) before patching",
-                kind=match.data["kind"], user_choice=chosen,
+                kind=match.data.kind, user_choice=chosen,
             )
         choice, why, limit = self._choice(match, env, options)
         native = (env.device_type, self._weights(match)[0].dtype) in choice.native
@@ -439,23 +461,22 @@ class MoeExperts(Recipe):
             reason += (f"; eager on CUDA: transformers' own batched_mm / grouped_mm kernels (the recipe's own eager paths "
                        f"showed no gain in a whole generate(), {_CUDA_EAGER_RECORD}; this default: {_CUDA_EAGER_DEFAULT_RECORD}; "
                        "options cuda_eager=True takes the recipe's paths); compiled forwards take the recipe's paths")
-        if match.data["kind"] == "hf":
+        if match.data.kind == "hf":
             reason += ("; generate()'s decode switch to batched_mm kept (steps aside while decoding)"
                        if choice.follow_decode_switch else
                        "; a later set_experts_implementation() takes over from the recipe")
-        return Decision.apply(
-            backing,
-            reason,
-            kind=match.data["kind"],
+        return Decision.apply(backing, reason, plan=ExpertsPlan(
+            kind=match.data.kind,
             large_path=large,
             batched_max_tokens=choice.batched_max_tokens,
             compiled_batched_max_tokens=choice.compiled_batched_max_tokens,
-        )
+            choice=choice,
+        ))
 
     # ------------------------------------------------------------------ applying
     def apply(self, match: Match, decision: Decision, env: Env, options: MoeExpertsOptions) -> Patch:
-        choice, _, _ = self._choice(match, env, options)
-        m, kind = match.module, match.data["kind"]
+        plan: ExpertsPlan = decision.plan
+        choice, m, kind = plan.choice, match.module, plan.kind
         if kind == "stacked":
             return bind_forward(m, NAME, _stacked_forward(choice))
         if kind == "dbrx":
@@ -468,7 +489,7 @@ class MoeExperts(Recipe):
                     choice = dataclasses.replace(choice, stock_functions=(ALL_EXPERTS_FUNCTIONS["batched_mm"],
                                                                           ALL_EXPERTS_FUNCTIONS["grouped_mm"]))
                 ch.add(_own_config(m.config))
-                ch.add(_hold_decode_switch(match.data["root"], choice.follow_decode_switch))
+                ch.add(_hold_decode_switch(match.data.root, choice.follow_decode_switch))
                 ch.add(bind_forward(m, NAME, _hf_forward(choice)))
                 return ch.patch(description=f"{NAME}: restore experts forward, config and decode switch")
             # JetMoE: the router keeps sizes on the device, both parallel-expert layers take them as a tensor.

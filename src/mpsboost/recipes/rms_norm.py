@@ -27,14 +27,14 @@ import ast
 import inspect
 import textwrap
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
 from ..gate import Env, check
 from ..ops.norm import FORMS, rms_norm
-from ..registry import Decision, Match, Recipe, join_path, register
+from ..registry import NOT_REPORTED, Decision, Match, Recipe, join_path, register
 from ..patching import Patch, bind_forward, call_original
 
 NAME = "rms_norm"
@@ -157,6 +157,24 @@ def _forward(form: str, eps: float, compiled_stock: bool):
     return forward
 
 
+@dataclass(frozen=True)
+class NormTarget:
+    """What ``find`` saw: the form (:data:`mpsboost.ops.norm.FORMS`) the module's class computes."""
+
+    form: str
+
+
+@dataclass(frozen=True)
+class RmsNormPlan:
+    """The forward one norm gets: ``form`` with the module's ``eps`` (read once: transformers sets it at
+    construction and never changes it); ``compiled_stock``: while torch.compile traces, the module's own
+    code runs (CUDA). Nothing of it shows in the report (the backing path names the form)."""
+
+    form: str = field(metadata=NOT_REPORTED)
+    eps: float = field(metadata=NOT_REPORTED)
+    compiled_stock: bool = field(metadata=NOT_REPORTED)
+
+
 @register
 class RmsNorm(Recipe):
     name = NAME
@@ -175,16 +193,18 @@ class RmsNorm(Recipe):
             if type(mod).__name__.endswith("RMSNorm") and type(mod).__module__.startswith("transformers."):
                 form = form_of(mod)
                 if form is not None:
-                    yield Match(mod, join_path(prefix, name), {"form": form})
+                    yield Match(mod, join_path(prefix, name), NormTarget(form))
 
     def decide(self, match: Match, env: Env, options: RmsNormOptions) -> Decision:
         bad = [d for d in options.devices if d not in DEVICES]
         if bad:
             raise ValueError(f"rms_norm option devices={options.devices!r}: unknown {bad}; accepted: {', '.join(DEVICES)}")
         mod = match.module
-        if _eps(mod) is None or not isinstance(getattr(mod, "weight", None), torch.Tensor) or mod.weight.dim() != 1:
+        eps = _eps(mod)
+        if eps is None or not isinstance(getattr(mod, "weight", None), torch.Tensor) or mod.weight.dim() != 1:
             return Decision.skip("no float eps or 1-D weight on this instance")
-        form = match.data["form"]
+        form = match.data.form
+        plan = RmsNormPlan(form=form, eps=eps, compiled_stock=env.device_type == "cuda")
         if env.device_type not in options.devices:
             why = {
                 "cpu": "on the CPU F.rms_norm is the same composite of ops as the module's code: nothing to gain",
@@ -196,16 +216,17 @@ class RmsNorm(Recipe):
             v = check("rms_norm_fused", env)
             if not v.ok:
                 return Decision.skip(v.reason)
-            return Decision.apply(f"F.rms_norm, one Metal kernel ({form})", v.reason)
+            return Decision.apply(f"F.rms_norm, one Metal kernel ({form})", v.reason, plan=plan)
         if env.device_type == "cuda":
             return Decision.apply(f"F.rms_norm, fused kernel in eager mode ({form})",
                                   "eager generate() of the Qwen3.6 shape on an H200 decoded 1.08x faster with it "
-                                  "(e2e-cuda-2026-12-01b); under torch.compile the module's own code is traced")
-        return Decision.apply(f"F.rms_norm ({form})", f"asked for on {env.device_type} by options devices")
+                                  "(e2e-cuda-2026-12-01b); under torch.compile the module's own code is traced",
+                                  plan=plan)
+        return Decision.apply(f"F.rms_norm ({form})", f"asked for on {env.device_type} by options devices", plan=plan)
 
     def apply(self, match: Match, decision: Decision, env: Env, options: RmsNormOptions) -> Patch:
-        # eps is read once: transformers sets it at construction and never changes it
-        return bind_forward(match.module, NAME, _forward(match.data["form"], _eps(match.module), env.device_type == "cuda"))
+        plan: RmsNormPlan = decision.plan
+        return bind_forward(match.module, NAME, _forward(plan.form, plan.eps, plan.compiled_stock))
 
 
 assert set(REFERENCES) == set(FORMS)

@@ -40,7 +40,7 @@ from .. import tuning
 from ..gate import Env, check
 from ._hf_sample import CURRENT, SamplingState, sampling_globals, with_globals
 from ..registry import Decision, Match, Recipe, class_path, matches_class, register
-from ..patching import ATTR, Patch, swap_class, swapped_class_key
+from ..patching import Patch, swap_class, swapped_class_key, without_record
 
 _GENERATIVE = "transformers.generation.utils.GenerationMixin"
 _PATHS = ("auto", "probs", "logits")
@@ -102,14 +102,8 @@ def _subclass(cls: type, logits_path: bool) -> type:
         else:
             func, args = rv[0], tuple(cls if a is sub else a for a in rv[1])
         rest = list(rv[2:])
-        if rest and isinstance(rest[0], dict) and ATTR in rest[0]:
-            state = dict(rest[0])
-            store = {k: v for k, v in state[ATTR].items() if k != swapped_class_key("softmax")}
-            if store:
-                state[ATTR] = store
-            else:
-                del state[ATTR]
-            rest[0] = state
+        if rest and isinstance(rest[0], dict):
+            rest[0] = without_record(rest[0], swapped_class_key("softmax"))
         return (func, args, *rest)
 
     namespace = {
@@ -129,6 +123,13 @@ class SoftmaxOptions:
     """``options={"softmax": {...}}``: ``path`` "auto", "probs" or "logits" (see the module docstring)."""
 
     path: str = "auto"
+
+
+@dataclass(frozen=True)
+class SoftmaxPlan:
+    """``logits``: the draw races on the logits (no softmax at all); else native softmax, sync-free draw."""
+
+    logits: bool
 
 
 @register
@@ -164,12 +165,16 @@ class Softmax(Recipe):
 
         syncs = "torch.multinomial's two host syncs per token removed, rows checked once per generate()"
         if path == "probs":
-            return Decision.apply("native softmax, sync-free draw", f"forced by options (path='probs'); {syncs}", logits=False)
+            return Decision.apply("native softmax, sync-free draw", f"forced by options (path='probs'); {syncs}",
+                                  plan=SoftmaxPlan(logits=False))
         if path == "logits":
-            return Decision.apply("draw on logits (no softmax), sync-free", f"forced by options (path='logits'); {syncs}", logits=True)
+            return Decision.apply("draw on logits (no softmax), sync-free",
+                                  f"forced by options (path='logits'); {syncs}",
+                                  plan=SoftmaxPlan(logits=True))
         v = check("softmax_native", env)
         if env.device_type == "mps" and not v.ok:
-            return Decision.apply("draw on logits (no softmax), sync-free", f"{v.reason}; {syncs}", logits=True)
+            return Decision.apply("draw on logits (no softmax), sync-free", f"{v.reason}; {syncs}",
+                                  plan=SoftmaxPlan(logits=True))
         if env.device_type == "cuda":
             # A faster sampling step is not a faster generate(): the whole-job measurement on the one GPU
             # measured (tuning file softmax_sampling, entry end_to_end) decides, and stock is kept where it
@@ -185,9 +190,11 @@ class Softmax(Recipe):
             step = e["step_us"]
             return Decision.apply("draw on logits (no softmax), sync-free",
                                   f"one {e['dtype']} row of {e['vocab']:,}: sampling step {step['stock']} us stock, "
-                                  f"{step['logits']} us on logits ({_TUNING}: {t.describe()}); {syncs}", logits=True)
-        return Decision.apply("native softmax, sync-free draw", f"{v.reason}; {syncs}", logits=False)
+                                  f"{step['logits']} us on logits ({_TUNING}: {t.describe()}); {syncs}",
+                                  plan=SoftmaxPlan(logits=True))
+        return Decision.apply("native softmax, sync-free draw", f"{v.reason}; {syncs}", plan=SoftmaxPlan(logits=False))
 
     def apply(self, match: Match, decision: Decision, env: Env, options: SoftmaxOptions) -> Patch:
         model = match.module
-        return swap_class(model, self.name, _subclass(type(model), bool(decision.details.get("logits", False))))
+        plan: SoftmaxPlan = decision.plan
+        return swap_class(model, self.name, _subclass(type(model), plan.logits))
