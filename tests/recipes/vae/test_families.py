@@ -60,9 +60,9 @@ def test_decisions_carry_typed_plans():
     assert match.data == common.VaeTarget("wan", whole_vae=True)
     d = common.decide("wan_vae_pad", match, mps, common.VaePadOptions())
     assert isinstance(d.plan, common.CausalPlan) and d.plan.family == "wan" and d.plan.options.layout == "contiguous"
-    assert dict(d.details) == d.plan.details() and d.plan.counts.causal_convs == d.details["causal_convs"] > 0
+    assert dict(d.details) == d.plan.report_details() and d.plan.counts.causal_convs == d.details["causal_convs"] > 0
     hv = tm.build_video_vae("hunyuan_video")
     (vm,) = get_recipe("video_vae_pad").find(hv)
     vd = common.decide_pads(vm, mps, force=False)
     assert vd.plan == common.PadPlan("hunyuan_video", folded=0, written_out=42, routed=0)
-    assert dict(vd.details) == vd.plan.details()
+    assert dict(vd.details) == vd.plan.report_details()

@@ -139,7 +139,7 @@ class CausalPlan:
     counts: ModuleCounts
     whole_vae: bool
 
-    def details(self) -> dict:
+    def report_details(self) -> dict:
         """The report row's details (unchanged keys: the counts, the resolved options, whole_vae)."""
         return {**asdict(self.counts), **self.options.describe(), "whole_vae": self.whole_vae}
 
@@ -153,7 +153,7 @@ class PadPlan:
     written_out: int
     routed: int
 
-    def details(self) -> dict:
+    def report_details(self) -> dict:
         return {"folded": self.folded, "written_out": self.written_out, "routed": self.routed}
 
     @property
@@ -472,7 +472,7 @@ def decide(recipe: str, match: Match, env: Env, options: VaePadOptions) -> Decis
         if row.rank5_note and not rank5.ok:
             reason = f"{reason}; {row.rank5_note}"
     plan = CausalPlan(row.name, opts, count_modules(match.module, row), match.data.whole_vae)
-    return Decision.apply(_backing(row, opts), reason, plan=plan, **plan.details())
+    return Decision.apply(_backing(row, opts), reason, plan=plan)
 
 
 def apply(recipe: str, match: Match, decision: Decision) -> Patch:
@@ -579,27 +579,26 @@ def _gate_reasons(env: Env) -> list[str]:
 def decide_pads(match: Match, env: Env, force: bool) -> Decision:
     """The pad treatment's decision: on MPS builds with a faulty 5-D pad (or ``force``), with a :class:`PadPlan`."""
     plan = count_pads(match.module, family(match.data.family))
-    counts = plan.details()
     if plan.total == 0:
-        return Decision.skip("no module of this VAE pads a 5-D tensor", plan=plan, **counts)
+        return Decision.skip("no module of this VAE pads a 5-D tensor", plan=plan)
     backing = "conv padding fold + pad as slice copies" if plan.folded else "pad as slice copies"
     if force:
-        return Decision.apply(backing, "forced by options (force=True)", plan=plan, **counts)
+        return Decision.apply(backing, "forced by options (force=True)", plan=plan)
     if env.device_type != "mps":
         return Decision.skip(f"pads of 5-D tensors are native and correct on {env.device_type}; stock kept",
-                             plan=plan, **counts)
+                             plan=plan)
     bad = _gate_reasons(env)
     if not bad:
         return Decision.skip(
             "stock pads of 5-D tensors are native and correct on this build (pytorch#195368, #194944, #195147); "
             "stock kept",
-            plan=plan, **counts,
+            plan=plan,
         )
     reason = (
         "avoids pytorch#195368 (MPSGraph pad: driver memory outside the allocator) and issue pytorch#194922 / "
         f"#195147 (wrong constant, reflection and replication pads of rank-5 tensors) on this build: {'; '.join(bad)}"
     )
-    return Decision.apply(backing, reason, plan=plan, **counts)
+    return Decision.apply(backing, reason, plan=plan)
 
 
 def patch_pads(recipe: str, match: Match, decision: Decision) -> Patch:

@@ -47,6 +47,9 @@ class StreamsPlan:
     family: str
     use_tiling: bool
 
+    def report_details(self) -> dict:
+        return {"use_tiling": self.use_tiling}
+
 
 @dataclass(frozen=True)
 class MpsStreamsOptions:
@@ -89,7 +92,6 @@ class MpsStreams(Recipe):
             "side stream: blend and copy-out overlap the next tile",
             f"{v.reason}; applies when the VAE decodes tiled (vae.enable_tiling())",
             plan=plan,
-            use_tiling=plan.use_tiling,
         )
 
     def apply(self, match: Match, decision: Decision, env: Env, options: MpsStreamsOptions) -> Patch:
