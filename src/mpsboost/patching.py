@@ -589,11 +589,12 @@ def replace_tensors(
     order. At commit the originals are let go (nothing keeps a second copy of a loaded model): the
     change is then irreversible, and ``explanation`` is what ``unpatch`` tells the user to do instead.
     """
+    bad = next(((n, v) for n, v in tensors.items() if v is not None and not isinstance(v, torch.Tensor)), None)
+    if bad is not None:
+        raise TypeError(f"replace_tensors takes tensors or None, got {type(bad[1]).__name__} for {bad[0]!r}")
     params, bufs = module._parameters, module._buffers
     saved: list[dict] = [dict(params), dict(bufs)]
     for name, value in tensors.items():
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise TypeError(f"replace_tensors takes tensors or None, got {type(value).__name__} for {name!r}")
         home, other = (params, bufs) if isinstance(value, torch.nn.Parameter) else (bufs, params)
         other.pop(name, None)
         if value is None:
