@@ -263,7 +263,8 @@ def _keyword_recipes(keywords: Mapping[str, Any]) -> list[Recipe]:
             continue
         accepted = tuple(getattr(r, "keyword_values", None) or ())
         if accepted and value not in accepted:
-            names = ", ".join(repr(v) for v in accepted[:-1]) + (" or " if len(accepted) > 1 else "") + repr(accepted[-1])
+            names = ", ".join(repr(v) for v in accepted[:-1])
+            names += (" or " if len(accepted) > 1 else "") + repr(accepted[-1])
             raise ValueError(f"{r.keyword} must be None, {names}; got {value!r}")
         chosen.append(r)
     return chosen
@@ -325,7 +326,8 @@ def _options(recipe: Recipe, keywords: Mapping[str, Any], options: Mapping[str, 
 
 # ------------------------------------------------------------------------------------------ planning
 
-def _plan_rows(chosen, targets, env, keywords, options, *, mode: str) -> tuple[list[Row], list[tuple[Recipe, Match, Decision, Any]]]:
+def _plan_rows(chosen, targets, env, keywords, options, *,
+               mode: str) -> tuple[list[Row], list[tuple[Recipe, Match, Decision, Any]]]:
     rows: list[Row] = []
     actions: list[tuple[Recipe, Match, Decision, Any]] = []
     _check_options(options)
@@ -481,7 +483,8 @@ def _apply_actions(actions, env: Env, applied: list[_Applied]) -> None:
         for recipe, match, decision, opts in actions:
             undo = recipe.apply(match, decision, env, opts)
             if not isinstance(undo, Patch):
-                raise TypeError(f"{recipe.name}.apply must return an mpsboost.patching.Patch, got {type(undo).__name__}")
+                raise TypeError(f"{recipe.name}.apply must return an mpsboost.patching.Patch, "
+                                f"got {type(undo).__name__}")
             if not recipe.reversible:
                 undo.reversible = False
             applied.append(_Applied(recipe, match, undo))

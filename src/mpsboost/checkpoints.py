@@ -448,7 +448,8 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
             state = fp8_state(q.module)
             have = q.module._buffers.get(q.name + "_scale")
             if state is None or not state.converted or have is None:
-                problems.append((p.ckpt, f"{q.path}: patched by fp8_weights but not converted (a failed conversion); reload the model"))
+                problems.append((p.ckpt, f"{q.path}: patched by fp8_weights but not converted (a failed conversion); "
+                                         "reload the model"))
             elif tuple(q.module._buffers[q.name].shape) != q.shape or tuple(have.shape) != q.scale_shape:
                 problems.append((p.ckpt, f"{q.path}.{q.name}_scale: {q.scheme} {list(q.scale_shape)} in the file, but the module was "
                                          f"converted with other scales {list(have.shape)}"))
@@ -464,7 +465,8 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # moe_experts would wrap the fp8 experts forward with a bf16 one: the fp8 forward routes itself.
-            return api.adopt(obj, changes, device=env, recipes=None if lossless_recipes else (), exclude=("moe_experts",))
+            return api.adopt(obj, changes, device=env, recipes=None if lossless_recipes else (),
+                             exclude=("moe_experts",))
     except (Fp8FileError, Fp8MismatchError, PatchError):
         raise  # the model is as it was (adopt undid every change); a recipe's PatchError names the recipe
     except BaseException as exc:
@@ -565,11 +567,12 @@ def _changes(plan, env, dev: torch.device, dtype) -> list:
         mod, path = qts[0].module, qts[0].path
         schemes = sorted({q.scheme for q in qts})
         if "block" in schemes and len(schemes) > 1:
-            raise Fp8MismatchError(f"{path}: block-scaled and other fp8 tensors in one experts module ({schemes}); nothing was changed")
+            raise Fp8MismatchError(f"{path}: block-scaled and other fp8 tensors in one experts module ({schemes}); "
+                                   "nothing was changed")
         nbytes = sum(_nbytes(q.shape) + 4 * _nbytes(q.scale_shape) for q in qts)
         layer = LoadedLayer(kind=qts[0].kind, granularity="+".join(schemes), shapes=tuple(q.shape for q in qts),
-                            compute_dtype=compute, nbytes=nbytes, source=where, loaded_from=str(ckpt.path), format=ckpt.format,
-                            block=qts[0].block if schemes == ["block"] else None)
+                            compute_dtype=compute, nbytes=nbytes, source=where, loaded_from=str(ckpt.path),
+                            format=ckpt.format, block=qts[0].block if schemes == ["block"] else None)
         decision = recipe.decide_loaded(mod, path, env, layer)
         steps.append(Adopted(_RECIPE, path, functools.partial(recipe.loaded_layer, mod, path, decision), module=mod,
                              decision=decision))

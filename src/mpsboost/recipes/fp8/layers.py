@@ -140,9 +140,11 @@ def _linear_forward(state: Fp8State) -> Callable[..., Any]:
             raise _cast_error(self, "weight", w)
         if state.block is not None:
             # Block scales of the file, applied as they are: this layer dequantised just before its matmul.
-            return fp8_block_linear(input, w, self.weight_scale, self.bias, block=state.block, compute_dtype=state.compute_dtype)
-        return fp8_ops.fp8_linear(input, w, self.weight_scale, self.bias, kind=state.kind, compute_dtype=state.compute_dtype,
-                                  gemv_max_m=state.gemv_max_m, bias_in_mm=state.bias_in_mm, large=state.large)
+            return fp8_block_linear(input, w, self.weight_scale, self.bias, block=state.block,
+                                    compute_dtype=state.compute_dtype)
+        return fp8_ops.fp8_linear(input, w, self.weight_scale, self.bias, kind=state.kind,
+                                  compute_dtype=state.compute_dtype, gemv_max_m=state.gemv_max_m,
+                                  bias_in_mm=state.bias_in_mm, large=state.large)
 
     return forward
 
@@ -211,7 +213,9 @@ def _fp8_repr(module: torch.nn.Module) -> str:
         return "fp8=pending (converted when the patch() transaction commits)"
     names = weight_names(module)
     codes = getattr(module, names[0])
-    dtype = "float8_e4m3fn" if codes.dtype == torch.float8_e4m3fn else f"float8_e4m3fn codes in {str(codes.dtype).replace('torch.', '')}"
+    dtype = "float8_e4m3fn"
+    if codes.dtype != torch.float8_e4m3fn:
+        dtype = f"float8_e4m3fn codes in {str(codes.dtype).replace('torch.', '')}"
     parts = [f"fp8={dtype}", f"granularity={state.granularity}"]
     if state.block:
         parts.append(f"block={list(state.block)}")
@@ -252,5 +256,6 @@ def fp8_class(cls: type) -> type:
     if cls is torch.nn.Linear:
         return FP8Linear
     name = f"FP8{cls.__name__}"
-    return type(name, (cls,), {"extra_repr": _experts_repr, FP8_BASE_ATTR: cls, "__module__": __name__, "__qualname__": name,
-                               "__doc__": f"{cls.__name__} with its expert weights stored in fp8 by mpsboost's fp8_weights."})
+    doc = f"{cls.__name__} with its expert weights stored in fp8 by mpsboost's fp8_weights."
+    return type(name, (cls,), {"extra_repr": _experts_repr, FP8_BASE_ATTR: cls, "__module__": __name__,
+                               "__qualname__": name, "__doc__": doc})

@@ -302,7 +302,8 @@ def _layer(module: torch.nn.Module, state: Fp8State) -> list[Patch]:
     """The fp8 layer itself: its forward bound on the instance (the state rides along in the module's
     mpsboost record, where save_fp8 finds it) and its class swapped, so that ``print(model)`` shows an
     FP8Linear (FP8<Experts>). For quantised and loaded layers alike."""
-    return [bind_forward(module, NAME, forward_for(state), fp8=state), swap_class(module, NAME, fp8_class(type(module)))]
+    return [bind_forward(module, NAME, forward_for(state), fp8=state),
+            swap_class(module, NAME, fp8_class(type(module)))]
 
 
 # ------------------------------------------------------------------------------------------ the recipe
@@ -397,7 +398,8 @@ class Fp8Weights(Recipe):
             return Decision.apply(
                 backing, f"{gran} scales, {plan.storage} storage: {why}", plan=plan,
                 kind="linear", granularity=gran, storage=plan.storage, compute_dtype=str(w.dtype).replace("torch.", ""),
-                bytes_before=before, bytes_after=after, path_kind=plan.path, gemv_max_m=plan.gemv_max_m, large=plan.large,
+                bytes_before=before, bytes_after=after, path_kind=plan.path, gemv_max_m=plan.gemv_max_m,
+                large=plan.large,
             )
         if not opts.experts:
             return Decision.skip("expert weights excluded by option experts=False")
@@ -405,7 +407,8 @@ class Fp8Weights(Recipe):
         tr = bool(getattr(mod, "is_transposed", False))
         plan, backing, why = self._experts_plan(env, ws, tr, gran, storage, opts)
         before = sum(w.numel() * w.element_size() for w in ws)
-        after = sum(w.numel() + 4 * (w.numel() // w.shape[2 if not tr else 1] if gran == "rowwise" else w.shape[0]) for w in ws)
+        after = sum(w.numel() + 4 * (w.numel() // w.shape[2 if not tr else 1] if gran == "rowwise" else w.shape[0])
+                    for w in ws)
         return Decision.apply(
             backing, f"{gran} scales per expert, {storage} storage: {why}", plan=plan,
             kind="experts", granularity=gran, storage=storage, compute_dtype=str(ws[0].dtype).replace("torch.", ""),
@@ -420,24 +423,27 @@ class Fp8Weights(Recipe):
         storage = fp8_ops.storage_for(env)
         opts = _parse(Fp8WeightsOptions())
         details: dict[str, Any] = {"kind": layer.kind, "granularity": layer.granularity, "storage": storage,
-                                   "compute_dtype": str(layer.compute_dtype).replace("torch.", ""), "bytes_after": layer.nbytes,
-                                   "loaded_from": layer.loaded_from, "format": layer.format}
+                                   "compute_dtype": str(layer.compute_dtype).replace("torch.", ""),
+                                   "bytes_after": layer.nbytes, "loaded_from": layer.loaded_from,
+                                   "format": layer.format}
         if layer.block is not None:
             bn, bk = layer.block
             details["block"] = [bn, bk]
-            plan = Fp8Plan(kind=layer.kind, granularity="block", storage=storage, path="block", compute_dtype=layer.compute_dtype,
-                           block=layer.block)
+            plan = Fp8Plan(kind=layer.kind, granularity="block", storage=storage, path="block",
+                           compute_dtype=layer.compute_dtype, block=layer.block)
             backing = (f"block-scaled fp8 {bn}x{bk}, dequantise then linear" if layer.kind == "linear"
                        else f"block-scaled fp8 {bn}x{bk}: dequantise only the hit experts, one at a time")
-            return Decision.apply(backing, f"{storage} storage, scales kept exactly as in {layer.source}", plan=plan, **details)
+            why = f"{storage} storage, scales kept exactly as in {layer.source}"
+            return Decision.apply(backing, why, plan=plan, **details)
+        gran, dtype = layer.granularity, layer.compute_dtype
         if layer.kind == "linear":
-            plan, backing, why = self._linear_plan(env, layer.shapes[0], layer.compute_dtype, layer.granularity, storage, opts)
-            return Decision.apply(backing, f"{layer.granularity} scales from {layer.source}, {plan.storage} storage: {why}",
+            plan, backing, why = self._linear_plan(env, layer.shapes[0], dtype, gran, storage, opts)
+            return Decision.apply(backing, f"{gran} scales from {layer.source}, {plan.storage} storage: {why}",
                                   plan=plan, **details)
-        ws = [torch.empty(s, dtype=layer.compute_dtype, device="meta") for s in layer.shapes]
+        ws = [torch.empty(s, dtype=dtype, device="meta") for s in layer.shapes]
         tr = bool(getattr(module, "is_transposed", False))
-        plan, backing, why = self._experts_plan(env, ws, tr, layer.granularity, storage, opts)
-        return Decision.apply(backing, f"{layer.granularity} scales per expert from {layer.source}, {storage} storage: {why}",
+        plan, backing, why = self._experts_plan(env, ws, tr, gran, storage, opts)
+        return Decision.apply(backing, f"{gran} scales per expert from {layer.source}, {storage} storage: {why}",
                               plan=plan, **details)
 
     @staticmethod
@@ -533,7 +539,8 @@ class Fp8Weights(Recipe):
         convert = _converter(plan.granularity, plan.storage, dict(zip(names, k_dims)))
         return Patch.chain(
             [*_layer(mod, state),
-             replace_at_commit(mod, names, convert, explanation=self.unpatch_hint(), description=f"{NAME}: convert {match.path}"),
+             replace_at_commit(mod, names, convert, explanation=self.unpatch_hint(),
+                               description=f"{NAME}: convert {match.path}"),
              at_commit(converted, f"{NAME}: {match.path} converted")],
             on_commit_error=keep_original, description=f"{NAME}: {match.path}",
         )
