@@ -75,7 +75,7 @@ from .layers import (  # noqa: F401  (FP8Linear re-exported: the class a convert
     plain_linear,
 )
 from ...registry import Decision, Match, Recipe, join_path, register
-from ...patching import Patch, at_commit, bind_forward, replace_at_commit, swap_class
+from ...patching import Changes, Patch, at_commit, bind_forward, replace_at_commit, swap_class
 
 NAME = RECIPE
 log = logging.getLogger("mpsboost")
@@ -301,9 +301,12 @@ def _state(plan: Fp8Plan, device: torch.device, backing: str) -> Fp8State:
 def _layer(module: torch.nn.Module, state: Fp8State) -> list[Patch]:
     """The fp8 layer itself: its forward bound on the instance (the state rides along in the module's
     mpsboost record, where save_fp8 finds it) and its class swapped, so that ``print(model)`` shows an
-    FP8Linear (FP8<Experts>). For quantised and loaded layers alike."""
-    return [bind_forward(module, NAME, forward_for(state), fp8=state),
-            swap_class(module, NAME, fp8_class(type(module)))]
+    FP8Linear (FP8<Experts>). For quantised and loaded layers alike; if the second change fails, the first
+    is undone before the error propagates."""
+    with Changes() as ch:
+        ch.add(bind_forward(module, NAME, forward_for(state), fp8=state))
+        ch.add(swap_class(module, NAME, fp8_class(type(module))))
+    return ch.parts
 
 
 # ------------------------------------------------------------------------------------------ the recipe
