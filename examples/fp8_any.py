@@ -131,7 +131,7 @@ def main(argv=None) -> int:
 
     try:
         save_fp8, load_fp8 = mpsboost.save_fp8, mpsboost.load_fp8
-        from mpsboost import checkpoints as fp8_io  # noqa: F401  (the fp8 state I/O lands with the fp8_weights recipe)
+        from mpsboost import checkpoints  # noqa: F401  (save_fp8/load_fp8 live there, next to the fp8_weights recipe)
     except ImportError as exc:
         raise SystemExit(f"fp8_any needs mpsboost.save_fp8/load_fp8 (the fp8_weights recipe); this mpsboost has none: {exc}")
     if "fp8_weights" not in mpsboost.recipe_names():

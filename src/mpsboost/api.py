@@ -1,8 +1,10 @@
-"""patch / unpatch / patched / plan.
+"""patch / unpatch / patched / plan, and adopt.
 
 Data flows one way: ``patch(obj)`` -> targets (pipeline components, or the module tree of an
 ``nn.Module``) -> each recipe's ``find`` -> ``decide`` (the gate is asked there) -> ``apply``, as one
-transaction -> :class:`~mpsboost.report.PatchReport`. ``plan`` stops before ``apply``.
+transaction -> :class:`~mpsboost.report.PatchReport`. ``plan`` stops before ``apply``. :func:`adopt`
+commits changes that were built outside a recipe's ``apply`` (``load_fp8``'s tensors and layers) through
+the same transaction and the same records, so that reports and ``unpatch`` treat them like patch()'s.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import logging
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -40,11 +42,10 @@ from .registry import (
 from .patching import Patch, is_patched_by
 from .report import ALREADY_PATCHED, APPLIED, NOT_APPLICABLE, SKIPPED, WOULD_APPLY, PatchReport, Row
 
-__all__ = ["patch", "unpatch", "patched", "plan", "last_report", "FP8_GRANULARITIES"]
+__all__ = ["patch", "unpatch", "patched", "plan", "last_report", "adopt", "Adopted", "targets", "env_for"]
 
 log = logging.getLogger("mpsboost")
 
-FP8_GRANULARITIES = ("rowwise", "tensorwise")
 _PIPELINE_CLASS = "diffusers.pipelines.pipeline_utils.DiffusionPipeline"
 _ACCEPTED = "a diffusers DiffusionPipeline or a torch.nn.Module (transformers and diffusers models included)"
 
@@ -135,6 +136,13 @@ def _targets(obj: Any, *, allow_mapping: bool = False, action: str = "patch") ->
     )
 
 
+def targets(obj: Any, *, action: str = "patch") -> list[tuple[str, torch.nn.Module]]:
+    """(component name, root module) pairs that patch() works on: ``[("", obj)]`` for a module, one pair
+    per module component of a diffusers pipeline. ``action`` names what the caller was asked to do in
+    the :class:`UnsupportedTargetError` for anything else (e.g. ``"save or load fp8 weights of"``)."""
+    return _targets(obj, action=action)
+
+
 def _components(targets: list[tuple[str, torch.nn.Module]]) -> tuple[str, ...]:
     """The pipeline component names of ``targets`` (empty for a model): the report counts per model."""
     return tuple(p for p, _ in targets if p)
@@ -214,6 +222,13 @@ def _env_for(obj: Any, targets, device: Any) -> Env:
     raise TypeError(f"device must be None, a str such as 'mps', or a torch.device; got {type(device).__name__}: {device!r}")
 
 
+def env_for(obj: Any, device: Any = None) -> Env:
+    """The environment patch() decides for: ``device`` (an :class:`Env`, or a device name; a device that
+    is not here is simulated, with a warning), or where ``obj`` computes (its execution device under
+    offloading, else its weights'; the CPU for a model without data)."""
+    return _env_for(obj, _targets(obj), device)
+
+
 def _offloaded(module: torch.nn.Module) -> bool:
     """True when an accelerate hook on ``module`` keeps its weights elsewhere (sequential CPU offload,
     disk offload): its tensors sit on the meta device by design and the hook loads them for each call."""
@@ -239,19 +254,30 @@ def _check_not_meta(targets) -> None:
 
 def _keyword_recipes(keywords: Mapping[str, Any]) -> list[Recipe]:
     """The recipes a public keyword selects (``fp8="rowwise"`` selects fp8_weights): declared by each
-    recipe (``Recipe.keyword``), not known to this module."""
-    return [r for r in all_recipes() if r.keyword is not None and keywords.get(r.keyword) is not None]
+    recipe (``Recipe.keyword``), not known to this module. A value the recipe does not accept
+    (``keyword_values``) raises ValueError before anything else."""
+    chosen = []
+    for r in all_recipes():
+        value = keywords.get(r.keyword) if r.keyword is not None else None
+        if value is None:
+            continue
+        accepted = tuple(getattr(r, "keyword_values", None) or ())
+        if accepted and value not in accepted:
+            names = ", ".join(repr(v) for v in accepted[:-1])
+            names += (" or " if len(accepted) > 1 else "") + repr(accepted[-1])
+            raise ValueError(f"{r.keyword} must be None, {names}; got {value!r}")
+        chosen.append(r)
+    return chosen
 
 
-def _select(recipes: Sequence[str] | str | None, exclude: Sequence[str], fp8: str | None) -> tuple[list[Recipe], set[str]]:
-    if fp8 is not None and fp8 not in FP8_GRANULARITIES:
-        raise ValueError(f"fp8 must be None, 'rowwise' or 'tensorwise'; got {fp8!r}")
+def _select(recipes: Sequence[str] | str | None, exclude: Sequence[str],
+            keywords: Mapping[str, Any]) -> tuple[list[Recipe], set[str]]:
+    by_keyword = _keyword_recipes(keywords)
     if isinstance(exclude, str):
         exclude = (exclude,)
     if not isinstance(exclude, (list, tuple, set, frozenset)):
         raise TypeError(f"exclude must be a list of recipe names, got {type(exclude).__name__}")
     excluded = {get_recipe(n).name for n in exclude}
-    by_keyword = _keyword_recipes({"fp8": fp8})
     if recipes is None:
         chosen = [r for r in all_recipes() if r.default and r.lossless]
         chosen += [r for r in by_keyword if r not in chosen]
@@ -284,11 +310,11 @@ def _check_options(options: Mapping[str, Mapping[str, Any]] | None) -> None:
         make_options(recipe, given)  # unknown keys and wrong types, also for a recipe not selected
 
 
-def _options(recipe: Recipe, fp8: str | None, options: Mapping[str, Mapping[str, Any]] | None) -> Any:
+def _options(recipe: Recipe, keywords: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]] | None) -> Any:
     """``recipe``'s typed options: the user's dict for it checked against ``recipe.Options``, with the
-    public keyword (``fp8=``) filled in as the option field the recipe declares for it."""
+    public keyword it declares (``Recipe.keyword``) filled in as its option field (``Recipe.keyword_field``)."""
     given = dict((options or {}).get(recipe.name, {}))
-    keyword_value = {"fp8": fp8}.get(recipe.keyword or "")
+    keyword_value = keywords.get(recipe.keyword) if recipe.keyword else None
     if keyword_value is not None and recipe.keyword_field:
         if given.get(recipe.keyword_field, keyword_value) != keyword_value:
             raise RecipeOptionError(
@@ -300,12 +326,13 @@ def _options(recipe: Recipe, fp8: str | None, options: Mapping[str, Mapping[str,
 
 # ------------------------------------------------------------------------------------------ planning
 
-def _plan_rows(chosen, targets, env, fp8, options, *, mode: str) -> tuple[list[Row], list[tuple[Recipe, Match, Decision, Any]]]:
+def _plan_rows(chosen, targets, env, keywords, options, *,
+               mode: str) -> tuple[list[Row], list[tuple[Recipe, Match, Decision, Any]]]:
     rows: list[Row] = []
     actions: list[tuple[Recipe, Match, Decision, Any]] = []
     _check_options(options)
     for recipe in chosen:
-        opts = _options(recipe, fp8, options)
+        opts = _options(recipe, keywords, options)
         seen: set[int] = set()
         found = False
         for prefix, root in targets:
@@ -382,9 +409,10 @@ def plan(
             env = _env_for(obj, targets, None)
     elif not isinstance(env, Env):
         raise TypeError(f"env must be an mpsboost.Env, got {type(env).__name__}")
-    chosen, _ = _select(recipes, exclude, fp8)
+    keywords = {"fp8": fp8}  # the public keywords of plan() and patch(): each selects the recipe that declares it
+    chosen, _ = _select(recipes, exclude, keywords)
     with _LOCK:
-        rows, _ = _plan_rows(chosen, targets, env, fp8, options, mode="plan")
+        rows, _ = _plan_rows(chosen, targets, env, keywords, options, mode="plan")
     return PatchReport.from_rows("plan", env, rows, target_type=type(obj).__name__, components=_components(targets))
 
 
@@ -417,11 +445,12 @@ def patch(
     if not isinstance(strict, bool):
         raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
     targets = _targets(obj)
-    chosen, requested = _select(recipes, exclude, fp8)
+    keywords = {"fp8": fp8}
+    chosen, requested = _select(recipes, exclude, keywords)
     with _LOCK:
         _check_not_meta(targets)
         env = _env_for(obj, targets, device)
-        rows, actions = _plan_rows(chosen, targets, env, fp8, options, mode="patch")
+        rows, actions = _plan_rows(chosen, targets, env, keywords, options, mode="patch")
         skipped = [r for r in rows if r.status == SKIPPED or (r.status == NOT_APPLICABLE and r.recipe in requested)]
         if skipped:
             if strict:
@@ -436,25 +465,7 @@ def patch(
                 warnings.warn(f"mpsboost: {why}", stacklevel=2)
         rec = _Record(report=PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__,
                                                    components=_components(targets)))
-        try:
-            for recipe, match, decision, opts in actions:
-                undo = recipe.apply(match, decision, env, opts)
-                if not isinstance(undo, Patch):
-                    raise TypeError(f"{recipe.name}.apply must return an mpsboost.patching.Patch, got {type(undo).__name__}")
-                if not recipe.reversible:
-                    undo.reversible = False
-                rec.applied.append(_Applied(recipe, match, undo))
-                log.debug("applied %s to %s via %s", recipe.name, match.path, decision.backing)
-        except BaseException as exc:
-            failed_recipe, failed_path = recipe.name, match.path
-            rollback_errors = _rollback(rec.applied)
-            extra = f" Rolling back also failed: {rollback_errors}" if rollback_errors else ""
-            raise PatchError(
-                f"recipe {failed_recipe} failed on {failed_path}: {type(exc).__name__}: {exc}. "
-                f"Every change made by this patch() call was undone.{extra}",
-                recipe=failed_recipe,
-                target=failed_path,
-            ) from exc
+        _apply_actions(actions, env, rec.applied)
         for a in rec.applied:
             a.undo.commit()
         _add_record(obj, rec)  # also for a no-op, so that last_report() gives this call's report
@@ -462,6 +473,113 @@ def patch(
         if note:
             rec.report = PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__, note=note,
                                                components=_components(targets))
+        return rec.report
+
+
+def _apply_actions(actions, env: Env, applied: list[_Applied]) -> None:
+    """Each recipe's ``apply`` in turn, its Patch appended to ``applied``; on any exception every Patch in
+    ``applied`` is undone (in reverse) and :class:`PatchError` names the recipe and module."""
+    try:
+        for recipe, match, decision, opts in actions:
+            undo = recipe.apply(match, decision, env, opts)
+            if not isinstance(undo, Patch):
+                raise TypeError(f"{recipe.name}.apply must return an mpsboost.patching.Patch, "
+                                f"got {type(undo).__name__}")
+            if not recipe.reversible:
+                undo.reversible = False
+            applied.append(_Applied(recipe, match, undo))
+            log.debug("applied %s to %s via %s", recipe.name, match.path, decision.backing)
+    except BaseException as exc:
+        failed_recipe, failed_path = recipe.name, match.path
+        rollback_errors = _rollback(applied)
+        extra = f" Rolling back also failed: {rollback_errors}" if rollback_errors else ""
+        raise PatchError(
+            f"recipe {failed_recipe} failed on {failed_path}: {type(exc).__name__}: {exc}. "
+            f"Every change made by this patch() call was undone.{extra}",
+            recipe=failed_recipe,
+            target=failed_path,
+        ) from exc
+
+
+# ------------------------------------------------------------------------------------------ adopting
+
+@dataclass(frozen=True)
+class Adopted:
+    """One change that :func:`adopt` makes and commits: ``make()`` makes it (through the helpers of
+    :mod:`mpsboost.patching`) and returns its :class:`~mpsboost.patching.Patch`.
+
+    With a ``decision`` it is recipe ``recipe``'s change of ``module`` at ``path`` (e.g. a layer the
+    fp8_weights recipe built on codes read from a file): it gets the decision's report row and a
+    record, so that ``unpatch`` undoes it, or refuses with the recipe's hint where it cannot be undone.
+    Without one it is a step of the transaction only (a tensor read into place): undone if the
+    transaction fails, committed with it, and then nothing is left of it to undo."""
+
+    recipe: str
+    path: str
+    make: Callable[[], Patch]
+    module: torch.nn.Module | None = None
+    decision: Decision | None = None
+
+
+def adopt(
+    obj: Any,
+    changes: Iterable[Adopted],
+    *,
+    device: Any = None,
+    recipes: Sequence[str] | None = (),
+    exclude: Sequence[str] = (),
+) -> PatchReport:
+    """Commit ``changes`` made outside a recipe's ``apply`` through :func:`patch`'s transaction and records.
+
+    ``mpsboost.load_fp8`` commits through it: tensors read from a file and the fp8 layers the
+    fp8_weights recipe builds on them. Each change is made in turn (``Adopted.make``); then the recipes
+    ``recipes`` (names; ``None``: the default lossless ones, as in ``patch()``), less ``exclude``, are
+    planned on the changed model and applied in the same transaction. On any exception every change made
+    so far is undone in reverse and the exception propagates (a recipe's failure as :class:`PatchError`),
+    so ``obj`` is exactly as it was. Otherwise everything commits, and one record holds what ``unpatch``
+    needs. ``device`` is what patch() takes (an :class:`Env` included). Returns the report: one row per
+    change with a decision, then the recipes' rows.
+    """
+    tgts = _targets(obj, action="adopt changes into")
+    chosen, _ = _select(recipes, exclude, {})
+    with _LOCK:
+        env = _env_for(obj, tgts, device)
+        rec = _Record(report=PatchReport.from_rows("patch", env, [], target_type=type(obj).__name__))
+        rows: list[Row] = []
+        steps: list[Patch] = []
+        applied: list[_Applied] = []  # the recipes' patches
+        try:
+            for change in changes:
+                if not isinstance(change, Adopted):
+                    raise TypeError(f"adopt takes mpsboost.api.Adopted changes, got {type(change).__name__}")
+                recipe = get_recipe(change.recipe)
+                undo = change.make()
+                if not isinstance(undo, Patch):
+                    raise TypeError(f"Adopted.make must return an mpsboost.patching.Patch, got {type(undo).__name__}")
+                if not recipe.reversible:
+                    undo.reversible = False
+                steps.append(undo)
+                d = change.decision
+                if d is not None:
+                    rows.append(Row(recipe.name, change.path, APPLIED, d.backing, d.reason, dict(d.details)))
+                    rec.applied.append(_Applied(recipe, Match(change.module, change.path, {}), undo))
+            if chosen:
+                _check_not_meta(tgts)
+                more, actions = _plan_rows(chosen, tgts, env, {}, None, mode="patch")
+                rows += more
+                _apply_actions(actions, env, applied)  # undoes its own patches if one fails
+        except BaseException:
+            rec.applied.clear()
+            for undo in reversed(steps):
+                undo()
+            raise
+        for undo in steps:
+            undo.commit()
+        for a in applied:
+            a.undo.commit()
+        rec.applied += applied
+        rec.report = PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__)
+        _add_record(obj, rec)
         return rec.report
 
 
@@ -559,18 +677,6 @@ def patched(obj: Any, **kw: Any) -> Iterator[PatchReport]:
                 recs.remove(mine[0])
 
 
-def loaded_report(obj: Any, report: PatchReport | None, refreshed: list[str], recipe: str) -> PatchReport:
-    """What load_fp8 returns: the conversion's report, with a row per module that was converted
-    already and only received the file's values (so a patched model gets a report too, not None)."""
-    rows = list(report.rows) if report is not None else []
-    rows += [Row(recipe, path, ALREADY_PATCHED, reason="converted already; received the file's values") for path in refreshed]
-    if report is not None and not refreshed:
-        return report
-    env = report.env if report is not None else (last_report(obj).env if _records(obj) else Env.detect("cpu"))
-    return PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__,
-                                 note="fp8 values loaded from the file" if refreshed else "")
-
-
 def last_report(obj: Any) -> PatchReport:
     """The report of the latest patch() of ``obj``."""
     recs = _records(obj)
@@ -588,6 +694,14 @@ def applied_undos(obj: Any) -> list[tuple[str, str, Patch]]:
 def is_patched(obj: Any) -> bool:
     recs = _records(obj)
     return bool(recs) and any(r.applied for r in recs)
+
+
+def __getattr__(name: str) -> Any:
+    # FP8_GRANULARITIES (read by mpsboost.docs): the values of patch()'s fp8= keyword, owned by the recipe
+    # that declares the keyword (Recipe.keyword_values); looked up when asked, not kept here.
+    if name == "FP8_GRANULARITIES":
+        return next(tuple(r.keyword_values) for r in all_recipes() if r.keyword == "fp8")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _class_name(obj: Any) -> str:

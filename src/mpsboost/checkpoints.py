@@ -13,23 +13,26 @@ plain ``from_pretrained`` (transformers, diffusers) does not read, and the folde
 indexes those loaders do read (``model.safetensors.index.json``,
 ``diffusion_pytorch_model.safetensors.index.json``), which name one shard that does not exist and
 whose name says what to do: their ``from_pretrained`` raises an error naming ``mpsboost.load_fp8``
-instead of building a bf16 model that reads fp8 codes as weights. The metadata says, per converted module, its kind, scales (granularity,
-block) and compute dtype. Files are written tensor by tensor: saving never holds a second copy.
+instead of building a bf16 model that reads fp8 codes as weights. The metadata says, per converted
+module, its kind, scales (granularity, block) and compute dtype. Files are written tensor by tensor: saving never holds a second copy.
 
 ``load_fp8`` reads mpsboost's own checkpoints and the formats people publish
-(:mod:`mpsboost.fp8_formats`: transformers' fine-grained FP8, compressed-tensors, ``scaled_fp8``
+(:mod:`mpsboost.recipes.fp8.formats`: transformers' fine-grained FP8, compressed-tensors, ``scaled_fp8``
 single files) into a model built on the meta device, tensor by tensor, straight into fp8 storage
 (uint8 bytes on MPS before torch 2.15, pytorch#194074): the bf16 weights of the fp8 layers never
 exist. Every tensor is checked against the model before anything changes (:class:`Fp8MismatchError`,
 or :class:`Fp8FileError` for a file that is unreadable, truncated, partial or of no known format,
-each naming the format and what is missing); a failure while reading puts every tensor back. Loaded
-layers are the ``fp8_weights`` recipe's (report rows, ``save_fp8``, ``unpatch`` raising
+each naming the format and what is missing). It reads a plan (:func:`~mpsboost.recipes.fp8.formats.plan_load`),
+asks the ``fp8_weights`` recipe to decide each fp8 layer, builds the changes with the helpers of
+:mod:`mpsboost.patching` and commits them through :func:`mpsboost.api.adopt`, patch()'s transaction: a
+failure while reading puts every tensor back. Loaded layers are the recipe's own (the layer class, state
+and forward of ``patch(fp8=...)``; report rows, ``save_fp8``, ``unpatch`` raising
 :class:`~mpsboost.errors.IrreversiblePatchError`). Folders of the earlier layout (``model.safetensors``
-without the guard) still load; version-1 files (converted layers only, from unreleased development
-builds) are refused with a message saying how to re-save them.
+without the guard) still load.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -40,7 +43,9 @@ from typing import Any, Iterator
 import torch
 
 from .errors import Fp8ConversionError, Fp8FileError, Fp8MismatchError, Fp8StateError  # noqa: F401 (re-exported)
-from .recipes.fp8.layers import expert_weight_names
+from .patching import is_patched_by, replace_tensors
+from .recipes.fp8.formats import describe_checkpoint  # noqa: F401 (re-exported: which path a file takes here)
+from .recipes.fp8.layers import RECIPE as _RECIPE, LoadedLayer, fp8_state, weight_names
 
 __all__ = ["save_fp8", "load_fp8", "describe_checkpoint", "Fp8FileError", "Fp8MismatchError", "Fp8ConversionError", "Fp8StateError", "FORMAT", "FORMAT_VERSION"]
 
@@ -57,31 +62,27 @@ INDEX_NAME = "model.fp8.safetensors.index.json"
 #   diffusers:    "<folder> does not appear to have a file named <DECOY_SHARD> which is required according to the checkpoint index"
 DECOY_SHARD = "THIS-FOLDER-HOLDS-FP8-CODES--load-it-with-mpsboost.load_fp8.safetensors"
 DECOY_INDEXES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
-_RECIPE = "fp8_weights"
 _ST_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32"}
 
 
 # ------------------------------------------------------------------------------------------ helpers
 
 def _roots(obj: Any) -> list[tuple[str, torch.nn.Module]]:
-    from .api import _targets
+    from .api import targets
 
-    return _targets(obj, action="save or load fp8 weights of")
+    return targets(obj, action="save or load fp8 weights of")
 
 
 def _converted(obj: Any) -> Iterator[tuple[str, torch.nn.Module, tuple[str, ...], Any]]:
-    """(report path, module, tensor names, recipe state) of every module whose weights fp8_weights converted."""
+    """(report path, module, tensor names, layer state) of every fp8 layer (converted or loaded)."""
     from .registry import join_path
-    from .patching import ATTR
 
     for prefix, root in _roots(obj):
         for name, mod in root.named_modules():
-            entry = mod.__dict__.get(ATTR, {}).get(_RECIPE)
-            state = entry.get("fp8") if entry else None
+            state = fp8_state(mod)
             if state is None or not state.converted:
                 continue
-            names = ("weight",) if isinstance(mod, torch.nn.Linear) else expert_weight_names(mod)
-            yield join_path(prefix, name), mod, names, state
+            yield join_path(prefix, name), mod, weight_names(mod), state
 
 
 def _as_path(path: Any) -> Path:
@@ -172,9 +173,8 @@ def _save_root(root: torch.nn.Module, prefix: str, mods: dict, dest: Path, singl
         rel = "" if rel == "<root>" else rel
         info = {"kind": "linear" if isinstance(mod, torch.nn.Linear) else "experts", "tensors": list(names),
                 "granularity": state.granularity, "compute_dtype": str(state.compute_dtype).replace("torch.", "")}
-        block = getattr(state, "block", None)
-        if block:
-            info["block"] = list(block)
+        if state.block:
+            info["block"] = list(state.block)
         modules[rel] = info
         codes.update(f"{rel}.{n}" if rel else n for n in names)
     tensors: list[tuple[str, torch.Tensor, str]] = []
@@ -273,95 +273,9 @@ def _write_safetensors(target: Path, tensors: list[tuple[str, torch.Tensor, str]
 
 # ------------------------------------------------------------------------------------------ load
 
-# ------------------------------------------------------------------------------------------ complete and published checkpoints
-
-class _BlockState:
-    """What a block-scaled layer's forward needs (and what save_fp8 reads): same fields as fp8_weights' state."""
-
-    def __init__(self, kind: str, compute_dtype: torch.dtype, block: tuple[int, int]):
-        self.kind = kind
-        self.compute_dtype = compute_dtype
-        self.granularity = "block"
-        self.block = tuple(block)
-        self.converted = True
-
-
-def _block_linear_forward(state: _BlockState):
-    from .ops.fp8_block import fp8_block_linear
-
-    def forward(self, input, *args, **kwargs):
-        return fp8_block_linear(input, self.weight, self.weight_scale, self.bias, block=state.block, compute_dtype=state.compute_dtype)
-
-    return forward
-
-
-def _routed_block_forward(block: tuple[int, int], down_block: tuple[int, int], compute_dtype: torch.dtype):
-    """The forward of an experts module whose fp8 stacks carry block scales (the up and down projections
-    may have blocks of their own shape)."""
-    from .ops.fp8_block import fp8_block_experts
-
-    def forward(self, hidden_states, *args, **kwargs):
-        rest = list(args)
-        top_k_index = rest.pop(0) if rest else kwargs.pop("top_k_index", kwargs.pop("router_indices", None))
-        top_k_weights = rest.pop(0) if rest else kwargs.pop("top_k_weights", kwargs.pop("routing_weights", None))
-        up_name, down_name = expert_weight_names(self)
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        has_bias = bool(getattr(self, "has_bias", False))
-        act = self._apply_gate if getattr(self, "has_gate", True) else self.act_fn
-        out = fp8_block_experts(
-            x, top_k_index.reshape(x.shape[0], -1), top_k_weights.reshape(x.shape[0], -1),
-            up=(getattr(self, up_name), getattr(self, up_name + "_scale")),
-            down=(getattr(self, down_name), getattr(self, down_name + "_scale")),
-            block=block, down_block=down_block, activation=act, compute_dtype=compute_dtype,
-            up_bias=getattr(self, up_name + "_bias", None) if has_bias else None,
-            down_bias=getattr(self, "down_proj_bias", None) if has_bias else None,
-        )
-        return out.reshape(shape)
-
-    return forward
-
-
-def _block_experts_forward(state: _BlockState):
-    return _routed_block_forward(state.block, state.block, state.compute_dtype)
-
-
-class _ExactState(_BlockState):
-    """A per-tensor or per-row layer whose scales are applied as blocks (exactly); save_fp8 sees its granularity."""
-
-    def __init__(self, kind: str, compute_dtype: torch.dtype, granularity: str, blocks: list):
-        super().__init__(kind, compute_dtype, blocks[0])
-        self.granularity = granularity
-        self.block = None  # not block-scaled in the file: scales keep their own layout
-        self.blocks = [tuple(b) for b in blocks]
-
-
-def _scale_block(qt) -> tuple[int, int]:
-    n, k = qt.shape[-2:]
-    return (1, k) if qt.scheme == "rowwise" else (n, k)
-
-
-def _as_block_scale(scale: torch.Tensor) -> torch.Tensor:
-    return scale.reshape(1, 1) if scale.dim() == 0 else scale
-
-
-def _exact_linear_forward(state: _ExactState):
-    from .ops.fp8_block import fp8_block_linear
-
-    def forward(self, input, *args, **kwargs):
-        return fp8_block_linear(input, self.weight, _as_block_scale(self.weight_scale), self.bias, block=state.blocks[0],
-                                compute_dtype=state.compute_dtype)
-
-    return forward
-
-
-def _exact_experts_forward(state: _ExactState):
-    return _routed_block_forward(state.blocks[0], state.blocks[-1], state.compute_dtype)
-
-
 def _target_env(obj: Any, roots, device: Any):
     """(Env, torch.device the tensors go to). A simulated Env keeps tensors on the CPU."""
-    from .api import _env_for
+    from .api import env_for
     from .gate import Env
 
     if isinstance(device, Env):
@@ -370,7 +284,7 @@ def _target_env(obj: Any, roots, device: Any):
         env = Env.detect(device)
     else:
         on_meta = any(t.device.type == "meta" for _, r in roots for t in list(r.parameters())[:1])
-        env = Env.detect() if on_meta else _env_for(obj, roots, None)
+        env = Env.detect() if on_meta else env_for(obj)
     dev = torch.device("cpu") if env.simulated else torch.device(env.device_type)
     return env, dev
 
@@ -488,7 +402,7 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
     ``obj``: a model built without weights (``from_config`` under ``torch.device("meta")`` or
     ``accelerate.init_empty_weights()``), a model with weights, or a diffusers pipeline (then ``path``
     is a folder with one subfolder per component). ``path``: a safetensors file or a folder (sharded
-    or not) in any of :data:`mpsboost.fp8_formats.FORMATS`: mpsboost's own (:func:`save_fp8`),
+    or not) in any of :data:`mpsboost.recipes.fp8.formats.FORMATS`: mpsboost's own (:func:`save_fp8`),
     transformers' fine-grained FP8, compressed-tensors float-quantized, or a ``scaled_fp8`` single
     file. Tensors are read one at a time straight into their final storage: fp8 layers never exist
     in bf16. Block scales are kept and applied exactly (:mod:`mpsboost.ops.fp8_block`), per-tensor and
@@ -498,12 +412,21 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
     a simulated Env keeps tensors on the CPU); default: the model's device, or the best device for a
     meta model. ``dtype``: cast the non-fp8 floating tensors (and compute) to it; default: the file's
     dtypes, computing in the dtype most of the file's plain bytes have. ``lossless_recipes``: also
-    apply mpsboost's default lossless recipes.
+    apply mpsboost's default lossless recipes (in the same transaction).
+
+    The loaded layers are the ``fp8_weights`` recipe's, built by it from its own decision
+    (:meth:`~mpsboost.recipes.fp8.recipe.Fp8Weights.decide_loaded`): the same class, state and forward
+    as after ``patch(fp8=...)``, the same path where the scales are per row or per tensor. Everything is
+    committed through :func:`mpsboost.api.adopt`, patch()'s transaction: ``unpatch`` then raises
+    :class:`~mpsboost.errors.IrreversiblePatchError`.
 
     Everything is checked before anything changes; a mismatch raises :class:`Fp8MismatchError`, a bad
     file :class:`Fp8FileError`, each naming the format and what is missing; a failure while reading
     puts every tensor back, so the model is exactly as it was.
     """
+    from . import api
+    from .errors import PatchError
+
     target = _as_path(path)
     roots = _roots(obj)
     if not target.exists():
@@ -520,13 +443,13 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
     problems = [(p.ckpt, pr) for p in plans for pr in p.problems]
     for p in plans:
         for q in p.quant:
-            entry = q.module.__dict__.get("_mpsboost_patches", {}).get(_RECIPE)
-            if entry is None:
+            if not is_patched_by(q.module, _RECIPE):
                 continue
-            state = entry.get("fp8")
+            state = fp8_state(q.module)
             have = q.module._buffers.get(q.name + "_scale")
             if state is None or not state.converted or have is None:
-                problems.append((p.ckpt, f"{q.path}: patched by fp8_weights but not converted (a failed conversion); reload the model"))
+                problems.append((p.ckpt, f"{q.path}: patched by fp8_weights but not converted (a failed conversion); "
+                                         "reload the model"))
             elif tuple(q.module._buffers[q.name].shape) != q.shape or tuple(have.shape) != q.scale_shape:
                 problems.append((p.ckpt, f"{q.path}.{q.name}_scale: {q.scheme} {list(q.scale_shape)} in the file, but the module was "
                                          f"converted with other scales {list(have.shape)}"))
@@ -536,184 +459,131 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
         raise Fp8MismatchError(f"{ck.name} ({ck.format} checkpoint) does not fit this {type(obj).__name__} "
                                f"({len(problems)} problem(s)): {shown}. Nothing was changed.")
     env, dev = _target_env(obj, roots, device)
-    undo_log: list = []
-    rows: list = []
-    applied: list = []
+    # Every decision before any change: the fp8_weights recipe decides each loaded layer's path.
+    changes = [c for p in plans for c in _changes(p, env, dev, dtype)]
     try:
-        for p in plans:
-            _materialise(p, env, dev, dtype, undo_log, rows, applied)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # moe_experts would wrap the fp8 experts forward with a bf16 one: the fp8 forward routes itself.
+            return api.adopt(obj, changes, device=env, recipes=None if lossless_recipes else (),
+                             exclude=("moe_experts",))
+    except (Fp8FileError, Fp8MismatchError, PatchError):
+        raise  # the model is as it was (adopt undid every change); a recipe's PatchError names the recipe
     except BaseException as exc:
-        for fn in reversed(undo_log):
-            fn()
-        if isinstance(exc, (Fp8FileError, Fp8MismatchError)):
-            raise
-        raise Fp8FileError(f"loading {target.name} failed ({type(exc).__name__}: {exc}); every tensor was put back, nothing was changed") from exc
-    report = _record(obj, env, rows, applied)
-    if lossless_recipes:
-        from .api import patch
-
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                # moe_experts would wrap the fp8 experts forward with a bf16 one: the fp8 forward routes itself.
-                rest = patch(obj, device=env, exclude=("moe_experts",))
-        except BaseException:
-            from . import api
-
-            recs = api._records(obj)
-            if recs is not None and recs and recs[-1].report is report:
-                recs.pop()
-            for fn in reversed(undo_log):
-                fn()
-            raise
-        from .report import PatchReport
-
-        report = PatchReport.from_rows("patch", env, list(report.rows) + list(rest.rows), target_type=type(obj).__name__)
-    return report
+        raise Fp8FileError(f"loading {target.name} failed ({type(exc).__name__}: {exc}); every tensor was put back, "
+                           "nothing was changed") from exc
 
 
-def _set_tensor(mod: torch.nn.Module, name: str, value: torch.Tensor, is_param: bool, undo_log: list) -> None:
-    old_p = mod._parameters.get(name) if name in mod._parameters else None
-    had_p = name in mod._parameters
-    old_b = mod._buffers.get(name) if name in mod._buffers else None
-    had_b = name in mod._buffers
-
-    def undo() -> None:
-        mod._parameters.pop(name, None)
-        mod._buffers.pop(name, None)
-        if had_p:
-            mod._parameters[name] = old_p
-        if had_b:
-            mod._buffers[name] = old_b
-
-    undo_log.append(undo)
-    if is_param:
-        mod._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
-    else:
-        mod._buffers[name] = value
+_HINT = ("the values read from the fp8 file replaced the module's own; reload the model from its checkpoint "
+         "(from_pretrained) and load the fp8 file again")
 
 
-def _materialise(plan, env, dev: torch.device, dtype, undo_log: list, rows: list, applied: list) -> None:
-    from .recipes.fp8.formats import read_tensor
+def _tensor_step(mod: torch.nn.Module, path: str, read) -> "Any":
+    """A step of the load: ``read()`` gives ``{name: tensor}`` to put into ``mod`` (read when the step is made)."""
+    from .api import Adopted
+
+    return Adopted(_RECIPE, path, lambda: replace_tensors(mod, read(), explanation=_HINT, description=f"load {path}"))
+
+
+def _changes(plan, env, dev: torch.device, dtype) -> list:
+    """The changes that load one checkpoint into ``plan.root``, in order, for :func:`mpsboost.api.adopt`:
+    fp8 codes and scales, plain tensors, rebuilt and moved buffers (each read when its step runs, one at a
+    time), then the fp8 layers the recipe builds on them. Every layer's decision is made here, before
+    any change."""
+    from .api import Adopted
     from .ops import fp8 as fp8_ops
-    from .ops import fp8_moe
-    from .registry import Match, get_recipe
-    from .patching import Patch, bind_forward, swap_class
-    from .report import APPLIED, Row
+    from .patching import Changes
+    from .recipes.fp8.formats import read_tensor
+    from .registry import get_recipe
 
-    # The fp8_weights recipe's forwards, through the registry (fp8_io imports no recipe module).
-    recipe = get_recipe(_RECIPE)
+    recipe = get_recipe(_RECIPE)  # through the registry: this module imports no recipe module
     ckpt = plan.ckpt
     ents = ckpt.entries
     storage = fp8_ops.storage_for(env)
     compute = dtype or plan.compute_dtype
+    steps: list = []
     # fp8 tensors: codes and scales straight into buffers.
     by_module: dict[int, list] = {}
     for qt in plan.quant:
         mod = qt.module
-        if _RECIPE in mod.__dict__.get("_mpsboost_patches", {}):
+        if is_patched_by(mod, _RECIPE):
             # Converted already (checked: same shapes and scales): new values in buffers of the same kind and place.
             old = mod._buffers[qt.name]
-            codes, scale = _assemble(qt, ckpt, "uint8" if old.dtype == torch.uint8 else "float8", old.device)
-            _set_tensor(mod, qt.name, codes, False, undo_log)
-            _set_tensor(mod, qt.name + "_scale", scale, False, undo_log)
-            continue
-        codes, scale = _assemble(qt, ckpt, storage, dev)
+            kind, where = ("uint8" if old.dtype == torch.uint8 else "float8"), old.device
+        else:
+            kind, where = storage, dev
+            by_module.setdefault(id(mod), []).append(qt)
 
-        def undo(mod=mod, name=qt.name, old=mod._parameters.get(qt.name), had_scale=(qt.name + "_scale") in mod._buffers,
-                 old_scale=mod._buffers.get(qt.name + "_scale")) -> None:
-            mod._buffers.pop(name, None)
-            mod._buffers.pop(name + "_scale", None)
-            mod._parameters[name] = old
-            if had_scale:
-                mod._buffers[name + "_scale"] = old_scale
+        def read(qt=qt, kind=kind, where=where) -> dict:
+            codes, scale = _assemble(qt, ckpt, kind, where)
+            return {qt.name: codes, qt.name + "_scale": scale}
 
-        undo_log.append(undo)
-        mod._parameters.pop(qt.name, None)
-        mod._buffers[qt.name] = codes
-        mod._buffers[qt.name + "_scale"] = scale
-        by_module.setdefault(id(mod), []).append(qt)
+        steps.append(_tensor_step(mod, qt.path, read))
     # Plain tensors, one at a time.
     for g in plan.plain:
-        e = ents[g.source]
-        if g.pieces:
-            t = torch.empty(g.shape, dtype=_st_dtype(e.dtype))
-            for key, ex in g.pieces:
-                read_tensor(ents[key], out=t[ex])
-        else:
-            t = read_tensor(e)
-            if g.src_rows is not None:
-                t = t[g.src_rows[0]:g.src_rows[1]].clone()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        t = t.to(dev)
-        for mod, attr, is_param in g.holders:
-            _set_tensor(mod, attr, t, is_param, undo_log)
-    if plan.rebuild:
-        rebuilt = _donor_buffers(plan.root, plan.rebuild, dev)
-        for mod, b in plan.rebuild:
-            _set_tensor(mod, b, rebuilt[(id(mod), b)], False, undo_log)
-    # Buffers that are not in checkpoints but were built with data (accelerate's init_empty_weights keeps
-    # buffers real, on the CPU) go where the model computes.
-    for mod in plan.root.modules():
-        for b in list(mod._non_persistent_buffers_set):
-            t = mod._buffers.get(b)
-            if t is not None and t.device.type not in ("meta", dev.type):
-                _set_tensor(mod, b, t.to(dev), False, undo_log)
-    # Forwards, records and report rows: the fp8_weights recipe's, so that reports, save_fp8 and unpatch know them.
+        def read_plain(g=g) -> torch.Tensor:
+            e = ents[g.source]
+            if g.pieces:
+                t = torch.empty(g.shape, dtype=_st_dtype(e.dtype))
+                for key, ex in g.pieces:
+                    read_tensor(ents[key], out=t[ex])
+            else:
+                t = read_tensor(e)
+                if g.src_rows is not None:
+                    t = t[g.src_rows[0]:g.src_rows[1]].clone()
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            return t.to(dev)
+
+        def make_plain(g=g, read_plain=read_plain):
+            t = read_plain()
+            with Changes() as ch:
+                for mod, attr, is_param in g.holders:
+                    value = torch.nn.Parameter(t, requires_grad=False) if is_param else t
+                    ch.add(replace_tensors(mod, {attr: value}, explanation=_HINT, description=f"load {g.key}"))
+            return ch.patch(reversible=False, description=f"load {g.key}")
+
+        steps.append(Adopted(_RECIPE, g.key, make_plain))
+
+    def make_buffers():
+        # Non-persistent buffers that a meta-device build left without data (rotary tables) are rebuilt; those
+        # built with data (accelerate's init_empty_weights keeps buffers real, on the CPU) go where the model computes.
+        with Changes() as ch:
+            if plan.rebuild:
+                rebuilt = _donor_buffers(plan.root, plan.rebuild, dev)
+                for mod, b in plan.rebuild:
+                    ch.add(replace_tensors(mod, {b: rebuilt[(id(mod), b)]}, explanation=_HINT))
+            for mod in plan.root.modules():
+                for b in list(mod._non_persistent_buffers_set):
+                    t = mod._buffers.get(b)
+                    if t is not None and t.device.type not in ("meta", dev.type):
+                        ch.add(replace_tensors(mod, {b: t.to(dev)}, explanation=_HINT))
+        return ch.patch(reversible=False, description="buffers of the model")
+
+    steps.append(Adopted(_RECIPE, plan.prefix or "<root>", make_buffers))
+    # The fp8 layers: the recipe's decision and layer (class, state, forward), as after patch(fp8=...).
     where = f"{ckpt.name} ({ckpt.format})"
     for qts in by_module.values():
         mod, path = qts[0].module, qts[0].path
         schemes = sorted({q.scheme for q in qts})
-        nbytes = sum(q.module._buffers[q.name].numel() + 4 * q.module._buffers[q.name + "_scale"].numel() for q in qts)
-        details = {"kind": qts[0].kind, "granularity": "+".join(schemes), "storage": storage, "compute_dtype": str(compute).replace("torch.", ""),
-                   "bytes_after": nbytes, "loaded_from": str(ckpt.path), "format": ckpt.format}
-        if "block" in schemes:
-            if len(schemes) > 1:
-                raise Fp8MismatchError(f"{path}: block-scaled and other fp8 tensors in one experts module ({schemes}); nothing was changed")
-            state = _BlockState(qts[0].kind, compute, qts[0].block)
-            details["block"] = list(qts[0].block)
-            fwd = _block_linear_forward(state) if qts[0].kind == "linear" else _block_experts_forward(state)
-            backing = (f"block-scaled fp8 {qts[0].block[0]}x{qts[0].block[1]}, dequantise then linear" if qts[0].kind == "linear"
-                       else f"block-scaled fp8 {qts[0].block[0]}x{qts[0].block[1]}: dequantise only the hit experts, one at a time")
-            reason = f"{storage} storage, scales kept exactly as in {where}"
-        elif qts[0].kind == "linear" and fp8_ops.choose_linear_path(env, n=qts[0].shape[0], k=qts[0].shape[1], dtype=compute).kind != "dequant":
-            n, k = qts[0].shape
-            lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=compute)
-            # The same patch-time facts as fp8_weights records (never asked inside a forward).
-            bias_in_mm = lp.kind in ("fused", "mps_scaled_mm") and storage == "float8" and \
-                fp8_ops.scaled_mm_bias_supported(str(dev))
-            state, fwd = recipe.linear_forward(kind=lp.kind, compute_dtype=compute, granularity=schemes[0],
-                                               gemv_max_m=lp.gemv_max_m, bias_in_mm=bias_in_mm, large=lp.large)
-            backing, reason = lp.backing, f"{schemes[0]} scales from {where}, {lp.storage} storage: {lp.reason}"
-        elif qts[0].kind == "linear" or (env.device_type != "cuda" and not getattr(mod, "is_transposed", False)):
-            # Where the layer is dequantised before its matmul anyway, the file's scales are applied in float32
-            # and rounded once (the file's exact dequantisation): per-row scales are blocks of (1, K), one
-            # per-tensor scale a block of (N, K).
-            blocks = [_scale_block(q) for q in qts]
-            state = _ExactState(qts[0].kind, compute, "+".join(schemes), blocks)
-            fwd = _exact_linear_forward(state) if qts[0].kind == "linear" else _exact_experts_forward(state)
-            st_reason = fp8_ops.choose_linear_path(env, n=qts[0].shape[-2], k=qts[0].shape[-1], dtype=compute).reason
-            backing = ("dequantize (scales in float32, rounded once) then linear" if qts[0].kind == "linear"
-                       else "dequantise only the hit experts (scales in float32), one at a time")
-            if storage == "uint8":
-                backing = "uint8 storage, integer decode, " + backing
-            reason = f"{'+'.join(schemes)} scales from {where}, {storage} storage: {st_reason}"
-        else:
-            tr = bool(getattr(mod, "is_transposed", False))
-            ws = [torch.empty(q.shape, dtype=compute, device="meta") for q in qts]
-            state, fwd, large, why = recipe.experts_forward(env, ws, tr, storage, compute_dtype=compute,
-                                                            granularity="+".join(schemes), gather_max=16)
-            backing = fp8_moe.BACKING[large] + ("" if large == "gather" else " (gather at <= 16 routed pairs)")
-            reason = f"{'+'.join(schemes)} scales per expert from {where}, {storage} storage: {why}"
-        undo_fwd = bind_forward(mod, _RECIPE, fwd, fp8=state)
-        undo_log.append(undo_fwd)
-        # The layer prints as what it now is (FP8Linear / FP8<Experts>), as after patch(fp8=...).
-        state.backing = backing
-        undo_log.append(swap_class(mod, _RECIPE, recipe.layer_class(type(mod))))
-        state.converted = True
-        rows.append(Row(_RECIPE, path, APPLIED, backing, reason, details))
-        applied.append((recipe, Match(mod, path, {"kind": qts[0].kind}), Patch(undo_fwd, reversible=False, description=f"{_RECIPE}: {path} (loaded)")))
+        if "block" in schemes and len(schemes) > 1:
+            raise Fp8MismatchError(f"{path}: block-scaled and other fp8 tensors in one experts module ({schemes}); "
+                                   "nothing was changed")
+        nbytes = sum(_nbytes(q.shape) + 4 * _nbytes(q.scale_shape) for q in qts)
+        layer = LoadedLayer(kind=qts[0].kind, granularity="+".join(schemes), shapes=tuple(q.shape for q in qts),
+                            compute_dtype=compute, nbytes=nbytes, source=where, loaded_from=str(ckpt.path),
+                            format=ckpt.format, block=qts[0].block if schemes == ["block"] else None)
+        decision = recipe.decide_loaded(mod, path, env, layer)
+        steps.append(Adopted(_RECIPE, path, functools.partial(recipe.loaded_layer, mod, path, decision), module=mod,
+                             decision=decision))
+    return steps
+
+
+def _nbytes(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _st_dtype(st: str) -> torch.dtype:
@@ -721,21 +591,3 @@ def _st_dtype(st: str) -> torch.dtype:
 
     return ST_DTYPES[st]
 
-
-def _record(obj: Any, env, rows: list, applied: list):
-    """Register the loaded layers the way patch(fp8=...) does: unpatch() then raises IrreversiblePatchError."""
-    from . import api
-    from .report import PatchReport
-
-    report = PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__)
-    rec = api._Record(report=report, applied=[api._Applied(r, m, u) for r, m, u in applied])
-    with api._LOCK:
-        api._add_record(obj, rec)
-    return report
-
-
-def describe_checkpoint(path: Any, env: Any = None) -> str:
-    """Which fp8 path a checkpoint takes in ``env`` (see :func:`mpsboost.fp8_formats.describe_checkpoint`)."""
-    from .recipes.fp8.formats import describe_checkpoint as _describe
-
-    return _describe(path, env)

@@ -617,3 +617,48 @@ def replace_at_commit(
 
     return Patch(lambda: None, commit=commit, reversible=False, explanation=explanation,
                  description=description or f"{type(module).__name__}: {', '.join(names)} replaced at commit")
+
+
+def replace_tensors(
+    module: torch.nn.Module,
+    tensors: Mapping[str, "torch.Tensor | None"],
+    *,
+    explanation: str,
+    description: str = "",
+) -> Patch:
+    """Put ``tensors`` into ``module`` now (values read from a file at load time): a
+    ``torch.nn.Parameter`` becomes a parameter, any other tensor a buffer (taking the place of a
+    parameter of that name), ``None`` removes the name. A name that stays a parameter or a buffer keeps
+    its place in the module (and in ``state_dict``).
+
+    Until the transaction commits, the undo gives back the very same parameters and buffers, in their
+    order. At commit the originals are let go (nothing keeps a second copy of a loaded model): the
+    change is then irreversible, and ``explanation`` is what ``unpatch`` tells the user to do instead.
+    """
+    bad = next(((n, v) for n, v in tensors.items() if v is not None and not isinstance(v, torch.Tensor)), None)
+    if bad is not None:
+        raise TypeError(f"replace_tensors takes tensors or None, got {type(bad[1]).__name__} for {bad[0]!r}")
+    params, bufs = module._parameters, module._buffers
+    saved: list[dict] = [dict(params), dict(bufs)]
+    for name, value in tensors.items():
+        home, other = (params, bufs) if isinstance(value, torch.nn.Parameter) else (bufs, params)
+        other.pop(name, None)
+        if value is None:
+            home.pop(name, None)
+        else:
+            home[name] = value
+
+    def undo() -> None:
+        if not saved:
+            raise RuntimeError(f"{description or 'replace_tensors'}: committed already; the original tensors are gone")
+        params.clear()
+        params.update(saved[0])
+        bufs.clear()
+        bufs.update(saved[1])
+        saved.clear()
+
+    def commit() -> None:
+        saved.clear()
+
+    return Patch(undo, commit=commit, reversible=False, explanation=explanation,
+                 description=description or f"{type(module).__name__}: {', '.join(tensors)} replaced")

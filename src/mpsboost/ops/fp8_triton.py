@@ -31,7 +31,6 @@ import triton.language as tl
 
 __all__ = ["fp8_gemv", "quantize_rows", "gemv_config", "GemvConfig", "clear_tuning_cache"]
 
-FP8_MAX = 448.0
 _BLOCK_M = 16
 
 

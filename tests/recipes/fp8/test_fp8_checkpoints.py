@@ -187,12 +187,12 @@ def write_compressed_tensors(model, folder: Path, strategy="channel"):
 
 
 def _wan_original_name(key: str) -> str:
-    """diffusers' Wan key -> the original Wan repository's: the cookbook's mapping (recipes/fp8_checkpoint.py),
+    """diffusers' Wan key -> the original Wan repository's: the cookbook's mapping (examples/fp8_checkpoint.py),
     which writes such files offline; diffusers' own single-file conversion maps them back on load."""
     import importlib.util
 
     root = Path(__file__).resolve().parents[3]
-    spec = importlib.util.spec_from_file_location("mpsboost_cookbook_fp8_checkpoint", root / "recipes" / "fp8_checkpoint.py")
+    spec = importlib.util.spec_from_file_location("mpsboost_cookbook_fp8_checkpoint", root / "examples" / "fp8_checkpoint.py")
     module = sys.modules.get(spec.name)
     if module is None:
         module = importlib.util.module_from_spec(spec)
@@ -652,13 +652,14 @@ def test_a_failure_while_reading_puts_every_tensor_back(fp8_folder, tmp_path, mo
 
 
 def test_a_failure_while_binding_gives_back_every_class(tmp_path, monkeypatch):
-    # Published formats: every tensor is read first, then each layer gets its forward and its fp8 class;
-    # a failure at the third layer must give the first two back their original class (and tensors).
-    from mpsboost import patching, registry
+    # Published formats: every tensor is read first, then each layer gets its forward and its fp8 class
+    # (bound by the fp8_weights recipe, as for patch(fp8=...)); a failure at the third layer must give the
+    # first two back their original class (and tensors).
+    from mpsboost.recipes.fp8 import recipe as fp8_recipe
 
     write_compressed_tensors(_lm(_qwen3_config), tmp_path / "ct", strategy="channel")
     model = _meta_lm(_qwen3_config)
-    real = patching.bind_forward
+    real = fp8_recipe.bind_forward
     calls = {"n": 0}
 
     def flaky(*args, **kw):
@@ -667,7 +668,7 @@ def test_a_failure_while_binding_gives_back_every_class(tmp_path, monkeypatch):
             raise RuntimeError("bind failed")
         return real(*args, **kw)
 
-    monkeypatch.setattr(registry, "bind_forward", flaky)
+    monkeypatch.setattr(fp8_recipe, "bind_forward", flaky)
     _unchanged_after(model, lambda: mpsboost.load_fp8(model, tmp_path / "ct", device="cpu"), Fp8FileError, "bind failed",
                      "nothing was changed")
     assert calls["n"] == 3
@@ -754,7 +755,7 @@ def test_peak_memory_while_loading_stays_under_file_plus_largest_layer(tmp_path)
 def test_cookbook_script_writes_and_loads_each_format(tmp_path, fmt):
     root = Path(__file__).resolve().parents[3]
     env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(root / "recipes" / "fp8_checkpoint.py"), "--random-weights", "tiny", "--write-format", fmt,
+    proc = subprocess.run([sys.executable, str(root / "examples" / "fp8_checkpoint.py"), "--random-weights", "tiny", "--write-format", fmt,
                            "--device", "cpu", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

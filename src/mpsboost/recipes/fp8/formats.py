@@ -66,10 +66,10 @@ if hasattr(torch, "float8_e8m0fnu"):
 _ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4,
              "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
-# mpsboost's own folder names first (fp8_io.save_fp8 writes them: plain loaders do not read them), then Hugging Face's.
+# mpsboost's own folder names first (save_fp8 writes them: plain loaders do not read them), then Hugging Face's.
 _INDEX_NAMES = ("model.fp8.safetensors.index.json", "model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
 _SINGLE_NAMES = ("model.fp8.safetensors", "model.safetensors", "diffusion_pytorch_model.safetensors")
-# The shard that save_fp8's decoy indexes name (fp8_io.DECOY_SHARD): such an index is not the weights' own.
+# The shard that save_fp8's decoy indexes name (checkpoints.DECOY_SHARD): such an index is not the weights' own.
 _DECOY_MARK = "load-it-with-mpsboost.load_fp8"
 
 
@@ -113,7 +113,7 @@ class Checkpoint:
 # ------------------------------------------------------------------------------------------ reading
 
 # The one safetensors header reader of mpsboost: this module imports no other fp8 module at import
-# time (fp8_io imports it, never the other way round).
+# time (mpsboost.checkpoints imports it, never the other way round).
 def safetensors_header(path: Path, what: str) -> tuple[int, dict]:
     """(header length, the JSON header as a dict) of a safetensors file, read from its first bytes only;
     ``what`` opens every error message (a truncated file, a wrong length, a header that is not JSON)."""
@@ -287,10 +287,6 @@ def detect(ckpt: Checkpoint) -> str:
     method = (q or {}).get("quant_method")
     if meta.get("format") == "mpsboost.fp8":
         ver = meta.get("format_version")
-        if ver == "1":
-            raise Fp8FileError(f"{ckpt.name} is an mpsboost fp8 file of format version '1' (converted layers only, written by "
-                               "unreleased development builds), which is no longer read: load the model's bf16 weights, "
-                               "mpsboost.patch(model, fp8=...) and save it again with mpsboost.save_fp8")
         if ver != "2":
             raise Fp8FileError(f"{ckpt.name} has mpsboost fp8 format version {ver!r}; this mpsboost reads '2'")
         ckpt.format = "mpsboost"

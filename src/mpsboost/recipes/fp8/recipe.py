@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import functools
 import logging
 import re
 import warnings
@@ -61,12 +60,24 @@ from ... import tuning
 from ...gate import Env, check
 from ...ops import fp8 as fp8_ops
 from ...ops import fp8_moe
-from ...errors import Fp8ConversionError, Fp8StateError, PatchError
-from .layers import FP8_BASE_ATTR, expert_weight_names as _expert_weight_names, is_hf_experts as _is_hf_experts, plain_linear
+from ...errors import Fp8ConversionError, PatchError
+from .layers import (  # noqa: F401  (FP8Linear re-exported: the class a converted nn.Linear prints as)
+    RECIPE,
+    FP8Linear,
+    Fp8State,
+    LoadedLayer,
+    expert_weight_names as _expert_weight_names,
+    fp8_class,
+    weight_names,
+    fp8_state,
+    forward_for,
+    is_hf_experts as _is_hf_experts,
+    plain_linear,
+)
 from ...registry import Decision, Match, Recipe, join_path, register
-from ...patching import ATTR, Patch, at_commit, bind_forward, original_forward, replace_at_commit, swap_class
+from ...patching import Changes, Patch, at_commit, bind_forward, replace_at_commit, swap_class
 
-NAME = "fp8_weights"
+NAME = RECIPE
 log = logging.getLogger("mpsboost")
 
 _VAE_PREFIX = "diffusers.models.autoencoders."
@@ -160,8 +171,7 @@ def _patterns(value: Any, key: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class Fp8WeightsOptions:
     """``options={"fp8_weights": {...}}`` (see the module docstring). ``fp8``, the granularity
-    ("rowwise" or "tensorwise"), is what the public ``fp8=`` keyword of patch() sets; ``load`` is set by
-    :func:`mpsboost.load_fp8`."""
+    ("rowwise" or "tensorwise"), is what the public ``fp8=`` keyword of patch() sets."""
 
     fp8: str | None = None
     include: str | tuple[str, ...] | list[str] | None = None
@@ -172,7 +182,6 @@ class Fp8WeightsOptions:
     moe_gather_max_pairs: int | None = None
     moe_path: str = "auto"
     activations: str = "bf16"  # above the GEMV: "bf16" dequantises the layer (exact), "fp8" quantises activations
-    load: Any = None
 
 
 def _parse(options: Fp8WeightsOptions) -> Fp8WeightsOptions:
@@ -191,143 +200,6 @@ def _parse(options: Fp8WeightsOptions) -> Fp8WeightsOptions:
                          "batches, exact) or 'fp8' (quantise activations for scaled_mm)")
     return dataclasses.replace(options, fp8=gran, include=_patterns(options.include, "include"),
                                exclude=_patterns(options.exclude, "exclude"))
-
-
-# ------------------------------------------------------------------------------------------ forwards
-
-class _State:
-    """Per-module facts the bound forward needs; ``converted`` flips at the transaction's commit."""
-
-    __slots__ = ("kind", "compute_dtype", "granularity", "gemv_max_m", "converted", "large_path", "compiled_path", "gather_max",
-                 "large", "native_grouped", "histc_int", "bias_in_mm", "backing")
-
-    def __init__(self, **kw: Any):
-        self.converted = False
-        self.large = "dequant"  # the exact large-batch path unless activations="fp8" was chosen
-        for k, v in kw.items():
-            setattr(self, k, v)
-
-    def mark_converted(self) -> None:
-        self.converted = True
-
-
-# ------------------------------------------------------------------------------------------ the fp8 layer classes
-
-def _fp8_repr(module: torch.nn.Module) -> str:
-    """What ``print(model)`` shows of a converted layer: storage, granularity, scale shapes, backing path."""
-    entry = module.__dict__.get(ATTR, {}).get(NAME) or {}
-    state = entry.get("fp8")
-    if state is None or not state.converted:
-        return "fp8=pending (converted when the patch() transaction commits)"
-    names = ("weight",) if isinstance(module, torch.nn.Linear) else _expert_weight_names(module)
-    codes = getattr(module, names[0])
-    dtype = "float8_e4m3fn" if codes.dtype == torch.float8_e4m3fn else f"float8_e4m3fn codes in {str(codes.dtype).replace('torch.', '')}"
-    parts = [f"fp8={dtype}", f"granularity={state.granularity}"]
-    if getattr(state, "block", None):
-        parts.append(f"block={list(state.block)}")
-    for n in names:
-        if n != "weight":
-            parts.append(f"{n}={list(getattr(module, n).shape)}")
-        scale = getattr(module, n + "_scale", None)
-        if scale is not None:
-            parts.append(f"{n}_scale={list(scale.shape)}")
-    parts.append(f"compute_dtype={str(state.compute_dtype).replace('torch.', '')}")
-    parts.append(f"backing={getattr(state, 'backing', None) or state.kind}")
-    return ", ".join(parts)
-
-
-class FP8Linear(torch.nn.Linear):
-    """A ``torch.nn.Linear`` whose weight fp8_weights stores as float8_e4m3fn codes with float32 scales.
-
-    Never constructed: fp8_weights swaps it onto a converted instance (``patching.swap_class``), so that
-    ``print(model)`` shows the layer for what it is. ``isinstance(m, torch.nn.Linear)`` still holds and
-    the forward is the instance's own (bound by the recipe). The conversion cannot be undone.
-    """
-
-    _mpsboost_fp8_of = torch.nn.Linear
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, {_fp8_repr(self)}"
-
-
-def _experts_repr(self: torch.nn.Module) -> str:
-    base = super(type(self), self).extra_repr()
-    return f"{base}, {_fp8_repr(self)}" if base else _fp8_repr(self)
-
-
-@functools.lru_cache(maxsize=None)
-def _fp8_class(cls: type) -> type:
-    """The fp8 layer class of ``cls``: :class:`FP8Linear` for ``torch.nn.Linear``, else one subclass per
-    experts class (``FP8Qwen3MoeExperts``, ...), made once and cached."""
-    if cls is torch.nn.Linear:
-        return FP8Linear
-    name = f"FP8{cls.__name__}"
-    return type(name, (cls,), {"extra_repr": _experts_repr, FP8_BASE_ATTR: cls, "__module__": __name__, "__qualname__": name,
-                               "__doc__": f"{cls.__name__} with its expert weights stored in fp8 by mpsboost's fp8_weights."})
-
-
-def _cast_error(module: torch.nn.Module, name: str, t: torch.Tensor) -> Exception:
-    return Fp8StateError(
-        f"{type(module).__name__}.{name} was converted to fp8 by mpsboost but is now {t.dtype} (the model was cast "
-        "with .to(dtype)/.half() after patching?). Cast the model before mpsboost.patch(..., fp8=...), or reload it."
-    )
-
-
-def _linear_forward(state: _State):
-    def forward(self, input, *args, **kwargs):
-        if not state.converted:
-            return original_forward(self, NAME)(input, *args, **kwargs)
-        w = self.weight
-        if w.dtype not in (torch.float8_e4m3fn, torch.uint8):
-            raise _cast_error(self, "weight", w)
-        return fp8_ops.fp8_linear(input, w, self.weight_scale, self.bias, kind=state.kind,
-                                  compute_dtype=state.compute_dtype, gemv_max_m=state.gemv_max_m, bias_in_mm=state.bias_in_mm,
-                                  large=state.large)
-
-    return forward
-
-
-def _experts_forward(state: _State):
-    def forward(self, hidden_states, *args, **kwargs):
-        if not state.converted:
-            return original_forward(self, NAME)(hidden_states, *args, **kwargs)
-        # gpt-oss names its arguments router_indices / routing_weights.
-        rest = list(args)
-        top_k_index = rest.pop(0) if rest else kwargs.pop("top_k_index", kwargs.pop("router_indices", None))
-        top_k_weights = rest.pop(0) if rest else kwargs.pop("top_k_weights", kwargs.pop("routing_weights", None))
-        up_name, down_name = _expert_weight_names(self)
-        up_q, down_q = getattr(self, up_name), getattr(self, down_name)
-        for n_, t in ((up_name, up_q), (down_name, down_q)):
-            if t.dtype not in (torch.float8_e4m3fn, torch.uint8):
-                raise _cast_error(self, n_, t)
-        tr = bool(getattr(self, "is_transposed", False))
-        up = fp8_moe.Fp8Stack(up_q, getattr(self, up_name + "_scale"), tr)
-        down = fp8_moe.Fp8Stack(down_q, getattr(self, down_name + "_scale"), tr)
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        idx = top_k_index.reshape(x.shape[0], -1)
-        wts = top_k_weights.reshape(x.shape[0], -1)
-        has_bias = bool(getattr(self, "has_bias", False))
-        up_b = getattr(self, up_name + "_bias", None) if has_bias else None
-        down_b = getattr(self, "down_proj_bias", None) if has_bias else None
-        act = self._apply_gate if getattr(self, "has_gate", True) else self.act_fn
-        post = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
-        # torch.compiler.is_compiling() is a constant while dynamo traces: a compiled forward takes the
-        # traceable path decided at patch time, with no host read of the expert counts.
-        compiling = torch.compiler.is_compiling()
-        large = state.compiled_path if compiling else state.large_path
-        path = "gather" if idx.numel() <= state.gather_max else large
-        if path == "scaled_grouped_mm" and not (x.is_cuda and fp8_moe.scaled_grouped_ok(up, state.compute_dtype)
-                                                and fp8_moe.scaled_grouped_ok(down, state.compute_dtype)):
-            # Static facts (device, dtype, layout): the same answer at every call of this module.
-            path = "stack" if compiling else "hit"
-        out = fp8_moe.fp8_routed_experts(
-            x, idx, wts, up=up, down=down, activation=act, compute_dtype=state.compute_dtype, up_bias=up_b,
-            down_bias=down_b, post=post, path=path, native_grouped=state.native_grouped, histc_int=state.histc_int,
-        )
-        return out.reshape(shape)
-
-    return forward
 
 
 # ------------------------------------------------------------------------------------------ conversion
@@ -349,15 +221,12 @@ def _tune_gemv(module: torch.nn.Module, dtype: torch.dtype) -> None:
         fp8_ops.fp8_gemv(torch.zeros(1, q.shape[1], device=q.device, dtype=dtype), q, module.weight_scale, module.bias)
 
 
-def _converter(granularity: str, storage: str, k_dims: dict[str, int], load: Any, path: str):
+def _converter(granularity: str, storage: str, k_dims: dict[str, int]):
     """The conversion of one weight for :func:`patching.replace_at_commit`: its fp8 codes under its own
-    name and its float32 scales as ``<name>_scale`` (quantised here, or read from the fp8 file)."""
+    name and its float32 scales as ``<name>_scale``."""
 
     def convert(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        if load is not None:
-            q, scale = load.tensors(path, name, storage=storage, device=w.device)
-        else:
-            q, scale = fp8_ops.quantize(w.detach(), granularity, storage, k_dim=k_dims[name])
+        q, scale = fp8_ops.quantize(w.detach(), granularity, storage, k_dim=k_dims[name])
         return {name: q, name + "_scale": scale}
 
     return convert
@@ -393,6 +262,53 @@ def _compiled_path(large: str) -> str:
     return large if large in fp8_moe.TRACEABLE else "stack"
 
 
+# ------------------------------------------------------------------------------------------ the plan
+
+@dataclass(frozen=True)
+class Fp8Plan:
+    """What :meth:`Fp8Weights.decide` (a module of the model) or :meth:`Fp8Weights.decide_loaded` (a module
+    filled from a file) chose: ``Decision.plan``. :func:`_state` turns it into the layer's :class:`Fp8State`,
+    the same for both, so that a quantised and a loaded layer run the same forward by the same path."""
+
+    kind: str  # "linear" or "experts"
+    granularity: str
+    storage: str  # "float8" or "uint8"
+    path: str  # linear: "fused", "mps_scaled_mm", "dequant" or "block"; experts: the path for many pairs
+    compute_dtype: torch.dtype  # the weights' dtype, or the dtype a loaded layer computes in
+    gemv_max_m: int = 16
+    large: str = "dequant"
+    compiled_path: str = "stack"
+    gather_max: int = 0
+    native_grouped: bool = False
+    histc_int: bool = False
+    block: tuple[int, int] | None = None  # loaded block scales, applied as they are
+
+
+def _state(plan: Fp8Plan, device: torch.device, backing: str) -> Fp8State:
+    """The layer state of ``plan`` for codes on ``device``."""
+    compute_dtype = plan.compute_dtype
+    if plan.kind == "linear":
+        # Patch-time probe (never in a forward): can _scaled_mm take the bias with rowwise scales here?
+        bias_in_mm = plan.path in ("fused", "mps_scaled_mm") and plan.storage == "float8" and \
+            fp8_ops.scaled_mm_bias_supported(str(device))
+        return Fp8State(kind=plan.path, compute_dtype=compute_dtype, granularity=plan.granularity, block=plan.block,
+                        gemv_max_m=plan.gemv_max_m, bias_in_mm=bias_in_mm, large=plan.large, backing=backing)
+    return Fp8State(kind="experts", compute_dtype=compute_dtype, granularity=plan.granularity, block=plan.block,
+                    large_path=plan.path, compiled_path=plan.compiled_path, gather_max=plan.gather_max,
+                    native_grouped=plan.native_grouped, histc_int=plan.histc_int, backing=backing)
+
+
+def _layer(module: torch.nn.Module, state: Fp8State) -> list[Patch]:
+    """The fp8 layer itself: its forward bound on the instance (the state rides along in the module's
+    mpsboost record, where save_fp8 finds it) and its class swapped, so that ``print(model)`` shows an
+    FP8Linear (FP8<Experts>). For quantised and loaded layers alike; if the second change fails, the first
+    is undone before the error propagates."""
+    with Changes() as ch:
+        ch.add(bind_forward(module, NAME, forward_for(state), fp8=state))
+        ch.add(swap_class(module, NAME, fp8_class(type(module))))
+    return ch.parts
+
+
 # ------------------------------------------------------------------------------------------ the recipe
 
 @register
@@ -412,6 +328,7 @@ class Fp8Weights(Recipe):
     default = False
     keyword = "fp8"  # patch(..., fp8="rowwise" | "tensorwise") selects it and sets its option fp8
     keyword_field = "fp8"
+    keyword_values = fp8_ops.GRANULARITIES  # what the keyword accepts (patch() checks it before anything else)
     Options = Fp8WeightsOptions
     requires = ()
     order = 200
@@ -445,13 +362,11 @@ class Fp8Weights(Recipe):
         :class:`PatchError` naming both, since the codes cannot be re-quantised from themselves and
         silently keeping the first would report a request that was never carried out. Nothing has
         changed when it raises (planning precedes every change)."""
-        entry = match.module.__dict__.get(ATTR, {}).get(NAME) or {}
-        state = entry.get("fp8")
-        have = getattr(state, "granularity", None)
+        state = fp8_state(match.module)
         want = options.fp8
-        if state is None or want is None or have is None:
+        if state is None or want is None:
             return None
-        block = getattr(state, "block", None)
+        have, block = state.granularity, state.block
         have_text = f"{have} {block[0]}x{block[1]}" if have == "block" and block else have
         if want != have:
             raise PatchError(
@@ -462,41 +377,95 @@ class Fp8Weights(Recipe):
         return f"converted already with {have_text} scales (the granularity asked for)"
 
     # ------------------------------------------------------------------ deciding
+
+    # ------------------------------------------------------------------ deciding
     def decide(self, match: Match, env: Env, options: Fp8WeightsOptions) -> Decision:
         opts = _parse(options)
         data, mod, path = match.data, match.module, match.path
         skip = data["skip"]
         if skip is not None and not (data["lm_head"] and opts.include_lm_head):
             return Decision.skip(skip)
-        load = opts.load
-        if load is not None and not load.has(path):
-            return Decision.skip(f"not in the fp8 file {load.name}")
         if opts.include and not any(fnmatch.fnmatchcase(path, p) for p in opts.include):
             return Decision.skip(f"not matched by include patterns {list(opts.include)}")
         hit = next((p for p in opts.exclude if fnmatch.fnmatchcase(path, p)), None)
         if hit is not None:
             return Decision.skip(f"excluded by pattern {hit!r}")
-        gran = load.granularity(path) if load is not None else opts.fp8
+        gran = opts.fp8
         storage = fp8_ops.storage_for(env)
-        gemv_max, gather_max, where = _thresholds(env, opts)
         if data["kind"] == "linear":
             w = mod.weight
             n, k = w.shape
-            lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=w.dtype, gemv_max_m=gemv_max, activations=opts.activations)
+            plan, backing, why = self._linear_plan(env, (n, k), w.dtype, gran, storage, opts)
             before = w.numel() * w.element_size()
             after = w.numel() + (4 * n if gran == "rowwise" else 4)
-            extra = f"; {where}" if where and lp.kind == "fused" else ""
-            comp = "compiled: the same path (registered operators)" if lp.kind == "fused" else "compiled: the same path"
             return Decision.apply(
-                lp.backing, f"{gran} scales, {lp.storage} storage: {lp.reason}{extra}; {comp}",
-                kind="linear", granularity=gran, storage=lp.storage, compute_dtype=str(w.dtype).replace("torch.", ""),
-                bytes_before=before, bytes_after=after, path_kind=lp.kind, gemv_max_m=lp.gemv_max_m, large=lp.large,
+                backing, f"{gran} scales, {plan.storage} storage: {why}", plan=plan,
+                kind="linear", granularity=gran, storage=plan.storage, compute_dtype=str(w.dtype).replace("torch.", ""),
+                bytes_before=before, bytes_after=after, path_kind=plan.path, gemv_max_m=plan.gemv_max_m,
+                large=plan.large,
             )
         if not opts.experts:
             return Decision.skip("expert weights excluded by option experts=False")
-        names = _expert_weight_names(mod)
-        ws = [getattr(mod, n) for n in names]
+        ws = [getattr(mod, n) for n in _expert_weight_names(mod)]
         tr = bool(getattr(mod, "is_transposed", False))
+        plan, backing, why = self._experts_plan(env, ws, tr, gran, storage, opts)
+        before = sum(w.numel() * w.element_size() for w in ws)
+        after = sum(w.numel() + 4 * (w.numel() // w.shape[2 if not tr else 1] if gran == "rowwise" else w.shape[0])
+                    for w in ws)
+        return Decision.apply(
+            backing, f"{gran} scales per expert, {storage} storage: {why}", plan=plan,
+            kind="experts", granularity=gran, storage=storage, compute_dtype=str(ws[0].dtype).replace("torch.", ""),
+            bytes_before=before, bytes_after=after, large_path=plan.path, compiled_path=plan.compiled_path,
+            gather_max_pairs=plan.gather_max,
+        )
+
+    def decide_loaded(self, module: torch.nn.Module, path: str, env: Env, layer: LoadedLayer) -> Decision:
+        """The decision for a module that :func:`mpsboost.load_fp8` fills with a file's codes and scales:
+        the path :meth:`decide` takes for the same shapes, dtype and device (default options), or, for
+        block scales, the block-scaled forward that applies them as they are. Reads no data."""
+        storage = fp8_ops.storage_for(env)
+        opts = _parse(Fp8WeightsOptions())
+        details: dict[str, Any] = {"kind": layer.kind, "granularity": layer.granularity, "storage": storage,
+                                   "compute_dtype": str(layer.compute_dtype).replace("torch.", ""),
+                                   "bytes_after": layer.nbytes, "loaded_from": layer.loaded_from,
+                                   "format": layer.format}
+        if layer.block is not None:
+            bn, bk = layer.block
+            details["block"] = [bn, bk]
+            plan = Fp8Plan(kind=layer.kind, granularity="block", storage=storage, path="block",
+                           compute_dtype=layer.compute_dtype, block=layer.block)
+            backing = (f"block-scaled fp8 {bn}x{bk}, dequantise then linear" if layer.kind == "linear"
+                       else f"block-scaled fp8 {bn}x{bk}: dequantise only the hit experts, one at a time")
+            why = f"{storage} storage, scales kept exactly as in {layer.source}"
+            return Decision.apply(backing, why, plan=plan, **details)
+        gran, dtype = layer.granularity, layer.compute_dtype
+        if layer.kind == "linear":
+            plan, backing, why = self._linear_plan(env, layer.shapes[0], dtype, gran, storage, opts)
+            return Decision.apply(backing, f"{gran} scales from {layer.source}, {plan.storage} storage: {why}",
+                                  plan=plan, **details)
+        ws = [torch.empty(s, dtype=dtype, device="meta") for s in layer.shapes]
+        tr = bool(getattr(module, "is_transposed", False))
+        plan, backing, why = self._experts_plan(env, ws, tr, gran, storage, opts)
+        return Decision.apply(backing, f"{gran} scales per expert from {layer.source}, {storage} storage: {why}",
+                              plan=plan, **details)
+
+    @staticmethod
+    def _linear_plan(env: Env, shape: tuple[int, ...], dtype: torch.dtype, gran: str, storage: str,
+                     opts: Fp8WeightsOptions) -> tuple[Fp8Plan, str, str]:
+        """(plan, backing, why) of a linear layer ``[N, K]`` computing in ``dtype``."""
+        n, k = shape
+        gemv_max, _, where = _thresholds(env, opts)
+        lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=dtype, gemv_max_m=gemv_max, activations=opts.activations)
+        extra = f"; {where}" if where and lp.kind == "fused" else ""
+        comp = "compiled: the same path (registered operators)" if lp.kind == "fused" else "compiled: the same path"
+        plan = Fp8Plan(kind="linear", granularity=gran, storage=lp.storage, path=lp.kind, compute_dtype=dtype,
+                       gemv_max_m=lp.gemv_max_m, large=lp.large)
+        return plan, lp.backing, f"{lp.reason}{extra}; {comp}"
+
+    def _experts_plan(self, env: Env, ws: list[torch.Tensor], tr: bool, gran: str, storage: str,
+                      opts: Fp8WeightsOptions) -> tuple[Fp8Plan, str, str]:
+        """(plan, backing, why) of an experts module with stacks ``ws`` (only shapes and dtype are read)."""
+        _, gather_max, where = _thresholds(env, opts)
         large, why = self._experts_path(env, ws, tr, storage, opts)
         # Few routed pairs (decoding) gather their experts in fp8: on the H200 a Qwen3-30B-A3B-shaped decode
         # step took 15.1 ms this way vs 16.2 (scaled_grouped_mm) and 17.4 (hit experts); stock batched_mm
@@ -512,13 +481,10 @@ class Fp8Weights(Recipe):
             why += "; compiled: the same path"
         if where and env.device_type == "cuda":
             why += f"; {where}"
-        before = sum(w.numel() * w.element_size() for w in ws)
-        after = sum(w.numel() + 4 * (w.numel() // w.shape[2 if not tr else 1] if gran == "rowwise" else w.shape[0]) for w in ws)
-        return Decision.apply(
-            backing, f"{gran} scales per expert, {storage} storage: {why}",
-            kind="experts", granularity=gran, storage=storage, compute_dtype=str(ws[0].dtype).replace("torch.", ""),
-            bytes_before=before, bytes_after=after, large_path=large, compiled_path=comp, gather_max_pairs=gather,
-        )
+        plan = Fp8Plan(kind="experts", granularity=gran, storage=storage, path=large, compute_dtype=ws[0].dtype,
+                       compiled_path=comp, gather_max=gather, native_grouped=check("grouped_mm", env).ok,
+                       histc_int=check("histc_int", env).ok)
+        return plan, backing, why
 
     @staticmethod
     def _experts_path(env: Env, ws: list[torch.Tensor], transposed: bool, storage: str, opts: Fp8WeightsOptions) -> tuple[str, str]:
@@ -543,87 +509,55 @@ class Fp8Weights(Recipe):
         gm = check("grouped_mm", env)
         return "hit", f"no fp8 grouped kernel ({why}); hit experts then {'native grouped_mm' if gm.ok else 'one expert at a time'}"
 
-    # ------------------------------------------------------------------ forwards for loaded checkpoints
-    # mpsboost.fp8_io binds these on layers it loads already converted (published fp8 checkpoints); it
-    # reaches them through the registry, so that neither module imports the other.
-    @staticmethod
-    def layer_class(cls: type) -> type:
-        """The class a converted ``cls`` instance is swapped to (:func:`_fp8_class`; used by load_fp8 too)."""
-        return _fp8_class(cls)
-
-    @staticmethod
-    def linear_forward(**fields: Any) -> tuple[_State, Any]:
-        """A converted linear layer's state (``fields``: kind, compute_dtype, granularity, gemv_max_m,
-        bias_in_mm, large) and the forward that reads it."""
-        state = _State(**fields)
-        return state, _linear_forward(state)
-
-    @classmethod
-    def experts_forward(cls, env: Env, ws: list[torch.Tensor], transposed: bool, storage: str, *,
-                        compute_dtype: torch.dtype, granularity: str, gather_max: int) -> tuple[_State, Any, str, str]:
-        """A converted experts module's state and forward, and the path it takes for many tokens with why."""
-        large, why = cls._experts_path(env, ws, transposed, storage, Fp8WeightsOptions())
-        state = _State(kind="experts", compute_dtype=compute_dtype, granularity=granularity, large_path=large,
-                       compiled_path=_compiled_path(large), gather_max=gather_max,
-                       native_grouped=check("grouped_mm", env).ok, histc_int=check("histc_int", env).ok)
-        return state, _experts_forward(state), large, why
-
     # ------------------------------------------------------------------ applying
     def apply(self, match: Match, decision: Decision, env: Env, options: Fp8WeightsOptions) -> Patch:
-        opts = _parse(options)
-        mod, d = match.module, decision.details
-        names = ("weight",) if d["kind"] == "linear" else _expert_weight_names(mod)
+        mod, plan = match.module, decision.plan
+        names = ("weight",) if plan.kind == "linear" else _expert_weight_names(mod)
         tr = bool(getattr(mod, "is_transposed", False))
-        k_dims = (1,) if d["kind"] == "linear" else ((1 if tr else 2),) * 2
-        load = opts.load
+        k_dims = (1,) if plan.kind == "linear" else ((1 if tr else 2),) * 2
         # Validate now, while the transaction can still roll back: after this, conversion at commit
         # cannot fail on the data.
         for n in names:
             t = getattr(mod, n)
             if t.device.type == "meta":
                 raise Fp8ConversionError(f"{match.path}.{n} is on the meta device (no data); load the weights first")
-            if load is None and not _all_finite(t):
+            if not _all_finite(t):
                 raise Fp8ConversionError(
                     f"{match.path}.{n} holds inf or NaN values; FP8 scales need finite weights. Fix the checkpoint, "
                     f"or exclude this module: options={{'fp8_weights': {{'exclude': [{match.path!r}]}}}}"
                 )
-        compute_dtype = getattr(mod, names[0]).dtype
-        device = getattr(mod, names[0]).device
-        if d["kind"] == "linear":
-            # Patch-time probe (never in a forward): can _scaled_mm take the bias with rowwise scales here?
-            bias_in_mm = d["path_kind"] in ("fused", "mps_scaled_mm") and d["storage"] == "float8" and \
-                fp8_ops.scaled_mm_bias_supported(str(device))
-            state = _State(kind=d["path_kind"], compute_dtype=compute_dtype, granularity=d["granularity"],
-                           gemv_max_m=d["gemv_max_m"], bias_in_mm=bias_in_mm, large=d.get("large", "dequant"),
-                           backing=decision.backing)
-            fwd = _linear_forward(state)
-        else:
-            state = _State(kind="experts", compute_dtype=compute_dtype, granularity=d["granularity"], large_path=d["large_path"],
-                           compiled_path=d["compiled_path"], gather_max=d["gather_max_pairs"],
-                           native_grouped=check("grouped_mm", env).ok, histc_int=check("histc_int", env).ok,
-                           backing=decision.backing)
-            fwd = _experts_forward(state)
+        compute_dtype = plan.compute_dtype
+        state = _state(plan, getattr(mod, names[0]).device, decision.backing)
 
         def converted() -> None:
             state.mark_converted()
-            if d["kind"] == "linear" and d["path_kind"] == "fused" and d["gemv_max_m"] > 0:
+            if plan.kind == "linear" and plan.path == "fused" and plan.gemv_max_m > 0:
                 _tune_gemv(mod, compute_dtype)
 
         def keep_original(exc: BaseException) -> None:  # out of memory at commit: this layer stays as it was
             warnings.warn(f"mpsboost: fp8_weights could not convert {match.path} ({type(exc).__name__}: {exc}); "
                           "it keeps its original weights and forward", stacklevel=5)
 
-        # The state rides along in the module's mpsboost record, where save_fp8 finds it. Nothing is
-        # converted before the transaction commits: a rollback leaves the very same weights.
-        convert = _converter(d["granularity"], d["storage"], dict(zip(names, k_dims)), load, match.path)
+        # Nothing is converted before the transaction commits: a rollback leaves the very same weights.
+        convert = _converter(plan.granularity, plan.storage, dict(zip(names, k_dims)))
         return Patch.chain(
-            [bind_forward(mod, NAME, fwd, fp8=state),
-             # print(model) shows an FP8Linear (FP8<Experts>): a per-instance class swap, kept with the conversion.
-             swap_class(mod, NAME, _fp8_class(type(mod))),
-             replace_at_commit(mod, names, convert, explanation=self.unpatch_hint(), description=f"{NAME}: convert {match.path}"),
+            [*_layer(mod, state),
+             replace_at_commit(mod, names, convert, explanation=self.unpatch_hint(),
+                               description=f"{NAME}: convert {match.path}"),
              at_commit(converted, f"{NAME}: {match.path} converted")],
             on_commit_error=keep_original, description=f"{NAME}: {match.path}",
         )
+
+    def loaded_layer(self, module: torch.nn.Module, path: str, decision: Decision) -> Patch:
+        """The fp8 layer of a module whose codes and scales :func:`mpsboost.load_fp8` has put in place:
+        the state of ``decision`` (from :meth:`decide_loaded`), the same forward and class as :meth:`apply`
+        gives; converted from the start. Irreversible once committed, like a conversion."""
+        plan = decision.plan
+        device = getattr(module, weight_names(module)[0]).device  # where the codes are now
+        state = _state(plan, device, decision.backing)
+        state.mark_converted()
+        return Patch.chain(_layer(module, state), reversible=False, explanation=self.unpatch_hint(),
+                           description=f"{NAME}: {path} (loaded)")
 
     def unpatch_hint(self) -> str:
         return ("reload the model from its checkpoint (from_pretrained); to skip the conversion next time, save the "
