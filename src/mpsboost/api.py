@@ -261,7 +261,7 @@ def _keyword_recipes(keywords: Mapping[str, Any]) -> list[Recipe]:
         value = keywords.get(r.keyword) if r.keyword is not None else None
         if value is None:
             continue
-        accepted = tuple(getattr(r, "keyword_values", None) or ())
+        accepted = tuple(r.keyword_values or ())
         if accepted and value not in accepted:
             names = ", ".join(repr(v) for v in accepted[:-1])
             names += (" or " if len(accepted) > 1 else "") + repr(accepted[-1])
@@ -694,14 +694,6 @@ def applied_undos(obj: Any) -> list[tuple[str, str, Patch]]:
 def is_patched(obj: Any) -> bool:
     recs = _records(obj)
     return bool(recs) and any(r.applied for r in recs)
-
-
-def __getattr__(name: str) -> Any:
-    # FP8_GRANULARITIES (read by mpsboost.docs): the values of patch()'s fp8= keyword, owned by the recipe
-    # that declares the keyword (Recipe.keyword_values); looked up when asked, not kept here.
-    if name == "FP8_GRANULARITIES":
-        return next(tuple(r.keyword_values) for r in all_recipes() if r.keyword == "fp8")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _class_name(obj: Any) -> str:

@@ -220,11 +220,9 @@ def selection(recipe: Recipe) -> str:
 
 
 def _keyword_args(recipe: Recipe) -> dict:
-    # The one public keyword today is fp8= (its first accepted value); a recipe selected by name needs none.
-    if recipe.keyword == "fp8":
-        from .api import FP8_GRANULARITIES
-
-        return {"fp8": FP8_GRANULARITIES[0]}
+    # A recipe selected by a public keyword (fp8=) gets its first accepted value; one selected by name needs none.
+    if recipe.keyword is not None and recipe.keyword_values:
+        return {recipe.keyword: recipe.keyword_values[0]}
     return {}
 
 

@@ -145,6 +145,8 @@ class Recipe:
     # its value fills (``fp8="rowwise"`` is sugar for ``options={"fp8_weights": {"granularity": "rowwise"}}``).
     keyword: ClassVar[str | None] = None
     keyword_field: ClassVar[str | None] = None
+    # The values that keyword accepts (patch() checks them before anything else); empty: any value.
+    keyword_values: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------------ finding targets
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:

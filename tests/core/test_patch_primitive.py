@@ -340,10 +340,6 @@ _ALLOWED: dict[tuple[str, str | None], str] = {
     # The log of each patch() call (the Patches to undo, the report) lives on the object passed to
     # patch(), a pipeline or a model, as `_mpsboost_records`; a copy gets none (see patching's docstring).
     ("api.py", None): "patch()'s own records on the patched object, not a change to a module",
-    # load_fp8 writes _parameters/_buffers itself with its own undo log and builds Patches by hand
-    # (_materialise); once it replaces tensors through patching's helpers and commits through the API,
-    # this entry goes.
-    ("checkpoints.py", None): "load_fp8's _materialise, to move onto patching's helpers",
     # The VidTok causal conv keeps its frame cache on the module at run time, as the stock forward does.
     ("ops/pad5d.py", "module.causal_cache = x.clone()"): "the stock forward's own run-time cache",
     ("ops/pad5d.py", "module.causal_cache = x[:, :, :-module.cache_offset].clone()"):
@@ -593,8 +589,6 @@ def test_the_structure_scan_catches_direct_changes(tmp_path):
 # is_patched_by, held_by, without_record), each with why. An entry that matches nothing fails the test.
 _STORE_READERS = {
     "api.py": "unpatch() tells a copy of a patched model by the store on its modules (_patched_modules)",
-    "checkpoints.py": "load_fp8 reads fp8_weights' record; patching.saved_state(module, 'fp8_weights') gives it",
-    "recipes/fp8/recipe.py": "reads its own bind_forward record; patching.saved_state(module, NAME) gives it",
 }
 
 

@@ -21,7 +21,7 @@ from ...errors import Fp8StateError
 from ...ops import fp8 as fp8_ops
 from ...ops import fp8_moe
 from ...ops.fp8_block import fp8_block_experts, fp8_block_linear
-from ...patching import ATTR, original_forward
+from ...patching import original_forward, saved_state
 
 __all__ = ["RECIPE", "FP8_BASE_ATTR", "Fp8State", "LoadedLayer", "FP8Linear", "fp8_class", "fp8_state", "forward_for",
            "is_hf_experts", "expert_weight_names", "plain_linear", "weight_names"]
@@ -117,7 +117,7 @@ class LoadedLayer:
 
 def fp8_state(module: torch.nn.Module) -> Optional[Fp8State]:
     """The :class:`Fp8State` of an fp8 layer (converted or still pending), or None."""
-    entry = module.__dict__.get(ATTR, {}).get(RECIPE)
+    entry = saved_state(module, RECIPE)
     state = entry.get("fp8") if entry else None
     return state if isinstance(state, Fp8State) else None
 
