@@ -1,6 +1,7 @@
 """Benchmark of ``wan_vae_pad``: the Wan2.2 VAE decode, stock vs mpsboost, fp32 and bf16.
 
-Workloads (size "real": the Wan2.2-TI2V-5B VAE config, examples/configs/wan22_ti2v/real/vae.json, random weights):
+Workloads (size "real": the Wan2.2-TI2V-5B VAE config, row ``wan22_vae:real`` of ``mpsboost.bench.models``, random
+weights):
 
 * ``wan22_vae_decode`` 480x832, 81 frames (latent 21x30x52), tiled (15 tiles of 256 px, stride 192)
   and untiled;
@@ -22,7 +23,6 @@ The helpers below are shared by ``qwen_image_vae.py`` and ``mps_streams.py``.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 import time
@@ -33,7 +33,9 @@ import torch
 
 import mpsboost
 from mpsboost.bench import Record, RecordEnv, Workload, correctness, measure_memory
-from mpsboost.bench.harness import MIN_REPEATS, count_pad5d, measure_variants
+from mpsboost.bench.harness import MIN_REPEATS, count_pad5d, measure_variants, release
+from mpsboost.bench.models import build
+from mpsboost.bench.timing import synchronize
 
 # ------------------------------------------------------------------------------------------ shared
 
@@ -53,19 +55,9 @@ def log(msg: str) -> None:
     print(f"[{time.monotonic() - _T0:7.1f}s] {msg}", flush=True)
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    elif device == "mps":
-        torch.mps.synchronize()
-
-
-def free(device: str) -> None:
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    elif device == "mps":
-        torch.mps.empty_cache()
+# Device synchronisation and the release of cached memory between workloads are the harness's.
+sync = synchronize
+free = release
 
 
 Variant = tuple  # (name, recipes or None for stock, patch options or None)
@@ -235,29 +227,12 @@ def cpu_fp32_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 # ------------------------------------------------------------------------------------------ Wan2.2
 
-WAN22_REAL = dict(
-    base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
-    temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
-    patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
-    latents_mean=[0.0] * 48, latents_std=[1.0] * 48,
-)
-WAN22_TINY = dict(
-    base_dim=3, decoder_base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-    temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
-    patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
-    latents_mean=[0.0] * 16, latents_std=[1.0] * 16,
-)
-WAN22_SMALL = dict(WAN22_TINY, base_dim=16, decoder_base_dim=24, num_res_blocks=2)
-
-
 def build_wan22(size: str, device: str) -> torch.nn.Module:
-    from diffusers import AutoencoderKLWan
-
-    cfg = {"real": WAN22_REAL, "small": WAN22_SMALL, "tiny": WAN22_TINY}[size]
+    """The Wan2.2 VAE at ``size``: rows wan22_vae:real, :bench_small, :bench_tiny of mpsboost.bench.models."""
+    name = {"real": "wan22_vae:real", "small": "wan22_vae:bench_small", "tiny": "wan22_vae:bench_tiny"}[size]
     torch.manual_seed(0)
     # Random init directly on the device: 705M parameters initialise in well under a second there.
-    with torch.device(device):
-        vae = AutoencoderKLWan(**cfg)
+    vae = build(name, device=device)
     return vae.eval().requires_grad_(False)
 
 

@@ -117,10 +117,25 @@ MODELS: dict[str, ModelSpec] = {
     # Qwen-Image VAE: the class defaults are Qwen-Image's; tiny is diffusers' tests/pipelines/qwenimage config.
     "qwen_image_vae:real": ModelSpec("diffusers", "AutoencoderKLQwenImage", base=("qwen_image", "real", "vae.json")),
     "qwen_image_vae:tiny": ModelSpec("diffusers", "AutoencoderKLQwenImage", base=("qwen_image", "tiny", "vae.json")),
+    "qwen_image_vae:bench_tiny": ModelSpec("diffusers", "AutoencoderKLQwenImage", override={
+        "base_dim": 4, "z_dim": 4, "dim_mult": [1, 2, 4], "num_res_blocks": 1, "temperal_downsample": [False, True],
+        **_latents(4)}, what="benchmarks/qwen_image_vae.py --size tiny"),
+    "qwen_image_vae:bench_small": ModelSpec("diffusers", "AutoencoderKLQwenImage", override={
+        "base_dim": 16, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
+        "temperal_downsample": [False, True, True]}, what="benchmarks/qwen_image_vae.py --size small"),
+    # Qwen-Image-2.1: the class defaults (base_dim 96, decoder_base_dim 144, z_dim 64, dim_mult [1, 2, 4, 8, 8],
+    # 4 channels in and out, spatial factor 16) are its VAE.
     "qwen_image21_vae:real": ModelSpec("diffusers", "AutoencoderKLQwenImage21", what="the class defaults"),
     "qwen_image21_vae:tiny": ModelSpec("diffusers", "AutoencoderKLQwenImage21", override={
         "base_dim": 8, "decoder_base_dim": 8, "z_dim": 4, "dim_mult": [1, 1, 1, 1, 1], "num_res_blocks": 1,
-        "temperal_downsample": [False, True, True, True], **_latents(4)}),
+        "temperal_downsample": [False, True, True, True], **_latents(4)}, what="selftest"),
+    "qwen_image21_vae:bench_tiny": ModelSpec("diffusers", "AutoencoderKLQwenImage21", override={
+        "base_dim": 4, "decoder_base_dim": 6, "z_dim": 4, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1,
+        "temperal_downsample": [False, True, True], "scale_factor_spatial": 8, **_latents(4)},
+        what="benchmarks/qwen_image_vae.py --size tiny"),
+    "qwen_image21_vae:bench_small": ModelSpec("diffusers", "AutoencoderKLQwenImage21", override={
+        "base_dim": 16, "decoder_base_dim": 24, "z_dim": 16, "dim_mult": [1, 2, 4, 4, 4], "num_res_blocks": 2,
+        "temperal_downsample": [False, True, True, True], **_latents(16)}, what="benchmarks/qwen_image_vae.py --size small"),
     # HunyuanVideo's VAE structure (causal convs with replicate time padding) at a test width.
     "hunyuan_video_vae:tiny": ModelSpec("diffusers", "AutoencoderKLHunyuanVideo", override={
         "block_out_channels": (8, 8, 8, 8), "norm_num_groups": 4, "layers_per_block": 1, "latent_channels": 4}),
