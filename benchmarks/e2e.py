@@ -124,7 +124,8 @@ class Run:
             dev = self.device
             nbytes = (2 << 30) if torch.device(dev).type == "cuda" else (1 << 26)
             bw = copy_bandwidth(dev, nbytes=nbytes, on_cpu=True)
-            self._bw = (bw, f"measured in this run: device copy of {nbytes >> 20} MiB, read + write bytes over median time")
+            self._bw = (bw, f"measured in this run: device copy of {nbytes >> 20} MiB, read + write bytes over "
+                            "median time")
         return self._bw
 
 

@@ -29,7 +29,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from wan_vae import DTYPES, _ref_with_label, budget_left, reference_pass, cpu_fp32_copy, free, guarded, log, measure_workload, patched, stream_record, top_ops  # noqa: E402
+from _common import (  # noqa: E402
+    DTYPES,
+    _ref_with_label,
+    budget_left,
+    cpu_fp32_copy,
+    free,
+    guarded,
+    log,
+    measure_workload,
+    patched,
+    reference_pass,
+    stream_record,
+    top_ops,
+)
 
 from mpsboost.bench.harness import MIN_REPEATS  # noqa: E402
 

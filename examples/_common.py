@@ -50,7 +50,8 @@ def parser(description: str, *, default_model: str) -> argparse.ArgumentParser:
     src.add_argument("--model", default=None,
                      help=f"hub id or local folder to load with from_pretrained (needs the weights), e.g. {default_model}")
     src.add_argument("--random-weights", choices=("tiny", "real"), default=None,
-                     help="build the architecture from mpsboost's shipped configs with random weights: 'tiny' runs in seconds "
+                     help="build the architecture from mpsboost's shipped configs with random weights: 'tiny' runs in "
+                          "seconds "
                           "on a CPU (what CI runs), 'real' is the real size (needs the memory of the real model)")
     p.add_argument("--device", default=None, help="mps, cuda, cuda:1 or cpu (default: the best one present)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,

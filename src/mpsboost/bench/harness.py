@@ -415,7 +415,8 @@ def measure_job(
         else:
             timing = time_fn(job, device=device, warmup=warmup, repeats=repeats)
         op_fns = ops() if callable(ops) else (ops or {})
-        op_timings = {name: time_fn(fn, device=device, warmup=op_warmup, repeats=op_repeats) for name, fn in op_fns.items()}
+        op_timings = {name: time_fn(fn, device=device, warmup=op_warmup, repeats=op_repeats)
+                      for name, fn in op_fns.items()}
         if memory == "last":
             with contextlib.ExitStack() as stack:
                 if output == "last":

@@ -95,8 +95,8 @@ def _latents(z_dim: int) -> dict:
 
 # The small transformers LM the selftest's recipe checks share (every attention path applies at head_dim 32).
 _SELFTEST_LM = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                "num_key_value_heads": 1, "max_position_embeddings": 64, "tie_word_embeddings": False, "bos_token_id": 1,
-                "eos_token_id": 2, "pad_token_id": 0}
+                "num_key_value_heads": 1, "max_position_embeddings": 64, "tie_word_embeddings": False,
+                "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 MODELS: dict[str, ModelSpec] = {
     # Wan2.2 VAE (diffusers AutoencoderKLWan): residual blocks, patch 2, z 48, 12 channels, 16x / 4x compression.
@@ -135,15 +135,16 @@ MODELS: dict[str, ModelSpec] = {
         what="benchmarks/qwen_image_vae.py --size tiny"),
     "qwen_image21_vae:bench_small": ModelSpec("diffusers", "AutoencoderKLQwenImage21", override={
         "base_dim": 16, "decoder_base_dim": 24, "z_dim": 16, "dim_mult": [1, 2, 4, 4, 4], "num_res_blocks": 2,
-        "temperal_downsample": [False, True, True, True], **_latents(16)}, what="benchmarks/qwen_image_vae.py --size small"),
+        "temperal_downsample": [False, True, True, True], **_latents(16)},
+        what="benchmarks/qwen_image_vae.py --size small"),
     # HunyuanVideo's VAE structure (causal convs with replicate time padding) at a test width.
     "hunyuan_video_vae:tiny": ModelSpec("diffusers", "AutoencoderKLHunyuanVideo", override={
         "block_out_channels": (8, 8, 8, 8), "norm_num_groups": 4, "layers_per_block": 1, "latent_channels": 4}),
     # Qwen3-30B-A3B's layout (every layer sparse, top-k routing over many small experts, GQA with head_dim set
     # apart from hidden/heads) at toy widths.
     "qwen3_moe:demo": ModelSpec("transformers", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", override={
-        "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128, "num_experts": 16,
-        "num_experts_per_tok": 4, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+        "num_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "head_dim": 64, "max_position_embeddings": 1024, "decoder_sparse_step": 1, "mlp_only_layers": [],
         "norm_topk_prob": True, "tie_word_embeddings": False}, what="mpsboost demo"),
     "qwen3_moe:selftest": ModelSpec("transformers", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", override={
@@ -157,7 +158,8 @@ MODELS: dict[str, ModelSpec] = {
         "attn_implementation": "eager"}),
     # Qwen3.6's text model (Gated DeltaNet + full attention, MoE with a shared expert) at a test width.
     "qwen3_5_moe:selftest": ModelSpec("transformers", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", override={
-        "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+        "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+        "layer_types": ["linear_attention", "full_attention"],
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "linear_num_key_heads": 2,
         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_experts": 8,
         "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,

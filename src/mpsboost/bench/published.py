@@ -15,6 +15,7 @@ writer, so it lives here and each imports it.
 Every writer also hands back the file's exact dequantisation (codes x scales in float32, rounded once),
 the reference a loaded model is compared with.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,15 +25,32 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["FORMATS", "FP8", "StreamWriter", "dequant", "published_tensors", "quant_block", "quant_rows", "quant_tensor",
-           "wan_original_name", "write_published"]
+__all__ = [
+    "FORMATS",
+    "FP8",
+    "StreamWriter",
+    "dequant",
+    "published_tensors",
+    "quant_block",
+    "quant_rows",
+    "quant_tensor",
+    "wan_original_name",
+    "write_published",
+]
 
 FP8 = torch.float8_e4m3fn
 FORMATS = ("transformers", "compressed-tensors", "scaled_fp8")
-_ST = {torch.float8_e4m3fn: "F8_E4M3", torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
+_ST = {
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int64: "I64",
+}
 
 
-# ------------------------------------------------------------------------------------------ quantisation by the formats' rules
+# ---------------------------------------------------------------------------------- quantisation by the formats' rules
+
 
 def quant_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scale_inv [ceil(N/bn), ceil(K/bk)]): scale = amax of the block / 448; short last blocks allowed."""
@@ -59,7 +77,9 @@ def quant_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale).clamp(-448, 448).to(FP8), scale
 
 
-def dequant(codes: torch.Tensor, scale: torch.Tensor, shape_block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+def dequant(
+    codes: torch.Tensor, scale: torch.Tensor, shape_block: tuple[int, int] | None, dtype: torch.dtype
+) -> torch.Tensor:
     """The file's exact dequantisation: code x its scale in float32, rounded once to ``dtype``."""
     c = codes.float()
     if shape_block is not None:
@@ -72,6 +92,7 @@ def dequant(codes: torch.Tensor, scale: torch.Tensor, shape_block: tuple[int, in
 
 
 # ------------------------------------------------------------------------------------------ writing, tensor by tensor
+
 
 class StreamWriter:
     """A safetensors file written one tensor at a time (header first, from the announced shapes)."""
@@ -112,11 +133,22 @@ class StreamWriter:
 
 
 _WAN_BACK = [  # diffusers' names -> the original Wan repository's (inverse of convert_wan_transformer_to_diffusers)
-    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"), ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
-    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"), ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-    ("condition_embedder.time_proj", "time_projection.1"), ("attn2", "cross_attn"), ("attn1", "self_attn"), (".to_out.0.", ".o."),
-    (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"),
-    ("norm2", "norm__x"), ("norm3", "norm2"), ("norm__x", "norm3"),
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("attn2", "cross_attn"),
+    ("attn1", "self_attn"),
+    (".to_out.0.", ".o."),
+    (".to_q.", ".q."),
+    (".to_k.", ".k."),
+    (".to_v.", ".v."),
+    ("ffn.net.0.proj", "ffn.0"),
+    ("ffn.net.2", "ffn.2"),
+    ("norm2", "norm__x"),
+    ("norm3", "norm2"),
+    ("norm__x", "norm3"),
 ]
 
 
@@ -124,15 +156,24 @@ def wan_original_name(key: str) -> str:
     if key == "scale_shift_table":
         return "head.modulation"
     if key.startswith("proj_out."):
-        return "head.head." + key[len("proj_out."):]
+        return "head.head." + key[len("proj_out.") :]
     out = key.replace("scale_shift_table", "modulation")
     for a, b in _WAN_BACK:
         out = out.replace(a, b)
     return out
 
 
-def published_tensors(model: torch.nn.Module, fmt: str, *, block=(128, 128), tensors: Iterator | None = None,
-                      original_names=None, rename=None, keep: tuple[str, ...] = (), scale_dtype=torch.float32) -> tuple[list, Iterator]:
+def published_tensors(
+    model: torch.nn.Module,
+    fmt: str,
+    *,
+    block=(128, 128),
+    tensors: Iterator | None = None,
+    original_names=None,
+    rename=None,
+    keep: tuple[str, ...] = (),
+    scale_dtype=torch.float32,
+) -> tuple[list, Iterator]:
     """(specs, generator) of a published fp8 checkpoint of ``model`` in ``fmt``.
 
     ``tensors`` yields (model key, bf16 tensor) in state-dict order (default: the model's state); the
@@ -163,18 +204,28 @@ def published_tensors(model: torch.nn.Module, fmt: str, *, block=(128, 128), ten
         elif key.endswith(("experts.gate_up_proj", "experts.down_proj")):
             base = fkey.rsplit(".", 1)[0]
             e, n, k = t.shape
-            subs = (("gate_proj", 0, n // 2), ("up_proj", n // 2, n)) if key.endswith("gate_up_proj") else (("down_proj", 0, n),)
+            subs = (
+                (("gate_proj", 0, n // 2), ("up_proj", n // 2, n))
+                if key.endswith("gate_up_proj")
+                else (("down_proj", 0, n),)
+            )
             sdt = scale_dtype if fmt == "transformers" else torch.float32
             for ex in range(e):
                 for sub, r0, r1 in subs:
                     w = f"{base}.{ex}.{sub}.weight"
-                    sshape = ((-(-(r1 - r0) // block[0]), -(-k // block[1])) if fmt == "transformers" else (r1 - r0, 1))
-                    specs += [(w, FP8, (r1 - r0, k)), (w + ("_scale_inv" if fmt == "transformers" else "_scale"), sdt, sshape)]
+                    sshape = (-(-(r1 - r0) // block[0]), -(-k // block[1])) if fmt == "transformers" else (r1 - r0, 1)
+                    specs += [
+                        (w, FP8, (r1 - r0, k)),
+                        (w + ("_scale_inv" if fmt == "transformers" else "_scale"), sdt, sshape),
+                    ]
             plan.append((key, base, "experts", subs))
         elif quant:
             n, k = t.shape
             if fmt == "transformers":
-                specs += [(fkey, FP8, (n, k)), (fkey + "_scale_inv", scale_dtype, (-(-n // block[0]), -(-k // block[1])))]
+                specs += [
+                    (fkey, FP8, (n, k)),
+                    (fkey + "_scale_inv", scale_dtype, (-(-n // block[0]), -(-k // block[1]))),
+                ]
             else:
                 specs += [(fkey, FP8, (n, k)), (fkey.rsplit(".", 1)[0] + ".weight_scale", torch.float32, (n, 1))]
             plan.append((key, fkey, True, None))
@@ -187,7 +238,11 @@ def published_tensors(model: torch.nn.Module, fmt: str, *, block=(128, 128), ten
             q, s = quant_block(w, block)
             if scale_dtype != torch.float32:  # the stored scale is what the file means: codes from it, exactly
                 s = s.to(scale_dtype)
-                per = s.float().repeat_interleave(block[0], 0)[:w.shape[0]].repeat_interleave(block[1], 1)[:, :w.shape[1]]
+                per = (
+                    s.float()
+                    .repeat_interleave(block[0], 0)[: w.shape[0]]
+                    .repeat_interleave(block[1], 1)[:, : w.shape[1]]
+                )
                 q = (w.float() / per).clamp(-448, 448).to(FP8)
             return q, s, dequant(q, s, block, w.dtype)
         if fmt == "compressed-tensors":
@@ -231,15 +286,27 @@ def published_tensors(model: torch.nn.Module, fmt: str, *, block=(128, 128), ten
     return specs, gen()
 
 
-def write_published(model: torch.nn.Module, fmt: str, out: Path, *, block=(128, 128), tensors=None, config: dict | None = None,
-                    keep_reference: bool = True, rename=None, keep: tuple[str, ...] = (), scale_dtype=torch.float32,
-                    modules_to_not_convert: list | None = None) -> tuple[Path, dict]:
+def write_published(
+    model: torch.nn.Module,
+    fmt: str,
+    out: Path,
+    *,
+    block=(128, 128),
+    tensors=None,
+    config: dict | None = None,
+    keep_reference: bool = True,
+    rename=None,
+    keep: tuple[str, ...] = (),
+    scale_dtype=torch.float32,
+    modules_to_not_convert: list | None = None,
+) -> tuple[Path, dict]:
     """Write ``model`` as a published fp8 checkpoint in ``fmt`` under ``out``; returns (path, reference state).
     ``rename``, ``keep``, ``scale_dtype``: see :func:`published_tensors`; ``modules_to_not_convert``: the
     transformers quantization_config's list (default ``["lm_head"]``)."""
     orig = wan_original_name if fmt == "scaled_fp8" and type(model).__name__ == "WanTransformer3DModel" else None
-    specs, gen = published_tensors(model, fmt, block=block, tensors=tensors, original_names=orig, rename=rename, keep=keep,
-                                   scale_dtype=scale_dtype)
+    specs, gen = published_tensors(
+        model, fmt, block=block, tensors=tensors, original_names=orig, rename=rename, keep=keep, scale_dtype=scale_dtype
+    )
     if fmt == "scaled_fp8":
         path = out / f"{type(model).__name__}_fp8_scaled.safetensors"
     else:
@@ -260,13 +327,31 @@ def write_published(model: torch.nn.Module, fmt: str, out: Path, *, block=(128, 
     if fmt != "scaled_fp8" and config is not None:
         cfg = dict(config)
         if fmt == "transformers":
-            cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block),
-                                          "modules_to_not_convert": list(modules_to_not_convert or ["lm_head"])}
+            cfg["quantization_config"] = {
+                "quant_method": "fp8",
+                "activation_scheme": "dynamic",
+                "weight_block_size": list(block),
+                "modules_to_not_convert": list(modules_to_not_convert or ["lm_head"]),
+            }
         else:
-            cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-                                          "quantization_status": "compressed",
-                                          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                                              "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}}}}
+            cfg["quantization_config"] = {
+                "quant_method": "compressed-tensors",
+                "format": "float-quantized",
+                "ignore": ["lm_head"],
+                "quantization_status": "compressed",
+                "config_groups": {
+                    "group_0": {
+                        "targets": ["Linear"],
+                        "weights": {
+                            "num_bits": 8,
+                            "type": "float",
+                            "strategy": "channel",
+                            "symmetric": True,
+                            "dynamic": False,
+                        },
+                    }
+                },
+            }
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
         return out, ref
     return path, ref
