@@ -61,7 +61,7 @@ import torch
 import mpsboost
 from mpsboost.api import is_patched
 from mpsboost.bench import models as C  # the shipped configs (config, default_dtype, dtype_name), as the cookbook's
-from mpsboost.bench.harness import copy_bandwidth
+from mpsboost.bench.harness import best_device, copy_bandwidth
 from mpsboost.bench.memory import measure_memory
 from mpsboost.bench.quality import correctness
 from mpsboost.bench.records import Correctness, OpTime, Record, RecordEnv, Throughput, Workload
@@ -897,7 +897,7 @@ def _json_options(text: str) -> dict:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=best_device())  # what `mpsboost bench` picks: mps, cuda, cpu
     p.add_argument("--size", choices=("tiny", "real"), default="real")
     p.add_argument("--only", default=",".join(WORKLOADS), help=f"workloads: {', '.join(WORKLOADS)}")
     p.add_argument("--modes", default=",".join(dict.fromkeys(LLM_MODES + DIFFUSION_MODES)),
