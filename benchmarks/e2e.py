@@ -58,20 +58,18 @@ from typing import Any, Callable
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT.parent / "examples"))
-import _common as C  # noqa: E402  (the shipped configs of examples/configs)
-
-import mpsboost  # noqa: E402
-from mpsboost.api import is_patched  # noqa: E402
-from mpsboost.bench.memory import measure_memory  # noqa: E402
-from mpsboost.bench.quality import correctness  # noqa: E402
-from mpsboost.bench.records import Correctness, OpTime, Record, RecordEnv, Throughput, Workload  # noqa: E402
-from mpsboost.bench.timing import synchronize, time_fn  # noqa: E402
+import mpsboost
+from mpsboost.api import is_patched
+from mpsboost.bench import models as C  # the shipped configs (config, default_dtype, dtype_name), as the cookbook's
+from mpsboost.bench.harness import best_device, copy_bandwidth
+from mpsboost.bench.memory import measure_memory
+from mpsboost.bench.quality import correctness
+from mpsboost.bench.records import Correctness, OpTime, Record, RecordEnv, Throughput, Workload
+from mpsboost.bench.timing import synchronize
 
 NAME = "e2e"
-LLM = {"qwen3-8b": ("qwen3_dense", ROOT / "configs"), "qwen3-30b-a3b": ("qwen3_moe", C.CONFIGS),
-       "qwen3.6-35b-a3b": ("qwen3_5_moe", ROOT / "configs")}
+# workload -> its family in the shipped configs (mpsboost.bench.models)
+LLM = {"qwen3-8b": "qwen3_dense", "qwen3-30b-a3b": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe"}
 DIFFUSION = {"wan22-ti2v-5b": "wan22_ti2v", "qwen-image": "qwen_image"}
 WORKLOADS = tuple(LLM) + tuple(DIFFUSION)
 LLM_MODES = ("eager", "static")
@@ -119,17 +117,15 @@ class Run:
     def copy_bandwidth(self) -> tuple[float, str]:
         """Device copy bandwidth (read + write bytes over time), measured once per run.
 
-        The same probe as benchmarks/moe.py (a 2 GiB bf16 copy on CUDA); 64 MiB elsewhere so that a
-        CPU smoke run stays short.
+        The harness's probe, as benchmarks/moe.py uses it (a 2 GiB copy on CUDA); 64 MiB elsewhere so that a
+        CPU smoke run stays short (measured on the CPU too: the smoke run exercises the bandwidth share).
         """
         if self._bw is None:
             dev = self.device
-            n = (1 << 30) if torch.device(dev).type == "cuda" else (1 << 25)
-            a = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
-            b = torch.empty_like(a)
-            t = time_fn(lambda: b.copy_(a), device=dev, warmup=2, repeats=10)
-            del a, b
-            self._bw = (2 * 2 * n / t.median_s, f"measured in this run: device copy of {2 * n >> 20} MiB bf16, read + write bytes over median time")
+            nbytes = (2 << 30) if torch.device(dev).type == "cuda" else (1 << 26)
+            bw = copy_bandwidth(dev, nbytes=nbytes, on_cpu=True)
+            self._bw = (bw, f"measured in this run: device copy of {nbytes >> 20} MiB, read + write bytes over "
+                            "median time")
         return self._bw
 
 
@@ -233,9 +229,7 @@ def error_text(exc: BaseException) -> str:
 def llm_config(workload: str, size: str, layers: int | None):
     from transformers import AutoConfig
 
-    folder, base = LLM[workload]
-    path = base / folder / size / "config.json"
-    data = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
+    data = C.config(LLM[workload], size, "config.json")
     if layers is not None:
         data["num_hidden_layers"] = layers
     model_type = data.pop("model_type")
@@ -903,7 +897,7 @@ def _json_options(text: str) -> dict:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=best_device())  # what `mpsboost bench` picks: mps, cuda, cpu
     p.add_argument("--size", choices=("tiny", "real"), default="real")
     p.add_argument("--only", default=",".join(WORKLOADS), help=f"workloads: {', '.join(WORKLOADS)}")
     p.add_argument("--modes", default=",".join(dict.fromkeys(LLM_MODES + DIFFUSION_MODES)),

@@ -59,8 +59,9 @@ from pathlib import Path
 
 import torch
 
+from mpsboost.bench.models import read_config
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
 WORKLOADS = ("qwen3_8b", "qwen3_30b_a3b", "qwen_image", "qwen3.6")
 DEFAULT_LAYERS = {"qwen3_8b": 36, "qwen3_30b_a3b": 12, "qwen_image": 16, "qwen3.6": 40}
@@ -96,12 +97,12 @@ def _config(name: str, layers: int, tiny: bool = False):
     if name == "qwen3_30b_a3b":
         from transformers import Qwen3MoeConfig
 
-        cfg = json.loads((ROOT / "examples/configs/qwen3_moe/real/config.json").read_text())
+        cfg = read_config("qwen3_moe", "real", "config.json")
         cfg = {k: v for k, v in cfg.items() if not k.startswith("_") and k != "model_type"}
         cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
         cfg["num_hidden_layers"] = layers
         return Qwen3MoeConfig(**cfg)
-    cfg = json.loads((ROOT / "examples/configs/qwen_image/real/transformer.json").read_text())
+    cfg = read_config("qwen_image", "real", "transformer.json")
     cfg = {k: v for k, v in cfg.items() if k != "_source"}
     cfg["num_layers"] = layers
     return cfg
@@ -125,7 +126,7 @@ def _meta_model(name: str, cfg):
 def write_checkpoints(name: str, cfg, work: Path, device: str) -> dict:
     """The bf16 checkpoint and the published fp8 one, from the same values, one tensor at a time
     (qwen3.6: the fp8 one only)."""
-    from fp8_checkpoint import StreamWriter, write_published
+    from mpsboost.bench.published import StreamWriter, write_published
 
     meta = _meta_model(name, cfg)
     state = meta.state_dict(keep_vars=True)
@@ -166,7 +167,7 @@ def write_checkpoints(name: str, cfg, work: Path, device: str) -> dict:
 
 def _write_qwen36(meta, cfg, work: Path, values, t0: float) -> dict:
     """Qwen/Qwen3.6-35B-A3B-FP8's layout: the wrapper's config and key prefix, BF16 block scales, per-expert Linears."""
-    from fp8_checkpoint import write_published
+    from mpsboost.bench.published import write_published
 
     not_convert = ["lm_head", QWEN36_PREFIX + "embed_tokens"]
     for i in range(cfg.num_hidden_layers):

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpsboost
 from mpsboost.bench import Correctness, Record, RecordEnv, Workload
-from mpsboost.bench.harness import measure_variants
+from mpsboost.bench.harness import best_device, measure_variants
 from mpsboost.bench.quality import relative_error
 from mpsboost.bench.records import write_jsonl
 from mpsboost.bench.timing import synchronize
@@ -155,7 +155,7 @@ def measure(device: str, size: str, dtype: torch.dtype, env_text: str | None, re
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=best_device())  # what `mpsboost bench` picks: mps, cuda, cpu
     p.add_argument("--size", choices=sorted(SIZES), default=None, help="default: real on a GPU, tiny on CPU")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None, help="default: bfloat16 on a GPU, float32 on CPU")
     p.add_argument("--env", default=None, help="decide as in a simulated environment, e.g. mps-2.15.0 (tensors stay on --device)")

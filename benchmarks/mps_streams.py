@@ -20,7 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from qwen_image_vae import build_qwen  # noqa: E402
-from wan_vae import build_wan22, budget_left, free, guarded, log, measure_workload  # noqa: E402
+from _common import budget_left, free, guarded, log, measure_workload  # noqa: E402
+from wan_vae import build_wan22  # noqa: E402
 
 from mpsboost.bench import Record, Workload  # noqa: E402
 from mpsboost.bench.harness import MIN_REPEATS  # noqa: E402

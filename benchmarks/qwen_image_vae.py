@@ -29,35 +29,37 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from wan_vae import DTYPES, _ref_with_label, budget_left, reference_pass, cpu_fp32_copy, free, guarded, log, measure_workload, patched, stream_record, top_ops  # noqa: E402
+from _common import (  # noqa: E402
+    DTYPES,
+    _ref_with_label,
+    budget_left,
+    cpu_fp32_copy,
+    free,
+    guarded,
+    log,
+    measure_workload,
+    patched,
+    reference_pass,
+    stream_record,
+    top_ops,
+)
 
 from mpsboost.bench.harness import MIN_REPEATS  # noqa: E402
 
 from mpsboost.bench import Record, RecordEnv, Workload  # noqa: E402
+from mpsboost.bench.models import build  # noqa: E402
 
-QWEN_TINY = dict(base_dim=4, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-                 latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-QWEN_SMALL = dict(base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
-# Qwen-Image-2.1: "real" is the class defaults (base_dim 96, decoder_base_dim 144, z_dim 64, dim_mult
-# [1, 2, 4, 8, 8], 4 channels in and out, spatial factor 16).
-QWEN21_TINY = dict(base_dim=4, decoder_base_dim=6, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                   temperal_downsample=[False, True, True], scale_factor_spatial=8, latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-QWEN21_SMALL = dict(base_dim=16, decoder_base_dim=24, z_dim=16, dim_mult=[1, 2, 4, 4, 4], num_res_blocks=2,
-                    temperal_downsample=[False, True, True, True], latents_mean=[0.0] * 16, latents_std=[1.0] * 16)
-#: model -> (diffusers class, configs by size, workload name, seed of its inputs)
+#: model -> (diffusers class, workload name, seed of its inputs); the configs by size are rows
+#: "<model>_vae:real", ":bench_small", ":bench_tiny" of mpsboost.bench.models
 MODELS = {
-    "qwen_image": ("AutoencoderKLQwenImage", {"real": {}, "small": QWEN_SMALL, "tiny": QWEN_TINY}, "qwen_image_vae_roundtrip", 2),
-    "qwen_image21": ("AutoencoderKLQwenImage21", {"real": {}, "small": QWEN21_SMALL, "tiny": QWEN21_TINY}, "qwen_image21_vae_roundtrip", 3),
+    "qwen_image": ("AutoencoderKLQwenImage", "qwen_image_vae_roundtrip", 2),
+    "qwen_image21": ("AutoencoderKLQwenImage21", "qwen_image21_vae_roundtrip", 3),
 }
 
 
 def build_qwen(size: str, device: str, model: str = "qwen_image") -> torch.nn.Module:
-    import diffusers
-
-    cls_name, cfgs, _, _ = MODELS[model]
     torch.manual_seed(0)
-    with torch.device(device):
-        vae = getattr(diffusers, cls_name)(**cfgs[size])
+    vae = build(f"{model}_vae:{'real' if size == 'real' else 'bench_' + size}", device=device)
     return vae.eval().requires_grad_(False)
 
 
@@ -114,7 +116,7 @@ def run(device: str, size: str, out: Path, models: tuple[str, ...] = tuple(MODEL
 def _run_model(device: str, size: str, out: Path, model: str) -> list[Record]:
     records: list[Record] = []
     vae = build_qwen(size, device, model)
-    _, _, wname, seed = MODELS[model]
+    _, wname, seed = MODELS[model]
     repeats = MIN_REPEATS
     gen = torch.Generator(device="cpu").manual_seed(seed)
     work = _workloads(size, model)

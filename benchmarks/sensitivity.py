@@ -38,8 +38,10 @@ def _e2e():
 
 
 def main(argv=None) -> int:
+    from mpsboost.bench.harness import best_device
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default=best_device())  # what `mpsboost bench` picks: mps, cuda, cpu
     p.add_argument("--size", choices=("tiny", "real"), default="real")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--prompt-tokens", type=int, default=512)

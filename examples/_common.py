@@ -1,18 +1,19 @@
 """What every cookbook script shares: arguments, configs, stock-vs-patched measurement, the records.
 
 A cookbook script builds its pipeline or model (``--model`` from the hub or a local folder, or
-``--random-weights tiny|real`` from the configs shipped in ``examples/configs``), runs the job stock,
-patches it with mpsboost, runs it again, and prints the patch report and the four records of
-``mpsboost.bench`` for each variant: throughput of the whole job, device-synchronised time of the
+``--random-weights tiny|real`` from the configs shipped with mpsboost, :mod:`mpsboost.bench.models`), runs
+the job stock, patches it with mpsboost, runs it again, and prints the patch report and the four records
+of ``mpsboost.bench`` for each variant: throughput of the whole job, device-synchronised time of the
 operation the recipes change, correctness against the stock output (and a CPU fp32 reference where
 the script names one), and memory peaks. ``--out DIR`` also writes them as JSON Lines.
+
+What is measured and how (warm-up, repeats, synchronisation, the memory pass, the busy-machine check) is
+:mod:`mpsboost.bench.harness`, the loop ``mpsboost demo``, ``mpsboost selftest`` and the benchmarks use too.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,9 +22,13 @@ from typing import Any, Callable
 
 import torch
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
+from mpsboost.bench.harness import best_device, machine_load
+# The shipped configs and the dtype helpers are the package's (mpsboost.bench.models), the ones the
+# benchmarks and the selftest read; the scripts name them as C.config, C.default_dtype, C.dtype_name.
+from mpsboost.bench.models import config, default_dtype, dtype_name, read_config  # noqa: F401
+
 # The load average when the script started: a busy machine makes every speed ratio meaningless.
-LOAD_AT_START = (os.getloadavg()[0], os.cpu_count() or 1) if hasattr(os, "getloadavg") else None
+LOAD_AT_START = machine_load()
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -45,7 +50,8 @@ def parser(description: str, *, default_model: str) -> argparse.ArgumentParser:
     src.add_argument("--model", default=None,
                      help=f"hub id or local folder to load with from_pretrained (needs the weights), e.g. {default_model}")
     src.add_argument("--random-weights", choices=("tiny", "real"), default=None,
-                     help="build the architecture from examples/configs with random weights: 'tiny' runs in seconds "
+                     help="build the architecture from mpsboost's shipped configs with random weights: 'tiny' runs in "
+                          "seconds "
                           "on a CPU (what CI runs), 'real' is the real size (needs the memory of the real model)")
     p.add_argument("--device", default=None, help="mps, cuda, cuda:1 or cpu (default: the best one present)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
@@ -73,30 +79,13 @@ def print_plans(obj: Any, plans: list[str], fp8: str | None = None) -> None:
         print()
 
 
-class default_dtype:
-    """Create parameters directly in ``dtype`` (a real-size model is never materialised in fp32)."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-
-    def __enter__(self):
-        self.old = torch.get_default_dtype()
-        if self.dtype.is_floating_point:
-            torch.set_default_dtype(self.dtype)
-        return self
-
-    def __exit__(self, *exc):
-        torch.set_default_dtype(self.old)
-        return False
-
-
 def resolve(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     """The device and dtype of the run; defaults to ``--random-weights tiny`` when no source is given."""
     if args.model is None and args.random_weights is None:
         args.random_weights = "tiny"
     device = args.device
     if device is None:
-        device = "mps" if torch.backends.mps.is_available() else "cuda" if torch.cuda.is_available() else "cpu"
+        device = best_device()
     kind = torch.device(device).type
     from mpsboost.bench.cli import present_devices
 
@@ -111,21 +100,8 @@ def resolve(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     return device, dtype
 
 
-def config(*parts: str) -> dict:
-    """A shipped config: ``config("wan22_ti2v", "tiny", "vae.json")``."""
-    path = CONFIGS.joinpath(*parts)
-    if not path.is_file():
-        raise SystemExit(f"missing shipped config {path}; the recipes/ folder is incomplete")
-    data = json.loads(path.read_text())
-    return {k: v for k, v in data.items() if not k.startswith("_")}
-
-
 def seeded(seed: int) -> None:
     torch.manual_seed(seed)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 # ------------------------------------------------------------------------------------ measuring
@@ -147,20 +123,16 @@ def measure(variant: str, job: Callable[[], torch.Tensor], *, device: str, repea
             op_repeats: int = 5) -> Measured:
     """Run ``job`` for throughput, ``ops`` for operator time, then once more for memory peaks.
 
-    The passes are separate (memory sampling must not slow the timed runs). ``job`` returns the output
-    tensor; the output of the memory pass is the one compared for correctness.
+    The passes are separate (memory sampling must not slow the timed runs); :func:`mpsboost.bench.harness.measure_job`
+    runs them. ``job`` returns the output tensor; the output of the memory pass is the one compared for correctness.
     """
-    from mpsboost.bench import measure_memory, time_fn
+    from mpsboost.bench.harness import measure_job
 
-    with torch.no_grad():
-        timing = time_fn(job, device=device, warmup=warmup, repeats=repeats)
-        throughput = timing.throughput(items_per_call, unit) if items_per_call else timing.throughput(unit="s/call")
-        op_time = {}
-        for name, fn in (ops or {}).items():
-            op_time[name] = time_fn(fn, device=device, warmup=1, repeats=op_repeats).op_time()
-        with measure_memory(device) as probe:
-            out = job()
-    return Measured(variant, out.detach().float().cpu(), throughput, op_time, probe.peaks())
+    m = measure_job(job, device=device, repeats=repeats, warmup=warmup, output="last", memory="last", ops=ops,
+                    op_warmup=1, op_repeats=op_repeats)
+    throughput = m.timing.throughput(items_per_call, unit) if items_per_call else m.timing.throughput(unit="s/call")
+    op_time = {name: t.op_time() for name, t in m.op_timings.items()}
+    return Measured(variant, m.output.detach().float().cpu(), throughput, op_time, m.memory)
 
 
 def records(workload_name: str, shape: dict, device: str, dtype: torch.dtype, stock: Measured, patched: Measured,
@@ -191,8 +163,7 @@ def records(workload_name: str, shape: dict, device: str, dtype: torch.dtype, st
 def finish(name: str, args: argparse.Namespace, report: Any, recs: list) -> int:
     """Print the patch report and the records side by side; write JSONL under ``--out``."""
     from mpsboost.bench import compare_table, write_jsonl
-
-    from mpsboost.demo import ratio_lines
+    from mpsboost.bench.harness import ratio_lines
 
     print(report)
     print()

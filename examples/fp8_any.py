@@ -6,7 +6,7 @@ With weights (network or a local copy):
     python examples/fp8_any.py --model Qwen/Qwen3-30B-A3B --device mps --granularity rowwise --save qwen3-fp8.safetensors
     python examples/fp8_any.py --model Wan-AI/Wan2.2-TI2V-5B-Diffusers --subfolder transformer --device mps
 
-Offline, real architecture with random weights (shipped configs in examples/configs):
+Offline, real architecture with random weights (configs shipped with mpsboost, mpsboost.bench.models):
 
     python examples/fp8_any.py --random-weights tiny --arch qwen3_moe     # seconds on a CPU (what CI runs)
     python examples/fp8_any.py --random-weights real --arch wan_transformer --device mps
@@ -69,7 +69,7 @@ def load(args, device: str, dtype: torch.dtype, seed: int):
         if library == "diffusers":
             import diffusers
 
-            class_name = json.loads((C.CONFIGS / folder / args.random_weights / file).read_text())["_class_name"]
+            class_name = C.read_config(folder, args.random_weights, file)["_class_name"]
             model = getattr(diffusers, class_name).from_config(cfg)
         else:
             from transformers import AutoModelForCausalLM, Qwen3MoeConfig

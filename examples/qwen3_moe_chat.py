@@ -6,7 +6,7 @@ With weights (network or a local copy):
     python examples/qwen3_moe_chat.py --model Qwen/Qwen3-30B-A3B --device mps --dtype bfloat16 \\
         --prompt "Explain grouped matrix multiplication in two sentences." --new-tokens 64
 
-Offline, real architecture with random weights (shipped configs in examples/configs/qwen3_moe):
+Offline, real architecture with random weights (the qwen3_moe configs shipped with mpsboost):
 
     python examples/qwen3_moe_chat.py --random-weights tiny            # seconds on a CPU (what CI runs)
     python examples/qwen3_moe_chat.py --random-weights real --layers 8 --device mps   # Qwen3-30B-A3B shape, 8 of 48 layers

@@ -6,7 +6,7 @@ With weights (network or a local copy):
     python examples/qwen_image.py --model Qwen/Qwen-Image --device mps --dtype bfloat16 \\
         --prompt "a coffee shop sign that says 'MPS'" --height 1024 --width 1024
 
-Offline, real architecture with random weights (shipped configs in examples/configs/qwen_image):
+Offline, real architecture with random weights (the qwen_image configs shipped with mpsboost):
 
     python examples/qwen_image.py --random-weights tiny             # seconds on a CPU (what CI runs)
     python examples/qwen_image.py --random-weights real --vae-only --device mps   # the 127M VAE at 1024x1024

@@ -6,7 +6,7 @@ With weights (network or a local copy):
     python examples/wan22_video.py --model Wan-AI/Wan2.2-TI2V-5B-Diffusers --device mps --dtype bfloat16 \\
         --prompt "a cat surfing a wave at sunset" --height 704 --width 1280 --frames 121
 
-Offline, real architecture with random weights (shipped configs in examples/configs/wan22_ti2v):
+Offline, real architecture with random weights (the wan22_ti2v configs shipped with mpsboost):
 
     python examples/wan22_video.py --random-weights tiny            # seconds on a CPU (what CI runs)
     python examples/wan22_video.py --random-weights real --device mps --frames 21 --steps 2

@@ -62,35 +62,18 @@ def _wan21_vae():
 
 
 def _wan22_vae():
-    from diffusers import AutoencoderKLWan
+    from mpsboost.bench.models import build
 
     # The Wan2.2 TI2V-5B structure (residual, patch size 2, z 48, spatial factor 16) at base_dim 3,
-    # as in diffusers' Wan225BPipelineFastTests.
-    return AutoencoderKLWan(
-        base_dim=3,
-        z_dim=48,
-        in_channels=12,
-        out_channels=12,
-        is_residual=True,
-        patch_size=2,
-        latents_mean=[0.0] * 48,
-        latents_std=[1.0] * 48,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        scale_factor_spatial=16,
-        scale_factor_temporal=4,
-        temperal_downsample=[False, True, True],
-    )
+    # as in diffusers' Wan225BPipelineFastTests: the row the selftest and the cookbook build too.
+    return build("wan22_vae:tiny")
 
 
 def _qwen_image_vae():
-    from diffusers import AutoencoderKLQwenImage
+    from mpsboost.bench.models import build
 
     # diffusers' tests/pipelines/qwenimage/test_qwenimage.py.
-    return AutoencoderKLQwenImage(
-        base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-        latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
-    )
+    return build("qwen_image_vae:tiny")
 
 
 def _qwen_image21_vae():
@@ -197,11 +180,9 @@ _LM_COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_atten
 
 
 def _qwen3_moe():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from mpsboost.bench.models import build
 
-    cfg = Qwen3MoeConfig(**_LM_COMMON, head_dim=32, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
-                         num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
-    return Qwen3MoeForCausalLM(cfg)
+    return build("qwen3_moe:selftest")  # _LM_COMMON with 8 experts top-2, head_dim 32
 
 
 def _mixtral():
@@ -232,9 +213,9 @@ def _deepseek_v3():
 
 
 def _qwen3_dense():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from mpsboost.bench.models import build
 
-    return Qwen3ForCausalLM(Qwen3Config(**_LM_COMMON, head_dim=32, intermediate_size=64))
+    return build("qwen3:selftest")  # _LM_COMMON, head_dim 32
 
 
 def _llama():

@@ -43,10 +43,9 @@ def _env_from_args(args: argparse.Namespace):
 
     if args.device is None and args.torch is None:
         return Env.detect()
-    import torch
+    from .bench.harness import best_device
 
-    device = args.device or ("mps" if torch.backends.mps.is_available() else "cuda" if torch.cuda.is_available() else "cpu")
-    return Env.simulate(device, args.torch)
+    return Env.simulate(args.device or best_device(), args.torch)
 
 
 def _doctor(args: argparse.Namespace) -> int:

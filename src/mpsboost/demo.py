@@ -31,52 +31,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-__all__ = ["main", "run_demo", "WAN22_DEMO_CONFIG", "QWEN3_MOE_DEMO_CONFIG"]
+from .bench.harness import BUSY_SPREAD, best_device, count_pad5d, machine_load, measure_job, ratio_lines
+from .bench.models import build, model_config
 
-# The Wan2.2-TI2V-5B VAE structure (the vae/config.json of Wan-AI/Wan2.2-TI2V-5B-Diffusers: base_dim 160,
-# decoder_base_dim 256, z_dim 48, dim_mult [1,2,4,4], 2 res blocks, temporal downsample [F,T,T], residual,
-# 12 channels, patch 2)
-# with the widths divided by 20 and 16 so that a decode takes well under a second on a CPU core.
-# (The encoder is not run by the demo; base_dim only sizes its weights.)
-WAN22_DEMO_CONFIG: dict[str, Any] = dict(
-    base_dim=8,
-    decoder_base_dim=16,
-    z_dim=48,
-    dim_mult=[1, 2, 4, 4],
-    num_res_blocks=2,
-    temperal_downsample=[False, True, True],
-    is_residual=True,
-    in_channels=12,
-    out_channels=12,
-    patch_size=2,
-    scale_factor_spatial=16,
-    scale_factor_temporal=4,
-    latents_mean=[0.0] * 48,
-    latents_std=[1.0] * 48,
-)
+# BUSY_SPREAD and ratio_lines are the harness's (one busy-machine check for every entry point), named here too.
+__all__ = ["main", "run_demo", "WAN22_DEMO_CONFIG", "QWEN3_MOE_DEMO_CONFIG", "BUSY_SPREAD", "ratio_lines"]
+
+# The model configs live with every other measured model in mpsboost.bench.models (rows "wan22_vae:demo",
+# "qwen3_moe:demo"): the Wan2.2-TI2V-5B VAE structure with its widths divided by 20 and 16, and the
+# Qwen3-30B-A3B layout at toy widths.
+WAN22_DEMO_CONFIG: dict[str, Any] = model_config("wan22_vae:demo")
 # Latent (frames, height, width): 2 latent frames -> 5 video frames (the second goes through the
 # causal time cache); 8x8 -> 128x128 pixels.
 WAN22_DEMO_LATENT = (2, 8, 8)
 
-# The Qwen3-30B-A3B layout (every layer sparse, top-k routing over many small experts, GQA with
-# head_dim set apart from hidden/heads) at toy widths.
-QWEN3_MOE_DEMO_CONFIG: dict[str, Any] = dict(
-    vocab_size=2048,
-    hidden_size=256,
-    intermediate_size=512,
-    moe_intermediate_size=128,
-    num_experts=16,
-    num_experts_per_tok=4,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=64,
-    max_position_embeddings=1024,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    norm_topk_prob=True,
-    tie_word_embeddings=False,
-)
+QWEN3_MOE_DEMO_CONFIG: dict[str, Any] = model_config("qwen3_moe:demo")
 PROMPT_TOKENS = 64
 DECODE_TOKENS = 8
 
@@ -117,7 +86,7 @@ def _say(msg: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------
-# Capturing the main operator's inputs, counting F.pad on 5-D tensors
+# Capturing the main operator's inputs
 
 
 @dataclass
@@ -156,21 +125,11 @@ def _capture_largest_call(root, class_name: str, out: _OpCall):
 
 
 @contextlib.contextmanager
-def _count_pad5d(counter: dict):
-    """Count ``F.pad`` calls on 5-D tensors with a TorchFunctionMode (nothing is reassigned)."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    pads = {torch.nn.functional.pad, torch._C._nn.pad}
-
-    class _Mode(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func in pads and args and isinstance(args[0], torch.Tensor) and args[0].dim() == 5:
-                counter["pad_calls_5d"] = counter.get("pad_calls_5d", 0) + 1
-            return func(*args, **(kwargs or {}))
-
-    with _Mode():
-        yield counter
+def _keep(cm, into: list):
+    """Enter ``cm`` and keep what it yields in ``into`` (read after the block)."""
+    with cm as value:
+        into.append(value)
+        yield value
 
 
 def _layout(t) -> str:
@@ -203,44 +162,41 @@ class _Job:
 
 
 def _measure(job: _Job, variant: str, env, device: str, *, ref_cpu, stock_out, op: _OpCall, repeats: int, warmup: int):
-    import torch
-
-    from .bench import Record, Workload, correctness, measure_memory, time_fn
+    from .bench import Record, Workload, correctness
     from .bench.quality import as_tensor
 
     extra: dict[str, Any] = {}
-    # 1. output pass (untimed): the output for correctness, the operator's inputs, F.pad count
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        counter: dict = {}
-        with contextlib.ExitStack() as stack:
-            if op.module is None:
-                stack.enter_context(_capture_largest_call(job.root, job.op_class, op))
-            if job.count_pads:
-                stack.enter_context(_count_pad5d(counter))
-            out = as_tensor(job.run())
-        if job.count_pads:
-            extra["pad_calls_5d"] = counter.get("pad_calls_5d", 0)
-    extra["first_call_s"] = time.perf_counter() - t0
+    watch: list = []
+    if op.module is None:
+        watch.append(lambda: _capture_largest_call(job.root, job.op_class, op))
+    if job.count_pads:
+        # The aten-level count (every route to a pad kernel), the one the recipes' tests assert is zero.
+        pads: list = []
+        watch.append(lambda: _keep(count_pad5d(), pads))
 
-    # 2. timing pass of the whole job (the output pass above was its first warm-up call)
-    with torch.no_grad():
-        timing = time_fn(job.run, device=device, warmup=warmup, repeats=repeats)
-        throughput = timing.throughput(job.items, job.unit)
-        op_time = {}
-        if op.module is not None:
-            module, args, kwargs = op.module, op.args, op.kwargs
-            op_timing = time_fn(lambda: module(*args, **kwargs), device=device, warmup=max(warmup, 1), repeats=max(repeats, 5))
-            op_time[job.op_name] = op_timing.op_time()
-            extra["op_input_shape"] = list(args[0].shape) if args and hasattr(args[0], "shape") else None
-            extra["op_input_layout"] = _layout(args[0]) if args and hasattr(args[0], "shape") else None
+    def ops() -> dict:
+        if op.module is None:
+            return {}
+        module, args, kwargs = op.module, op.args, op.kwargs
+        return {job.op_name: lambda: module(*args, **kwargs)}
 
-    # 3. memory pass, separate from timing
-    with torch.no_grad(), measure_memory(device) as probe:
-        job.run()
-    memory = probe.peaks()
+    # The output call (untimed; the first warm-up call, the operator's inputs, the pad count), the timing
+    # of the whole job, the operator alone, then a memory pass separate from timing.
+    m = measure_job(job.run, device=device, repeats=repeats, warmup=warmup, output="first", memory="last",
+                    watch=tuple(watch), ops=ops, op_warmup=max(warmup, 1), op_repeats=max(repeats, 5))
+    out = as_tensor(m.output)
+    if job.count_pads:
+        extra["pad_calls_5d"] = pads[0].total
+    extra["first_call_s"] = m.first_call_s
+    throughput = m.timing.throughput(job.items, job.unit)
+    op_time = {name: t.op_time() for name, t in m.op_timings.items()}
+    if op.module is not None:
+        args = op.args
+        extra["op_input_shape"] = list(args[0].shape) if args and hasattr(args[0], "shape") else None
+        extra["op_input_layout"] = _layout(args[0]) if args and hasattr(args[0], "shape") else None
+    memory = m.memory
 
-    # 4. correctness against the CPU fp32 reference; patched also against stock
+    # correctness against the CPU fp32 reference; patched also against stock
     corr = correctness(out, ref_cpu, reference="cpu-fp32", data_range=job.data_range, psnr_too=job.psnr)
     if stock_out is not None:
         vs = correctness(out, stock_out, reference="stock", data_range=job.data_range, psnr_too=job.psnr)
@@ -265,8 +221,8 @@ def _measure(job: _Job, variant: str, env, device: str, *, ref_cpu, stock_out, o
 def _wan_vae(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
     import torch
 
-    diffusers = _need("diffusers", "diffusers")
-    vae = diffusers.AutoencoderKLWan(**WAN22_DEMO_CONFIG).eval()
+    _need("diffusers", "diffusers")
+    vae = build("wan22_vae:demo").eval()
     # torch.nn.Module.to: ModelMixin.to warns on every dtype cast about _keep_in_fp32_modules,
     # which this VAE does not have.
     torch.nn.Module.to(vae, device=device, dtype=dtype)
@@ -299,10 +255,10 @@ def _wan_vae(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
 def _qwen3_moe(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
     import torch
 
-    transformers = _need("transformers", "transformers")
-    config = transformers.Qwen3MoeConfig(**QWEN3_MOE_DEMO_CONFIG)
+    _need("transformers", "transformers")
     torch.manual_seed(2)
-    lm = transformers.Qwen3MoeForCausalLM(config).eval().to(device=device, dtype=dtype)
+    lm = build("qwen3_moe:demo").eval().to(device=device, dtype=dtype)
+    config = lm.config
     vocab = config.vocab_size
     ids = torch.randint(0, vocab, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(3)).to(device)
 
@@ -452,85 +408,7 @@ def _vs_stock_lines(records) -> list[str]:
         lines.append(f"  {r.workload.name}: {r.variant} vs stock: " + ", ".join(parts))
     pads = [(r.workload.name, r.variant, r.extra["pad_calls_5d"]) for r in records if "pad_calls_5d" in r.extra]
     for name, variant, n in pads:
-        lines.append(f"  {name}: {variant}: {n} F.pad calls on 5-D tensors per decode")
-    return lines
-
-
-# Repeats of one job that spread more than this (max - min over the median) make a ratio of two
-# medians meaningless: the machine's other load, not the recipe, decides the figure.
-BUSY_SPREAD = 0.25
-
-
-def _spread(lo: float | None, hi: float | None, median: float | None) -> float | None:
-    if lo is None or hi is None or not median:
-        return None
-    return (hi - lo) / median
-
-
-def _machine_load() -> tuple[float, int] | None:
-    import os
-
-    try:
-        return os.getloadavg()[0], os.cpu_count() or 1
-    except (AttributeError, OSError):  # no load average on Windows
-        return None
-
-
-def ratio_lines(records, *, load_before: tuple[float, int] | None = None) -> list[str]:
-    """Each speed ratio to stock with its range over the repeats, and a warning when the machine was too busy.
-
-    The range of a ratio of medians is taken from the extremes of the repeats: stock's fastest over
-    the variant's slowest, to stock's slowest over the variant's fastest. A ratio is called meaningless
-    when either side's repeats spread more than :data:`BUSY_SPREAD` of its median, or when the load
-    average exceeded the number of cores while it ran.
-    """
-    groups: dict[str, dict[str, Any]] = {}
-    for r in records:
-        groups.setdefault(r.workload.name, {})[r.variant] = r
-    lines: list[str] = []
-    noisy: list[str] = []
-    single = False
-    for name, variants in groups.items():
-        base = variants.get("stock")
-        if base is None:
-            continue
-        for variant, rec in variants.items():
-            if rec is base:
-                continue
-            parts = []
-            pairs = []
-            bt, vt = base.throughput, rec.throughput
-            if bt is not None and vt is not None and bt.seconds_per_call and vt.seconds_per_call:
-                pairs.append(("throughput", bt.seconds_per_call, vt.seconds_per_call,
-                              (bt.spread or {}).get("min_s"), (bt.spread or {}).get("max_s"),
-                              (vt.spread or {}).get("min_s"), (vt.spread or {}).get("max_s"), bt.repeats, vt.repeats))
-            for op, vo in (rec.op_time or {}).items():
-                bo = (base.op_time or {}).get(op)
-                if bo is not None:
-                    pairs.append((f"op {op}", bo.median_us, vo.median_us, bo.min_us, bo.max_us, vo.min_us, vo.max_us,
-                                  bo.repeats, vo.repeats))
-            for label, b_med, v_med, b_lo, b_hi, v_lo, v_hi, b_n, v_n in pairs:
-                text = f"{label} {b_med / v_med:.2f}x"
-                if None in (b_lo, b_hi, v_lo, v_hi) or min(b_n or 1, v_n or 1) < 2:
-                    text += " (one repeat: no spread)"
-                    single = True
-                else:
-                    text += f" ({b_lo / v_hi:.2f}x-{b_hi / v_lo:.2f}x over the repeats)"
-                    worst = max(_spread(b_lo, b_hi, b_med) or 0.0, _spread(v_lo, v_hi, v_med) or 0.0)
-                    if worst > BUSY_SPREAD:
-                        noisy.append(f"{name} {label} (repeats spread {100 * worst:.0f}%)")
-                parts.append(text)
-            if parts:
-                lines.append(f"  {name}: {variant} vs stock: " + ", ".join(parts))
-    loads = [x for x in (load_before, _machine_load()) if x is not None]
-    busy_load = [f"load average {l:.1f} on {n} cores" for l, n in loads if l > n]
-    if noisy or busy_load:
-        why = "; ".join(noisy[:4] + (["..."] if len(noisy) > 4 else []) + busy_load[:1])
-        lines.append(f"  WARNING: this machine was too busy for these ratios to mean anything ({why}; "
-                     f"over {100 * BUSY_SPREAD:.0f}% spread, or more load than cores). Rerun on a quiet machine, "
-                     "with more --repeats.")
-    elif single:
-        lines.append("  (with one repeat there is no spread to judge the ratios by: use --repeats 3 or more)")
+        lines.append(f"  {name}: {variant}: {n} pad calls on 5-D tensors per decode (aten level)")
     return lines
 
 
@@ -603,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import torch
 
-    from .bench.cli import best_device, check_device
+    from .bench.cli import check_device
     from .bench.table import compare_table
     from .bench.errors import BenchError
 
@@ -615,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     dtype = getattr(torch, args.dtype) if args.dtype else None
     t0 = time.perf_counter()
-    load_before = _machine_load()
+    load_before = machine_load()
     records, _ = run_demo(device, dtype, repeats=args.repeats, models=models)
     table = compare_table(records)
     _say("\n" + "=" * 100)

@@ -113,3 +113,88 @@ def test_ratio_range_spans_the_two_spreads():
     t1 = Throughput(value=1.0, unit="s/call", spread={"min_s": 0.9, "max_s": 1.1})
     t2 = Throughput(value=1.0, unit="s/call", spread={})
     assert ratio_range(t1, t2) is None
+
+
+# ------------------------------------------------------------------------------------------ measure_job
+
+
+def _counting_job():
+    """A job that records each call's index in the log it returns, and the log."""
+    log: list[int] = []
+
+    def job():
+        log.append(len(log))
+        return torch.full((2,), float(len(log)))
+
+    return job, log
+
+
+def test_measure_job_output_first_then_warmups_repeats_ops_and_a_separate_memory_pass():
+    from mpsboost.bench.harness import measure_job
+
+    job, log = _counting_job()
+    op_calls: list[int] = []
+    seen: list[str] = []
+
+    @__import__("contextlib").contextmanager
+    def watcher():
+        seen.append("in")
+        yield
+        seen.append("out")
+
+    m = measure_job(job, device="cpu", repeats=3, warmup=2, output="first", memory="last", watch=(watcher,),
+                    ops=lambda: {"op": lambda: op_calls.append(1)}, op_warmup=1, op_repeats=5)
+    # output call + 2 warm-ups + 3 timed + 1 memory pass; the output is the first call's
+    assert len(log) == 1 + 2 + 3 + 1
+    assert m.output.tolist() == [1.0, 1.0]
+    assert seen == ["in", "out"]  # the watchers wrap the output call only
+    assert m.timing.repeats == 3 and m.timing.warmup == 2 and m.timing.method == "perf_counter"
+    assert len(op_calls) == 1 + 5 and m.op_timings["op"].repeats == 5
+    assert m.memory is not None and m.memory.driver_level > 0
+    assert m.first_call_s is not None and m.first_call_s >= 0
+
+
+def test_measure_job_takes_the_output_from_the_memory_pass_when_asked():
+    from mpsboost.bench.harness import measure_job
+
+    job, log = _counting_job()
+    m = measure_job(job, device="cpu", repeats=2, warmup=1, output="last", memory="last")
+    assert len(log) == 1 + 2 + 1 and m.output.tolist() == [4.0, 4.0] and m.first_call_s is None
+
+
+def test_measure_job_memory_first_is_the_output_call():
+    from mpsboost.bench.harness import measure_job
+
+    job, log = _counting_job()
+    m = measure_job(job, device="cpu", repeats=2, warmup=0, output="first", memory="first")
+    assert len(log) == 1 + 2 and m.output.tolist() == [1.0, 1.0] and m.memory is not None
+
+
+def test_measure_job_caps_the_repeats_of_a_long_call():
+    from mpsboost.bench.harness import measure_job
+
+    def slow():
+        time.sleep(0.05)
+
+    m = measure_job(slow, device="cpu", repeats=10, warmup=1, output=None, memory=None, time_cap_s=0.12)
+    assert 1 <= m.timing.repeats <= 3 and m.output is None and m.memory is None
+
+
+def test_measure_job_refuses_passes_that_contradict_each_other():
+    from mpsboost.bench.harness import measure_job
+
+    with pytest.raises(TimingError, match="'first', 'last' or None"):
+        measure_job(lambda: None, device="cpu", repeats=1, output="middle")
+    with pytest.raises(TimingError, match="memory='first' measures the output call"):
+        measure_job(lambda: None, device="cpu", repeats=1, output="last", memory="first")
+    with pytest.raises(TimingError, match="output='last' takes the output from the memory pass"):
+        measure_job(lambda: None, device="cpu", repeats=1, output="last", memory=None)
+
+
+def test_one_busy_threshold_and_one_best_device_for_every_entry_point():
+    import mpsboost.demo as demo
+    from mpsboost.bench import cli, harness
+
+    assert demo.BUSY_SPREAD is harness.BUSY_SPREAD and demo.ratio_lines is harness.ratio_lines
+    assert cli.best_device is harness.best_device
+    assert harness.best_device() in ("mps", "cuda", "cpu")

@@ -1,4 +1,5 @@
-"""The measurement harness: records, timing, memory, quality, table and plot, shared benchmark parts.
+"""The measurement harness: records, timing, memory, quality, table and plot; harness.py is THE measure loop;
+models.py the models every measurement builds (the shipped configs and the small ones).
 
 Four separate records per measurement, never merged into one number: throughput of the whole job,
 device-synchronised operator time, correctness against a named reference, memory peaks split into
@@ -49,6 +50,9 @@ _LAZY = {
     "measure_variants": "harness",
     "copy_bandwidth": "harness",
     "count_pad5d": "harness",
+    "measure_job": "harness",
+    "best_device": "harness",
+    "ratio_lines": "harness",
 }
 
 
@@ -95,6 +99,9 @@ __all__ = [
     "measure_variants",
     "copy_bandwidth",
     "count_pad5d",
+    "measure_job",
+    "best_device",
+    "ratio_lines",
     "BenchError",
     "RecordError",
     "EnvMismatchError",

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import BenchError, BenchmarkNotFoundError
+from .harness import best_device
 from .records import Record, read_jsonl, write_jsonl
 
 __all__ = ["main", "script_main", "find_benchmark", "catalogue", "present_devices", "BENCHMARKS", "recipes_without_benchmark", "benchmark_dirs", "list_benchmarks", "best_device", "run_benchmark", "SIZES"]
@@ -48,17 +49,6 @@ NOT_SHIPPED = (
 )
 DEVICES = ("cuda", "mps", "cpu")
 ENV_VAR = "MPSBOOST_BENCHMARKS"
-
-
-def best_device() -> str:
-    """``"mps"``, else ``"cuda"``, else ``"cpu"``: the best device torch sees here."""
-    import torch
-
-    if torch.backends.mps.is_available():
-        return "mps"
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu"
 
 
 def check_device(device: str) -> str:

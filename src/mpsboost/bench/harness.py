@@ -1,18 +1,28 @@
-"""Parts every benchmark script shares: the copy-bandwidth probe, the 5-D pad counter and the
-measure loop.
+"""THE measure loop of mpsboost, and the parts every measurement shares.
 
-* :func:`copy_bandwidth`: device-to-device copy bandwidth (bytes read plus bytes written over
-  time), the ceiling that "fraction of the bandwidth limit" figures refer to.
-* :func:`count_pad5d`: counts padding at the aten level on rank-5 inputs (``constant_pad_nd``,
-  ``replication_pad3d``, ``reflection_pad3d``), whatever Python function issued it (``F.pad``,
-  ``nn.ZeroPad3d``, a library's own helper), through a ``TorchDispatchMode``; ``by_rank`` counts
-  every pad operator by input rank (the 4-D pads of 2-D VAEs such as Qwen-Image-2.1's).
+Everything that times a job (``mpsboost demo``, ``mpsboost selftest``, the cookbook in ``examples/`` and
+the scripts in ``benchmarks/``) measures through this module, so that warm-up, repeats, device
+synchronisation, median and spread, the busy-machine check and the memory pass mean the same everywhere.
+
+* :func:`measure_job`: one job of one variant: an output call (which also warms up), warm-ups, timed
+  repeats (:func:`~mpsboost.bench.timing.time_fn`: device-synchronised, median and quartiles), the time of
+  its main operators, and a memory pass kept apart from the timing.
 * :func:`measure_variants`: times several variants of one workload in alternation (round ``r``
   runs every variant once, in an order rotated by ``r``), so that a machine that slows down or
   speeds up during the run touches every variant alike. Each variant gets a
   :class:`~mpsboost.bench.timing.Timing` (median, min, max, quartiles); the result says whether the
   spread was large enough to call the machine busy, and :func:`verdict` says whether two variants
   differ at all (their min..max ranges apart) before any ratio is read.
+* the busy-machine check: :data:`BUSY_SPREAD`, :func:`machine_load` and :func:`ratio_lines` (each speed
+  ratio with its range over the repeats, and a warning when the machine was too busy to read it).
+* :func:`copy_bandwidth`: device-to-device copy bandwidth (bytes read plus bytes written over
+  time), the ceiling that "fraction of the bandwidth limit" figures refer to.
+* :func:`count_pad5d`: counts padding at the aten level on rank-5 inputs (``constant_pad_nd``,
+  ``replication_pad3d``, ``reflection_pad3d``), whatever Python function issued it (``F.pad``,
+  ``nn.ZeroPad3d``, a library's own helper), through a ``TorchDispatchMode``; ``by_rank`` counts
+  every pad operator by input rank (the 4-D pads of 2-D VAEs such as Qwen-Image-2.1's).
+* :func:`best_device` and :func:`release`: the device a run defaults to, and handing cached memory
+  back between workloads.
 """
 from __future__ import annotations
 
@@ -22,9 +32,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator, Mapping
 
 from .errors import TimingError
-from .timing import Timing, _summarise, capture_cuda_graph, device_type_of, time_fn
+from .timing import Timing, _summarise, capture_cuda_graph, device_type_of, synchronize, time_fn
 
 __all__ = [
+    "best_device",
+    "release",
+    "measure_job",
+    "JobMeasurement",
+    "machine_load",
+    "relative_spread",
+    "ratio_lines",
     "copy_bandwidth",
     "PadCount",
     "count_pad5d",
@@ -38,23 +55,58 @@ __all__ = [
 
 #: Fewer repeats than this cannot show a spread worth the name; :func:`measure_variants` refuses.
 MIN_REPEATS = 5
-#: (max - min) / median of a variant above which the run is flagged as on a busy machine.
+#: (max - min) / median of a variant's repeats above which the run is flagged as on a busy machine, and
+#: a speed ratio read from it is called meaningless. One threshold for every entry point (the demo and the
+#: cookbook used 0.25, the benchmarks 0.10): 0.10, because the effects mpsboost's recipes report are often
+#: 1.1x-1.5x, and repeats that spread 25% of their median can move a ratio of two medians by more than such
+#: an effect; 0.10 is also the threshold the published benchmark records were judged by.
 BUSY_SPREAD = 0.10
+
+
+# --------------------------------------------------------------------------------------------------
+# devices
+
+
+def best_device() -> str:
+    """``"mps"``, else ``"cuda"``, else ``"cpu"``: the best device torch sees here."""
+    import torch
+
+    if torch.backends.mps.is_available():
+        return "mps"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def release(device: Any) -> None:
+    """Collect garbage and hand the device allocator's cached blocks back (between workloads: a 16 GB Mac
+    must not carry one workload's cache into the next, and memory peaks must start from the same floor)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    kind = device_type_of(device)
+    if kind == "cuda":
+        torch.cuda.empty_cache()
+    elif kind == "mps":
+        torch.mps.empty_cache()
 
 
 # --------------------------------------------------------------------------------------------------
 # copy bandwidth
 
 
-def copy_bandwidth(device: Any, *, nbytes: int = 1 << 30, repeats: int = 10) -> float | None:
+def copy_bandwidth(device: Any, *, nbytes: int = 1 << 30, repeats: int = 10, on_cpu: bool = False) -> float | None:
     """Device-to-device copy bandwidth of ``device`` in bytes/s, counting bytes read plus written.
 
-    ``None`` off CUDA and MPS (a CPU memcpy figure is no ceiling for anything measured here).
+    ``None`` on the CPU (a memcpy figure is no ceiling for anything measured on a GPU), unless ``on_cpu``:
+    a smoke run on the CPU that computes a bandwidth share for its records only to show the code path works.
     """
     import torch
 
     kind = device_type_of(device)
-    if kind == "cpu":
+    if kind == "cpu" and not on_cpu:
         return None
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     a.fill_(1)
@@ -271,3 +323,188 @@ def measure_variants(
     del keep
     return Measurement(timings=timings, order="alternating rounds, start rotated each round", busy=worst > busy_spread,
                        worst_spread=worst, busy_spread=busy_spread)
+
+
+# --------------------------------------------------------------------------------------------------
+# one job of one variant
+
+
+@dataclass(frozen=True)
+class JobMeasurement:
+    """What :func:`measure_job` took of one job: its output, the timing, operator timings, memory peaks."""
+
+    output: Any  # the output of the output call (None when no output was asked for)
+    timing: Timing  # the whole job, seconds per call
+    op_timings: dict  # operator name -> Timing of one call of it alone
+    memory: Any  # records.Memory of the memory pass, or None without one
+    first_call_s: float | None  # wall seconds of the output call (compilation, lazy initialisation included)
+
+
+_PASSES = ("first", "last", None)
+
+
+def measure_job(
+    job: Callable[[], Any],
+    *,
+    device: Any,
+    repeats: int,
+    warmup: int = 1,
+    output: str | None = "first",
+    memory: str | None = "last",
+    watch: tuple[Callable[[], ContextManager], ...] = (),
+    ops: Mapping[str, Callable[[], Any]] | Callable[[], Mapping[str, Callable[[], Any]]] | None = None,
+    op_warmup: int = 1,
+    op_repeats: int = 5,
+    time_cap_s: float | None = None,
+) -> JobMeasurement:
+    """Measure ``job`` (no arguments: close over the inputs) on ``device``, every pass under ``torch.no_grad``.
+
+    The passes, in order:
+
+    1. the output call (``output="first"``), also the first warm-up: untimed, its output kept (and its wall
+       time, compilation included); with ``memory="first"`` it runs under the memory sampler, and is the
+       memory pass;
+    2. ``warmup`` more untimed calls, then ``repeats`` timed samples (:func:`time_fn`). With ``time_cap_s`` the
+       last warm-up call is timed and the repeats are cut so that they take about ``time_cap_s`` (a 40 s
+       decode is timed once, not five times; at least one);
+    3. each of ``ops`` (name -> no-argument callable, or a function returning that mapping, called after the
+       output call: e.g. the operator's inputs captured during it) timed alone, ``op_warmup`` and
+       ``op_repeats``;
+    4. the memory pass (``memory="last"``), apart from the timing: the memory sampler must not slow the
+       timed runs. With ``output="last"`` the output is this call's (no separate output call).
+
+    ``watch`` (functions returning context managers, e.g. :func:`count_pad5d`) are entered around the call
+    that gives the output.
+    """
+    import torch
+
+    from .memory import measure_memory
+
+    if output not in _PASSES or memory not in _PASSES:
+        raise TimingError(f"output and memory must each be 'first', 'last' or None; got output={output!r}, "
+                          f"memory={memory!r}")
+    if memory == "first" and output == "last":
+        raise TimingError("memory='first' measures the output call; pass output='first' (or None) with it")
+    if output == "last" and memory != "last":
+        raise TimingError("output='last' takes the output from the memory pass; pass memory='last' with it")
+    out = first_s = peaks = None
+    with torch.no_grad():
+        if output == "first" or memory == "first":
+            with contextlib.ExitStack() as stack:
+                for w in watch:
+                    stack.enter_context(w())
+                probe = stack.enter_context(measure_memory(device)) if memory == "first" else None
+                t0 = time.perf_counter()
+                out = job()
+                synchronize(device)
+                first_s = time.perf_counter() - t0
+            if probe is not None:
+                peaks = probe.peaks()
+            if output is None:
+                out = None
+        if time_cap_s is not None:
+            last = first_s
+            for _ in range(warmup):
+                synchronize(device)
+                t0 = time.perf_counter()
+                job()
+                synchronize(device)
+                last = time.perf_counter() - t0
+            n = repeats if last is None else max(1, min(repeats, int(time_cap_s / max(last, 1e-9))))
+            timing = time_fn(job, device=device, warmup=0, repeats=n)
+        else:
+            timing = time_fn(job, device=device, warmup=warmup, repeats=repeats)
+        op_fns = ops() if callable(ops) else (ops or {})
+        op_timings = {name: time_fn(fn, device=device, warmup=op_warmup, repeats=op_repeats)
+                      for name, fn in op_fns.items()}
+        if memory == "last":
+            with contextlib.ExitStack() as stack:
+                if output == "last":
+                    for w in watch:
+                        stack.enter_context(w())
+                probe = stack.enter_context(measure_memory(device))
+                last_out = job()
+            peaks = probe.peaks()
+            if output == "last":
+                out = last_out
+            del last_out
+    return JobMeasurement(output=out, timing=timing, op_timings=op_timings, memory=peaks, first_call_s=first_s)
+
+
+# --------------------------------------------------------------------------------------------------
+# the busy-machine check and the ratio lines
+
+
+def relative_spread(lo: float | None, hi: float | None, median: float | None) -> float | None:
+    """``(hi - lo) / median``, or None when a figure is missing."""
+    if lo is None or hi is None or not median:
+        return None
+    return (hi - lo) / median
+
+
+def machine_load() -> tuple[float, int] | None:
+    """(1-minute load average, cores) of this machine now; None where there is no load average (Windows)."""
+    import os
+
+    try:
+        return os.getloadavg()[0], os.cpu_count() or 1
+    except (AttributeError, OSError):
+        return None
+
+
+def ratio_lines(records, *, load_before: tuple[float, int] | None = None) -> list[str]:
+    """Each speed ratio to stock with its range over the repeats, and a warning when the machine was too busy.
+
+    The range of a ratio of medians is taken from the extremes of the repeats: stock's fastest over
+    the variant's slowest, to stock's slowest over the variant's fastest. A ratio is called meaningless
+    when either side's repeats spread more than :data:`BUSY_SPREAD` of its median, or when the load
+    average exceeded the number of cores while it ran (``load_before``, taken when the run started, and now).
+    """
+    groups: dict[str, dict[str, Any]] = {}
+    for r in records:
+        groups.setdefault(r.workload.name, {})[r.variant] = r
+    lines: list[str] = []
+    noisy: list[str] = []
+    single = False
+    for name, variants in groups.items():
+        base = variants.get("stock")
+        if base is None:
+            continue
+        for variant, rec in variants.items():
+            if rec is base:
+                continue
+            parts = []
+            pairs = []
+            bt, vt = base.throughput, rec.throughput
+            if bt is not None and vt is not None and bt.seconds_per_call and vt.seconds_per_call:
+                pairs.append(("throughput", bt.seconds_per_call, vt.seconds_per_call,
+                              (bt.spread or {}).get("min_s"), (bt.spread or {}).get("max_s"),
+                              (vt.spread or {}).get("min_s"), (vt.spread or {}).get("max_s"), bt.repeats, vt.repeats))
+            for op, vo in (rec.op_time or {}).items():
+                bo = (base.op_time or {}).get(op)
+                if bo is not None:
+                    pairs.append((f"op {op}", bo.median_us, vo.median_us, bo.min_us, bo.max_us, vo.min_us, vo.max_us,
+                                  bo.repeats, vo.repeats))
+            for label, b_med, v_med, b_lo, b_hi, v_lo, v_hi, b_n, v_n in pairs:
+                text = f"{label} {b_med / v_med:.2f}x"
+                if None in (b_lo, b_hi, v_lo, v_hi) or min(b_n or 1, v_n or 1) < 2:
+                    text += " (one repeat: no spread)"
+                    single = True
+                else:
+                    text += f" ({b_lo / v_hi:.2f}x-{b_hi / v_lo:.2f}x over the repeats)"
+                    worst = max(relative_spread(b_lo, b_hi, b_med) or 0.0, relative_spread(v_lo, v_hi, v_med) or 0.0)
+                    if worst > BUSY_SPREAD:
+                        noisy.append(f"{name} {label} (repeats spread {100 * worst:.0f}%)")
+                parts.append(text)
+            if parts:
+                lines.append(f"  {name}: {variant} vs stock: " + ", ".join(parts))
+    loads = [x for x in (load_before, machine_load()) if x is not None]
+    busy_load = [f"load average {load:.1f} on {n} cores" for load, n in loads if load > n]
+    if noisy or busy_load:
+        why = "; ".join(noisy[:4] + (["..."] if len(noisy) > 4 else []) + busy_load[:1])
+        lines.append(f"  WARNING: this machine was too busy for these ratios to mean anything ({why}; "
+                     f"over {100 * BUSY_SPREAD:.0f}% spread, or more load than cores). Rerun on a quiet machine, "
+                     "with more --repeats.")
+    elif single:
+        lines.append("  (with one repeat there is no spread to judge the ratios by: use --repeats 3 or more)")
+    return lines

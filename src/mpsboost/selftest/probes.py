@@ -454,15 +454,9 @@ PROBES: dict[str, Probe] = {
 
 def _release(device: str) -> None:
     """Hand a probe's buffers back before the next one (the attention probe alone may hold GiBs)."""
-    import gc
+    from ..bench.harness import release
 
-    import torch
-
-    gc.collect()
-    if device == "mps":
-        torch.mps.empty_cache()
-    elif device == "cuda":
-        torch.cuda.empty_cache()
+    release(device)
 
 
 def run_probe(probe: Probe, device: str, small: bool, repeats: int = 5) -> dict:

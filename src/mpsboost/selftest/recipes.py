@@ -30,53 +30,26 @@ LOSSY = 0.25
 
 # ------------------------------------------------------------------------------------------ workloads
 
-_LM = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-           "max_position_embeddings": 64, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+# The models: rows of mpsboost.bench.models.MODELS (one table for the demo, the selftest and the benchmarks).
 
 
-def _wan22_vae():
-    from diffusers import AutoencoderKLWan
+def _model(name: str) -> Callable[[], Any]:
+    def make():
+        from ..bench.models import build
 
-    # The Wan2.2 TI2V-5B VAE structure (residual, patch size 2, z 48, 16x spatial) at diffusers' test width.
-    return AutoencoderKLWan(base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
-                            latents_mean=[0.0] * 48, latents_std=[1.0] * 48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                            scale_factor_spatial=16, scale_factor_temporal=4, temperal_downsample=[False, True, True])
+        return build(name)
 
-
-def _qwen_image_vae():
-    from diffusers import AutoencoderKLQwenImage
-
-    # diffusers' tests/pipelines/qwenimage/test_qwenimage.py
-    return AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-                                  latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    make.__name__ = make.__qualname__ = f"build_{name.replace(':', '_')}"
+    return make
 
 
-def _qwen3_moe():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**_LM, head_dim=32, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
-                                              num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True))
-
-
-def _qwen3():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    return Qwen3ForCausalLM(Qwen3Config(**_LM, head_dim=32, intermediate_size=64))
-
-
-def _llama_eager():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    # head_dim 64 (a Metal kernel size), grouped K/V (4 heads, 2 K/V heads), eager attention.
-    cfg = dict(_LM, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
-    return LlamaForCausalLM(LlamaConfig(**cfg, intermediate_size=64, attn_implementation="eager"))
-
-
-def _hunyuan_video_vae():
-    from diffusers import AutoencoderKLHunyuanVideo
-
-    # HunyuanVideo's VAE structure (causal convs with replicate time padding) at a test width.
-    return AutoencoderKLHunyuanVideo(block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4)
+# The Wan2.2 TI2V-5B VAE structure (residual, patch size 2, z 48, 16x spatial) at diffusers' test width.
+_wan22_vae = _model("wan22_vae:tiny")
+_qwen_image_vae = _model("qwen_image_vae:tiny")  # diffusers' tests/pipelines/qwenimage/test_qwenimage.py
+_qwen3_moe = _model("qwen3_moe:selftest")
+_qwen3 = _model("qwen3:selftest")
+_llama_eager = _model("llama_eager:selftest")
+_hunyuan_video_vae = _model("hunyuan_video_vae:tiny")
 
 
 def _video_roundtrip(vae, device, dtype, *, tiled: bool = False, pixels: int = 32, frames: int = 5):
@@ -221,24 +194,12 @@ class RecipeResult:
     records: list = field(default_factory=list)  # bench Records written for it
 
 
-def _best_device() -> str:
-    import torch
-
-    if torch.backends.mps.is_available():
-        return "mps"
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu"
-
-
 def _measure(run: Callable[[Any], Any], module: Any, device: str, repeats: int):
     """Output and memory peaks of a first call (which also warms up), then the timed repeats."""
-    from ..bench import measure_memory, time_fn
+    from ..bench.harness import measure_job
 
-    with measure_memory(device) as probe:
-        out = run(module)
-    timing = time_fn(lambda: run(module), device=device, warmup=0, repeats=repeats)
-    return out, timing, probe.peaks()
+    m = measure_job(lambda: run(module), device=device, repeats=repeats, warmup=0, output="first", memory="first")
+    return m.output, m.timing, m.memory
 
 
 def _compare(x, ref, metric: str, reference: str):

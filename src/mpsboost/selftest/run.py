@@ -121,7 +121,9 @@ def run_selftest(
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not accepted; pass one of {', '.join(DTYPES)}")
     if device is None:
-        device = "mps" if torch.backends.mps.is_available() else "cuda" if torch.cuda.is_available() else "cpu"
+        from ..bench.harness import best_device
+
+        device = best_device()
     why = device_absent(device)
     if why:
         raise DeviceAbsentError(f"--device {device}: {why}; nothing was run or written")

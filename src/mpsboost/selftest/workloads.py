@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .machine import fp32_tolerance
-from .probes import _release
+from ..bench.harness import release as _release
 
 __all__ = ["SEED_WORKLOADS", "SIZES", "SeedWorkload", "run_workload", "time_workload"]
 
@@ -72,17 +72,16 @@ def _first_param(module):
 
 def _wan22(size: str, device: str) -> Built:
     import torch
-    from diffusers import AutoencoderKLWan
+
+    from ..bench.models import build
 
     torch.manual_seed(0)
-    common = {"z_dim": 48, "in_channels": 12, "out_channels": 12, "is_residual": True, "patch_size": 2, "latents_mean": [0.0] * 48,
-                  "latents_std": [1.0] * 48, "scale_factor_spatial": 16, "scale_factor_temporal": 4, "temperal_downsample": [False, True, True]}
     if size == "test":
-        vae = AutoencoderKLWan(base_dim=3, dim_mult=[1, 1, 1, 1], num_res_blocks=1, **common)
+        vae = build("wan22_vae:tiny")  # the Wan2.2 structure at diffusers' test width
         latent, tile = (1, 48, 2, 2, 4), (32, 16)  # 32x64 px: three overlapping tiles
     else:
         # Wan2.2-TI2V-5B's VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json)
-        vae = AutoencoderKLWan(base_dim=160, decoder_base_dim=256, dim_mult=[1, 2, 4, 4], num_res_blocks=2, **common)
+        vae = build("wan22_vae:real")
         # quick: 256x256, 5 frames in nine 128x128 tiles: hundreds of 5-D pads (the driver-memory counter of
         # pytorch#195368) below the H*W = 65536 corruption, so stock is right and no CPU reference is needed.
         # full: 480x832, 21 frames, 256x256 tiles (H*W = 65536: the pytorch#194922 trigger), against the CPU.
@@ -120,27 +119,26 @@ def _roundtrip(vae, pixels: int, channels: int, device: str, tile: tuple[int, in
 
 def _qwen_image(size: str, device: str) -> Built:
     import torch
-    from diffusers import AutoencoderKLQwenImage
+
+    from ..bench.models import build
 
     torch.manual_seed(0)
     if size == "test":  # diffusers' tests/pipelines/qwenimage/test_qwenimage.py
-        vae = AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-                                     latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-        return _roundtrip(vae, 32, 3, device)
+        return _roundtrip(build("qwen_image_vae:tiny"), 32, 3, device)
     # Qwen/Qwen-Image vae/config.json = the class defaults; 512 px crosses H*W = 65536 in the first stage
-    return _roundtrip(AutoencoderKLQwenImage(), 512 if size == "quick" else 1024, 3, device)
+    return _roundtrip(build("qwen_image_vae:real"), 512 if size == "quick" else 1024, 3, device)
 
 
 def _qwen_image21(size: str, device: str) -> Built:
     import torch
-    from diffusers import AutoencoderKLQwenImage21
+
+    from ..bench.models import build
 
     torch.manual_seed(0)
     if size == "test":
-        vae = AutoencoderKLQwenImage21(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
-                                       temperal_downsample=[False, True, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+        vae = build("qwen_image21_vae:tiny")
         return _roundtrip(vae, 32, vae.config.in_channels, device)
-    vae = AutoencoderKLQwenImage21()  # the class defaults are Qwen-Image-2.1's VAE
+    vae = build("qwen_image21_vae:real")  # the class defaults are Qwen-Image-2.1's VAE
     return _roundtrip(vae, 512 if size == "quick" else 1024, vae.config.in_channels, device)
 
 
@@ -158,11 +156,9 @@ def _qwen36(size: str, device: str) -> Built:
 
     dtype = _fp_dtype(device)
     if size == "test":
-        cfg = Qwen3_5MoeTextConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
-                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
-                                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
-                                   num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-                                   max_position_embeddings=64)
+        from ..bench.models import model_config
+
+        cfg = Qwen3_5MoeTextConfig(**model_config("qwen3_5_moe:selftest"))
         prompt, steps = 6, 3
     else:
         # Qwen3.6-35B-A3B's text model (the config defaults: hidden 2048, 256 experts top-8, Gated DeltaNet
@@ -280,13 +276,11 @@ TIME_CAP_S = 60.0
 
 def _time(run, model, device: str, repeats: int) -> float:
     """Median seconds per call after one warm-up call; fewer repeats when one call is long."""
-    from ..bench import time_fn
+    from ..bench.harness import measure_job
 
-    t0 = time.perf_counter()
-    run(model)  # warm-up, and how long one call takes
-    first = time.perf_counter() - t0
-    repeats = max(1, min(repeats, int(TIME_CAP_S / max(first, 1e-9))))
-    return time_fn(lambda: run(model), device=device, warmup=0, repeats=repeats).median_s
+    m = measure_job(lambda: run(model), device=device, repeats=repeats, warmup=1, output=None, memory=None,
+                    time_cap_s=TIME_CAP_S)
+    return m.timing.median_s
 
 
 def _memory_dict(mem) -> dict:
