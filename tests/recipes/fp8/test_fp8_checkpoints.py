@@ -187,18 +187,11 @@ def write_compressed_tensors(model, folder: Path, strategy="channel"):
 
 
 def _wan_original_name(key: str) -> str:
-    """diffusers' Wan key -> the original Wan repository's: the cookbook's mapping (examples/fp8_checkpoint.py),
-    which writes such files offline; diffusers' own single-file conversion maps them back on load."""
-    import importlib.util
+    """diffusers' Wan key -> the original Wan repository's (mpsboost.bench.published, which the cookbook's
+    fp8_checkpoint.py writes such files with offline); diffusers' own single-file conversion maps them back."""
+    from mpsboost.bench.published import wan_original_name
 
-    root = Path(__file__).resolve().parents[3]
-    spec = importlib.util.spec_from_file_location("mpsboost_cookbook_fp8_checkpoint", root / "examples" / "fp8_checkpoint.py")
-    module = sys.modules.get(spec.name)
-    if module is None:
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[spec.name] = module
-    return module.wan_original_name(key)
+    return wan_original_name(key)
 
 
 def write_scaled_fp8(model, path: Path, prefix="model.diffusion_model.", original_names=True):
