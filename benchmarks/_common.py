@@ -4,6 +4,7 @@ log, one workload's variants measured through :mod:`mpsboost.bench.harness`, the
 Benchmark-only helpers live here; what a benchmark shares with the cookbook or the demo (the measure loop,
 the models, the configs) is in the package, :mod:`mpsboost.bench`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -65,6 +66,7 @@ def measure_workload(
     Without ``reference``, non-stock variants are compared with stock's output of this same run.
     ``extra(variant, report)`` adds detail to a variant's record. Returns the records and stock's output.
     """
+
     def ctx(recipes, options):
         return (lambda: patched(model, recipes, options)) if recipes else contextlib.nullcontext
 
@@ -79,8 +81,12 @@ def measure_workload(
                 sync(device)
             ref = reference if reference is not None else (None if name == "stock" else stock_out)
             corr = correctness(out, ref, reference=reference_name, data_range=data_range) if ref is not None else None
-            passes[name] = {"memory": probe.peaks(), "pads": pads.to_dict(), "corr": corr,
-                            "extra": {"patch": report_rows(report) if report else [], **((extra or (lambda *_: {}))(name, report))}}
+            passes[name] = {
+                "memory": probe.peaks(),
+                "pads": pads.to_dict(),
+                "corr": corr,
+                "extra": {"patch": report_rows(report) if report else [], **((extra or (lambda *_: {}))(name, report))},
+            }
             if name == "stock" and reference is None:
                 stock_out = out
             elif name != "stock" and stock_out is not None:
@@ -97,23 +103,42 @@ def measure_workload(
             with torch.no_grad(), ctx(recipes, options)():
                 setup()
                 yield
+
         return cm
 
-    m = measure_variants({n: fn for n, _, _ in names}, device=device, repeats=repeats, warmup=0,
-                         contexts={n: setup_in(r, o) for n, r, o in names})
+    m = measure_variants(
+        {n: fn for n, _, _ in names},
+        device=device,
+        repeats=repeats,
+        warmup=0,
+        contexts={n: setup_in(r, o) for n, r, o in names},
+    )
     records = []
     env = RecordEnv.capture(device, dtype)
     for name, _, _ in names:
         p, t = passes[name], m.timings[name]
-        rec = Record(workload=workload, variant=name, env=env, throughput=t.throughput(unit="s/call"), correctness=p["corr"],
-                     memory=p["memory"], extra={"pad5d_aten": p["pads"], "measured_through": "patch()" if name != "stock" else "stock model",
-                                                **m.extra(name), **p["extra"]})
+        rec = Record(
+            workload=workload,
+            variant=name,
+            env=env,
+            throughput=t.throughput(unit="s/call"),
+            correctness=p["corr"],
+            memory=p["memory"],
+            extra={
+                "pad5d_aten": p["pads"],
+                "measured_through": "patch()" if name != "stock" else "stock model",
+                **m.extra(name),
+                **p["extra"],
+            },
+        )
         stream_record(rec)
         records.append(rec)
-        log(f"{workload.describe()} {name} {str(dtype).replace('torch.', '')}: {t.median_s:.4f} s/call ({t.min_s:.4f}..{t.max_s:.4f}, "
+        log(
+            f"{workload.describe()} {name} {str(dtype).replace('torch.', '')}: {t.median_s:.4f} s/call ({t.min_s:.4f}..{t.max_s:.4f}, "
             f"{t.repeats} alternating rounds{', busy machine' if m.busy else ''}), {p['pads']['total']} 5-D pads, {p['pads'].get('all_ranks', '-')} of any rank (aten)"
             + ("" if name == "stock" else f", {m.ratio(name):.2f}x stock ({m.verdict(name)})")
-            + (f", rel err vs {reference_name} {p['corr'].rel_error:.2e}" if p["corr"] else ""))
+            + (f", rel err vs {reference_name} {p['corr'].rel_error:.2e}" if p["corr"] else "")
+        )
     return records, stock_out
 
 
@@ -170,7 +195,9 @@ def summary(paths: list[Path]) -> str:
     """A short table of every workload: stock vs each variant (time ratio, pads, peaks, error)."""
     from mpsboost.bench import read_jsonl
 
-    lines = [f"{'workload':58s} {'variant':20s} {'s/call':>8s} {'x stock':>7s} {'pads':>6s} {'alloc GiB':>9s} {'resv GiB':>8s} {'rel err':>8s} {'PSNR':>6s}"]
+    lines = [
+        f"{'workload':58s} {'variant':20s} {'s/call':>8s} {'x stock':>7s} {'pads':>6s} {'alloc GiB':>9s} {'resv GiB':>8s} {'rel err':>8s} {'PSNR':>6s}"
+    ]
     for path in paths:
         if not Path(path).exists():
             continue
@@ -190,7 +217,11 @@ def summary(paths: list[Path]) -> str:
                 + (f"{ratio:7.2f}" if ratio else f"{'':>7s}")
                 + f" {(r.extra.get('pad5d_aten') or {}).get('total', r.extra.get('pad_calls', '-')):>6} {gib(r.memory.tensor_allocated if r.memory else None)}"
                 + f" {gib(r.memory.allocator_reserved if r.memory else None)[1:]}"
-                + (f" {c.rel_error:8.1e} {c.psnr_db:6.1f}" if c and c.rel_error is not None and c.psnr_db is not None else "")
+                + (
+                    f" {c.rel_error:8.1e} {c.psnr_db:6.1f}"
+                    if c and c.rel_error is not None and c.psnr_db is not None
+                    else ""
+                )
             )
     return "\n".join(lines)
 
@@ -209,13 +240,34 @@ def _ref_with_label(c: Any, label: str) -> Any:
     return None if c is None else c.__class__(**{**c.to_dict(), "reference": label})
 
 
-def reference_pass(vae: torch.nn.Module, variants, fn, ref_in: torch.Tensor, cpu_ref: torch.Tensor, *, workload: Workload,
-                   device: str, dtype: torch.dtype, repeats: int, untile, label: str) -> tuple[list[Record], dict[str, Any]]:
+def reference_pass(
+    vae: torch.nn.Module,
+    variants,
+    fn,
+    ref_in: torch.Tensor,
+    cpu_ref: torch.Tensor,
+    *,
+    workload: Workload,
+    device: str,
+    dtype: torch.dtype,
+    repeats: int,
+    untile,
+    label: str,
+) -> tuple[list[Record], dict[str, Any]]:
     """The reduced workload ``fn(vae, ref_in)`` of every variant, untiled, against the CPU fp32 reference.
 
     Returns its records and each variant's correctness (the full-size records cite it).
     """
-    records, _ = measure_workload(workload=workload, variants=variants, model=vae, device=device, dtype=dtype,
-                                  fn=lambda: fn(vae, ref_in), setup=lambda: untile(vae), repeats=repeats,
-                                  reference=cpu_ref, reference_name="cpu-fp32")
+    records, _ = measure_workload(
+        workload=workload,
+        variants=variants,
+        model=vae,
+        device=device,
+        dtype=dtype,
+        fn=lambda: fn(vae, ref_in),
+        setup=lambda: untile(vae),
+        repeats=repeats,
+        reference=cpu_ref,
+        reference_name="cpu-fp32",
+    )
     return records, {r.variant: r.correctness for r in records}

@@ -1,5 +1,6 @@
 """Shared by the diagnostic scripts (fp8_gemv.py, profile_decode.py): they write plain JSON lines, one
 dict per line, which benchmarks/tables.py renders in blocks of their own (they are not mpsboost records)."""
+
 from __future__ import annotations
 
 import json

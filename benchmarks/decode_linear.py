@@ -26,6 +26,7 @@ forced in eager mode, in alternating rounds; each record says how many layers ``
 
     python benchmarks/decode_linear.py --device cuda --size real --out OUT
 """
+
 from __future__ import annotations
 
 import math
@@ -120,7 +121,9 @@ def _twins(layers: list[torch.nn.Linear]) -> list[torch.nn.Linear]:
     """New ``nn.Linear`` modules holding the very same Parameters (no copy of the weights)."""
     out = []
     for lin in layers:
-        twin = torch.nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta", dtype=lin.weight.dtype)
+        twin = torch.nn.Linear(
+            lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta", dtype=lin.weight.dtype
+        )
         twin.weight = lin.weight
         twin.bias = lin.bias
         out.append(twin.requires_grad_(False))
@@ -157,7 +160,11 @@ def _variants(cuda: bool) -> list[tuple[str, dict | None, bool]]:
             ("mpsboost:triton", {"decode_linear": {"path": "triton"}}, True),
             ("mpsboost:triton-eager", {"decode_linear": {"path": "triton", "cuda_eager": True}}, False),
         ]
-    return [("stock", None, False), ("mpsboost", {}, False), ("mpsboost:fold", {"decode_linear": {"path": "fold"}}, False)]
+    return [
+        ("stock", None, False),
+        ("mpsboost", {}, False),
+        ("mpsboost:fold", {"decode_linear": {"path": "fold"}}, False),
+    ]
 
 
 def _patch(model: torch.nn.Module, options: dict) -> dict:
@@ -167,7 +174,9 @@ def _patch(model: torch.nn.Module, options: dict) -> dict:
     first = next((r for r in rows if r.target.endswith("layers.0")), rows[0] if rows else None)
     return {
         "layers_patched": sum(1 for r in rows if r.status == APPLIED),
-        "patch_row": None if first is None else {"status": first.status, "backing": first.backing, "reason": first.reason},
+        "patch_row": None
+        if first is None
+        else {"status": first.status, "backing": first.backing, "reason": first.reason},
         "options": options,
     }
 
@@ -190,7 +199,9 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     cuda = dev.type == "cuda"
     all_shapes = shapes()
     if size == "tiny":
-        todo = [(lab, max(8, n // 64), max(16, k // 64), b) for lab, n, k, b in all_shapes[:4]] + [("router", 32, 64, True)]
+        todo = [(lab, max(8, n // 64), max(16, k // 64), b) for lab, n, k, b in all_shapes[:4]] + [
+            ("router", 32, 64, True)
+        ]
     elif size == "small":
         todo = all_shapes[::4]
     else:
@@ -207,7 +218,9 @@ def run(device: str, size: str, out: Path) -> list[Record]:
             layers = _make_layers(n, k, bias, copies, device, dtype)
             xs = [torch.randn(1, 1, k, device=device, dtype=dtype) for _ in range(copies)]
             bytes_moved = wbytes + 2 * k + 2 * n + (2 * n if bias else 0)
-            workload = Workload("decode_linear", {"label": lab, "N": n, "K": k, "bias": bias, "rows": 1, "input": [1, 1, k]})
+            workload = Workload(
+                "decode_linear", {"label": lab, "N": n, "K": k, "bias": bias, "rows": 1, "input": [1, 1, k]}
+            )
             ref = F.linear(xs[0].float(), layers[0].weight.float(), None if not bias else layers[0].bias.float()).cpu()
 
             models, patches, graph_names = {}, {}, []
@@ -220,10 +233,21 @@ def run(device: str, size: str, out: Path) -> list[Record]:
             rel = {name: relative_error(mods[0](xs[0]).float().cpu(), ref) for name, mods in models.items()}
             graph = None
             if cuda:
-                graph = measure_variants({v: _rotating(models[v], xs) for v in graph_names}, device=device, repeats=repeats,
-                                         warmup=2, calls=copies, cuda_graph=True)
-            eager = measure_variants({v: _rotating(models[v], xs) for v in models}, device=device, repeats=repeats,
-                                     warmup=3, calls=32 if cuda else copies * 4)
+                graph = measure_variants(
+                    {v: _rotating(models[v], xs) for v in graph_names},
+                    device=device,
+                    repeats=repeats,
+                    warmup=2,
+                    calls=copies,
+                    cuda_graph=True,
+                )
+            eager = measure_variants(
+                {v: _rotating(models[v], xs) for v in models},
+                device=device,
+                repeats=repeats,
+                warmup=3,
+                calls=32 if cuda else copies * 4,
+            )
             for name in models:
                 ops, extra = {"linear_eager": eager.timings[name].op_time()}, {"eager": eager.extra(name)}
                 if graph is not None and name in graph.timings:
@@ -231,15 +255,41 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                     ops["linear_graph"] = t.op_time()
                     extra["graph"] = graph.extra(name)
                     extra["fraction_of_bandwidth_limit"] = (bytes_moved / t.median_s) / bw
-                records.append(Record(workload, name, env, op_time=ops,
-                                      correctness=Correctness(f"{dev.type}-fp32 (eager call)", rel_error=rel[name]),
-                                      extra={"measured_through": "patch()" if name != "stock" else "stock module", **patches[name],
-                                             "bytes_moved": bytes_moved, "copy_bandwidth_Bps": bw, "weight_copies_rotated": copies, **extra}))
+                records.append(
+                    Record(
+                        workload,
+                        name,
+                        env,
+                        op_time=ops,
+                        correctness=Correctness(f"{dev.type}-fp32 (eager call)", rel_error=rel[name]),
+                        extra={
+                            "measured_through": "patch()" if name != "stock" else "stock module",
+                            **patches[name],
+                            "bytes_moved": bytes_moved,
+                            "copy_bandwidth_Bps": bw,
+                            "weight_copies_rotated": copies,
+                            **extra,
+                        },
+                    )
+                )
             main = graph if graph is not None else eager
             forced = "mpsboost:triton" if cuda else "mpsboost:fold"
-            table.append((lab, n, k, bias, main.timings["stock"].median_us, main.timings["mpsboost"].median_us, main.ratio("mpsboost"),
-                          main.verdict("mpsboost"), main.ratio(forced), main.verdict(forced), (patches["mpsboost"].get("patch_row") or {}).get("status"),
-                          main.busy))
+            table.append(
+                (
+                    lab,
+                    n,
+                    k,
+                    bias,
+                    main.timings["stock"].median_us,
+                    main.timings["mpsboost"].median_us,
+                    main.ratio("mpsboost"),
+                    main.verdict("mpsboost"),
+                    main.ratio(forced),
+                    main.verdict(forced),
+                    (patches["mpsboost"].get("patch_row") or {}).get("status"),
+                    main.busy,
+                )
+            )
             del layers, models, xs
             if cuda:
                 torch.cuda.empty_cache()
@@ -257,14 +307,26 @@ def _model_level(device: str, env: RecordEnv, repeats: int) -> list[Record]:
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.cache_utils import DynamicCache
 
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         stock = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
     prompt = torch.randint(0, cfg.vocab_size, (1, 64), device=device)
     steps = 24
-    options = {"stock": None, "mpsboost": {}, "mpsboost:triton-eager": {"decode_linear": {"path": "triton", "cuda_eager": True}}}
+    options = {
+        "stock": None,
+        "mpsboost": {},
+        "mpsboost:triton-eager": {"decode_linear": {"path": "triton", "cuda_eager": True}},
+    }
     models, patches, fns = {}, {}, {}
     with torch.no_grad():
         for name, opts in options.items():
@@ -284,35 +346,70 @@ def _model_level(device: str, env: RecordEnv, repeats: int) -> list[Record]:
             models[name], fns[name] = model, step
         m = measure_variants(fns, device=device, repeats=repeats, warmup=2, calls=steps)
     context = {name: fns[name].__defaults__[1]["cache"].get_seq_length() for name in fns}
-    workload = Workload("decode_linear.model", {"model": "Qwen3-0.6B-shaped (random weights)", "prompt": 64, "steps_per_sample": steps,
-                                                "cache": "dynamic", "mode": "eager"})
+    workload = Workload(
+        "decode_linear.model",
+        {
+            "model": "Qwen3-0.6B-shaped (random weights)",
+            "prompt": 64,
+            "steps_per_sample": steps,
+            "cache": "dynamic",
+            "mode": "eager",
+        },
+    )
     records = []
     for name, t in m.timings.items():
-        records.append(Record(workload, name, env, throughput=t.throughput(items_per_call=1, unit="tokens/s"),
-                              extra={"measured_through": "patch()" if name != "stock" else "stock model", **patches[name],
-                                     "context_at_end": context[name], **m.extra(name)}))
-    print("\nmodel-level decode (Qwen3-0.6B-shaped, eager, ms/token, median (min..max)): " + "; ".join(
-        f"{k} {t.median_s * 1e3:.2f} ({t.min_s * 1e3:.2f}..{t.max_s * 1e3:.2f}), {patches[k]['layers_patched']} layers patched"
-        + ("" if k == "stock" else f", {m.ratio(k):.2f}x {m.verdict(k)}") for k, t in m.timings.items()))
+        records.append(
+            Record(
+                workload,
+                name,
+                env,
+                throughput=t.throughput(items_per_call=1, unit="tokens/s"),
+                extra={
+                    "measured_through": "patch()" if name != "stock" else "stock model",
+                    **patches[name],
+                    "context_at_end": context[name],
+                    **m.extra(name),
+                },
+            )
+        )
+    print(
+        "\nmodel-level decode (Qwen3-0.6B-shaped, eager, ms/token, median (min..max)): "
+        + "; ".join(
+            f"{k} {t.median_s * 1e3:.2f} ({t.min_s * 1e3:.2f}..{t.max_s * 1e3:.2f}), {patches[k]['layers_patched']} layers patched"
+            + ("" if k == "stock" else f", {m.ratio(k):.2f}x {m.verdict(k)}")
+            for k, t in m.timings.items()
+        )
+    )
     return records
 
 
 def _print_table(table, cuda: bool, bw: float | None) -> None:
     how = "CUDA-graph replay" if cuda else "eager"
     if bw:
-        print(f"\ncopy bandwidth {bw/1e12:.2f} TB/s")
+        print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"\n{how}; median us per call; ratios within each shape; verdict: min..max spreads apart or not")
-    print(f"{'layer':34s} {'N':>6s} {'K':>6s} b {'stock_us':>9s} {'mps_us':>9s} {'mps/stk':>7s} {'verdict':>13s} {'forced':>6s} {'verdict':>13s} {'patch row':>10s} busy")
+    print(
+        f"{'layer':34s} {'N':>6s} {'K':>6s} b {'stock_us':>9s} {'mps_us':>9s} {'mps/stk':>7s} {'verdict':>13s} {'forced':>6s} {'verdict':>13s} {'patch row':>10s} busy"
+    )
     for lab, n, k, b, s, mu, r, v, fr, fv, st, busy in table:
-        print(f"{lab[:34]:34s} {n:6d} {k:6d} {int(b)} {s:9.2f} {mu:9.2f} {r:7.3f} {v:>13s} {fr:6.3f} {fv:>13s} {str(st):>10s} {'yes' if busy else ''}")
+        print(
+            f"{lab[:34]:34s} {n:6d} {k:6d} {int(b)} {s:9.2f} {mu:9.2f} {r:7.3f} {v:>13s} {fr:6.3f} {fv:>13s} {str(st):>10s} {'yes' if busy else ''}"
+        )
     for col, name in ((7, "mpsboost (patch() defaults)"), (9, "forced path")):
         verdicts = [row[col] for row in table]
-        print(f"{name}: " + ", ".join(f"{verdicts.count(v)} {v}" for v in ("faster", "slower", "no difference")) + f" of {len(table)} shapes")
+        print(
+            f"{name}: "
+            + ", ".join(f"{verdicts.count(v)} {v}" for v in ("faster", "slower", "no difference"))
+            + f" of {len(table)} shapes"
+        )
     if cuda:
         from mpsboost.recipes.decode_linear import MIN_SPEEDUP
 
-        winners = {(n, k, bool(b), "bfloat16"): round(fr, 3) for lab, n, k, b, s, mu, r, v, fr, fv, st, busy in table
-                   if fv == "faster" and fr >= MIN_SPEEDUP}
+        winners = {
+            (n, k, bool(b), "bfloat16"): round(fr, 3)
+            for lab, n, k, b, s, mu, r, v, fr, fv, st, busy in table
+            if fv == "faster" and fr >= MIN_SPEEDUP
+        }
         print("forced Triton faster with spreads apart and >= MIN_SPEEDUP:", winners)
 
 

@@ -44,6 +44,7 @@ One record per (workload, mode, variant) holds all rounds, with best, median and
 ratios to stock of the same run. Records are appended to ``OUT/e2e.jsonl`` as each (workload, mode)
 finishes; ``--budget-s`` stops starting new work once spent (and cuts rounds short, saying so).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -86,6 +87,7 @@ REAL_IMAGE = {"height": 1024, "width": 1024}
 
 # ---------------------------------------------------------------------------------------- run state
 
+
 class Run:
     def __init__(self, args: argparse.Namespace, filename: str = f"{NAME}.jsonl"):
         self.args = args
@@ -124,8 +126,10 @@ class Run:
             dev = self.device
             nbytes = (2 << 30) if torch.device(dev).type == "cuda" else (1 << 26)
             bw = copy_bandwidth(dev, nbytes=nbytes, on_cpu=True)
-            self._bw = (bw, f"measured in this run: device copy of {nbytes >> 20} MiB, read + write bytes over "
-                            "median time")
+            self._bw = (
+                bw,
+                f"measured in this run: device copy of {nbytes >> 20} MiB, read + write bytes over median time",
+            )
         return self._bw
 
 
@@ -152,15 +156,30 @@ def summary(samples: list[float]) -> dict:
     """Best, median, worst and the spread of a list of seconds (the spread relative to the median)."""
     xs = sorted(samples)
     med = statistics.median(xs)
-    return {"best": xs[0], "median": med, "worst": xs[-1], "spread": xs[-1] - xs[0],
-            "rel_spread": (xs[-1] - xs[0]) / med if med > 0 else None, "n": len(xs), "samples": list(samples)}
+    return {
+        "best": xs[0],
+        "median": med,
+        "worst": xs[-1],
+        "spread": xs[-1] - xs[0],
+        "rel_spread": (xs[-1] - xs[0]) / med if med > 0 else None,
+        "n": len(xs),
+        "samples": list(samples),
+    }
 
 
 def op_time(samples: list[float], warmup: int, calls: int = 1) -> OpTime:
     xs = sorted(samples)
     q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
-    return OpTime(median_us=statistics.median(xs) * 1e6, min_us=xs[0] * 1e6, max_us=xs[-1] * 1e6,
-                  iqr_us=(q[2] - q[0]) * 1e6, repeats=len(xs), warmup=warmup, method="synchronize+perf_counter", calls=calls)
+    return OpTime(
+        median_us=statistics.median(xs) * 1e6,
+        min_us=xs[0] * 1e6,
+        max_us=xs[-1] * 1e6,
+        iqr_us=(q[2] - q[0]) * 1e6,
+        repeats=len(xs),
+        warmup=warmup,
+        method="synchronize+perf_counter",
+        calls=calls,
+    )
 
 
 def patch_summary(report: Any) -> dict:
@@ -175,8 +194,16 @@ def patch_summary(report: Any) -> dict:
     return {"applied": len(report.applied), "skipped": len(report.skipped), "backing": backing, "skip_reasons": reasons}
 
 
-def warm_up(run: Run, label: str, names: list[str], call: Callable[[str], Any], dev: str, mem_on_warmup: bool,
-            errors: dict[str, str], select: Callable[[str], Any]) -> tuple[dict[str, float], dict[str, Any], dict[str, int]]:
+def warm_up(
+    run: Run,
+    label: str,
+    names: list[str],
+    call: Callable[[str], Any],
+    dev: str,
+    mem_on_warmup: bool,
+    errors: dict[str, str],
+    select: Callable[[str], Any],
+) -> tuple[dict[str, float], dict[str, Any], dict[str, int]]:
     """One untimed call per variant (compilation included): its time, its memory peaks where
     ``mem_on_warmup``, and the graphs dynamo compiled for it. A variant that cannot run is recorded in
     ``errors`` and removed from ``names``. ``select(name)`` (patch or unpatch) runs before, untimed."""
@@ -225,6 +252,7 @@ def error_text(exc: BaseException) -> str:
 
 
 # ---------------------------------------------------------------------------------------- LLM
+
 
 def llm_config(workload: str, size: str, layers: int | None):
     from transformers import AutoConfig
@@ -331,6 +359,7 @@ def module_breakdown(model, prompt: torch.Tensor, mask: torch.Tensor, steps: int
     hooks = []
     for kind, mods in kinds.items():
         for m in mods:
+
             def pre(mod, args, kwargs=None):
                 synchronize(dev)
                 starts[id(mod)] = time.perf_counter()
@@ -364,11 +393,15 @@ def module_breakdown(model, prompt: torch.Tensor, mask: torch.Tensor, steps: int
     finally:
         for h in hooks:
             h.remove()
-    return {"decode_ms_per_token": {k: v / steps * 1e3 for k, v in acc.items()},
-            "decode_step_ms_hooked": decode_s / steps * 1e3,
-            "prefill_ms": {k: v * 1e3 for k, v in prefill.items()}, "prefill_ms_hooked": prefill_s * 1e3,
-            "modules": {k: len(v) for k, v in kinds.items()}, "steps": steps,
-            "method": "forward pre/post hooks that synchronise the device; experts are inside moe_block (of which)"}
+    return {
+        "decode_ms_per_token": {k: v / steps * 1e3 for k, v in acc.items()},
+        "decode_step_ms_hooked": decode_s / steps * 1e3,
+        "prefill_ms": {k: v * 1e3 for k, v in prefill.items()},
+        "prefill_ms_hooked": prefill_s * 1e3,
+        "modules": {k: len(v) for k, v in kinds.items()},
+        "steps": steps,
+        "method": "forward pre/post hooks that synchronise the device; experts are inside moe_block (of which)",
+    }
 
 
 def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], decodings: list[str]) -> None:
@@ -416,9 +449,28 @@ def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], deco
                     run.log(f"{workload} {mode} {decoding}: budget spent, not started")
                     continue
                 try:
-                    llm_mode(run, workload, cfg, mode, decoding, variants, model, fp8_model, report, fp8_report, fp8_error,
-                             prompt, mask, N, bw, bw_source, dtype, {"stock": build_s, FP8_VARIANT: fp8_build_s}, mac_report,
-                             opt_report)
+                    llm_mode(
+                        run,
+                        workload,
+                        cfg,
+                        mode,
+                        decoding,
+                        variants,
+                        model,
+                        fp8_model,
+                        report,
+                        fp8_report,
+                        fp8_error,
+                        prompt,
+                        mask,
+                        N,
+                        bw,
+                        bw_source,
+                        dtype,
+                        {"stock": build_s, FP8_VARIANT: fp8_build_s},
+                        mac_report,
+                        opt_report,
+                    )
                 except Exception as exc:  # noqa: BLE001 - the next mode or decoding still runs
                     run.log(f"{workload} {mode} {decoding}: failed: {error_text(exc)}")
                     traceback.print_exc(limit=5)
@@ -438,14 +490,38 @@ def mac_env(version: str):
     return Env.simulate("mps", version)
 
 
-def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: list[str], model, fp8_model, report,
-             fp8_report, fp8_error, prompt, mask, N: int, bw: float, bw_source: str, dtype, build_s: dict,
-             mac_report=None, opt_report=None) -> None:
+def llm_mode(
+    run: Run,
+    workload: str,
+    cfg,
+    mode: str,
+    decoding: str,
+    variants: list[str],
+    model,
+    fp8_model,
+    report,
+    fp8_report,
+    fp8_error,
+    prompt,
+    mask,
+    N: int,
+    bw: float,
+    bw_source: str,
+    dtype,
+    build_s: dict,
+    mac_report=None,
+    opt_report=None,
+) -> None:
     a = run.args
     dev = run.device
     mac_name = MAC_PREFIX + a.mac_torch
-    names = (["stock"] + (["mpsboost"] if "mpsboost" in variants else []) + ([FP8_VARIANT] if fp8_model is not None else [])
-             + ([mac_name] if "mac" in variants else []) + ([OPTIONS_VARIANT] if "options" in variants else []))
+    names = (
+        ["stock"]
+        + (["mpsboost"] if "mpsboost" in variants else [])
+        + ([FP8_VARIANT] if fp8_model is not None else [])
+        + ([mac_name] if "mac" in variants else [])
+        + ([OPTIONS_VARIANT] if "options" in variants else [])
+    )
     models = {"stock": model, "mpsboost": model, FP8_VARIANT: fp8_model, mac_name: model, OPTIONS_VARIANT: model}
     on_model: list[str | None] = [None]  # which patch the shared model carries now (None: stock)
     errors: dict[str, str] = {}
@@ -527,10 +603,15 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
                 continue
             prefill[name].append(s_1)
             full[name].append(s_n)
-            tokens[name].append(out[0, prompt.shape[1]:].tolist())
-        run.log(f"{label}: round {r + 1}: " + ", ".join(
-            f"{n} prefill {prefill[n][-1] * 1e3:.1f} ms decode {(full[n][-1] - prefill[n][-1]) / max(N - 1, 1) * 1e3:.2f} ms/tok"
-            for n in names if len(full[n]) == r + 1))
+            tokens[name].append(out[0, prompt.shape[1] :].tolist())
+        run.log(
+            f"{label}: round {r + 1}: "
+            + ", ".join(
+                f"{n} prefill {prefill[n][-1] * 1e3:.1f} ms decode {(full[n][-1] - prefill[n][-1]) / max(N - 1, 1) * 1e3:.2f} ms/tok"
+                for n in names
+                if len(full[n]) == r + 1
+            )
+        )
     recompiled = graphs_compiled() - graphs0
     logits: dict[str, torch.Tensor] = {}
     breakdown: dict[str, dict] = {}
@@ -540,8 +621,10 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
         try:
             if mode == "eager" and a.breakdown_steps > 0:
                 breakdown[name] = module_breakdown(select(name), prompt, mask, a.breakdown_steps, dev)
-                run.log(f"{label}: {name} breakdown per decoded token: " + ", ".join(
-                    f"{k} {v:.2f} ms" for k, v in breakdown[name]["decode_ms_per_token"].items()))
+                run.log(
+                    f"{label}: {name} breakdown per decoded token: "
+                    + ", ".join(f"{k} {v:.2f} ms" for k, v in breakdown[name]["decode_ms_per_token"].items())
+                )
             if not mem_on_warmup:
                 select(name)
                 with measure_memory(dev) as probe:
@@ -556,36 +639,64 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
     on_model[0] = None
 
     env = RecordEnv.capture(dev, dtype, compile="transformers-static-cache" if mode == "static" else False)
-    shape = {"model": workload, "layers": cfg.num_hidden_layers, "mode": mode, "decoding": decoding,
-             "prompt_tokens": int(prompt.shape[1]), "new_tokens": N, "batch": 1, "weights": "random (seeded, N(0, 0.02))"}
+    shape = {
+        "model": workload,
+        "layers": cfg.num_hidden_layers,
+        "mode": mode,
+        "decoding": decoding,
+        "prompt_tokens": int(prompt.shape[1]),
+        "new_tokens": N,
+        "batch": 1,
+        "weights": "random (seeded, N(0, 0.02))",
+    }
     work = Workload(f"{NAME}-generate", shape)
     ref_tokens = tokens["stock"][0] if tokens.get("stock") else None
     decode = {n: [(f - p) / max(N - 1, 1) for f, p in zip(full[n], prefill[n])] for n in names}
-    med = {n: {k: statistics.median(v) for k, v in (("prefill", prefill[n]), ("decode", decode[n]), ("call", full[n])) if v}
-           for n in names}
+    med = {
+        n: {
+            k: statistics.median(v) for k, v in (("prefill", prefill[n]), ("decode", decode[n]), ("call", full[n])) if v
+        }
+        for n in names
+    }
     recs = []
     for name in ["stock", "mpsboost", FP8_VARIANT, mac_name, OPTIONS_VARIANT]:
         if name not in names and name not in errors:
             continue
-        extra: dict[str, Any] = {"mode": mode, "decoding": decoding, "sampling_seed": a.seed + 2 if decoding == "sampled" else None,
-                                 "generate_kwargs": {k: v for k, v in kw.items() if k != "attention_mask"},
-                                 "build_s": build_s.get(name, build_s["stock"]), "warmup_s": warm.get(name),
-                                 "rounds_requested": a.rounds, "switch_s": switch_s.get(name) or None, "budget_cut": budget_cut,
-                                 "graphs_compiled_during_rounds": recompiled, "graphs_compiled_in_warmup": warm_graphs.get(name),
-                                 "sampling": ({k: getattr(models["stock"].generation_config, k, None) for k in ("temperature", "top_k", "top_p")}
-                                              if decoding == "sampled" else None)}
+        extra: dict[str, Any] = {
+            "mode": mode,
+            "decoding": decoding,
+            "sampling_seed": a.seed + 2 if decoding == "sampled" else None,
+            "generate_kwargs": {k: v for k, v in kw.items() if k != "attention_mask"},
+            "build_s": build_s.get(name, build_s["stock"]),
+            "warmup_s": warm.get(name),
+            "rounds_requested": a.rounds,
+            "switch_s": switch_s.get(name) or None,
+            "budget_cut": budget_cut,
+            "graphs_compiled_during_rounds": recompiled,
+            "graphs_compiled_in_warmup": warm_graphs.get(name),
+            "sampling": (
+                {k: getattr(models["stock"].generation_config, k, None) for k in ("temperature", "top_k", "top_p")}
+                if decoding == "sampled"
+                else None
+            ),
+        }
         if name in errors:
             extra["error"] = errors[name]
-        extra["memory_pass"] = ("the untimed warm-up call (eager: nothing compiles)" if mem_on_warmup
-                                else "one untimed call after the rounds")
+        extra["memory_pass"] = (
+            "the untimed warm-up call (eager: nothing compiles)"
+            if mem_on_warmup
+            else "one untimed call after the rounds"
+        )
         rep = {FP8_VARIANT: fp8_report, "mpsboost": report, mac_name: mac_report, OPTIONS_VARIANT: opt_report}.get(name)
         if name == OPTIONS_VARIANT:
             extra["options"] = a.options
         if rep is not None:
             extra["patch"] = patch_summary(rep)
         if name == mac_name:
-            extra["decisions"] = (f"simulated: the decisions of an Apple MPS machine on torch {a.mac_torch}, computed on this "
-                                  "device; tokens and logits check the Mac paths, the speed here says nothing about a Mac")
+            extra["decisions"] = (
+                f"simulated: the decisions of an Apple MPS machine on torch {a.mac_torch}, computed on this "
+                "device; tokens and logits check the Mac paths, the speed here says nothing about a Mac"
+            )
         if name in breakdown:
             extra["breakdown"] = breakdown[name]
         if name == FP8_VARIANT:
@@ -595,35 +706,76 @@ def llm_mode(run: Run, workload: str, cfg, mode: str, decoding: str, variants: l
             wbytes = weight_bytes_per_token(models[name])
             limit_s = wbytes / bw
             dec = decode[name]
-            extra.update({
-                "rounds": len(full[name]),
-                "prefill_s": summary(prefill[name]), "decode_s_per_token": summary(dec), "generate_call_s": summary(full[name]),
-                "tokens_equal_stock": bool(ref_tokens is not None and all(t == ref_tokens for t in tokens[name])),
-                "tokens_reference": "stock, first timed round" + (" (same sampling seed)" if decoding == "sampled" else ""),
-                "token_match_fraction": (min(sum(x == y for x, y in zip(t, ref_tokens)) / len(ref_tokens) for t in tokens[name])
-                                         if ref_tokens else None),
-                "bandwidth": {"weight_bytes_per_token": wbytes, "copy_bandwidth_bytes_per_s": bw, "copy_bandwidth_source": bw_source,
-                              "limit_s_per_token": limit_s, "share_of_limit": limit_s / statistics.median(dec) if statistics.median(dec) > 0 else None,
-                              "counted": "parameters and buffers; input embedding one row; 3-D expert weights x top_k/num_experts; KV cache not counted"},
-            })
+            extra.update(
+                {
+                    "rounds": len(full[name]),
+                    "prefill_s": summary(prefill[name]),
+                    "decode_s_per_token": summary(dec),
+                    "generate_call_s": summary(full[name]),
+                    "tokens_equal_stock": bool(ref_tokens is not None and all(t == ref_tokens for t in tokens[name])),
+                    "tokens_reference": "stock, first timed round"
+                    + (" (same sampling seed)" if decoding == "sampled" else ""),
+                    "token_match_fraction": (
+                        min(sum(x == y for x, y in zip(t, ref_tokens)) / len(ref_tokens) for t in tokens[name])
+                        if ref_tokens
+                        else None
+                    ),
+                    "bandwidth": {
+                        "weight_bytes_per_token": wbytes,
+                        "copy_bandwidth_bytes_per_s": bw,
+                        "copy_bandwidth_source": bw_source,
+                        "limit_s_per_token": limit_s,
+                        "share_of_limit": limit_s / statistics.median(dec) if statistics.median(dec) > 0 else None,
+                        "counted": "parameters and buffers; input embedding one row; 3-D expert weights x top_k/num_experts; KV cache not counted",
+                    },
+                }
+            )
             if name != "stock" and "stock" in med and med["stock"]:
-                extra["ratio_vs_stock"] = {k: med["stock"][k] / med[name][k] for k in ("prefill", "decode", "call")
-                                           if med[name].get(k) and med["stock"].get(k)}
+                extra["ratio_vs_stock"] = {
+                    k: med["stock"][k] / med[name][k]
+                    for k in ("prefill", "decode", "call")
+                    if med[name].get(k) and med["stock"].get(k)
+                }
                 extra["ratio_note"] = "stock median / this median, same run (> 1 faster)"
-            throughput = Throughput(value=statistics.median(dec) * 1e3, unit="ms/token", seconds_per_call=statistics.median(full[name]),
-                                    items_per_call=N, repeats=len(dec), warmup=1,
-                                    spread={"min_ms": min(dec) * 1e3, "max_ms": max(dec) * 1e3})
-            ops = {"prefill": op_time(prefill[name], 1), "decode_token": op_time(dec, 1), "generate_call": op_time(full[name], 1)}
+            throughput = Throughput(
+                value=statistics.median(dec) * 1e3,
+                unit="ms/token",
+                seconds_per_call=statistics.median(full[name]),
+                items_per_call=N,
+                repeats=len(dec),
+                warmup=1,
+                spread={"min_ms": min(dec) * 1e3, "max_ms": max(dec) * 1e3},
+            )
+            ops = {
+                "prefill": op_time(prefill[name], 1),
+                "decode_token": op_time(dec, 1),
+                "generate_call": op_time(full[name], 1),
+            }
             if name != "stock" and "stock" in logits and name in logits:
                 c = correctness(logits[name], logits["stock"], reference="stock", psnr_too=False)
-                corr = Correctness("stock: last-position logits of one forward over the prompt", rel_error=c.rel_error,
-                                   sqnr_db=c.sqnr_db, max_abs=c.max_abs)
-        recs.append(Record(workload=work, variant=name, env=env, throughput=throughput, op_time=ops, correctness=corr,
-                           memory=mem.get(name), extra=extra))
+                corr = Correctness(
+                    "stock: last-position logits of one forward over the prompt",
+                    rel_error=c.rel_error,
+                    sqnr_db=c.sqnr_db,
+                    max_abs=c.max_abs,
+                )
+        recs.append(
+            Record(
+                workload=work,
+                variant=name,
+                env=env,
+                throughput=throughput,
+                op_time=ops,
+                correctness=corr,
+                memory=mem.get(name),
+                extra=extra,
+            )
+        )
     run.add(recs)
 
 
 # ---------------------------------------------------------------------------------------- diffusers
+
 
 def build_pipe(workload: str, size: str, device: str, dtype: torch.dtype, seed: int, layers: int | None):
     folder = DIFFUSION[workload]
@@ -640,19 +792,39 @@ def build_pipe(workload: str, size: str, device: str, dtype: torch.dtype, seed: 
         with C.default_dtype(dtype), torch.device(device):
             transformer = WanTransformer3DModel.from_config(tcfg)
             vae = AutoencoderKLWan.from_config(C.config(folder, size, "vae.json"))
-        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=run["flow_shift"])
-        pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=sched, transformer=transformer,
-                           transformer_2=None, boundary_ratio=None, expand_timesteps=True)
+        sched = UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=run["flow_shift"]
+        )
+        pipe = WanPipeline(
+            tokenizer=None,
+            text_encoder=None,
+            vae=vae,
+            scheduler=sched,
+            transformer=transformer,
+            transformer_2=None,
+            boundary_ratio=None,
+            expand_timesteps=True,
+        )
     else:
-        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+        from diffusers import (
+            AutoencoderKLQwenImage,
+            FlowMatchEulerDiscreteScheduler,
+            QwenImagePipeline,
+            QwenImageTransformer2DModel,
+        )
 
         if size == "real":
             run.update(REAL_IMAGE)
         with C.default_dtype(dtype), torch.device(device):
             transformer = QwenImageTransformer2DModel.from_config(tcfg)
             vae = AutoencoderKLQwenImage.from_config(C.config(folder, size, "vae.json"))
-        pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None,
-                                 transformer=transformer)
+        pipe = QwenImagePipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler(),
+            vae=vae,
+            text_encoder=None,
+            tokenizer=None,
+            transformer=transformer,
+        )
     keep_fp32(pipe.transformer)
     pipe.to(device=device)
     if run.get("vae_tiling"):
@@ -672,7 +844,9 @@ def keep_fp32(model) -> list[str]:
     return done
 
 
-def pipe_inputs(workload: str, pipe, run: dict, device: str, dtype: torch.dtype, seed: int, steps: int) -> tuple[dict, dict]:
+def pipe_inputs(
+    workload: str, pipe, run: dict, device: str, dtype: torch.dtype, seed: int, steps: int
+) -> tuple[dict, dict]:
     """Call arguments with random prompt embeddings of the text encoder's output shape; and their description."""
     g = torch.Generator().manual_seed(seed + 1)
     n = run["text_tokens"]
@@ -680,19 +854,38 @@ def pipe_inputs(workload: str, pipe, run: dict, device: str, dtype: torch.dtype,
         dim = pipe.transformer.config.text_dim
         emb = torch.randn(1, n, dim, generator=g).to(device, dtype)
         neg = torch.randn(1, n, dim, generator=g).to(device, dtype)
-        kw = {"prompt_embeds": emb, "negative_prompt_embeds": neg, "height": run["height"], "width": run["width"],
-              "num_frames": run["frames"], "guidance_scale": run["guidance_scale"]}
-        desc = {"prompt_embeds": f"random N(0,1) [1, {n}, {dim}] {C.dtype_name(dtype)} (UMT5 output shape; no text encoder built)",
-                "negative_prompt_embeds": "random, same shape", "guidance_scale": run["guidance_scale"]}
+        kw = {
+            "prompt_embeds": emb,
+            "negative_prompt_embeds": neg,
+            "height": run["height"],
+            "width": run["width"],
+            "num_frames": run["frames"],
+            "guidance_scale": run["guidance_scale"],
+        }
+        desc = {
+            "prompt_embeds": f"random N(0,1) [1, {n}, {dim}] {C.dtype_name(dtype)} (UMT5 output shape; no text encoder built)",
+            "negative_prompt_embeds": "random, same shape",
+            "guidance_scale": run["guidance_scale"],
+        }
     else:
         dim = pipe.transformer.config.joint_attention_dim
         emb = torch.randn(1, n, dim, generator=g).to(device, dtype)
         neg = torch.randn(1, n, dim, generator=g).to(device, dtype)
         m = torch.ones(1, n, dtype=torch.long, device=device)
-        kw = {"prompt_embeds": emb, "prompt_embeds_mask": m, "negative_prompt_embeds": neg, "negative_prompt_embeds_mask": m,
-              "true_cfg_scale": run["true_cfg_scale"], "height": run["height"], "width": run["width"]}
-        desc = {"prompt_embeds": f"random N(0,1) [1, {n}, {dim}] {C.dtype_name(dtype)} with an all-ones mask (Qwen2.5-VL output shape; no text encoder built)",
-                "negative_prompt_embeds": "random, same shape", "true_cfg_scale": run["true_cfg_scale"]}
+        kw = {
+            "prompt_embeds": emb,
+            "prompt_embeds_mask": m,
+            "negative_prompt_embeds": neg,
+            "negative_prompt_embeds_mask": m,
+            "true_cfg_scale": run["true_cfg_scale"],
+            "height": run["height"],
+            "width": run["width"],
+        }
+        desc = {
+            "prompt_embeds": f"random N(0,1) [1, {n}, {dim}] {C.dtype_name(dtype)} with an all-ones mask (Qwen2.5-VL output shape; no text encoder built)",
+            "negative_prompt_embeds": "random, same shape",
+            "true_cfg_scale": run["true_cfg_scale"],
+        }
     kw["num_inference_steps"] = steps
     kw["output_type"] = "pt"
     return kw, desc
@@ -718,7 +911,9 @@ def run_diffusion(run: Run, workload: str, modes: list[str], variants: list[str]
                 run.log(f"{workload} {mode}: budget spent, not started")
                 continue
             if mode == "offload" and torch.device(dev).type == "cpu":
-                run.log(f"{workload} offload: needs an accelerator (the model moves between the CPU and it); not run on cpu")
+                run.log(
+                    f"{workload} offload: needs an accelerator (the model moves between the CPU and it); not run on cpu"
+                )
                 continue
             try:
                 if mode == "compile":
@@ -740,8 +935,18 @@ def run_diffusion(run: Run, workload: str, modes: list[str], variants: list[str]
         free()
 
 
-def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe, kw: dict, desc: dict, cfg: dict,
-                   dtype, build_s: float) -> None:
+def diffusion_mode(
+    run: Run,
+    workload: str,
+    mode: str,
+    variants: list[str],
+    pipe,
+    kw: dict,
+    desc: dict,
+    cfg: dict,
+    dtype,
+    build_s: float,
+) -> None:
     a = run.args
     dev = run.device
     names = ["stock"] + (["mpsboost"] if "mpsboost" in variants else [])
@@ -781,7 +986,10 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
             times[name].append(s)
             if name not in outputs:
                 outputs[name] = torch.as_tensor(out).detach().float().cpu()
-        run.log(f"{label}: round {r + 1}: " + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in names if len(times[n]) == r + 1))
+        run.log(
+            f"{label}: round {r + 1}: "
+            + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in names if len(times[n]) == r + 1)
+        )
     recompiled = graphs_compiled() - graphs0
     for name in names:
         if not times[name] or mem_on_warmup:
@@ -794,10 +1002,18 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
         except Exception as exc:  # noqa: BLE001
             errors.setdefault(name, f"memory pass: {error_text(exc)}")
     env = RecordEnv.capture(dev, dtype, compile=True if mode == "compile" else False)
-    shape = {"pipeline": type(pipe).__name__, "mode": mode, "height": cfg["height"], "width": cfg["width"],
-             "steps": kw["num_inference_steps"], "transformer_layers": pipe.transformer.config.num_layers,
-             "vae_tiling": bool(getattr(pipe.vae, "use_tiling", False)), "weights": "random (seeded)",
-             "fp32_modules": list(getattr(pipe.transformer, "_keep_in_fp32_modules", None) or []), "text_tokens": cfg["text_tokens"]}
+    shape = {
+        "pipeline": type(pipe).__name__,
+        "mode": mode,
+        "height": cfg["height"],
+        "width": cfg["width"],
+        "steps": kw["num_inference_steps"],
+        "transformer_layers": pipe.transformer.config.num_layers,
+        "vae_tiling": bool(getattr(pipe.vae, "use_tiling", False)),
+        "weights": "random (seeded)",
+        "fp32_modules": list(getattr(pipe.transformer, "_keep_in_fp32_modules", None) or []),
+        "text_tokens": cfg["text_tokens"],
+    }
     if "frames" in cfg:
         shape["frames"] = cfg["frames"]
     work = Workload(f"{NAME}-{workload}", shape)
@@ -806,15 +1022,28 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
     for name in ["stock", "mpsboost"]:
         if name not in names and name not in errors:
             continue
-        extra: dict[str, Any] = {"mode": mode, "inputs": desc, "build_s": build_s, "warmup_s": warm.get(name),
-                                 "rounds_requested": a.rounds, "budget_cut": budget_cut,
-                                 "graphs_compiled_during_rounds": recompiled, "graphs_compiled_in_warmup": warm_graphs.get(name),
-                                 "mode_setup": {"eager": "pipeline on the device", "compile": "pipe.transformer = torch.compile(pipe.transformer)",
-                                                "offload": "pipe.enable_model_cpu_offload()"}[mode]}
+        extra: dict[str, Any] = {
+            "mode": mode,
+            "inputs": desc,
+            "build_s": build_s,
+            "warmup_s": warm.get(name),
+            "rounds_requested": a.rounds,
+            "budget_cut": budget_cut,
+            "graphs_compiled_during_rounds": recompiled,
+            "graphs_compiled_in_warmup": warm_graphs.get(name),
+            "mode_setup": {
+                "eager": "pipeline on the device",
+                "compile": "pipe.transformer = torch.compile(pipe.transformer)",
+                "offload": "pipe.enable_model_cpu_offload()",
+            }[mode],
+        }
         if name in errors:
             extra["error"] = errors[name]
-        extra["memory_pass"] = ("the untimed warm-up call (no compilation in this mode)" if mem_on_warmup
-                                else "one untimed call after the rounds")
+        extra["memory_pass"] = (
+            "the untimed warm-up call (no compilation in this mode)"
+            if mem_on_warmup
+            else "one untimed call after the rounds"
+        )
         if name in reports:
             extra["patch"] = patch_summary(reports[name])
         throughput = ops = corr = None
@@ -824,17 +1053,37 @@ def diffusion_mode(run: Run, workload: str, mode: str, variants: list[str], pipe
                 extra["ratio_vs_stock"] = {"call": med["stock"] / med[name]}
                 extra["ratio_note"] = "stock median / this median, same run (> 1 faster)"
             xs = times[name]
-            throughput = Throughput(value=statistics.median(xs), unit="s/call", seconds_per_call=statistics.median(xs), items_per_call=None,
-                                    repeats=len(xs), warmup=1, spread={"min_s": min(xs), "max_s": max(xs)})
+            throughput = Throughput(
+                value=statistics.median(xs),
+                unit="s/call",
+                seconds_per_call=statistics.median(xs),
+                items_per_call=None,
+                repeats=len(xs),
+                warmup=1,
+                spread={"min_s": min(xs), "max_s": max(xs)},
+            )
             ops = {"pipeline_call": op_time(xs, 1)}
             if name != "stock" and "stock" in outputs and name in outputs:
-                corr = correctness(outputs[name], outputs["stock"], reference=f"stock ({mode}), first timed round", data_range=1.0)
-        recs.append(Record(workload=work, variant=name, env=env, throughput=throughput, op_time=ops, correctness=corr,
-                           memory=mem.get(name), extra=extra))
+                corr = correctness(
+                    outputs[name], outputs["stock"], reference=f"stock ({mode}), first timed round", data_range=1.0
+                )
+        recs.append(
+            Record(
+                workload=work,
+                variant=name,
+                env=env,
+                throughput=throughput,
+                op_time=ops,
+                correctness=corr,
+                memory=mem.get(name),
+                extra=extra,
+            )
+        )
     run.add(recs)
 
 
 # ---------------------------------------------------------------------------------------- summary
+
 
 def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
@@ -842,8 +1091,22 @@ def _gib(n: int | None) -> str:
 
 def table(records: list[Record]) -> str:
     """One line per record: the figures of its medians, its ratio to stock of the same run, memory, agreement."""
-    head = ("workload", "mode", "decoding", "variant", "rounds", "prefill ms", "decode ms/tok (best..worst)", "call s",
-            "x stock", "bw share", "peak alloc GiB", "reserved GiB", "tokens=stock / PSNR dB", "note")
+    head = (
+        "workload",
+        "mode",
+        "decoding",
+        "variant",
+        "rounds",
+        "prefill ms",
+        "decode ms/tok (best..worst)",
+        "call s",
+        "x stock",
+        "bw share",
+        "peak alloc GiB",
+        "reserved GiB",
+        "tokens=stock / PSNR dB",
+        "note",
+    )
     rows = [head]
     for r in records:
         e, s = r.extra, r.workload.shape
@@ -866,14 +1129,30 @@ def table(records: list[Record]) -> str:
         else:
             dec = pre = call = x = bws = agree = "-"
         m = r.memory
-        rows.append((str(s.get("model") or r.workload.name.replace(f"{NAME}-", "")), str(s.get("mode")), str(s.get("decoding", "-")), r.variant,
-                     str(e.get("rounds", 0)), pre, dec, call, x, bws, _gib(m.tensor_allocated if m else None),
-                     _gib(m.allocator_reserved if m else None), agree, (e.get("error") or "")[:60]))
+        rows.append(
+            (
+                str(s.get("model") or r.workload.name.replace(f"{NAME}-", "")),
+                str(s.get("mode")),
+                str(s.get("decoding", "-")),
+                r.variant,
+                str(e.get("rounds", 0)),
+                pre,
+                dec,
+                call,
+                x,
+                bws,
+                _gib(m.tensor_allocated if m else None),
+                _gib(m.allocator_reserved if m else None),
+                agree,
+                (e.get("error") or "")[:60],
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 
 
 # ---------------------------------------------------------------------------------------- main
+
 
 def _list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
@@ -885,6 +1164,7 @@ def _list(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
 
 def _json_options(text: str) -> dict:
     """--options JSON with its lists as tuples (recipe options take tuples; JSON has none)."""
+
     def tup(v):
         if isinstance(v, list):
             return tuple(tup(x) for x in v)
@@ -896,22 +1176,45 @@ def _json_options(text: str) -> dict:
 
 
 def parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--device", default=best_device())  # what `mpsboost bench` picks: mps, cuda, cpu
     p.add_argument("--size", choices=("tiny", "real"), default="real")
     p.add_argument("--only", default=",".join(WORKLOADS), help=f"workloads: {', '.join(WORKLOADS)}")
-    p.add_argument("--modes", default=",".join(dict.fromkeys(LLM_MODES + DIFFUSION_MODES)),
-                   help="LLM: eager, static; diffusers: eager, compile, offload (each workload runs those of its kind)")
-    p.add_argument("--variants", default="mpsboost,fp8",
-                   help="besides stock (always run): mpsboost, fp8 (LLM only), mac (LLM only: Mac decisions, see --mac-torch), options (LLM only: --options)")
-    p.add_argument("--options", type=_json_options, default=None,
-                   help='the options variant\'s patch(options=...), as JSON, e.g. \'{"rms_norm": {"devices": ["cuda"]}}\'')
+    p.add_argument(
+        "--modes",
+        default=",".join(dict.fromkeys(LLM_MODES + DIFFUSION_MODES)),
+        help="LLM: eager, static; diffusers: eager, compile, offload (each workload runs those of its kind)",
+    )
+    p.add_argument(
+        "--variants",
+        default="mpsboost,fp8",
+        help="besides stock (always run): mpsboost, fp8 (LLM only), mac (LLM only: Mac decisions, see --mac-torch), options (LLM only: --options)",
+    )
+    p.add_argument(
+        "--options",
+        type=_json_options,
+        default=None,
+        help='the options variant\'s patch(options=...), as JSON, e.g. \'{"rms_norm": {"devices": ["cuda"]}}\'',
+    )
     p.add_argument("--mac-torch", default="2.15.0", help="the torch version of the simulated Mac of the 'mac' variant")
-    p.add_argument("--breakdown-steps", type=int, default=8,
-                   help="eager LLM modes: decode steps of the per-module breakdown pass (0: none)")
+    p.add_argument(
+        "--breakdown-steps",
+        type=int,
+        default=8,
+        help="eager LLM modes: decode steps of the per-module breakdown pass (0: none)",
+    )
     p.add_argument("--decoding", default="greedy,sampled", help="LLM decoding: greedy, sampled")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds, each running every variant once (>= 3 for figures you report)")
-    p.add_argument("--layers", type=int, default=None, help="override the number of layers (transformer blocks) of every model")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="timed rounds, each running every variant once (>= 3 for figures you report)",
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help="override the number of layers (transformer blocks) of every model"
+    )
     p.add_argument("--prompt-tokens", type=int, default=None, help="LLM prompt length (default: 512 real, 16 tiny)")
     p.add_argument("--new-tokens", type=int, default=None, help="LLM new tokens (default: 64 real, 8 tiny)")
     p.add_argument("--steps", type=int, default=2, help="diffusers denoising steps")
@@ -920,7 +1223,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--frames", type=int, default=None, help="Wan frames (4k+1)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--budget-s", type=float, default=None, help="start no new work after this many seconds; what ran is written")
+    p.add_argument(
+        "--budget-s", type=float, default=None, help="start no new work after this many seconds; what ran is written"
+    )
     p.add_argument("--out", type=Path, default=None, help="folder for e2e.jsonl (appended to)")
     a = p.parse_args(argv)
     a.only = _list(a.only, WORKLOADS, "only")
@@ -936,7 +1241,9 @@ def parse(argv=None) -> argparse.Namespace:
     if a.new_tokens is None:
         a.new_tokens = 64 if a.size == "real" else 8
     if a.new_tokens < 2:
-        raise SystemExit("--new-tokens must be >= 2 (decode time per token is the call after the first token over N - 1)")
+        raise SystemExit(
+            "--new-tokens must be >= 2 (decode time per token is the call after the first token over N - 1)"
+        )
     kind = torch.device(a.device).type
     if kind == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device {a.device}: torch sees no CUDA device")
@@ -967,8 +1274,10 @@ def main(argv=None) -> int:
 
 def _main(a: argparse.Namespace, filename: str = f"{NAME}.jsonl") -> list[Record]:
     run = Run(a, filename)
-    run.log(f"torch {torch.__version__}, device {a.device}, size {a.size}, workloads {a.only}, modes {a.modes}, "
-            f"variants stock+{a.variants}, rounds {a.rounds}, budget {a.budget_s}")
+    run.log(
+        f"torch {torch.__version__}, device {a.device}, size {a.size}, workloads {a.only}, modes {a.modes}, "
+        f"variants stock+{a.variants}, rounds {a.rounds}, budget {a.budget_s}"
+    )
     for workload in a.only:
         if run.spent():
             run.log(f"{workload}: budget spent, not started")

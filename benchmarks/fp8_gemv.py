@@ -17,6 +17,7 @@ Each variant is checked against ``x @ (codes * scale).T`` computed in float32 (r
 
     python benchmarks/fp8_gemv.py --device cuda --out benchmarks/results
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,10 +66,16 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     bw = copy_bandwidth(dev)
     props = torch.cuda.get_device_properties(dev)
-    env = {"device": props.name, "capability": list(torch.cuda.get_device_capability(dev)), "torch": torch.__version__,
-           "triton": triton.__version__, "mpsboost": mpsboost.__version__,
-           "date": _dt.date.today().isoformat(), "command": " ".join(["python", "benchmarks/fp8_gemv.py"] + (argv or sys.argv[1:])),
-           "copy_bandwidth_GBps": bw / 1e9 if bw else None}
+    env = {
+        "device": props.name,
+        "capability": list(torch.cuda.get_device_capability(dev)),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "mpsboost": mpsboost.__version__,
+        "date": _dt.date.today().isoformat(),
+        "command": " ".join(["python", "benchmarks/fp8_gemv.py"] + (argv or sys.argv[1:])),
+        "copy_bandwidth_GBps": bw / 1e9 if bw else None,
+    }
     print(json.dumps(env))
     records = []
     shapes = {k: v for k, v in SHAPES.items() if a.only is None or k in a.only.split(",")}
@@ -88,7 +95,9 @@ def main(argv=None) -> int:
 
         variants: list[tuple[str, object]] = [("bf16", None)]
         cands = ft._candidates(1, n, k, ft._sms(dev))
-        variants += [(f"fp8 {c.kind} bn{c.block_n} bk{c.block_k} sk{c.split_k} w{c.num_warps} s{c.num_stages}", c) for c in cands]
+        variants += [
+            (f"fp8 {c.kind} bn{c.block_n} bk{c.block_k} sk{c.split_k} w{c.num_warps} s{c.num_stages}", c) for c in cands
+        ]
         ft.clear_tuning_cache()
         t0 = time.perf_counter()
         ft.fp8_gemv(x, codes[0], scales[0].reshape(-1))  # the shipped tuning (cold L2), as at patch time
@@ -98,39 +107,66 @@ def main(argv=None) -> int:
         base = None
         for label, cfg in variants:
             if cfg is None:
+
                 def fn():
                     for i in range(layers):
                         torch.mm(x, ws16[i].t(), out=outs[i])
+
                 wbytes = 2 * n * k
             else:
+
                 def fn(cfg=cfg):
                     for i in range(layers):
                         ft._launch(x, codes[i], scales[i].reshape(-1), None, outs[i], cfg)
+
                 wbytes = n * k + 4 * n
             try:
-                ts = list(time_fn(fn, device=dev, warmup=2, repeats=a.repeats, cuda_graph=True, calls=replays).samples_s)
+                ts = list(
+                    time_fn(fn, device=dev, warmup=2, repeats=a.repeats, cuda_graph=True, calls=replays).samples_s
+                )
             except Exception as exc:  # noqa: BLE001 - a configuration that fails to compile is recorded
-                records.append({"shape": name, "n": n, "k": k, "variant": label, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                records.append(
+                    {"shape": name, "n": n, "k": k, "variant": label, "error": f"{type(exc).__name__}: {exc}"[:300]}
+                )
                 print(f"{name:14s} {label:44s} failed: {exc}"[:200])
                 continue
             per_layer = [t / layers for t in ts]
             med = statistics.median(per_layer)
-            err = rel(0) if cfg is not None else float((outs[0].float() - x.float() @ ws16[0].float().T).norm()
-                                                        / (x.float() @ ws16[0].float().T).norm())
+            err = (
+                rel(0)
+                if cfg is not None
+                else float(
+                    (outs[0].float() - x.float() @ ws16[0].float().T).norm() / (x.float() @ ws16[0].float().T).norm()
+                )
+            )
             if cfg is None:
                 base = med
-            rec = {"shape": name, "n": n, "k": k, "layers_in_cycle": layers, "variant": label,
-                   "us_per_layer_median": med * 1e6, "us_per_layer_min": min(per_layer) * 1e6,
-                   "us_per_layer_max": max(per_layer) * 1e6, "repeats": a.repeats, "replays": replays,
-                   "weight_bytes": wbytes, "GBps": wbytes / med / 1e9,
-                   "share_of_copy_bandwidth": (wbytes / med) / bw if bw else None,
-                   "speedup_vs_bf16": base / med if base else None, "rel_err_vs_fp32_dequant": err}
+            rec = {
+                "shape": name,
+                "n": n,
+                "k": k,
+                "layers_in_cycle": layers,
+                "variant": label,
+                "us_per_layer_median": med * 1e6,
+                "us_per_layer_min": min(per_layer) * 1e6,
+                "us_per_layer_max": max(per_layer) * 1e6,
+                "repeats": a.repeats,
+                "replays": replays,
+                "weight_bytes": wbytes,
+                "GBps": wbytes / med / 1e9,
+                "share_of_copy_bandwidth": (wbytes / med) / bw if bw else None,
+                "speedup_vs_bf16": base / med if base else None,
+                "rel_err_vs_fp32_dequant": err,
+            }
             if label.startswith("fp8 tuned"):
                 rec["tune_s"] = tune_s
             records.append(rec)
-            print(f"{name:14s} {label:44s} {med * 1e6:8.1f} us  [{min(per_layer) * 1e6:.1f}-{max(per_layer) * 1e6:.1f}]  "
-                  f"{rec['GBps']:7.0f} GB/s  {rec['share_of_copy_bandwidth'] or 0:5.2f} of copy  "
-                  f"x{rec['speedup_vs_bf16'] or 0:4.2f} vs bf16  rel {err:.1e}", flush=True)
+            print(
+                f"{name:14s} {label:44s} {med * 1e6:8.1f} us  [{min(per_layer) * 1e6:.1f}-{max(per_layer) * 1e6:.1f}]  "
+                f"{rec['GBps']:7.0f} GB/s  {rec['share_of_copy_bandwidth'] or 0:5.2f} of copy  "
+                f"x{rec['speedup_vs_bf16'] or 0:4.2f} vs bf16  rel {err:.1e}",
+                flush=True,
+            )
         ws16 = codes = scales = outs = refs = None  # free before the next shape
         torch.cuda.empty_cache()
     append_jsonl(a.out, "fp8_gemv.jsonl", [{**r, "env": env} for r in records])

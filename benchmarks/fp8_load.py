@@ -45,6 +45,7 @@ Records go to ``OUT/fp8_load.jsonl`` with the environment of the run. Files are 
 ``--workdir`` (default: a temporary folder; needs about 40 GB free at the defaults) and removed after.
 Load times are measured with the files in the page cache (just written), for both paths alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,14 +70,27 @@ DEFAULT_LAYERS = {"qwen3_8b": 36, "qwen3_30b_a3b": 12, "qwen_image": 16, "qwen3.
 QWEN36_PREFIX = "model.language_model."
 QWEN36_KEEP = ("mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
 # A small config of the same class, for --tiny (a CPU smoke test of the whole benchmark).
-QWEN36_TINY = {"vocab_size": 512, "hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
-               "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
-               "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128, "shared_expert_intermediate_size": 192}
+QWEN36_TINY = {
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 192,
+}
 TARGET_PEAK = 0.55
 TARGET_REL = 1e-3
 
 
 # ------------------------------------------------------------------------------------------ models
+
 
 def _config(name: str, layers: int, tiny: bool = False):
     if name == "qwen3.6":
@@ -84,16 +98,31 @@ def _config(name: str, layers: int, tiny: bool = False):
 
         # The class defaults are Qwen3.6-35B-A3B's widths; every 4th layer is full attention.
         types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
-        return Qwen3_5MoeTextConfig(num_hidden_layers=layers, layer_types=types, tie_word_embeddings=False,
-                                    architectures=["Qwen3_5MoeForCausalLM"], **(QWEN36_TINY if tiny else {}))
+        return Qwen3_5MoeTextConfig(
+            num_hidden_layers=layers,
+            layer_types=types,
+            tie_word_embeddings=False,
+            architectures=["Qwen3_5MoeForCausalLM"],
+            **(QWEN36_TINY if tiny else {}),
+        )
     if tiny:
         raise SystemExit(f"--tiny is a size of the qwen3.6 workload only, not of {name}")
     if name == "qwen3_8b":
         from transformers import Qwen3Config
 
-        return Qwen3Config(vocab_size=151936, hidden_size=4096, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-                           head_dim=128, intermediate_size=12288, max_position_embeddings=40960, tie_word_embeddings=False,
-                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, architectures=["Qwen3ForCausalLM"])
+        return Qwen3Config(
+            vocab_size=151936,
+            hidden_size=4096,
+            num_hidden_layers=layers,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=12288,
+            max_position_embeddings=40960,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+            architectures=["Qwen3ForCausalLM"],
+        )
     if name == "qwen3_30b_a3b":
         from transformers import Qwen3MoeConfig
 
@@ -122,6 +151,7 @@ def _meta_model(name: str, cfg):
 
 
 # ------------------------------------------------------------------------------------------ writing
+
 
 def write_checkpoints(name: str, cfg, work: Path, device: str) -> dict:
     """The bf16 checkpoint and the published fp8 one, from the same values, one tensor at a time
@@ -157,11 +187,20 @@ def write_checkpoints(name: str, cfg, work: Path, device: str) -> dict:
         path, _ = write_published(meta, "scaled_fp8", work / "fp8", tensors=values(), keep_reference=False)
     else:
         cfg.save_pretrained(bf16_dir)
-        path, _ = write_published(meta, "transformers", work / "fp8", block=(128, 128), tensors=values(),
-                                  config=cfg.to_dict(), keep_reference=False)
+        path, _ = write_published(
+            meta,
+            "transformers",
+            work / "fp8",
+            block=(128, 128),
+            tensors=values(),
+            config=cfg.to_dict(),
+            keep_reference=False,
+        )
     w16.close()
-    sizes = {"bf16_bytes": (bf16_dir / fname).stat().st_size,
-             "fp8_bytes": sum(f.stat().st_size for f in ([path] if path.is_file() else path.glob("*.safetensors")))}
+    sizes = {
+        "bf16_bytes": (bf16_dir / fname).stat().st_size,
+        "fp8_bytes": sum(f.stat().st_size for f in ([path] if path.is_file() else path.glob("*.safetensors"))),
+    }
     return {"bf16": str(bf16_dir), "fp8": str(path), "write_s": time.perf_counter() - t0, **sizes}
 
 
@@ -172,20 +211,52 @@ def _write_qwen36(meta, cfg, work: Path, values, t0: float) -> dict:
     not_convert = ["lm_head", QWEN36_PREFIX + "embed_tokens"]
     for i in range(cfg.num_hidden_layers):
         p = f"{QWEN36_PREFIX}layers.{i}."
-        not_convert += [p + s for s in ("input_layernorm", "post_attention_layernorm", "mlp.gate", "self_attn.q_norm",
-                                        "self_attn.k_norm", "linear_attn.A_log", "linear_attn.conv1d", "linear_attn.dt_bias",
-                                        "linear_attn.norm", *QWEN36_KEEP)]
-    wrapper = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "text_config": cfg.to_dict(),
-               "tie_word_embeddings": False}
-    path, _ = write_published(meta, "transformers", work / "fp8", block=(128, 128), tensors=values(), config=wrapper,
-                              keep_reference=False, rename=lambda k: k if k.startswith("lm_head") else QWEN36_PREFIX + k[len("model."):],
-                              keep=QWEN36_KEEP, scale_dtype=torch.bfloat16, modules_to_not_convert=not_convert)
+        not_convert += [
+            p + s
+            for s in (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "mlp.gate",
+                "self_attn.q_norm",
+                "self_attn.k_norm",
+                "linear_attn.A_log",
+                "linear_attn.conv1d",
+                "linear_attn.dt_bias",
+                "linear_attn.norm",
+                *QWEN36_KEEP,
+            )
+        ]
+    wrapper = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": cfg.to_dict(),
+        "tie_word_embeddings": False,
+    }
+    path, _ = write_published(
+        meta,
+        "transformers",
+        work / "fp8",
+        block=(128, 128),
+        tensors=values(),
+        config=wrapper,
+        keep_reference=False,
+        rename=lambda k: k if k.startswith("lm_head") else QWEN36_PREFIX + k[len("model.") :],
+        keep=QWEN36_KEEP,
+        scale_dtype=torch.bfloat16,
+        modules_to_not_convert=not_convert,
+    )
     bf16_bytes = sum(t.numel() * 2 for t in meta.state_dict().values())
-    return {"bf16": None, "fp8": str(path), "write_s": time.perf_counter() - t0, "bf16_bytes": bf16_bytes,
-            "fp8_bytes": sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))}
+    return {
+        "bf16": None,
+        "fp8": str(path),
+        "write_s": time.perf_counter() - t0,
+        "bf16_bytes": bf16_bytes,
+        "fp8_bytes": sum(f.stat().st_size for f in Path(path).glob("*.safetensors")),
+    }
 
 
 # ------------------------------------------------------------------------------------------ one process per path
+
 
 def _host_peak_reset() -> int:
     try:
@@ -226,8 +297,14 @@ def _decode_step(name: str, model, device: str, cfg, dtype: torch.dtype = torch.
             t = torch.tensor([0.5], device=device, dtype=torch.bfloat16).to(dtype)
 
             def run():
-                return model(hidden_states=hs, encoder_hidden_states=enc, encoder_hidden_states_mask=mask, timestep=t,
-                             img_shapes=[[(1, side, side)]], return_dict=False)[0]
+                return model(
+                    hidden_states=hs,
+                    encoder_hidden_states=enc,
+                    encoder_hidden_states_mask=mask,
+                    timestep=t,
+                    img_shapes=[[(1, side, side)]],
+                    return_dict=False,
+                )[0]
 
             out = run()
             for _ in range(3):
@@ -309,7 +386,9 @@ def phase(kind: str, name: str, layers: int, files: dict, device: str, tiny: boo
         elif name == "qwen_image":
             from diffusers import QwenImageTransformer2DModel
 
-            model = QwenImageTransformer2DModel.from_pretrained(files["bf16"], torch_dtype=torch.bfloat16, device_map=device)
+            model = QwenImageTransformer2DModel.from_pretrained(
+                files["bf16"], torch_dtype=torch.bfloat16, device_map=device
+            )
         else:
             from transformers import AutoModelForCausalLM
 
@@ -323,7 +402,13 @@ def phase(kind: str, name: str, layers: int, files: dict, device: str, tiny: boo
         mpsboost.patch(model, fp8="rowwise")
         _sync(device)
         convert_s = time.perf_counter() - t1
-        out = {"load_s": load_s, "convert_s": convert_s, "total_s": load_s + convert_s, "decode_ms": ms, "host_peak": host_load}
+        out = {
+            "load_s": load_s,
+            "convert_s": convert_s,
+            "total_s": load_s + convert_s,
+            "decode_ms": ms,
+            "host_peak": host_load,
+        }
     else:
         model = _meta_model(name, cfg).eval()
         report = mpsboost.load_fp8(model, files["fp8"], device=device)
@@ -347,10 +432,18 @@ def phase(kind: str, name: str, layers: int, files: dict, device: str, tiny: boo
             ref.float()
             _, exact32 = _decode_step(name, ref, device, cfg, torch.float32)
         rows = [r for r in report.rows if r.recipe == "fp8_weights" and r.status == "applied"]
-        out = {"load_s": load_s, "total_s": load_s, "decode_ms": ms, "host_peak": host_load, "rel_error": rel, "logits_equal": equal,
-               "rel_error_vs_fp32": None if exact32 is None else relative_error(got, exact32),
-               "bf16_reference_vs_fp32": None if exact32 is None else relative_error(want, exact32),
-               "fp8_modules": len(rows), "backing": sorted({r.backing for r in rows})}
+        out = {
+            "load_s": load_s,
+            "total_s": load_s,
+            "decode_ms": ms,
+            "host_peak": host_load,
+            "rel_error": rel,
+            "logits_equal": equal,
+            "rel_error_vs_fp32": None if exact32 is None else relative_error(got, exact32),
+            "bf16_reference_vs_fp32": None if exact32 is None else relative_error(want, exact32),
+            "fp8_modules": len(rows),
+            "backing": sorted({r.backing for r in rows}),
+        }
         if cuda:
             out.update(device_peak=load_peak[0], device_reserved=load_peak[1])
     if cuda and "device_peak" not in out:
@@ -360,45 +453,85 @@ def phase(kind: str, name: str, layers: int, files: dict, device: str, tiny: boo
 
 # ------------------------------------------------------------------------------------------ driver
 
+
 def _records(name: str, layers: int, files: dict, a: dict, b: dict, device: str):
     from mpsboost.bench import Correctness, Memory, Record, RecordEnv, Throughput, Workload
 
     env = RecordEnv.capture(device, torch.bfloat16)
-    shape = {"workload": name, "layers": layers, "weights": "random",
-             "format": "scaled_fp8" if name == "qwen_image" else "transformers-fp8 (128x128 blocks)",
-             "bf16_bytes": files["bf16_bytes"], "fp8_bytes": files["fp8_bytes"]}
+    shape = {
+        "workload": name,
+        "layers": layers,
+        "weights": "random",
+        "format": "scaled_fp8" if name == "qwen_image" else "transformers-fp8 (128x128 blocks)",
+        "bf16_bytes": files["bf16_bytes"],
+        "fp8_bytes": files["fp8_bytes"],
+    }
     if name == "qwen3.6":
-        shape.update(layout="Qwen/Qwen3.6-35B-A3B-FP8 (model.language_model.* keys, BF16 scale_inv, per-expert Linears)",
-                     bf16_path="built on the device from the config (random weights, no file), then patch(fp8='rowwise')")
+        shape.update(
+            layout="Qwen/Qwen3.6-35B-A3B-FP8 (model.language_model.* keys, BF16 scale_inv, per-expert Linears)",
+            bf16_path="built on the device from the config (random weights, no file), then patch(fp8='rowwise')",
+        )
     ratio = b.get("device_peak", 0) / a["device_peak"] if a.get("device_peak") else None
     host_ratio = b["host_peak"] / a["host_peak"] if a.get("host_peak") else None
     recs = [
-        Record(Workload("fp8_load", shape), "bf16 load + convert", env, throughput=Throughput(a["total_s"], "s"),
-               memory=Memory(tensor_allocated=a.get("device_peak"), allocator_reserved=a.get("device_reserved")),
-               extra={"host_peak_bytes": a["host_peak"], "load_s": a["load_s"], "convert_s": a["convert_s"]}),
-        Record(Workload("fp8_load", shape), "mpsboost load_fp8", env, throughput=Throughput(b["total_s"], "s"),
-               memory=Memory(tensor_allocated=b.get("device_peak"), allocator_reserved=b.get("device_reserved")),
-               correctness=Correctness(reference="the file's exact dequantisation, stock forward", rel_error=b["rel_error"]),
-               extra={"host_peak_bytes": b["host_peak"], "device_peak_ratio": ratio, "host_peak_ratio": host_ratio,
-                      "target_peak_ratio": TARGET_PEAK, "target_rel_error": TARGET_REL,
-                      "peak_ok": ratio is not None and ratio <= TARGET_PEAK, "rel_ok": b["rel_error"] <= TARGET_REL,
-                      "rel_error_vs_fp32": b.get("rel_error_vs_fp32"), "bf16_reference_vs_fp32": b.get("bf16_reference_vs_fp32"),
-                      "fp8_modules": b["fp8_modules"], "backing": b["backing"], "logits_equal": b.get("logits_equal")}),
+        Record(
+            Workload("fp8_load", shape),
+            "bf16 load + convert",
+            env,
+            throughput=Throughput(a["total_s"], "s"),
+            memory=Memory(tensor_allocated=a.get("device_peak"), allocator_reserved=a.get("device_reserved")),
+            extra={"host_peak_bytes": a["host_peak"], "load_s": a["load_s"], "convert_s": a["convert_s"]},
+        ),
+        Record(
+            Workload("fp8_load", shape),
+            "mpsboost load_fp8",
+            env,
+            throughput=Throughput(b["total_s"], "s"),
+            memory=Memory(tensor_allocated=b.get("device_peak"), allocator_reserved=b.get("device_reserved")),
+            correctness=Correctness(
+                reference="the file's exact dequantisation, stock forward", rel_error=b["rel_error"]
+            ),
+            extra={
+                "host_peak_bytes": b["host_peak"],
+                "device_peak_ratio": ratio,
+                "host_peak_ratio": host_ratio,
+                "target_peak_ratio": TARGET_PEAK,
+                "target_rel_error": TARGET_REL,
+                "peak_ok": ratio is not None and ratio <= TARGET_PEAK,
+                "rel_ok": b["rel_error"] <= TARGET_REL,
+                "rel_error_vs_fp32": b.get("rel_error_vs_fp32"),
+                "bf16_reference_vs_fp32": b.get("bf16_reference_vs_fp32"),
+                "fp8_modules": b["fp8_modules"],
+                "backing": b["backing"],
+                "logits_equal": b.get("logits_equal"),
+            },
+        ),
         Record(Workload("fp8_decode_step", shape), "bf16", env, throughput=Throughput(a["decode_ms"], "ms")),
-        Record(Workload("fp8_decode_step", shape), "mpsboost load_fp8", env, throughput=Throughput(b["decode_ms"], "ms")),
+        Record(
+            Workload("fp8_decode_step", shape), "mpsboost load_fp8", env, throughput=Throughput(b["decode_ms"], "ms")
+        ),
     ]
     return recs, ratio, host_ratio
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--only", default=",".join(WORKLOADS), help=f"comma-separated subset of {', '.join(WORKLOADS)}")
-    p.add_argument("--layers", type=int, default=None, help="layers (blocks) of every workload; default per workload: "
-                   + ", ".join(f"{k} {v}" for k, v in DEFAULT_LAYERS.items()))
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="layers (blocks) of every workload; default per workload: "
+        + ", ".join(f"{k} {v}" for k, v in DEFAULT_LAYERS.items()),
+    )
     p.add_argument("--workdir", type=Path, default=None, help="where the checkpoints are written (removed after)")
     p.add_argument("--out", type=Path, default=None, help="folder for fp8_load.jsonl")
-    p.add_argument("--tiny", action="store_true", help="qwen3.6 only: a small config of the same class (CPU smoke test)")
+    p.add_argument(
+        "--tiny", action="store_true", help="qwen3.6 only: a small config of the same class (CPU smoke test)"
+    )
     p.add_argument("--phase", choices=("bf16", "fp8"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--workload", default=None, help=argparse.SUPPRESS)
     p.add_argument("--files", default=None, help=argparse.SUPPRESS)
@@ -420,30 +553,59 @@ def main(argv=None) -> int:
         work = Path(tempfile.mkdtemp(prefix=f"fp8_load_{name}_", dir=args.workdir))
         try:
             files = write_checkpoints(name, _config(name, layers, args.tiny), work, args.device)
-            print(f"{name} ({layers} layers{', tiny' if args.tiny else ''}): wrote bf16 {files['bf16_bytes'] / 2**30:.2f} GiB"
-                  f"{'' if files['bf16'] else ' (size only: no file)'} and fp8 "
-                  f"{files['fp8_bytes'] / 2**30:.2f} GiB in {files['write_s']:.0f} s", flush=True)
+            print(
+                f"{name} ({layers} layers{', tiny' if args.tiny else ''}): wrote bf16 {files['bf16_bytes'] / 2**30:.2f} GiB"
+                f"{'' if files['bf16'] else ' (size only: no file)'} and fp8 "
+                f"{files['fp8_bytes'] / 2**30:.2f} GiB in {files['write_s']:.0f} s",
+                flush=True,
+            )
             res = {}
             for kind in ("bf16", "fp8"):
-                proc = subprocess.run([sys.executable, __file__, "--phase", kind, "--workload", name, "--layers", str(layers),
-                                       "--files", json.dumps(files), "--device", args.device] + (["--tiny"] if args.tiny else []),
-                                      capture_output=True, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+                proc = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--phase",
+                        kind,
+                        "--workload",
+                        name,
+                        "--layers",
+                        str(layers),
+                        "--files",
+                        json.dumps(files),
+                        "--device",
+                        args.device,
+                    ]
+                    + (["--tiny"] if args.tiny else []),
+                    capture_output=True,
+                    text=True,
+                    env=dict(os.environ, PYTHONWARNINGS="ignore"),
+                )
                 line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
                 if proc.returncode != 0 or line is None:
                     print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
                     raise RuntimeError(f"{name} {kind} phase failed")
-                res[kind] = json.loads(line[len("RESULT "):])
+                res[kind] = json.loads(line[len("RESULT ") :])
             recs, ratio, host_ratio = _records(name, layers, files, res["bf16"], res["fp8"], args.device)
             all_recs += recs
             a, b = res["bf16"], res["fp8"]
-            print(f"  bf16 + convert: {a['total_s']:.1f} s, device peak {a.get('device_peak', 0) / 2**30:.2f} GiB, host peak "
-                  f"{a['host_peak'] / 2**30:.2f} GiB, decode step {a['decode_ms']:.2f} ms")
-            print(f"  load_fp8:       {b['total_s']:.1f} s, device peak {b.get('device_peak', 0) / 2**30:.2f} GiB "
-                  f"({ratio if ratio is None else round(ratio, 3)}x, target <= {TARGET_PEAK}), host peak {b['host_peak'] / 2**30:.2f} GiB "
-                  f"({host_ratio if host_ratio is None else round(host_ratio, 3)}x), decode step {b['decode_ms']:.2f} ms, "
-                  f"rel error {b['rel_error']:.2e} (target <= {TARGET_REL}; bit-equal: {b.get('logits_equal')})" +
-                  ("" if b["rel_error_vs_fp32"] is None else f"; against the fp32 forward of the same weights: fp8 "
-                   f"{b['rel_error_vs_fp32']:.2e}, stock bf16 {b['bf16_reference_vs_fp32']:.2e}"), flush=True)
+            print(
+                f"  bf16 + convert: {a['total_s']:.1f} s, device peak {a.get('device_peak', 0) / 2**30:.2f} GiB, host peak "
+                f"{a['host_peak'] / 2**30:.2f} GiB, decode step {a['decode_ms']:.2f} ms"
+            )
+            print(
+                f"  load_fp8:       {b['total_s']:.1f} s, device peak {b.get('device_peak', 0) / 2**30:.2f} GiB "
+                f"({ratio if ratio is None else round(ratio, 3)}x, target <= {TARGET_PEAK}), host peak {b['host_peak'] / 2**30:.2f} GiB "
+                f"({host_ratio if host_ratio is None else round(host_ratio, 3)}x), decode step {b['decode_ms']:.2f} ms, "
+                f"rel error {b['rel_error']:.2e} (target <= {TARGET_REL}; bit-equal: {b.get('logits_equal')})"
+                + (
+                    ""
+                    if b["rel_error_vs_fp32"] is None
+                    else f"; against the fp32 forward of the same weights: fp8 "
+                    f"{b['rel_error_vs_fp32']:.2e}, stock bf16 {b['bf16_reference_vs_fp32']:.2e}"
+                ),
+                flush=True,
+            )
         except Exception as exc:  # one workload failing does not lose the others' records
             failed = True
             print(f"{name}: {type(exc).__name__}: {exc}", file=sys.stderr)

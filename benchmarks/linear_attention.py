@@ -18,6 +18,7 @@ Sizes: ``real`` = Qwen3.6-35B-A3B's DeltaNet layer (hidden 2048, 16 key heads, 3
     python benchmarks/linear_attention.py --device cuda --env mps-2.15.0 --out ...   # Mac decisions, CUDA tensors
     python benchmarks/linear_attention.py --device cpu --size tiny --out /tmp/la.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,22 @@ from mpsboost.bench.timing import synchronize
 from mpsboost.gate import Env
 
 SIZES = {
-    "real": dict(hidden_size=2048, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                 linear_value_head_dim=128, linear_conv_kernel_dim=4),
-    "tiny": dict(hidden_size=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                 linear_value_head_dim=16, linear_conv_kernel_dim=4),
+    "real": dict(
+        hidden_size=2048,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+    ),
 }
 PROMPT = 512
 
@@ -103,14 +116,26 @@ def measure(device: str, size: str, dtype: torch.dtype, env_text: str | None, re
     prompt = torch.randn(1, PROMPT, cfg.hidden_size, generator=g).to(device=device, dtype=dtype)
     token = torch.randn(1, 1, cfg.hidden_size, generator=g).to(device=device, dtype=dtype)
     records, lines = [], []
-    common = {"hidden": cfg.hidden_size, "key_heads": cfg.linear_num_key_heads, "value_heads": cfg.linear_num_value_heads,
-              "head_dim": cfg.linear_key_head_dim, "conv_kernel": cfg.linear_conv_kernel_dim, "dtype": str(dtype).removeprefix("torch."),
-              "env": env_text or "native"}
+    common = {
+        "hidden": cfg.hidden_size,
+        "key_heads": cfg.linear_num_key_heads,
+        "value_heads": cfg.linear_num_value_heads,
+        "head_dim": cfg.linear_key_head_dim,
+        "conv_kernel": cfg.linear_conv_kernel_dim,
+        "dtype": str(dtype).removeprefix("torch."),
+        "env": env_text or "native",
+    }
     models = {"stock": stock, "mpsboost": patched}
 
     for phase in ("decode", "prefill"):
-        wl = Workload(f"linear_attention.{phase}", {**common, "tokens": 1 if phase == "decode" else PROMPT,
-                                                    "cached_tokens": PROMPT if phase == "decode" else 0})
+        wl = Workload(
+            f"linear_attention.{phase}",
+            {
+                **common,
+                "tokens": 1 if phase == "decode" else PROMPT,
+                "cached_tokens": PROMPT if phase == "decode" else 0,
+            },
+        )
         caches = {k: _cache(cfg, m, prompt) for k, m in models.items()} if phase == "decode" else {}
 
         def call(name, phase=phase, caches=caches):
@@ -118,6 +143,7 @@ def measure(device: str, size: str, dtype: torch.dtype, env_text: str | None, re
             if phase == "decode":
                 return m(token, cache=caches[name])
             import transformers as t
+
             return m(prompt, cache=t.DynamicCache(config=cfg))
 
         # correctness and op counts on fresh copies of the same cache state
@@ -132,13 +158,21 @@ def measure(device: str, size: str, dtype: torch.dtype, env_text: str | None, re
                     outs[name] = m(token, cache=c) if phase == "decode" else m(prompt)
                 ops[name] = counter.n
         with torch.no_grad():
-            meas = measure_variants({k: (lambda k=k: call(k)) for k in models}, device=device, repeats=repeats,
-                                    warmup=2, calls=4 if phase == "decode" else 1)
+            meas = measure_variants(
+                {k: (lambda k=k: call(k)) for k in models},
+                device=device,
+                repeats=repeats,
+                warmup=2,
+                calls=4 if phase == "decode" else 1,
+            )
         synchronize(device)
         for name in models:
             t_ = meas.timings[name]
-            extra = {"aten_ops_per_call": ops[name], "rel_error_vs_fp32_layer": relative_error(outs[name], ref_out),
-                     **meas.extra(name)}
+            extra = {
+                "aten_ops_per_call": ops[name],
+                "rel_error_vs_fp32_layer": relative_error(outs[name], ref_out),
+                **meas.extra(name),
+            }
             if name == "mpsboost" and row is not None:
                 extra.update(path=row.backing, patch_status=row.status, reason=row.reason)
             corr = Correctness("stock, same inputs", rel_error=relative_error(outs[name], outs["stock"]))
@@ -157,8 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default=best_device())  # what `mpsboost bench` picks: mps, cuda, cpu
     p.add_argument("--size", choices=sorted(SIZES), default=None, help="default: real on a GPU, tiny on CPU")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None, help="default: bfloat16 on a GPU, float32 on CPU")
-    p.add_argument("--env", default=None, help="decide as in a simulated environment, e.g. mps-2.15.0 (tensors stay on --device)")
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        default=None,
+        help="default: bfloat16 on a GPU, float32 on CPU",
+    )
+    p.add_argument(
+        "--env", default=None, help="decide as in a simulated environment, e.g. mps-2.15.0 (tensors stay on --device)"
+    )
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="JSONL file for the records")
     a = p.parse_args(argv)

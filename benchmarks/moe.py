@@ -29,6 +29,7 @@ budget is spent; ``MPSBOOST_MOE_COMPILED=0/1`` turns stage 6 off/on (default: on
 ``MPSBOOST_MOE_COMPILED_VARIANTS`` (default "mpsboost,stock") pick the compiled runs;
 ``MPSBOOST_MOE_CLOCK=process`` times the CPU sweep by process CPU time (a CPU shared with other jobs).
 """
+
 from __future__ import annotations
 
 import copy
@@ -52,18 +53,65 @@ from mpsboost.bench.timing import synchronize, time_fn
 NAME = "moe"
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden=64, inter=32, experts=8, top_k=2, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=512,
-                 prompt=32, contexts=(32, 64), sweep=(1, 2, 4, 8, 16, 32), greedy_layers=2, compiled_layers=2,
-                 decode_steps=4, compiled_new=(4, 12)),
-    "small": dict(hidden=2048, inter=768, experts=128, top_k=8, layers=4, heads=32, kv_heads=4, head_dim=128,
-                  vocab=151936, prompt=512, contexts=(512, 2048), sweep=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
-                  greedy_layers=2, compiled_layers=2, decode_steps=8, compiled_new=(8, 40)),
-    "real": dict(hidden=2048, inter=768, experts=128, top_k=8, layers=48, heads=32, kv_heads=4, head_dim=128,
-                 vocab=151936, prompt=512, contexts=(512, 2048), sweep=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
-                 greedy_layers=2, compiled_layers=8, decode_steps=8, compiled_new=(8, 40)),
+    "tiny": dict(
+        hidden=64,
+        inter=32,
+        experts=8,
+        top_k=2,
+        layers=2,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        vocab=512,
+        prompt=32,
+        contexts=(32, 64),
+        sweep=(1, 2, 4, 8, 16, 32),
+        greedy_layers=2,
+        compiled_layers=2,
+        decode_steps=4,
+        compiled_new=(4, 12),
+    ),
+    "small": dict(
+        hidden=2048,
+        inter=768,
+        experts=128,
+        top_k=8,
+        layers=4,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        vocab=151936,
+        prompt=512,
+        contexts=(512, 2048),
+        sweep=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        greedy_layers=2,
+        compiled_layers=2,
+        decode_steps=8,
+        compiled_new=(8, 40),
+    ),
+    "real": dict(
+        hidden=2048,
+        inter=768,
+        experts=128,
+        top_k=8,
+        layers=48,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        vocab=151936,
+        prompt=512,
+        contexts=(512, 2048),
+        sweep=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        greedy_layers=2,
+        compiled_layers=8,
+        decode_steps=8,
+        compiled_new=(8, 40),
+    ),
 }
 HF_IMPLS = ("eager", "batched_mm", "grouped_mm")
-STOCK = "stock"  # transformers as configured by default: grouped_mm (generate() switches decoding to batched_mm off CPU)
+STOCK = (
+    "stock"  # transformers as configured by default: grouped_mm (generate() switches decoding to batched_mm off CPU)
+)
 
 
 class _Run:
@@ -94,14 +142,23 @@ class _Run:
 
 # ----------------------------------------------------------------------------------------- builders
 
+
 def _config(s: dict, layers: int):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=3 * s["hidden"],
-        moe_intermediate_size=s["inter"], num_hidden_layers=layers, num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], num_experts=s["experts"],
-        num_experts_per_tok=s["top_k"], max_position_embeddings=4096, norm_topk_prob=True,
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        intermediate_size=3 * s["hidden"],
+        moe_intermediate_size=s["inter"],
+        num_hidden_layers=layers,
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        num_experts=s["experts"],
+        num_experts_per_tok=s["top_k"],
+        max_position_embeddings=4096,
+        norm_topk_prob=True,
         tie_word_embeddings=False,
     )
 
@@ -156,6 +213,7 @@ def _copy_bandwidth(device: str) -> tuple[float | None, str]:
 
 # ----------------------------------------------------------------------------------------- stage 1: sweep
 
+
 def _set_variant(module: torch.nn.Module, variant: str, options: dict | None = None) -> None:
     """Put ``module`` (experts layer or whole model) into a variant; mpsboost variants patch it."""
     if mpsboost.api.is_patched(module):
@@ -182,7 +240,12 @@ def _sweep(run: _Run, s: dict, dtype: torch.dtype) -> dict[tuple[str, int], floa
     m = _experts_module(s, dev, dtype)
     env = _env(dev, dtype)
     times: dict[tuple[str, int], float] = {}
-    variants = ["transformers:eager", "transformers:batched_mm", STOCK] + ["mpsboost:grouped_mm", "mpsboost:batched_mm", "mpsboost:fallback", "mpsboost"]
+    variants = ["transformers:eager", "transformers:batched_mm", STOCK] + [
+        "mpsboost:grouped_mm",
+        "mpsboost:batched_mm",
+        "mpsboost:fallback",
+        "mpsboost",
+    ]
     if dev == "cpu":
         variants.insert(-1, "mpsboost:cpu_loop")
     sweep_max = int(os.environ.get("MPSBOOST_MOE_SWEEP_MAX", "1000000"))
@@ -210,13 +273,31 @@ def _sweep(run: _Run, s: dict, dtype: torch.dtype) -> dict[tuple[str, int], floa
                     g = time_fn(fn, device=dev, warmup=2, repeats=15, cuda_graph="auto")
                     ops["experts_call_graph"] = g.op_time()
             times[(v, n)] = t.median_s
-            run.add(Record(
-                workload=Workload("moe-experts-call", {"tokens": n, "routed_tokens": n * s["top_k"], "hidden": s["hidden"],
-                                                       "moe_intermediate": s["inter"], "experts": s["experts"], "top_k": s["top_k"]}),
-                variant=v, env=env, op_time=ops,
-                correctness=Correctness("transformers:eager", rel_error=relative_error(out.float(), ref)),
-            ))
-        run.log("sweep n=%d: " % n + ", ".join(f"{v.split(':')[-1] if v != 'mpsboost' else 'auto'}={times[(v, n)] * 1e6:.0f}us" for v in variants))
+            run.add(
+                Record(
+                    workload=Workload(
+                        "moe-experts-call",
+                        {
+                            "tokens": n,
+                            "routed_tokens": n * s["top_k"],
+                            "hidden": s["hidden"],
+                            "moe_intermediate": s["inter"],
+                            "experts": s["experts"],
+                            "top_k": s["top_k"],
+                        },
+                    ),
+                    variant=v,
+                    env=env,
+                    op_time=ops,
+                    correctness=Correctness("transformers:eager", rel_error=relative_error(out.float(), ref)),
+                )
+            )
+        run.log(
+            "sweep n=%d: " % n
+            + ", ".join(
+                f"{v.split(':')[-1] if v != 'mpsboost' else 'auto'}={times[(v, n)] * 1e6:.0f}us" for v in variants
+            )
+        )
     _set_variant(m, "transformers:grouped_mm")
     m = None  # free it (the timed closures name it)
     return times
@@ -284,14 +365,26 @@ def _compiled_forms(run: _Run, s: dict, dtype: torch.dtype, tokens: tuple[int, .
             with torch.no_grad():
                 f(x, idx, w)
                 compile_s = time.perf_counter() - t0
-                t = time_fn(lambda: f(x, idx, w), device=dev, warmup=2, repeats=20,
-                            cuda_graph=dev.startswith("cuda"))
-            run.add(Record(
-                workload=Workload("moe-experts-call-compiled", {"tokens": n, "routed_tokens": n * s["top_k"], "hidden": s["hidden"],
-                                                                "moe_intermediate": s["inter"], "experts": s["experts"], "top_k": s["top_k"]}),
-                variant=("transformers:batched_mm" if opts is None else f"mpsboost:{name}"), env=env,
-                op_time={"experts_call": t.op_time()}, extra={"compile_s": compile_s, "options": opts},
-            ))
+                t = time_fn(lambda: f(x, idx, w), device=dev, warmup=2, repeats=20, cuda_graph=dev.startswith("cuda"))
+            run.add(
+                Record(
+                    workload=Workload(
+                        "moe-experts-call-compiled",
+                        {
+                            "tokens": n,
+                            "routed_tokens": n * s["top_k"],
+                            "hidden": s["hidden"],
+                            "moe_intermediate": s["inter"],
+                            "experts": s["experts"],
+                            "top_k": s["top_k"],
+                        },
+                    ),
+                    variant=("transformers:batched_mm" if opts is None else f"mpsboost:{name}"),
+                    env=env,
+                    op_time={"experts_call": t.op_time()},
+                    extra={"compile_s": compile_s, "options": opts},
+                )
+            )
             run.log(f"compiled experts n={n} {name}: {t.median_s * 1e6:.1f} us (compile {compile_s:.1f}s)")
             if opts is not None and (n not in best or t.median_s < best[n][0]):
                 best[n] = (t.median_s, name)
@@ -308,6 +401,7 @@ def _compiled_forms(run: _Run, s: dict, dtype: torch.dtype, tokens: tuple[int, .
 
 # ----------------------------------------------------------------------------------------- stage 3: sync and graphs
 
+
 def _sync_and_graph(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> None:
     dev = run.device
     m = _experts_module(s, dev, dtype)
@@ -316,8 +410,15 @@ def _sync_and_graph(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> No
     for n in (1, 64, 512):
         x = torch.randn(n, s["hidden"], device=dev, dtype=dtype)
         idx, w = _routing(n, s, dev, dtype)
-        for v in ("mpsboost", "mpsboost:grouped_mm", "mpsboost:batched_mm", "mpsboost:fallback",
-                  STOCK, "transformers:batched_mm", "transformers:eager"):
+        for v in (
+            "mpsboost",
+            "mpsboost:grouped_mm",
+            "mpsboost:batched_mm",
+            "mpsboost:fallback",
+            STOCK,
+            "transformers:batched_mm",
+            "transformers:eager",
+        ):
             _set_variant(m, v, options if v == "mpsboost" else None)
             with torch.no_grad():
                 m(x, idx, w)
@@ -350,17 +451,31 @@ def _sync_and_graph(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> No
                         g.replay()
                         torch.cuda.synchronize()
                         ref = m(x2, idx2, w2)
-                        results[f"{v} n={n} graph"] = f"captured; replay rel error vs eager {relative_error(sout.float(), ref.float()):.2e}"
+                        results[f"{v} n={n} graph"] = (
+                            f"captured; replay rel error vs eager {relative_error(sout.float(), ref.float()):.2e}"
+                        )
                     except Exception as exc:  # noqa: BLE001 - the failure is the measurement
                         torch.cuda.synchronize()
                         results[f"{v} n={n} graph"] = f"capture failed: {type(exc).__name__}: {str(exc)[:120]}"
                     del g
     _set_variant(m, "transformers:grouped_mm")
-    ok = all(("no host sync" in val) for key, val in results.items() if key.startswith("mpsboost") and key.endswith("sync"))
+    ok = all(
+        ("no host sync" in val) for key, val in results.items() if key.startswith("mpsboost") and key.endswith("sync")
+    )
     graphs = all(val.startswith("captured") for key, val in results.items() if key.endswith("graph"))
-    run.add(Record(workload=Workload("moe-sync-and-graph", {"hidden": s["hidden"], "experts": s["experts"], "top_k": s["top_k"]}),
-                   variant="mpsboost", env=env, extra={"checks": results, "mpsboost_sync_free": ok, "mpsboost_graph_capture": graphs}))
-    run.summary.append(f"sync-debug 'error' on every mpsboost path: {'pass' if ok else 'FAIL'}; CUDA-graph capture: {'pass' if graphs else 'FAIL'}")
+    run.add(
+        Record(
+            workload=Workload(
+                "moe-sync-and-graph", {"hidden": s["hidden"], "experts": s["experts"], "top_k": s["top_k"]}
+            ),
+            variant="mpsboost",
+            env=env,
+            extra={"checks": results, "mpsboost_sync_free": ok, "mpsboost_graph_capture": graphs},
+        )
+    )
+    run.summary.append(
+        f"sync-debug 'error' on every mpsboost path: {'pass' if ok else 'FAIL'}; CUDA-graph capture: {'pass' if graphs else 'FAIL'}"
+    )
     for key, val in results.items():
         if not key.startswith("mpsboost") and key.endswith("sync"):
             run.summary.append(f"  {key}: {val}")
@@ -368,6 +483,7 @@ def _sync_and_graph(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> No
 
 
 # ----------------------------------------------------------------------------------------- stage 4: whole model
+
 
 def _prefill(model, ids):
     with torch.no_grad():
@@ -386,8 +502,10 @@ def _model_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> None:
     t = time.perf_counter()
     model = _build_model(s, layers, dev, dtype)
     synchronize(dev)
-    run.log(f"built {layers}-layer model in {time.perf_counter() - t:.1f}s "
-            f"({sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits / 8 / 1e9:.1f} GB)")
+    run.log(
+        f"built {layers}-layer model in {time.perf_counter() - t:.1f}s "
+        f"({sum(p.numel() for p in model.parameters()) * torch.finfo(dtype).bits / 8 / 1e9:.1f} GB)"
+    )
     env = _env(dev, dtype)
     prompt = torch.randint(0, s["vocab"], (1, s["prompt"]), device=dev)
     contexts = {}
@@ -398,8 +516,15 @@ def _model_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> None:
         contexts[c] = cache
     tok = torch.randint(0, s["vocab"], (1, 1), device=dev)
     ref_logits = None
-    shape = {"layers": layers, "batch": 1, "hidden": s["hidden"], "experts": s["experts"], "top_k": s["top_k"],
-             "moe_intermediate": s["inter"], "vocab": s["vocab"]}
+    shape = {
+        "layers": layers,
+        "batch": 1,
+        "hidden": s["hidden"],
+        "experts": s["experts"],
+        "top_k": s["top_k"],
+        "moe_intermediate": s["inter"],
+        "vocab": s["vocab"],
+    }
     for v in ("transformers:eager", "transformers:batched_mm", STOCK, "mpsboost"):
         if run.left() < 60:
             run.log(f"skipping {v}: budget")
@@ -417,24 +542,36 @@ def _model_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> None:
         if ref_logits is None:
             ref_logits = logits
         tp = time_fn(lambda: _prefill(model, prompt), device=dev, warmup=0, repeats=2 if slow else 3)
-        run.add(Record(
-            workload=Workload("moe-prefill", {**shape, "prompt": s["prompt"]}), variant=v, env=env,
-            throughput=tp.throughput(items_per_call=s["prompt"], unit="tokens/s"),
-            memory=mem, correctness=Correctness("transformers:eager", rel_error=relative_error(logits, ref_logits)),
-            extra={"ms_per_prefill": tp.median_s * 1e3},
-        ))
+        run.add(
+            Record(
+                workload=Workload("moe-prefill", {**shape, "prompt": s["prompt"]}),
+                variant=v,
+                env=env,
+                throughput=tp.throughput(items_per_call=s["prompt"], unit="tokens/s"),
+                memory=mem,
+                correctness=Correctness("transformers:eager", rel_error=relative_error(logits, ref_logits)),
+                extra={"ms_per_prefill": tp.median_s * 1e3},
+            )
+        )
         line = f"{v:26s} prefill {s['prompt']}: {tp.median_s * 1e3:8.1f} ms"
         for c, base in contexts.items():
             cache = copy.deepcopy(base)
             with measure_memory(dev) as probe:
                 _decode_step(model, cache, tok)
             mem = probe.peaks()
-            td = time_fn(lambda: _decode_step(model, cache, tok), device=dev, warmup=1, repeats=3 if slow else s["decode_steps"])
-            run.add(Record(
-                workload=Workload("moe-decode", {**shape, "context": c}), variant=v, env=env,
-                throughput=td.throughput(items_per_call=1, unit="tokens/s"), memory=mem,
-                extra={"ms_per_token": td.median_s * 1e3},
-            ))
+            td = time_fn(
+                lambda: _decode_step(model, cache, tok), device=dev, warmup=1, repeats=3 if slow else s["decode_steps"]
+            )
+            run.add(
+                Record(
+                    workload=Workload("moe-decode", {**shape, "context": c}),
+                    variant=v,
+                    env=env,
+                    throughput=td.throughput(items_per_call=1, unit="tokens/s"),
+                    memory=mem,
+                    extra={"ms_per_token": td.median_s * 1e3},
+                )
+            )
             line += f" | decode@{c}: {td.median_s * 1e3:7.2f} ms/token"
             cache = None
         run.log(line)
@@ -448,13 +585,16 @@ def _model_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> None:
 
 # ----------------------------------------------------------------------------------------- stage 5: greedy fp32
 
+
 def _greedy_stage(run: _Run, s: dict, options: dict) -> None:
     dev = run.device
     layers = s["greedy_layers"]
     model = _build_model(s, layers, dev, torch.float32)
     # Larger weights than init so that logits separate and greedy choices mean something.
     prompt = torch.randint(0, s["vocab"], (1, 16), device=dev)
-    kw = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0)
+    kw = dict(
+        max_new_tokens=32, min_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(prompt), pad_token_id=0
+    )
     prev = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -467,17 +607,32 @@ def _greedy_stage(run: _Run, s: dict, options: dict) -> None:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
     same = int((stock == patched).sum()) - prompt.shape[1]
-    run.add(Record(
-        workload=Workload("moe-greedy-fp32", {"layers": layers, "new_tokens": 32, "hidden": s["hidden"], "experts": s["experts"], "top_k": s["top_k"]}),
-        variant="mpsboost", env=_env(dev, torch.float32),
-        correctness=Correctness(STOCK, rel_error=0.0 if torch.equal(stock, patched) else float("nan")),
-        extra={"identical": bool(torch.equal(stock, patched)), "matching_new_tokens": same},
-    ))
-    run.summary.append(f"greedy fp32 {layers} layers, 32 new tokens: identical={torch.equal(stock, patched)} ({same}/32 match)")
+    run.add(
+        Record(
+            workload=Workload(
+                "moe-greedy-fp32",
+                {
+                    "layers": layers,
+                    "new_tokens": 32,
+                    "hidden": s["hidden"],
+                    "experts": s["experts"],
+                    "top_k": s["top_k"],
+                },
+            ),
+            variant="mpsboost",
+            env=_env(dev, torch.float32),
+            correctness=Correctness(STOCK, rel_error=0.0 if torch.equal(stock, patched) else float("nan")),
+            extra={"identical": bool(torch.equal(stock, patched)), "matching_new_tokens": same},
+        )
+    )
+    run.summary.append(
+        f"greedy fp32 {layers} layers, 32 new tokens: identical={torch.equal(stock, patched)} ({same}/32 match)"
+    )
     del model
 
 
 # ----------------------------------------------------------------------------------------- stage 6: compiled
+
 
 def _active_bytes_per_token(model, s: dict) -> int:
     """Bytes of weights one decoded token reads: everything, except experts at top_k/E and one embedding row."""
@@ -492,8 +647,17 @@ def _active_bytes_per_token(model, s: dict) -> int:
     return int(total)
 
 
-def _compiled_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict, bw: float, bw_source: str, layers: int,
-                    variants: tuple[str, ...], need_s: float) -> None:
+def _compiled_stage(
+    run: _Run,
+    s: dict,
+    dtype: torch.dtype,
+    options: dict,
+    bw: float,
+    bw_source: str,
+    layers: int,
+    variants: tuple[str, ...],
+    need_s: float,
+) -> None:
     dev = run.device
     if run.left() < need_s:
         run.log(f"compiled stage, {layers} layers: skipped, budget")
@@ -514,7 +678,9 @@ def _compiled_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict, bw: f
             self.length = length
 
         def __call__(self, input_ids, scores, **kwargs):
-            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool, device=input_ids.device)
+            return torch.full(
+                (input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool, device=input_ids.device
+            )
 
     max_length = s["prompt"] + n2
     for v in variants:
@@ -529,11 +695,20 @@ def _compiled_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict, bw: f
         cc = CompileConfig(fullgraph=v == "mpsboost")
         if not dev.startswith("cuda"):
             cc._compile_all_devices = True
-        kw = dict(do_sample=False, cache_implementation="static", compile_config=cc, max_length=max_length,
-                  attention_mask=torch.ones_like(prompt), pad_token_id=0, eos_token_id=None)
+        kw = dict(
+            do_sample=False,
+            cache_implementation="static",
+            compile_config=cc,
+            max_length=max_length,
+            attention_mask=torch.ones_like(prompt),
+            pad_token_id=0,
+            eos_token_id=None,
+        )
         t = time.perf_counter()
         with torch.no_grad():
-            model.generate(prompt, stopping_criteria=StoppingCriteriaList([_StopAt(s["prompt"] + n1)]), **kw)  # compiles
+            model.generate(
+                prompt, stopping_criteria=StoppingCriteriaList([_StopAt(s["prompt"] + n1)]), **kw
+            )  # compiles
             synchronize(dev)
             compile_s = time.perf_counter() - t
 
@@ -550,15 +725,35 @@ def _compiled_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict, bw: f
             b = min(gen(n2) for _ in range(2))
         per_tok = (b - a) / (n2 - n1)
         frac = limit_s / per_tok if per_tok > 0 and limit_s is not None else None
-        run.add(Record(
-            workload=Workload("moe-decode-compiled", {"layers": layers, "batch": 1, "context": s["prompt"], "hidden": s["hidden"],
-                                                      "experts": s["experts"], "top_k": s["top_k"], "moe_intermediate": s["inter"]}),
-            variant=v, env=env, throughput=Throughput(1.0 / per_tok, "tokens/s", seconds_per_call=per_tok, items_per_call=1),
-            extra={"ms_per_token": per_tok * 1e3, "hbm_limit_ms_per_token": None if limit_s is None else limit_s * 1e3, "fraction_of_hbm_limit": frac,
-                   "copy_bandwidth_bytes_per_s": bw, "copy_bandwidth_source": bw_source, "first_generate_s": compile_s,
-                   "method": f"(t(generate {n2}) - t(generate {n1})) / {n2 - n1}, best of 2 each",
-                   "fullgraph": cc.fullgraph},
-        ))
+        run.add(
+            Record(
+                workload=Workload(
+                    "moe-decode-compiled",
+                    {
+                        "layers": layers,
+                        "batch": 1,
+                        "context": s["prompt"],
+                        "hidden": s["hidden"],
+                        "experts": s["experts"],
+                        "top_k": s["top_k"],
+                        "moe_intermediate": s["inter"],
+                    },
+                ),
+                variant=v,
+                env=env,
+                throughput=Throughput(1.0 / per_tok, "tokens/s", seconds_per_call=per_tok, items_per_call=1),
+                extra={
+                    "ms_per_token": per_tok * 1e3,
+                    "hbm_limit_ms_per_token": None if limit_s is None else limit_s * 1e3,
+                    "fraction_of_hbm_limit": frac,
+                    "copy_bandwidth_bytes_per_s": bw,
+                    "copy_bandwidth_source": bw_source,
+                    "first_generate_s": compile_s,
+                    "method": f"(t(generate {n2}) - t(generate {n1})) / {n2 - n1}, best of 2 each",
+                    "fullgraph": cc.fullgraph,
+                },
+            )
+        )
         share = "no HBM limit measured" if frac is None else f"{frac * 100:5.1f}% of HBM limit {limit_s * 1e3:.3f} ms"
         line = f"compiled {v:24s} {layers} layers: decode {per_tok * 1e3:7.3f} ms/token = {share} (first generate {compile_s:.0f}s)"
         run.log(line)
@@ -568,6 +763,7 @@ def _compiled_stage(run: _Run, s: dict, dtype: torch.dtype, options: dict, bw: f
 
 
 # ----------------------------------------------------------------------------------------- entry
+
 
 def run(device: str, size: str, out: Path) -> list[Record]:
     if size not in SHAPES:
@@ -580,19 +776,38 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     r = _Run(device, Path(out), budget)
     torch.manual_seed(0)
     bw, bw_source = _copy_bandwidth(device)
-    r.log(f"{device} torch {torch.__version__}; copy bandwidth " + (f"{bw / 1e12:.2f} TB/s ({bw_source})" if bw else bw_source))
+    r.log(
+        f"{device} torch {torch.__version__}; copy bandwidth "
+        + (f"{bw / 1e12:.2f} TB/s ({bw_source})" if bw else bw_source)
+    )
     times = _sweep(r, s, dtype) if "sweep" in stages else {}
     bound = _threshold(times, s) if times else moe_recipe.thresholds_for(device.split(":")[0], True).batched_max_tokens
     options = {"batched_max_tokens": bound}
-    r.add(Record(workload=Workload("moe-thresholds", {"hidden": s["hidden"], "experts": s["experts"], "top_k": s["top_k"]}),
-                 variant="mpsboost", env=_env(device, dtype),
-                 extra={"batched_max_tokens": bound, "rule": "largest routed-token count of the sweep up to which mpsboost batched_mm <= grouped_mm (CUDA events, eager)"}))
+    r.add(
+        Record(
+            workload=Workload("moe-thresholds", {"hidden": s["hidden"], "experts": s["experts"], "top_k": s["top_k"]}),
+            variant="mpsboost",
+            env=_env(device, dtype),
+            extra={
+                "batched_max_tokens": bound,
+                "rule": "largest routed-token count of the sweep up to which mpsboost batched_mm <= grouped_mm (CUDA events, eager)",
+            },
+        )
+    )
     r.summary.append(f"measured batched_max_tokens = {bound} routed tokens")
     r.log(f"threshold: batched_mm at <= {bound} routed tokens")
     if "forms" in stages and compiled:
         options.update(_compiled_forms(r, s, dtype, (1, 8)))
-        r.add(Record(workload=Workload("moe-compiled-choice", {"hidden": s["hidden"], "experts": s["experts"], "top_k": s["top_k"]}),
-                     variant="mpsboost", env=_env(device, dtype), extra={"options": dict(options)}))
+        r.add(
+            Record(
+                workload=Workload(
+                    "moe-compiled-choice", {"hidden": s["hidden"], "experts": s["experts"], "top_k": s["top_k"]}
+                ),
+                variant="mpsboost",
+                env=_env(device, dtype),
+                extra={"options": dict(options)},
+            )
+        )
     if device.startswith("cuda") and "sync" in stages:
         _sync_and_graph(r, s, dtype, options)
     if "model" in stages:
@@ -601,7 +816,9 @@ def run(device: str, size: str, out: Path) -> list[Record]:
         _greedy_stage(r, s, options)
     if compiled and "compiled" in stages:
         variants = tuple(os.environ.get("MPSBOOST_MOE_COMPILED_VARIANTS", f"mpsboost,{STOCK}").split(","))
-        layer_counts = os.environ.get("MPSBOOST_MOE_COMPILED_LAYERS", f"{s['compiled_layers']},{s['layers']}").split(",")
+        layer_counts = os.environ.get("MPSBOOST_MOE_COMPILED_LAYERS", f"{s['compiled_layers']},{s['layers']}").split(
+            ","
+        )
         for i, layers in enumerate(dict.fromkeys(int(n) for n in layer_counts)):
             _compiled_stage(r, s, dtype, options, bw, bw_source, layers, variants, 60 if i == 0 else 150)
     print("\n".join(["", "moe summary:"] + r.summary), flush=True)

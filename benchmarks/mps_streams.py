@@ -10,6 +10,7 @@ this benchmark records that.
 
     python benchmarks/mps_streams.py --device cuda --size real --out benchmarks/results
 """
+
 from __future__ import annotations
 
 import sys
@@ -33,11 +34,36 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     gen = torch.Generator(device="cpu").manual_seed(3)
     cases = []
     if size == "real":
-        cases = [("wan", (1, 48, 6, 30, 52), "480x832x21", dict()), ("qwen", (1, 16, 1, 128, 128), "1024x1024 latent", dict())]
+        cases = [
+            ("wan", (1, 48, 6, 30, 52), "480x832x21", dict()),
+            ("qwen", (1, 16, 1, 128, 128), "1024x1024 latent", dict()),
+        ]
     else:
         small = size == "small"
-        cases = [("wan", (1, 16, 3, 8, 10) if small else (1, 16, 2, 4, 6), "tiny", dict(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32, tile_sample_stride_width=48)),
-                 ("qwen", (1, 16, 1, 16, 16) if small else (1, 4, 1, 8, 10), "tiny", dict(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=24, tile_sample_stride_width=24))]
+        cases = [
+            (
+                "wan",
+                (1, 16, 3, 8, 10) if small else (1, 16, 2, 4, 6),
+                "tiny",
+                dict(
+                    tile_sample_min_height=64,
+                    tile_sample_min_width=64,
+                    tile_sample_stride_height=32,
+                    tile_sample_stride_width=48,
+                ),
+            ),
+            (
+                "qwen",
+                (1, 16, 1, 16, 16) if small else (1, 4, 1, 8, 10),
+                "tiny",
+                dict(
+                    tile_sample_min_height=32,
+                    tile_sample_min_width=32,
+                    tile_sample_stride_height=24,
+                    tile_sample_stride_width=24,
+                ),
+            ),
+        ]
     for family, latent, label, tiles in cases:
         if budget_left() < 30:
             log(f"budget: skipping {family}")
@@ -48,11 +74,22 @@ def run(device: str, size: str, out: Path) -> list[Record]:
         z = torch.randn(latent, generator=gen).to(device)
         wl = Workload(f"{family}_vae_tiled_decode", {"latent": list(latent), "label": label, "tiled": True})
         on = {"mps_streams": {"on_cuda": True}}  # opt-in on CUDA: measuring it is the point here
-        variants = [("stock", None, None), ("mps_streams", ["mps_streams"], on), (fam_recipe, [fam_recipe], None),
-                    (f"{fam_recipe}+mps_streams", [fam_recipe, "mps_streams"], on)]
+        variants = [
+            ("stock", None, None),
+            ("mps_streams", ["mps_streams"], on),
+            (fam_recipe, [fam_recipe], None),
+            (f"{fam_recipe}+mps_streams", [fam_recipe, "mps_streams"], on),
+        ]
         with guarded(f"{family}"):
-            recs, stock_out = measure_workload(workload=wl, variants=variants, model=vae, device=device, dtype=torch.float32,
-                                               fn=lambda: vae.decode(z).sample, repeats=repeats)
+            recs, stock_out = measure_workload(
+                workload=wl,
+                variants=variants,
+                model=vae,
+                device=device,
+                dtype=torch.float32,
+                fn=lambda: vae.decode(z).sample,
+                repeats=repeats,
+            )
             for rec in recs:
                 if rec.variant != "stock":
                     log(f"{rec.variant}: identical to stock: {rec.extra.get('identical_to_stock')}")
@@ -84,7 +121,12 @@ def smoke(device: str) -> dict:
         ("qwen", build_qwen("tiny", device), (1, 4, 1, 6, 6), "qwen_image_vae"),
     ]
     for family, vae, latent, recipe in cases:
-        vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32, tile_sample_stride_width=48)
+        vae.enable_tiling(
+            tile_sample_min_height=64,
+            tile_sample_min_width=64,
+            tile_sample_stride_height=32,
+            tile_sample_stride_width=48,
+        )
         z = torch.randn(latent, device=device)
         with torch.no_grad():
             ref = vae.decode(z).sample

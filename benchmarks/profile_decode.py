@@ -18,6 +18,7 @@ gives), each forward run twice first:
 
 ``--host-profile`` adds a cProfile of one call (the Python functions by their own time).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--workload", choices=("qwen3-8b", "qwen-image"), default="qwen3-8b")
     p.add_argument("--layers", type=int, default=None, help="default: 36 (qwen3-8b), 16 (qwen-image)")
-    p.add_argument("--host-profile", action="store_true", help="also cProfile one call: the Python functions by own time")
+    p.add_argument(
+        "--host-profile", action="store_true", help="also cProfile one call: the Python functions by own time"
+    )
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -72,8 +75,13 @@ def main(argv=None) -> int:
     else:
         cfg = e2e.llm_config("qwen3-8b", "real", a.layers)
         prompt = torch.randint(0, cfg.vocab_size, (1, 512), generator=torch.Generator().manual_seed(1)).cuda()
-        kw = dict(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False,
-                  cache_implementation="static", attention_mask=torch.ones_like(prompt))
+        kw = dict(
+            max_new_tokens=a.new_tokens,
+            min_new_tokens=a.new_tokens,
+            do_sample=False,
+            cache_implementation="static",
+            attention_mask=torch.ones_like(prompt),
+        )
 
         def call(model):
             return model.generate(prompt, **kw)
@@ -109,17 +117,35 @@ def main(argv=None) -> int:
         for k, v in kernels.items():
             groups[_group(k)] = groups.get(_group(k), 0.0) + v
         what = f"{a.new_tokens} new tokens after 512" if a.workload == "qwen3-8b" else "one 512x512 denoising forward"
-        print(f"== {a.workload} {variant}: {a.layers} layers, {what}: wall {wall * 1e3:.1f} ms, "
-              f"kernels {total:.1f} ms ({total / wall / 10:.0f}% of wall); without the profiler: median {plain_ms:.1f} ms of 5")
+        print(
+            f"== {a.workload} {variant}: {a.layers} layers, {what}: wall {wall * 1e3:.1f} ms, "
+            f"kernels {total:.1f} ms ({total / wall / 10:.0f}% of wall); without the profiler: median {plain_ms:.1f} ms of 5"
+        )
         for g, v in sorted(groups.items(), key=lambda x: -x[1]):
             print(f"   {g:20s} {v:8.2f} ms  {v / per:7.3f} ms/{unit}")
         top = sorted(kernels.items(), key=lambda x: -x[1])[:12]
         for k, v in top:
             print(f"      {v:8.2f} ms  {k[:110]}")
         applied = sorted({f"{r.recipe}: {r.backing}" for r in report.rows if r.status == "applied"}) if report else []
-        rows.append({"workload": a.workload, "variant": variant, "layers": a.layers, "new_tokens": per, "unit": unit,
-                     "wall_ms": wall * 1e3, "plain_wall_ms": plain_ms, "plain_wall_all_ms": plain, "kernel_ms": total, "groups_ms": groups, "top_kernels_ms": dict(top),
-                     "applied": applied, "host_profile": host, "torch": torch.__version__, "device": torch.cuda.get_device_name()})
+        rows.append(
+            {
+                "workload": a.workload,
+                "variant": variant,
+                "layers": a.layers,
+                "new_tokens": per,
+                "unit": unit,
+                "wall_ms": wall * 1e3,
+                "plain_wall_ms": plain_ms,
+                "plain_wall_all_ms": plain,
+                "kernel_ms": total,
+                "groups_ms": groups,
+                "top_kernels_ms": dict(top),
+                "applied": applied,
+                "host_profile": host,
+                "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(),
+            }
+        )
         del model
         torch._dynamo.reset()
         torch.cuda.empty_cache()
@@ -138,7 +164,9 @@ def _host_profile(call, model, top: int = 25) -> list[dict]:
     torch.cuda.synchronize()
     prof.disable()
     st = pstats.Stats(prof)
-    rows = sorted(((v[2], v[3], v[1], f"{Path(k[0]).name}:{k[1]}:{k[2]}") for k, v in st.stats.items()), reverse=True)[:top]
+    rows = sorted(((v[2], v[3], v[1], f"{Path(k[0]).name}:{k[1]}:{k[2]}") for k, v in st.stats.items()), reverse=True)[
+        :top
+    ]
     out = []
     for tt, ct, calls, where in rows:
         print(f"      host {tt * 1e3:8.2f} ms own, {ct * 1e3:8.2f} ms cumulative, {calls:6d} calls  {where}")
@@ -165,8 +193,14 @@ def _qwen_image(layers: int):
     t = torch.tensor([0.5], device="cuda", dtype=torch.bfloat16)
 
     def call(model):
-        return model(hidden_states=hs, encoder_hidden_states=enc, encoder_hidden_states_mask=mask, timestep=t,
-                     img_shapes=[[(1, side, side)]], return_dict=False)[0]
+        return model(
+            hidden_states=hs,
+            encoder_hidden_states=enc,
+            encoder_hidden_states_mask=mask,
+            timestep=t,
+            img_shapes=[[(1, side, side)]],
+            return_dict=False,
+        )[0]
 
     return call, build, 1, "forward"
 

@@ -19,6 +19,7 @@ reserved, driver) of a separate pass. ``--models`` picks the VAEs (default both)
     python benchmarks/qwen_image_vae.py --device cuda --size real --out benchmarks/results --models qwen_image21
     python benchmarks/qwen_image_vae.py --device cpu --size tiny --out /tmp/qvae --models qwen_image21
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,13 +76,20 @@ def roundtrip(vae: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _workloads(size: str, model: str = "qwen_image") -> list[dict]:
     if size == "real":
         if model == "qwen_image21":
-            return [{"label": "1024x1024", "hw": (1024, 1024), "tiled": False},
-                    {"label": "1024x1024 tiled", "hw": (1024, 1024), "tiled": True}]
-        return [{"label": "1024x1024", "hw": (1024, 1024), "tiled": False},
-                {"label": "1328x1328", "hw": (1328, 1328), "tiled": False},
-                {"label": "1024x1024 tiled", "hw": (1024, 1024), "tiled": True}]
+            return [
+                {"label": "1024x1024", "hw": (1024, 1024), "tiled": False},
+                {"label": "1024x1024 tiled", "hw": (1024, 1024), "tiled": True},
+            ]
+        return [
+            {"label": "1024x1024", "hw": (1024, 1024), "tiled": False},
+            {"label": "1328x1328", "hw": (1328, 1328), "tiled": False},
+            {"label": "1024x1024 tiled", "hw": (1024, 1024), "tiled": True},
+        ]
     if size == "small":
-        return [{"label": "256x256", "hw": (256, 256), "tiled": False}, {"label": "256x256 tiled", "hw": (256, 256), "tiled": True}]
+        return [
+            {"label": "256x256", "hw": (256, 256), "tiled": False},
+            {"label": "256x256 tiled", "hw": (256, 256), "tiled": True},
+        ]
     return [{"label": "32x32", "hw": (32, 32), "tiled": False}, {"label": "16x24 tiled", "hw": (16, 24), "tiled": True}]
 
 
@@ -91,16 +99,32 @@ def _tiling(vae: torch.nn.Module, size: str, on: bool) -> None:
         if size == "real":
             vae.enable_tiling()
         elif size == "small":
-            vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=24, tile_sample_stride_width=24)
+            vae.enable_tiling(
+                tile_sample_min_height=32,
+                tile_sample_min_width=32,
+                tile_sample_stride_height=24,
+                tile_sample_stride_width=24,
+            )
         else:  # a 2x2 grid of tiles on the 16x24 image (Qwen-Image-2.1, spatial factor 8: 2x3 tiles, each a whole latent pixel)
             stride_w = 8 if getattr(vae.config, "scale_factor_spatial", None) == 8 else 12
-            vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8, tile_sample_stride_width=stride_w)
+            vae.enable_tiling(
+                tile_sample_min_height=16,
+                tile_sample_min_width=16,
+                tile_sample_stride_height=8,
+                tile_sample_stride_width=stride_w,
+            )
 
 
 def _variants(device: str) -> list[tuple[str, list[str] | None, dict | None]]:
     v: list[tuple[str, list[str] | None, dict | None]] = [("stock", None, None), ("mpsboost", ["qwen_image_vae"], None)]
     if device.startswith("cuda"):
-        v.append(("mpsboost:contiguous", ["qwen_image_vae"], {"qwen_image_vae": {"layout": "contiguous", "fused_norm": False}}))
+        v.append(
+            (
+                "mpsboost:contiguous",
+                ["qwen_image_vae"],
+                {"qwen_image_vae": {"layout": "contiguous", "fused_norm": False}},
+            )
+        )
     return v
 
 
@@ -136,17 +160,31 @@ def _run_model(device: str, size: str, out: Path, model: str) -> list[Record]:
     for dname, dtype in DTYPES.items():
         vae.to(dtype)
         ref_in = ref_img.to(device, dtype)
-        wl = Workload(f"{wname}_ref", {"image": list(ref_img.shape), "dtype": dname, "tiled": False, "reference": "cpu-fp32"})
+        wl = Workload(
+            f"{wname}_ref", {"image": list(ref_img.shape), "dtype": dname, "tiled": False, "reference": "cpu-fp32"}
+        )
         ref_records, ref_corr = reference_pass(
-            vae, _variants(device), roundtrip, ref_in, cpu_ref, workload=wl, device=device, dtype=dtype,
-            repeats=repeats, untile=lambda v: _tiling(v, size, False), label=f"reduced roundtrip {dname}")
+            vae,
+            _variants(device),
+            roundtrip,
+            ref_in,
+            cpu_ref,
+            workload=wl,
+            device=device,
+            dtype=dtype,
+            repeats=repeats,
+            untile=lambda v: _tiling(v, size, False),
+            label=f"reduced roundtrip {dname}",
+        )
         records += ref_records
         for w in work:
             if budget_left() < 30:
                 log(f"budget: skipping {w['label']} {dname}")
                 continue
             x = images[w["label"]].to(device, dtype)
-            wl = Workload(wname, {"image": w["label"], "shape": [1, chans, 1, *w["hw"]], "dtype": dname, "tiled": w["tiled"]})
+            wl = Workload(
+                wname, {"image": w["label"], "shape": [1, chans, 1, *w["hw"]], "dtype": dname, "tiled": w["tiled"]}
+            )
             variants = [v for v in _variants(device) if v[0] != "mpsboost:contiguous" or w["label"] == "1024x1024"]
 
             def cref(name, report, ref_corr=ref_corr):
@@ -155,13 +193,25 @@ def _run_model(device: str, size: str, out: Path, model: str) -> list[Record]:
 
             stock_out = None
             with guarded(f"{w['label']} {dname}"):
-                recs, stock_out = measure_workload(workload=wl, variants=variants, model=vae, device=device, dtype=dtype,
-                                                   fn=lambda: roundtrip(vae, x), setup=lambda: _tiling(vae, size, w["tiled"]),
-                                                   repeats=repeats, extra=cref)
+                recs, stock_out = measure_workload(
+                    workload=wl,
+                    variants=variants,
+                    model=vae,
+                    device=device,
+                    dtype=dtype,
+                    fn=lambda: roundtrip(vae, x),
+                    setup=lambda: _tiling(vae, size, w["tiled"]),
+                    repeats=repeats,
+                    extra=cref,
+                )
                 for rec in recs:
                     if rec.variant == "stock":
-                        rec = rec.replace(correctness=_ref_with_label(
-                            ref_corr.get("stock"), f"cpu-fp32, reduced roundtrip {ref_hw[0]}x{ref_hw[1]} ({wname}_ref)"))
+                        rec = rec.replace(
+                            correctness=_ref_with_label(
+                                ref_corr.get("stock"),
+                                f"cpu-fp32, reduced roundtrip {ref_hw[0]}x{ref_hw[1]} ({wname}_ref)",
+                            )
+                        )
                     records.append(rec)
             free(device)
             del stock_out, x
@@ -177,11 +227,18 @@ def _run_model(device: str, size: str, out: Path, model: str) -> list[Record]:
                     with torch.no_grad():
                         roundtrip(vae, x)
                     ops = top_ops(lambda: roundtrip(vae, x), device)
-                rec = Record(workload=Workload(f"{wname}_profile", {"image": work[0]["label"], "dtype": "fp32", "tiled": False}),
-                             variant=variant, env=RecordEnv.capture(device, torch.float32), extra={"top_device_ops": ops})
+                rec = Record(
+                    workload=Workload(f"{wname}_profile", {"image": work[0]["label"], "dtype": "fp32", "tiled": False}),
+                    variant=variant,
+                    env=RecordEnv.capture(device, torch.float32),
+                    extra={"top_device_ops": ops},
+                )
                 stream_record(rec)
                 records.append(rec)
-                log(f"profile {variant}: " + "; ".join(f"{o['op']} {o['self_us'] / 1e3:.1f} ms x{o['calls']}" for o in ops[:8]))
+                log(
+                    f"profile {variant}: "
+                    + "; ".join(f"{o['op']} {o['self_us'] / 1e3:.1f} ms x{o['calls']}" for o in ops[:8])
+                )
     vae = None  # noqa: F841 - release the model before the next benchmark
     free(device)
     return records

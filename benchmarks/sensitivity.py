@@ -16,6 +16,7 @@ error can be read against it:
     python benchmarks/sensitivity.py --device cuda --layers 40 --out OUT/sensitivity.json
     python benchmarks/sensitivity.py --device cpu --size tiny --out /tmp/s.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,9 @@ def main(argv=None) -> int:
 
     cfg = e2e.llm_config("qwen3.6-35b-a3b", a.size, a.layers)
     model = e2e.build_llm(cfg, a.device, torch.bfloat16, a.seed)
-    ids = torch.randint(0, cfg.vocab_size, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(a.seed + 1)).to(a.device)
+    ids = torch.randint(
+        0, cfg.vocab_size, (1, a.prompt_tokens), generator=torch.Generator().manual_seed(a.seed + 1)
+    ).to(a.device)
 
     routes: list[torch.Tensor] = []
 
@@ -69,7 +72,9 @@ def main(argv=None) -> int:
     g = torch.Generator(device=a.device).manual_seed(a.seed + 2)
 
     def noise(mod, args, out):
-        return out * (1 + torch.randn(out.shape, generator=g, device=out.device, dtype=torch.float32) * 2.0**-9).to(out.dtype)
+        return out * (1 + torch.randn(out.shape, generator=g, device=out.device, dtype=torch.float32) * 2.0**-9).to(
+            out.dtype
+        )
 
     h = model.get_input_embeddings().register_forward_hook(noise)
     with torch.no_grad():
@@ -83,13 +88,18 @@ def main(argv=None) -> int:
     # the rms_norm recipe on this device, norm by norm, on each norm's real input
     inputs: dict[str, torch.Tensor] = {}
     norms = {n: m for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm") and "linear_attn" not in n}
-    caps = [m.register_forward_hook(lambda mod, args, out, n=n: inputs.__setitem__(n, args[0].detach())) for n, m in norms.items()]
+    caps = [
+        m.register_forward_hook(lambda mod, args, out, n=n: inputs.__setitem__(n, args[0].detach()))
+        for n, m in norms.items()
+    ]
     with torch.no_grad():
         model(ids[:, :64])
     for c in caps:
         c.remove()
     stock_out = {n: norms[n](x) for n, x in inputs.items()}
-    report = mpsboost.patch(model, recipes=["rms_norm"], options={"rms_norm": {"devices": (torch.device(a.device).type,)}})
+    report = mpsboost.patch(
+        model, recipes=["rms_norm"], options={"rms_norm": {"devices": (torch.device(a.device).type,)}}
+    )
     with torch.no_grad():
         errs = {n: relative_error(norms[n](x), stock_out[n]) for n, x in inputs.items()}
         maxabs = max(float((norms[n](x).float() - stock_out[n].float()).abs().max()) for n, x in inputs.items())
@@ -97,10 +107,12 @@ def main(argv=None) -> int:
     out = {
         "workload": f"qwen3.6-35b-a3b ({cfg.num_hidden_layers} layers, bf16, random weights N(0, 0.02), norms 1)",
         "device": torch.cuda.get_device_name() if torch.device(a.device).type == "cuda" else a.device,
-        "torch": torch.__version__, "prompt_tokens": a.prompt_tokens,
+        "torch": torch.__version__,
+        "prompt_tokens": a.prompt_tokens,
         "noise_rel_std": 2.0**-9,
         "logits_rel_error_under_noise": relative_error(noisy, ref),
-        "router_topk_sets_changed_under_noise": flips, "router_topk_sets": total,
+        "router_topk_sets_changed_under_noise": flips,
+        "router_topk_sets": total,
         "rms_norm_applied": len(report.applied),
         "rms_norm_max_rel_error_per_norm": max(errs.values()) if errs else None,
         "rms_norm_max_abs_error_per_norm": maxabs,

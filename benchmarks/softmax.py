@@ -21,6 +21,7 @@ Correctness: the draws of stock and mpsboost from the same generator state are c
 
     python benchmarks/softmax.py --device cuda --size real --out OUT
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -60,8 +61,17 @@ def _recipe_uses_logits(device: str) -> bool:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+        model = Qwen3ForCausalLM(
+            Qwen3Config(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+            )
+        )
     (row,) = mpsboost.plan(model, env=Env.detect(device), recipes=["softmax"]).rows
     return bool(row.details.get("logits", False))
 
@@ -97,7 +107,14 @@ def run(device: str, size: str, out: Path) -> list[Record]:
 
     for name in ("plain", "warped"):
         prep = (lambda: warp(input_ids, x)) if name == "warped" else (lambda: x)
-        wl = Workload("softmax.sampling_step", {"rows": 1, "vocab": vocab, "warpers": "temperature 0.6, top-k 20, top-p 0.95" if name == "warped" else "none"})
+        wl = Workload(
+            "softmax.sampling_step",
+            {
+                "rows": 1,
+                "vocab": vocab,
+                "warpers": "temperature 0.6, top-k 20, top-p 0.95" if name == "warped" else "none",
+            },
+        )
         variants = {"stock": stock_step}
         for form, fn in forms.items():
             variants["mpsboost" if (form == "logits") == logits_here else f"mpsboost-{form}"] = fn
@@ -112,19 +129,36 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                 b = fn(prep())
                 same += int(torch.equal(a, b))
             checks[variant] = (same, n_check)
-        m = measure_variants({v: (lambda fn=fn: fn(prep())) for v, fn in variants.items()}, device=device,
-                             repeats=repeats, warmup=3, calls=steps)
+        m = measure_variants(
+            {v: (lambda fn=fn: fn(prep())) for v, fn in variants.items()},
+            device=device,
+            repeats=repeats,
+            warmup=3,
+            calls=steps,
+        )
         for variant, fn in variants.items():
             same, n_check = checks[variant]
             t = m.timings[variant]
-            path = "torch.multinomial" if variant == "stock" else f"sync-free exponential race on {'logits' if fn is forms['logits'] else 'probs'}"
+            path = (
+                "torch.multinomial"
+                if variant == "stock"
+                else f"sync-free exponential race on {'logits' if fn is forms['logits'] else 'probs'}"
+            )
             extra = {"identical_draws": f"{same}/{n_check}", "path": path, **m.extra(variant)}
             if variant != "stock":
                 # The draw the recipe installs, called directly (the recipe's own decision picks the form
                 # for "mpsboost"); the whole generate() below goes through patch().
                 extra["measured_through"] = "the installed draw, called directly"
-            records.append(Record(wl, variant, env, throughput=t.throughput(items_per_call=1, unit="steps/s"),
-                                  correctness=Correctness("stock, same generator state", rel_error=1.0 - same / n_check), extra=extra))
+            records.append(
+                Record(
+                    wl,
+                    variant,
+                    env,
+                    throughput=t.throughput(items_per_call=1, unit="steps/s"),
+                    correctness=Correctness("stock, same generator state", rel_error=1.0 - same / n_check),
+                    extra=extra,
+                )
+            )
             lines.append((f"step {name}", variant, t.median_us))
 
     if size == "real" and device.startswith("cuda"):
@@ -143,38 +177,75 @@ def _generate(device: str, lines: list, repeats: int = 5) -> list[Record]:
     import mpsboost
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                      num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         stock = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
     patched = copy.deepcopy(stock)
     report = mpsboost.patch(patched, recipes=["softmax"])
     row = report.rows_for("softmax")[0]
-    gen = GenerationConfig(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0)
+    gen = GenerationConfig(
+        do_sample=True, temperature=0.6, top_k=20, top_p=0.95, max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0
+    )
     prompt = torch.randint(0, cfg.vocab_size, (1, 32), device=device)
     env = RecordEnv.capture(device, torch.bfloat16)
-    wl = Workload("softmax.generate", {"model": "Qwen3-0.6B-shaped (random weights)", "prompt": 32, "new_tokens": NEW,
-                                       "sampling": "temperature 0.6, top-k 20, top-p 0.95", "mode": "eager"})
+    wl = Workload(
+        "softmax.generate",
+        {
+            "model": "Qwen3-0.6B-shaped (random weights)",
+            "prompt": 32,
+            "new_tokens": NEW,
+            "sampling": "temperature 0.6, top-k 20, top-p 0.95",
+            "mode": "eager",
+        },
+    )
     tokens = {}
 
     def gen_fn(model, name):
         def fn():
             torch.manual_seed(77)
             tokens[name] = model.generate(prompt, generation_config=gen)
+
         return fn
 
     with torch.no_grad():
-        m = measure_variants({"stock": gen_fn(stock, "stock"), "mpsboost": gen_fn(patched, "mpsboost")}, device=device,
-                             repeats=repeats, warmup=1)
+        m = measure_variants(
+            {"stock": gen_fn(stock, "stock"), "mpsboost": gen_fn(patched, "mpsboost")},
+            device=device,
+            repeats=repeats,
+            warmup=1,
+        )
     same = bool(torch.equal(tokens["stock"], tokens["mpsboost"]))
     records = []
     for variant, t in m.timings.items():
         extra = {"same_tokens_as_stock": same, **m.extra(variant)}
         if variant == "mpsboost":
-            extra.update(measured_through="patch()", path=row.backing, patch_status=row.status, reason=row.reason, report=str(report))
-        records.append(Record(wl, variant, env, throughput=t.throughput(items_per_call=NEW, unit="tokens/s"),
-                              correctness=Correctness("stock, same seed", rel_error=0.0 if same else 1.0), extra=extra))
+            extra.update(
+                measured_through="patch()",
+                path=row.backing,
+                patch_status=row.status,
+                reason=row.reason,
+                report=str(report),
+            )
+        records.append(
+            Record(
+                wl,
+                variant,
+                env,
+                throughput=t.throughput(items_per_call=NEW, unit="tokens/s"),
+                correctness=Correctness("stock, same seed", rel_error=0.0 if same else 1.0),
+                extra=extra,
+            )
+        )
         lines.append(("generate/token", variant, t.median_s / NEW * 1e6))
     return records
 

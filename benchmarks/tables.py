@@ -19,6 +19,7 @@ Rules every figure here follows:
 * a record that does not measure what its variant claims (a ``mpsboost`` variant not timed through
   ``mpsboost.patch()``, or one where ``patch()`` changed no layer) is shown as not measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,14 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 #: The documents with generated blocks. The figures live in docs/ and benchmarks/README.md; the README
 #: holds only the tables that describe the tool.
-DOCS = ("README.md", "benchmarks/README.md", "docs/figures.md", "docs/known-gaps.md", "docs/fp8-checkpoints.md", "docs/support.md")
+DOCS = (
+    "README.md",
+    "benchmarks/README.md",
+    "docs/figures.md",
+    "docs/known-gaps.md",
+    "docs/fp8-checkpoints.md",
+    "docs/support.md",
+)
 
 if str(ROOT / "src") not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(ROOT / "src"))
@@ -68,7 +76,9 @@ def groups(name: str, results: Path | None = None) -> list[Group]:
 
 def find(gs: Sequence[Group], workload: str, **shape) -> Group:
     """The one group of ``workload`` whose shape has every given key and value."""
-    hits = [g for g in gs if g.workload.name == workload and all(g.workload.shape.get(k) == v for k, v in shape.items())]
+    hits = [
+        g for g in gs if g.workload.name == workload and all(g.workload.shape.get(k) == v for k, v in shape.items())
+    ]
     if len(hits) != 1:
         raise LookupError(f"{len(hits)} workloads {workload!r} match {shape}; expected exactly one")
     return hits[0]
@@ -141,7 +151,15 @@ def stat(rec: Record, op: str | None = None) -> Stat | None:
     if t.higher_is_better is True:
         sec = 1.0 / t.value
     else:
-        sec = t.value * {"s/call": 1.0, "s": 1.0, "ms/token": 1e-3, "ms/call": 1e-3, "ms": 1e-3, "us/call": 1e-6, "us": 1e-6}.get(t.unit, math.nan)
+        sec = t.value * {
+            "s/call": 1.0,
+            "s": 1.0,
+            "ms/token": 1e-3,
+            "ms/call": 1e-3,
+            "ms": 1e-3,
+            "us/call": 1e-6,
+            "us": 1e-6,
+        }.get(t.unit, math.nan)
     return Stat(sec, None, None, t.repeats)
 
 
@@ -226,7 +244,15 @@ def md_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-CMP_HEADER = ["what", "workload", "baseline: time per call (median (min .. max, n))", "variant: time per call", "speedup", "verdict", "record"]
+CMP_HEADER = [
+    "what",
+    "workload",
+    "baseline: time per call (median (min .. max, n))",
+    "variant: time per call",
+    "speedup",
+    "verdict",
+    "record",
+]
 
 
 def cmp_row(what: str, c: Cmp) -> list[str]:
@@ -236,7 +262,9 @@ def cmp_row(what: str, c: Cmp) -> list[str]:
     return [what, wl] + c.cells() + [source(c.file, c.group)]
 
 
-def sweep_summary(file: str, gs: Sequence[Group], variant: str, baseline: str = "stock", op: str | None = None) -> list[str]:
+def sweep_summary(
+    file: str, gs: Sequence[Group], variant: str, baseline: str = "stock", op: str | None = None
+) -> list[str]:
     """One row for a variant over many workloads of one name: counts by verdict and the range of ratios.
 
     Each ratio is within one workload; nothing is averaged across workloads.
@@ -252,14 +280,30 @@ def sweep_summary(file: str, gs: Sequence[Group], variant: str, baseline: str = 
         return [label, f"{variant} vs {baseline}", sorted(reasons)[0], "-", "-", source(file, cmps[0].group)]
     ratios = [c.ratio for c in cmps if c.ratio is not None]
     verdicts = [verdict(c.base, c.var) for c in cmps]
-    counts = ", ".join(f"{n} {k}" for k in ("faster", "slower", "no difference", "spread not recorded")
-                       if (n := sum(v.startswith(k) for v in verdicts)) or k != "spread not recorded")
+    counts = ", ".join(
+        f"{n} {k}"
+        for k in ("faster", "slower", "no difference", "spread not recorded")
+        if (n := sum(v.startswith(k) for v in verdicts)) or k != "spread not recorded"
+    )
     ns = sorted({c.var.n for c in cmps if c.var and c.var.n})
-    return [label, f"{variant} vs {baseline}", f"{min(ratios):.2f}x-{max(ratios):.2f}x", counts,
-            f"{'/'.join(map(str, ns)) or '?'} repeats each", source(file, cmps[0].group)]
+    return [
+        label,
+        f"{variant} vs {baseline}",
+        f"{min(ratios):.2f}x-{max(ratios):.2f}x",
+        counts,
+        f"{'/'.join(map(str, ns)) or '?'} repeats each",
+        source(file, cmps[0].group),
+    ]
 
 
-SWEEP_HEADER = ["workloads", "variant", "speedup range (per workload)", "verdicts (min-max spreads apart?)", "repeats", "record"]
+SWEEP_HEADER = [
+    "workloads",
+    "variant",
+    "speedup range (per workload)",
+    "verdicts (min-max spreads apart?)",
+    "repeats",
+    "record",
+]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -282,18 +326,42 @@ def block_recipes(results: Path | None = None) -> str:
     rows: list[list[str]] = []
     wan = SOURCES["wan_vae"]
     g = groups(wan, results)
-    for video, dtype in (("480x832x81 tiled", "fp32"), ("480x832x81 tiled", "bf16"), ("480x832x81 untiled", "fp32"), ("704x1280x21 tiled", "fp32")):
-        rows.append(cmp_row("`wan_vae_pad` decode", compare(wan, find(g, "wan22_vae_decode", video=video, dtype=dtype), "mpsboost")))
+    for video, dtype in (
+        ("480x832x81 tiled", "fp32"),
+        ("480x832x81 tiled", "bf16"),
+        ("480x832x81 untiled", "fp32"),
+        ("704x1280x21 tiled", "fp32"),
+    ):
+        rows.append(
+            cmp_row(
+                "`wan_vae_pad` decode", compare(wan, find(g, "wan22_vae_decode", video=video, dtype=dtype), "mpsboost")
+            )
+        )
     qw = SOURCES["qwen_image_vae"]
     g = groups(qw, results)
     for shape in ({"image": "1024x1024"}, {"image": "1328x1328"}, {"image": "1024x1024 tiled"}):
         for dtype in ("fp32", "bf16"):
-            rows.append(cmp_row("`qwen_image_vae` roundtrip", compare(qw, find(g, "qwen_image_vae_roundtrip", dtype=dtype, **shape), "mpsboost")))
+            rows.append(
+                cmp_row(
+                    "`qwen_image_vae` roundtrip",
+                    compare(qw, find(g, "qwen_image_vae_roundtrip", dtype=dtype, **shape), "mpsboost"),
+                )
+            )
     moe = SOURCES["moe"]
     g = groups(moe, results)
-    rows.append(cmp_row("`moe_experts` prefill (stock: transformers' default experts)", compare(moe, find(g, "moe-prefill", prompt=512), "mpsboost")))
+    rows.append(
+        cmp_row(
+            "`moe_experts` prefill (stock: transformers' default experts)",
+            compare(moe, find(g, "moe-prefill", prompt=512), "mpsboost"),
+        )
+    )
     for ctx in (512, 2048):
-        rows.append(cmp_row("`moe_experts` decode step (stock: transformers' default experts)", compare(moe, find(g, "moe-decode", context=ctx), "mpsboost")))
+        rows.append(
+            cmp_row(
+                "`moe_experts` decode step (stock: transformers' default experts)",
+                compare(moe, find(g, "moe-decode", context=ctx), "mpsboost"),
+            )
+        )
     dl = SOURCES["decode_linear"]
     gs = [x for x in groups(dl, results) if x.workload.name == "decode_linear"]
     what = "`decode_linear` one-token linear, CUDA-graph replay"
@@ -306,8 +374,18 @@ def block_recipes(results: Path | None = None) -> str:
     rows.append(cmp_row("`decode_linear` whole-model decode step", compare(dl, gm, "mpsboost")))
     sm = SOURCES["softmax"]
     g = groups(sm, results)
-    rows.append(cmp_row("`softmax` sampling step (the installed draw, called directly)", compare(sm, find(g, "softmax.sampling_step", warpers="none", form=None), "mpsboost")))
-    rows.append(cmp_row("`softmax` sampling step (the installed draw, called directly)", compare(sm, find(g, "softmax.sampling_step", warpers="temperature 0.6, top-k 20, top-p 0.95"), "mpsboost")))
+    rows.append(
+        cmp_row(
+            "`softmax` sampling step (the installed draw, called directly)",
+            compare(sm, find(g, "softmax.sampling_step", warpers="none", form=None), "mpsboost"),
+        )
+    )
+    rows.append(
+        cmp_row(
+            "`softmax` sampling step (the installed draw, called directly)",
+            compare(sm, find(g, "softmax.sampling_step", warpers="temperature 0.6, top-k 20, top-p 0.95"), "mpsboost"),
+        )
+    )
     gen = find(g, "softmax.generate")
     ran, now = _path_of(gen.variants["mpsboost"]), _softmax_choice_now(gen.env)
     note = f"path of this record: {ran}" + ("" if now == ran else f"; the recipe now picks {now} here: re-run pending")
@@ -317,11 +395,17 @@ def block_recipes(results: Path | None = None) -> str:
     rows.append(cmp_row("`fp8_weights` dense LM decode", compare(fp, find(g, "lm_decode_dense"), "mpsboost")))
     moe_g = find(g, "lm_decode_moe")
     impl = moe_g.variants["stock"].extra.get("experts_implementation") or "default"
-    rows.append(cmp_row(f"`fp8_weights` MoE LM decode (stock: bf16, transformers `{impl}` experts)", compare(fp, moe_g, "mpsboost")))
+    rows.append(
+        cmp_row(
+            f"`fp8_weights` MoE LM decode (stock: bf16, transformers `{impl}` experts)", compare(fp, moe_g, "mpsboost")
+        )
+    )
     rows.append(cmp_row("`fp8_weights` DiT forward", compare(fp, find(g, "wan_transformer_forward"), "mpsboost")))
     ms = SOURCES["mps_streams"]
     g = find(groups(ms, results), "wan_vae_tiled_decode")
-    both = "wan_vae_pad+mps_streams" if "wan_vae_pad+mps_streams" in g.variants else "mpsboost"  # the first run's name for both
+    both = (
+        "wan_vae_pad+mps_streams" if "wan_vae_pad+mps_streams" in g.variants else "mpsboost"
+    )  # the first run's name for both
     rows.append(cmp_row("`mps_streams` alone", compare(ms, g, "mps_streams")))
     rows.append(cmp_row("`mps_streams` next to `wan_vae_pad`", compare(ms, g, both, baseline="wan_vae_pad")))
     return md_table(CMP_HEADER, rows)
@@ -338,8 +422,17 @@ def _softmax_choice_now(env) -> str:
     except ImportError:
         return "unknown (transformers not installed)"
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+        model = Qwen3ForCausalLM(
+            Qwen3Config(
+                vocab_size=64,
+                hidden_size=32,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=16,
+            )
+        )
     rows = mpsboost.plan(model, env=Env.simulate(env.device_type, env.torch_version), recipes=["softmax"]).rows
     return rows[0].backing if rows and rows[0].backing else "stock sampling (the recipe steps aside)"
 
@@ -362,21 +455,77 @@ def block_recipe_extras(results: Path | None = None) -> str:
     g = find(groups(wan, results), "wan22_vae_decode", video="480x832x81 tiled", dtype="fp32")
     s, m = g.variants["stock"], g.variants["mpsboost"]
     if "pad5d_aten" in s.extra:
-        rows.append(["`wan_vae_pad`", g.workload.describe(), "aten-level pads of 5-D tensors in one decode (`extra.pad5d_aten`)",
-                     str(s.extra["pad5d_aten"]["total"]), str(m.extra["pad5d_aten"]["total"]), source(wan, g)])
+        rows.append(
+            [
+                "`wan_vae_pad`",
+                g.workload.describe(),
+                "aten-level pads of 5-D tensors in one decode (`extra.pad5d_aten`)",
+                str(s.extra["pad5d_aten"]["total"]),
+                str(m.extra["pad5d_aten"]["total"]),
+                source(wan, g),
+            ]
+        )
     else:
-        rows.append(["`wan_vae_pad`", g.workload.describe(), "`F.pad` calls in one decode (`extra.pad_calls`)",
-                     str(s.extra.get("pad_calls")), str(m.extra.get("pad_calls")), source(wan, g)])
-    for attr, label in (("tensor_allocated", "tensor-allocated peak"), ("allocator_reserved", "allocator-reserved peak"), ("driver_level", "driver-level peak")):
+        rows.append(
+            [
+                "`wan_vae_pad`",
+                g.workload.describe(),
+                "`F.pad` calls in one decode (`extra.pad_calls`)",
+                str(s.extra.get("pad_calls")),
+                str(m.extra.get("pad_calls")),
+                source(wan, g),
+            ]
+        )
+    for attr, label in (
+        ("tensor_allocated", "tensor-allocated peak"),
+        ("allocator_reserved", "allocator-reserved peak"),
+        ("driver_level", "driver-level peak"),
+    ):
         a, b = getattr(s.memory, attr), getattr(m.memory, attr)
-        rows.append(["`wan_vae_pad`", g.workload.describe(), label, f"{a / 2**30:.2f} GiB", f"{b / 2**30:.2f} GiB ({b / a:.3f}x of stock)", source(wan, g)])
-    rows.append(["`wan_vae_pad`", g.workload.describe(), f"rel. difference vs {m.correctness.reference}", "-", f"{m.correctness.rel_error:.1e}", source(wan, g)])
+        rows.append(
+            [
+                "`wan_vae_pad`",
+                g.workload.describe(),
+                label,
+                f"{a / 2**30:.2f} GiB",
+                f"{b / 2**30:.2f} GiB ({b / a:.3f}x of stock)",
+                source(wan, g),
+            ]
+        )
+    rows.append(
+        [
+            "`wan_vae_pad`",
+            g.workload.describe(),
+            f"rel. difference vs {m.correctness.reference}",
+            "-",
+            f"{m.correctness.rel_error:.1e}",
+            source(wan, g),
+        ]
+    )
     qw = SOURCES["qwen_image_vae"]
     g = find(groups(qw, results), "qwen_image_vae_roundtrip", image="1024x1024", dtype="fp32")
     s, m = g.variants["stock"], g.variants["mpsboost"]
     a, b = s.memory.tensor_allocated, m.memory.tensor_allocated
-    rows.append(["`qwen_image_vae`", g.workload.describe(), "tensor-allocated peak", f"{a / 2**30:.2f} GiB", f"{b / 2**30:.2f} GiB ({b / a:.2f}x of stock)", source(qw, g)])
-    rows.append(["`qwen_image_vae`", g.workload.describe(), f"PSNR vs {m.correctness.reference}", "-", f"{m.correctness.psnr_db:.1f} dB", source(qw, g)])
+    rows.append(
+        [
+            "`qwen_image_vae`",
+            g.workload.describe(),
+            "tensor-allocated peak",
+            f"{a / 2**30:.2f} GiB",
+            f"{b / 2**30:.2f} GiB ({b / a:.2f}x of stock)",
+            source(qw, g),
+        ]
+    )
+    rows.append(
+        [
+            "`qwen_image_vae`",
+            g.workload.describe(),
+            f"PSNR vs {m.correctness.reference}",
+            "-",
+            f"{m.correctness.psnr_db:.1f} dB",
+            source(qw, g),
+        ]
+    )
     fp = SOURCES["fp8"]
     gs = groups(fp, results)
     for name in ("lm_decode_dense", "lm_decode_moe"):
@@ -385,11 +534,29 @@ def block_recipe_extras(results: Path | None = None) -> str:
         for key in ("bytes_ratio_linear", "bytes_ratio_experts", "bytes_ratio_total"):
             v = m.extra.get(key)
             if v is not None:
-                rows.append(["`fp8_weights`", g.workload.describe(), f"weight bytes of fp8 / bf16 (`{key}`)", "1", f"{v:.3f}", source(fp, g)])
+                rows.append(
+                    [
+                        "`fp8_weights`",
+                        g.workload.describe(),
+                        f"weight bytes of fp8 / bf16 (`{key}`)",
+                        "1",
+                        f"{v:.3f}",
+                        source(fp, g),
+                    ]
+                )
     dec = [x for x in gs if x.workload.name == "decode_linear" and "mpsboost" in x.variants]
     sq = [x.variants["mpsboost"].correctness.sqnr_db for x in dec if x.variants["mpsboost"].correctness]
     if sq:
-        rows.append(["`fp8_weights`", f"{len(sq)} workloads `decode_linear`", "SQNR per layer vs float64 reference", "-", f"{min(sq):.1f}-{max(sq):.1f} dB", source(fp, dec[0])])
+        rows.append(
+            [
+                "`fp8_weights`",
+                f"{len(sq)} workloads `decode_linear`",
+                "SQNR per layer vs float64 reference",
+                "-",
+                f"{min(sq):.1f}-{max(sq):.1f} dB",
+                source(fp, dec[0]),
+            ]
+        )
     return md_table(["recipe", "workload", "what", "stock", "mpsboost", "record"], rows)
 
 
@@ -402,10 +569,21 @@ def block_peers(results: Path | None = None) -> str:
         rows.append(cmp_row("MoE decode step", compare(moe, find(g, "moe-decode", context=512), peer)))
     fp = SOURCES["fp8_peers"]
     gs = [x for x in groups(fp, results) if x.workload.name == "decode_linear" and len(x.variants) > 2]
-    sweep_rows = [sweep_summary(fp, gs, v, op="linear") for v in ("mpsboost", "torchao:float8_weight_only", "torchao:float8_dynamic_rowwise",
-                                                                 "diffusers:layerwise_fp8", "quanto:qfloat8")]
-    return (md_table(CMP_HEADER, rows) + "\n\nFP8 one-token linears, on the shapes where the peers ran (run 1 only; mpsboost's own row is"
-            " from the same run and shapes):\n\n" + md_table(SWEEP_HEADER, sweep_rows))
+    sweep_rows = [
+        sweep_summary(fp, gs, v, op="linear")
+        for v in (
+            "mpsboost",
+            "torchao:float8_weight_only",
+            "torchao:float8_dynamic_rowwise",
+            "diffusers:layerwise_fp8",
+            "quanto:qfloat8",
+        )
+    ]
+    return (
+        md_table(CMP_HEADER, rows)
+        + "\n\nFP8 one-token linears, on the shapes where the peers ran (run 1 only; mpsboost's own row is"
+        " from the same run and shapes):\n\n" + md_table(SWEEP_HEADER, sweep_rows)
+    )
 
 
 #: Targets the project set itself (not measurements): (label, target speedup or fraction).
@@ -425,30 +603,64 @@ def block_gaps(results: Path | None = None) -> str:
     g = groups(wan, results)
     for dtype in ("fp32", "bf16"):
         c = compare(wan, find(g, "wan22_vae_decode", video="480x832x81 tiled", dtype=dtype), "mpsboost")
-        rows.append(["Wan2.2 decode 480x832x81 tiled, " + dtype, f">= {TARGETS['wan']}x", f"{c.ratio:.2f}x ({verdict(c.base, c.var)}, n={c.var.n})",
-                     "met" if c.ratio >= TARGETS["wan"] else "not met", source(wan, c.group)])
+        rows.append(
+            [
+                "Wan2.2 decode 480x832x81 tiled, " + dtype,
+                f">= {TARGETS['wan']}x",
+                f"{c.ratio:.2f}x ({verdict(c.base, c.var)}, n={c.var.n})",
+                "met" if c.ratio >= TARGETS["wan"] else "not met",
+                source(wan, c.group),
+            ]
+        )
     qw = SOURCES["qwen_image_vae"]
     g = groups(qw, results)
     for dtype in ("fp32", "bf16"):
         c = compare(qw, find(g, "qwen_image_vae_roundtrip", image="1024x1024", dtype=dtype), "mpsboost")
-        rows.append(["Qwen-Image 1024x1024 roundtrip, " + dtype, f">= {TARGETS['qwen']}x", f"{c.ratio:.2f}x ({verdict(c.base, c.var)}, n={c.var.n})",
-                     "met" if c.ratio >= TARGETS["qwen"] else "not met", source(qw, c.group)])
+        rows.append(
+            [
+                "Qwen-Image 1024x1024 roundtrip, " + dtype,
+                f">= {TARGETS['qwen']}x",
+                f"{c.ratio:.2f}x ({verdict(c.base, c.var)}, n={c.var.n})",
+                "met" if c.ratio >= TARGETS["qwen"] else "not met",
+                source(qw, c.group),
+            ]
+        )
     fp = SOURCES["fp8"]
     gs = [x for x in groups(fp, results) if x.workload.name == "decode_linear" and "mpsboost" in x.variants]
     fr = [x.variants["mpsboost"].extra.get("fraction_of_copy_bandwidth") for x in gs]
     fr = [f for f in fr if f is not None]
-    rows.append(["`fp8_weights` one-token decode, fraction of copy bandwidth on the largest layers", f">= {TARGETS['fp8_decode_fraction']:.0%}",
-                 f"at most {max(fr):.0%} over the {len(gs)} shapes measured", "not met" if max(fr) < TARGETS["fp8_decode_fraction"] else "met", source(fp, gs[0])])
+    rows.append(
+        [
+            "`fp8_weights` one-token decode, fraction of copy bandwidth on the largest layers",
+            f">= {TARGETS['fp8_decode_fraction']:.0%}",
+            f"at most {max(fr):.0%} over the {len(gs)} shapes measured",
+            "not met" if max(fr) < TARGETS["fp8_decode_fraction"] else "met",
+            source(fp, gs[0]),
+        ]
+    )
     sw = sweep_summary(fp, gs, "mpsboost", op="linear")
     total = TARGETS["fp8_decode_shapes"]
-    rows.append([f"`fp8_weights` one-token decode speedup over {total} shapes", f">= {TARGETS['fp8_decode_speedup']}x", f"{sw[2]} on {sw[0]} ({sw[3]})",
-                 f"not measured on {total - len(gs)} of the {total} shapes" if len(gs) < total else "see the range", sw[5]])
+    rows.append(
+        [
+            f"`fp8_weights` one-token decode speedup over {total} shapes",
+            f">= {TARGETS['fp8_decode_speedup']}x",
+            f"{sw[2]} on {sw[0]} ({sw[3]})",
+            f"not measured on {total - len(gs)} of the {total} shapes" if len(gs) < total else "see the range",
+            sw[5],
+        ]
+    )
     moe = SOURCES["moe"]
     cg = find(groups(moe, results), "moe-decode-compiled", layers=48)
     r = cg.variants["mpsboost"]
-    rows.append(["`moe_experts` compiled static-cache decode, 48 layers, fraction of the HBM limit", f">= {TARGETS['moe_compiled_fraction']:.0%}",
-                 f"{r.extra['fraction_of_hbm_limit']:.1%} ({r.extra.get('ms_per_token', math.nan):.2f} ms/token; {r.extra.get('method')})",
-                 "met" if r.extra["fraction_of_hbm_limit"] >= TARGETS["moe_compiled_fraction"] else "not met", source(moe, cg)])
+    rows.append(
+        [
+            "`moe_experts` compiled static-cache decode, 48 layers, fraction of the HBM limit",
+            f">= {TARGETS['moe_compiled_fraction']:.0%}",
+            f"{r.extra['fraction_of_hbm_limit']:.1%} ({r.extra.get('ms_per_token', math.nan):.2f} ms/token; {r.extra.get('method')})",
+            "met" if r.extra["fraction_of_hbm_limit"] >= TARGETS["moe_compiled_fraction"] else "not met",
+            source(moe, cg),
+        ]
+    )
     return md_table(["figure", "target", "measured", "status", "record"], rows)
 
 
@@ -465,8 +677,17 @@ def block_results(results: Path | None = None) -> str:
         names = sorted({r.workload.name for r in recs})
         variants = sorted({r.variant for r in recs})
         libs = ", ".join(f"{k} {v}" for k, v in sorted(e.libraries.items()) if v)
-        rows.append([f"`{path.name}`", e.device_name, f"torch {e.torch_version} ({e.torch_build})", libs, str(len(recs)),
-                     ", ".join(f"`{n}`" for n in names), ", ".join(f"`{v}`" for v in variants)])
+        rows.append(
+            [
+                f"`{path.name}`",
+                e.device_name,
+                f"torch {e.torch_version} ({e.torch_build})",
+                libs,
+                str(len(recs)),
+                ", ".join(f"`{n}`" for n in names),
+                ", ".join(f"`{v}`" for v in variants),
+            ]
+        )
     return md_table(["file", "device", "torch build", "libraries", "records", "workloads", "variants"], rows)
 
 
@@ -558,16 +779,35 @@ def block_e2e_generate(results: Path | None = None) -> str:
                     b, x = _phase(base, key), _phase(rec, key)
                     cells += [f"{x.cell()} vs {b.cell()}", f"{b.median / x.median:.2f}x, {verdict(b, x)}"]
                 share = lambda r: (r.extra.get("bandwidth") or {}).get("share_of_limit")  # noqa: E731
-                bw = f"{share(rec):.1%} (stock {share(base):.1%})" if share(rec) is not None and share(base) is not None else "-"
+                bw = (
+                    f"{share(rec):.1%} (stock {share(base):.1%})"
+                    if share(rec) is not None and share(base) is not None
+                    else "-"
+                )
                 same = rec.extra.get("tokens_equal_stock")
-                tokens = "-" if sh.get("decoding") != "greedy" or same is None else ("equal" if same else
-                                                                                    f"{rec.extra.get('token_match_fraction', 0):.0%} equal")
+                tokens = (
+                    "-"
+                    if sh.get("decoding") != "greedy" or same is None
+                    else ("equal" if same else f"{rec.extra.get('token_match_fraction', 0):.0%} equal")
+                )
                 label = f"{v} (applies nothing here: stock against itself)" if _applies_nothing(rec) else v
                 rows.append([what, label] + cells + [bw, tokens, source(path.name, g)])
     if not rows:
         return "No end-to-end generate() records (`e2e-*.jsonl`) committed yet."
-    return md_table(["model, mode, decoding", "variant", "prefill: variant vs stock", "prefill speedup", "decode per token: variant vs stock",
-                     "decode speedup", "share of the bandwidth limit (decode)", "greedy tokens vs stock", "record"], rows)
+    return md_table(
+        [
+            "model, mode, decoding",
+            "variant",
+            "prefill: variant vs stock",
+            "prefill speedup",
+            "decode per token: variant vs stock",
+            "decode speedup",
+            "share of the bandwidth limit (decode)",
+            "greedy tokens vs stock",
+            "record",
+        ],
+        rows,
+    )
 
 
 def _e2e_generate(results: Path | None, variant: str = "mpsboost", **shape) -> tuple[str, Group] | None:
@@ -575,7 +815,11 @@ def _e2e_generate(results: Path | None, variant: str = "mpsboost", **shape) -> t
     ``variant`` next to stock (latest file first)."""
     for path in sorted((results or RESULTS).glob("e2e-*.jsonl"), reverse=True):
         for g in groups(path.name, results):
-            if variant in g.variants and "stock" in g.variants and all(g.workload.shape.get(k) == v for k, v in shape.items()):
+            if (
+                variant in g.variants
+                and "stock" in g.variants
+                and all(g.workload.shape.get(k) == v for k, v in shape.items())
+            ):
                 return path.name, g
     return None
 
@@ -601,30 +845,60 @@ def block_gaps_e2e(results: Path | None = None) -> str:
             f, g = hit
             r, v = ratio(f, g, "mpsboost", "decode_s_per_token")
             noop = _applies_nothing(g.variants["mpsboost"])
-            rows.append([f"static-cache (compiled) decode, default patch, {label} {g.workload.shape['layers']} layers, {decoding}",
-                         ">= 1.0x of stock", f"{r:.2f}x ({v})" + ("; the default patch applies nothing here, so this is stock against itself" if noop else ""),
-                         "met (nothing applied)" if noop else status(r, v, 1.0), source(f, g)])
-            fp8_hit = _e2e_generate(results, variant="mpsboost:fp8-rowwise", model=model, mode="static", decoding=decoding)
+            rows.append(
+                [
+                    f"static-cache (compiled) decode, default patch, {label} {g.workload.shape['layers']} layers, {decoding}",
+                    ">= 1.0x of stock",
+                    f"{r:.2f}x ({v})"
+                    + ("; the default patch applies nothing here, so this is stock against itself" if noop else ""),
+                    "met (nothing applied)" if noop else status(r, v, 1.0),
+                    source(f, g),
+                ]
+            )
+            fp8_hit = _e2e_generate(
+                results, variant="mpsboost:fp8-rowwise", model=model, mode="static", decoding=decoding
+            )
             if fp8_hit is not None:
                 f, g = fp8_hit
                 r, v = ratio(f, g, "mpsboost:fp8-rowwise", "decode_s_per_token")
-                rows.append([f"static-cache decode, `fp8=\"rowwise\"`, {label} {g.workload.shape['layers']} layers, {decoding}",
-                             ">= 1.3x of bf16 stock", f"{r:.2f}x ({v})", status(r, v, 1.3), source(f, g)])
+                rows.append(
+                    [
+                        f'static-cache decode, `fp8="rowwise"`, {label} {g.workload.shape["layers"]} layers, {decoding}',
+                        ">= 1.3x of bf16 stock",
+                        f"{r:.2f}x ({v})",
+                        status(r, v, 1.3),
+                        source(f, g),
+                    ]
+                )
     hit = _e2e_generate(results, model="qwen3-30b-a3b", mode="static", decoding="greedy")
     if hit is not None:
         f, g = hit
         share = g.variants["mpsboost"].extra["bandwidth"]["share_of_limit"]
         layers = g.workload.shape["layers"]
-        rows.append([f"MoE static-cache decode, share of the bandwidth limit ({layers} layers measured; the target is at 48)", ">= 25%",
-                     f"{share:.1%} (stock {g.variants['stock'].extra['bandwidth']['share_of_limit']:.1%})",
-                     "not met" if share < 0.25 else ("met" if layers == 48 else f"met at {layers} layers"), source(f, g)])
+        rows.append(
+            [
+                f"MoE static-cache decode, share of the bandwidth limit ({layers} layers measured; the target is at 48)",
+                ">= 25%",
+                f"{share:.1%} (stock {g.variants['stock'].extra['bandwidth']['share_of_limit']:.1%})",
+                "not met" if share < 0.25 else ("met" if layers == 48 else f"met at {layers} layers"),
+                source(f, g),
+            ]
+        )
     hit = _e2e_generate(results, model="qwen3-30b-a3b", mode="eager", decoding="greedy")
     if hit is not None:
         f, g = hit
         for key, name, target in (("prefill_s", "prefill", 1.0), ("decode_s_per_token", "decode", 1.3)):
             r, v = ratio(f, g, "mpsboost", key)
-            rows.append([f"eager `generate()` {name}, MoE {g.workload.shape['layers']} layers (stock: transformers' default, "
-                         "which switches decode to batched_mm)", f">= {target}x of stock", f"{r:.2f}x ({v})", status(r, v, target), source(f, g)])
+            rows.append(
+                [
+                    f"eager `generate()` {name}, MoE {g.workload.shape['layers']} layers (stock: transformers' default, "
+                    "which switches decode to batched_mm)",
+                    f">= {target}x of stock",
+                    f"{r:.2f}x ({v})",
+                    status(r, v, target),
+                    source(f, g),
+                ]
+            )
     # Qwen3.6-35B-A3B (Gated DeltaNet + attention + MoE): the targets of its recipes, from the latest record.
     hit = _e2e_generate(results, model="qwen3.6-35b-a3b", mode="eager", decoding="greedy")
     if hit is not None:
@@ -632,20 +906,43 @@ def block_gaps_e2e(results: Path | None = None) -> str:
         layers = g.workload.shape["layers"]
         for key, name in (("decode_s_per_token", "decode"), ("prefill_s", "prefill")):
             r, v = ratio(f, g, "mpsboost", key)
-            rows.append([f"eager `generate()` {name}, Qwen3.6-35B-A3B {layers} layers, default patch", ">= 1.5x of stock",
-                         f"{r:.2f}x ({v})", status(r, v, 1.5), source(f, g)])
-        parts = {n: (g.variants[n].extra.get("breakdown") or {}).get("decode_ms_per_token", {}) for n in ("stock", "mpsboost")}
+            rows.append(
+                [
+                    f"eager `generate()` {name}, Qwen3.6-35B-A3B {layers} layers, default patch",
+                    ">= 1.5x of stock",
+                    f"{r:.2f}x ({v})",
+                    status(r, v, 1.5),
+                    source(f, g),
+                ]
+            )
+        parts = {
+            n: (g.variants[n].extra.get("breakdown") or {}).get("decode_ms_per_token", {})
+            for n in ("stock", "mpsboost")
+        }
         if all("linear_attention" in p for p in parts.values()):
             s_ms, p_ms = parts["stock"]["linear_attention"], parts["mpsboost"]["linear_attention"]
-            rows.append([f"Gated DeltaNet layers per decoded token (synchronised hooks), Qwen3.6-35B-A3B {layers} layers",
-                         "at most half of stock's", f"{p_ms:.1f} ms against {s_ms:.1f} ms ({s_ms / p_ms:.2f}x)",
-                         "met" if p_ms <= s_ms / 2 else "not met", source(f, g)])
+            rows.append(
+                [
+                    f"Gated DeltaNet layers per decoded token (synchronised hooks), Qwen3.6-35B-A3B {layers} layers",
+                    "at most half of stock's",
+                    f"{p_ms:.1f} ms against {s_ms:.1f} ms ({s_ms / p_ms:.2f}x)",
+                    "met" if p_ms <= s_ms / 2 else "not met",
+                    source(f, g),
+                ]
+            )
     hit = _e2e_generate(results, model="qwen3.6-35b-a3b", mode="static", decoding="greedy")
     if hit is not None:
         f, g = hit
         r, v = ratio(f, g, "mpsboost", "decode_s_per_token")
-        rows.append([f"static-cache (compiled) decode, Qwen3.6-35B-A3B {g.workload.shape['layers']} layers, default patch",
-                     ">= 1.2x of stock", f"{r:.2f}x ({v})", status(r, v, 1.2), source(f, g)])
+        rows.append(
+            [
+                f"static-cache (compiled) decode, Qwen3.6-35B-A3B {g.workload.shape['layers']} layers, default patch",
+                ">= 1.2x of stock",
+                f"{r:.2f}x ({v})",
+                status(r, v, 1.2),
+                source(f, g),
+            ]
+        )
     if not rows:
         return "No end-to-end generate() records committed yet."
     return md_table(["figure", "target", "measured", "status", "record"], rows)
@@ -683,20 +980,42 @@ def block_fp8_load(results: Path | None = None) -> str:
             a, b = step.variants["bf16"].throughput.value, step.variants["mpsboost load_fp8"].throughput.value
             step_text = f"{a:.1f} ms -> {b:.1f} ms ({b / a:.2f}x the time; one median each)"
         path_text = "; ".join(var.extra.get("backing") or []) or "-"
-        rows.append([f"{sh['workload']} ({sh['layers']} layers), {sh['format']}; files: bf16 {gib(sh['bf16_bytes'])}, fp8 {gib(sh['fp8_bytes'])}",
-                     path_text,
-                     f"{base.throughput.value:.1f} s -> {var.throughput.value:.1f} s (one run each)",
-                     f"{gib(dev_b)} -> {gib(dev_v)} ({dev_v / dev_b:.3f}x)", f"{gib(host_b)} -> {gib(host_v)} ({host_v / host_b:.3f}x)",
-                     step_text, "-" if rel is None else f"{rel:.1e}", floor_text, source(fname, g)])
+        rows.append(
+            [
+                f"{sh['workload']} ({sh['layers']} layers), {sh['format']}; files: bf16 {gib(sh['bf16_bytes'])}, fp8 {gib(sh['fp8_bytes'])}",
+                path_text,
+                f"{base.throughput.value:.1f} s -> {var.throughput.value:.1f} s (one run each)",
+                f"{gib(dev_b)} -> {gib(dev_v)} ({dev_v / dev_b:.3f}x)",
+                f"{gib(host_b)} -> {gib(host_v)} ({host_v / host_b:.3f}x)",
+                step_text,
+                "-" if rel is None else f"{rel:.1e}",
+                floor_text,
+                source(fname, g),
+            ]
+        )
     if not rows:
         return "No fp8_load records committed yet."
     older = sorted(set(seen) - {v[0] for v in latest.values()})
-    table = md_table(["workload", "fp8 forward path (as recorded)", "load time: bf16 + convert -> load_fp8", "device tensor peak", "host peak",
-                      "decode step (LMs: one token after 128; Qwen-Image: one 512x512 denoising forward), bf16 -> fp8",
-                      "output rel. error vs the file's exact dequantisation (stock bf16 forward)",
-                      "rel. error vs a float32 forward of the same weights", "record"], rows)
+    table = md_table(
+        [
+            "workload",
+            "fp8 forward path (as recorded)",
+            "load time: bf16 + convert -> load_fp8",
+            "device tensor peak",
+            "host peak",
+            "decode step (LMs: one token after 128; Qwen-Image: one 512x512 denoising forward), bf16 -> fp8",
+            "output rel. error vs the file's exact dequantisation (stock bf16 forward)",
+            "rel. error vs a float32 forward of the same weights",
+            "record",
+        ],
+        rows,
+    )
     if older:
-        table += "\n\nOlder records of this table (earlier code; see their commits in the NOTES): " + ", ".join(f"`{f}`" for f in older) + "."
+        table += (
+            "\n\nOlder records of this table (earlier code; see their commits in the NOTES): "
+            + ", ".join(f"`{f}`" for f in older)
+            + "."
+        )
     return table
 
 
@@ -715,7 +1034,19 @@ def block_e2e(results: Path | None = None) -> str:
                 rows.append([f"`{g.workload.name}`", _mode(g.variants[v]), v] + c.cells() + [source(path.name, g)])
     if not rows:
         return "No end-to-end records (`e2e-*.jsonl`) committed yet."
-    return md_table(["workload", "mode", "variant", "stock: time per call (median (min .. max, n))", "variant: time per call", "speedup", "verdict", "record"], rows)
+    return md_table(
+        [
+            "workload",
+            "mode",
+            "variant",
+            "stock: time per call (median (min .. max, n))",
+            "variant: time per call",
+            "speedup",
+            "verdict",
+            "record",
+        ],
+        rows,
+    )
 
 
 # Diagnostics: operator sweeps and profiles written as plain JSON lines (one dict per line with its
@@ -747,21 +1078,43 @@ def block_fp8_gemv(results: Path | None = None) -> str:
         rows = []
         for shape in dict.fromkeys(r["shape"] for r in recs):
             rs = [r for r in recs if r["shape"] == shape]
-            picks = [("bf16 F.linear (cuBLAS)", [r for r in rs if r["variant"] == "bf16"]),
-                     ("fp8 tile kernel (16-row MMA), best config", [r for r in rs if r["variant"].startswith("fp8 mma")]),
-                     ("fp8 single-row kernel, best config", [r for r in rs if r["variant"].startswith("fp8 row")]),
-                     ("fp8 tuner's pick (shipped)", [r for r in rs if r["variant"].startswith("fp8 tuned")])]
+            picks = [
+                ("bf16 F.linear (cuBLAS)", [r for r in rs if r["variant"] == "bf16"]),
+                ("fp8 tile kernel (16-row MMA), best config", [r for r in rs if r["variant"].startswith("fp8 mma")]),
+                ("fp8 single-row kernel, best config", [r for r in rs if r["variant"].startswith("fp8 row")]),
+                ("fp8 tuner's pick (shipped)", [r for r in rs if r["variant"].startswith("fp8 tuned")]),
+            ]
             for label, cands in picks:
                 if not cands:
                     continue
                 r = min(cands, key=lambda x: x["us_per_layer_median"])
-                rows.append([f"`{shape}` {r['n']}x{r['k']}", label, r["variant"].split(" ", 2)[-1] if label.startswith("fp8") else "-",
-                             f"{r['us_per_layer_median']:.1f} ({r['us_per_layer_min']:.1f} .. {r['us_per_layer_max']:.1f}, n={r['repeats']})",
-                             f"{r['share_of_copy_bandwidth']:.0%}" if r.get("share_of_copy_bandwidth") else "-",
-                             f"{r['speedup_vs_bf16']:.2f}x" if r.get("speedup_vs_bf16") else "-", f"{r['rel_err_vs_fp32_dequant']:.1e}"])
-        out.append(f"`{path.name}`: {env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
-                   f"`{env['command']}`\n\n" + md_table(["layer", "kernel", "config", "us per layer, median (min .. max)",
-                                                            "share of copy bandwidth", "vs bf16", "rel. error vs fp32 dequant"], rows))
+                rows.append(
+                    [
+                        f"`{shape}` {r['n']}x{r['k']}",
+                        label,
+                        r["variant"].split(" ", 2)[-1] if label.startswith("fp8") else "-",
+                        f"{r['us_per_layer_median']:.1f} ({r['us_per_layer_min']:.1f} .. {r['us_per_layer_max']:.1f}, n={r['repeats']})",
+                        f"{r['share_of_copy_bandwidth']:.0%}" if r.get("share_of_copy_bandwidth") else "-",
+                        f"{r['speedup_vs_bf16']:.2f}x" if r.get("speedup_vs_bf16") else "-",
+                        f"{r['rel_err_vs_fp32_dequant']:.1e}",
+                    ]
+                )
+        out.append(
+            f"`{path.name}`: {env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
+            f"`{env['command']}`\n\n"
+            + md_table(
+                [
+                    "layer",
+                    "kernel",
+                    "config",
+                    "us per layer, median (min .. max)",
+                    "share of copy bandwidth",
+                    "vs bf16",
+                    "rel. error vs fp32 dequant",
+                ],
+                rows,
+            )
+        )
     return "\n\n".join(out) or "No fp8_gemv records committed yet."
 
 
@@ -773,18 +1126,37 @@ def block_profile_decode(results: Path | None = None) -> str:
         recs = _raw(path.name, results)
         rows = []
         for r in recs:
-            groups_ = ", ".join(f"{k} {v / r['new_tokens']:.2f}" for k, v in sorted(r["groups_ms"].items(), key=lambda x: -x[1]))
+            groups_ = ", ".join(
+                f"{k} {v / r['new_tokens']:.2f}" for k, v in sorted(r["groups_ms"].items(), key=lambda x: -x[1])
+            )
             if r.get("unit", "token") == "token":
                 call = f"{r.get('workload', 'qwen3-8b')} static-cache generate(), {r['layers']} layers, {r['new_tokens']} new tokens"
             else:
                 call = f"{r['workload']} transformer, {r['layers']} layers, one 512x512 denoising forward"
             plain = f"; {r['plain_wall_ms']:.1f} ms without the profiler (median of 5)" if "plain_wall_ms" in r else ""
-            rows.append([r["variant"], call, f"{r['wall_ms']:.1f} ms{plain}",
-                         f"{r['kernel_ms']:.1f} ms ({r['kernel_ms'] / r['wall_ms']:.0%} of the wall)", groups_])
+            rows.append(
+                [
+                    r["variant"],
+                    call,
+                    f"{r['wall_ms']:.1f} ms{plain}",
+                    f"{r['kernel_ms']:.1f} ms ({r['kernel_ms'] / r['wall_ms']:.0%} of the wall)",
+                    groups_,
+                ]
+            )
         if rows:
-            out.append(f"`{path.name}`: {recs[0]['device']}, torch {recs[0]['torch']}\n\n" + md_table(
-                ["variant", "call", "wall time of the profiled call", "summed GPU kernel time",
-                 "kernel time per new token (generate(), prefill included) or per forward, by group (ms)"], rows))
+            out.append(
+                f"`{path.name}`: {recs[0]['device']}, torch {recs[0]['torch']}\n\n"
+                + md_table(
+                    [
+                        "variant",
+                        "call",
+                        "wall time of the profiled call",
+                        "summed GPU kernel time",
+                        "kernel time per new token (generate(), prefill included) or per forward, by group (ms)",
+                    ],
+                    rows,
+                )
+            )
     return "\n\n".join(out) or "No profile_decode records committed yet."
 
 
@@ -814,7 +1186,10 @@ def _tool_blocks() -> dict[str, Callable[..., str]]:
 def all_blocks() -> dict[str, Callable[..., str]]:
     return {**BLOCKS, **_tool_blocks()}
 
-_MARKER = re.compile(r"(<!-- tables:(?P<name>[a-z0-9-]+):begin -->\n)(?P<body>.*?)(\n?<!-- tables:(?P=name):end -->)", re.S)
+
+_MARKER = re.compile(
+    r"(<!-- tables:(?P<name>[a-z0-9-]+):begin -->\n)(?P<body>.*?)(\n?<!-- tables:(?P=name):end -->)", re.S
+)
 
 
 def render(text: str, results: Path | None = None, blocks: dict[str, Callable[..., str]] | None = None) -> str:
@@ -842,8 +1217,14 @@ def _stale(root: Path, results: Path | None, docs: Sequence[str]) -> Iterator[tu
 
 def check(root: Path = ROOT, results: Path | None = None, docs: Sequence[str] = DOCS) -> list[str]:
     """Unified diffs of every document whose generated blocks differ from the records (empty: all current)."""
-    return ["".join(difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"{doc} (committed)", f"{doc} (from records)"))
-            for doc, _, old, new in _stale(root, results, docs)]
+    return [
+        "".join(
+            difflib.unified_diff(
+                old.splitlines(True), new.splitlines(True), f"{doc} (committed)", f"{doc} (from records)"
+            )
+        )
+        for doc, _, old, new in _stale(root, results, docs)
+    ]
 
 
 def write(root: Path = ROOT, results: Path | None = None, docs: Sequence[str] = DOCS) -> list[str]:
@@ -856,8 +1237,15 @@ def write(root: Path = ROOT, results: Path | None = None, docs: Sequence[str] = 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 and print a diff where a document differs from the records")
-    ap.add_argument("--root", type=Path, default=ROOT, help="the checkout whose documents (README.md, benchmarks/README.md, docs/) to check or rewrite")
+    ap.add_argument(
+        "--check", action="store_true", help="exit 1 and print a diff where a document differs from the records"
+    )
+    ap.add_argument(
+        "--root",
+        type=Path,
+        default=ROOT,
+        help="the checkout whose documents (README.md, benchmarks/README.md, docs/) to check or rewrite",
+    )
     args = ap.parse_args(argv)
     if args.check:
         diffs = check(args.root)

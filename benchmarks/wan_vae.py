@@ -20,6 +20,7 @@ code on small configs (tiny finishes in seconds on a CPU).
 
 The helpers it shares with ``qwen_image_vae.py`` and ``mps_streams.py`` are in ``_common.py``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,6 +52,7 @@ from mpsboost.bench.models import build  # noqa: E402
 
 # ------------------------------------------------------------------------------------------ Wan2.2
 
+
 def build_wan22(size: str, device: str) -> torch.nn.Module:
     """The Wan2.2 VAE at ``size``: rows wan22_vae:real, :bench_small, :bench_tiny of mpsboost.bench.models."""
     name = {"real": "wan22_vae:real", "small": "wan22_vae:bench_small", "tiny": "wan22_vae:bench_tiny"}[size]
@@ -66,8 +68,13 @@ def wan_workloads(size: str) -> list[dict]:
         return [
             {"label": "480x832x81 tiled", "latent": (1, 48, 21, 30, 52), "tiled": True, "frames": 81},
             {"label": "480x832x81 untiled", "latent": (1, 48, 21, 30, 52), "tiled": False, "frames": 81},
-            {"label": "704x1280x21 tiled", "latent": (1, 48, 6, 44, 80), "tiled": True, "frames": 21,
-             "note": "21 of 81 frames to fit the device time; 28 tiles as at full length"},
+            {
+                "label": "704x1280x21 tiled",
+                "latent": (1, 48, 6, 44, 80),
+                "tiled": True,
+                "frames": 21,
+                "note": "21 of 81 frames to fit the device time; 28 tiles as at full length",
+            },
         ]
     if size == "small":
         return [
@@ -86,14 +93,21 @@ def tiling(vae: torch.nn.Module, size: str, on: bool) -> None:
         if size == "real":
             vae.enable_tiling()  # diffusers' defaults: 256 px tiles, stride 192
         else:
-            vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32, tile_sample_stride_width=48)
+            vae.enable_tiling(
+                tile_sample_min_height=64,
+                tile_sample_min_width=64,
+                tile_sample_stride_height=32,
+                tile_sample_stride_width=48,
+            )
 
 
 def _variants(device: str) -> list[tuple[str, list[str] | None, dict | None]]:
     v: list[tuple[str, list[str] | None, dict | None]] = [("stock", None, None), ("mpsboost", ["wan_vae_pad"], None)]
     if device.startswith("cuda"):
         # What the channels-last layout and the fused norm add on top of the fold and the tile loop.
-        v.append(("mpsboost:contiguous", ["wan_vae_pad"], {"wan_vae_pad": {"layout": "contiguous", "fused_norm": False}}))
+        v.append(
+            ("mpsboost:contiguous", ["wan_vae_pad"], {"wan_vae_pad": {"layout": "contiguous", "fused_norm": False}})
+        )
     return v
 
 
@@ -119,21 +133,41 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     for dname, dtype in DTYPES.items():
         vae.to(dtype)
         ref_in = ref_latent.to(device, dtype)
-        wl = Workload("wan22_vae_decode_ref", {"latent": list(ref_shape), "dtype": dname, "tiled": False, "reference": "cpu-fp32"})
+        wl = Workload(
+            "wan22_vae_decode_ref", {"latent": list(ref_shape), "dtype": dname, "tiled": False, "reference": "cpu-fp32"}
+        )
         ref_records, ref_corr = reference_pass(
-            vae, _variants(device), lambda v, x: v.decode(x).sample, ref_in, cpu_ref, workload=wl, device=device,
-            dtype=dtype, repeats=repeats, untile=lambda v: tiling(v, size, False), label=f"reduced decode {dname}")
+            vae,
+            _variants(device),
+            lambda v, x: v.decode(x).sample,
+            ref_in,
+            cpu_ref,
+            workload=wl,
+            device=device,
+            dtype=dtype,
+            repeats=repeats,
+            untile=lambda v: tiling(v, size, False),
+            label=f"reduced decode {dname}",
+        )
         records += ref_records
         for w in work:
             if budget_left() < 60:
                 log(f"budget: skipping {w['label']} {dname}")
                 continue
             z = latents[w["label"]].to(device, dtype)
-            shape = {"video": w["label"], "latent": list(w["latent"]), "dtype": dname, "tiled": w["tiled"], "frames": w["frames"]}
+            shape = {
+                "video": w["label"],
+                "latent": list(w["latent"]),
+                "dtype": dname,
+                "tiled": w["tiled"],
+                "frames": w["frames"],
+            }
             if "note" in w:
                 shape["note"] = w["note"]
             wl = Workload("wan22_vae_decode", shape)
-            variants = [v for v in _variants(device) if v[0] != "mpsboost:contiguous" or (w["tiled"] and w["frames"] == 81)]
+            variants = [
+                v for v in _variants(device) if v[0] != "mpsboost:contiguous" or (w["tiled"] and w["frames"] == 81)
+            ]
 
             def cref(name, report, ref_corr=ref_corr):
                 c = ref_corr.get(name)
@@ -141,14 +175,26 @@ def run(device: str, size: str, out: Path) -> list[Record]:
 
             stock_out = None
             with guarded(f"{w['label']} {dname}"):
-                recs, stock_out = measure_workload(workload=wl, variants=variants, model=vae, device=device, dtype=dtype,
-                                                   fn=lambda: vae.decode(z).sample, setup=lambda: tiling(vae, size, w["tiled"]),
-                                                   repeats=repeats, extra=cref)
+                recs, stock_out = measure_workload(
+                    workload=wl,
+                    variants=variants,
+                    model=vae,
+                    device=device,
+                    dtype=dtype,
+                    fn=lambda: vae.decode(z).sample,
+                    setup=lambda: tiling(vae, size, w["tiled"]),
+                    repeats=repeats,
+                    extra=cref,
+                )
                 for rec in recs:
                     if rec.variant == "stock":
                         # The stock record's correctness: the reduced decode against CPU fp32.
-                        rec = rec.replace(correctness=_ref_with_label(
-                            ref_corr.get("stock"), f"cpu-fp32, reduced decode of latent {ref_label} (wan22_vae_decode_ref)"))
+                        rec = rec.replace(
+                            correctness=_ref_with_label(
+                                ref_corr.get("stock"),
+                                f"cpu-fp32, reduced decode of latent {ref_label} (wan22_vae_decode_ref)",
+                            )
+                        )
                     records.append(rec)
             free(device)
             del stock_out, z
@@ -166,11 +212,20 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                     with torch.no_grad():
                         vae.decode(z)
                     ops = top_ops(lambda: vae.decode(z), device)
-                rec = Record(workload=Workload("wan22_vae_decode_profile", {"latent": list(z.shape), "dtype": "fp32", "tiled": True}),
-                             variant=variant, env=RecordEnv.capture(device, torch.float32), extra={"top_device_ops": ops})
+                rec = Record(
+                    workload=Workload(
+                        "wan22_vae_decode_profile", {"latent": list(z.shape), "dtype": "fp32", "tiled": True}
+                    ),
+                    variant=variant,
+                    env=RecordEnv.capture(device, torch.float32),
+                    extra={"top_device_ops": ops},
+                )
                 stream_record(rec)
                 records.append(rec)
-                log(f"profile {variant}: " + "; ".join(f"{o['op']} {o['self_us'] / 1e3:.1f} ms x{o['calls']}" for o in ops[:8]))
+                log(
+                    f"profile {variant}: "
+                    + "; ".join(f"{o['op']} {o['self_us'] / 1e3:.1f} ms x{o['calls']}" for o in ops[:8])
+                )
     vae = None  # noqa: F841 - release the model before the next benchmark
     free(device)
     return records

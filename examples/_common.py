@@ -10,6 +10,7 @@ the script names one), and memory peaks. ``--out DIR`` also writes them as JSON 
 What is measured and how (warm-up, repeats, synchronisation, the memory pass, the busy-machine check) is
 :mod:`mpsboost.bench.harness`, the loop ``mpsboost demo``, ``mpsboost selftest`` and the benchmarks use too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from mpsboost.bench.harness import best_device, machine_load
+
 # The shipped configs and the dtype helpers are the package's (mpsboost.bench.models), the ones the
 # benchmarks and the selftest read; the scripts name them as C.config, C.default_dtype, C.dtype_name.
 from mpsboost.bench.models import config, default_dtype, dtype_name, read_config  # noqa: F401
@@ -47,23 +49,45 @@ def parser(description: str, *, default_model: str) -> argparse.ArgumentParser:
     # Each default is said once, in its help text (ArgumentDefaultsHelpFormatter would add a second).
     p = argparse.ArgumentParser(description=description)
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None,
-                     help=f"hub id or local folder to load with from_pretrained (needs the weights), e.g. {default_model}")
-    src.add_argument("--random-weights", choices=("tiny", "real"), default=None,
-                     help="build the architecture from mpsboost's shipped configs with random weights: 'tiny' runs in "
-                          "seconds "
-                          "on a CPU (what CI runs), 'real' is the real size (needs the memory of the real model)")
+    src.add_argument(
+        "--model",
+        default=None,
+        help=f"hub id or local folder to load with from_pretrained (needs the weights), e.g. {default_model}",
+    )
+    src.add_argument(
+        "--random-weights",
+        choices=("tiny", "real"),
+        default=None,
+        help="build the architecture from mpsboost's shipped configs with random weights: 'tiny' runs in "
+        "seconds "
+        "on a CPU (what CI runs), 'real' is the real size (needs the memory of the real model)",
+    )
     p.add_argument("--device", default=None, help="mps, cuda, cuda:1 or cpu (default: the best one present)")
-    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
-                   help="compute dtype (default: bfloat16 on an accelerator, float32 on the CPU)")
+    p.add_argument(
+        "--dtype",
+        choices=tuple(DTYPES),
+        default=None,
+        help="compute dtype (default: bfloat16 on an accelerator, float32 on the CPU)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed repeats of the whole job (median reported; default 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs (default 0)")
-    p.add_argument("--out", type=Path, default=None, help="folder for the JSONL records (and nothing else; default: none written)")
-    p.add_argument("--fp8", choices=("rowwise", "tensorwise"), default=None,
-                   help="also store the weights in fp8 (lossy, opt-in; see recipes/fp8_any.py)")
-    p.add_argument("--plan", action="append", default=[], metavar="DEVICE:TORCH",
-                   help="also print what patch() would do on another machine, e.g. mps:2.14.1 or cuda:9.0:2.11.0")
+    p.add_argument(
+        "--out", type=Path, default=None, help="folder for the JSONL records (and nothing else; default: none written)"
+    )
+    p.add_argument(
+        "--fp8",
+        choices=("rowwise", "tensorwise"),
+        default=None,
+        help="also store the weights in fp8 (lossy, opt-in; see recipes/fp8_any.py)",
+    )
+    p.add_argument(
+        "--plan",
+        action="append",
+        default=[],
+        metavar="DEVICE:TORCH",
+        help="also print what patch() would do on another machine, e.g. mps:2.14.1 or cuda:9.0:2.11.0",
+    )
     return p
 
 
@@ -106,6 +130,7 @@ def seeded(seed: int) -> None:
 
 # ------------------------------------------------------------------------------------ measuring
 
+
 @dataclass
 class Measured:
     """What one variant (stock or mpsboost) produced: output, the four record sections, extras."""
@@ -118,9 +143,18 @@ class Measured:
     extra: dict = field(default_factory=dict)
 
 
-def measure(variant: str, job: Callable[[], torch.Tensor], *, device: str, repeats: int, warmup: int,
-            items_per_call: float | None, unit: str, ops: dict[str, Callable[[], Any]] | None = None,
-            op_repeats: int = 5) -> Measured:
+def measure(
+    variant: str,
+    job: Callable[[], torch.Tensor],
+    *,
+    device: str,
+    repeats: int,
+    warmup: int,
+    items_per_call: float | None,
+    unit: str,
+    ops: dict[str, Callable[[], Any]] | None = None,
+    op_repeats: int = 5,
+) -> Measured:
     """Run ``job`` for throughput, ``ops`` for operator time, then once more for memory peaks.
 
     The passes are separate (memory sampling must not slow the timed runs); :func:`mpsboost.bench.harness.measure_job`
@@ -128,16 +162,35 @@ def measure(variant: str, job: Callable[[], torch.Tensor], *, device: str, repea
     """
     from mpsboost.bench.harness import measure_job
 
-    m = measure_job(job, device=device, repeats=repeats, warmup=warmup, output="last", memory="last", ops=ops,
-                    op_warmup=1, op_repeats=op_repeats)
+    m = measure_job(
+        job,
+        device=device,
+        repeats=repeats,
+        warmup=warmup,
+        output="last",
+        memory="last",
+        ops=ops,
+        op_warmup=1,
+        op_repeats=op_repeats,
+    )
     throughput = m.timing.throughput(items_per_call, unit) if items_per_call else m.timing.throughput(unit="s/call")
     op_time = {name: t.op_time() for name, t in m.op_timings.items()}
     return Measured(variant, m.output.detach().float().cpu(), throughput, op_time, m.memory)
 
 
-def records(workload_name: str, shape: dict, device: str, dtype: torch.dtype, stock: Measured, patched: Measured,
-            *, reference: tuple[str, torch.Tensor] | None = None, data_range: float | None = None,
-            psnr: bool = True, extra: dict | None = None) -> list:
+def records(
+    workload_name: str,
+    shape: dict,
+    device: str,
+    dtype: torch.dtype,
+    stock: Measured,
+    patched: Measured,
+    *,
+    reference: tuple[str, torch.Tensor] | None = None,
+    data_range: float | None = None,
+    psnr: bool = True,
+    extra: dict | None = None,
+) -> list:
     """Two records (stock, mpsboost) of one workload; correctness of each against the named reference.
 
     Without ``reference`` the mpsboost output is compared with the stock output (the stock record then
@@ -155,8 +208,18 @@ def records(workload_name: str, shape: dict, device: str, dtype: torch.dtype, st
             corr = correctness(m.output, stock.output, reference="stock", data_range=data_range, psnr_too=psnr)
         else:
             corr = None
-        out.append(Record(workload=work, variant=m.variant, env=env, throughput=m.throughput, op_time=m.op_time or None,
-                          correctness=corr, memory=m.memory, extra={**(extra or {}), **m.extra}))
+        out.append(
+            Record(
+                workload=work,
+                variant=m.variant,
+                env=env,
+                throughput=m.throughput,
+                op_time=m.op_time or None,
+                correctness=corr,
+                memory=m.memory,
+                extra={**(extra or {}), **m.extra},
+            )
+        )
     return out
 
 

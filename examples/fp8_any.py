@@ -17,6 +17,7 @@ the same forward again (throughput, operator time, correctness against stock, me
 bytes before and after), then ``mpsboost.save_fp8`` to a safetensors file and ``mpsboost.load_fp8``
 into a freshly loaded copy of the model, whose output must equal the converted model's exactly.
 """
+
 from __future__ import annotations
 
 import json
@@ -100,8 +101,14 @@ def make_inputs(model, device: str, dtype: torch.dtype, seed: int):
         enc = torch.randn(1, 32, cfg.joint_attention_dim, generator=g).to(device, dtype)
         mask = torch.ones(1, 32, dtype=torch.long, device=device)
         t = torch.tensor([0.5], device=device, dtype=dtype)
-        return lambda m: m(hidden_states=hs, encoder_hidden_states=enc, encoder_hidden_states_mask=mask, timestep=t,
-                           img_shapes=[[(1, side, side)]], return_dict=False)[0]
+        return lambda m: m(
+            hidden_states=hs,
+            encoder_hidden_states=enc,
+            encoder_hidden_states_mask=mask,
+            timestep=t,
+            img_shapes=[[(1, side, side)]],
+            return_dict=False,
+        )[0]
     vocab = getattr(cfg, "vocab_size", None)
     if vocab:
         ids = torch.randint(3, vocab, (1, 64), generator=g).to(device)
@@ -120,10 +127,22 @@ def weight_bytes(model) -> int:
 
 def main(argv=None) -> int:
     p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen3-30B-A3B")
-    p.add_argument("--subfolder", default=None, help="with --model: the model's folder in a pipeline repo, e.g. transformer")
-    p.add_argument("--arch", choices=tuple(ARCHS), default="qwen3_moe", help="with --random-weights: which shipped architecture (default qwen3_moe)")
+    p.add_argument(
+        "--subfolder", default=None, help="with --model: the model's folder in a pipeline repo, e.g. transformer"
+    )
+    p.add_argument(
+        "--arch",
+        choices=tuple(ARCHS),
+        default="qwen3_moe",
+        help="with --random-weights: which shipped architecture (default qwen3_moe)",
+    )
     p.add_argument("--layers", type=int, default=None, help="random-weights transformers model: only this many layers")
-    p.add_argument("--granularity", choices=("rowwise", "tensorwise"), default="rowwise", help="fp8 scale granularity (default rowwise)")
+    p.add_argument(
+        "--granularity",
+        choices=("rowwise", "tensorwise"),
+        default="rowwise",
+        help="fp8 scale granularity (default rowwise)",
+    )
     p.add_argument("--save", type=Path, default=None, help="fp8 safetensors file to write (default: a temporary file)")
     args = p.parse_args(argv)
     device, dtype = C.resolve(args)
@@ -133,7 +152,9 @@ def main(argv=None) -> int:
         save_fp8, load_fp8 = mpsboost.save_fp8, mpsboost.load_fp8
         from mpsboost import checkpoints  # noqa: F401  (save_fp8/load_fp8 live there, next to the fp8_weights recipe)
     except ImportError as exc:
-        raise SystemExit(f"fp8_any needs mpsboost.save_fp8/load_fp8 (the fp8_weights recipe); this mpsboost has none: {exc}")
+        raise SystemExit(
+            f"fp8_any needs mpsboost.save_fp8/load_fp8 (the fp8_weights recipe); this mpsboost has none: {exc}"
+        )
     if "fp8_weights" not in mpsboost.recipe_names():
         raise SystemExit("fp8_any needs the fp8_weights recipe, which this mpsboost does not register")
 
@@ -166,15 +187,22 @@ def main(argv=None) -> int:
         with torch.no_grad():
             identical = bool(torch.equal(forward(fresh).float().cpu(), forward(model).float().cpu()))
     where = f"{path}" if tmp is None else "a temporary file, deleted now (--save FILE keeps it)"
-    print(f"fp8 file: {where} ({size / 2**20:.2f} MiB); weights {bytes_before / 2**20:.2f} -> {bytes_after / 2**20:.2f} MiB "
-          f"({bytes_after / bytes_before:.2f}x); reloaded output identical to the converted model: {identical}")
+    print(
+        f"fp8 file: {where} ({size / 2**20:.2f} MiB); weights {bytes_before / 2**20:.2f} -> {bytes_after / 2**20:.2f} MiB "
+        f"({bytes_after / bytes_before:.2f}x); reloaded output identical to the converted model: {identical}"
+    )
     if tmp is not None:
         tmp.cleanup()
     if stock is None:
         print(report)
         return 0
-    extra = {"weight_bytes_stock": bytes_before, "weight_bytes_fp8": bytes_after, "fp8_file_bytes": size,
-             "reload_identical": identical, "granularity": args.granularity}
+    extra = {
+        "weight_bytes_stock": bytes_before,
+        "weight_bytes_fp8": bytes_after,
+        "fp8_file_bytes": size,
+        "reload_identical": identical,
+        "granularity": args.granularity,
+    }
     shape = {"model": args.model or f"{args.arch} random ({args.random_weights})", "class": type(model).__name__}
     recs = C.records(NAME, shape, device, dtype, stock, patched, psnr=False, extra=extra)
     code = C.finish(NAME, args, report, recs)

@@ -30,6 +30,7 @@ Layouts written by :mod:`mpsboost.bench.published` (each format's documented one
 * ``scaled_fp8``: one file, ``scaled_fp8`` marker, ``model.diffusion_model.<original Wan name>.weight``
   F8_E4M3 with ``.scale_weight`` (one float32); diffusers' single-file conversion maps the names.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,6 +50,7 @@ import _common as C  # noqa: E402
 NAME = "fp8_checkpoint"
 
 # ------------------------------------------------------------------------------------------ models
+
 
 def _tiny_lm(dtype: torch.dtype, seed: int, meta: bool = False):
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
@@ -91,8 +93,10 @@ def _published_model(args, device: str):
 
     if src.is_file():  # a single-file diffusion checkpoint: the class and config come from a diffusers repo
         if not args.diffusers_config:
-            raise SystemExit("--model is a single file: name the diffusers model it belongs to with --diffusers-config "
-                             "(e.g. Wan-AI/Wan2.1-T2V-14B-Diffusers)")
+            raise SystemExit(
+                "--model is a single file: name the diffusers model it belongs to with --diffusers-config "
+                "(e.g. Wan-AI/Wan2.1-T2V-14B-Diffusers)"
+            )
         import diffusers
 
         cfg_dir = Path(args.diffusers_config)
@@ -117,7 +121,9 @@ def _published_model(args, device: str):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(src)
-    cls = getattr(transformers, (cfg.get("architectures") or ["AutoModelForCausalLM"])[0], transformers.AutoModelForCausalLM)
+    cls = getattr(
+        transformers, (cfg.get("architectures") or ["AutoModelForCausalLM"])[0], transformers.AutoModelForCausalLM
+    )
     with init_empty_weights():
         model = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
     return model, src
@@ -125,10 +131,20 @@ def _published_model(args, device: str):
 
 def main(argv=None) -> int:
     p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen3-8B-FP8")
-    p.add_argument("--write-format", choices=FORMATS, default="transformers",
-                   help="offline: the published format of the file this script writes and loads")
-    p.add_argument("--diffusers-config", default=None, help="--model is a single file: the diffusers repo (or folder) of its config")
-    p.add_argument("--subfolder", default=None, help="with --diffusers-config: the component folder (default transformer)")
+    p.add_argument(
+        "--write-format",
+        choices=FORMATS,
+        default="transformers",
+        help="offline: the published format of the file this script writes and loads",
+    )
+    p.add_argument(
+        "--diffusers-config",
+        default=None,
+        help="--model is a single file: the diffusers repo (or folder) of its config",
+    )
+    p.add_argument(
+        "--subfolder", default=None, help="with --diffusers-config: the component folder (default transformer)"
+    )
     args = p.parse_args(argv)
     device, dtype = C.resolve(args)
     import mpsboost
@@ -152,7 +168,9 @@ def main(argv=None) -> int:
     fmt = args.write_format
     builder = _tiny_wan if fmt == "scaled_fp8" else _tiny_lm
     if args.random_weights == "real":
-        raise SystemExit("--random-weights real: use benchmarks/fp8_load.py, which writes real-size files tensor by tensor")
+        raise SystemExit(
+            "--random-weights real: use benchmarks/fp8_load.py, which writes real-size files tensor by tensor"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         src = builder(dtype, args.seed)
         block = (16, 48)  # tiny layers: several blocks per layer, short last blocks
@@ -175,12 +193,24 @@ def main(argv=None) -> int:
         fwd_fp8 = _inputs(model, device, dtype, args.seed + 2)
         common = dict(device=device, repeats=args.repeats, warmup=args.warmup, items_per_call=None, unit="s/call")
         m_stock = C.measure("stock", lambda: fwd_stock(stock), ops={"forward": lambda: fwd_stock(stock)}, **common)
-        m_fp8 = C.measure(f"mpsboost fp8 checkpoint ({fmt})", lambda: fwd_fp8(model), ops={"forward": lambda: fwd_fp8(model)}, **common)
-        shape = {"model": f"{type(model).__name__} random (tiny)", "weights": "random", "format": fmt, "block": list(block)}
+        m_fp8 = C.measure(
+            f"mpsboost fp8 checkpoint ({fmt})",
+            lambda: fwd_fp8(model),
+            ops={"forward": lambda: fwd_fp8(model)},
+            **common,
+        )
+        shape = {
+            "model": f"{type(model).__name__} random (tiny)",
+            "weights": "random",
+            "format": fmt,
+            "block": list(block),
+        }
         extra = {"file_bytes": size, "load_s": load_s, "format": fmt}
         recs = C.records(NAME, shape, device, dtype, m_stock, m_fp8, psnr=False, extra=extra)
-        print(f"checkpoint {path.name} ({size / 2**20:.2f} MiB, {fmt}) loaded onto a meta-built model in {load_s:.2f} s; "
-              "the stock model holds the file's exact dequantisation")
+        print(
+            f"checkpoint {path.name} ({size / 2**20:.2f} MiB, {fmt}) loaded onto a meta-built model in {load_s:.2f} s; "
+            "the stock model holds the file's exact dequantisation"
+        )
         return C.finish(NAME, args, report, recs)
 
 

@@ -17,6 +17,7 @@ cropped back after each step, so every call sees the same context). Correctness:
 patched model against the stock model on the stock model's generated sequence (teacher forcing), and
 how many generated tokens agree. Random weights have no tokenizer: the prompt is random token ids.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -68,11 +69,16 @@ def prompt_ids(args, tokenizer, run: dict, vocab: int, device: str) -> torch.Ten
 
 def main(argv=None) -> int:
     p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen3-30B-A3B")
-    p.add_argument("--prompt", default="Explain in two sentences why grouped matrix multiplication helps mixture-of-experts models.")
+    p.add_argument(
+        "--prompt",
+        default="Explain in two sentences why grouped matrix multiplication helps mixture-of-experts models.",
+    )
     p.add_argument("--prompt-tokens", type=int, default=None, help="random-weights prompt length")
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--layers", type=int, default=None, help="random weights: build only this many decoder layers")
-    p.add_argument("--sample", action="store_true", help="sample (temperature 0.7, top-p 0.8) instead of greedy decoding")
+    p.add_argument(
+        "--sample", action="store_true", help="sample (temperature 0.7, top-p 0.8) instead of greedy decoding"
+    )
     args = p.parse_args(argv)
     device, dtype = C.resolve(args)
     import mpsboost
@@ -81,7 +87,9 @@ def main(argv=None) -> int:
         model, tokenizer, run = build(args, device, dtype)
     ids = prompt_ids(args, tokenizer, run, model.config.vocab_size, device)
     new = run["new_tokens"]
-    gen_kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=args.sample, pad_token_id=model.config.pad_token_id or 0)
+    gen_kw = dict(
+        max_new_tokens=new, min_new_tokens=new, do_sample=args.sample, pad_token_id=model.config.pad_token_id or 0
+    )
     if args.sample:
         gen_kw.update(temperature=0.7, top_p=0.8)
     mask = torch.ones_like(ids)
@@ -107,7 +115,9 @@ def main(argv=None) -> int:
 
         return {"prefill": lambda: model(input_ids=ids, use_cache=False).logits, "decode step": decode_step}
 
-    common = dict(device=device, repeats=args.repeats, warmup=args.warmup, items_per_call=new * ids.shape[0], unit="tokens/s")
+    common = dict(
+        device=device, repeats=args.repeats, warmup=args.warmup, items_per_call=new * ids.shape[0], unit="tokens/s"
+    )
 
     C.print_plans(model, args.plan, args.fp8)
     stock = C.measure("stock", job, ops=ops(), **common)
@@ -120,14 +130,21 @@ def main(argv=None) -> int:
     patched_tokens = patched.output.to(device=device, dtype=torch.long)
     with torch.no_grad():
         patched.output = model(input_ids=seq).logits.float().cpu()
-    agree = (patched_tokens[:, ids.shape[1]:] == stock_tokens[:, ids.shape[1]:]).float().mean().item()
+    agree = (patched_tokens[:, ids.shape[1] :] == stock_tokens[:, ids.shape[1] :]).float().mean().item()
     patched.extra["generated_tokens_equal_to_stock"] = agree
     if tokenizer is not None:
-        print("stock:    " + tokenizer.decode(stock_tokens[0, ids.shape[1]:], skip_special_tokens=True))
-        print("mpsboost: " + tokenizer.decode(patched_tokens[0, ids.shape[1]:], skip_special_tokens=True))
-    shape = {"batch": ids.shape[0], "prompt_tokens": ids.shape[1], "new_tokens": new, "layers": model.config.num_hidden_layers,
-             "experts": model.config.num_experts, "top_k": model.config.num_experts_per_tok, "sample": args.sample,
-             "weights": args.model or f"random ({args.random_weights})"}
+        print("stock:    " + tokenizer.decode(stock_tokens[0, ids.shape[1] :], skip_special_tokens=True))
+        print("mpsboost: " + tokenizer.decode(patched_tokens[0, ids.shape[1] :], skip_special_tokens=True))
+    shape = {
+        "batch": ids.shape[0],
+        "prompt_tokens": ids.shape[1],
+        "new_tokens": new,
+        "layers": model.config.num_hidden_layers,
+        "experts": model.config.num_experts,
+        "top_k": model.config.num_experts_per_tok,
+        "sample": args.sample,
+        "weights": args.model or f"random ({args.random_weights})",
+    }
     recs = C.records(NAME, shape, device, dtype, stock, patched, psnr=False)
     print(f"generated tokens equal to stock: {agree:.0%}")
     return C.finish(NAME, args, report, recs)

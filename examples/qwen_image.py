@@ -18,6 +18,7 @@ Two workloads, each stock vs patched:
    against a CPU fp32 reference of the stock VAE on the same image (on MPS before torch 2.15 the stock
    roundtrip was reported at 6.6 dB against 49.1 dB on the CPU: ComfyUI#16433).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,7 +34,12 @@ NAME = "qwen_image"
 
 
 def build(args, device: str, dtype: torch.dtype):
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
 
     size = args.random_weights or "real"
     run = C.config("qwen_image", size, "run.json")
@@ -50,13 +56,19 @@ def build(args, device: str, dtype: torch.dtype):
     C.seeded(args.seed)
     with C.default_dtype(dtype), torch.device(device):
         vae = AutoencoderKLQwenImage.from_config(C.config("qwen_image", size, "vae.json"))
-        transformer = None if args.vae_only else QwenImageTransformer2DModel.from_config(C.config("qwen_image", size, "transformer.json"))
+        transformer = (
+            None
+            if args.vae_only
+            else QwenImageTransformer2DModel.from_config(C.config("qwen_image", size, "transformer.json"))
+        )
     vae.to(device=device, dtype=dtype)
     if run.get("vae_tiling") or args.tiling:
         vae.enable_tiling()
     if transformer is None:
         return None, vae, run
-    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=None, tokenizer=None, transformer=transformer
+    )
     pipe.to(device=device, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe, vae, run
@@ -82,8 +94,13 @@ def prompt_kwargs(args, pipe, run: dict, device: str, dtype: torch.dtype) -> dic
     emb = torch.randn(1, n, dim, generator=g).to(device, dtype)
     neg = torch.randn(1, n, dim, generator=g).to(device, dtype)
     mask = torch.ones(1, n, dtype=torch.long, device=device)
-    return {"prompt_embeds": emb, "prompt_embeds_mask": mask, "negative_prompt_embeds": neg,
-            "negative_prompt_embeds_mask": mask, "true_cfg_scale": run["true_cfg_scale"]}
+    return {
+        "prompt_embeds": emb,
+        "prompt_embeds_mask": mask,
+        "negative_prompt_embeds": neg,
+        "negative_prompt_embeds_mask": mask,
+        "true_cfg_scale": run["true_cfg_scale"],
+    }
 
 
 def main(argv=None) -> int:
@@ -93,7 +110,9 @@ def main(argv=None) -> int:
     p.add_argument("--height", type=int, default=None)
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--vae-only", action="store_true", help="only the VAE roundtrip check (no transformer is built or loaded)")
+    p.add_argument(
+        "--vae-only", action="store_true", help="only the VAE roundtrip check (no transformer is built or loaded)"
+    )
     p.add_argument("--tiling", action="store_true", help="tiled VAE (vae.enable_tiling())")
     args = p.parse_args(argv)
     device, dtype = C.resolve(args)
@@ -112,7 +131,9 @@ def main(argv=None) -> int:
     x = image.to(device, vae.dtype)
     reference = cpu_reference(vae, image, fn=roundtrip)  # the stock VAE, CPU fp32, same image
     roundtrip_job = lambda: roundtrip(vae, x)  # noqa: E731
-    z = torch.randn(1, vae.config.z_dim, 1, H // 8, W // 8, generator=torch.Generator().manual_seed(args.seed + 2)).to(device, vae.dtype)
+    z = torch.randn(1, vae.config.z_dim, 1, H // 8, W // 8, generator=torch.Generator().manual_seed(args.seed + 2)).to(
+        device, vae.dtype
+    )
     ops = {"vae.decode": lambda: vae.decode(z).sample}
     rt = dict(device=device, repeats=args.repeats, warmup=args.warmup, items_per_call=1, unit="images/s", ops=ops)
 
@@ -121,25 +142,62 @@ def main(argv=None) -> int:
         kw = prompt_kwargs(args, pipe, run, device, dtype)
 
         def gen_job() -> torch.Tensor:
-            out = pipe(**kw, height=H, width=W, num_inference_steps=run["steps"], output_type="pt",
-                       generator=torch.Generator(device="cpu").manual_seed(args.seed))
+            out = pipe(
+                **kw,
+                height=H,
+                width=W,
+                num_inference_steps=run["steps"],
+                output_type="pt",
+                generator=torch.Generator(device="cpu").manual_seed(args.seed),
+            )
             return torch.as_tensor(out.images)
 
     C.print_plans(target, args.plan, args.fp8)
     stock_rt = C.measure("stock", roundtrip_job, **rt)
-    stock_gen = C.measure("stock", gen_job, device=device, repeats=args.repeats, warmup=args.warmup, items_per_call=1,
-                          unit="images/s") if gen_job else None
+    stock_gen = (
+        C.measure(
+            "stock", gen_job, device=device, repeats=args.repeats, warmup=args.warmup, items_per_call=1, unit="images/s"
+        )
+        if gen_job
+        else None
+    )
     report = mpsboost.patch(target, fp8=args.fp8)
     patched_rt = C.measure("mpsboost", roundtrip_job, **rt)
-    patched_gen = C.measure("mpsboost", gen_job, device=device, repeats=args.repeats, warmup=args.warmup, items_per_call=1,
-                            unit="images/s") if gen_job else None
+    patched_gen = (
+        C.measure(
+            "mpsboost",
+            gen_job,
+            device=device,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            items_per_call=1,
+            unit="images/s",
+        )
+        if gen_job
+        else None
+    )
 
     weights = args.model or f"random ({args.random_weights})"
-    recs = C.records("qwen_image_vae_roundtrip", {"height": H, "width": W, "weights": weights, "vae_tiling": bool(vae.use_tiling)},
-                     device, dtype, stock_rt, patched_rt, reference=("cpu-fp32", reference.float()), data_range=2.0)
+    recs = C.records(
+        "qwen_image_vae_roundtrip",
+        {"height": H, "width": W, "weights": weights, "vae_tiling": bool(vae.use_tiling)},
+        device,
+        dtype,
+        stock_rt,
+        patched_rt,
+        reference=("cpu-fp32", reference.float()),
+        data_range=2.0,
+    )
     if stock_gen is not None:
-        recs += C.records("qwen_image_generate", {"height": H, "width": W, "steps": run["steps"], "weights": weights},
-                          device, dtype, stock_gen, patched_gen, data_range=1.0)
+        recs += C.records(
+            "qwen_image_generate",
+            {"height": H, "width": W, "steps": run["steps"], "weights": weights},
+            device,
+            dtype,
+            stock_gen,
+            patched_gen,
+            data_range=1.0,
+        )
     return C.finish(NAME, args, report, recs)
 
 

@@ -15,6 +15,7 @@ The job is the whole pipeline call (denoising steps and the VAE decode). The VAE
 video is also timed alone: it is what the VAE recipes (wan_vae_pad, mps_streams) change. Random
 weights have no text encoder: the prompt embeddings are random tensors of the transformer's text width.
 """
+
 from __future__ import annotations
 
 import sys
@@ -47,9 +48,19 @@ def build(args, device: str, dtype: torch.dtype):
         with C.default_dtype(dtype), torch.device(device):
             transformer = WanTransformer3DModel.from_config(C.config("wan22_ti2v", size, "transformer.json"))
             vae = AutoencoderKLWan.from_config(C.config("wan22_ti2v", size, "vae.json"))
-        sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=run["flow_shift"])
-        pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=sched, transformer=transformer,
-                           transformer_2=None, boundary_ratio=None, expand_timesteps=True)
+        sched = UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=run["flow_shift"]
+        )
+        pipe = WanPipeline(
+            tokenizer=None,
+            text_encoder=None,
+            vae=vae,
+            scheduler=sched,
+            transformer=transformer,
+            transformer_2=None,
+            boundary_ratio=None,
+            expand_timesteps=True,
+        )
         pipe.to(device=device, dtype=dtype)
     if run.get("vae_tiling") or args.tiling:
         pipe.vae.enable_tiling()
@@ -59,7 +70,11 @@ def build(args, device: str, dtype: torch.dtype):
 
 def prompt_kwargs(args, pipe, run: dict, device: str, dtype: torch.dtype) -> dict:
     if pipe.text_encoder is not None and pipe.tokenizer is not None:
-        return {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "max_sequence_length": run["text_tokens"]}
+        return {
+            "prompt": args.prompt,
+            "negative_prompt": args.negative_prompt,
+            "max_sequence_length": run["text_tokens"],
+        }
     g = torch.Generator().manual_seed(args.seed + 1)
     dim = pipe.transformer.config.text_dim
     emb = torch.randn(1, run["text_tokens"], dim, generator=g).to(device, dtype)
@@ -83,8 +98,14 @@ def main(argv=None) -> int:
     with C.timed("build"):
         pipe, run = build(args, device, dtype)
     kw = prompt_kwargs(args, pipe, run, device, dtype)
-    call = dict(height=run["height"], width=run["width"], num_frames=run["frames"], num_inference_steps=run["steps"],
-                guidance_scale=run["guidance_scale"], output_type="pt")
+    call = dict(
+        height=run["height"],
+        width=run["width"],
+        num_frames=run["frames"],
+        num_inference_steps=run["steps"],
+        guidance_scale=run["guidance_scale"],
+        output_type="pt",
+    )
 
     def job() -> torch.Tensor:
         out = pipe(**kw, **call, generator=torch.Generator(device="cpu").manual_seed(args.seed))
@@ -94,19 +115,41 @@ def main(argv=None) -> int:
     vae = pipe.vae
     spatial = vae.config.scale_factor_spatial
     lat_frames = (run["frames"] - 1) // vae.config.scale_factor_temporal + 1
-    z = torch.randn(1, vae.config.z_dim, lat_frames, run["height"] // spatial, run["width"] // spatial,
-                    generator=torch.Generator().manual_seed(args.seed + 2)).to(device, vae.dtype)
+    z = torch.randn(
+        1,
+        vae.config.z_dim,
+        lat_frames,
+        run["height"] // spatial,
+        run["width"] // spatial,
+        generator=torch.Generator().manual_seed(args.seed + 2),
+    ).to(device, vae.dtype)
     ops = {"vae.decode": lambda: vae.decode(z).sample}
-    common = dict(device=device, repeats=args.repeats, warmup=args.warmup, items_per_call=run["frames"], unit="frames/s", ops=ops)
+    common = dict(
+        device=device, repeats=args.repeats, warmup=args.warmup, items_per_call=run["frames"], unit="frames/s", ops=ops
+    )
 
     C.print_plans(pipe, args.plan, args.fp8)
     stock = C.measure("stock", job, **common)
     report = mpsboost.patch(pipe, fp8=args.fp8)
     patched = C.measure("mpsboost", job, **common)
-    shape = {"height": run["height"], "width": run["width"], "frames": run["frames"], "steps": run["steps"],
-             "weights": args.model or f"random ({args.random_weights})", "vae_tiling": bool(vae.use_tiling)}
-    recs = C.records(NAME, shape, device, dtype, stock, patched, data_range=1.0,
-                     extra={"applied": len(report.applied), "skipped": len(report.skipped)})
+    shape = {
+        "height": run["height"],
+        "width": run["width"],
+        "frames": run["frames"],
+        "steps": run["steps"],
+        "weights": args.model or f"random ({args.random_weights})",
+        "vae_tiling": bool(vae.use_tiling),
+    }
+    recs = C.records(
+        NAME,
+        shape,
+        device,
+        dtype,
+        stock,
+        patched,
+        data_range=1.0,
+        extra={"applied": len(report.applied), "skipped": len(report.skipped)},
+    )
     return C.finish(NAME, args, report, recs)
 
 

@@ -1,4 +1,5 @@
 """Shared test setup: device markers skip only where the device is absent; fresh seeds per test."""
+
 from __future__ import annotations
 
 import pytest

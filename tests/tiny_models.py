@@ -12,6 +12,7 @@ Shapes: each entry has a ``space`` (parameter -> allowed values) that the proper
 with hypothesis, and a ``default`` shape for everything else. Sizes are chosen so that one run takes
 well under a second on a 2-core CPU.
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,11 +55,14 @@ class Tiny:
 
 # ------------------------------------------------------------------------------------ diffusers VAEs
 
+
 def _wan21_vae():
     from diffusers import AutoencoderKLWan
 
     # diffusers' own test config for the Wan2.1 VAE (tests/pipelines/wan/test_wan_22.py, A14B part).
-    return AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+    return AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
 
 
 def _wan22_vae():
@@ -83,12 +87,28 @@ def _qwen_image21_vae():
     # RGBA in and out, 2-D causal convolutions) at base_dim 8, three downsamplings (spatial factor 8:
     # the tiled runs then have 4x4 tiles, as the Qwen-Image one).
     return AutoencoderKLQwenImage21(
-        base_dim=8, decoder_base_dim=12, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-        temperal_downsample=[False, True, True], scale_factor_spatial=8, latents_mean=[0.0] * 4, latents_std=[1.0] * 4,
+        base_dim=8,
+        decoder_base_dim=12,
+        z_dim=4,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        scale_factor_spatial=8,
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
     )
 
 
-def _run_vae(vae, seed: int, *, frames: int = 5, size: int = 32, tiled: bool = False, dtype: str = "float32", mode: str = "roundtrip") -> torch.Tensor:
+def _run_vae(
+    vae,
+    seed: int,
+    *,
+    frames: int = 5,
+    size: int = 32,
+    tiled: bool = False,
+    dtype: str = "float32",
+    mode: str = "roundtrip",
+) -> torch.Tensor:
     """Encode and decode a random video/image (``mode="roundtrip"``) or decode a random latent.
 
     ``tiled`` turns on the VAE's own tiling with tiles smaller than the input, so the tile loop and
@@ -103,8 +123,12 @@ def _run_vae(vae, seed: int, *, frames: int = 5, size: int = 32, tiled: bool = F
         # is grown to at least two tiles per side so that the tile loop and its blending really run.
         tile = 2 * spatial
         size = max(size, 2 * tile)
-        vae.enable_tiling(tile_sample_min_height=tile, tile_sample_min_width=tile,
-                          tile_sample_stride_height=tile // 2, tile_sample_stride_width=tile // 2)
+        vae.enable_tiling(
+            tile_sample_min_height=tile,
+            tile_sample_min_width=tile,
+            tile_sample_stride_height=tile // 2,
+            tile_sample_stride_width=tile // 2,
+        )
     try:
         with torch.no_grad():
             if mode == "decode":
@@ -125,21 +149,39 @@ def _spatial_factor(vae) -> int:
     return int(getattr(vae.config, "scale_factor_spatial", None) or 8 * (getattr(vae.config, "patch_size", None) or 1))
 
 
-_VAE_SPACE = {"frames": (1, 5), "size": (32,), "tiled": (False, True), "dtype": ("float32", "bfloat16"), "mode": ("roundtrip", "decode")}
+_VAE_SPACE = {
+    "frames": (1, 5),
+    "size": (32,),
+    "tiled": (False, True),
+    "dtype": ("float32", "bfloat16"),
+    "mode": ("roundtrip", "decode"),
+}
 
 # ------------------------------------------------------------------------------------ diffusers DiTs
+
 
 def _wan_transformer(in_channels: int = 48):
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=in_channels, out_channels=in_channels,
-        text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=in_channels,
+        out_channels=in_channels,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
     )
 
 
-def _run_wan_transformer(tr, seed: int, *, batch: int = 1, frames: int = 2, size: int = 4, text: int = 7, dtype: str = "float32") -> torch.Tensor:
+def _run_wan_transformer(
+    tr, seed: int, *, batch: int = 1, frames: int = 2, size: int = 4, text: int = 7, dtype: str = "float32"
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
     c = tr.config.in_channels
@@ -154,12 +196,21 @@ def _qwen_image_transformer():
     from diffusers import QwenImageTransformer2DModel
 
     return QwenImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=3,
-        joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4),
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=3,
+        joint_attention_dim=16,
+        guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
     )
 
 
-def _run_qwen_image_transformer(tr, seed: int, *, batch: int = 1, size: int = 4, text: int = 7, dtype: str = "float32") -> torch.Tensor:
+def _run_qwen_image_transformer(
+    tr, seed: int, *, batch: int = 1, size: int = 4, text: int = 7, dtype: str = "float32"
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     dt = DTYPES[dtype]
     hs = torch.randn(batch, size * size, tr.config.in_channels, generator=g).to(dt)
@@ -167,16 +218,32 @@ def _run_qwen_image_transformer(tr, seed: int, *, batch: int = 1, size: int = 4,
     mask = torch.ones(batch, text, dtype=torch.long)
     t = torch.rand(batch, generator=g).to(dt)
     with torch.no_grad():
-        return tr(hidden_states=hs, encoder_hidden_states=enc, encoder_hidden_states_mask=mask, timestep=t,
-                  img_shapes=[[(1, size, size)]] * batch, return_dict=False)[0].float()
+        return tr(
+            hidden_states=hs,
+            encoder_hidden_states=enc,
+            encoder_hidden_states_mask=mask,
+            timestep=t,
+            img_shapes=[[(1, size, size)]] * batch,
+            return_dict=False,
+        )[0].float()
 
 
 # ------------------------------------------------------------------------------------ transformers LMs
 
 # head_dim 32: the smallest head size with a Metal attention kernel (mpsboost.ops.attention), so that
 # metal_attention applies to these models too; two query heads share one K/V head (GQA).
-_LM_COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                  max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_LM_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 def _qwen3_moe():
@@ -195,9 +262,16 @@ def _mixtral():
 def _gpt_oss():
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    cfg = GptOssConfig(**_LM_COMMON, head_dim=32, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
-                       layer_types=["sliding_attention", "full_attention"], sliding_window=16,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg = GptOssConfig(
+        **_LM_COMMON,
+        head_dim=32,
+        intermediate_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     return GptOssForCausalLM(cfg)
 
 
@@ -205,10 +279,23 @@ def _deepseek_v3():
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     common = dict(_LM_COMMON, num_key_value_heads=2)
-    cfg = DeepseekV3Config(**common, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1,
-                           num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
-                           kv_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32,
-                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    cfg = DeepseekV3Config(
+        **common,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     return DeepseekV3ForCausalLM(cfg)
 
 
@@ -226,8 +313,14 @@ def _llama():
 
 # Gated DeltaNet hybrids (linear_attention): one DeltaNet layer, then one full-attention layer; two key
 # heads shared by four value heads (grouped values, as in Qwen3.6: 16 key / 32 value heads).
-_GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-            linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])
+_GDN = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "full_attention"],
+)
 _GDN_MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
 
 
@@ -241,12 +334,18 @@ def gated_deltanet_lm(family: str = "qwen3_5_moe"):
         "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(head_dim=32, **_GDN_MOE)),
         "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(head_dim=32, intermediate_size=64)),
         "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(head_dim=32, intermediate_size=64, **_GDN_MOE)),
-        "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", dict(intermediate_size=64, linear_allow_neg_eigval=True)),
+        "olmo_hybrid": (
+            "OlmoHybridConfig",
+            "OlmoHybridForCausalLM",
+            dict(intermediate_size=64, linear_allow_neg_eigval=True),
+        ),
     }[family]
     return getattr(t, cls)(getattr(t, cfg)(**_LM_COMMON, **_GDN, **extra))
 
 
-def _run_lm(model, seed: int, *, batch: int = 2, prompt: int = 6, steps: int = 3, dtype: str = "float32") -> torch.Tensor:
+def _run_lm(
+    model, seed: int, *, batch: int = 2, prompt: int = 6, steps: int = 3, dtype: str = "float32"
+) -> torch.Tensor:
     """Teacher-forced logits: a prefill of ``prompt`` tokens, then ``steps`` one-token decode steps.
 
     Teacher forcing (the next token is drawn in advance, not the argmax) keeps stock and patched runs
@@ -271,13 +370,21 @@ def _run_lm(model, seed: int, *, batch: int = 2, prompt: int = 6, steps: int = 3
     return torch.cat(outs, dim=1)
 
 
-def generate(model, seed: int, *, batch: int = 2, prompt: int = 5, new_tokens: int = 4, do_sample: bool = False) -> torch.Tensor:
+def generate(
+    model, seed: int, *, batch: int = 2, prompt: int = 5, new_tokens: int = 4, do_sample: bool = False
+) -> torch.Tensor:
     """``model.generate`` on random prompt tokens (greedy by default); the generated ids."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=g)
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              do_sample=do_sample, pad_token_id=0)
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=do_sample,
+            pad_token_id=0,
+        )
 
 
 _LM_SPACE = {"batch": (1, 2, 3), "prompt": (1, 5, 12), "steps": (0, 1, 3), "dtype": ("float32", "bfloat16")}
@@ -286,8 +393,18 @@ _LM_SPACE = {"batch": (1, 2, 3), "prompt": (1, 5, 12), "steps": (0, 1, 3), "dtyp
 def _umt5_encoder():
     from transformers import UMT5Config, UMT5EncoderModel
 
-    return UMT5EncoderModel(UMT5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=32, num_layers=2, num_heads=4,
-                                       relative_attention_num_buckets=8, pad_token_id=0))
+    return UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=64,
+            d_model=32,
+            d_kv=8,
+            d_ff=32,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+        )
+    )
 
 
 def _run_encoder(model, seed: int, *, batch: int = 2, tokens: int = 7, dtype: str = "float32") -> torch.Tensor:
@@ -300,6 +417,7 @@ def _run_encoder(model, seed: int, *, batch: int = 2, tokens: int = 7, dtype: st
 
 # ------------------------------------------------------------------------------------ pipelines
 
+
 def _wan22_ti2v_pipeline():
     """WanPipeline shaped like Wan2.2 TI2V-5B: one transformer, the z-48 VAE, expand_timesteps."""
     from diffusers import UniPCMultistepScheduler, WanPipeline
@@ -309,8 +427,16 @@ def _wan22_ti2v_pipeline():
     tr = _wan_transformer(48)
     enc = _umt5_encoder()
     sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-    return WanPipeline(tokenizer=None, text_encoder=enc, vae=vae, scheduler=sched, transformer=tr, transformer_2=None,
-                       boundary_ratio=None, expand_timesteps=True)
+    return WanPipeline(
+        tokenizer=None,
+        text_encoder=enc,
+        vae=vae,
+        scheduler=sched,
+        transformer=tr,
+        transformer_2=None,
+        boundary_ratio=None,
+        expand_timesteps=True,
+    )
 
 
 def _wan22_a14b_pipeline():
@@ -321,16 +447,28 @@ def _wan22_a14b_pipeline():
     vae = _wan21_vae()
     tr, tr2 = _wan_transformer(16), _wan_transformer(16)
     sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-    return WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=sched, transformer=tr, transformer_2=tr2,
-                       boundary_ratio=0.875)
+    return WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=vae,
+        scheduler=sched,
+        transformer=tr,
+        transformer_2=tr2,
+        boundary_ratio=0.875,
+    )
 
 
 def _qwen_image_pipeline():
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 
     torch.manual_seed(0)
-    return QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_qwen_image_vae(), text_encoder=None,
-                             tokenizer=None, transformer=_qwen_image_transformer())
+    return QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=_qwen_image_vae(),
+        text_encoder=None,
+        tokenizer=None,
+        transformer=_qwen_image_transformer(),
+    )
 
 
 def _text_dim(pipe) -> int:
@@ -338,7 +476,9 @@ def _text_dim(pipe) -> int:
     return tr.config.text_dim if hasattr(tr.config, "text_dim") else tr.config.joint_attention_dim
 
 
-def _run_pipeline(pipe, seed: int, *, frames: int = 5, size: int = 32, steps: int = 2, dtype: str = "float32", output_type: str = "pt") -> torch.Tensor:
+def _run_pipeline(
+    pipe, seed: int, *, frames: int = 5, size: int = 32, steps: int = 2, dtype: str = "float32", output_type: str = "pt"
+) -> torch.Tensor:
     """The whole pipeline from precomputed (random) prompt embeddings: no tokenizer, no network."""
     del dtype
     g = torch.Generator().manual_seed(seed)
@@ -348,16 +488,27 @@ def _run_pipeline(pipe, seed: int, *, frames: int = 5, size: int = 32, steps: in
     dev = getattr(pipe, "_execution_device", torch.device("cpu"))
     emb = torch.randn(1, 8, dim, generator=g).to(dev)
     neg = torch.randn(1, 8, dim, generator=g).to(dev)
-    kw: dict[str, Any] = dict(num_inference_steps=steps, height=size, width=size, output_type=output_type,
-                              generator=torch.Generator().manual_seed(seed))
+    kw: dict[str, Any] = dict(
+        num_inference_steps=steps,
+        height=size,
+        width=size,
+        output_type=output_type,
+        generator=torch.Generator().manual_seed(seed),
+    )
     if hasattr(pipe, "set_progress_bar_config"):
         pipe.set_progress_bar_config(disable=True)
     name = type(pipe).__name__
     with torch.no_grad():
         if name.startswith("QwenImage"):
             mask = torch.ones(1, 8, dtype=torch.long, device=dev)
-            out = pipe(prompt_embeds=emb, prompt_embeds_mask=mask, negative_prompt_embeds=neg,
-                       negative_prompt_embeds_mask=mask, true_cfg_scale=2.0, **kw)
+            out = pipe(
+                prompt_embeds=emb,
+                prompt_embeds_mask=mask,
+                negative_prompt_embeds=neg,
+                negative_prompt_embeds_mask=mask,
+                true_cfg_scale=2.0,
+                **kw,
+            )
             return torch.as_tensor(out.images).float()
         out = pipe(prompt_embeds=emb, negative_prompt_embeds=neg, num_frames=frames, guidance_scale=3.0, **kw)
         return torch.as_tensor(out.frames).float()
@@ -372,14 +523,42 @@ TINY: dict[str, Tiny] = {
     for t in [
         Tiny("wan21_vae", "diffusers", "vae", _wan21_vae, _run_vae, {"frames": 5, "size": 32}, _VAE_SPACE),
         Tiny("wan22_vae", "diffusers", "vae", _wan22_vae, _run_vae, {"frames": 5, "size": 32}, _VAE_SPACE),
-        Tiny("qwen_image_vae", "diffusers", "vae", _qwen_image_vae, _run_vae, {"frames": 1, "size": 32},
-             dict(_VAE_SPACE, frames=(1,))),  # single images: the Qwen-Image case (its 3-D path costs 10x on a CPU)
-        Tiny("qwen_image21_vae", "diffusers", "vae", _qwen_image21_vae, _run_vae, {"frames": 1, "size": 32},
-             dict(_VAE_SPACE, frames=(1,))),  # images only: its convolutions refuse a cache (more frames raise in diffusers)
-        Tiny("wan_transformer", "diffusers", "dit", _wan_transformer, _run_wan_transformer, {},
-             {"batch": (1, 2), "frames": (1, 2, 3), "size": (2, 4), "text": (1, 7), "dtype": ("float32", "bfloat16")}),
-        Tiny("qwen_image_transformer", "diffusers", "dit", _qwen_image_transformer, _run_qwen_image_transformer, {},
-             {"batch": (1, 2), "size": (2, 4), "text": (1, 7), "dtype": ("float32", "bfloat16")}),
+        Tiny(
+            "qwen_image_vae",
+            "diffusers",
+            "vae",
+            _qwen_image_vae,
+            _run_vae,
+            {"frames": 1, "size": 32},
+            dict(_VAE_SPACE, frames=(1,)),
+        ),  # single images: the Qwen-Image case (its 3-D path costs 10x on a CPU)
+        Tiny(
+            "qwen_image21_vae",
+            "diffusers",
+            "vae",
+            _qwen_image21_vae,
+            _run_vae,
+            {"frames": 1, "size": 32},
+            dict(_VAE_SPACE, frames=(1,)),
+        ),  # images only: its convolutions refuse a cache (more frames raise in diffusers)
+        Tiny(
+            "wan_transformer",
+            "diffusers",
+            "dit",
+            _wan_transformer,
+            _run_wan_transformer,
+            {},
+            {"batch": (1, 2), "frames": (1, 2, 3), "size": (2, 4), "text": (1, 7), "dtype": ("float32", "bfloat16")},
+        ),
+        Tiny(
+            "qwen_image_transformer",
+            "diffusers",
+            "dit",
+            _qwen_image_transformer,
+            _run_qwen_image_transformer,
+            {},
+            {"batch": (1, 2), "size": (2, 4), "text": (1, 7), "dtype": ("float32", "bfloat16")},
+        ),
         Tiny("qwen3_moe", "transformers", "lm", _qwen3_moe, _run_lm, {}, _LM_SPACE),
         Tiny("mixtral", "transformers", "lm", _mixtral, _run_lm, {}, _LM_SPACE),
         Tiny("gpt_oss", "transformers", "lm", _gpt_oss, _run_lm, {}, _LM_SPACE),
@@ -387,11 +566,42 @@ TINY: dict[str, Tiny] = {
         Tiny("qwen3", "transformers", "lm", _qwen3_dense, _run_lm, {}, _LM_SPACE),
         Tiny("llama", "transformers", "lm", _llama, _run_lm, {}, _LM_SPACE),
         Tiny("qwen3_5_moe", "transformers", "lm", gated_deltanet_lm, _run_lm, {}, _LM_SPACE),
-        Tiny("umt5_encoder", "transformers", "encoder", _umt5_encoder, _run_encoder, {},
-             {"batch": (1, 2), "tokens": (1, 7, 16), "dtype": ("float32", "bfloat16")}),
-        Tiny("wan22_ti2v_pipeline", "diffusers", "pipeline", _wan22_ti2v_pipeline, _run_pipeline, {"frames": 5}, _PIPE_SPACE),
-        Tiny("wan22_a14b_pipeline", "diffusers", "pipeline", _wan22_a14b_pipeline, _run_pipeline, {"frames": 5}, _PIPE_SPACE),
-        Tiny("qwen_image_pipeline", "diffusers", "pipeline", _qwen_image_pipeline, _run_pipeline, {"frames": 1}, _PIPE_SPACE),
+        Tiny(
+            "umt5_encoder",
+            "transformers",
+            "encoder",
+            _umt5_encoder,
+            _run_encoder,
+            {},
+            {"batch": (1, 2), "tokens": (1, 7, 16), "dtype": ("float32", "bfloat16")},
+        ),
+        Tiny(
+            "wan22_ti2v_pipeline",
+            "diffusers",
+            "pipeline",
+            _wan22_ti2v_pipeline,
+            _run_pipeline,
+            {"frames": 5},
+            _PIPE_SPACE,
+        ),
+        Tiny(
+            "wan22_a14b_pipeline",
+            "diffusers",
+            "pipeline",
+            _wan22_a14b_pipeline,
+            _run_pipeline,
+            {"frames": 5},
+            _PIPE_SPACE,
+        ),
+        Tiny(
+            "qwen_image_pipeline",
+            "diffusers",
+            "pipeline",
+            _qwen_image_pipeline,
+            _run_pipeline,
+            {"frames": 1},
+            _PIPE_SPACE,
+        ),
     ]
 }
 
@@ -469,8 +679,18 @@ def snapshot(obj: Any) -> dict:
             key = f"{prefix}.{mname}" if mname else (prefix or "<root>")
             fwd = mod.__dict__.get("forward", _MISSING)
             # The forward object itself: compared with `is`, since bound methods compare equal by value.
-            mods[key] = ((type(mod), sorted(mod.__dict__), sorted(mod._parameters), sorted(mod._buffers),
-                          sorted(mod._modules), sorted(mod._forward_hooks), sorted(mod._forward_pre_hooks)), fwd)
+            mods[key] = (
+                (
+                    type(mod),
+                    sorted(mod.__dict__),
+                    sorted(mod._parameters),
+                    sorted(mod._buffers),
+                    sorted(mod._modules),
+                    sorted(mod._forward_hooks),
+                    sorted(mod._forward_pre_hooks),
+                ),
+                fwd,
+            )
             for pname, p in list(mod._parameters.items()) + list(mod._buffers.items()):
                 if p is None:
                     tensors[f"{key}:{pname}"] = (None,)
@@ -519,6 +739,7 @@ def clone(obj: Any) -> Any:
 
 # ------------------------------------------------------------------------------------ environments
 
+
 def candidate_envs(*, runnable_on_cpu: bool) -> list[tuple[str, Any]]:
     """Environments to patch a CPU model for, real first, then simulated ones (label, env).
 
@@ -535,7 +756,10 @@ def candidate_envs(*, runnable_on_cpu: bool) -> list[tuple[str, Any]]:
         ("mps 2.16 nightly (simulated)", Env.simulate("mps", "2.16.0.dev20271231")),
     ]
     if not runnable_on_cpu:
-        envs += [("cuda sm90 (simulated)", Env.simulate("cuda:9.0")), ("cuda sm89 (simulated)", Env.simulate("cuda:8.9"))]
+        envs += [
+            ("cuda sm90 (simulated)", Env.simulate("cuda:9.0")),
+            ("cuda sm89 (simulated)", Env.simulate("cuda:8.9")),
+        ]
     return envs
 
 
@@ -544,7 +768,9 @@ def fp8_for(recipe: Any) -> str | None:
     return "rowwise" if getattr(recipe, "keyword", None) == "fp8" else None
 
 
-def applying_env(recipe: Any, obj: Any, *, runnable_on_cpu: bool, options: Mapping | None = None) -> tuple[str, Any, int] | None:
+def applying_env(
+    recipe: Any, obj: Any, *, runnable_on_cpu: bool, options: Mapping | None = None
+) -> tuple[str, Any, int] | None:
     """The first candidate env in which ``recipe`` would apply to ``obj``: (label, env, how many targets)."""
     import mpsboost
 
@@ -560,26 +786,106 @@ def applying_env(recipe: Any, obj: Any, *, runnable_on_cpu: bool, options: Mappi
 # Tiny configs of diffusers' video VAEs besides Wan / Qwen-Image (video_vae_pad), each with an input
 # that runs every padding module: (builder, input shape [B, C, T, H, W]).
 
+
 def _video_vaes() -> dict:
     import diffusers as d
 
     return {
-        "hunyuan_video": (lambda: d.AutoencoderKLHunyuanVideo(block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4), (1, 3, 9, 32, 32)),
-        "hunyuan_video15": (lambda: d.AutoencoderKLHunyuanVideo15(block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1, latent_channels=4), (1, 3, 9, 32, 32)),
-        "hunyuan_image_refiner": (lambda: d.AutoencoderKLHunyuanImageRefiner(block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1, latent_channels=4), (1, 3, 5, 32, 32)),
-        "mochi": (lambda: d.AutoencoderKLMochi(encoder_block_out_channels=(32, 32, 32, 32), decoder_block_out_channels=(32, 32, 32, 32), layers_per_block=(1, 1, 1, 1, 1)), (1, 3, 7, 16, 16)),
-        "cogvideox": (lambda: d.AutoencoderKLCogVideoX(block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4), (1, 3, 9, 32, 32)),
-        "cosmos": (lambda: d.AutoencoderKLCosmos(encoder_block_out_channels=(8, 8, 8, 8), decode_block_out_channels=(8, 8, 8, 8), latent_channels=4, num_layers=1, resolution=32, attention_resolutions=(8,), latents_mean=None, latents_std=None), (1, 3, 9, 32, 32)),
-        "magvit": (lambda: d.AutoencoderKLMagvit(block_out_channels=[8, 8, 8, 8], norm_num_groups=4, layers_per_block=1, latent_channels=4), (1, 3, 9, 32, 32)),
-        "kvae_video": (lambda: d.AutoencoderKLKVAEVideo(ch=32, ch_mult=(1, 1, 1), num_res_blocks=1, z_channels=4), (1, 3, 9, 32, 32)),
-        "ltx2": (lambda: d.AutoencoderKLLTX2Video(block_out_channels=(8, 16, 32, 64), decoder_block_out_channels=(8, 16, 32), latent_channels=8, layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1)), (1, 3, 9, 64, 64)),
+        "hunyuan_video": (
+            lambda: d.AutoencoderKLHunyuanVideo(
+                block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4
+            ),
+            (1, 3, 9, 32, 32),
+        ),
+        "hunyuan_video15": (
+            lambda: d.AutoencoderKLHunyuanVideo15(
+                block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1, latent_channels=4
+            ),
+            (1, 3, 9, 32, 32),
+        ),
+        "hunyuan_image_refiner": (
+            lambda: d.AutoencoderKLHunyuanImageRefiner(
+                block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1, latent_channels=4
+            ),
+            (1, 3, 5, 32, 32),
+        ),
+        "mochi": (
+            lambda: d.AutoencoderKLMochi(
+                encoder_block_out_channels=(32, 32, 32, 32),
+                decoder_block_out_channels=(32, 32, 32, 32),
+                layers_per_block=(1, 1, 1, 1, 1),
+            ),
+            (1, 3, 7, 16, 16),
+        ),
+        "cogvideox": (
+            lambda: d.AutoencoderKLCogVideoX(
+                block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4
+            ),
+            (1, 3, 9, 32, 32),
+        ),
+        "cosmos": (
+            lambda: d.AutoencoderKLCosmos(
+                encoder_block_out_channels=(8, 8, 8, 8),
+                decode_block_out_channels=(8, 8, 8, 8),
+                latent_channels=4,
+                num_layers=1,
+                resolution=32,
+                attention_resolutions=(8,),
+                latents_mean=None,
+                latents_std=None,
+            ),
+            (1, 3, 9, 32, 32),
+        ),
+        "magvit": (
+            lambda: d.AutoencoderKLMagvit(
+                block_out_channels=[8, 8, 8, 8], norm_num_groups=4, layers_per_block=1, latent_channels=4
+            ),
+            (1, 3, 9, 32, 32),
+        ),
+        "kvae_video": (
+            lambda: d.AutoencoderKLKVAEVideo(ch=32, ch_mult=(1, 1, 1), num_res_blocks=1, z_channels=4),
+            (1, 3, 9, 32, 32),
+        ),
+        "ltx2": (
+            lambda: d.AutoencoderKLLTX2Video(
+                block_out_channels=(8, 16, 32, 64),
+                decoder_block_out_channels=(8, 16, 32),
+                latent_channels=8,
+                layers_per_block=(1, 1, 1, 1, 1),
+                decoder_layers_per_block=(1, 1, 1, 1),
+            ),
+            (1, 3, 9, 64, 64),
+        ),
         "vidtok": (lambda: d.AutoencoderVidTok(ch=8, ch_mult=[1, 1, 1, 1], num_res_blocks=1), (1, 3, 9, 32, 32)),
-        "minimax_h3": (lambda: d.AutoencoderKLMiniMaxH3(block_out_channels=(8, 8, 8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, decoder_num_layers=1, decoder_num_attention_heads=2, decoder_attention_head_dim=8, clip_length=5, token_drop=1), (1, 3, 17, 32, 32)),
+        "minimax_h3": (
+            lambda: d.AutoencoderKLMiniMaxH3(
+                block_out_channels=(8, 8, 8, 8, 8, 8),
+                norm_num_groups=4,
+                layers_per_block=1,
+                decoder_num_layers=1,
+                decoder_num_attention_heads=2,
+                decoder_attention_head_dim=8,
+                clip_length=5,
+                token_drop=1,
+            ),
+            (1, 3, 17, 32, 32),
+        ),
     }
 
 
-VIDEO_VAE_NAMES = ("hunyuan_video", "hunyuan_video15", "hunyuan_image_refiner", "mochi", "cogvideox", "cosmos", "magvit",
-                   "kvae_video", "ltx2", "vidtok", "minimax_h3")
+VIDEO_VAE_NAMES = (
+    "hunyuan_video",
+    "hunyuan_video15",
+    "hunyuan_image_refiner",
+    "mochi",
+    "cogvideox",
+    "cosmos",
+    "magvit",
+    "kvae_video",
+    "ltx2",
+    "vidtok",
+    "minimax_h3",
+)
 
 
 def build_video_vae(name: str, seed: int = 0) -> Any:
@@ -613,8 +919,15 @@ def _run_video_vae(vae, seed: int, *, frames: int = 5, size: int = 32, dtype: st
         return vae(x, sample_posterior=False).sample.float()
 
 
-TINY["hunyuan_video_vae"] = Tiny("hunyuan_video_vae", "diffusers", "vae", _hunyuan_video_vae, _run_video_vae,
-                                 {"frames": 5, "size": 32}, {"frames": (1, 5), "size": (32,), "dtype": ("float32", "bfloat16")})
+TINY["hunyuan_video_vae"] = Tiny(
+    "hunyuan_video_vae",
+    "diffusers",
+    "vae",
+    _hunyuan_video_vae,
+    _run_video_vae,
+    {"frames": 5, "size": 32},
+    {"frames": (1, 5), "size": (32,), "dtype": ("float32", "bfloat16")},
+)
 
 
 class Pad5dCounter:
@@ -626,8 +939,12 @@ class Pad5dCounter:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         aten = torch.ops.aten
-        ops = {aten.constant_pad_nd.default: "constant_pad_nd", aten.replication_pad3d.default: "replication_pad3d",
-               aten.reflection_pad3d.default: "reflection_pad3d", aten.pad.default: "pad"}
+        ops = {
+            aten.constant_pad_nd.default: "constant_pad_nd",
+            aten.replication_pad3d.default: "replication_pad3d",
+            aten.reflection_pad3d.default: "reflection_pad3d",
+            aten.pad.default: "pad",
+        }
 
         class _Counter(TorchDispatchMode):
             def __init__(self):

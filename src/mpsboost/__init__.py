@@ -7,6 +7,7 @@ PyTorch's MPS backend, and around what older torch builds get wrong, in one reve
 
 Importing mpsboost imports neither diffusers nor transformers.
 """
+
 from __future__ import annotations
 
 __version__ = "0.1.0"

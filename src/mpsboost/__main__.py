@@ -1,4 +1,5 @@
 """``python -m mpsboost ...``: the same command line as the ``mpsboost`` script."""
+
 from __future__ import annotations
 
 import sys

@@ -6,6 +6,7 @@ transaction -> :class:`~mpsboost.report.PatchReport`. ``plan`` stops before ``ap
 commits changes that were built outside a recipe's ``apply`` (``load_fp8``'s tensors and layers) through
 the same transaction and the same records, so that reports and ``unpatch`` treat them like patch()'s.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -105,6 +106,7 @@ def _drop_records(obj: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------ targets
+
 
 def _is_pipeline(obj: Any) -> bool:
     return matches_class(obj, (_PIPELINE_CLASS,))
@@ -219,7 +221,9 @@ def _env_for(obj: Any, targets, device: Any) -> Env:
             )
             return Env.simulate(dev.type)
         return Env.detect(dev)
-    raise TypeError(f"device must be None, a str such as 'mps', or a torch.device; got {type(device).__name__}: {device!r}")
+    raise TypeError(
+        f"device must be None, a str such as 'mps', or a torch.device; got {type(device).__name__}: {device!r}"
+    )
 
 
 def env_for(obj: Any, device: Any = None) -> Env:
@@ -252,6 +256,7 @@ def _check_not_meta(targets) -> None:
 
 # ------------------------------------------------------------------------------------------ selection
 
+
 def _keyword_recipes(keywords: Mapping[str, Any]) -> list[Recipe]:
     """The recipes a public keyword selects (``fp8="rowwise"`` selects fp8_weights): declared by each
     recipe (``Recipe.keyword``), not known to this module. A value the recipe does not accept
@@ -270,8 +275,9 @@ def _keyword_recipes(keywords: Mapping[str, Any]) -> list[Recipe]:
     return chosen
 
 
-def _select(recipes: Sequence[str] | str | None, exclude: Sequence[str],
-            keywords: Mapping[str, Any]) -> tuple[list[Recipe], set[str]]:
+def _select(
+    recipes: Sequence[str] | str | None, exclude: Sequence[str], keywords: Mapping[str, Any]
+) -> tuple[list[Recipe], set[str]]:
     by_keyword = _keyword_recipes(keywords)
     if isinstance(exclude, str):
         exclude = (exclude,)
@@ -306,7 +312,9 @@ def _check_options(options: Mapping[str, Mapping[str, Any]] | None) -> None:
         if not isinstance(given, Mapping):
             raise RecipeOptionError(
                 f"options[{name!r}] must be a dict of option names to values, got {type(given).__name__}; "
-                f"accepted options of {name}: {accepted_options(recipe)}", recipe=name)
+                f"accepted options of {name}: {accepted_options(recipe)}",
+                recipe=name,
+            )
         make_options(recipe, given)  # unknown keys and wrong types, also for a recipe not selected
 
 
@@ -319,15 +327,19 @@ def _options(recipe: Recipe, keywords: Mapping[str, Any], options: Mapping[str, 
         if given.get(recipe.keyword_field, keyword_value) != keyword_value:
             raise RecipeOptionError(
                 f"{recipe.keyword}={keyword_value!r} and options={{{recipe.name!r}: {{{recipe.keyword_field!r}: "
-                f"{given[recipe.keyword_field]!r}}}}} disagree; pass one of them", recipe=recipe.name)
+                f"{given[recipe.keyword_field]!r}}}}} disagree; pass one of them",
+                recipe=recipe.name,
+            )
         given[recipe.keyword_field] = keyword_value
     return make_options(recipe, given)
 
 
 # ------------------------------------------------------------------------------------------ planning
 
-def _plan_rows(chosen, targets, env, keywords, options, *,
-               mode: str) -> tuple[list[Row], list[tuple[Recipe, Match, Decision, Any]]]:
+
+def _plan_rows(
+    chosen, targets, env, keywords, options, *, mode: str
+) -> tuple[list[Row], list[tuple[Recipe, Match, Decision, Any]]]:
     rows: list[Row] = []
     actions: list[tuple[Recipe, Match, Decision, Any]] = []
     _check_options(options)
@@ -345,7 +357,9 @@ def _plan_rows(chosen, targets, env, keywords, options, *,
                     # A recipe may refuse a repeat that asks for something else (fp8_weights: another granularity).
                     repeat = getattr(recipe, "repeat_request", None)
                     why = repeat(match, opts) if repeat is not None else None
-                    rows.append(Row(recipe.name, match.path, ALREADY_PATCHED, reason=why or "patched by an earlier call"))
+                    rows.append(
+                        Row(recipe.name, match.path, ALREADY_PATCHED, reason=why or "patched by an earlier call")
+                    )
                     continue
                 try:
                     # The declared requirements first (Recipe.requires): a recipe never decides on a build
@@ -353,14 +367,26 @@ def _plan_rows(chosen, targets, env, keywords, options, *,
                     decision = recipe.gate(env) or recipe.decide(match, env, opts)
                 except Exception as exc:
                     raise PatchError(
-                        f"recipe {recipe.name} could not decide for {match.path}: {exc}", recipe=recipe.name, target=match.path
+                        f"recipe {recipe.name} could not decide for {match.path}: {exc}",
+                        recipe=recipe.name,
+                        target=match.path,
                     ) from exc
                 if decision.applicable:
-                    rows.append(Row(recipe.name, match.path, APPLIED if mode == "patch" else WOULD_APPLY,
-                                    decision.backing, decision.reason, dict(decision.details)))
+                    rows.append(
+                        Row(
+                            recipe.name,
+                            match.path,
+                            APPLIED if mode == "patch" else WOULD_APPLY,
+                            decision.backing,
+                            decision.reason,
+                            dict(decision.details),
+                        )
+                    )
                     actions.append((recipe, match, decision, opts))
                 else:
-                    rows.append(Row(recipe.name, match.path, SKIPPED, reason=decision.reason, details=dict(decision.details)))
+                    rows.append(
+                        Row(recipe.name, match.path, SKIPPED, reason=decision.reason, details=dict(decision.details))
+                    )
         if not found:
             # At most two class names in the text; every one in the row's details (to_json()).
             names = [t.rsplit(".", 1)[-1] for t in recipe.targets]
@@ -370,7 +396,9 @@ def _plan_rows(chosen, targets, env, keywords, options, *,
                 what = f"no {' or '.join(names)} in this object"
             else:
                 what = f"no target in this object ({len(names)} classes; see to_json())"
-            rows.append(Row(recipe.name, "-", NOT_APPLICABLE, reason=what, details={"target_classes": list(recipe.targets)}))
+            rows.append(
+                Row(recipe.name, "-", NOT_APPLICABLE, reason=what, details={"target_classes": list(recipe.targets)})
+            )
     return rows, actions
 
 
@@ -403,7 +431,9 @@ def plan(
             if not isinstance(device, str):
                 raise TypeError(f"device must be a str such as 'mps' or 'cuda:9.0', got {type(device).__name__}")
             if device.partition(":")[0] not in ("cpu", "cuda", "mps"):
-                raise GateError(f"device {device!r} is not one mpsboost knows; accepted: cpu, cuda, mps (cuda:MAJOR.MINOR for a GPU generation)")
+                raise GateError(
+                    f"device {device!r} is not one mpsboost knows; accepted: cpu, cuda, mps (cuda:MAJOR.MINOR for a GPU generation)"
+                )
             env = Env.simulate(device, torch_version, capability=capability)
         else:
             env = _env_for(obj, targets, None)
@@ -417,6 +447,7 @@ def plan(
 
 
 # ------------------------------------------------------------------------------------------ patching
+
 
 def patch(
     obj: Any,
@@ -461,18 +492,25 @@ def patch(
                 )
             names = sorted({r.recipe for r in skipped if r.recipe in requested})
             if names:  # one warning per call, naming each requested recipe that skipped and why
-                why = "; ".join(f"requested recipe {n} was skipped: {next(r.reason for r in skipped if r.recipe == n)}" for n in names)
+                why = "; ".join(
+                    f"requested recipe {n} was skipped: {next(r.reason for r in skipped if r.recipe == n)}"
+                    for n in names
+                )
                 warnings.warn(f"mpsboost: {why}", stacklevel=2)
-        rec = _Record(report=PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__,
-                                                   components=_components(targets)))
+        rec = _Record(
+            report=PatchReport.from_rows(
+                "patch", env, rows, target_type=type(obj).__name__, components=_components(targets)
+            )
+        )
         _apply_actions(actions, env, rec.applied)
         for a in rec.applied:
             a.undo.commit()
         _add_record(obj, rec)  # also for a no-op, so that last_report() gives this call's report
         note = "nothing changed: already patched" if rec.report.noop and rec.report.by_status(ALREADY_PATCHED) else ""
         if note:
-            rec.report = PatchReport.from_rows("patch", env, rows, target_type=type(obj).__name__, note=note,
-                                               components=_components(targets))
+            rec.report = PatchReport.from_rows(
+                "patch", env, rows, target_type=type(obj).__name__, note=note, components=_components(targets)
+            )
         return rec.report
 
 
@@ -483,8 +521,9 @@ def _apply_actions(actions, env: Env, applied: list[_Applied]) -> None:
         for recipe, match, decision, opts in actions:
             undo = recipe.apply(match, decision, env, opts)
             if not isinstance(undo, Patch):
-                raise TypeError(f"{recipe.name}.apply must return an mpsboost.patching.Patch, "
-                                f"got {type(undo).__name__}")
+                raise TypeError(
+                    f"{recipe.name}.apply must return an mpsboost.patching.Patch, got {type(undo).__name__}"
+                )
             if not recipe.reversible:
                 undo.reversible = False
             applied.append(_Applied(recipe, match, undo))
@@ -502,6 +541,7 @@ def _apply_actions(actions, env: Env, applied: list[_Applied]) -> None:
 
 
 # ------------------------------------------------------------------------------------------ adopting
+
 
 @dataclass(frozen=True)
 class Adopted:
@@ -629,8 +669,12 @@ def _patched_modules(targets) -> list[str]:
     """Paths of the modules that carry mpsboost's patch marker (the copy of a patched model has them)."""
     from .patching import ATTR
 
-    return [".".join(p for p in (prefix, name) if p) or "(root)"
-            for prefix, root in targets for name, mod in root.named_modules() if mod.__dict__.get(ATTR)]
+    return [
+        ".".join(p for p in (prefix, name) if p) or "(root)"
+        for prefix, root in targets
+        for name, mod in root.named_modules()
+        if mod.__dict__.get(ATTR)
+    ]
 
 
 def _unpatch_records(obj: Any, recs: list[_Record]) -> None:

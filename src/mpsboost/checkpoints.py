@@ -30,6 +30,7 @@ and forward of ``patch(fp8=...)``; report rows, ``save_fp8``, ``unpatch`` raisin
 :class:`~mpsboost.errors.IrreversiblePatchError`). Folders of the earlier layout (``model.safetensors``
 without the guard) still load.
 """
+
 from __future__ import annotations
 
 import functools
@@ -47,7 +48,17 @@ from .patching import is_patched_by, replace_tensors
 from .recipes.fp8.formats import describe_checkpoint  # noqa: F401 (re-exported: which path a file takes here)
 from .recipes.fp8.layers import RECIPE as _RECIPE, LoadedLayer, fp8_state, weight_names
 
-__all__ = ["save_fp8", "load_fp8", "describe_checkpoint", "Fp8FileError", "Fp8MismatchError", "Fp8ConversionError", "Fp8StateError", "FORMAT", "FORMAT_VERSION"]
+__all__ = [
+    "save_fp8",
+    "load_fp8",
+    "describe_checkpoint",
+    "Fp8FileError",
+    "Fp8MismatchError",
+    "Fp8ConversionError",
+    "Fp8StateError",
+    "FORMAT",
+    "FORMAT_VERSION",
+]
 
 FORMAT = "mpsboost.fp8"
 FORMAT_VERSION = "2"
@@ -66,6 +77,7 @@ _ST_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32"}
 
 
 # ------------------------------------------------------------------------------------------ helpers
+
 
 def _roots(obj: Any) -> list[tuple[str, torch.nn.Module]]:
     from .api import targets
@@ -104,7 +116,9 @@ def _parse_size(value: Any) -> int:
 
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*", value.upper())
         if m:
-            mult = {"B": 1, None: 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[m.group(2)]
+            mult = {"B": 1, None: 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[
+                m.group(2)
+            ]
             return int(float(m.group(1)) * mult)
     raise ValueError(f"max_shard_size={value!r}: expected a positive int (bytes) or a size such as '5GB' or '500MB'")
 
@@ -121,7 +135,11 @@ def _model_config(root: torch.nn.Module) -> tuple[str, str, dict | None]:
     if matches_class(root, ("diffusers.models.modeling_utils.ModelMixin",)) and cfg is not None:
         d = {k: v for k, v in dict(cfg).items()}
         d["_class_name"] = type(root).__name__
-        return "diffusers", type(root).__name__, json.loads(json.dumps(d, default=lambda o: list(o) if isinstance(o, tuple) else str(o)))
+        return (
+            "diffusers",
+            type(root).__name__,
+            json.loads(json.dumps(d, default=lambda o: list(o) if isinstance(o, tuple) else str(o))),
+        )
     return "torch", type(root).__name__, None
 
 
@@ -150,15 +168,21 @@ def save_fp8(obj: Any, path: Any, *, max_shard_size: Any = _SHARD_DEFAULT) -> Pa
         for n in names:
             q = mod._buffers[n]
             if q.dtype not in (torch.float8_e4m3fn, torch.uint8):
-                raise Fp8StateError(f"{mpath}.{n} is {q.dtype}, not fp8 codes: the model was cast after patching; nothing was written")
+                raise Fp8StateError(
+                    f"{mpath}.{n} is {q.dtype}, not fp8 codes: the model was cast after patching; nothing was written"
+                )
     roots = _roots(obj)
     single_file = target.suffix == ".safetensors"
     pipeline = not (len(roots) == 1 and roots[0][0] == "")
     if pipeline and single_file:
-        raise ValueError(f"a {type(obj).__name__} is saved to a folder (one subfolder per component), not to one file {target.name}")
+        raise ValueError(
+            f"a {type(obj).__name__} is saved to a folder (one subfolder per component), not to one file {target.name}"
+        )
     for prefix, root in roots:
         dest = (target / prefix) if pipeline else target
-        mods = {m: (mm, nn_, st) for m, mm, nn_, st in entries if prefix == "" or m == prefix or m.startswith(prefix + ".")}
+        mods = {
+            m: (mm, nn_, st) for m, mm, nn_, st in entries if prefix == "" or m == prefix or m.startswith(prefix + ".")
+        }
         _save_root(root, prefix, mods, dest, single_file, limit)
     return target
 
@@ -169,10 +193,14 @@ def _save_root(root: torch.nn.Module, prefix: str, mods: dict, dest: Path, singl
     codes: set[str] = set()
     modules: dict[str, dict] = {}
     for mpath, (mod, names, state) in mods.items():
-        rel = mpath[len(prefix) + 1:] if prefix and mpath != prefix else ("" if prefix else mpath)
+        rel = mpath[len(prefix) + 1 :] if prefix and mpath != prefix else ("" if prefix else mpath)
         rel = "" if rel == "<root>" else rel
-        info = {"kind": "linear" if isinstance(mod, torch.nn.Linear) else "experts", "tensors": list(names),
-                "granularity": state.granularity, "compute_dtype": str(state.compute_dtype).replace("torch.", "")}
+        info = {
+            "kind": "linear" if isinstance(mod, torch.nn.Linear) else "experts",
+            "tensors": list(names),
+            "granularity": state.granularity,
+            "compute_dtype": str(state.compute_dtype).replace("torch.", ""),
+        }
         if state.block:
             info["block"] = list(state.block)
         modules[rel] = info
@@ -185,7 +213,13 @@ def _save_root(root: torch.nn.Module, prefix: str, mods: dict, dest: Path, singl
         t = t.detach()
         if t.device.type == "meta":
             raise Fp8StateError(f"{key} is on the meta device (no data): nothing was written")
-        ident = (t.device, t.untyped_storage().data_ptr() if t.numel() else id(t), t.storage_offset(), tuple(t.shape), t.dtype)
+        ident = (
+            t.device,
+            t.untyped_storage().data_ptr() if t.numel() else id(t),
+            t.storage_offset(),
+            tuple(t.shape),
+            t.dtype,
+        )
         if t.numel() and ident in seen:
             continue  # a tied tensor: written once, as the first name
         seen[ident] = key
@@ -222,11 +256,20 @@ def _save_root(root: torch.nn.Module, prefix: str, mods: dict, dest: Path, singl
         shards[-1].append(item)
         size += nbytes
     # Files an earlier save left here (this layout's and the one before it, which used plain loaders' names).
-    for old in [*dest.glob("model*.safetensors"), *dest.glob("diffusion_pytorch_model*.safetensors"), *dest.glob("*.safetensors.index.json")]:
+    for old in [
+        *dest.glob("model*.safetensors"),
+        *dest.glob("diffusion_pytorch_model*.safetensors"),
+        *dest.glob("*.safetensors.index.json"),
+    ]:
         old.unlink()
-    decoy = {"metadata": {"format": FORMAT, "note": "this folder holds fp8 codes and their scales (mpsboost.save_fp8): "
-                                                     "load it with mpsboost.load_fp8(model, folder), not from_pretrained"},
-             "weight_map": {key: DECOY_SHARD for key, _, _ in tensors}}
+    decoy = {
+        "metadata": {
+            "format": FORMAT,
+            "note": "this folder holds fp8 codes and their scales (mpsboost.save_fp8): "
+            "load it with mpsboost.load_fp8(model, folder), not from_pretrained",
+        },
+        "weight_map": {key: DECOY_SHARD for key, _, _ in tensors},
+    }
     if len(shards) == 1:
         _write_safetensors(dest / WEIGHTS_NAME, shards[0], meta)
     else:
@@ -239,7 +282,10 @@ def _save_root(root: torch.nn.Module, prefix: str, mods: dict, dest: Path, singl
             for key, t, _ in shard:
                 weight_map[key] = fname
                 total += t.numel() * t.element_size()
-        index = {"metadata": {"total_size": total, "format": FORMAT, "format_version": FORMAT_VERSION}, "weight_map": weight_map}
+        index = {
+            "metadata": {"total_size": total, "format": FORMAT, "format_version": FORMAT_VERSION},
+            "weight_map": weight_map,
+        }
         (dest / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     for name in DECOY_INDEXES:
         (dest / name).write_text(json.dumps(decoy, indent=1, sort_keys=True) + "\n")
@@ -272,6 +318,7 @@ def _write_safetensors(target: Path, tensors: list[tuple[str, torch.Tensor, str]
 
 
 # ------------------------------------------------------------------------------------------ load
+
 
 def _target_env(obj: Any, roots, device: Any):
     """(Env, torch.device the tensors go to). A simulated Env keeps tensors on the CPU."""
@@ -316,9 +363,9 @@ def _assemble(qt, ckpt, storage: str, dev: torch.device) -> tuple[torch.Tensor, 
         else:
             c = _read_codes(ce, storage, dev)
             if part.src_rows is not None:
-                c = c[part.src_rows[0]:part.src_rows[1]]
+                c = c[part.src_rows[0] : part.src_rows[1]]
             dst = codes if part.expert is None else codes[part.expert]
-            dst[part.rows[0]:part.rows[1]].copy_(c)
+            dst[part.rows[0] : part.rows[1]].copy_(c)
             del c
         r0, r1 = part.rows
         sdst = scale if part.expert is None else scale[part.expert]
@@ -331,14 +378,14 @@ def _assemble(qt, ckpt, storage: str, dev: torch.device) -> tuple[torch.Tensor, 
             else:
                 src = s.reshape(*ce.shape[:-2], -1, 1)
                 if part.src_rows is not None:
-                    src = src[..., part.src_rows[0]:part.src_rows[1], :]
+                    src = src[..., part.src_rows[0] : part.src_rows[1], :]
                 region.copy_(src)
         else:
             bn = qt.block[0]
             src = s
             if part.src_rows is not None:
-                src = src[part.src_rows[0] // bn: -(-part.src_rows[1] // bn)]
-            sdst[..., r0 // bn: r0 // bn + src.shape[-2], :].copy_(src)
+                src = src[part.src_rows[0] // bn : -(-part.src_rows[1] // bn)]
+            sdst[..., r0 // bn : r0 // bn + src.shape[-2], :].copy_(src)
     return codes, scale
 
 
@@ -370,8 +417,10 @@ def _donor_buffers(root: torch.nn.Module, pairs, dev: torch.device) -> dict:
         dm = dmods.get(names[id(mod)])
         t = None if dm is None else dm._buffers.get(b)
         if t is None or t.device.type == "meta":
-            raise Fp8MismatchError(f"{names[id(mod)]}.{b} is a meta-device buffer that is not in checkpoints and could not be rebuilt; "
-                                   "build the model with accelerate.init_empty_weights()")
+            raise Fp8MismatchError(
+                f"{names[id(mod)]}.{b} is a meta-device buffer that is not in checkpoints and could not be rebuilt; "
+                "build the model with accelerate.init_empty_weights()"
+            )
         out[(id(mod), b)] = t.to(dev)
     return out
 
@@ -386,17 +435,23 @@ def _load_plans(obj: Any, target: Path, roots) -> list:
         plans.append(plan_load(roots[0][1], ckpt, ""))
         return plans
     if not target.is_dir():
-        raise Fp8FileError(f"a {type(obj).__name__} loads from a folder with one subfolder per component, not from the file {target.name}")
+        raise Fp8FileError(
+            f"a {type(obj).__name__} loads from a folder with one subfolder per component, not from the file {target.name}"
+        )
     for prefix, root in roots:
         sub = target / prefix
         if sub.is_dir() and (any(sub.glob("*.safetensors")) or any(sub.glob("*.safetensors.index.json"))):
             plans.append(plan_load(root, open_checkpoint(sub), prefix))
     if not plans:
-        raise Fp8FileError(f"{target}: no subfolder with safetensors for any component ({', '.join(p for p, _ in roots)})")
+        raise Fp8FileError(
+            f"{target}: no subfolder with safetensors for any component ({', '.join(p for p, _ in roots)})"
+        )
     return plans
 
 
-def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | None = None, lossless_recipes: bool = True):
+def load_fp8(
+    obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | None = None, lossless_recipes: bool = True
+):
     """Load an fp8 checkpoint into ``obj`` and return the patch report: one call from a published file to a ready model.
 
     ``obj``: a model built without weights (``from_config`` under ``torch.device("meta")`` or
@@ -435,11 +490,18 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     plans = _load_plans(obj, target, roots)
     for p in plans:
-        if p.ignored:  # e.g. a Qwen3.6 wrapper's vision tower and multi-token-prediction head, loaded into the text model
+        if (
+            p.ignored
+        ):  # e.g. a Qwen3.6 wrapper's vision tower and multi-token-prediction head, loaded into the text model
             import logging
 
-            logging.getLogger("mpsboost").info("load_fp8: %d tensor(s) of %s are not part of this %s and were not read (e.g. %s)",
-                                               len(p.ignored), p.ckpt.name, type(p.root).__name__, ", ".join(p.ignored[:3]))
+            logging.getLogger("mpsboost").info(
+                "load_fp8: %d tensor(s) of %s are not part of this %s and were not read (e.g. %s)",
+                len(p.ignored),
+                p.ckpt.name,
+                type(p.root).__name__,
+                ", ".join(p.ignored[:3]),
+            )
     problems = [(p.ckpt, pr) for p in plans for pr in p.problems]
     for p in plans:
         for q in p.quant:
@@ -448,16 +510,29 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
             state = fp8_state(q.module)
             have = q.module._buffers.get(q.name + "_scale")
             if state is None or not state.converted or have is None:
-                problems.append((p.ckpt, f"{q.path}: patched by fp8_weights but not converted (a failed conversion); "
-                                         "reload the model"))
+                problems.append(
+                    (
+                        p.ckpt,
+                        f"{q.path}: patched by fp8_weights but not converted (a failed conversion); reload the model",
+                    )
+                )
             elif tuple(q.module._buffers[q.name].shape) != q.shape or tuple(have.shape) != q.scale_shape:
-                problems.append((p.ckpt, f"{q.path}.{q.name}_scale: {q.scheme} {list(q.scale_shape)} in the file, but the module was "
-                                         f"converted with other scales {list(have.shape)}"))
+                problems.append(
+                    (
+                        p.ckpt,
+                        f"{q.path}.{q.name}_scale: {q.scheme} {list(q.scale_shape)} in the file, but the module was "
+                        f"converted with other scales {list(have.shape)}",
+                    )
+                )
     if problems:
         ck = problems[0][0]
-        shown = "; ".join(pr for _, pr in problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise Fp8MismatchError(f"{ck.name} ({ck.format} checkpoint) does not fit this {type(obj).__name__} "
-                               f"({len(problems)} problem(s)): {shown}. Nothing was changed.")
+        shown = "; ".join(pr for _, pr in problems[:8]) + (
+            f"; and {len(problems) - 8} more" if len(problems) > 8 else ""
+        )
+        raise Fp8MismatchError(
+            f"{ck.name} ({ck.format} checkpoint) does not fit this {type(obj).__name__} "
+            f"({len(problems)} problem(s)): {shown}. Nothing was changed."
+        )
     env, dev = _target_env(obj, roots, device)
     # Every decision before any change: the fp8_weights recipe decides each loaded layer's path.
     changes = [c for p in plans for c in _changes(p, env, dev, dtype)]
@@ -465,17 +540,22 @@ def load_fp8(obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | No
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # moe_experts would wrap the fp8 experts forward with a bf16 one: the fp8 forward routes itself.
-            return api.adopt(obj, changes, device=env, recipes=None if lossless_recipes else (),
-                             exclude=("moe_experts",))
+            return api.adopt(
+                obj, changes, device=env, recipes=None if lossless_recipes else (), exclude=("moe_experts",)
+            )
     except (Fp8FileError, Fp8MismatchError, PatchError):
         raise  # the model is as it was (adopt undid every change); a recipe's PatchError names the recipe
     except BaseException as exc:
-        raise Fp8FileError(f"loading {target.name} failed ({type(exc).__name__}: {exc}); every tensor was put back, "
-                           "nothing was changed") from exc
+        raise Fp8FileError(
+            f"loading {target.name} failed ({type(exc).__name__}: {exc}); every tensor was put back, "
+            "nothing was changed"
+        ) from exc
 
 
-_HINT = ("the values read from the fp8 file replaced the module's own; reload the model from its checkpoint "
-         "(from_pretrained) and load the fp8 file again")
+_HINT = (
+    "the values read from the fp8 file replaced the module's own; reload the model from its checkpoint "
+    "(from_pretrained) and load the fp8 file again"
+)
 
 
 def _tensor_step(mod: torch.nn.Module, path: str, read) -> "Any":
@@ -521,6 +601,7 @@ def _changes(plan, env, dev: torch.device, dtype) -> list:
         steps.append(_tensor_step(mod, qt.path, read))
     # Plain tensors, one at a time.
     for g in plan.plain:
+
         def read_plain(g=g) -> torch.Tensor:
             e = ents[g.source]
             if g.pieces:
@@ -530,7 +611,7 @@ def _changes(plan, env, dev: torch.device, dtype) -> list:
             else:
                 t = read_tensor(e)
                 if g.src_rows is not None:
-                    t = t[g.src_rows[0]:g.src_rows[1]].clone()
+                    t = t[g.src_rows[0] : g.src_rows[1]].clone()
             if dtype is not None and t.is_floating_point():
                 t = t.to(dtype)
             return t.to(dev)
@@ -567,15 +648,31 @@ def _changes(plan, env, dev: torch.device, dtype) -> list:
         mod, path = qts[0].module, qts[0].path
         schemes = sorted({q.scheme for q in qts})
         if "block" in schemes and len(schemes) > 1:
-            raise Fp8MismatchError(f"{path}: block-scaled and other fp8 tensors in one experts module ({schemes}); "
-                                   "nothing was changed")
+            raise Fp8MismatchError(
+                f"{path}: block-scaled and other fp8 tensors in one experts module ({schemes}); nothing was changed"
+            )
         nbytes = sum(_nbytes(q.shape) + 4 * _nbytes(q.scale_shape) for q in qts)
-        layer = LoadedLayer(kind=qts[0].kind, granularity="+".join(schemes), shapes=tuple(q.shape for q in qts),
-                            compute_dtype=compute, nbytes=nbytes, source=where, loaded_from=str(ckpt.path),
-                            format=ckpt.format, block=qts[0].block if schemes == ["block"] else None)
+        layer = LoadedLayer(
+            kind=qts[0].kind,
+            granularity="+".join(schemes),
+            shapes=tuple(q.shape for q in qts),
+            compute_dtype=compute,
+            nbytes=nbytes,
+            source=where,
+            loaded_from=str(ckpt.path),
+            format=ckpt.format,
+            block=qts[0].block if schemes == ["block"] else None,
+        )
         decision = recipe.decide_loaded(mod, path, env, layer)
-        steps.append(Adopted(_RECIPE, path, functools.partial(recipe.loaded_layer, mod, path, decision), module=mod,
-                             decision=decision))
+        steps.append(
+            Adopted(
+                _RECIPE,
+                path,
+                functools.partial(recipe.loaded_layer, mod, path, decision),
+                module=mod,
+                decision=decision,
+            )
+        )
     return steps
 
 
@@ -590,4 +687,3 @@ def _st_dtype(st: str) -> torch.dtype:
     from .recipes.fp8.formats import ST_DTYPES
 
     return ST_DTYPES[st]
-

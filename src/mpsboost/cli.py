@@ -1,4 +1,5 @@
 """The ``mpsboost`` command: doctor, plan, demo, bench, selftest."""
+
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,7 @@ __all__ = ["main"]
 
 
 # ------------------------------------------------------------------------------------------ doctor
+
 
 def _torch_build() -> dict[str, Any]:
     import torch
@@ -32,7 +34,9 @@ def _devices() -> list[dict[str, Any]]:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(i)
-            devs.append({"type": "cuda", "index": i, "name": torch.cuda.get_device_name(i), "capability": f"{cap[0]}.{cap[1]}"})
+            devs.append(
+                {"type": "cuda", "index": i, "name": torch.cuda.get_device_name(i), "capability": f"{cap[0]}.{cap[1]}"}
+            )
     if torch.backends.mps.is_available():
         devs.append({"type": "mps", "name": f"Apple MPS ({platform.machine()})"})
     return devs
@@ -68,7 +72,13 @@ def _doctor(args: argparse.Namespace) -> int:
             for k, v in verdicts.items()
         },
         "recipes": [
-            {"name": r.name, "summary": r.summary, "lossless": r.lossless, "reversible": r.reversible, "default": r.default}
+            {
+                "name": r.name,
+                "summary": r.summary,
+                "lossless": r.lossless,
+                "reversible": r.reversible,
+                "default": r.default,
+            }
             for r in all_recipes()
         ],
     }
@@ -80,28 +90,53 @@ def _doctor(args: argparse.Namespace) -> int:
         return 0
     tb = info["torch_build"]
     print(f"mpsboost {__version__}  python {info['python']}  {info['platform']}")
-    print(f"torch {tb['torch']}  cuda {tb['cuda'] or '-'}  git {str(tb['git'] or '-')[:12]}  mps built: {tb['mps_built']}")
-    print("devices: " + "; ".join(
-        f"{d['type']}{':' + str(d['index']) if 'index' in d else ''} {d['name']}" + (f" (sm {d['capability']})" if "capability" in d else "")
-        for d in info["devices"]))
+    print(
+        f"torch {tb['torch']}  cuda {tb['cuda'] or '-'}  git {str(tb['git'] or '-')[:12]}  mps built: {tb['mps_built']}"
+    )
+    print(
+        "devices: "
+        + "; ".join(
+            f"{d['type']}{':' + str(d['index']) if 'index' in d else ''} {d['name']}"
+            + (f" (sm {d['capability']})" if "capability" in d else "")
+            for d in info["devices"]
+        )
+    )
     print(f"\ngate for {env.describe()}:")
     width = max(len(k) for k in verdicts)
     for name, v in verdicts.items():
         print(f"  {name.ljust(width)}  {'yes' if v.ok else 'no '}  [{v.decided_by}]  {v.reason}")
         for r in infos[name]["rules"]:
-            facts = [f"upstream {r['upstream']}" if r["upstream"] else "", f"merged {r['merged']}" if r["merged"] else "",
-                     f"first release {r['first_release']}", f"macOS >= {r['min_macos']}" if r["min_macos"] else "",
-                     f"sm >= {r['min_capability']}" if r["min_capability"] else "", r["conditions"]]
+            facts = [
+                f"upstream {r['upstream']}" if r["upstream"] else "",
+                f"merged {r['merged']}" if r["merged"] else "",
+                f"first release {r['first_release']}",
+                f"macOS >= {r['min_macos']}" if r["min_macos"] else "",
+                f"sm >= {r['min_capability']}" if r["min_capability"] else "",
+                r["conditions"],
+            ]
             print(f"  {''.ljust(width)}       " + "; ".join(f for f in facts if f))
     if info["recipes"]:
         print("\nrecipes:")
         w = max(len(r["name"]) for r in info["recipes"])
         for r in info["recipes"]:
-            tags = ", ".join(t for t, on in (("lossless", r["lossless"]), ("reversible", r["reversible"]), ("default", r["default"])) if on) or "opt-in, lossy, irreversible"
+            tags = (
+                ", ".join(
+                    t
+                    for t, on in (
+                        ("lossless", r["lossless"]),
+                        ("reversible", r["reversible"]),
+                        ("default", r["default"]),
+                    )
+                    if on
+                )
+                or "opt-in, lossy, irreversible"
+            )
             print(f"  {r['name'].ljust(w)}  {r['summary']} [{tags}]")
     hk = info["hub_kernels"]
-    print(f"\ntransformers hub kernels for Metal ({', '.join(hk['repos'])}): {'would load' if hk['would_load'] else 'would not load'}"
-          f"\n  {hk['why']}")
+    print(
+        f"\ntransformers hub kernels for Metal ({', '.join(hk['repos'])}): {'would load' if hk['would_load'] else 'would not load'}"
+        f"\n  {hk['why']}"
+    )
     if "fp8_checkpoint" in info:
         print(f"\nfp8 checkpoint {args.fp8_checkpoint}:\n  {info['fp8_checkpoint']}")
     return 0
@@ -129,14 +164,22 @@ def _hub_kernels(env: Any) -> dict[str, Any]:
         except PackageNotFoundError:
             return None
 
-    out: dict[str, Any] = {"repos": list(_HUB_REPOS), "kernels": installed("kernels"), "transformers": installed("transformers"),
-                           "needs": None, "would_load": False}
+    out: dict[str, Any] = {
+        "repos": list(_HUB_REPOS),
+        "kernels": installed("kernels"),
+        "transformers": installed("transformers"),
+        "needs": None,
+        "would_load": False,
+    }
     lo = hi = None
     if out["transformers"] is not None and importlib.util.find_spec("transformers") is not None:
         try:  # the bounds transformers itself checks, read from the installed version
             from transformers.utils import import_utils
 
-            lo, hi = getattr(import_utils, "KERNELS_MIN_VERSION", None), getattr(import_utils, "KERNELS_MAX_VERSION", None)
+            lo, hi = (
+                getattr(import_utils, "KERNELS_MIN_VERSION", None),
+                getattr(import_utils, "KERNELS_MAX_VERSION", None),
+            )
         except ImportError:
             lo = hi = None
     if lo and hi:
@@ -155,13 +198,19 @@ def _hub_kernels(env: Any) -> dict[str, Any]:
         except InvalidVersion:
             fits = False
         if not fits:
-            why.append(f"kernels {out['kernels']} is installed; transformers {out['transformers']} needs {out['needs']} and skips them silently")
+            why.append(
+                f"kernels {out['kernels']} is installed; transformers {out['transformers']} needs {out['needs']} and skips them silently"
+            )
     if flag not in ("1", "ON", "YES", "TRUE"):
         why.append(f"USE_HUB_KERNELS={os.environ.get('USE_HUB_KERNELS')} turns them off")
     if env.device_type != "mps":
         why.append(f"they are Metal kernels and this is {env.device_type}")
     out["would_load"] = not why
-    out["why"] = "; ".join(why) if why else f"kernels {out['kernels']} fits {out['needs']} (the first use downloads them from the Hub)"
+    out["why"] = (
+        "; ".join(why)
+        if why
+        else f"kernels {out['kernels']} fits {out['needs']} (the first use downloads them from the Hub)"
+    )
     return out
 
 
@@ -178,6 +227,7 @@ def _describe_fp8(path: str, env: Any) -> str:
 
 # ------------------------------------------------------------------------------------------ plan
 
+
 def _read_json(file: Path) -> dict[str, Any]:
     """A config file as a dict, or one line naming the file and what is wrong with it."""
     from .errors import UserInputError
@@ -185,7 +235,9 @@ def _read_json(file: Path) -> dict[str, Any]:
     try:
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise UserInputError(f"{file}: cannot be read ({type(exc).__name__}: {getattr(exc, 'strerror', None) or exc})") from None
+        raise UserInputError(
+            f"{file}: cannot be read ({type(exc).__name__}: {getattr(exc, 'strerror', None) or exc})"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -251,7 +303,9 @@ def _check_libraries(libraries: set, folder: Path) -> None:
 
     for library in sorted(libraries):
         if not isinstance(library, str) or not library:
-            raise UserInputError(f"{folder}: a component names library {library!r}; expected 'diffusers' or 'transformers'")
+            raise UserInputError(
+                f"{folder}: a component names library {library!r}; expected 'diffusers' or 'transformers'"
+            )
         if importlib.util.find_spec(library) is None:
             hint = extra_hint(library) if library in EXTRAS else f"install {library}"
             raise UserInputError(f"{folder} needs {library}, which is not installed; {hint}")
@@ -277,7 +331,9 @@ def _build_one(library: str, cls_name: str, folder: Path):
             return cls.from_config(cls.load_config(folder))
     except Exception as exc:  # a bad value in the config: the library's own error, as one line naming the file
         first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise UserInputError(f"{config}: {library}.{cls_name} cannot be built from it ({type(exc).__name__}: {first})") from None
+        raise UserInputError(
+            f"{config}: {library}.{cls_name} cannot be built from it ({type(exc).__name__}: {first})"
+        ) from None
     raise UserInputError(f"{config}: {library}.{cls_name} cannot be built from a config")
 
 
@@ -310,35 +366,59 @@ def _plan(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------ main
 
+
 def _build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    p = argparse.ArgumentParser(prog="mpsboost", description="Fast, lean, correct diffusers/transformers pipelines on PyTorch MPS.")
+    p = argparse.ArgumentParser(
+        prog="mpsboost", description="Fast, lean, correct diffusers/transformers pipelines on PyTorch MPS."
+    )
     p.add_argument("--version", action="version", version=f"mpsboost {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    d = sub.add_parser("doctor", help="torch build, devices, and the gate matrix (every feature, available or not, and why)")
+    d = sub.add_parser(
+        "doctor", help="torch build, devices, and the gate matrix (every feature, available or not, and why)"
+    )
     d.add_argument("--device", help="simulate this device: mps, cpu, cuda or cuda:MAJOR.MINOR")
     d.add_argument("--torch", help="simulate this torch version string, e.g. 2.14.1 or 2.16.0.dev20261101")
-    d.add_argument("--fp8-checkpoint", metavar="FILE_OR_FOLDER", help="say which format this fp8 checkpoint is in and which path its layers take here")
+    d.add_argument(
+        "--fp8-checkpoint",
+        metavar="FILE_OR_FOLDER",
+        help="say which format this fp8 checkpoint is in and which path its layers take here",
+    )
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=_doctor)
 
-    pl = sub.add_parser("plan", help="what patch() would do to a local pipeline or model folder (built on the meta device; no weights read)")
+    pl = sub.add_parser(
+        "plan",
+        help="what patch() would do to a local pipeline or model folder (built on the meta device; no weights read)",
+    )
     pl.add_argument("path", help="a local diffusers pipeline folder (model_index.json) or model folder (config.json)")
     pl.add_argument("--device", help="simulate this device: mps, cpu, cuda or cuda:MAJOR.MINOR")
     pl.add_argument("--torch", help="simulate this torch version string")
     pl.add_argument("--recipes", nargs="*", help="only these recipes")
     pl.add_argument("--exclude", nargs="*", help="leave these recipes out")
     pl.add_argument("--fp8", choices=("rowwise", "tensorwise"), help="include FP8 weight storage")
-    pl.add_argument("--fp8-checkpoint", metavar="FILE_OR_FOLDER", help="also say which format this fp8 checkpoint is in and which path its layers take")
+    pl.add_argument(
+        "--fp8-checkpoint",
+        metavar="FILE_OR_FOLDER",
+        help="also say which format this fp8 checkpoint is in and which path its layers take",
+    )
     pl.add_argument("--json", action="store_true", help="machine-readable output")
     pl.set_defaults(func=_plan)
 
-    sub.add_parser("demo", help="the main job: real architectures with random weights, stock vs patched, four records", add_help=False)
+    sub.add_parser(
+        "demo",
+        help="the main job: real architectures with random weights, stock vs patched, four records",
+        add_help=False,
+    )
     sub.add_parser("bench", help="run a recipe's benchmark (stock vs mpsboost vs peers)", add_help=False)
-    sub.add_parser("selftest", help="evidence from this machine: known MPS bugs probed, workloads stock vs patched across fresh "
-                   "processes; JSONL + markdown report to send (--quick, --full, --validate FILE)", add_help=False)
+    sub.add_parser(
+        "selftest",
+        help="evidence from this machine: known MPS bugs probed, workloads stock vs patched across fresh "
+        "processes; JSONL + markdown report to send (--quick, --full, --validate FILE)",
+        add_help=False,
+    )
     return p
 
 

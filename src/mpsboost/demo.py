@@ -20,6 +20,7 @@ largest call in the job), each variant on the inputs its own run hands that call
 opposite ways (a recipe changes every other call and the work between calls too); the demo then says
 so next to the figures (:func:`measure_lines`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -182,8 +183,18 @@ def _measure(job: _Job, variant: str, env, device: str, *, ref_cpu, stock_out, o
 
     # The output call (untimed; the first warm-up call, the operator's inputs, the pad count), the timing
     # of the whole job, the operator alone, then a memory pass separate from timing.
-    m = measure_job(job.run, device=device, repeats=repeats, warmup=warmup, output="first", memory="last",
-                    watch=tuple(watch), ops=ops, op_warmup=max(warmup, 1), op_repeats=max(repeats, 5))
+    m = measure_job(
+        job.run,
+        device=device,
+        repeats=repeats,
+        warmup=warmup,
+        output="first",
+        memory="last",
+        watch=tuple(watch),
+        ops=ops,
+        op_warmup=max(warmup, 1),
+        op_repeats=max(repeats, 5),
+    )
     out = as_tensor(m.output)
     if job.count_pads:
         extra["pad_calls_5d"] = pads[0].total
@@ -227,12 +238,20 @@ def _wan_vae(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
     # which this VAE does not have.
     torch.nn.Module.to(vae, device=device, dtype=dtype)
     t, h, w = WAN22_DEMO_LATENT
-    z = torch.randn(1, WAN22_DEMO_CONFIG["z_dim"], t, h, w, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    z = torch.randn(1, WAN22_DEMO_CONFIG["z_dim"], t, h, w, generator=torch.Generator().manual_seed(1)).to(
+        device, dtype
+    )
     frames = 1 + (t - 1) * WAN22_DEMO_CONFIG["scale_factor_temporal"]
     size = (h * WAN22_DEMO_CONFIG["scale_factor_spatial"], w * WAN22_DEMO_CONFIG["scale_factor_spatial"])
     job = _Job(
         name="wan22_vae_decode",
-        shape={"arch": "Wan2.2 VAE (reduced widths)", "latent": [1, WAN22_DEMO_CONFIG["z_dim"], t, h, w], "frames": frames, "height": size[0], "width": size[1]},
+        shape={
+            "arch": "Wan2.2 VAE (reduced widths)",
+            "latent": [1, WAN22_DEMO_CONFIG["z_dim"], t, h, w],
+            "frames": frames,
+            "height": size[0],
+            "width": size[1],
+        },
         run=lambda: vae.decode(z).sample,
         items=frames,
         unit="frames/s",
@@ -287,7 +306,14 @@ def _qwen3_moe(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
     jobs = [
         _Job(
             name="qwen3_moe_prefill",
-            shape={"arch": "Qwen3-MoE (toy widths)", "batch": 1, "prompt": PROMPT_TOKENS, "experts": config.num_experts, "top_k": config.num_experts_per_tok, "layers": config.num_hidden_layers},
+            shape={
+                "arch": "Qwen3-MoE (toy widths)",
+                "batch": 1,
+                "prompt": PROMPT_TOKENS,
+                "experts": config.num_experts,
+                "top_k": config.num_experts_per_tok,
+                "layers": config.num_hidden_layers,
+            },
             run=prefill,
             items=PROMPT_TOKENS,
             unit="tokens/s",
@@ -299,7 +325,15 @@ def _qwen3_moe(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
         ),
         _Job(
             name="qwen3_moe_decode",
-            shape={"arch": "Qwen3-MoE (toy widths)", "batch": 1, "prompt": PROMPT_TOKENS, "new_tokens": DECODE_TOKENS, "experts": config.num_experts, "top_k": config.num_experts_per_tok, "layers": config.num_hidden_layers},
+            shape={
+                "arch": "Qwen3-MoE (toy widths)",
+                "batch": 1,
+                "prompt": PROMPT_TOKENS,
+                "new_tokens": DECODE_TOKENS,
+                "experts": config.num_experts,
+                "top_k": config.num_experts_per_tok,
+                "layers": config.num_hidden_layers,
+            },
             run=decode,
             items=DECODE_TOKENS,  # the prefill inside is part of the job; tokens/s counts new tokens
             unit="tokens/s",
@@ -315,7 +349,10 @@ def _qwen3_moe(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
         from .bench import cpu_reference
 
         def run_ref(m, ii, new):
-            return {"qwen3_moe_prefill": m(input_ids=ii, use_cache=False).logits, "qwen3_moe_decode": decode_steps(m, ii, new)}
+            return {
+                "qwen3_moe_prefill": m(input_ids=ii, use_cache=False).logits,
+                "qwen3_moe_decode": decode_steps(m, ii, new),
+            }
 
         return cpu_reference(lm, ids, new_ids, fn=run_ref)
 
@@ -333,7 +370,14 @@ def _default_dtype(device: str):
     return torch.float32 if device == "cpu" else torch.bfloat16
 
 
-def run_demo(device: str, dtype=None, *, repeats: int = 3, warmup: int | None = None, models: Sequence[str] = ("wan_vae", "qwen3_moe")):
+def run_demo(
+    device: str,
+    dtype=None,
+    *,
+    repeats: int = 3,
+    warmup: int | None = None,
+    models: Sequence[str] = ("wan_vae", "qwen3_moe"),
+):
     """Run the demo; returns (records, reports). Prints progress and reports as it goes."""
     import torch
 
@@ -362,7 +406,17 @@ def run_demo(device: str, dtype=None, *, repeats: int = 3, warmup: int | None = 
         stock_outs = {}
         for j in jobs:
             _say(f"[{key}] stock: {j.name}")
-            rec, out = _measure(j, "stock", env, device, ref_cpu=refs[j.name], stock_out=None, op=ops[j.name], repeats=repeats, warmup=warmup)
+            rec, out = _measure(
+                j,
+                "stock",
+                env,
+                device,
+                ref_cpu=refs[j.name],
+                stock_out=None,
+                op=ops[j.name],
+                repeats=repeats,
+                warmup=warmup,
+            )
             records.append(rec)
             stock_outs[j.name] = out
         report = mpsboost.patch(model)
@@ -373,8 +427,25 @@ def run_demo(device: str, dtype=None, *, repeats: int = 3, warmup: int | None = 
                 _say(f"[{key}] mpsboost: {j.name}")
                 # The operator is timed on the inputs the patched job itself hands it (captured in its own
                 # output pass): the same shapes as stock's, in the layout the patched job produces.
-                rec, _ = _measure(j, "mpsboost", env, device, ref_cpu=refs[j.name], stock_out=stock_outs[j.name], op=_OpCall(), repeats=repeats, warmup=warmup)
-                records.append(rec.replace(extra={**rec.extra, "patched": [f"{r.recipe} @ {r.target or '(root)'}" for r in _applied_rows(report)]}))
+                rec, _ = _measure(
+                    j,
+                    "mpsboost",
+                    env,
+                    device,
+                    ref_cpu=refs[j.name],
+                    stock_out=stock_outs[j.name],
+                    op=_OpCall(),
+                    repeats=repeats,
+                    warmup=warmup,
+                )
+                records.append(
+                    rec.replace(
+                        extra={
+                            **rec.extra,
+                            "patched": [f"{r.recipe} @ {r.target or '(root)'}" for r in _applied_rows(report)],
+                        }
+                    )
+                )
         finally:
             # Nothing to undo when no recipe applied (unpatch would say so with an error).
             from .api import is_patched
@@ -401,7 +472,12 @@ def _vs_stock_lines(records) -> list[str]:
         parts = []
         from .bench.table import fmt_number
 
-        for k, label in (("psnr_db", "PSNR dB"), ("sqnr_db", "SQNR dB"), ("rel_error", "rel error"), ("max_abs", "max abs")):
+        for k, label in (
+            ("psnr_db", "PSNR dB"),
+            ("sqnr_db", "SQNR dB"),
+            ("rel_error", "rel error"),
+            ("max_abs", "max abs"),
+        ):
             v = vs.get(k)
             if v is not None:
                 parts.append(f"{label} {fmt_number(float(v), 3)}")
@@ -464,8 +540,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "stock vs mpsboost.patch(), with four separate records: throughput, op time, correctness, memory.",
     )
     parser.add_argument("--device", choices=("mps", "cuda", "cpu"), help="default: the best present (mps, cuda, cpu)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="default: float32 on cpu, bfloat16 elsewhere")
-    parser.add_argument("--only", choices=("wan_vae", "qwen3_moe"), action="append", help="run only this model (repeatable)")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), help="default: float32 on cpu, bfloat16 elsewhere"
+    )
+    parser.add_argument(
+        "--only", choices=("wan_vae", "qwen3_moe"), action="append", help="run only this model (repeatable)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per job (default 3)")
     parser.add_argument("--out", help="also write demo.jsonl, demo.txt (and demo.png with matplotlib) into this folder")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -18,6 +18,7 @@ weights, no memory, about three seconds for every recipe in every environment. A
 depends on the width of a layer except where a recipe measured a threshold (its reason says so).
 This module imports diffusers and transformers only when a table is computed.
 """
+
 from __future__ import annotations
 
 import re
@@ -56,6 +57,7 @@ __all__ = [
 
 # ------------------------------------------------------------------------------------ the workloads
 
+
 @dataclass(frozen=True)
 class Sample:
     """One workload of the tables: a label for people and a builder of a tiny real model."""
@@ -77,10 +79,21 @@ def _qwen36_text() -> Any:
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     cfg = Qwen3_5MoeTextConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
     )
     return _bf16(Qwen3_5MoeForCausalLM(cfg))
 
@@ -90,40 +103,88 @@ def _wan22_vae() -> Any:
     # Wan225BPipelineFastTests.
     from diffusers import AutoencoderKLWan
 
-    return _bf16(AutoencoderKLWan(
-        base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
-        latents_mean=[0.0] * 48, latents_std=[1.0] * 48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-        scale_factor_spatial=16, scale_factor_temporal=4, temperal_downsample=[False, True, True],
-    ))
+    return _bf16(
+        AutoencoderKLWan(
+            base_dim=3,
+            z_dim=48,
+            in_channels=12,
+            out_channels=12,
+            is_residual=True,
+            patch_size=2,
+            latents_mean=[0.0] * 48,
+            latents_std=[1.0] * 48,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            scale_factor_spatial=16,
+            scale_factor_temporal=4,
+            temperal_downsample=[False, True, True],
+        )
+    )
 
 
 def _qwen_image_vae() -> Any:
     from diffusers import AutoencoderKLQwenImage
 
     # diffusers' tests/pipelines/qwenimage/test_qwenimage.py.
-    return _bf16(AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-                                        latents_mean=[0.0] * 4, latents_std=[1.0] * 4))
+    return _bf16(
+        AutoencoderKLQwenImage(
+            base_dim=24,
+            z_dim=4,
+            dim_mult=[1, 2, 4],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        )
+    )
 
 
 def _qwen_image21_vae() -> Any:
     from diffusers import AutoencoderKLQwenImage21
 
-    return _bf16(AutoencoderKLQwenImage21(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 1, 1], num_res_blocks=1,
-                                          temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4))
+    return _bf16(
+        AutoencoderKLQwenImage21(
+            base_dim=8,
+            decoder_base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[0.0] * 4,
+            latents_std=[1.0] * 4,
+        )
+    )
 
 
 def _wan_transformer() -> Any:
     from diffusers import WanTransformer3DModel
 
-    return _bf16(WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=48,
-                                       out_channels=48, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-                                       qk_norm="rms_norm_across_heads", rope_max_seq_len=32))
+    return _bf16(
+        WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=48,
+            out_channels=48,
+            text_dim=32,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+    )
 
 
 def _hunyuan_video_vae() -> Any:
     from diffusers import AutoencoderKLHunyuanVideo
 
-    return _bf16(AutoencoderKLHunyuanVideo(block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4))
+    return _bf16(
+        AutoencoderKLHunyuanVideo(
+            block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4
+        )
+    )
 
 
 #: The seed's workloads, and one other video VAE (``video_vae_pad``'s targets). Labels name the
@@ -155,6 +216,7 @@ def build_samples(samples: Sequence[Sample] = SAMPLES) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ environments
+
 
 @dataclass(frozen=True)
 class Column:
@@ -216,7 +278,7 @@ def selection(recipe: Recipe) -> str:
         return "default"
     if recipe.keyword:
         return f"opt-in: `{recipe.keyword}=`"
-    return f"opt-in: `recipes=[\"{recipe.name}\"]`"
+    return f'opt-in: `recipes=["{recipe.name}"]`'
 
 
 def _keyword_args(recipe: Recipe) -> dict:
@@ -273,6 +335,7 @@ def decide(samples: Sequence[Sample] = SAMPLES) -> dict[tuple[str, tuple[str, st
 
 
 # ------------------------------------------------------------------------------------ text
+
 
 def _strip_long_parens(text: str, limit: int = 40) -> str:
     """``text`` without parenthesised asides longer than ``limit`` characters (upstream lists, figures)."""
@@ -349,7 +412,10 @@ def support_table(samples: Sequence[Sample] = SAMPLES, columns: Sequence[Column]
     cells = decide(samples)
     rows = []
     for recipe in all_recipes():
-        rows.append([f"`{recipe.name}`", selection(recipe)] + [_short_cell(cells[(recipe.name, c.key)], recipe) for c in columns])
+        rows.append(
+            [f"`{recipe.name}`", selection(recipe)]
+            + [_short_cell(cells[(recipe.name, c.key)], recipe) for c in columns]
+        )
     return _md(["recipe", "selected"] + [c.short or c.heading for c in columns], rows)
 
 
@@ -373,8 +439,13 @@ def support_details(samples: Sequence[Sample] = SAMPLES, columns: Sequence[Colum
             if cell.other_reasons:
                 reason += f" (and {cell.other_reasons} other reason{'s' if cell.other_reasons > 1 else ''} on other targets: `plan()` gives each)"
             rows.append([col.heading, cell.status, _backing_text(cell.backings) or "-", where, count, reason])
-        out.append(f"#### `{recipe.name}` ({selection(recipe)})\n\n{recipe.summary}\n\n"
-                   + _md(["environment", "status", "backing paths", "workloads", "targets", "reason (as the report gives it)"], rows))
+        out.append(
+            f"#### `{recipe.name}` ({selection(recipe)})\n\n{recipe.summary}\n\n"
+            + _md(
+                ["environment", "status", "backing paths", "workloads", "targets", "reason (as the report gives it)"],
+                rows,
+            )
+        )
     return "\n\n".join(out)
 
 
@@ -390,20 +461,29 @@ def _targets_text(recipe: Recipe, fold: int | None) -> str:
 
 
 def _properties(recipe: Recipe) -> str:
-    return ", ".join(("lossless" if recipe.lossless else "lossy", "reversible" if recipe.reversible else "irreversible"))
+    return ", ".join(
+        ("lossless" if recipe.lossless else "lossy", "reversible" if recipe.reversible else "irreversible")
+    )
 
 
-def recipe_table(samples: Sequence[Sample] = SAMPLES, columns: Sequence[Column] = ENVS, *, fold: int | None = 3,
-                 summary: bool = True) -> str:
+def recipe_table(
+    samples: Sequence[Sample] = SAMPLES, columns: Sequence[Column] = ENVS, *, fold: int | None = 3, summary: bool = True
+) -> str:
     """Every registered recipe: what it does, its targets, the backing paths it takes on the workloads
     in ``columns`` (all of them together), and how it is selected."""
     cells = decide(samples)
     rows = []
     for recipe in all_recipes():
         backings = [b for c in columns for b in cells[(recipe.name, c.key)].backings]
-        row = [f"`{recipe.name}`"] + ([recipe.summary] if summary else []) + [
-            _targets_text(recipe, fold), _backing_text(backings) or "none on these workloads",
-            f"{selection(recipe)} ({_properties(recipe)})"]
+        row = (
+            [f"`{recipe.name}`"]
+            + ([recipe.summary] if summary else [])
+            + [
+                _targets_text(recipe, fold),
+                _backing_text(backings) or "none on these workloads",
+                f"{selection(recipe)} ({_properties(recipe)})",
+            ]
+        )
         rows.append(row)
     header = ["recipe"] + (["what it does"] if summary else []) + ["targets", "backing paths", "selected"]
     return _md(header, rows)
@@ -442,7 +522,10 @@ def gate_table(device: str = "mps") -> str:
         upstream = "; ".join(r["upstream"] for r in info["rules"] if r["upstream"]) or "-"
         first = "; ".join(dict.fromkeys(r["first_release"] for r in info["rules"]))
         marks = ["yes" if check(name, c.env()).ok else "no" for c in columns]
-        rows.append([f"`{name}`", feat.description, upstream, first + (" (probed on the device)" if info["probe"] else "")] + marks)
+        rows.append(
+            [f"`{name}`", feat.description, upstream, first + (" (probed on the device)" if info["probe"] else "")]
+            + marks
+        )
     return _md(["feature", "what", "upstream", "first release"] + [c.short or c.heading for c in columns], rows)
 
 

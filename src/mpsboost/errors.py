@@ -1,4 +1,5 @@
 """mpsboost's exceptions. Each message says what was passed, what is accepted, and what to do."""
+
 from __future__ import annotations
 
 

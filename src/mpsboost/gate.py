@@ -21,6 +21,7 @@ build either has or not: ``torch.mps.Stream``, ``float8_e4m3fn`` on MPS, ``torch
 probe is possible (a simulated environment, traced code) the version rule decides. Every
 :class:`Verdict` says which decided: ``decided_by`` is ``"probed"`` or ``"by version"``.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -199,9 +200,19 @@ class Env:
         if dtype_ == "cuda" and capability is None:
             capability = (9, 0)
         tv = parse_torch_version(torch_version if torch_version is not None else _installed_torch_version())
-        name = device_name or {"mps": "Apple MPS (simulated)", "cuda": f"CUDA sm_{capability[0]}{capability[1]} (simulated)" if capability else "CUDA (simulated)", "cpu": "CPU (simulated)"}.get(dtype_, dtype_)
-        return cls(torch_version=tv, device_type=dtype_, device_name=name, capability=capability, simulated=True,
-                   macos=_parse_macos(macos))
+        name = device_name or {
+            "mps": "Apple MPS (simulated)",
+            "cuda": f"CUDA sm_{capability[0]}{capability[1]} (simulated)" if capability else "CUDA (simulated)",
+            "cpu": "CPU (simulated)",
+        }.get(dtype_, dtype_)
+        return cls(
+            torch_version=tv,
+            device_type=dtype_,
+            device_name=name,
+            capability=capability,
+            simulated=True,
+            macos=_parse_macos(macos),
+        )
 
     def with_device(self, device_type: str) -> "Env":
         return replace(self, device_type=device_type)
@@ -319,17 +330,26 @@ def _rule_verdict(feature: Feature, rule: Rule, env: Env) -> Verdict:
     where = f"{env.device_type}"
     ups = f" ({rule.upstream})" if rule.upstream else ""
     if rule.never:
-        return Verdict(False, f"{feature.description}: not in any torch build on {where} yet{ups}" + (f"; {rule.note}" if rule.note else ""))
+        return Verdict(
+            False,
+            f"{feature.description}: not in any torch build on {where} yet{ups}"
+            + (f"; {rule.note}" if rule.note else ""),
+        )
     if rule.min_capability is not None:
         cap = env.capability
         need = f"{rule.min_capability[0]}.{rule.min_capability[1]}"
         if cap is None:
             return Verdict(False, f"{feature.description} needs CUDA compute capability >= {need}; unknown here")
         if tuple(cap) < tuple(rule.min_capability):
-            return Verdict(False, f"{feature.description} needs CUDA compute capability >= {need}; this device is {cap[0]}.{cap[1]}")
+            return Verdict(
+                False,
+                f"{feature.description} needs CUDA compute capability >= {need}; this device is {cap[0]}.{cap[1]}",
+            )
     if rule.min_macos is not None and env.macos is not None and tuple(env.macos) < tuple(rule.min_macos):
         need = f"{rule.min_macos[0]}.{rule.min_macos[1]}"
-        return Verdict(False, f"{feature.description} needs macOS >= {need}{ups}; this Mac runs {env.macos[0]}.{env.macos[1]}")
+        return Verdict(
+            False, f"{feature.description} needs macOS >= {need}{ups}; this Mac runs {env.macos[0]}.{env.macos[1]}"
+        )
     since = rule._since()
     tv = env.torch_version
     extra = "".join(f"; {t}" for t in (rule.conditions, rule.note) if t)
@@ -342,11 +362,19 @@ def _rule_verdict(feature: Feature, rule: Rule, env: Env) -> Verdict:
             return Verdict(False, f"{feature.description} needs {label}{ups}; this is torch {tv.raw}")
         if have[:2] == need[:2] and tv.kind == "nightly" and rule.merged is not None:
             if tv.nightly_date is None:
-                return Verdict(False, f"{feature.description}: nightly {tv.raw} carries no date to compare with the merge of{ups} on {rule.merged}")
+                return Verdict(
+                    False,
+                    f"{feature.description}: nightly {tv.raw} carries no date to compare with the merge of{ups} on {rule.merged}",
+                )
             if tv.nightly_date < rule.merged:
-                return Verdict(False, f"{feature.description}: nightly {tv.raw} predates the merge of{ups} on {rule.merged}")
+                return Verdict(
+                    False, f"{feature.description}: nightly {tv.raw} predates the merge of{ups} on {rule.merged}"
+                )
         if have[:2] == need[:2] and tv.kind == "source" and rule.nightly_only and rule.merged is not None:
-            return Verdict(True, f"{feature.description}: source build {tv.raw}, assumed to include{ups} (merged {rule.merged}){extra}")
+            return Verdict(
+                True,
+                f"{feature.description}: source build {tv.raw}, assumed to include{ups} (merged {rule.merged}){extra}",
+            )
         return Verdict(True, f"{feature.description}: in {label}{ups}; this is torch {tv.raw}{extra}")
     return Verdict(True, f"{feature.description}: available on {where}{extra}")
 
@@ -422,8 +450,12 @@ def _with_probe(feat: Feature, env: Env, table: Verdict) -> Verdict:
     if outcome is None and not table.ok:
         # probe_decides: the build has it although the version rule says no (a nightly or source build
         # that merged the change, a backport).
-        return Verdict(True, f"{feat.description}: probed on {env.device_type}: present in this build "
-                             f"(by version alone: {table.reason})", PROBED)
+        return Verdict(
+            True,
+            f"{feat.description}: probed on {env.device_type}: present in this build "
+            f"(by version alone: {table.reason})",
+            PROBED,
+        )
     if outcome is None:
         return replace(table, reason=f"{table.reason}; probed on {env.device_type}: confirmed", decided_by=PROBED)
     return outcome
@@ -476,6 +508,7 @@ def matrix(env: Env) -> dict[str, Verdict]:
 # and a failing Verdict (the reason a skipped recipe shows) when it has not. _with_probe caches the
 # outcome per process and never calls a probe inside traced code.
 
+
 def _probe_triton(env: Env) -> Verdict | None:
     import importlib.util
 
@@ -498,7 +531,9 @@ def _probe_grouped_mm(env: Env) -> Verdict | None:
     offs = torch.tensor([2, 8], dtype=torch.int32, device=dev)
     out = fn(a, b, offs=offs)
     if tuple(out.shape) != (8, 8) or float(out[0, 0]) != 8.0:
-        return Verdict(False, f"grouped_mm ran on {env.device_type} but returned a wrong result (shape {tuple(out.shape)})")
+        return Verdict(
+            False, f"grouped_mm ran on {env.device_type} but returned a wrong result (shape {tuple(out.shape)})"
+        )
     return None
 
 
@@ -528,7 +563,9 @@ def _probe_streams(env: Env) -> Verdict | None:
         # torch.mps.Stream is what pytorch#191415 adds; without it there is one MPS stream only. The API
         # is the fact a user needs (the pull request is open and documented on main only), not the version.
         if not hasattr(torch.mps, "Stream"):
-            return Verdict(False, "this torch build has no torch.mps.Stream (pytorch#191415 not in it): one MPS stream only")
+            return Verdict(
+                False, "this torch build has no torch.mps.Stream (pytorch#191415 not in it): one MPS stream only"
+            )
         if not hasattr(torch, "accelerator"):
             return Verdict(False, "this torch build has torch.mps.Stream but no torch.accelerator to switch streams")
         side = torch.mps.Stream()
@@ -585,8 +622,13 @@ FEATURES: dict[str, Feature] = {
             "pad_constant_native",
             "constant F.pad on a native kernel (no MPSGraph driver-memory blow-up)",
             {
-                "mps": (Rule(since="2.15", upstream="pytorch#195368; fp8 pad #197801",
-                             note="before it, each pad built an MPSGraph; Wan2.2 VAE decode reached 270 GiB driver memory"),),
+                "mps": (
+                    Rule(
+                        since="2.15",
+                        upstream="pytorch#195368; fp8 pad #197801",
+                        note="before it, each pad built an MPSGraph; Wan2.2 VAE decode reached 270 GiB driver memory",
+                    ),
+                ),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },
@@ -595,8 +637,13 @@ FEATURES: dict[str, Feature] = {
             "pad_rank5_correct",
             "correct constant time-padding of rank-5 tensors with H*W >= 65536",
             {
-                "mps": (Rule(since="2.15", upstream="issue pytorch#194922, fixes pytorch#194944 and #195147",
-                             conditions="wrong results from H*W = 65536 (2^16) exactly; smaller frames are fine"),),
+                "mps": (
+                    Rule(
+                        since="2.15",
+                        upstream="issue pytorch#194922, fixes pytorch#194944 and #195147",
+                        conditions="wrong results from H*W = 65536 (2^16) exactly; smaller frames are fine",
+                    ),
+                ),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },
@@ -610,7 +657,13 @@ FEATURES: dict[str, Feature] = {
                     Rule(since="2.8", min_capability=(9, 0), upstream="torch._grouped_mm (sm90)"),
                     Rule(since="2.9", min_capability=(8, 0), upstream="torch._grouped_mm (sm80+)"),
                 ),
-                "cpu": (Rule(since="2.10", upstream="torch.nn.functional.grouped_mm", note="needs 16-byte aligned row strides; no bias, no fp8"),),
+                "cpu": (
+                    Rule(
+                        since="2.10",
+                        upstream="torch.nn.functional.grouped_mm",
+                        note="needs 16-byte aligned row strides; no bias, no fp8",
+                    ),
+                ),
             },
             probe=_probe_grouped_mm,
         ),
@@ -618,7 +671,13 @@ FEATURES: dict[str, Feature] = {
             "float8_storage",
             "torch.float8_e4m3fn tensors on the device",
             {
-                "mps": (Rule(since="2.15", upstream="pytorch#194074", note="before it: 'Trying to convert Float8_e4m3fn to the MPS backend'"),),
+                "mps": (
+                    Rule(
+                        since="2.15",
+                        upstream="pytorch#194074",
+                        note="before it: 'Trying to convert Float8_e4m3fn to the MPS backend'",
+                    ),
+                ),
                 "cuda": (Rule(since="2.1"),),
                 "cpu": (Rule(since="2.1"),),
             },
@@ -629,8 +688,13 @@ FEATURES: dict[str, Feature] = {
             "scaled_mm",
             "float8 scaled matmul (tensorwise and rowwise scales)",
             {
-                "mps": (Rule(since="2.15", upstream="pytorch#196916",
-                             conditions="a storage format for large M: the general kernel runs at 0.12-0.25x of bf16 for M >= 512"),),
+                "mps": (
+                    Rule(
+                        since="2.15",
+                        upstream="pytorch#196916",
+                        conditions="a storage format for large M: the general kernel runs at 0.12-0.25x of bf16 for M >= 512",
+                    ),
+                ),
                 "cuda": (Rule(since="2.4", min_capability=(8, 9), upstream="torch._scaled_mm"),),
                 # CPU has a reference kernel (256 ms for 2048x2048 at M=1): correct, never fast.
             },
@@ -699,9 +763,15 @@ FEATURES: dict[str, Feature] = {
                 # Not merged as of RESEARCHED: #191415 (torch.mps.Stream) is an open draft, #194111 (multi-stream
                 # events) open, #193464 (record_stream) and #190375 (stream pool) closed. A 2.16 nightly passes
                 # the table only; on a real Mac the probe decides (torch.mps.Stream must exist).
-                "mps": (Rule(since="2.16", nightly_only=True, merged=None,
-                             upstream="pytorch#191415 (open draft), #194111 (open); #193464, #190375 closed",
-                             note=f"not merged as of {RESEARCHED}: on a real Mac a probe for torch.mps.Stream decides"),),
+                "mps": (
+                    Rule(
+                        since="2.16",
+                        nightly_only=True,
+                        merged=None,
+                        upstream="pytorch#191415 (open draft), #194111 (open); #193464, #190375 closed",
+                        note=f"not merged as of {RESEARCHED}: on a real Mac a probe for torch.mps.Stream decides",
+                    ),
+                ),
                 "cuda": (Rule(since="2.4", note="torch.Stream / torch.accelerator"),),
             },
             probe=_probe_streams,
@@ -725,16 +795,27 @@ FEATURES: dict[str, Feature] = {
             "sdpa_metal_prefill",
             "SDPA prefill (query length > 8) on Metal kernels, flash-style (no full score matrix)",
             {
-                "mps": (Rule(since="2.13", upstream="pytorch#181575 (Apr 2026)",
-                             conditions="head dims 32/64/72/80/96/128/256; other shapes use the MPSGraph path"),),
+                "mps": (
+                    Rule(
+                        since="2.13",
+                        upstream="pytorch#181575 (Apr 2026)",
+                        conditions="head dims 32/64/72/80/96/128/256; other shapes use the MPSGraph path",
+                    ),
+                ),
             },
         ),
         Feature(
             "sdpa_metal_gqa",
             "SDPA with grouped K/V (enable_gqa) without materialising repeated K/V",
             {
-                "mps": (Rule(since="2.13", merged=_d(2026, 5, 11), upstream="pytorch#183280",
-                             conditions="Metal kernel paths only; the MPSGraph fallback still repeats K/V"),),
+                "mps": (
+                    Rule(
+                        since="2.13",
+                        merged=_d(2026, 5, 11),
+                        upstream="pytorch#183280",
+                        conditions="Metal kernel paths only; the MPSGraph fallback still repeats K/V",
+                    ),
+                ),
                 "cuda": (Rule(since="2.5", upstream="enable_gqa"),),
                 "cpu": (Rule(since="2.5", upstream="enable_gqa"),),
             },
@@ -744,8 +825,14 @@ FEATURES: dict[str, Feature] = {
             "sdpa_mpp_attention",
             "SDPA prefill on Metal Performance Primitives (matmul2d) kernels",
             {
-                "mps": (Rule(since="2.13", min_macos=(26, 2), upstream="pytorch#182256 (May 2026)",
-                             conditions="fp16/bf16, head dims 64/96/128/256, query length > 8; others keep the simdgroup kernel"),),
+                "mps": (
+                    Rule(
+                        since="2.13",
+                        min_macos=(26, 2),
+                        upstream="pytorch#182256 (May 2026)",
+                        conditions="fp16/bf16, head dims 64/96/128/256, query length > 8; others keep the simdgroup kernel",
+                    ),
+                ),
             },
         ),
         Feature(
@@ -756,7 +843,15 @@ FEATURES: dict[str, Feature] = {
         Feature(
             "metal_attention",
             "attention fully on Metal kernels (every SDPA path, no MPSGraph fallback)",
-            {"mps": (Rule(since="2.16", nightly_only=True, upstream="documented on the main branch only; no single pull request"),)},
+            {
+                "mps": (
+                    Rule(
+                        since="2.16",
+                        nightly_only=True,
+                        upstream="documented on the main branch only; no single pull request",
+                    ),
+                )
+            },
         ),
         Feature(
             "sdpa_large_scores_correct",
@@ -766,8 +861,13 @@ FEATURES: dict[str, Feature] = {
                 # wrong results (cosine 0.44) above 2^32 elements in the SDPA graph path (fix PR #179592 closed,
                 # not confirmed merged); ComfyUI#14837 (Wan / video workflows) sees corruption from about 2^31
                 # (its fix, ComfyUI#14838, chunks below 2^30); bmm past 2^32 elements, pytorch#197636, is open.
-                "mps": (Rule(never=True, upstream="issue pytorch#179352 (fix #179592 not confirmed merged), ComfyUI#14837",
-                             note=f"not fixed as of {RESEARCHED}: split attention so that B*H*Lq*Lk < 2^31"),),
+                "mps": (
+                    Rule(
+                        never=True,
+                        upstream="issue pytorch#179352 (fix #179592 not confirmed merged), ComfyUI#14837",
+                        note=f"not fixed as of {RESEARCHED}: split attention so that B*H*Lq*Lk < 2^31",
+                    ),
+                ),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },
@@ -776,8 +876,13 @@ FEATURES: dict[str, Feature] = {
             "conv3d_metal",
             "conv3d on Metal kernels (near matmul throughput)",
             {
-                "mps": (Rule(since="2.14", upstream="pytorch#188802, #192229",
-                             conditions="issue #192213: 7% of matmul throughput on 2.12, 97% on a 2.14 nightly (fp16, with bias)"),),
+                "mps": (
+                    Rule(
+                        since="2.14",
+                        upstream="pytorch#188802, #192229",
+                        conditions="issue #192213: 7% of matmul throughput on 2.12, 97% on a 2.14 nightly (fp16, with bias)",
+                    ),
+                ),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },
@@ -817,8 +922,13 @@ FEATURES: dict[str, Feature] = {
                 # On MPS each call costs about 15 ms whatever its size; a matmul-based inverse of the unit
                 # lower-triangular system was 4x faster on the whole prefill (kshetrajna12/reflex#1, Qwen3.5 on
                 # MPS: 81% of request time in this path). No upstream fix known.
-                "mps": (Rule(never=True, upstream="kshetrajna12/reflex#1 (about 15 ms per call on MPS)",
-                             note="linear_attention solves by matmuls instead"),),
+                "mps": (
+                    Rule(
+                        never=True,
+                        upstream="kshetrajna12/reflex#1 (about 15 ms per call on MPS)",
+                        note="linear_attention solves by matmuls instead",
+                    ),
+                ),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },

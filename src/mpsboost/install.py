@@ -4,6 +4,7 @@ The package index's project named ``mpsboost`` is another project (gradient boos
 installed from its repository: a checkout, a wheel built from it, or a VCS URL. ``pip install
 mpsboost[...]`` would fetch the other project, so no message here ever suggests it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

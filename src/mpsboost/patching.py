@@ -23,6 +23,7 @@ The AST guard in ``tests/core/test_patch_primitive.py`` checks that no other fil
 writes a module's ``forward``, ``__class__``, ``_parameters``, ``_buffers``, ``_modules`` or ``__dict__``
 itself.
 """
+
 from __future__ import annotations
 
 import types
@@ -190,8 +191,8 @@ class Changes:
         return Patch.chain(self.parts, **kw)
 
 
-
 # ---------------------------------------------------------------------- instance changes
+
 
 class _Missing:
     """Marks "the instance had no such attribute". One object, kept through copy, deepcopy and pickle."""
@@ -220,6 +221,7 @@ _MISSING = _Missing()
 
 
 # ---------------------------------------------------------------------- the per-module store
+
 
 def _records(module: Any) -> dict:
     """The store of ``module`` (empty and unattached when it has none): read it, never write it."""
@@ -288,8 +290,12 @@ def bind_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[...
     slot = _forward_slot(module)
     previous = module.__dict__.get(slot, _MISSING)
     bound = types.MethodType(new_forward, module)
-    _record(module, recipe, {"forward": previous, "slot": slot, "bound": bound, **saved},
-            again=f"{recipe} already patched this module")
+    _record(
+        module,
+        recipe,
+        {"forward": previous, "slot": slot, "bound": bound, **saved},
+        again=f"{recipe} already patched this module",
+    )
     object.__setattr__(module, slot, bound)
 
     def undo() -> None:
@@ -353,8 +359,9 @@ def set_instance_attr(module: torch.nn.Module, recipe: str, name: str, value: An
     if isinstance(value, (torch.nn.Parameter, torch.nn.Module)):
         raise TypeError(f"set_instance_attr is for plain values; {name} would be a {type(value).__name__}")
     key = _attr_key(recipe, name)
-    _record(module, key, {"value": module.__dict__.get(name, _MISSING)},
-            again=f"{recipe} already set {name} on this module")
+    _record(
+        module, key, {"value": module.__dict__.get(name, _MISSING)}, again=f"{recipe} already set {name} on this module"
+    )
     object.__setattr__(module, name, value)
 
     def undo() -> None:
@@ -395,8 +402,9 @@ def _hold_entry(module: torch.nn.Module, name: str) -> list | None:
     return entry if isinstance(entry, list) else None
 
 
-def hold_instance_attr(module: torch.nn.Module, name: str, make_value: Callable[[], Any], data: Any = None,
-                       *, description: str = "") -> Patch:
+def hold_instance_attr(
+    module: torch.nn.Module, name: str, make_value: Callable[[], Any], data: Any = None, *, description: str = ""
+) -> Patch:
     """Set one instance attribute that several matches of a recipe share (e.g. one method on the model
     for all its experts modules): the first holder sets ``make_value()``, every holder adds ``data``
     (read with :func:`held_by`), the last holder's undo removes the attribute if it is still the one set.
@@ -436,6 +444,7 @@ def held_by(module: torch.nn.Module, name: str) -> list | None:
 
 # ---------------------------------------------------------------------- objects that are not modules
 
+
 def set_attr(obj: Any, name: str, value: Any, *, restore: Any = _MISSING, description: str = "") -> Patch:
     """Set ``obj.name = value`` on an object that is not a module (a model's config), through the
     object's own ``__setattr__``; nothing is stored on ``obj`` (its serialisation stays as it was).
@@ -474,6 +483,7 @@ def keep_attrs(objs: Iterable[Any], name: str, *, description: str = "") -> Patc
 
 # ---------------------------------------------------------------------- class swap
 
+
 def swap_class(obj: torch.nn.Module, recipe: str, new_cls: type) -> Patch:
     """Make ``obj`` an instance of ``new_cls`` (a subclass of its class, cached by the recipe so that
     every instance of one class gets the same subclass); the undo restores the very same original
@@ -511,7 +521,9 @@ def swapped_class_key(recipe: str) -> str:
 _INTERFACE_KEYS: dict[tuple[int, str], Callable[..., Any]] = {}
 
 
-def register_in_interface(interface: Any, key: str, make_fn: Callable[[], Callable[..., Any]], *, description: str = "") -> Patch:
+def register_in_interface(
+    interface: Any, key: str, make_fn: Callable[[], Callable[..., Any]], *, description: str = ""
+) -> Patch:
     """Add ``key`` to a library's function registry (``interface.register(key, fn)``, e.g. transformers'
     ``AttentionInterface``), once per process: a key mpsboost registered already is reused.
 
@@ -524,7 +536,9 @@ def register_in_interface(interface: Any, key: str, make_fn: Callable[[], Callab
     if slot not in _INTERFACE_KEYS:
         existing = getattr(interface, "_global_mapping", {})
         if key in existing:
-            raise RuntimeError(f"{getattr(interface, '__name__', interface)!r} already has a function named {key!r} that mpsboost did not register")
+            raise RuntimeError(
+                f"{getattr(interface, '__name__', interface)!r} already has a function named {key!r} that mpsboost did not register"
+            )
         fn = make_fn()
         interface.register(key, fn)
         _INTERFACE_KEYS[slot] = fn
@@ -532,6 +546,7 @@ def register_in_interface(interface: Any, key: str, make_fn: Callable[[], Callab
 
 
 # ---------------------------------------------------------------------- tensors
+
 
 def relayout_param(param: torch.nn.Parameter, memory_format: torch.memory_format) -> Patch:
     """Re-lay ``param``'s data in ``memory_format`` (same Parameter object, same values); the undo puts
@@ -557,7 +572,7 @@ def fuse_storage(params: "Iterable[torch.nn.Parameter]") -> torch.Tensor:
         fused = torch.cat([p.detach() for p in params], dim=0)
         start = 0
         for p in params:
-            p.data = fused[start:start + p.shape[0]]
+            p.data = fused[start : start + p.shape[0]]
             start += p.shape[0]
     return fused
 
@@ -573,8 +588,12 @@ def separate_storage(params: "Iterable[torch.nn.Parameter]", fused: torch.Tensor
                 p.data = p.data.clone()
 
 
-def fuse_params(params: "Iterable[torch.nn.Parameter]", *, current: Callable[[], torch.Tensor | None] | None = None,
-                description: str = "") -> "tuple[torch.Tensor, Patch]":
+def fuse_params(
+    params: "Iterable[torch.nn.Parameter]",
+    *,
+    current: Callable[[], torch.Tensor | None] | None = None,
+    description: str = "",
+) -> "tuple[torch.Tensor, Patch]":
     """:func:`fuse_storage` as a reversible change: the fused tensor and the Patch whose undo gives each
     Parameter its own storage again (the storage fused here, or ``current()`` where the recipe fused
     again later)."""
@@ -615,8 +634,13 @@ def replace_at_commit(
             for buf_name, t in new.items():
                 module.register_buffer(buf_name, t)
 
-    return Patch(lambda: None, commit=commit, reversible=False, explanation=explanation,
-                 description=description or f"{type(module).__name__}: {', '.join(names)} replaced at commit")
+    return Patch(
+        lambda: None,
+        commit=commit,
+        reversible=False,
+        explanation=explanation,
+        description=description or f"{type(module).__name__}: {', '.join(names)} replaced at commit",
+    )
 
 
 def replace_tensors(
@@ -660,5 +684,10 @@ def replace_tensors(
     def commit() -> None:
         saved.clear()
 
-    return Patch(undo, commit=commit, reversible=False, explanation=explanation,
-                 description=description or f"{type(module).__name__}: {', '.join(tensors)} replaced")
+    return Patch(
+        undo,
+        commit=commit,
+        reversible=False,
+        explanation=explanation,
+        description=description or f"{type(module).__name__}: {', '.join(tensors)} replaced",
+    )

@@ -23,6 +23,7 @@ decision's :attr:`~Decision.details`, derived from the plan's fields (see :func:
 Targets are matched by class path strings against each module's MRO, so matching imports nothing:
 ``import mpsboost`` never imports diffusers or transformers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,6 +57,7 @@ __all__ = [
     "NOT_REPORTED",
 ]
 
+
 def matches_class(obj: Any, targets: Iterable[str]) -> bool:
     """True when any class in ``type(obj).__mro__`` has one of the dotted paths in ``targets``."""
     wanted = set(targets)
@@ -86,8 +88,9 @@ def plan_details(plan: Any) -> dict[str, Any]:
     if plan is None:
         return {}
     if not dataclasses.is_dataclass(plan) or isinstance(plan, type):
-        raise TypeError(f"a Decision's plan is a recipe's frozen dataclass instance (or None), "
-                        f"got {type(plan).__name__}: {plan!r}")
+        raise TypeError(
+            f"a Decision's plan is a recipe's frozen dataclass instance (or None), got {type(plan).__name__}: {plan!r}"
+        )
     custom = getattr(plan, "report_details", None)
     if custom is not None:
         return dict(custom())

@@ -5,6 +5,7 @@ line per recipe and outcome with its targets counted per model and their paths f
 indices (``transformer.blocks.*.attn``), reasons cut to two lines, a footnote on the notation.
 ``report.to_dict()`` / ``report.to_json()`` keep every row, target and reason for tools.
 """
+
 from __future__ import annotations
 
 import json
@@ -173,13 +174,18 @@ class PatchReport:
                     out += clip(what, lead)
         missing = [g[0] for g in groups if g[0].status == NOT_APPLICABLE]
         if missing:
-            out += clip("not applicable (no target in this object): " + ", ".join(r.recipe for r in missing), limit=None)
+            out += clip(
+                "not applicable (no target in this object): " + ", ".join(r.recipe for r in missing), limit=None
+            )
         out += clip(self._summary(), limit=None)
         if self.note:
             out += clip(self.note, limit=None)
-        out += clip(limit=None, text="Notation: * stands for any layer index; 'N targets' counts the modules a line covers; 'vae 3' "
-                    "counts a pipeline component's; text cut at the line width ends in '...'; "
-                    "report.to_json() has every target and full reason, report.format(width=None) prints all.")
+        out += clip(
+            limit=None,
+            text="Notation: * stands for any layer index; 'N targets' counts the modules a line covers; 'vae 3' "
+            "counts a pipeline component's; text cut at the line width ends in '...'; "
+            "report.to_json() has every target and full reason, report.format(width=None) prints all.",
+        )
         return "\n".join(out)
 
     def _summary(self) -> str:
@@ -202,7 +208,8 @@ class PatchReport:
         if per_model:
             verb = "applied" if self.mode == "patch" else "would apply"
             text += f". {verb.capitalize()}: " + "; ".join(
-                f"{m}: " + ", ".join(f"{rec} ({n})" for rec, n in recs.items()) for m, recs in per_model.items())
+                f"{m}: " + ", ".join(f"{rec} ({n})" for rec, n in recs.items()) for m, recs in per_model.items()
+            )
         return text + "."
 
     def __str__(self) -> str:
@@ -211,7 +218,9 @@ class PatchReport:
     __repr__ = __str__
 
     @staticmethod
-    def from_rows(mode: str, env: Env, rows: Iterable[Row], target_type: str = "", note: str = "",
-                  components: Iterable[str] = ()) -> "PatchReport":
-        return PatchReport(mode=mode, env=env, rows=tuple(rows), target_type=target_type, note=note,
-                           components=tuple(components))
+    def from_rows(
+        mode: str, env: Env, rows: Iterable[Row], target_type: str = "", note: str = "", components: Iterable[str] = ()
+    ) -> "PatchReport":
+        return PatchReport(
+            mode=mode, env=env, rows=tuple(rows), target_type=target_type, note=note, components=tuple(components)
+        )

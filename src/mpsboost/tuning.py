@@ -10,6 +10,7 @@ A table measured on one machine speaks for that machine only: :func:`for_env` gi
 environment of the same device type and compute capability, and ``None`` with the reason to any other,
 which then takes the conservative choice (usually: the stock op).
 """
+
 from __future__ import annotations
 
 import functools

@@ -1,4 +1,5 @@
 """benchmarks/decode_linear.py: every patched variant is made by mpsboost.patch() and timed with spread."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -35,4 +36,8 @@ def test_variants_come_from_patch_on_a_transformers_model(tmp_path, monkeypatch)
         assert t.repeats >= 5 and t.min_us <= t.median_us <= t.max_us
         assert r.correctness.rel_error < 1e-2
     eager = by_variant["mpsboost:fold"].extra["eager"]
-    assert eager["alternated_with"] == ["stock", "mpsboost"] and eager["verdict_vs_stock"] in ("faster", "slower", "no difference")
+    assert eager["alternated_with"] == ["stock", "mpsboost"] and eager["verdict_vs_stock"] in (
+        "faster",
+        "slower",
+        "no difference",
+    )

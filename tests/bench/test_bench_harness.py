@@ -1,4 +1,5 @@
 """mpsboost.bench.harness: the parts every benchmark shares."""
+
 from __future__ import annotations
 
 import time
@@ -76,7 +77,9 @@ def test_copy_bandwidth_on_cuda_is_plausible():
 @pytest.mark.cuda
 def test_measure_variants_with_cuda_graphs():
     x = torch.randn(1024, 1024, device="cuda")
-    m = measure_variants({"stock": lambda: x @ x, "half": lambda: x[:512] @ x}, device="cuda", repeats=5, calls=4, cuda_graph=True)
+    m = measure_variants(
+        {"stock": lambda: x @ x, "half": lambda: x[:512] @ x}, device="cuda", repeats=5, calls=4, cuda_graph=True
+    )
     assert m.timings["stock"].method == "cuda_graph" and m.ratio("half") > 1.0
 
 
@@ -142,8 +145,18 @@ def test_measure_job_output_first_then_warmups_repeats_ops_and_a_separate_memory
         yield
         seen.append("out")
 
-    m = measure_job(job, device="cpu", repeats=3, warmup=2, output="first", memory="last", watch=(watcher,),
-                    ops=lambda: {"op": lambda: op_calls.append(1)}, op_warmup=1, op_repeats=5)
+    m = measure_job(
+        job,
+        device="cpu",
+        repeats=3,
+        warmup=2,
+        output="first",
+        memory="last",
+        watch=(watcher,),
+        ops=lambda: {"op": lambda: op_calls.append(1)},
+        op_warmup=1,
+        op_repeats=5,
+    )
     # output call + 2 warm-ups + 3 timed + 1 memory pass; the output is the first call's
     assert len(log) == 1 + 2 + 3 + 1
     assert m.output.tolist() == [1.0, 1.0]

@@ -1,4 +1,5 @@
 """The memory probe: peaks at least as large as what the block allocated; counters a device lacks are None."""
+
 from __future__ import annotations
 
 import time

@@ -1,4 +1,5 @@
 """mpsboost.bench.models: one table of the measured models, one loader of the shipped configs."""
+
 from __future__ import annotations
 
 import json

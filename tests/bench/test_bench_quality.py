@@ -1,4 +1,5 @@
 """Quality metrics against hand-computed values, and the CPU fp32 reference run."""
+
 from __future__ import annotations
 
 import math
@@ -91,7 +92,10 @@ def test_cpu_reference_runs_an_fp32_copy_and_leaves_the_module_alone(rng_seed):
     # the module itself is untouched: same parameter object, still bf16
     assert m.lin.weight is weight and weight.dtype == torch.bfloat16 and m.pos.dtype == torch.int64
     torch.testing.assert_close(cpu_reference(m, x, method="twice"), 2 * cpu_reference(m, x))
-    torch.testing.assert_close(cpu_reference(m, x, fn=lambda mm, xx: mm.lin(xx)), torch.nn.functional.linear(x.float(), weight.float(), m.lin.bias.float()))
+    torch.testing.assert_close(
+        cpu_reference(m, x, fn=lambda mm, xx: mm.lin(xx)),
+        torch.nn.functional.linear(x.float(), weight.float(), m.lin.bias.float()),
+    )
     with pytest.raises(QualityError, match="has no method 'encode'"):
         cpu_reference(m, x, method="encode")
     with pytest.raises(QualityError, match="nn.Module"):

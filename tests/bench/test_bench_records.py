@@ -1,4 +1,5 @@
 """Records: JSONL round trip, schema checks, environment capture; timing results and their sections."""
+
 from __future__ import annotations
 
 import json
@@ -34,13 +35,44 @@ def env() -> RecordEnv:
 
 def _full_record(env: RecordEnv, variant: str = "stock") -> Record:
     return Record(
-        workload=Workload("wan22_vae_decode", {"frames": 81, "height": 480, "width": 832, "latent": (1, 48, 21, 30, 52)}),
+        workload=Workload(
+            "wan22_vae_decode", {"frames": 81, "height": 480, "width": 832, "latent": (1, 48, 21, 30, 52)}
+        ),
         variant=variant,
         env=env,
-        throughput=Throughput(value=11.8, unit="frames/s", seconds_per_call=6.86, items_per_call=81, repeats=5, warmup=1, spread={"min_s": 6.8, "max_s": 7.0, "iqr_s": 0.05}),
-        op_time={"conv3d": OpTime(median_us=812.5, min_us=800.0, max_us=900.25, iqr_us=12.0, repeats=10, warmup=3, method="perf_counter", calls=1)},
-        correctness=Correctness(reference="cpu-fp32", psnr_db=math.inf, rel_error=0.0, sqnr_db=math.inf, max_abs=0.0, data_range=2.0),
-        memory=Memory(tensor_allocated=12 << 30, allocator_reserved=None, driver_level=270 << 30, driver_level_at_start=1 << 30, driver_level_source="mps_driver_allocated_memory", samples=42, interval_s=0.002),
+        throughput=Throughput(
+            value=11.8,
+            unit="frames/s",
+            seconds_per_call=6.86,
+            items_per_call=81,
+            repeats=5,
+            warmup=1,
+            spread={"min_s": 6.8, "max_s": 7.0, "iqr_s": 0.05},
+        ),
+        op_time={
+            "conv3d": OpTime(
+                median_us=812.5,
+                min_us=800.0,
+                max_us=900.25,
+                iqr_us=12.0,
+                repeats=10,
+                warmup=3,
+                method="perf_counter",
+                calls=1,
+            )
+        },
+        correctness=Correctness(
+            reference="cpu-fp32", psnr_db=math.inf, rel_error=0.0, sqnr_db=math.inf, max_abs=0.0, data_range=2.0
+        ),
+        memory=Memory(
+            tensor_allocated=12 << 30,
+            allocator_reserved=None,
+            driver_level=270 << 30,
+            driver_level_at_start=1 << 30,
+            driver_level_source="mps_driver_allocated_memory",
+            samples=42,
+            interval_s=0.002,
+        ),
         extra={"pad_calls_5d": 10995, "note": float("nan")},
     )
 
@@ -150,7 +182,9 @@ def test_time_fn_measures_wall_time_and_converts_to_sections():
     thr = t.throughput(items_per_call=8, unit="tokens/s")
     assert thr.value == pytest.approx(8 / t.median_s) and thr.higher_is_better is True
     per_call = t.throughput()
-    assert per_call.unit == "s/call" and per_call.value == pytest.approx(t.median_s) and per_call.higher_is_better is False
+    assert (
+        per_call.unit == "s/call" and per_call.value == pytest.approx(t.median_s) and per_call.higher_is_better is False
+    )
     with pytest.raises(TimingError, match="needs items_per_call"):
         t.throughput(unit="tokens/s")
 

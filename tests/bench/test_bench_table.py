@@ -1,4 +1,5 @@
 """compare_table/plot: ratios to stock per workload, mismatched environments refused; `mpsboost bench`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,9 +54,25 @@ def _row(table: str, label: str) -> str:
 
 def test_ratios_are_speedups_and_memory_fractions_of_stock(env):
     recs = [
-        _rec(env, "stock", value=10.0, us=100.0, mem=Memory(tensor_allocated=8 * GiB, driver_level=270 * GiB, driver_level_source="mps_driver_allocated_memory")),
-        _rec(env, "mpsboost", value=25.0, us=40.0, mem=Memory(tensor_allocated=8 * GiB, driver_level=9 * GiB, driver_level_source="mps_driver_allocated_memory"),
-             corr=Correctness(reference="cpu-fp32", psnr_db=49.1, rel_error=2.6e-4, sqnr_db=60.2, max_abs=0.01)),
+        _rec(
+            env,
+            "stock",
+            value=10.0,
+            us=100.0,
+            mem=Memory(
+                tensor_allocated=8 * GiB, driver_level=270 * GiB, driver_level_source="mps_driver_allocated_memory"
+            ),
+        ),
+        _rec(
+            env,
+            "mpsboost",
+            value=25.0,
+            us=40.0,
+            mem=Memory(
+                tensor_allocated=8 * GiB, driver_level=9 * GiB, driver_level_source="mps_driver_allocated_memory"
+            ),
+            corr=Correctness(reference="cpu-fp32", psnr_db=49.1, rel_error=2.6e-4, sqnr_db=60.2, max_abs=0.01),
+        ),
         _rec(env, "peer:eager", value=5.0, us=400.0),
     ]
     table = compare_table(recs)
@@ -77,12 +94,19 @@ def test_time_per_call_units_are_inverted_and_unlike_units_get_no_ratio(env):
     assert speed_ratio(stock, fast) == pytest.approx(4.0)
     assert speed_ratio(stock, Throughput(value=3.0, unit="frames/s")) is None
     assert speed_ratio(None, fast) is None
-    table = compare_table([_rec(env, "stock", value=2.0, unit="s/call"), _rec(env, "mpsboost", value=12.0, unit="frames/s")])
+    table = compare_table(
+        [_rec(env, "stock", value=2.0, unit="s/call"), _rec(env, "mpsboost", value=12.0, unit="frames/s")]
+    )
     assert "unit differs from stock's s/call: no ratio" in _row(table, "throughput")
 
 
 def test_refuses_records_whose_environment_differs(env):
-    for field, value in (("dtype", "bfloat16"), ("torch_version", "2.14.1"), ("device_name", "Apple M3 Ultra"), ("compile", "default")):
+    for field, value in (
+        ("dtype", "bfloat16"),
+        ("torch_version", "2.14.1"),
+        ("device_name", "Apple M3 Ultra"),
+        ("compile", "default"),
+    ):
         other = dataclasses.replace(env, **{field: value})
         with pytest.raises(EnvMismatchError) as info:
             compare_table([_rec(env, "stock"), _rec(other, "mpsboost")])
@@ -90,7 +114,9 @@ def test_refuses_records_whose_environment_differs(env):
         assert info.value.values == (getattr(env, field), value)
         assert f"environments differ in {field!r}" in str(info.value) and "'mpsboost'" in str(info.value)
     with pytest.raises(EnvMismatchError, match="libraries"):
-        group_records([_rec(env, "stock"), _rec(dataclasses.replace(env, libraries={"diffusers": "0.30.0"}), "mpsboost")])
+        group_records(
+            [_rec(env, "stock"), _rec(dataclasses.replace(env, libraries={"diffusers": "0.30.0"}), "mpsboost")]
+        )
 
 
 def test_groups_are_per_workload_and_only_compare_within_one(env):
@@ -118,7 +144,14 @@ def test_sections_of_separate_passes_merge(env):
 def test_plot_writes_a_png(tmp_path, env):
     recs = [
         _rec(env, "stock", mem=Memory(driver_level=GiB), corr=Correctness(reference="cpu-fp32", psnr_db=float("inf"))),
-        _rec(env, "mpsboost", value=15.0, us=80.0, mem=Memory(driver_level=GiB // 2), corr=Correctness(reference="cpu-fp32", psnr_db=42.0)),
+        _rec(
+            env,
+            "mpsboost",
+            value=15.0,
+            us=80.0,
+            mem=Memory(driver_level=GiB // 2),
+            corr=Correctness(reference="cpu-fp32", psnr_db=42.0),
+        ),
     ]
     path = plot(recs, tmp_path / "c" / "chart.png")
     data = path.read_bytes()
@@ -160,7 +193,9 @@ def bench_dir(tmp_path):
 
 def test_bench_command_writes_records_table_and_chart(bench_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    rc = bench_cli.main(["mmtest", "--benchmarks-dir", str(bench_dir), "--device", "cpu", "--size", "tiny", "--out", str(out)])
+    rc = bench_cli.main(
+        ["mmtest", "--benchmarks-dir", str(bench_dir), "--device", "cpu", "--size", "tiny", "--out", str(out)]
+    )
     assert rc == 0
     recs = read_jsonl(out / "mmtest.jsonl")
     assert [r.variant for r in recs] == ["stock", "mpsboost"] and recs[0].workload.shape == {"n": 8}
@@ -212,7 +247,14 @@ def test_bad_run_results_and_devices_are_refused(bench_dir, tmp_path, monkeypatc
 def test_script_main_matches_the_command(bench_dir, tmp_path):
     module = bench_cli.load_benchmark(bench_dir / "mmtest.py")
     out = tmp_path / "direct"
-    assert bench_cli.script_main(str(bench_dir / "mmtest.py"), module.run, ["--device", "cpu", "--size", "tiny", "--out", str(out), "--no-plot"]) == 0
+    assert (
+        bench_cli.script_main(
+            str(bench_dir / "mmtest.py"),
+            module.run,
+            ["--device", "cpu", "--size", "tiny", "--out", str(out), "--no-plot"],
+        )
+        == 0
+    )
     assert module.CALLS[-1] == ("cpu", "tiny", str(out))
     lines = (out / "mmtest.jsonl").read_text().splitlines()
     assert [json.loads(line)["variant"] for line in lines] == ["stock", "mpsboost"]

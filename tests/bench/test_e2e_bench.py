@@ -1,4 +1,5 @@
 """benchmarks/e2e.py at tiny size on the CPU: the records it writes, and the byte count behind the bandwidth share."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,8 +28,10 @@ def e2e():
 @pytest.mark.slow
 def test_tiny_generate_eager_records(e2e, tmp_path, capsys, monkeypatch):
     # run() is what `mpsboost bench e2e` calls; the options beyond device/size/out come from the environment.
-    monkeypatch.setenv("MPSBOOST_E2E_ARGS", "--only qwen3-8b --modes eager --variants mpsboost --decoding greedy "
-                                            "--rounds 2 --new-tokens 4")
+    monkeypatch.setenv(
+        "MPSBOOST_E2E_ARGS",
+        "--only qwen3-8b --modes eager --variants mpsboost --decoding greedy --rounds 2 --new-tokens 4",
+    )
     returned = e2e.run("cpu", "tiny", tmp_path)
     recs = read_jsonl(tmp_path / "e2e.partial.jsonl")
     assert [r.to_dict() for r in recs] == [r.to_dict() for r in returned]
@@ -89,8 +92,10 @@ def test_patching_is_not_timed(e2e, tmp_path, monkeypatch):
         return real_patch(*args, **kw)
 
     monkeypatch.setattr(e2e.mpsboost, "patch", slow_patch)
-    monkeypatch.setenv("MPSBOOST_E2E_ARGS", "--only qwen3-8b --modes eager --variants mpsboost --decoding greedy "
-                                            "--rounds 3 --new-tokens 3")
+    monkeypatch.setenv(
+        "MPSBOOST_E2E_ARGS",
+        "--only qwen3-8b --modes eager --variants mpsboost --decoding greedy --rounds 3 --new-tokens 3",
+    )
     recs = e2e.run("cpu", "tiny", tmp_path)
     stock, patched = recs
     assert patched.extra["prefill_s"]["worst"] < delay, patched.extra["prefill_s"]
@@ -103,12 +108,20 @@ def test_weight_bytes_count_active_experts_only(e2e):
     cfg = e2e.llm_config("qwen3-30b-a3b", "tiny", 1)
     model = e2e.build_llm(cfg, "cpu", torch.bfloat16, 0)
     every = sum(t.numel() * t.element_size() for t in model.parameters()) + sum(
-        b.numel() * b.element_size() for b in model.buffers())
-    experts = sum(t.numel() * t.element_size() for t in model.parameters() if t.dim() == 3 and t.shape[0] == cfg.num_experts)
+        b.numel() * b.element_size() for b in model.buffers()
+    )
+    experts = sum(
+        t.numel() * t.element_size() for t in model.parameters() if t.dim() == 3 and t.shape[0] == cfg.num_experts
+    )
     emb = model.get_input_embeddings().weight
     assert experts > 0
-    expected = (every - experts - emb.numel() * emb.element_size() + experts * cfg.num_experts_per_tok // cfg.num_experts
-                + emb.shape[1] * emb.element_size())
+    expected = (
+        every
+        - experts
+        - emb.numel() * emb.element_size()
+        + experts * cfg.num_experts_per_tok // cfg.num_experts
+        + emb.shape[1] * emb.element_size()
+    )
     assert e2e.weight_bytes_per_token(model) == expected
 
 
@@ -138,9 +151,30 @@ def test_an_fp8_model_is_freed_after_its_workload(e2e):
 def test_qwen36_mac_variant_and_breakdown(e2e, tmp_path):
     # The seed's model (Gated DeltaNet + attention + MoE) at toy width: stock, native and Mac decisions in
     # one run, each with its per-module breakdown; the Mac variant says its decisions are simulated.
-    a = e2e.parse(["--device", "cpu", "--size", "tiny", "--only", "qwen3.6-35b-a3b", "--modes", "eager",
-                   "--variants", "mpsboost,mac", "--decoding", "greedy", "--rounds", "1", "--new-tokens", "3",
-                   "--breakdown-steps", "2", "--out", str(tmp_path)])
+    a = e2e.parse(
+        [
+            "--device",
+            "cpu",
+            "--size",
+            "tiny",
+            "--only",
+            "qwen3.6-35b-a3b",
+            "--modes",
+            "eager",
+            "--variants",
+            "mpsboost,mac",
+            "--decoding",
+            "greedy",
+            "--rounds",
+            "1",
+            "--new-tokens",
+            "3",
+            "--breakdown-steps",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     recs = e2e._main(a)
     assert [r.variant for r in recs] == ["stock", "mpsboost", "mpsboost:mac-2.15.0"]
     assert recs[0].workload.shape["layers"] == 4

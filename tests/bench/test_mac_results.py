@@ -1,4 +1,5 @@
 """benchmarks/mac_results.py: contributed selftest files become docs/mac-results.md; an empty folder says how to add a row."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,33 +25,83 @@ def mac_results():
 
 
 def _machine(**kw):
-    m = {"os": "Darwin", "arch": "arm64", "macos": "15.1", "chip": "Apple M3 Max", "memory_bytes": 64 * 2**30, "cpu_count": 16,
-         "torch": "2.15.0", "torch_build": "no cuda, git 0123456789, release", "mps_built": True, "mps_available": True,
-         "python": "3.12.7", "mpsboost": "0.1.0", "libraries": {"diffusers": "0.42.1", "transformers": "5.24.0"},
-         "device": "mps", "device_name": "Apple MPS (Apple M3 Max)", "simulated": False}
+    m = {
+        "os": "Darwin",
+        "arch": "arm64",
+        "macos": "15.1",
+        "chip": "Apple M3 Max",
+        "memory_bytes": 64 * 2**30,
+        "cpu_count": 16,
+        "torch": "2.15.0",
+        "torch_build": "no cuda, git 0123456789, release",
+        "mps_built": True,
+        "mps_available": True,
+        "python": "3.12.7",
+        "mpsboost": "0.1.0",
+        "libraries": {"diffusers": "0.42.1", "transformers": "5.24.0"},
+        "device": "mps",
+        "device_name": "Apple MPS (Apple M3 Max)",
+        "simulated": False,
+    }
     m.update(kw)
     return m
 
 
 def _probe(name, feature, verdict, upstream):
-    return {"kind": "probe", "name": name, "upstream": upstream, "feature": feature, "verdict": verdict, "detail": "synthetic",
-            "measured": {}}
+    return {
+        "kind": "probe",
+        "name": name,
+        "upstream": upstream,
+        "feature": feature,
+        "verdict": verdict,
+        "detail": "synthetic",
+        "measured": {},
+    }
 
 
 def _workload(name, ratios, status="pass"):
-    return {"kind": "workload", "name": name, "status": status, "reason": "", "recipes": ["wan_vae_pad"],
-            "stock": {"seconds": [1.0] * len(ratios)}, "patched": {"seconds": [1.0 / r for r in ratios]},
-            "vs_stock": {"rel_error": 1e-6},
-            "ratio": {"median": sorted(ratios)[len(ratios) // 2], "min": min(ratios), "max": max(ratios), "processes": len(ratios)}}
+    return {
+        "kind": "workload",
+        "name": name,
+        "status": status,
+        "reason": "",
+        "recipes": ["wan_vae_pad"],
+        "stock": {"seconds": [1.0] * len(ratios)},
+        "patched": {"seconds": [1.0 / r for r in ratios]},
+        "vs_stock": {"rel_error": 1e-6},
+        "ratio": {
+            "median": sorted(ratios)[len(ratios) // 2],
+            "min": min(ratios),
+            "max": max(ratios),
+            "processes": len(ratios),
+        },
+    }
 
 
 def _write(path: Path, machine: dict) -> Path:
     """A synthetic Mac file: torch 2.15.0 with the rank-5 pad bug still present (the gate believes it fixed),
     fp8 casts fixed, torch.mps.Stream present (the version rule says no), one workload over three processes."""
     lines = [
-        {"kind": "selftest", "schema": SCHEMA, "machine": machine, "size": "quick", "processes": 3, "repeats": 3, "budget_s": 480,
-         "duration_s": 412.0, "date": "2026-12-02", "command": "mpsboost selftest"},
-        {"kind": "gate", "feature": "device_streams", "ok": True, "decided_by": "probed", "reason": "probed on mps: present", "probe": True},
+        {
+            "kind": "selftest",
+            "schema": SCHEMA,
+            "machine": machine,
+            "size": "quick",
+            "processes": 3,
+            "repeats": 3,
+            "budget_s": 480,
+            "duration_s": 412.0,
+            "date": "2026-12-02",
+            "command": "mpsboost selftest",
+        },
+        {
+            "kind": "gate",
+            "feature": "device_streams",
+            "ok": True,
+            "decided_by": "probed",
+            "reason": "probed on mps: present",
+            "probe": True,
+        },
         _probe("pad_rank5_65536", "pad_rank5_correct", "has the bug", ["pytorch#194922"]),
         _probe("fp8_cast", "float8_storage", "fixed", ["pytorch#194074"]),
         _probe("a_future_probe", None, "fixed", ["pytorch#200000"]),
@@ -76,17 +127,25 @@ def test_a_synthetic_mac_file_renders_the_tables(mac_results, tmp_path, capsys):
     folder.mkdir()
     _write(folder / "mpsboost-selftest-mps-2.15.0.jsonl", _machine())
     _write(folder / "mpsboost-selftest-mps-2.15.0-fake.jsonl", _machine(os="Linux", arch="x86_64"))  # rejected
-    _write(folder / "mpsboost-selftest-cpu-2.15.0.jsonl", _machine(device="cpu", os="Linux", arch="x86_64"))  # valid, not a Mac run
+    _write(
+        folder / "mpsboost-selftest-cpu-2.15.0.jsonl", _machine(device="cpu", os="Linux", arch="x86_64")
+    )  # valid, not a Mac run
     out = tmp_path / "docs" / "mac-results.md"
     assert mac_results.main(["--folder", str(folder), "--out", str(out)]) == 0
     text = out.read_text()
     assert "No results yet" not in text
     assert "| 1 | Apple M3 Max | 64 GB | 15.1 | 2.15.0 | 0.1.0 | quick | 3 | 2026-12-02 |" in text
     header = next(line for line in text.splitlines() if line.startswith("| # | pad_rank5_65536"))
-    assert header == "| # | pad_rank5_65536 | fp8_cast | a_future_probe |"  # known probes first, then new ones from the file
+    assert (
+        header == "| # | pad_rank5_65536 | fp8_cast | a_future_probe |"
+    )  # known probes first, then new ones from the file
     assert "| 1 | has the bug | fixed | fixed |" in text
     assert "1.50x (1.40-1.60, 3 processes)" in text and "not applicable" in text
-    assert "## Files left out" in text and "mpsboost-selftest-mps-2.15.0-fake.jsonl" in text and "claims device 'mps'" in text
+    assert (
+        "## Files left out" in text
+        and "mpsboost-selftest-mps-2.15.0-fake.jsonl" in text
+        and "claims device 'mps'" in text
+    )
     assert "mpsboost-selftest-cpu-2.15.0.jsonl`: a selftest on cpu, not on MPS" in text
     (folder / "mpsboost-selftest-cpu-2.15.0.jsonl").unlink()
     printed = capsys.readouterr()
@@ -97,7 +156,9 @@ def test_a_synthetic_mac_file_renders_the_tables(mac_results, tmp_path, capsys):
     assert "revisit gate feature 'pad_rank5_correct'" in text
     # --check: up to date -> 1 only because a file is rejected; stale -> 1
     (folder / "mpsboost-selftest-mps-2.15.0-fake.jsonl").unlink()
-    assert mac_results.main(["--folder", str(folder), "--out", str(out), "--check"]) == 1  # stale: the rejected file left
+    assert (
+        mac_results.main(["--folder", str(folder), "--out", str(out), "--check"]) == 1
+    )  # stale: the rejected file left
     assert mac_results.main(["--folder", str(folder), "--out", str(out)]) == 0
     assert mac_results.main(["--folder", str(folder), "--out", str(out), "--check"]) == 0
 

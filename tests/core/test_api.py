@@ -1,4 +1,5 @@
 """patch / unpatch / patched / plan machinery, exercised with test-only recipes."""
+
 from __future__ import annotations
 
 import threading
@@ -42,6 +43,7 @@ class _Scale(Recipe):
         type(self).calls += 1
         if self.fail_at is not None and type(self).calls == self.fail_at:
             raise RuntimeError("injected failure")
+
         def forward(mod, x):
             return 2 * original_forward(mod, "t_scale")(x)
 
@@ -100,7 +102,9 @@ def recipes():
 
 def _model() -> nn.Module:
     # Bias-free linears and ReLU are positively homogeneous: doubling each linear scales the output by 8.
-    return nn.Sequential(nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False)))
+    return nn.Sequential(
+        nn.Linear(8, 8, bias=False), nn.ReLU(), nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 4, bias=False))
+    )
 
 
 def _snapshot(m: nn.Module) -> dict:
@@ -492,6 +496,7 @@ def test_unpatch_after_patch_then_noop_repatch_undoes_the_first(recipes):
 
 # ------------------------------------------------------------------------------------------ typed plans
 
+
 def test_a_typed_plan_reaches_apply_and_the_report_shows_its_reported_fields():
     from dataclasses import dataclass, field
 
@@ -517,14 +522,14 @@ def test_a_typed_plan_reaches_apply_and_the_report_shows_its_reported_fields():
                 yield registry.Match(m.module, m.path, Found(m.module.out_features))
 
         def decide(self, match, env, options):
-            return Decision.apply("times factor", "test", plan=Plan(factor=3, seen=match.data.out_features),
-                                  extra="kept")
+            return Decision.apply(
+                "times factor", "test", plan=Plan(factor=3, seen=match.data.out_features), extra="kept"
+            )
 
         def apply(self, match, decision, env, options):
             applied.append(decision.plan)
             factor = decision.plan.factor
-            return bind_forward(match.module, self.name,
-                                lambda mod, x: factor * original_forward(mod, "t_typed")(x))
+            return bind_forward(match.module, self.name, lambda mod, x: factor * original_forward(mod, "t_typed")(x))
 
     registry.register(Typed)
     try:

@@ -1,4 +1,5 @@
 """`mpsboost doctor` and `mpsboost plan` as a user runs them: subprocesses on folders the test makes."""
+
 from __future__ import annotations
 
 import json
@@ -51,8 +52,16 @@ def model_folders(tmp_path_factory) -> dict[str, Path]:
 
     lm = root / "qwen3moe"
     Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
         architectures=["Qwen3MoeForCausalLM"],
     ).save_pretrained(lm)
 
@@ -60,12 +69,21 @@ def model_folders(tmp_path_factory) -> dict[str, Path]:
 
     pipe = root / "wanpipe"
     (pipe / "vae").mkdir(parents=True)
-    AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False]).save_config(pipe / "vae")
-    (pipe / "model_index.json").write_text(json.dumps({
-        "_class_name": "WanPipeline", "_diffusers_version": "0.42.1",
-        "vae": ["diffusers", "AutoencoderKLWan"], "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-        "tokenizer": ["transformers", "AutoTokenizer"], "transformer": [None, None],
-    }))
+    AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False]).save_config(
+        pipe / "vae"
+    )
+    (pipe / "model_index.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "WanPipeline",
+                "_diffusers_version": "0.42.1",
+                "vae": ["diffusers", "AutoencoderKLWan"],
+                "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+                "tokenizer": ["transformers", "AutoTokenizer"],
+                "transformer": [None, None],
+            }
+        )
+    )
     return {"lm": lm, "pipe": pipe}
 
 
@@ -101,12 +119,16 @@ def test_plan_names_the_file_and_the_problem(tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"architectures": ["Qwen3MoeForCausalLM"], ')
-    _one_line_user_error(_run("plan", str(broken), check=False), str(broken / "config.json"), "not valid JSON", "line 1")
+    _one_line_user_error(
+        _run("plan", str(broken), check=False), str(broken / "config.json"), "not valid JSON", "line 1"
+    )
 
     bad_value = tmp_path / "bad_value"
     bad_value.mkdir()
     (bad_value / "config.json").write_text(json.dumps({"_class_name": "AutoencoderKLWan", "dim_mult": 7}))
-    _one_line_user_error(_run("plan", str(bad_value), check=False), str(bad_value / "config.json"), "AutoencoderKLWan cannot be built")
+    _one_line_user_error(
+        _run("plan", str(bad_value), check=False), str(bad_value / "config.json"), "AutoencoderKLWan cannot be built"
+    )
 
     pipe = tmp_path / "pipe"
     (pipe / "vae").mkdir(parents=True)
@@ -189,12 +211,17 @@ def test_doctor_and_plan_say_which_path_an_fp8_checkpoint_takes(tmp_path, model_
     line_old = old.split(f"fp8 checkpoint {ck}:", 1)[1].strip()
     line_new = json.loads(new)["fp8_checkpoint"]
     assert "uint8" in line_old and "uint8" not in line_new, (line_old, line_new)
-    plan = _run("plan", str(model_folders["lm"]), "--device", "mps", "--torch", "2.14.1", "--fp8-checkpoint", str(ck)).stdout
+    plan = _run(
+        "plan", str(model_folders["lm"]), "--device", "mps", "--torch", "2.14.1", "--fp8-checkpoint", str(ck)
+    ).stdout
     assert line_old in plan
-    _one_line_user_error(_run("doctor", "--fp8-checkpoint", str(tmp_path / "nothing-here"), check=False), "nothing-here")
+    _one_line_user_error(
+        _run("doctor", "--fp8-checkpoint", str(tmp_path / "nothing-here"), check=False), "nothing-here"
+    )
 
 
 # ------------------------------------------------------------------------------------------ doctor: hub kernels
+
 
 def _fake_versions(monkeypatch, **installed):
     import importlib.metadata as md

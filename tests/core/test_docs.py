@@ -6,6 +6,7 @@ check that the committed text is the generated one, that a recipe registered lat
 that the statements written by hand next to the tables hold (the VAE recipes' numerical bound, which
 recipes are defaults as ``mpsboost doctor`` reports them), and that links and snippets are live.
 """
+
 from __future__ import annotations
 
 import ast
@@ -24,8 +25,13 @@ from mpsboost.registry import Decision, Recipe, all_recipes, register, unregiste
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 #: Every hand-written document a user reads.
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md", ROOT / "benchmarks" / "README.md",
-         ROOT / "src" / "mpsboost" / "recipes" / "README.md"]
+PAGES = [
+    README,
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "examples" / "README.md",
+    ROOT / "benchmarks" / "README.md",
+    ROOT / "src" / "mpsboost" / "recipes" / "README.md",
+]
 #: The bound the README and docs/usage.md state for the VAE recipes against stock (fp32, CPU).
 VAE_BOUND = 1e-5
 
@@ -50,6 +56,7 @@ def _rows(block: str) -> dict[str, list[str]]:
 
 # ------------------------------------------------------------------------------------ generated tables
 
+
 def test_readme_tables_are_the_generated_ones():
     text = README.read_text()
     assert _block(text, "support") == (docs.support_table() + "\n\n" + docs.samples_line()).strip()
@@ -64,12 +71,20 @@ def test_the_table_cells_are_what_plan_decides():
     from diffusers import AutoencoderKLHunyuanVideo, AutoencoderKLWan
 
     with torch.device("meta"):
-        wan = AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
-        hv = AutoencoderKLHunyuanVideo(block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4)
+        wan = AutoencoderKLWan(
+            base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        )
+        hv = AutoencoderKLHunyuanVideo(
+            block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4
+        )
     cells = docs.decide()
     for version in ("2.14.1", "2.15.0", "2.16.0.dev20261201"):
-        wan_rows = mpsboost.plan(wan, device="mps", torch_version=version, recipes=["wan_vae_pad"]).rows_for("wan_vae_pad")
-        hv_rows = mpsboost.plan(hv, device="mps", torch_version=version, recipes=["video_vae_pad"]).rows_for("video_vae_pad")
+        wan_rows = mpsboost.plan(wan, device="mps", torch_version=version, recipes=["wan_vae_pad"]).rows_for(
+            "wan_vae_pad"
+        )
+        hv_rows = mpsboost.plan(hv, device="mps", torch_version=version, recipes=["video_vae_pad"]).rows_for(
+            "video_vae_pad"
+        )
         wan_cell = cells[("wan_vae_pad", ("mps", version))]
         hv_cell = cells[("video_vae_pad", ("mps", version))]
         # The VAE recipe applies on every Mac build (speed from 2.15 on), video_vae_pad only before 2.15.
@@ -134,9 +149,13 @@ def test_selected_column_agrees_with_doctor(capsys):
 
 
 def test_headline_keeps_the_first_clause_and_an_opt_in():
-    reason = ("device streams: in torch 2.4 (a long aside that names several upstream changes, #1, #2, #3); "
-              "this is torch 2.15.0; slower here; opt in with options={'mps_streams': {'on_cuda': True}}")
-    assert docs.headline(reason) == "device streams: in torch 2.4; opt in with options={'mps_streams': {'on_cuda': True}}"
+    reason = (
+        "device streams: in torch 2.4 (a long aside that names several upstream changes, #1, #2, #3); "
+        "this is torch 2.15.0; slower here; opt in with options={'mps_streams': {'on_cuda': True}}"
+    )
+    assert (
+        docs.headline(reason) == "device streams: in torch 2.4; opt in with options={'mps_streams': {'on_cuda': True}}"
+    )
     assert docs.headline("short (pytorch#1)") == "short (pytorch#1)"
     long = "word " * 60
     out = docs.headline(long, limit=50)
@@ -146,7 +165,10 @@ def test_headline_keeps_the_first_clause_and_an_opt_in():
 
 # ------------------------------------------------------------------------------------ hand-written statements
 
-@pytest.mark.parametrize("name, shape", [("wan22_vae", {"frames": 3}), ("wan21_vae", {"frames": 3}), ("qwen_image_vae", {"frames": 1})])
+
+@pytest.mark.parametrize(
+    "name, shape", [("wan22_vae", {"frames": 3}), ("wan21_vae", {"frames": 3}), ("qwen_image_vae", {"frames": 1})]
+)
 def test_vae_recipes_stay_within_the_documented_bound(name, shape, rng_seed):
     """README and docs/usage.md: on torch 2.15+ the VAE recipes still apply, lossless but not bit-identical,
     within 1e-5 relative of stock in fp32 (summation order of the folded and 2-D convolutions; a
@@ -167,13 +189,19 @@ def test_vae_recipes_stay_within_the_documented_bound(name, shape, rng_seed):
 
 # ------------------------------------------------------------------------------------ form
 
+
 def test_readme_is_a_front_door():
     lines = README.read_text().splitlines()
     assert len(lines) <= 250, len(lines)
     text = "\n".join(lines)
     # No record-derived figures in the front door: those live in docs/figures.md.
     assert "NVIDIA H200;" not in text
-    for heading in ("## Mac quick start", "## What applies on my Mac and torch", "## Recipes", "## Workloads, one call each"):
+    for heading in (
+        "## Mac quick start",
+        "## What applies on my Mac and torch",
+        "## Recipes",
+        "## Workloads, one call each",
+    ):
         assert heading in lines, heading
     for link in ("docs/contributing.md", "docs/figures.md", "docs/support.md"):
         assert f"]({link})" in text, link
@@ -223,8 +251,11 @@ def _python_blocks(text: str) -> list[str]:
     return [textwrap.dedent(m.group(2)) for m in re.finditer(r"^( *)```python\n(.*?)^\1```", text, re.S | re.M)]
 
 
-@pytest.mark.parametrize("page", [README, ROOT / "docs" / "usage.md", ROOT / "docs" / "contributing.md", ROOT / "docs" / "fp8-checkpoints.md"],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "page",
+    [README, ROOT / "docs" / "usage.md", ROOT / "docs" / "contributing.md", ROOT / "docs" / "fp8-checkpoints.md"],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
 def test_snippets_parse_and_name_only_public_api(page):
     blocks = _python_blocks(page.read_text())
     assert blocks

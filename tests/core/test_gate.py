@@ -1,4 +1,5 @@
 """The version gate: parsing every version form, and verdicts for simulated environments."""
+
 from __future__ import annotations
 
 import datetime as dt
@@ -53,12 +54,28 @@ def test_pep440_trap_nightly_counts_as_its_own_minor():
 
 @pytest.mark.parametrize(
     "version, ok",
-    [("2.14.1", False), ("2.15.0", True), ("2.15.0a0+gitabc1234", True), ("2.15.0+cpu", True), ("2.16.0.dev20261101", True), ("2.13.0", False)],
+    [
+        ("2.14.1", False),
+        ("2.15.0", True),
+        ("2.15.0a0+gitabc1234", True),
+        ("2.15.0+cpu", True),
+        ("2.16.0.dev20261101", True),
+        ("2.13.0", False),
+    ],
 )
 def test_mps_215_features(version, ok):
     env = Env.simulate("mps", version)
-    for feat in ("pad_constant_native", "pad_rank5_correct", "grouped_mm", "float8_storage", "scaled_mm",
-                 "gemv_bias_epilogue", "linear_3d_fast", "softmax_native", "sdpa_broadcast"):
+    for feat in (
+        "pad_constant_native",
+        "pad_rank5_correct",
+        "grouped_mm",
+        "float8_storage",
+        "scaled_mm",
+        "gemv_bias_epilogue",
+        "linear_3d_fast",
+        "softmax_native",
+        "sdpa_broadcast",
+    ):
         v = check(feat, env)
         assert v.ok is ok, (feat, version, v.reason)
         if not ok:
@@ -82,7 +99,11 @@ def test_nightly_only_features_on_215_and_216():
 
 def test_nightly_merge_date(monkeypatch):
     merged = dt.date(2026, 10, 15)
-    feat = Feature("test_feature", "a test feature", {"mps": (Rule(since="2.16", nightly_only=True, merged=merged, upstream="pytorch#1"),)})
+    feat = Feature(
+        "test_feature",
+        "a test feature",
+        {"mps": (Rule(since="2.16", nightly_only=True, merged=merged, upstream="pytorch#1"),)},
+    )
     monkeypatch.setitem(gate.FEATURES, "test_feature", feat)
     before = check("test_feature", Env.simulate("mps", "2.16.0.dev20261014"))
     on = check("test_feature", Env.simulate("mps", "2.16.0.dev20261015"))
@@ -204,7 +225,15 @@ def test_nightlies_either_side_of_the_merge(feature, before, on, date):
 
 @pytest.mark.parametrize("feature", ["sdpa_large_scores_correct", "fp8_gemv", "histc_int"])
 def test_unfixed_entries_fail_on_every_mps_build(feature):
-    for tv in ("2.12.0", "2.13.0", "2.14.1", "2.15.0", "2.15.0a0+gitabc1234", "2.16.0.dev20261130", "2.17.0.dev20270101"):
+    for tv in (
+        "2.12.0",
+        "2.13.0",
+        "2.14.1",
+        "2.15.0",
+        "2.15.0a0+gitabc1234",
+        "2.16.0.dev20261130",
+        "2.17.0.dev20270101",
+    ):
         v = check(feature, Env.simulate("mps", tv))
         assert not v.ok and "not in any torch build" in v.reason, (feature, tv)
 
@@ -259,6 +288,7 @@ def test_feature_info_for_doctor():
 
 # ------------------------------------------------------------------------- probes
 
+
 def _real_mps(version: str) -> Env:
     """A not-simulated MPS environment (what Env.detect gives on a Mac), for fake probes."""
     return Env(torch_version=parse_torch_version(version), device_type="mps", device_name="fake Mac", simulated=False)
@@ -273,7 +303,9 @@ def fresh_probes():
 
 def _with_probe(monkeypatch, name, probe):
     feat = gate.FEATURES[name]
-    monkeypatch.setitem(gate.FEATURES, name, Feature(feat.name, feat.description, feat.rules, probe, feat.probe_decides))
+    monkeypatch.setitem(
+        gate.FEATURES, name, Feature(feat.name, feat.description, feat.rules, probe, feat.probe_decides)
+    )
 
 
 def test_probe_vetoes_a_nightly_the_table_lets_through(monkeypatch, fresh_probes):
@@ -371,7 +403,9 @@ def test_streams_probed_absent_without_torch_mps_stream(monkeypatch, fresh_probe
     assert not v.ok and v.decided_by == "probed" and "pytorch#191415" in v.reason
 
 
-@pytest.mark.parametrize("feature, attr", [("mps_compile_shader", "compile_shader"), ("mps_load_metallib", "load_metallib")])
+@pytest.mark.parametrize(
+    "feature, attr", [("mps_compile_shader", "compile_shader"), ("mps_load_metallib", "load_metallib")]
+)
 def test_metal_library_apis_are_probed_and_reported(monkeypatch, fresh_probes, feature, attr):
     import torch
 
@@ -399,7 +433,10 @@ def test_conv3d_entry_decides_what_the_qwen_single_frame_path_claims():
     from tiny_models import build
 
     vae = build("qwen_image_vae")
-    rows = {tv: mpsboost.plan(vae, device="mps", torch_version=tv, recipes=["qwen_image_vae"]).rows[0] for tv in ("2.13.0", "2.14.1", "2.15.0")}
+    rows = {
+        tv: mpsboost.plan(vae, device="mps", torch_version=tv, recipes=["qwen_image_vae"]).rows[0]
+        for tv in ("2.13.0", "2.14.1", "2.15.0")
+    }
     assert "conv3d is slow on this build" in rows["2.13.0"].reason and "pytorch#188802" in rows["2.13.0"].reason
     for tv in ("2.14.1", "2.15.0"):
         assert rows[tv].status == "would apply"
@@ -419,7 +456,11 @@ def test_doctor_shows_upstream_dates_conditions_and_decider(capsys):
     assert cli_main(["doctor", "--device", "mps", "--torch", "2.15.0", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     f = info["features"]["sdpa_large_scores_correct"]
-    assert f["available"] is False and f["decided_by"] == "by version" and f["rules"][0]["first_release"].startswith("none")
+    assert (
+        f["available"] is False
+        and f["decided_by"] == "by version"
+        and f["rules"][0]["first_release"].startswith("none")
+    )
     # the real CPU build: API/dtype features are confirmed by a probe
     gate.clear_probe_cache()
     assert cli_main(["doctor", "--json"]) == 0

@@ -1,5 +1,6 @@
 """`import mpsboost` stays light (neither diffusers nor transformers), and the package keeps its layers:
 the gate and patching are leaves, ops import nothing above the gate, recipes never the API, no import cycle."""
+
 from __future__ import annotations
 
 import subprocess
@@ -45,13 +46,24 @@ def test_ops_hold_tensor_functions_only():
                 if node.level >= 2 and parts[0] in forbidden_internal:
                     offenders.append(f"{path.name}: from {'.' * node.level}{node.module} import ...")
                 if node.level >= 2 and node.module is None:
-                    offenders += [f"{path.name}: from {'.' * node.level} import {a.name}" for a in node.names
-                                  if a.name in forbidden_internal]
+                    offenders += [
+                        f"{path.name}: from {'.' * node.level} import {a.name}"
+                        for a in node.names
+                        if a.name in forbidden_internal
+                    ]
                 if node.level == 0 and parts[0] in ("diffusers", "transformers", "mpsboost"):
                     offenders.append(f"{path.name}: from {node.module} import ...")
             elif isinstance(node, ast.Import):
-                offenders += [f"{path.name}: import {a.name}" for a in node.names if a.name.split(".")[0] in ("diffusers", "transformers")]
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(("diffusers.", "transformers.")):
+                offenders += [
+                    f"{path.name}: import {a.name}"
+                    for a in node.names
+                    if a.name.split(".")[0] in ("diffusers", "transformers")
+                ]
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value.startswith(("diffusers.", "transformers."))
+            ):
                 offenders.append(f"{path.name}: names {node.value!r}")
     assert not offenders, offenders
 
@@ -130,12 +142,20 @@ def test_import_graph_ops_stay_below_registry_and_recipes():
     graph = _import_graph()
     ops = [m for m in graph if m.startswith("mpsboost.ops.")]
     assert len(ops) >= 10
-    offenders = [f"{m} -> {d}" for m in ops for d in graph[m]
-                 if d == "mpsboost.registry" or d == "mpsboost.recipes" or d.startswith("mpsboost.recipes.")
-                 or d in ("mpsboost.api", "mpsboost.checkpoints", "mpsboost.recipes.fp8.formats")]
+    offenders = [
+        f"{m} -> {d}"
+        for m in ops
+        for d in graph[m]
+        if d == "mpsboost.registry"
+        or d == "mpsboost.recipes"
+        or d.startswith("mpsboost.recipes.")
+        or d in ("mpsboost.api", "mpsboost.checkpoints", "mpsboost.recipes.fp8.formats")
+    ]
     assert not offenders, offenders
     # The shared fp8 helpers are neutral too: neither registry nor recipes.
-    assert not (graph["mpsboost.recipes.fp8.layers"] & {"mpsboost.registry", "mpsboost.recipes", "mpsboost.checkpoints"})
+    assert not (
+        graph["mpsboost.recipes.fp8.layers"] & {"mpsboost.registry", "mpsboost.recipes", "mpsboost.checkpoints"}
+    )
 
 
 def test_import_graph_sees_function_level_imports():
@@ -208,6 +228,7 @@ def test_cycle_finder_sees_a_cycle_through_function_level_imports():
 
 # ------------------------------------------------------------------------------------------ layering
 
+
 def _group(mod: str) -> str:
     """The layer a module belongs to: its subpackage (``ops``, ``recipes``, ``bench``, ``selftest``) or
     its own name (``gate``, ``registry``, ``api``, ...); the package itself is ``mpsboost``."""
@@ -266,9 +287,13 @@ def test_layers_import_only_what_lies_below_them():
 def test_the_layering_check_sees_a_violation():
     """The check above could pass by seeing nothing: each of these edges put into the real graph (a recipe
     importing the API, ops the registry, the gate anything, bench a recipe) is reported, and only it."""
-    for mod, dep in (("mpsboost.recipes.softmax", "mpsboost.api"), ("mpsboost.ops.moe", "mpsboost.registry"),
-                     ("mpsboost.gate", "mpsboost.tuning"), ("mpsboost.bench.cli", "mpsboost.recipes.softmax"),
-                     ("mpsboost.patching", "mpsboost.gate")):
+    for mod, dep in (
+        ("mpsboost.recipes.softmax", "mpsboost.api"),
+        ("mpsboost.ops.moe", "mpsboost.registry"),
+        ("mpsboost.gate", "mpsboost.tuning"),
+        ("mpsboost.bench.cli", "mpsboost.recipes.softmax"),
+        ("mpsboost.patching", "mpsboost.gate"),
+    ):
         graph = {k: set(v) for k, v in _import_graph().items()}
         assert mod in graph and dep in graph and dep not in graph[mod]
         graph[mod].add(dep)
@@ -281,6 +306,10 @@ def test_recipes_never_reach_the_api():
     graph = _import_graph()
     recipes = [m for m in graph if _group(m) == "recipes"]
     assert len(recipes) >= 10
-    reached = [f"{' -> '.join(p)}" for m in recipes for goal in ("mpsboost.api", "mpsboost.checkpoints")
-               if (p := _reaches(graph, m, goal))]
+    reached = [
+        f"{' -> '.join(p)}"
+        for m in recipes
+        for goal in ("mpsboost.api", "mpsboost.checkpoints")
+        if (p := _reaches(graph, m, goal))
+    ]
     assert not reached, reached

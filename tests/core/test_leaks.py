@@ -11,6 +11,7 @@ to its own key).
 
 The slow group checks resident memory over 20 build + patch + run + del cycles of a small MoE model.
 """
+
 from __future__ import annotations
 
 import gc
@@ -45,8 +46,11 @@ def _cases() -> list[tuple[str, str, str]]:
     for recipe in all_recipes():
         for model in tm.covering(recipe):  # the first tiny model it applies to somewhere
             obj = tm._probe(model)
-            found = [(recipe.name, model, label) for label, env in tm.candidate_envs(runnable_on_cpu=True)
-                     if mpsboost.plan(obj, recipes=[recipe.name], env=env, fp8=tm.fp8_for(recipe)).recipes("would apply")]
+            found = [
+                (recipe.name, model, label)
+                for label, env in tm.candidate_envs(runnable_on_cpu=True)
+                if mpsboost.plan(obj, recipes=[recipe.name], env=env, fp8=tm.fp8_for(recipe)).recipes("would apply")
+            ]
             if found:
                 cases += found
                 break
@@ -83,9 +87,15 @@ def test_a_dropped_patched_model_is_freed(recipe, model, label):
     _assert_freed(refs, f"{recipe} on {model} ({label})")
 
 
-@pytest.mark.parametrize("model,tv", [("qwen3_moe", "2.15.0"), ("qwen3_moe", "2.14.1"),
-                                      pytest.param("mixtral", "2.15.0", marks=pytest.mark.slow),
-                                      pytest.param("gpt_oss", "2.14.1", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "model,tv",
+    [
+        ("qwen3_moe", "2.15.0"),
+        ("qwen3_moe", "2.14.1"),
+        pytest.param("mixtral", "2.15.0", marks=pytest.mark.slow),
+        pytest.param("gpt_oss", "2.14.1", marks=pytest.mark.slow),
+    ],
+)
 def test_default_patch_and_fp8_with_mac_decisions_free_the_model(model, tv):
     for fp8 in (None, "rowwise"):
         obj = tm.build(model)
@@ -141,9 +151,20 @@ def _small_moe():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     # About 15 MiB of fp32 weights (3.8 M parameters): large enough that keeping one per cycle shows.
-    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, intermediate_size=256, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=2,
-                         max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(
+        vocab_size=512,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=16,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return Qwen3MoeForCausalLM(cfg).eval()
 
 
@@ -154,6 +175,7 @@ def test_resident_memory_stays_flat_over_20_cycles():
     cycle would add 20 x 15 MiB = 300 MiB; the bound, 60 MiB over the level after 3 warm-up cycles,
     leaves room for the allocator's and torch's own caches (which level off after the first cycles) and
     is a fifth of that growth. (The 0.1.0 leak grew it by one model per cycle: 357 -> 623 MiB over 5.)"""
+
     def cycle() -> weakref.ref:
         model = _small_moe()
         assert sum(p.numel() for p in model.parameters()) > 3_000_000

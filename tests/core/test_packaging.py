@@ -11,10 +11,12 @@ of ``wheel[all]`` then proves that its requirements and every extra resolve agai
 
 The README's test command and ``.ci/run`` are checked to be the same command (not slow).
 """
+
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -26,8 +28,24 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-PUBLIC = ("patch", "unpatch", "patched", "plan", "last_report", "save_fp8", "load_fp8", "Env", "check",
-          "PatchReport", "Recipe", "register", "recipe_names", "MpsboostError", "PatchError", "UnsupportedTargetError")
+PUBLIC = (
+    "patch",
+    "unpatch",
+    "patched",
+    "plan",
+    "last_report",
+    "save_fp8",
+    "load_fp8",
+    "Env",
+    "check",
+    "PatchReport",
+    "Recipe",
+    "register",
+    "recipe_names",
+    "MpsboostError",
+    "PatchError",
+    "UnsupportedTargetError",
+)
 
 IMPORT_PROBE = """
 import json, sys, time
@@ -43,7 +61,9 @@ print(json.dumps({{"torch_s": t1 - t0, "mpsboost_s": t2 - t1, "mpsboost_cpu_s": 
 
 def _run(cmd: list[str], *, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -60,7 +80,7 @@ def _readme_test_command() -> str:
     assert len(lines) == 1, f"README.md should hold exactly one fresh-machine test command, found {lines}"
     prefix = "python3 -m venv .venv && . .venv/bin/activate && "
     assert lines[0].startswith(prefix), lines[0]
-    return lines[0][len(prefix):]
+    return lines[0][len(prefix) :]
 
 
 def test_ci_runs_the_readme_test_command_verbatim():
@@ -107,9 +127,15 @@ def _venv_reusing_this_environment(venv_dir: Path) -> str:
     """A fresh venv whose interpreter also sees this environment's site-packages (torch among them)."""
     venv.EnvBuilder(with_pip=True, clear=True).create(venv_dir)
     py = str(venv_dir / "bin" / "python")
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    here = sorted({str(Path(torch.__file__).resolve().parents[1])} | {p for p in sys.path if p.endswith("site-packages")})
+    site = subprocess.run(
+        [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    here = sorted(
+        {str(Path(torch.__file__).resolve().parents[1])} | {p for p in sys.path if p.endswith("site-packages")}
+    )
     # Appended after the venv's own site-packages: the wheel installed there wins over an editable
     # mpsboost of this environment.
     (Path(site) / "_reuse_test_environment.pth").write_text("\n".join(here) + "\n")
@@ -120,7 +146,14 @@ def _venv_reusing_this_environment(venv_dir: Path) -> str:
 def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_property):
     env = _clean_env()
     dist = tmp_path / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(ROOT), "-w", str(dist)], env=env)
+    # Built from a copy of what a release is made of: an in-tree build reuses setuptools' build/ folder of
+    # an earlier build, and modules moved or deleted since would ride along in the wheel.
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, tree / name)
+    shutil.copytree(ROOT / "src", tree / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", str(tree), "-w", str(dist)], env=env)
     wheels = list(dist.glob("mpsboost-*.whl"))
     assert len(wheels) == 1, wheels
     wheel = wheels[0]
@@ -128,7 +161,13 @@ def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_proper
 
     names = zipfile.ZipFile(wheel).namelist()
     assert any(n.startswith("mpsboost/recipes/") for n in names) and "mpsboost/cli.py" in names
-    assert not any(n.startswith(("tests/", "examples/", "benchmarks/")) for n in names), "test or cookbook files in the wheel"
+    # Every module of the source is in the wheel (subpackages such as recipes/fp8 and recipes/vae too), and
+    # nothing else is.
+    source = {p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src" / "mpsboost").rglob("*.py")}
+    assert source == {n for n in names if n.endswith(".py")}
+    assert not any(n.startswith(("tests/", "examples/", "benchmarks/")) for n in names), (
+        "test or cookbook files in the wheel"
+    )
 
     venv_dir = tmp_path / "venv"
     py = _venv_reusing_this_environment(venv_dir)
@@ -139,9 +178,24 @@ def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_proper
 
     # Every requirement and every extra resolves against what is present: nothing to fetch for torch.
     report_path = tmp_path / "resolve.json"
-    _run([py, "-m", "pip", "install", "-q", "--dry-run", "--report", str(report_path), f"mpsboost[all] @ {wheel.as_uri()}"], env=env)
+    _run(
+        [
+            py,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--dry-run",
+            "--report",
+            str(report_path),
+            f"mpsboost[all] @ {wheel.as_uri()}",
+        ],
+        env=env,
+    )
     to_install = {item["metadata"]["name"].lower() for item in json.loads(report_path.read_text())["install"]}
-    torch_family = {n for n in to_install if n in ("torch", "triton") or (n.startswith("nvidia-") and n != "nvidia-ml-py")}
+    torch_family = {
+        n for n in to_install if n in ("torch", "triton") or (n.startswith("nvidia-") and n != "nvidia-ml-py")
+    }
     assert not torch_family, f"pip would resolve torch again: {sorted(to_install)}"
     print("resolving mpsboost[all] against this environment would add: " + (", ".join(sorted(to_install)) or "nothing"))
 
@@ -157,21 +211,25 @@ def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_proper
     assert not probe["heavy"], f"import mpsboost imported {probe['heavy']}"
     assert [r["name"] for r in info["recipes"]] == probe["recipes"] and len(probe["recipes"]) >= 1
     # The wheel has no benchmarks: `mpsboost bench` says where they live, in one line.
-    bench = subprocess.run([cli, "bench", "moe_experts"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    bench = subprocess.run(
+        [cli, "bench", "moe_experts"], capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path
+    )
     assert bench.returncode == 2 and "not part of the installed package" in bench.stderr, bench.stderr
     checks = {
         "diffusers": "import mpsboost, diffusers, torch; from diffusers import AutoencoderKLWan as A; "
-                     "v = A(base_dim=3, z_dim=16, dim_mult=[1,1,1,1], num_res_blocks=1, temperal_downsample=[False,True,True]); "
-                     "r = mpsboost.plan(v, device='mps', torch_version='2.14.1'); assert r.rows, r; print(len(r.applied))",
+        "v = A(base_dim=3, z_dim=16, dim_mult=[1,1,1,1], num_res_blocks=1, temperal_downsample=[False,True,True]); "
+        "r = mpsboost.plan(v, device='mps', torch_version='2.14.1'); assert r.rows, r; print(len(r.applied))",
         "transformers": "import mpsboost, transformers, torch; from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM as M; "
-                        "m = M(Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, "
-                        "num_key_value_heads=1, head_dim=16, intermediate_size=32, moe_intermediate_size=16, num_experts=4, "
-                        "num_experts_per_tok=2)); r = mpsboost.patch(m); assert r.rows; mpsboost.unpatch(m) if r.applied else None",
+        "m = M(Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, "
+        "num_key_value_heads=1, head_dim=16, intermediate_size=32, moe_intermediate_size=16, num_experts=4, "
+        "num_experts_per_tok=2)); r = mpsboost.patch(m); assert r.rows; mpsboost.unpatch(m) if r.applied else None",
     }
     for check in checks.values():
         _run([py, "-c", check], env=env, timeout=300)
-    line = (f"import torch {probe['torch_s']:.2f} s, then import mpsboost {probe['mpsboost_s'] * 1000:.0f} ms "
-            f"({probe['mpsboost_cpu_s'] * 1000:.0f} ms of CPU)")
+    line = (
+        f"import torch {probe['torch_s']:.2f} s, then import mpsboost {probe['mpsboost_s'] * 1000:.0f} ms "
+        f"({probe['mpsboost_cpu_s'] * 1000:.0f} ms of CPU)"
+    )
     print("fresh-venv import times: " + line)
     record_property("import_times", line)
     # `import mpsboost` after torch stays light: no diffusers/transformers, well under a second. The bound

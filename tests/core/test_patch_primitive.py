@@ -4,6 +4,7 @@ Each helper's undo restores the very same original objects (``is``); a failure p
 multi-change patch rolls back every earlier change; and no code of the package but patching.py changes a
 module by itself (a scan of the sources, with an allow-list that says why for each exception).
 """
+
 from __future__ import annotations
 
 import ast
@@ -38,6 +39,7 @@ from mpsboost.patching import (
 
 
 # ------------------------------------------------------------------------------- each helper
+
 
 def test_bind_forward_restores_the_same_forward():
     lin = torch.nn.Linear(4, 3)
@@ -202,13 +204,15 @@ def test_relayout_param_keeps_the_parameter_and_values():
 def test_replace_at_commit_keeps_the_original_until_commit():
     lin = torch.nn.Linear(4, 3)
     w = lin.weight
-    p = replace_at_commit(lin, ["weight"], lambda n, t: {n: t.detach().half(), n + "_scale": torch.ones(())},
-                          explanation="reload it")
+    p = replace_at_commit(
+        lin, ["weight"], lambda n, t: {n: t.detach().half(), n + "_scale": torch.ones(())}, explanation="reload it"
+    )
     assert lin.weight is w and not p.reversible and p.explanation == "reload it"
     p()  # a rollback before commit: the very same parameter
     assert lin.weight is w
-    p2 = replace_at_commit(lin, ["weight"], lambda n, t: {n: t.detach().half(), n + "_scale": torch.ones(())},
-                           explanation="reload it")
+    p2 = replace_at_commit(
+        lin, ["weight"], lambda n, t: {n: t.detach().half(), n + "_scale": torch.ones(())}, explanation="reload it"
+    )
     p2.commit()
     assert "weight" in lin._buffers and "weight" not in lin._parameters
     assert lin.weight.dtype == torch.float16 and "weight_scale" in lin._buffers
@@ -222,10 +226,14 @@ def test_chain_commit_error_undoes_every_part_and_reports():
         raise MemoryError("no room")
 
     seen = []
-    p = Patch.chain([bind_forward(lin, "t_chain", lambda self, x: x),
-                     replace_at_commit(lin, ["weight"], fail, explanation="reload"),
-                     at_commit(lambda: seen.append("converted"), "after")],
-                    on_commit_error=seen.append)
+    p = Patch.chain(
+        [
+            bind_forward(lin, "t_chain", lambda self, x: x),
+            replace_at_commit(lin, ["weight"], fail, explanation="reload"),
+            at_commit(lambda: seen.append("converted"), "after"),
+        ],
+        on_commit_error=seen.append,
+    )
     assert not p.reversible
     p.commit()
     assert isinstance(seen[0], MemoryError) and "converted" not in seen
@@ -234,6 +242,7 @@ def test_chain_commit_error_undoes_every_part_and_reports():
 
 
 # ------------------------------------------------------------------------------- rollback in a transaction
+
 
 def test_changes_rolls_back_earlier_changes_on_a_failure_part_way():
     class Cfg:
@@ -302,8 +311,12 @@ def test_irreversible_patch_unpatch_shows_its_explanation():
             return Decision.apply("test", "test")
 
         def apply(self, match, decision, env, options):
-            return replace_at_commit(match.module, ["weight"], lambda n, t: {n: t.detach().clone()},
-                                     explanation="load the t_convert checkpoint again")
+            return replace_at_commit(
+                match.module,
+                ["weight"],
+                lambda n, t: {n: t.detach().clone()},
+                explanation="load the t_convert checkpoint again",
+            )
 
     registry.register(Convert)
     try:
@@ -323,11 +336,31 @@ def test_irreversible_patch_unpatch_shows_its_explanation():
 _PACKAGE = Path(mpsboost.__file__).parent
 # Where a torch module keeps what a patch changes: its forward (an instance attribute, or accelerate's
 # slot inside its hook), its class, and the containers Module.__setattr__ writes.
-_STATE_ATTRS = {"forward", "_old_forward", "__class__", "__dict__", "_parameters", "_buffers", "_modules",
-                "_non_persistent_buffers_set", "_forward_hooks", "_forward_pre_hooks"}
+_STATE_ATTRS = {
+    "forward",
+    "_old_forward",
+    "__class__",
+    "__dict__",
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_non_persistent_buffers_set",
+    "_forward_hooks",
+    "_forward_pre_hooks",
+}
 _CONTAINERS = _STATE_ATTRS - {"forward", "_old_forward", "__class__"}
-_MUTATORS = {"update", "pop", "popitem", "setdefault", "clear", "__setitem__", "__delitem__", "add", "discard",
-             "remove"}
+_MUTATORS = {
+    "update",
+    "pop",
+    "popitem",
+    "setdefault",
+    "clear",
+    "__setitem__",
+    "__delitem__",
+    "add",
+    "discard",
+    "remove",
+}
 _SETATTR_CALLS = {"setattr", "delattr", "object.__setattr__", "object.__delattr__"}
 _REGISTER_METHODS = {"register_buffer", "register_parameter", "register_module", "add_module", "register"}
 _MODULE_ITERATORS = {"modules", "named_modules", "children", "named_children"}
@@ -342,16 +375,21 @@ _ALLOWED: dict[tuple[str, str | None], str] = {
     ("api.py", None): "patch()'s own records on the patched object, not a change to a module",
     # The VidTok causal conv keeps its frame cache on the module at run time, as the stock forward does.
     ("ops/pad5d.py", "module.causal_cache = x.clone()"): "the stock forward's own run-time cache",
-    ("ops/pad5d.py", "module.causal_cache = x[:, :, :-module.cache_offset].clone()"):
-        "the stock forward's own run-time cache",
+    (
+        "ops/pad5d.py",
+        "module.causal_cache = x[:, :, :-module.cache_offset].clone()",
+    ): "the stock forward's own run-time cache",
     # A copy of a function (new globals) gets the original's attributes, as functools.update_wrapper does.
     ("recipes/_hf_sample.py", "new.__dict__.update(fn.__dict__)"): "a function's attributes, no module",
 }
 
 
 def _recipe_classes(tree: ast.Module) -> set[str]:
-    return {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
-            and any(isinstance(b, ast.Name) and b.id == "Recipe" for b in n.bases)}
+    return {
+        n.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and any(isinstance(b, ast.Name) and b.id == "Recipe" for b in n.bases)
+    }
 
 
 def _scopes(tree: ast.Module) -> list[ast.AST]:
@@ -463,7 +501,8 @@ def _offences(path: Path, rel: str | None = None) -> list[str]:
                             aliases.add(t.id)
                         # x.module, and what hangs off an evident module (its config, its submodules)
                         if isinstance(node.value, (ast.Attribute, ast.Subscript)) and (
-                                evident_module(node.value) or _chain_names(node.value)[:1] == ["module"]):
+                            evident_module(node.value) or _chain_names(node.value)[:1] == ["module"]
+                        ):
                             modules.add(t.id)
             elif isinstance(node, (ast.For, ast.comprehension)):
                 it = node.iter
@@ -503,8 +542,9 @@ def _offences(path: Path, rel: str | None = None) -> list[str]:
             first = node.args[0] if node.args else None
             if name in ("Patch", "patching.Patch", "mpsboost.patching.Patch"):
                 offend(node)
-            elif name in _SETATTR_CALLS or (isinstance(node.func, ast.Attribute)
-                                            and node.func.attr in ("__setattr__", "__delattr__")):
+            elif name in _SETATTR_CALLS or (
+                isinstance(node.func, ast.Attribute) and node.func.attr in ("__setattr__", "__delattr__")
+            ):
                 receiver = node.func.value if name.endswith(("super().__setattr__", "super().__delattr__")) else first
                 if not (receiver is not None and is_self(receiver, node)):
                     offend(node)
@@ -523,7 +563,12 @@ def test_the_package_changes_modules_only_through_patching_helpers():
     """Every file of src/mpsboost but patching.py (recipes, API, checkpoints, ops, bench, CLI, ...)."""
     files = sorted(f for f in _PACKAGE.rglob("*.py") if f != _PACKAGE / "patching.py")
     rels = {f.relative_to(_PACKAGE).as_posix() for f in files}
-    assert len(files) >= 40 and "recipes/fp8/formats.py" in rels and "ops/sampling.py" in rels and "recipes/_hf_sample.py" in rels
+    assert (
+        len(files) >= 40
+        and "recipes/fp8/formats.py" in rels
+        and "ops/sampling.py" in rels
+        and "recipes/_hf_sample.py" in rels
+    )
     _used.clear()
     offences = [o for f in files for o in _offences(f, f.relative_to(_PACKAGE).as_posix())]
     assert not offences, "code that changes a module without a helper of mpsboost.patching:\n" + "\n".join(offences)
@@ -602,8 +647,11 @@ def test_only_patching_names_the_per_module_store():
             continue
         tree = ast.parse(f.read_text(), filename=str(f))
         for node in ast.walk(tree):
-            imports = isinstance(node, ast.ImportFrom) and (node.module or "").endswith("patching") and any(
-                a.name == "ATTR" for a in node.names)
+            imports = (
+                isinstance(node, ast.ImportFrom)
+                and (node.module or "").endswith("patching")
+                and any(a.name == "ATTR" for a in node.names)
+            )
             spelled = isinstance(node, ast.Constant) and node.value == patching.ATTR
             if imports or spelled:
                 found.add(rel)

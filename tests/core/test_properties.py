@@ -11,6 +11,7 @@ Kept small for a 2-core CI: a few examples per (recipe, model), the whole file w
 Hypothesis runs derandomized: the drawn examples are fixed by the code, not by the run, so a failure
 reproduces and a pass is not luck (randomness is not what these tests are about).
 """
+
 from __future__ import annotations
 
 import copy
@@ -57,7 +58,9 @@ def tolerance(name: str, dtype: str) -> float:
     if name in TOLERANCE:
         return TOLERANCE[name][dtype]
     if not recipe.lossless:
-        pytest.fail(f"{name} is lossy and has no tolerance in tests/core/test_properties.py TOLERANCE; add its stated one")
+        pytest.fail(
+            f"{name} is lossy and has no tolerance in tests/core/test_properties.py TOLERANCE; add its stated one"
+        )
     return LOSSLESS[dtype]
 
 
@@ -65,8 +68,11 @@ def _cases() -> list[tuple[str, str]]:
     """(recipe, tiny model): up to two standalone models per recipe where it applies on CPU tensors."""
     out = []
     for name, recipe in RECIPES.items():
-        found = [n for n in tm.covering(recipe) if tm.TINY[n].kind != "pipeline"
-                 and tm.applying_env(recipe, tm._probe(n), runnable_on_cpu=True)]
+        found = [
+            n
+            for n in tm.covering(recipe)
+            if tm.TINY[n].kind != "pipeline" and tm.applying_env(recipe, tm._probe(n), runnable_on_cpu=True)
+        ]
         out += [(name, n) for n in found[:2]]
     return out
 
@@ -114,15 +120,22 @@ def _property(name: str, model_name: str, data, seed: int) -> None:
     assert torch.isfinite(ref).all()
     err = tm.relative_error(out, ref)
     tol = tolerance(name, dtype)
-    assert err <= tol, f"{name} on {model_name} ({label}, {n} targets), shape {shape}, seed {seed}: relative error {err:.3g} > {tol:g}"
+    assert err <= tol, (
+        f"{name} on {model_name} ({label}, {n} targets), shape {shape}, seed {seed}: relative error {err:.3g} > {tol:g}"
+    )
 
 
 @pytest.mark.parametrize("name,model_name", CASES, ids=[f"{a}-{b}" for a, b in CASES])
 def test_patched_equals_stock(name, model_name):
     examples = EXAMPLES_BY_KIND.get(tm.TINY[model_name].kind, EXAMPLES)
 
-    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-              suppress_health_check=[HealthCheck.too_slow])
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
     @given(data=st.data(), seed=st.integers(0, 2**31 - 1))
     def check(data, seed):
         _property(name, model_name, data, seed)
@@ -130,7 +143,9 @@ def test_patched_equals_stock(name, model_name):
     check()
 
 
-@pytest.mark.parametrize("name,model_name", CASES[:0] + [c for c in CASES if RECIPES[c[0]].reversible], ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "name,model_name", CASES[:0] + [c for c in CASES if RECIPES[c[0]].reversible], ids=lambda v: str(v)
+)
 def test_unpatch_gives_stock_outputs_and_forwards_back(name, model_name):
     """After unpatch the very same model computes exactly what it did before patching."""
     recipe = RECIPES[name]

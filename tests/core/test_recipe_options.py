@@ -1,6 +1,7 @@
 """Typed per-recipe options: each recipe declares a frozen dataclass, api checks the user's dict against
 it (unknown key or wrong type: a TypeError naming the recipe, the key and what is accepted), and the
 recipe receives an instance; ``fp8=`` is sugar for the fp8_weights recipe's option."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,17 @@ def test_every_recipe_declares_frozen_options_or_none():
             setattr(inst, dataclasses.fields(cls)[0].name, None)
     assert get_recipe("fp8_weights").keyword == "fp8"
     assert {r.name for r in all_recipes() if r.Options is not None} >= {
-        "decode_linear", "softmax", "moe_experts", "fp8_weights", "wan_vae_pad", "qwen_image_vae", "attention_split",
-        "metal_attention", "video_vae_pad", "mps_streams"}
+        "decode_linear",
+        "softmax",
+        "moe_experts",
+        "fp8_weights",
+        "wan_vae_pad",
+        "qwen_image_vae",
+        "attention_split",
+        "metal_attention",
+        "video_vae_pad",
+        "mps_streams",
+    }
 
 
 def test_unknown_key_is_a_type_error_naming_recipe_key_and_accepted():
@@ -46,7 +56,11 @@ def test_wrong_type_is_a_type_error_naming_the_type_taken():
     model = tm.build("qwen3_moe")
     cases = [
         ("decode_linear", {"cuda_eager": "yes"}, "cuda_eager='yes' has type str; cuda_eager takes bool"),
-        ("moe_experts", {"batched_max_tokens": True}, "batched_max_tokens=True has type bool; batched_max_tokens takes int | None"),
+        (
+            "moe_experts",
+            {"batched_max_tokens": True},
+            "batched_max_tokens=True has type bool; batched_max_tokens takes int | None",
+        ),
         ("moe_experts", {"batched_max_tokens": 2.5}, "takes int | None"),
         ("fp8_weights", {"include": 3}, "include=3 has type int"),
         ("attention_split", {"max_scores": "big"}, "max_scores takes int"),
@@ -88,7 +102,9 @@ class _Opts(Recipe):
 
     def apply(self, match, decision, env, options):
         s = options.scale
-        return patching.bind_forward(match.module, self.name, lambda self_, x: patching.call_original(self_, "t_opts", x) * s)
+        return patching.bind_forward(
+            match.module, self.name, lambda self_, x: patching.call_original(self_, "t_opts", x) * s
+        )
 
 
 def test_options_reach_the_recipe_as_its_dataclass():

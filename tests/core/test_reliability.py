@@ -10,6 +10,7 @@
 Recipes are discovered from the registry, and the tiny models that hold their targets from each
 recipe's own ``find`` (tests/tiny_models.py), so a recipe that lands later is covered as it is.
 """
+
 from __future__ import annotations
 
 import collections
@@ -46,6 +47,7 @@ def test_every_registered_recipe_has_a_tiny_model():
 
 
 # ---------------------------------------------------------------------------------- fault injection
+
 
 class _Injected(RuntimeError):
     pass
@@ -99,7 +101,9 @@ def test_failure_at_every_position_leaves_everything_as_before(name):
                 del recipe.apply
             err = info.value
             assert err.recipe == name, f"{model_name} ({label}), k={k}: error names {err.recipe}"
-            assert err.target == paths[k - 1], f"{model_name} ({label}), k={k}: error names {err.target}, expected {paths[k - 1]}"
+            assert err.target == paths[k - 1], (
+                f"{model_name} ({label}), k={k}: error names {err.target}, expected {paths[k - 1]}"
+            )
             assert isinstance(err.__cause__, _Injected)
             diff = tm.diff_snapshot(before, tm.snapshot(obj))
             assert not diff, f"{model_name} ({label}): failure at target {k}/{n} left changes: {diff[:5]}"
@@ -117,6 +121,7 @@ def test_failure_at_every_position_leaves_everything_as_before(name):
 
 
 # ---------------------------------------------------------------------------------- 1,000 cycles
+
 
 def _rss() -> int:
     from mpsboost.bench.memory import process_rss_bytes
@@ -167,10 +172,14 @@ def test_1000_patch_unpatch_cycles_do_not_grow_objects_or_memory(record_property
     objs1 = _objects()
     rss1 = _rss()
     grew_objects, grew_rss = sum(objs1.values()) - sum(objs0.values()), rss1 - rss0
-    grew_types = sorted(((k, objs1[k] - objs0[k]) for k in objs1 | objs0 if objs1[k] != objs0[k]), key=lambda kv: -abs(kv[1]))[:8]
-    figures = (f"1000 cycles of {', '.join(names)} ({n_applied} patches each, {label}): {seconds:.2f} s ({seconds:.2f} ms/cycle); "
-               f"gc objects {sum(objs0.values())} -> {sum(objs1.values())} ({grew_objects:+d}: {grew_types}); RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB "
-               f"({grew_rss / 2**20:+.2f} MiB)")
+    grew_types = sorted(
+        ((k, objs1[k] - objs0[k]) for k in objs1 | objs0 if objs1[k] != objs0[k]), key=lambda kv: -abs(kv[1])
+    )[:8]
+    figures = (
+        f"1000 cycles of {', '.join(names)} ({n_applied} patches each, {label}): {seconds:.2f} s ({seconds:.2f} ms/cycle); "
+        f"gc objects {sum(objs0.values())} -> {sum(objs1.values())} ({grew_objects:+d}: {grew_types}); RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB "
+        f"({grew_rss / 2**20:+.2f} MiB)"
+    )
     print(figures)
     record_property("cycles", figures)
     # A leak of one object per cycle would show as +1000; allow a little noise from interpreter caches.
@@ -181,6 +190,7 @@ def test_1000_patch_unpatch_cycles_do_not_grow_objects_or_memory(record_property
 
 
 # ---------------------------------------------------------------------------------- bad inputs
+
 
 def _lm():
     return tm.build("qwen3_moe")
@@ -201,23 +211,38 @@ def test_non_module_inputs_are_refused_by_name():
 def test_real_pipeline_without_modules_is_refused():
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
-    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(), transformer=None)
+    pipe = WanPipeline(
+        tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(), transformer=None
+    )
     with pytest.raises(UnsupportedTargetError, match="no torch.nn.Module"):
         mpsboost.patch(pipe)
     with pytest.raises(UnsupportedTargetError):
         mpsboost.plan(pipe)
 
 
-@pytest.mark.parametrize("kw,err,words", [
-    (dict(recipes=[NAMES[0] + "x"]), UnknownRecipeError, [repr(NAMES[0])]),
-    (dict(exclude=["no_such_recipe"]), UnknownRecipeError, NAMES[:1]),
-    (dict(options={"no_such_recipe": {}}), UnknownRecipeError, NAMES[:1]),
-    (dict(fp8="blockwise"), ValueError, ["rowwise", "tensorwise", "blockwise"]),
-    (dict(fp8="ROWWISE"), ValueError, ["rowwise"]),
-    (dict(fp8=True), ValueError, ["rowwise"]),
-    (dict(strict=1), TypeError, ["strict"]),
-    (dict(recipes="decode_linear, softmax"), UnknownRecipeError, []),
-], ids=["recipe-typo", "exclude-unknown", "options-unknown", "fp8-blockwise", "fp8-case", "fp8-bool", "strict-int", "recipes-one-string"])
+@pytest.mark.parametrize(
+    "kw,err,words",
+    [
+        (dict(recipes=[NAMES[0] + "x"]), UnknownRecipeError, [repr(NAMES[0])]),
+        (dict(exclude=["no_such_recipe"]), UnknownRecipeError, NAMES[:1]),
+        (dict(options={"no_such_recipe": {}}), UnknownRecipeError, NAMES[:1]),
+        (dict(fp8="blockwise"), ValueError, ["rowwise", "tensorwise", "blockwise"]),
+        (dict(fp8="ROWWISE"), ValueError, ["rowwise"]),
+        (dict(fp8=True), ValueError, ["rowwise"]),
+        (dict(strict=1), TypeError, ["strict"]),
+        (dict(recipes="decode_linear, softmax"), UnknownRecipeError, []),
+    ],
+    ids=[
+        "recipe-typo",
+        "exclude-unknown",
+        "options-unknown",
+        "fp8-blockwise",
+        "fp8-case",
+        "fp8-bool",
+        "strict-int",
+        "recipes-one-string",
+    ],
+)
 def test_bad_arguments_raise_specific_errors_and_change_nothing(kw, err, words):
     model = _lm()
     before = tm.snapshot(model)
@@ -285,6 +310,7 @@ def test_partly_meta_model_is_refused_naming_the_tensor():
 
 # ---------------------------------------------------------------------------------- fp8 files
 
+
 def _fp8_recipe():
     return next((r for r in RECIPES if getattr(r, "keyword", None) == "fp8"), None)
 
@@ -335,6 +361,7 @@ def test_mismatched_fp8_file_raises_and_changes_nothing(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- threads
+
 
 def test_threads_patching_one_pipeline_serialise_to_one_patch():
     pipe = tm.build("wan22_ti2v_pipeline")

@@ -6,6 +6,7 @@ characters; "not applicable" rows name at most two classes (every class is in th
 recipe's targets are counted per model; a footnote explains the notation; ``to_json()`` still lists every
 target and every full reason.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,7 +57,9 @@ def test_not_applicable_rows_fold_their_class_lists(reports):
         if missing:
             lines = str(rep).splitlines()
             start = next(i for i, ln in enumerate(lines) if ln.startswith("not applicable"))
-            end = next(i for i in range(start, len(lines)) if lines[i].split(" ", 1)[0].isdigit() and " recipes:" in lines[i])
+            end = next(
+                i for i in range(start, len(lines)) if lines[i].split(" ", 1)[0].isdigit() and " recipes:" in lines[i]
+            )
             paragraph = " ".join(lines[start:end])
             assert all(m in paragraph for m in missing), paragraph
 
@@ -78,15 +81,19 @@ def test_counts_per_recipe_and_model_and_a_footnote(reports):
                 n = sum(1 for r in rep.rows_for(recipe) if r.status == "would apply" and rep._model_of(r.target) == m)
                 assert f"{recipe} ({n})" in flat and f"{m}:" in flat, (recipe, m, n)
         if name.endswith("pipeline"):
-            assert rep.components and all(c in flat for c in rep.components if any(
-                rep._model_of(r.target) == c and r.status == "would apply" for r in rep.rows))
+            assert rep.components and all(
+                c in flat
+                for c in rep.components
+                if any(rep._model_of(r.target) == c and r.status == "would apply" for r in rep.rows)
+            )
 
 
 def test_to_json_keeps_every_target_and_reason(reports):
     _, reps = reports
     for rep in reps:
         data = json.loads(rep.to_json())
-        assert [(r["recipe"], r["target"], r["status"], r["reason"]) for r in data["rows"]] == \
-            [(r.recipe, r.target, r.status, r.reason) for r in rep.rows]
+        assert [(r["recipe"], r["target"], r["status"], r["reason"]) for r in data["rows"]] == [
+            (r.recipe, r.target, r.status, r.reason) for r in rep.rows
+        ]
         targets = {r["target"] for r in data["rows"] if r["status"] == "would apply"}
         assert len(targets) == len({r.target for r in rep.rows if r.status == "would apply"})

@@ -1,4 +1,5 @@
 """benchmarks/tables.py: the published figures are the ones the committed records give."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -27,14 +28,27 @@ tables = _load_tables()
 @pytest.fixture(scope="module")
 def env() -> RecordEnv:
     return RecordEnv(
-        mpsboost_version="0.1.0", torch_version="2.11.0+cu130", torch_build="cuda 13.0, git 70d99e998b, release",
-        torch_cuda="13.0", torch_git="70d99e998b", torch_debug=False, device_type="cuda", device_name="NVIDIA H200",
-        dtype="bfloat16", compile="eager", os="Linux", platform="Linux", python="3.12", libraries={},
+        mpsboost_version="0.1.0",
+        torch_version="2.11.0+cu130",
+        torch_build="cuda 13.0, git 70d99e998b, release",
+        torch_cuda="13.0",
+        torch_git="70d99e998b",
+        torch_debug=False,
+        device_type="cuda",
+        device_name="NVIDIA H200",
+        dtype="bfloat16",
+        compile="eager",
+        os="Linux",
+        platform="Linux",
+        python="3.12",
+        libraries={},
     )
 
 
 def _tp(median: float, lo: float, hi: float, n: int = 5) -> Throughput:
-    return Throughput(value=median, unit="s/call", seconds_per_call=median, repeats=n, spread={"min_s": lo, "max_s": hi})
+    return Throughput(
+        value=median, unit="s/call", seconds_per_call=median, repeats=n, spread={"min_s": lo, "max_s": hi}
+    )
 
 
 def test_committed_documents_match_the_records():
@@ -69,7 +83,9 @@ def test_the_readme_carries_no_benchmark_figures():
     everywhere = set()
     for doc in tables.DOCS:
         everywhere |= set(re.findall(r"<!-- tables:([a-z0-9-]+):begin -->", (ROOT / doc).read_text()))
-    assert set(tables.BLOCKS) <= everywhere, f"figure blocks published nowhere: {sorted(set(tables.BLOCKS) - everywhere)}"
+    assert set(tables.BLOCKS) <= everywhere, (
+        f"figure blocks published nowhere: {sorted(set(tables.BLOCKS) - everywhere)}"
+    )
 
 
 def test_the_command_line_check_exits_non_zero_on_a_stale_document(tmp_path, capsys):
@@ -93,7 +109,9 @@ def test_softmax_figure_is_the_same_workload_ratio_not_across_workloads():
     other = f"{logits / stock:.2f}x" if g.variants["stock"].throughput.unit.endswith("/s") else f"{stock / logits:.2f}x"
     assert same != other
     block = tables.block_recipes()
-    row = next(line for line in block.splitlines() if "softmax.sampling_step (rows=1, vocab=128256, warpers=none)" in line)
+    row = next(
+        line for line in block.splitlines() if "softmax.sampling_step (rows=1, vocab=128256, warpers=none)" in line
+    )
     assert same in row and other not in row
 
 
@@ -108,28 +126,37 @@ def test_decode_linear_copied_variant_is_shown_as_not_measured(monkeypatch):
 
 def test_overlapping_spreads_read_no_difference(tmp_path, env):
     w = Workload("job", {"n": 1})
-    write_jsonl(tmp_path / "x-cuda.jsonl", [
-        Record(w, "stock", env, throughput=_tp(1.00, 0.95, 1.10)),
-        Record(w, "mpsboost", env, throughput=_tp(0.90, 0.85, 0.97)),  # 1.11x by medians, spreads overlap
-    ])
+    write_jsonl(
+        tmp_path / "x-cuda.jsonl",
+        [
+            Record(w, "stock", env, throughput=_tp(1.00, 0.95, 1.10)),
+            Record(w, "mpsboost", env, throughput=_tp(0.90, 0.85, 0.97)),  # 1.11x by medians, spreads overlap
+        ],
+    )
     g = tables.groups("x-cuda.jsonl", tmp_path)[0]
     c = tables.compare("x-cuda.jsonl", g, "mpsboost")
     assert round(c.ratio, 2) == 1.11
     assert c.cells()[3] == "no difference (spreads overlap)"
-    write_jsonl(tmp_path / "y-cuda.jsonl", [
-        Record(w, "stock", env, throughput=_tp(1.00, 0.98, 1.02)),
-        Record(w, "mpsboost", env, throughput=_tp(0.90, 0.89, 0.91)),
-    ])
+    write_jsonl(
+        tmp_path / "y-cuda.jsonl",
+        [
+            Record(w, "stock", env, throughput=_tp(1.00, 0.98, 1.02)),
+            Record(w, "mpsboost", env, throughput=_tp(0.90, 0.89, 0.91)),
+        ],
+    )
     g = tables.groups("y-cuda.jsonl", tmp_path)[0]
     assert tables.compare("y-cuda.jsonl", g, "mpsboost").cells()[3] == "faster"
 
 
 def test_a_single_figure_gives_no_decision(tmp_path, env):
     w = Workload("job", {})
-    write_jsonl(tmp_path / "z-cuda.jsonl", [
-        Record(w, "stock", env, throughput=Throughput(value=2.0, unit="s/call", seconds_per_call=2.0)),
-        Record(w, "mpsboost", env, throughput=Throughput(value=1.0, unit="s/call", seconds_per_call=1.0)),
-    ])
+    write_jsonl(
+        tmp_path / "z-cuda.jsonl",
+        [
+            Record(w, "stock", env, throughput=Throughput(value=2.0, unit="s/call", seconds_per_call=2.0)),
+            Record(w, "mpsboost", env, throughput=Throughput(value=1.0, unit="s/call", seconds_per_call=1.0)),
+        ],
+    )
     c = tables.compare("z-cuda.jsonl", tables.groups("z-cuda.jsonl", tmp_path)[0], "mpsboost")
     assert c.cells()[1].endswith("spread not recorded)") and c.cells()[3].startswith("spread not recorded")
 
@@ -137,7 +164,10 @@ def test_a_single_figure_gives_no_decision(tmp_path, env):
 def test_records_of_different_environments_are_refused(tmp_path, env):
     w = Workload("job", {})
     other = RecordEnv.from_dict({**env.to_dict(), "torch_version": "2.12.0"})
-    write_jsonl(tmp_path / "m-cuda.jsonl", [Record(w, "stock", env, throughput=_tp(1, 1, 1)), Record(w, "mpsboost", other, throughput=_tp(1, 1, 1))])
+    write_jsonl(
+        tmp_path / "m-cuda.jsonl",
+        [Record(w, "stock", env, throughput=_tp(1, 1, 1)), Record(w, "mpsboost", other, throughput=_tp(1, 1, 1))],
+    )
     with pytest.raises(EnvMismatchError):
         tables.file_table("m-cuda.jsonl", tmp_path)
 
@@ -145,14 +175,28 @@ def test_records_of_different_environments_are_refused(tmp_path, env):
 def test_decode_linear_records_measured_through_patch_are_shown(tmp_path, env):
     def rec(variant: str, us: float, **extra) -> Record:
         op = OpTime(median_us=us, min_us=us * 0.99, max_us=us * 1.01, repeats=5, method="cuda_graph")
-        return Record(Workload("decode_linear", {"N": 8, "K": 8}), variant, env, op_time={"linear_graph": op}, extra=extra)
+        return Record(
+            Workload("decode_linear", {"N": 8, "K": 8}), variant, env, op_time={"linear_graph": op}, extra=extra
+        )
 
-    write_jsonl(tmp_path / "decode_linear-cuda.jsonl", [rec("stock", 10.0), rec("mpsboost", 5.0, measured_through="patch()")])
-    c = tables.compare("decode_linear-cuda.jsonl", tables.groups("decode_linear-cuda.jsonl", tmp_path)[0], "mpsboost", op="linear_graph")
+    write_jsonl(
+        tmp_path / "decode_linear-cuda.jsonl", [rec("stock", 10.0), rec("mpsboost", 5.0, measured_through="patch()")]
+    )
+    c = tables.compare(
+        "decode_linear-cuda.jsonl",
+        tables.groups("decode_linear-cuda.jsonl", tmp_path)[0],
+        "mpsboost",
+        op="linear_graph",
+    )
     assert c.reason is None and round(c.ratio, 2) == 2.0
     write_jsonl(tmp_path / "decode_linear-cuda.jsonl", [rec("stock", 10.0), rec("mpsboost", 5.0)])
     tables._records.cache_clear()
-    c = tables.compare("decode_linear-cuda.jsonl", tables.groups("decode_linear-cuda.jsonl", tmp_path)[0], "mpsboost", op="linear_graph")
+    c = tables.compare(
+        "decode_linear-cuda.jsonl",
+        tables.groups("decode_linear-cuda.jsonl", tmp_path)[0],
+        "mpsboost",
+        op="linear_graph",
+    )
     assert c.reason == tables.NOT_THROUGH_PATCH and c.ratio is None
 
 
@@ -161,7 +205,11 @@ def test_sweeps_are_summarised_by_range_and_verdict_counts_never_an_average(tmp_
     for n, (s, m) in enumerate([(10, 5), (10, 10), (10, 20), (10, 9.0), (10, 4)]):
         w = Workload("lin", {"n": n})
         for variant, us in (("stock", s), ("mpsboost", m)):
-            recs.append(Record(w, variant, env, op_time={"op": OpTime(median_us=us, min_us=us * 0.98, max_us=us * 1.02, repeats=5)}))
+            recs.append(
+                Record(
+                    w, variant, env, op_time={"op": OpTime(median_us=us, min_us=us * 0.98, max_us=us * 1.02, repeats=5)}
+                )
+            )
     write_jsonl(tmp_path / "s-cuda.jsonl", recs)
     row = tables.sweep_summary("s-cuda.jsonl", tables.groups("s-cuda.jsonl", tmp_path), "mpsboost", op="op")
     assert row[2] == "0.50x-2.50x"
@@ -173,7 +221,14 @@ def test_e2e_table_from_a_fake_record(tmp_path, env):
     for mode in ("eager", "static-cache"):
         w = Workload("qwen3_moe_generate", {"model": "Qwen3-30B-A3B-shaped", "mode": mode, "new_tokens": 64})
         rows.append(Record(w, "stock", env, throughput=_tp(2.0, 1.9, 2.1, n=5)))
-        rows.append(Record(w, "mpsboost", env, throughput=_tp(1.0, 0.98, 1.03, n=5) if mode == "eager" else _tp(2.0, 1.95, 2.05, n=5)))
+        rows.append(
+            Record(
+                w,
+                "mpsboost",
+                env,
+                throughput=_tp(1.0, 0.98, 1.03, n=5) if mode == "eager" else _tp(2.0, 1.95, 2.05, n=5),
+            )
+        )
     write_jsonl(tmp_path / "e2e-cuda-2026-12-01.jsonl", rows)
     write_jsonl(tmp_path / "other-cuda.jsonl", [rows[0]])  # not an e2e file: not in the table
     block = tables.block_e2e(tmp_path)
@@ -204,10 +259,26 @@ def test_a_decode_linear_rerun_through_patch_replaces_not_measured_with_figures(
         w = Workload("decode_linear", {"N": 64 * (n + 1), "K": 64})
         for variant, us in (("stock", s), ("mpsboost", m)):
             op = OpTime(median_us=us, min_us=us * 0.99, max_us=us * 1.01, repeats=10, method="cuda_graph")
-            recs.append(Record(w, variant, env, op_time={"linear_graph": op}, extra={"measured_through": "patch()" if variant != "stock" else "stock module"}))
+            recs.append(
+                Record(
+                    w,
+                    variant,
+                    env,
+                    op_time={"linear_graph": op},
+                    extra={"measured_through": "patch()" if variant != "stock" else "stock module"},
+                )
+            )
     wm = Workload("decode_linear.model", {"mode": "eager"})
     recs.append(Record(wm, "stock", env, throughput=_tp(0.020, 0.019, 0.021)))
-    recs.append(Record(wm, "mpsboost", env, throughput=_tp(0.020, 0.0195, 0.0205), extra={"measured_through": "patch()", "layers_patched": 0}))
+    recs.append(
+        Record(
+            wm,
+            "mpsboost",
+            env,
+            throughput=_tp(0.020, 0.0195, 0.0205),
+            extra={"measured_through": "patch()", "layers_patched": 0},
+        )
+    )
     write_jsonl(results / "decode_linear-cuda-2026-12-01.jsonl", recs)
     monkeypatch.setitem(tables.SOURCES, "decode_linear", "decode_linear-cuda-2026-12-01.jsonl")
     block = tables.block_recipes(results)
@@ -220,9 +291,12 @@ def test_a_decode_linear_rerun_through_patch_replaces_not_measured_with_figures(
 def test_e2e_rounds_kept_in_extra_give_the_spread(tmp_path, env):
     w = Workload("wan_t2v", {"mode": "compile"})
     tp = Throughput(value=10.0, unit="frames/s", seconds_per_call=8.1, items_per_call=81)
-    write_jsonl(tmp_path / "e2e-cuda.jsonl", [
-        Record(w, "stock", env, throughput=tp, extra={"rounds": [8.0, 8.1, 8.3, 8.2, 8.1]}),
-        Record(w, "mpsboost", env, throughput=tp, extra={"rounds": [6.0, 6.1, 6.2, 6.05, 6.1]}),
-    ])
+    write_jsonl(
+        tmp_path / "e2e-cuda.jsonl",
+        [
+            Record(w, "stock", env, throughput=tp, extra={"rounds": [8.0, 8.1, 8.3, 8.2, 8.1]}),
+            Record(w, "mpsboost", env, throughput=tp, extra={"rounds": [6.0, 6.1, 6.2, 6.05, 6.1]}),
+        ],
+    )
     row = next(line for line in tables.block_e2e(tmp_path).splitlines() if "`wan_t2v`" in line)
     assert "| compile |" in row and "5 rounds" in row and "1.33x" in row and "| faster |" in row

@@ -12,6 +12,7 @@
   no class attribute and no library module attribute.
 - ``device_map="auto"`` across two GPUs: ``cuda``-marked, skipped unless two CUDA devices exist.
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,11 +39,14 @@ def _quiet_patch(obj, **kw):
 
 # ---------------------------------------------------------------------------------- torch.compile
 
+
 def _compile_cases() -> list[tuple[str, str]]:
     out = []
     for name, recipe in RECIPES.items():
         for model_name in tm.covering(recipe):
-            if tm.TINY[model_name].kind != "pipeline" and tm.applying_env(recipe, tm._probe(model_name), runnable_on_cpu=True):
+            if tm.TINY[model_name].kind != "pipeline" and tm.applying_env(
+                recipe, tm._probe(model_name), runnable_on_cpu=True
+            ):
                 out.append((name, model_name))
                 break
     return out
@@ -64,10 +68,12 @@ def _capture_inputs(model_name: str, model: torch.nn.Module, paths: list[str], s
     seen: dict = {}
     handles = []
     for p in paths:
+
         def hook(mod, args, kwargs, p=p):
             if p not in seen:
                 clone = lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
                 seen[p] = (torch.utils._pytree.tree_map(clone, args), torch.utils._pytree.tree_map(clone, kwargs))
+
         handles.append(_module_at(model, p).register_forward_pre_hook(hook, with_kwargs=True))
     try:
         tm.run(model_name, model, seed, **shape)
@@ -145,7 +151,9 @@ def _close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 def _offloaded(pipe) -> bool:
     """Every model component is under an accelerate hook (its forward wrapped on the instance)."""
     comps = [c for c in pipe.components.values() if isinstance(c, torch.nn.Module)]
-    return bool(comps) and all(hasattr(c, "_hf_hook") and isinstance(c.__dict__.get("forward"), functools.partial) for c in comps)
+    return bool(comps) and all(
+        hasattr(c, "_hf_hook") and isinstance(c.__dict__.get("forward"), functools.partial) for c in comps
+    )
 
 
 @pytest.mark.parametrize("pipe_name", PIPES)
@@ -220,7 +228,9 @@ def test_unpatch_after_sequential_offload_keeps_offload_working():
     mpsboost.unpatch(vae)
     # accelerate's hooks stay (the weights live in them); inside each, the original forward is back.
     assert all(isinstance(m.__dict__.get("forward"), functools.partial) for m in hooked)
-    assert all(getattr(m._old_forward, "__func__", None) is type(m).forward for m in hooked if hasattr(m, "_old_forward"))
+    assert all(
+        getattr(m._old_forward, "__func__", None) is type(m).forward for m in hooked if hasattr(m, "_old_forward")
+    )
     _close(tm.run("wan22_vae", vae, 4), ref, "wan22_vae patched, offloaded, unpatched")
 
 
@@ -248,9 +258,17 @@ def test_diffusers_offload_on_an_accelerator(pipe_name, kind, order):
 
 # ---------------------------------------------------------------------------------- isolation
 
-_WATCHED_MODULES = ("torch", "torch.nn.functional", "torch.nn.modules.linear", "torch.nn.modules.conv",
-                    "transformers.integrations.moe", "transformers.generation.utils", "transformers.modeling_utils",
-                    "diffusers.models.attention_processor", "diffusers.models.attention_dispatch")
+_WATCHED_MODULES = (
+    "torch",
+    "torch.nn.functional",
+    "torch.nn.modules.linear",
+    "torch.nn.modules.conv",
+    "transformers.integrations.moe",
+    "transformers.generation.utils",
+    "transformers.modeling_utils",
+    "diffusers.models.attention_processor",
+    "diffusers.models.attention_dispatch",
+)
 
 
 def _library_state(objs) -> dict:
@@ -328,6 +346,7 @@ def test_patching_one_model_leaves_a_fresh_model_of_the_same_class_stock(model_n
 
 # ---------------------------------------------------------------------------------- device_map="auto"
 
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for device_map='auto' across GPUs")
 @pytest.mark.parametrize("model_name", ["qwen3_moe", "mixtral"])
@@ -340,7 +359,9 @@ def test_device_map_auto_across_two_gpus(model_name, tmp_path):
     budget = {0: int(size * 0.6), 1: int(size * 2)}
 
     def load():
-        return AutoModelForCausalLM.from_pretrained(tmp_path, device_map="auto", max_memory=budget, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(
+            tmp_path, device_map="auto", max_memory=budget, dtype=torch.float32
+        ).eval()
 
     stock, patched = load(), load()
     assert {p.device.index for p in patched.parameters()} == {0, 1}, "the model was not split across both GPUs"

@@ -22,6 +22,7 @@ rounding (fp32: rtol 1e-5, atol 1e-5; bf16: rtol 1e-2, atol 1e-2) and greedy tok
 reference for ``generate`` uses the same static cache with compilation disabled, so the only difference
 is compilation.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -50,9 +51,20 @@ def _qwen3(dtype: torch.dtype, layers: int = LAYERS):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=64, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                      head_dim=32, intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return Qwen3ForCausalLM(cfg).to(dtype).eval()
 
 
@@ -127,7 +139,13 @@ def _generate(model, *, compiled_backend=None, new_tokens: int = 6, seed: int = 
     from transformers import CompileConfig
 
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(seed))
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, cache_implementation="static")
+    kw = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation="static",
+    )
     if compiled_backend is None:
         kw["disable_compile"] = True
     else:
@@ -176,8 +194,14 @@ def test_sampling_step_around_a_compiled_forward():
     model, report = _patched("cuda_sm90", None, layers=2)
     assert any(r.recipe == "softmax" for r in report.applied)
     ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(2))
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=5, min_new_tokens=5, do_sample=True, pad_token_id=0,
-              cache_implementation="static")
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=5,
+        min_new_tokens=5,
+        do_sample=True,
+        pad_token_id=0,
+        cache_implementation="static",
+    )
     cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
     cc._compile_all_devices = True
     with torch.no_grad():
@@ -216,9 +240,21 @@ def test_fp8_experts_forward_compiles(env_name, rng_seed):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=32, intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-                         max_position_embeddings=64, tie_word_embeddings=False, norm_topk_prob=True)
+    cfg = Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        norm_topk_prob=True,
+    )
     model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -265,6 +301,7 @@ def test_inductor_compiles_the_forced_cuda_path(fp8):
 
 # ------------------------------------------------------------------------------------------ real GPU
 
+
 def _cuda_model(dtype=torch.bfloat16):
     model = _qwen3(dtype)
     return model.to("cuda")
@@ -279,10 +316,21 @@ def _cuda_generate(model, compiled: bool) -> tuple[torch.Tensor, dict]:
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                             pad_token_id=0, cache_implementation="static", disable_compile=not compiled)
-    stats = {"breaks": sum(counters["graph_break"].values()), "recompiles": sum(counters["recompiles"].values()),
-             "graphs": counters["stats"]["unique_graphs"]}
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            min_new_tokens=16,
+            do_sample=False,
+            pad_token_id=0,
+            cache_implementation="static",
+            disable_compile=not compiled,
+        )
+    stats = {
+        "breaks": sum(counters["graph_break"].values()),
+        "recompiles": sum(counters["recompiles"].values()),
+        "graphs": counters["stats"]["unique_graphs"],
+    }
     torch._dynamo.reset()
     return out, stats
 
@@ -304,7 +352,10 @@ def test_cuda_static_cache_generate_compiled(fp8):
         ref, _ = _cuda_generate(model, compiled=False)
     got, stats = _cuda_generate(model, compiled=True)
     assert stats["breaks"] == 0, stats
-    assert stats["graphs"] <= stock_stats["graphs"] and stats["recompiles"] <= stock_stats["recompiles"], (stats, stock_stats)
+    assert stats["graphs"] <= stock_stats["graphs"] and stats["recompiles"] <= stock_stats["recompiles"], (
+        stats,
+        stock_stats,
+    )
     assert torch.equal(got, ref), (got.tolist(), ref.tolist(), str(report))
 
 
@@ -319,5 +370,8 @@ def test_cuda_static_cache_generate_compiled_with_the_gemv_operator():
     mpsboost.patch(model, recipes=["decode_linear"], options=FORCE_CUDA)
     got, stats = _cuda_generate(model, compiled=True)
     assert stats["breaks"] == 0, stats
-    assert stats["graphs"] <= stock_stats["graphs"] and stats["recompiles"] <= stock_stats["recompiles"], (stats, stock_stats)
+    assert stats["graphs"] <= stock_stats["graphs"] and stats["recompiles"] <= stock_stats["recompiles"], (
+        stats,
+        stock_stats,
+    )
     assert torch.equal(got, ref), (got.tolist(), ref.tolist())

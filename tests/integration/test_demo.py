@@ -1,5 +1,6 @@
 """`mpsboost demo --device cpu` runs to the end as a subprocess and prints all four record kinds (slow),
 its missing-extra check comes before any work, and its ratio lines carry their range and a busy warning."""
+
 from __future__ import annotations
 
 import os
@@ -94,7 +95,9 @@ def test_missing_extras_are_found_before_any_work(monkeypatch, capsys):
     from mpsboost import demo
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real(name, *a)
+    )
 
     def no_work(*a, **k):
         raise AssertionError("the demo started working before checking its extras")
@@ -117,14 +120,22 @@ def _rec(name, variant, samples_s, op_us=None):
     if op_us is not None:
         o = _summarise([u * 1e-6 for u in op_us], calls=1, warmup=0, method="perf_counter")
         op = {"conv": o.op_time()}
-    return Record(workload=Workload(name, {"n": 1}), variant=variant, env=RecordEnv.capture("cpu", torch.float32),
-                  throughput=t.throughput(4, "frames/s"), op_time=op)
+    return Record(
+        workload=Workload(name, {"n": 1}),
+        variant=variant,
+        env=RecordEnv.capture("cpu", torch.float32),
+        throughput=t.throughput(4, "frames/s"),
+        op_time=op,
+    )
 
 
 def test_ratio_lines_give_a_range_and_stay_quiet_on_a_quiet_machine():
     from mpsboost.demo import ratio_lines
 
-    recs = [_rec("w", "stock", [2.0, 2.02, 2.04], [100, 101, 102]), _rec("w", "mpsboost", [1.0, 1.01, 1.02], [50, 50, 51])]
+    recs = [
+        _rec("w", "stock", [2.0, 2.02, 2.04], [100, 101, 102]),
+        _rec("w", "mpsboost", [1.0, 1.01, 1.02], [50, 50, 51]),
+    ]
     lines = ratio_lines(recs, load_before=(0.1, 2))
     text = "\n".join(lines)
     assert "w: mpsboost vs stock: throughput 2.00x (1.96x-2.04x over the repeats)" in text
@@ -142,7 +153,9 @@ def test_ratio_lines_warn_when_the_repeats_spread_too_far():
     assert "throughput 2.00x (1.00x-3.00x over the repeats)" in text
     assert "WARNING: this machine was too busy" in text and "w throughput (repeats spread 100%)" in text
     assert BUSY_SPREAD < 1.0
-    busy = "\n".join(ratio_lines([_rec("w", "stock", [1.0, 1.0]), _rec("w", "mpsboost", [1.0, 1.0])], load_before=(9.0, 2)))
+    busy = "\n".join(
+        ratio_lines([_rec("w", "stock", [1.0, 1.0]), _rec("w", "mpsboost", [1.0, 1.0])], load_before=(9.0, 2))
+    )
     assert "WARNING" in busy and "load average 9.0 on 2 cores" in busy
     one = "\n".join(ratio_lines([_rec("w", "stock", [1.0]), _rec("w", "mpsboost", [0.5])], load_before=(0.1, 64)))
     assert "throughput 2.00x (one repeat: no spread)" in one
@@ -152,7 +165,10 @@ def test_measure_lines_explain_an_op_ratio_that_goes_the_other_way():
     from mpsboost.demo import measure_lines
 
     # The whole job 2x faster, its operator alone 4x slower: the text says what each measures and why.
-    recs = [_rec("w", "stock", [2.0, 2.0, 2.0], [100, 100, 100]), _rec("w", "mpsboost", [1.0, 1.0, 1.0], [400, 400, 400])]
+    recs = [
+        _rec("w", "stock", [2.0, 2.0, 2.0], [100, 100, 100]),
+        _rec("w", "mpsboost", [1.0, 1.0, 1.0], [400, 400, 400]),
+    ]
     text = "\n".join(measure_lines(recs))
     assert "throughput: the whole job" in text and "op conv: one call of that module alone" in text
     assert "w: mpsboost vs stock: op conv 0.25x but throughput 2.00x. These time different work" in text
@@ -175,8 +191,18 @@ def test_each_variant_times_its_operator_on_its_own_inputs(monkeypatch):
     from mpsboost import demo
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
-    job = demo._Job(name="w", shape={}, run=lambda: model(torch.ones(1, 4)), items=1, unit="frames/s",
-                    op_name="Linear", op_class="Linear", psnr=False, data_range=None, root=model)
+    job = demo._Job(
+        name="w",
+        shape={},
+        run=lambda: model(torch.ones(1, 4)),
+        items=1,
+        unit="frames/s",
+        op_name="Linear",
+        op_class="Linear",
+        psnr=False,
+        data_range=None,
+        root=model,
+    )
     monkeypatch.setattr(demo, "_wan_vae", lambda device, dtype: (model, [job], lambda: job.run()))
     seen = []
 

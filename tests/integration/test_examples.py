@@ -5,6 +5,7 @@ job stock and patched, prints the patch report and the records, and writes them 
 records must carry all four sections (throughput, operator time, correctness, memory) and the
 correctness of the lossless recipes must be at rounding level.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,14 @@ QUICK_TIMEOUT = 600
 
 def _run(script: str, *args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, str(RECIPES / f"{script}.py"), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, str(RECIPES / f"{script}.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def test_every_cookbook_script_is_tested():
@@ -49,8 +56,21 @@ def test_every_cookbook_script_is_tested():
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_script_runs_offline_and_writes_the_four_records(script, tmp_path):
-    proc = _run(script, "--random-weights", "tiny", "--device", "cpu", "--repeats", "1", "--warmup", "0",
-                "--out", str(tmp_path), "--plan", "mps:2.14.1")
+    proc = _run(
+        script,
+        "--random-weights",
+        "tiny",
+        "--device",
+        "cpu",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--out",
+        str(tmp_path),
+        "--plan",
+        "mps:2.14.1",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "mpsboost plan for" in out and "torch 2.14.1 on mps" in out  # --plan: the simulated dry run
@@ -83,8 +103,21 @@ def test_script_runs_offline_and_writes_the_four_records(script, tmp_path):
 
 def test_fp8_any_saves_where_asked_and_reloads_other_architectures(tmp_path):
     target = tmp_path / "wan.fp8.safetensors"
-    proc = _run("fp8_any", "--random-weights", "tiny", "--arch", "wan_transformer", "--granularity", "tensorwise",
-                "--repeats", "1", "--warmup", "0", "--save", str(target))
+    proc = _run(
+        "fp8_any",
+        "--random-weights",
+        "tiny",
+        "--arch",
+        "wan_transformer",
+        "--granularity",
+        "tensorwise",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--save",
+        str(target),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert target.is_file() and target.stat().st_size > 0
     assert f"fp8 file: {target} (" in proc.stdout

@@ -1,5 +1,6 @@
 """``mpsboost selftest`` on this CPU: refusal of an absent device, the probes, the workloads, the files,
 the validator on good, all-error, fake-MPS and broken files, and the absence of personal data."""
+
 from __future__ import annotations
 
 import getpass
@@ -28,8 +29,9 @@ def run(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models on a shared CPU: thread hand-offs would cost more than the work
     try:
-        lines, jsonl, md = selftest.run_selftest("cpu", size="test", processes=1, out_dir=out, recipes=CHECKED_RECIPES,
-                                                 echo=printed.append)
+        lines, jsonl, md = selftest.run_selftest(
+            "cpu", size="test", processes=1, out_dir=out, recipes=CHECKED_RECIPES, echo=printed.append
+        )
     finally:
         torch.set_num_threads(threads)
     return lines, jsonl, md, "\n".join(printed)
@@ -78,7 +80,13 @@ def test_probes_run_on_the_cpu_and_say_not_applicable(run):
 def test_workloads_stock_against_patched_on_the_cpu(run):
     lines, *_ = run
     w = _by(lines, "workload")
-    for name in ("wan22_vae_tiled_decode", "qwen_image_vae_roundtrip", "qwen36_decode", "fp8_linear_m1", "fp8_linear_m1024"):
+    for name in (
+        "wan22_vae_tiled_decode",
+        "qwen_image_vae_roundtrip",
+        "qwen36_decode",
+        "fp8_linear_m1",
+        "fp8_linear_m1024",
+    ):
         assert w[name]["status"] == "pass", (name, w[name].get("reason"))
         assert w[name]["ratio"]["median"] > 0 and w[name]["ratio"]["processes"] == 1
         assert w[name]["vs_stock"]["rel_error"] <= w[name]["tolerance"]
@@ -88,7 +96,9 @@ def test_workloads_stock_against_patched_on_the_cpu(run):
     # the VAEs carry PSNR against the CPU fp32 reference; fp8 is lossy but bounded
     assert w["qwen_image_vae_roundtrip"]["patched"]["vs_cpu"]["psnr_db"] > 60
     assert 1e-3 < w["fp8_linear_m1024"]["vs_stock"]["rel_error"] < 0.1
-    assert "qwen_image_vae" in w["qwen_image_vae_roundtrip"]["recipes"] and "fp8_weights" in w["fp8_linear_m1"]["recipes"]
+    assert (
+        "qwen_image_vae" in w["qwen_image_vae_roundtrip"]["recipes"] and "fp8_weights" in w["fp8_linear_m1"]["recipes"]
+    )
     # Qwen-Image-2.1: its recipe may not be merged yet; stock is measured against the CPU either way
     q21 = w["qwen_image21_vae_roundtrip"]
     assert q21["status"] in ("pass", "not applicable") and q21["stock"]["vs_cpu"]["psnr_db"] > 60
@@ -112,7 +122,12 @@ def test_scrub_removes_home_user_host_and_the_output_folder(tmp_path):
     home = os.path.expanduser("~")
     msg = f"OSError: {home}/models/vae.safetensors and {tmp_path}/x.jsonl"
     clean = scrub(msg, (str(tmp_path),))
-    assert home not in clean and str(tmp_path) not in clean and "~/models/vae.safetensors" in clean and "<out>/x.jsonl" in clean
+    assert (
+        home not in clean
+        and str(tmp_path) not in clean
+        and "~/models/vae.safetensors" in clean
+        and "<out>/x.jsonl" in clean
+    )
     user = getpass.getuser()
     if len(user) >= 3:
         assert user not in scrub(f"owned by {user}.")
@@ -136,7 +151,10 @@ def test_the_tracker_url_lives_in_one_place():
 
 # ------------------------------------------------------------------------------------------ refusal
 
-@pytest.mark.parametrize("device", ["mps", "cuda"], ids=["apple-gpu", "nvidia-gpu"])  # ids: conftest skips "mps"/"cuda" keywords
+
+@pytest.mark.parametrize(
+    "device", ["mps", "cuda"], ids=["apple-gpu", "nvidia-gpu"]
+)  # ids: conftest skips "mps"/"cuda" keywords
 def test_absent_device_is_refused_exit_2_and_no_file(tmp_path, capsys, monkeypatch, device):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -148,6 +166,7 @@ def test_absent_device_is_refused_exit_2_and_no_file(tmp_path, capsys, monkeypat
 
 
 # ------------------------------------------------------------------------------------------ validation
+
 
 def _rewrite(src: Path, dst: Path, edit) -> Path:
     recs = [json.loads(line) for line in src.read_text().splitlines()]
@@ -188,18 +207,37 @@ def _drop_fact(fact):
     [
         ("all errors", _all_error, "no successful case"),
         ("fake MPS from Linux", _machine(device="mps", device_name="Apple MPS (x86_64)"), "claims device 'mps'"),
-        ("fake MPS on an Intel Mac", _machine(device="mps", os="Darwin", arch="x86_64", macos="14.5", mps_available=True), "arch 'x86_64'"),
-        ("MPS absent", _machine(device="mps", os="Darwin", arch="arm64", macos="15.1", mps_available=False), "MPS not available"),
+        (
+            "fake MPS on an Intel Mac",
+            _machine(device="mps", os="Darwin", arch="x86_64", macos="14.5", mps_available=True),
+            "arch 'x86_64'",
+        ),
+        (
+            "MPS absent",
+            _machine(device="mps", os="Darwin", arch="arm64", macos="15.1", mps_available=False),
+            "MPS not available",
+        ),
         ("simulated", _machine(simulated=True), "simulated"),
         ("simulated line", lambda rs: rs[:1] + [dict(rs[1], simulated=True)] + rs[2:], "simulated"),
         ("no chip", _drop_fact("chip"), "machine facts missing: chip"),
         ("no memory size", _machine(memory_bytes=None), "machine facts missing: memory_bytes"),
         ("no header", lambda rs: rs[1:], "first line must be the selftest header"),
         ("old schema", lambda rs: [dict(rs[0], schema=1)] + rs[1:], "schema 1"),
-        ("probe without upstream", lambda rs: [dict(r, upstream=[]) if r["kind"] == "probe" else r for r in rs], "names no upstream"),
-        ("bad verdict", lambda rs: [dict(r, verdict="maybe") if r["kind"] == "probe" else r for r in rs], "verdict 'maybe'"),
-        ("workload without ratio", lambda rs: [dict(r, ratio=None) if r["kind"] == "workload" and r["status"] == "pass" else r for r in rs],
-         "no positive speed ratio"),
+        (
+            "probe without upstream",
+            lambda rs: [dict(r, upstream=[]) if r["kind"] == "probe" else r for r in rs],
+            "names no upstream",
+        ),
+        (
+            "bad verdict",
+            lambda rs: [dict(r, verdict="maybe") if r["kind"] == "probe" else r for r in rs],
+            "verdict 'maybe'",
+        ),
+        (
+            "workload without ratio",
+            lambda rs: [dict(r, ratio=None) if r["kind"] == "workload" and r["status"] == "pass" else r for r in rs],
+            "no positive speed ratio",
+        ),
         ("duplicate", lambda rs: rs + [rs[-1]], "a second"),
         ("two headers", lambda rs: rs + [rs[0]], "a second header"),
         ("not a selftest line", lambda rs: rs + [{"hello": 1}], "not a selftest line"),
@@ -238,13 +276,16 @@ def test_validator_names_file_and_line(run, tmp_path):
 def test_validator_on_benchmark_results():
     """Other result files are refused with a clear message; contributed Mac files validate."""
     for f in sorted(RESULTS.glob("*.jsonl"))[:5]:
-        with pytest.raises(SelftestFormatError, match="a bench record, not a selftest line|not a selftest line|not JSON"):
+        with pytest.raises(
+            SelftestFormatError, match="a bench record, not a selftest line|not a selftest line|not JSON"
+        ):
             validate(f)
     for f in sorted((RESULTS / "mac").glob("*.jsonl")):
         assert validate(f)["machine"]["device"] == "mps"
 
 
 # ------------------------------------------------------------------------------------------ runs
+
 
 def test_a_failing_workload_is_reported_not_raised(tmp_path, monkeypatch):
     """A patched output that drifts from stock fails its workload; the file is written and still valid (a finding)."""
@@ -256,16 +297,33 @@ def test_a_failing_workload_is_reported_not_raised(tmp_path, monkeypatch):
         return real(x + 1.0, ref, metric)
 
     monkeypatch.setattr(workloads, "_quality", drifting)
-    lines, jsonl, _ = selftest.run_selftest("cpu", size="test", processes=1, out_dir=tmp_path, probes=[], workloads=["fp8_linear_m1"],
-                                            recipes=[], echo=lambda s: None)
+    lines, jsonl, _ = selftest.run_selftest(
+        "cpu",
+        size="test",
+        processes=1,
+        out_dir=tmp_path,
+        probes=[],
+        workloads=["fp8_linear_m1"],
+        recipes=[],
+        echo=lambda s: None,
+    )
     (w,) = [x for x in lines if x["kind"] == "workload"]
     assert w["status"] == "fail" and "patched vs stock" in w["reason"]
     assert validate(jsonl)["workloads"] == {"fp8_linear_m1": "fail"}
 
 
 def test_the_time_budget_skips_what_does_not_fit(tmp_path):
-    lines, jsonl, _ = selftest.run_selftest("cpu", size="test", processes=2, budget_s=1e-6, out_dir=tmp_path,
-                                             probes=["fp8_cast"], workloads=["fp8_linear_m1"], recipes=[], echo=lambda s: None)
+    lines, jsonl, _ = selftest.run_selftest(
+        "cpu",
+        size="test",
+        processes=2,
+        budget_s=1e-6,
+        out_dir=tmp_path,
+        probes=["fp8_cast"],
+        workloads=["fp8_linear_m1"],
+        recipes=[],
+        echo=lambda s: None,
+    )
     assert [x["verdict"] for x in lines if x["kind"] == "probe"] == ["skipped"]
     assert [x["status"] for x in lines if x["kind"] == "workload"] == ["skipped"]
     assert lines[0]["process_notes"] == ["process 2: not started (time budget spent)"]
@@ -275,8 +333,24 @@ def test_the_time_budget_skips_what_does_not_fit(tmp_path):
 
 @pytest.mark.slow
 def test_cli_repeats_in_fresh_processes_and_reports_the_spread(tmp_path, capsys):
-    rc = cli_main(["selftest", "--device", "cpu", "--size", "test", "--processes", "2", "--probes", "gemm_fresh_process",
-                   "--workloads", "fp8_linear_m1", "--recipes", "--out", str(tmp_path)])
+    rc = cli_main(
+        [
+            "selftest",
+            "--device",
+            "cpu",
+            "--size",
+            "test",
+            "--processes",
+            "2",
+            "--probes",
+            "gemm_fresh_process",
+            "--workloads",
+            "fp8_linear_m1",
+            "--recipes",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0, capsys.readouterr()
     (jsonl,) = tmp_path.glob("mpsboost-selftest-cpu-*.jsonl")
     lines = selftest.read_lines(jsonl)
@@ -300,6 +374,7 @@ def test_unknown_names_are_refused(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------ decisions
 
+
 def test_every_mps_decision_lists_the_probe_that_would_overturn_it():
     rows = {r["feature"]: r for r in selftest.decisions()}
     mps = {n for n, f in gate.FEATURES.items() if "mps" in f.rules}
@@ -311,11 +386,18 @@ def test_every_mps_decision_lists_the_probe_that_would_overturn_it():
 
 
 def test_revisit_names_the_decision_a_probe_contradicts():
-    probes = [{"name": "pad_rank5_65536", "feature": "pad_rank5_correct", "verdict": "fixed", "upstream": ["pytorch#194922"]},
-              {"name": "fp8_cast", "feature": "float8_storage", "verdict": "fixed", "upstream": ["pytorch#194074"]},
-              {"name": "linear_b1k", "feature": "linear_3d_fast", "verdict": "skipped", "upstream": ["pytorch#189847"]}]
+    probes = [
+        {"name": "pad_rank5_65536", "feature": "pad_rank5_correct", "verdict": "fixed", "upstream": ["pytorch#194922"]},
+        {"name": "fp8_cast", "feature": "float8_storage", "verdict": "fixed", "upstream": ["pytorch#194074"]},
+        {"name": "linear_b1k", "feature": "linear_3d_fast", "verdict": "skipped", "upstream": ["pytorch#189847"]},
+    ]
     todo = selftest.revisit(probes, {"pad_rank5_correct": False, "float8_storage": True, "linear_3d_fast": False})
-    assert len(todo) == 1 and "pad_rank5_correct" in todo[0] and "pad_rank5_65536" in todo[0] and "pytorch#194922" in todo[0]
+    assert (
+        len(todo) == 1
+        and "pad_rank5_correct" in todo[0]
+        and "pad_rank5_65536" in todo[0]
+        and "pytorch#194922" in todo[0]
+    )
 
 
 def test_a_stock_failure_is_a_finding_when_patched_runs(tmp_path, monkeypatch):
@@ -336,17 +418,31 @@ def test_a_stock_failure_is_a_finding_when_patched_runs(tmp_path, monkeypatch):
 
         return workloads.Built(built.model, run, built.shape, built.dtype)
 
-    monkeypatch.setitem(workloads.SEED_WORKLOADS, "fp8_linear_m1", workloads.SeedWorkload(
-        "fp8_linear_m1", "synthetic", build, metric="rel", cpu_reference=False, fp8="rowwise"))
-    lines, jsonl, md = selftest.run_selftest("cpu", size="test", processes=1, out_dir=tmp_path, probes=[], workloads=["fp8_linear_m1"],
-                                             recipes=[], echo=lambda s: None)
+    monkeypatch.setitem(
+        workloads.SEED_WORKLOADS,
+        "fp8_linear_m1",
+        workloads.SeedWorkload("fp8_linear_m1", "synthetic", build, metric="rel", cpu_reference=False, fp8="rowwise"),
+    )
+    lines, jsonl, md = selftest.run_selftest(
+        "cpu",
+        size="test",
+        processes=1,
+        out_dir=tmp_path,
+        probes=[],
+        workloads=["fp8_linear_m1"],
+        recipes=[],
+        echo=lambda s: None,
+    )
     (w,) = [x for x in lines if x["kind"] == "workload"]
-    assert w["status"] == "stock fails" and "NotImplementedError" in w["stock"]["error"] and w["patched"]["seconds"][0] > 0
+    assert (
+        w["status"] == "stock fails" and "NotImplementedError" in w["stock"]["error"] and w["patched"]["seconds"][0] > 0
+    )
     assert validate(jsonl)["workloads"] == {"fp8_linear_m1": "stock fails"}
     assert "stock fails" in md.read_text()
 
 
 # ------------------------------------------------------------------------------------------ probes on a simulated MPS build
+
 
 class _BuggyMps:
     """A Ctx whose 'device' tensors are CPU tensors marked as on a buggy MPS build (no device here)."""
@@ -380,15 +476,28 @@ def test_pad_probe_finds_the_rank5_bug_at_65536(monkeypatch):
 
     monkeypatch.setattr(F, "pad", buggy_pad)
     res = probes._pad_rank5(_BuggyMps())
-    assert res["verdict"] == "has the bug" and res["measured"]["hw"] == 65536 and res["measured"]["wrong_fraction"] > 0.5
+    assert (
+        res["verdict"] == "has the bug" and res["measured"]["hw"] == 65536 and res["measured"]["wrong_fraction"] > 0.5
+    )
     fixed = probes._pad_rank5(type("Fixed", (_BuggyMps,), {"to": lambda self, x: x.clone()})())
     assert fixed["verdict"] == "fixed"
 
 
-@pytest.mark.parametrize("probe, error", [
-    ("_fp8_cast", TypeError("Trying to convert Float8_e4m3fn to the MPS backend but it does not have support for that dtype.")),
-    ("_grouped_mm", NotImplementedError("The operator 'aten::_grouped_mm' is not currently implemented for the MPS device")),
-])
+@pytest.mark.parametrize(
+    "probe, error",
+    [
+        (
+            "_fp8_cast",
+            TypeError(
+                "Trying to convert Float8_e4m3fn to the MPS backend but it does not have support for that dtype."
+            ),
+        ),
+        (
+            "_grouped_mm",
+            NotImplementedError("The operator 'aten::_grouped_mm' is not currently implemented for the MPS device"),
+        ),
+    ],
+)
 def test_a_build_that_raises_has_the_bug(probe, error):
     from mpsboost.selftest import probes
 
@@ -411,8 +520,10 @@ def test_scrubbing_keeps_values_that_equal_a_user_name(monkeypatch):
     from mpsboost.selftest import machine
 
     monkeypatch.setattr(machine.getpass, "getuser", lambda: "mps")
-    lines = [{"kind": "selftest", "machine": {"device": "mps"}, "size": "test"},
-             {"kind": "probe", "detail": "OSError: cannot open /Users/mps/x owned by mps"}]
+    lines = [
+        {"kind": "selftest", "machine": {"device": "mps"}, "size": "test"},
+        {"kind": "probe", "detail": "OSError: cannot open /Users/mps/x owned by mps"},
+    ]
     clean = machine.scrub_all(lines)
     assert clean[0]["machine"]["device"] == "mps" and clean[0]["size"] == "test"
     assert "owned by <user>" in clean[1]["detail"]

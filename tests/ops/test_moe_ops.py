@@ -1,4 +1,5 @@
 """mpsboost.ops.moe: routing, offsets, grouped linear paths, the whole experts call, path choice."""
+
 from __future__ import annotations
 
 import pytest
@@ -123,7 +124,9 @@ def test_routed_experts_compiles_fullgraph_without_host_sync(rng_seed):
     # The native grouped path compiles in bf16 (its meta kernel takes bf16 only).
     upb, downb = up.bfloat16(), down.bfloat16()
     g = torch.compile(
-        lambda x, idx, w: moe.routed_experts(x, idx, w, up_weight=upb, down_weight=downb, activation=act, path="grouped_mm"),
+        lambda x, idx, w: moe.routed_experts(
+            x, idx, w, up_weight=upb, down_weight=downb, activation=act, path="grouped_mm"
+        ),
         fullgraph=True,
     )
     idx, w = _routing(40, e, 2)
@@ -139,8 +142,11 @@ def test_native_grouped_mm_ok_follows_the_16_byte_rule():
     # The rule's premise: the CPU kernel really refuses the odd width.
     if hasattr(torch.nn.functional, "grouped_mm"):
         with pytest.raises(RuntimeError, match="16 bytes"):
-            torch.nn.functional.grouped_mm(torch.randn(4, 20).bfloat16(), torch.randn(3, 20, 24).bfloat16(),
-                                           offs=torch.tensor([1, 2, 4], dtype=torch.int32))
+            torch.nn.functional.grouped_mm(
+                torch.randn(4, 20).bfloat16(),
+                torch.randn(3, 20, 24).bfloat16(),
+                offs=torch.tensor([1, 2, 4], dtype=torch.int32),
+            )
     assert not moe.native_grouped_mm_ok(torch.randn(4, 16), torch.randn(3, 16, 24).bfloat16())  # dtype mismatch
 
 
@@ -150,12 +156,21 @@ def test_choose_path_thresholds():
     assert moe.choose_path(17, native=False, batched_max_tokens=16, compiling=False) == "fallback"
     assert moe.choose_path(17, native=False, batched_max_tokens=16, compiling=False, device_type="cpu") == "cpu_loop"
     assert moe.choose_path(17, native=False, batched_max_tokens=16, compiling=True, device_type="cpu") == "fallback"
-    assert moe.choose_path(40, native=True, batched_max_tokens=16, compiled_batched_max_tokens=64, compiling=True) == "batched_mm"
+    assert (
+        moe.choose_path(40, native=True, batched_max_tokens=16, compiled_batched_max_tokens=64, compiling=True)
+        == "batched_mm"
+    )
     assert moe.choose_path(1, native=True, batched_max_tokens=0, compiling=False) == "grouped_mm"
 
 
-@pytest.mark.parametrize("dtype,wdtype,tol", [(torch.float32, torch.float32, 1e-6), (torch.bfloat16, torch.bfloat16, 1e-2),
-                                               (torch.bfloat16, torch.float32, 1e-2)])
+@pytest.mark.parametrize(
+    "dtype,wdtype,tol",
+    [
+        (torch.float32, torch.float32, 1e-6),
+        (torch.bfloat16, torch.bfloat16, 1e-2),
+        (torch.bfloat16, torch.float32, 1e-2),
+    ],
+)
 def test_combine_slots_matches_weighted_sum(dtype, wdtype, tol, rng_seed):
     n, k, h = 7, 3, 24
     rows = torch.randn(n * k, h).to(dtype)
@@ -188,7 +203,20 @@ def test_unroute_runs_fewer_kernels_than_multiply_then_sum(rng_seed):
     rows = torch.randn(n * k, h)
     with Count() as c:
         out = moe.unroute(rows, routing, sentinels=False)
-    heavy = [op for op in c.ops if op not in ("aten.view", "aten.reshape", "aten._unsafe_view", "aten.squeeze", "aten.empty_like", "aten.unsqueeze", "aten.expand")]
+    heavy = [
+        op
+        for op in c.ops
+        if op
+        not in (
+            "aten.view",
+            "aten.reshape",
+            "aten._unsafe_view",
+            "aten.squeeze",
+            "aten.empty_like",
+            "aten.unsqueeze",
+            "aten.expand",
+        )
+    ]
     assert heavy == ["aten.index_copy_", "aten.bmm"], c.ops
     ref = (rows[torch.argsort(routing.perm)].view(n, k, h) * w.unsqueeze(-1)).sum(1)
     assert (out - ref).norm() / ref.norm() < 1e-6

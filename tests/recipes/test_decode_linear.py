@@ -1,5 +1,6 @@
 """decode_linear: plans per env, the [B,K] fold path against stock on tiny real models, unpatch identity,
 the Triton GEMV kernel (CPU interpreter; and on CUDA where present)."""
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,11 @@ def _fake_table(monkeypatch, graph: dict, compiled: dict | None = None):
 
     real = tuning.load(recipe_mod.TUNING)
     rows = lambda t: [{"n": n, "k": k, "bias": b, "dtype": dt, "speedup": v} for (n, k, b, dt), v in t.items()]  # noqa: E731
-    fake = dataclasses.replace(real, source="benchmarks/results/decode_linear-cuda-test.jsonl",
-                               entries={"cuda_graph": rows(graph), "compiled": rows(compiled or {})})
+    fake = dataclasses.replace(
+        real,
+        source="benchmarks/results/decode_linear-cuda-test.jsonl",
+        entries={"cuda_graph": rows(graph), "compiled": rows(compiled or {})},
+    )
     orig = tuning.load
     monkeypatch.setattr(tuning, "load", lambda name: fake if name == recipe_mod.TUNING else orig(name))
     return fake
@@ -73,8 +77,13 @@ def test_plan_cuda_follows_the_measured_table(qwen3, monkeypatch):
     assert {r.status for r in default} == {"skipped"}
     graph_only = [r for r in default if "only inside CUDA graphs you capture yourself" in r.reason]
     assert graph_only and all("1.40x over cuBLAS" in r.reason and "cuda_graphs" in r.reason for r in graph_only)
-    rows = mpsboost.plan(qwen3, device="cuda:9.0", torch_version="2.11.0", recipes=["decode_linear"],
-                         options={"decode_linear": {"cuda_graphs": True}}).rows
+    rows = mpsboost.plan(
+        qwen3,
+        device="cuda:9.0",
+        torch_version="2.11.0",
+        recipes=["decode_linear"],
+        options={"decode_linear": {"cuda_graphs": True}},
+    ).rows
     applied = {r.target for r in rows if r.status == "would apply"}
     q_paths = {n for n, m in _linears(qwen3) if (m.out_features, m.in_features, m.bias is not None, "float32") == key}
     assert applied == q_paths and applied
@@ -112,12 +121,26 @@ def test_committed_h200_table_picks_small_projections():
     """The committed table: Qwen2.5-0.5B's q/k/o projections won on the H200, its MLP and lm_head did not."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=1, num_attention_heads=14,
-                      num_key_value_heads=2)
+    cfg = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=1,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    )
     with torch.device("meta"):
         model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    rows = {r.target.rsplit(".", 1)[-1]: r for r in mpsboost.plan(model, device="cuda:9.0", torch_version="2.11.0", recipes=["decode_linear"],
-                                                                 options={"decode_linear": {"cuda_graphs": True}}).rows}
+    rows = {
+        r.target.rsplit(".", 1)[-1]: r
+        for r in mpsboost.plan(
+            model,
+            device="cuda:9.0",
+            torch_version="2.11.0",
+            recipes=["decode_linear"],
+            options={"decode_linear": {"cuda_graphs": True}},
+        ).rows
+    }
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         assert rows[name].status == "would apply" and rows[name].backing == "triton GEMV, fused bias", rows[name]
         assert "inside CUDA graphs only" in rows[name].reason
@@ -232,7 +255,9 @@ def test_triton_gemv_interpreted(rng_seed):
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", _INTERPRETED, str(rng_seed)], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED, str(rng_seed)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert len(res.stdout.strip().splitlines()) == 4
 
@@ -293,7 +318,9 @@ def test_make_forward_needs_the_gemv_launch_width():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("n,k,bias", [(1024, 1024, False), (512, 2880, True), (151936, 1024, False), (18432, 3072, True), (37, 100, True)])
+@pytest.mark.parametrize(
+    "n,k,bias", [(1024, 1024, False), (512, 2880, True), (151936, 1024, False), (18432, 3072, True), (37, 100, True)]
+)
 def test_triton_gemv_cuda_matches_cublas(n, k, bias):
     pytest.importorskip("triton")
     torch.manual_seed(n + k)
@@ -358,7 +385,6 @@ def test_compiled_forward_on_cuda_inductor(compiled_path):
     torch._dynamo.reset()
     torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2)
     undo()
-
 
 
 @pytest.mark.parametrize("name", ["decode_linear_gemv", "fp8_gemv", "softmax_sampling"])

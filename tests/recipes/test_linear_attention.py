@@ -1,5 +1,6 @@
 """linear_attention: Gated DeltaNet layers of transformers (Qwen3.5/3.6 MoE and dense, Qwen3-Next,
 OLMo-Hybrid) against stock, on tiny real models with random weights (CPU; MPS and CUDA decisions simulated)."""
+
 from __future__ import annotations
 
 import copy
@@ -36,8 +37,12 @@ def _model(family: str = "qwen3_5_moe", layers: tuple[str, ...] | None = None, s
         return tm.gated_deltanet_lm(family).eval()
     import transformers as t
 
-    cfg = t.Qwen3_5MoeTextConfig(**tm._LM_COMMON | {"num_hidden_layers": len(layers)}, head_dim=32,
-                                 **(tm._GDN | {"layer_types": list(layers)}), **tm._GDN_MOE)
+    cfg = t.Qwen3_5MoeTextConfig(
+        **tm._LM_COMMON | {"num_hidden_layers": len(layers)},
+        head_dim=32,
+        **(tm._GDN | {"layer_types": list(layers)}),
+        **tm._GDN_MOE,
+    )
     return t.Qwen3_5MoeForCausalLM(cfg).eval()
 
 
@@ -46,25 +51,31 @@ def _deltanets(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _patch(model: torch.nn.Module, env: Env, **opts) -> mpsboost.PatchReport:
-    report = mpsboost.patch(model, recipes=["linear_attention"], device=env,
-                            options={"linear_attention": opts} if opts else None)
+    report = mpsboost.patch(
+        model, recipes=["linear_attention"], device=env, options={"linear_attention": opts} if opts else None
+    )
     applied = [r for r in report.rows if r.recipe == "linear_attention" and r.status == "applied"]
     assert applied, str(report)
     return report
 
 
-def _steps(model: torch.nn.Module, ids: torch.Tensor, prompt: int, *, outputs: list | None = None) -> list[torch.Tensor]:
+def _steps(
+    model: torch.nn.Module, ids: torch.Tensor, prompt: int, *, outputs: list | None = None
+) -> list[torch.Tensor]:
     """Logits of a prefill of ``prompt`` tokens, then one decode step per remaining token; every DeltaNet
     layer's output is appended to ``outputs``."""
-    hooks = [m.register_forward_hook(lambda _m, _a, o: outputs.append(o.detach().clone()))
-             for m in _deltanets(model)] if outputs is not None else []
+    hooks = (
+        [m.register_forward_hook(lambda _m, _a, o: outputs.append(o.detach().clone())) for m in _deltanets(model)]
+        if outputs is not None
+        else []
+    )
     logits = []
     try:
         with torch.no_grad():
             out = model(ids[:, :prompt], use_cache=True)
             logits.append(out.logits)
             for i in range(prompt, ids.shape[1]):
-                out = model(ids[:, i:i + 1], past_key_values=out.past_key_values, use_cache=True)
+                out = model(ids[:, i : i + 1], past_key_values=out.past_key_values, use_cache=True)
                 logits.append(out.logits)
     finally:
         for h in hooks:
@@ -108,8 +119,8 @@ def test_patched_decode_uses_the_cache_tensors_in_place():
         ref_cache = stock(ids[:, :8], use_cache=True).past_key_values
         for i in range(8, 12):  # alternate: patched, stock, patched, stock on the same cache
             m = patched if i % 2 == 0 else stock
-            out = m(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits
-            ref = stock(ids[:, i:i + 1], past_key_values=ref_cache, use_cache=True).logits
+            out = m(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits
+            ref = stock(ids[:, i : i + 1], past_key_values=ref_cache, use_cache=True).logits
             assert tm.relative_error(out, ref) <= FP32_TOL
         assert cache.layers[0].recurrent_states[0] is state and cache.layers[0].conv_states[0] is conv
 
@@ -133,9 +144,14 @@ class _LayerOps(TorchDispatchMode):
     def __init__(self, layers):
         super().__init__()
         self.count, self.inside = 0, False
-        self.hooks = [h for m in layers for h in (
-            m.register_forward_pre_hook(lambda *_: setattr(self, "inside", True)),
-            m.register_forward_hook(lambda *_: setattr(self, "inside", False)))]
+        self.hooks = [
+            h
+            for m in layers
+            for h in (
+                m.register_forward_pre_hook(lambda *_: setattr(self, "inside", True)),
+                m.register_forward_hook(lambda *_: setattr(self, "inside", False)),
+            )
+        ]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += self.inside
@@ -271,7 +287,9 @@ def test_moved_after_patch_fuses_again_and_unpatches():
     ref, got = [], []
     _steps(stock, ids, 5, outputs=ref)
     _steps(patched, ids, 5, outputs=got)
-    assert len(got) == 3 and all(tm.relative_error(g, r) <= FP32_TOL for g, r in zip(got, ref))  # float32 inside the step
+    assert len(got) == 3 and all(
+        tm.relative_error(g, r) <= FP32_TOL for g, r in zip(got, ref)
+    )  # float32 inside the step
     layer = _deltanets(patched)[0]
     assert layer.in_proj_z.weight.dtype == torch.float64
     assert layer.in_proj_qkv.weight.untyped_storage().data_ptr() == layer.in_proj_z.weight.untyped_storage().data_ptr()
@@ -315,8 +333,12 @@ def test_steps_aside_for_cuda_kernels_and_odd_layers(monkeypatch):
     (row,) = [r for r in report.rows if r.recipe == "linear_attention"]
     assert row.status != "would apply" and "out_proj: has a bias" in row.reason
     with pytest.raises(PatchError, match="prefill"):
-        mpsboost.plan(model, recipes=["linear_attention"], env=Env.simulate("mps", "2.15.0"),
-                      options={"linear_attention": {"prefill": "fast"}})
+        mpsboost.plan(
+            model,
+            recipes=["linear_attention"],
+            env=Env.simulate("mps", "2.15.0"),
+            options={"linear_attention": {"prefill": "fast"}},
+        )
     with pytest.raises(TypeError, match="linear_attention"):
         mpsboost.plan(model, recipes=["linear_attention"], options={"linear_attention": {"prefill": 1}})
 
@@ -342,9 +364,13 @@ def test_chunked_rule_matches_transformers_reference():
     gate = -torch.rand(b, s, hv, generator=g) * 0.5
     beta = torch.rand(b, s, hv, generator=g)
     init = torch.randn(b, hv, d, d, generator=g) * 0.1
-    ref, ref_state = ref_rule(q, k, v, g=gate, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref, ref_state = ref_rule(
+        q, k, v, g=gate, beta=beta, initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
     for solve in ("matmul", "triangular"):
-        out, state = gd.chunk_gated_delta_rule(q, k, v, gate, beta, initial_state=init, output_final_state=True, solve=solve)
+        out, state = gd.chunk_gated_delta_rule(
+            q, k, v, gate, beta, initial_state=init, output_final_state=True, solve=solve
+        )
         assert tm.relative_error(out, ref) <= FP32_TOL and tm.relative_error(state, ref_state) <= FP32_TOL
 
 

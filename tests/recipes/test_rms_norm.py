@@ -1,4 +1,5 @@
 """rms_norm: transformers' RMSNorm layers as one F.rms_norm call, matched by their code, exact on the CPU."""
+
 from __future__ import annotations
 
 import gc
@@ -74,9 +75,21 @@ def test_a_class_with_other_code_is_left_alone():
 
 def _qwen36(dtype=torch.float32):
     cfg = transformers.Qwen3_5MoeTextConfig(
-        vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+        vocab_size=128,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+    )
     model = transformers.Qwen3_5MoeForCausalLM(cfg).eval().to(dtype)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -100,10 +113,14 @@ def test_whole_model_under_mac_decisions_equals_stock_and_unpatches(rng_seed):
     assert all("forward" not in m.__dict__ for m in norms)
 
 
-@pytest.mark.parametrize("env,why", [
-    (Env.simulate("cpu", "2.15.0"), "composite"),
-    (Env.simulate("mps", "2.6.0"), "needs torch 2.7"),
-], ids=["on-cpu", "mac-2.6"])
+@pytest.mark.parametrize(
+    "env,why",
+    [
+        (Env.simulate("cpu", "2.15.0"), "composite"),
+        (Env.simulate("mps", "2.6.0"), "needs torch 2.7"),
+    ],
+    ids=["on-cpu", "mac-2.6"],
+)
 def test_steps_aside_where_nothing_is_gained(env, why):
     report = mpsboost.plan(_qwen36(), env=env, recipes=["rms_norm"])
     assert not report.applied and report.skipped and all(why in r.reason for r in report.skipped)
@@ -179,7 +196,11 @@ def _graph_calls(model, x) -> list[str]:
     seen: list[str] = []
 
     def backend(gm, example_inputs):
-        seen.extend(str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        seen.extend(
+            str(getattr(n.target, "__name__", n.target))
+            for n in gm.graph.nodes
+            if n.op in ("call_function", "call_method")
+        )
         return gm.forward
 
     torch._dynamo.reset()

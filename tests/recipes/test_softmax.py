@@ -4,6 +4,7 @@ Distribution: chi-square tests of many draws against the stock probabilities (fi
 and token-for-token identity with stock generate() under the same seed. Plans per env, unpatch
 identity, the deferred NaN check, pickling.
 """
+
 from __future__ import annotations
 
 import copy
@@ -109,6 +110,7 @@ def test_deferred_check_flags_what_multinomial_rejects():
 
 # ------------------------------------------------------------------------------ the recipe
 
+
 @pytest.fixture
 def lm():
     return build("qwen3").eval()
@@ -132,7 +134,11 @@ def test_plan_per_env(lm):
     for (dev, tv), (backing, why) in expect.items():
         rows = mpsboost.plan(lm, device=dev, torch_version=tv, recipes=["softmax"]).rows
         assert len(rows) == 1 and rows[0].target == "<root>"
-        assert rows[0].status == "would apply" and rows[0].backing.startswith(backing) and why in rows[0].reason, (dev, tv, rows[0])
+        assert rows[0].status == "would apply" and rows[0].backing.startswith(backing) and why in rows[0].reason, (
+            dev,
+            tv,
+            rows[0],
+        )
 
 
 @pytest.mark.parametrize("path", ["probs", "logits"])

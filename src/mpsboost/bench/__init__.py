@@ -10,6 +10,7 @@ differs in anything but the variant.
 Importing this package is cheap: matplotlib, tqdm and pynvml (the ``bench`` extra) are imported
 only by the functions that need them.
 """
+
 from __future__ import annotations
 
 from typing import Any

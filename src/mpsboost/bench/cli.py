@@ -13,6 +13,7 @@ The command writes ``OUT/NAME.jsonl``, ``OUT/NAME.txt`` (the comparison table, a
 Scripts use :func:`script_main` for their own ``__main__`` so that ``python benchmarks/NAME.py
 --device cuda --size real --out DIR`` behaves the same.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,20 @@ from .errors import BenchError, BenchmarkNotFoundError
 from .harness import best_device
 from .records import Record, read_jsonl, write_jsonl
 
-__all__ = ["main", "script_main", "find_benchmark", "catalogue", "present_devices", "BENCHMARKS", "recipes_without_benchmark", "benchmark_dirs", "list_benchmarks", "best_device", "run_benchmark", "SIZES"]
+__all__ = [
+    "main",
+    "script_main",
+    "find_benchmark",
+    "catalogue",
+    "present_devices",
+    "BENCHMARKS",
+    "recipes_without_benchmark",
+    "benchmark_dirs",
+    "list_benchmarks",
+    "best_device",
+    "run_benchmark",
+    "SIZES",
+]
 
 SIZES = ("tiny", "small", "real")
 # What `mpsboost bench NAME` accepts: every recipe name, and the end-to-end matrix, mapped to the
@@ -60,9 +74,13 @@ def check_device(device: str) -> str:
         raise BenchError(f"device {device!r} is not supported; accepted: {', '.join(DEVICES)} (cuda:N for a given GPU)")
     present = present_devices()
     if kind == "cuda" and not torch.cuda.is_available():
-        raise BenchError(f"--device {device} but torch {torch.__version__} sees no CUDA device; present here: {', '.join(present)}")
+        raise BenchError(
+            f"--device {device} but torch {torch.__version__} sees no CUDA device; present here: {', '.join(present)}"
+        )
     if kind == "mps" and not torch.backends.mps.is_available():
-        raise BenchError(f"--device mps but torch {torch.__version__} sees no MPS device; present here: {', '.join(present)}")
+        raise BenchError(
+            f"--device mps but torch {torch.__version__} sees no MPS device; present here: {', '.join(present)}"
+        )
     return device
 
 
@@ -116,7 +134,9 @@ def find_benchmark(name: str, explicit: str | os.PathLike | None = None) -> Path
     if explicit is not None and not Path(explicit).is_dir():
         raise BenchmarkNotFoundError(f"--benchmarks-dir {explicit} is not a folder")
     if not name or "/" in name or "\\" in name or name.startswith((".", "_")):
-        raise BenchmarkNotFoundError(f"{name!r} is not a benchmark name; give a recipe name such as moe_experts (see --list)")
+        raise BenchmarkNotFoundError(
+            f"{name!r} is not a benchmark name; give a recipe name such as moe_experts (see --list)"
+        )
     name = name[:-3] if name.endswith(".py") else name
     stem = BENCHMARKS.get(name, name)
     found = list_benchmarks(explicit)
@@ -143,9 +163,9 @@ def find_benchmark(name: str, explicit: str | os.PathLike | None = None) -> Path
 # Recipes with no benchmark script, and why (`mpsboost bench NAME` says so; `--list` names them apart).
 _NO_BENCHMARK_WHY = {
     "metal_attention": "it routes attention to the Metal SDPA kernels, which only an MPS device runs; "
-                       "its numerics are covered by the tests and by `mpsboost selftest`",
+    "its numerics are covered by the tests and by `mpsboost selftest`",
     "attention_split": "it changes no speed, only correctness above 2^31 attention scores on MPS; "
-                       "covered by the tests and by `mpsboost selftest`",
+    "covered by the tests and by `mpsboost selftest`",
     "video_vae_pad": "`mpsboost selftest` runs it (a HunyuanVideo VAE round trip); no separate script yet",
 }
 
@@ -211,7 +231,9 @@ def run_benchmark(
     records = list(records)
     bad = [type(r).__name__ for r in records if not isinstance(r, Record)]
     if bad:
-        raise BenchError(f"benchmark {name}: run() returned non-Record items ({', '.join(sorted(set(bad)))}); return mpsboost.bench.Record objects")
+        raise BenchError(
+            f"benchmark {name}: run() returned non-Record items ({', '.join(sorted(set(bad)))}); return mpsboost.bench.Record objects"
+        )
     jsonl = write_jsonl(out / f"{name}.jsonl", records)
     table = compare_table(records)
     (out / f"{name}.txt").write_text(table, encoding="utf-8")
@@ -242,13 +264,30 @@ def _parser(prog: str, *, with_name: bool) -> argparse.ArgumentParser:
         "(throughput, op time, correctness, memory), written as JSONL with a comparison table and a chart.",
     )
     if with_name:
-        p.add_argument("name", nargs="?", help="a recipe name (wan_vae_pad, moe_experts, fp8_weights, ...), e2e "
-                       "(the end-to-end matrix), or a script stem of benchmarks/ (see --list)")
+        p.add_argument(
+            "name",
+            nargs="?",
+            help="a recipe name (wan_vae_pad, moe_experts, fp8_weights, ...), e2e "
+            "(the end-to-end matrix), or a script stem of benchmarks/ (see --list)",
+        )
         p.add_argument("--list", action="store_true", help="list the benchmark names, and the script each runs")
-        p.add_argument("--benchmarks-dir", help=f"folder holding the benchmark scripts (default: ${ENV_VAR}, ./benchmarks, the source checkout)")
-        p.add_argument("--table", metavar="JSONL", nargs="+", help="print the table (and chart into --out) of records already written, run nothing")
+        p.add_argument(
+            "--benchmarks-dir",
+            help=f"folder holding the benchmark scripts (default: ${ENV_VAR}, ./benchmarks, the source checkout)",
+        )
+        p.add_argument(
+            "--table",
+            metavar="JSONL",
+            nargs="+",
+            help="print the table (and chart into --out) of records already written, run nothing",
+        )
     p.add_argument("--device", help=f"one of {', '.join(DEVICES)} (default: the best present: mps, cuda, cpu)")
-    p.add_argument("--size", default="small", choices=SIZES, help="workload size: tiny (seconds on a CPU), small, real (default: small)")
+    p.add_argument(
+        "--size",
+        default="small",
+        choices=SIZES,
+        help="workload size: tiny (seconds on a CPU), small, real (default: small)",
+    )
     p.add_argument("--out", default=None, help="output folder (default: ./bench-out)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
     return p
@@ -303,14 +342,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 def script_main(name_or_file: str, run: Callable[[str, str, Path], Any], argv: Sequence[str] | None = None) -> int:
     """The ``__main__`` of a benchmark script: ``python benchmarks/NAME.py --device --size --out``.
 
-        if __name__ == "__main__":
-            raise SystemExit(script_main(__file__, run))
+    if __name__ == "__main__":
+        raise SystemExit(script_main(__file__, run))
     """
     name = Path(name_or_file).stem
     parser = _parser(f"python benchmarks/{name}.py", with_name=False)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        run_benchmark(name, run, device=args.device or best_device(), size=args.size, out=Path(args.out or "bench-out"), plot=not args.no_plot)
+        run_benchmark(
+            name,
+            run,
+            device=args.device or best_device(),
+            size=args.size,
+            out=Path(args.out or "bench-out"),
+            plot=not args.no_plot,
+        )
     except BenchError as exc:
         print(f"{name}: {exc}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """Exceptions of the measurement harness. Each message says what was passed, what is accepted and
 what to do."""
+
 from __future__ import annotations
 
 from ..errors import MpsboostError

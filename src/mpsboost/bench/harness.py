@@ -24,6 +24,7 @@ synchronisation, median and spread, the busy-machine check and the memory pass m
 * :func:`best_device` and :func:`release`: the device a run defaults to, and handing cached memory
   back between workloads.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -143,7 +144,12 @@ class PadCount:
         return sum(self.by_rank.values())
 
     def to_dict(self) -> dict:
-        return {"total": self.total, **self.by_op, "all_ranks": self.all_ranks, "by_rank": {str(k): v for k, v in sorted(self.by_rank.items())}}
+        return {
+            "total": self.total,
+            **self.by_op,
+            "all_ranks": self.all_ranks,
+            "by_rank": {str(k): v for k, v in sorted(self.by_rank.items())},
+        }
 
 
 @contextlib.contextmanager
@@ -250,8 +256,12 @@ class Measurement:
 
     def extra(self, variant: str, baseline: str = "stock") -> dict:
         """What a record of ``variant`` should carry about this measurement."""
-        out = {"alternated_with": [v for v in self.timings if v != variant], "order": self.order,
-               "busy_machine": self.busy, "worst_relative_spread": self.worst_spread}
+        out = {
+            "alternated_with": [v for v in self.timings if v != variant],
+            "order": self.order,
+            "busy_machine": self.busy,
+            "worst_relative_spread": self.worst_spread,
+        }
         if baseline in self.timings and variant != baseline:
             out["speedup_vs_" + baseline] = self.ratio(variant, baseline)
             out["verdict_vs_" + baseline] = self.verdict(variant, baseline)
@@ -299,7 +309,9 @@ def measure_variants(
     if unknown:
         raise TimingError(f"contexts for variants that are not measured: {unknown}; variants: {sorted(variants)}")
     if contexts and cuda_graph:
-        raise TimingError("contexts cannot be entered around a CUDA-graph replay; time such variants with cuda_graph=False")
+        raise TimingError(
+            "contexts cannot be entered around a CUDA-graph replay; time such variants with cuda_graph=False"
+        )
     names = list(variants)
 
     def state(name: str) -> ContextManager:
@@ -321,8 +333,13 @@ def measure_variants(
     timings = {n: _summarise(samples[n], calls=calls, warmup=warmup, method=methods[n]) for n in names}
     worst = max((t.max_s - t.min_s) / t.median_s for t in timings.values() if t.median_s > 0)
     del keep
-    return Measurement(timings=timings, order="alternating rounds, start rotated each round", busy=worst > busy_spread,
-                       worst_spread=worst, busy_spread=busy_spread)
+    return Measurement(
+        timings=timings,
+        order="alternating rounds, start rotated each round",
+        busy=worst > busy_spread,
+        worst_spread=worst,
+        busy_spread=busy_spread,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -381,8 +398,9 @@ def measure_job(
     from .memory import measure_memory
 
     if output not in _PASSES or memory not in _PASSES:
-        raise TimingError(f"output and memory must each be 'first', 'last' or None; got output={output!r}, "
-                          f"memory={memory!r}")
+        raise TimingError(
+            f"output and memory must each be 'first', 'last' or None; got output={output!r}, memory={memory!r}"
+        )
     if memory == "first" and output == "last":
         raise TimingError("memory='first' measures the output call; pass output='first' (or None) with it")
     if output == "last" and memory != "last":
@@ -415,8 +433,9 @@ def measure_job(
         else:
             timing = time_fn(job, device=device, warmup=warmup, repeats=repeats)
         op_fns = ops() if callable(ops) else (ops or {})
-        op_timings = {name: time_fn(fn, device=device, warmup=op_warmup, repeats=op_repeats)
-                      for name, fn in op_fns.items()}
+        op_timings = {
+            name: time_fn(fn, device=device, warmup=op_warmup, repeats=op_repeats) for name, fn in op_fns.items()
+        }
         if memory == "last":
             with contextlib.ExitStack() as stack:
                 if output == "last":
@@ -477,14 +496,35 @@ def ratio_lines(records, *, load_before: tuple[float, int] | None = None) -> lis
             pairs = []
             bt, vt = base.throughput, rec.throughput
             if bt is not None and vt is not None and bt.seconds_per_call and vt.seconds_per_call:
-                pairs.append(("throughput", bt.seconds_per_call, vt.seconds_per_call,
-                              (bt.spread or {}).get("min_s"), (bt.spread or {}).get("max_s"),
-                              (vt.spread or {}).get("min_s"), (vt.spread or {}).get("max_s"), bt.repeats, vt.repeats))
+                pairs.append(
+                    (
+                        "throughput",
+                        bt.seconds_per_call,
+                        vt.seconds_per_call,
+                        (bt.spread or {}).get("min_s"),
+                        (bt.spread or {}).get("max_s"),
+                        (vt.spread or {}).get("min_s"),
+                        (vt.spread or {}).get("max_s"),
+                        bt.repeats,
+                        vt.repeats,
+                    )
+                )
             for op, vo in (rec.op_time or {}).items():
                 bo = (base.op_time or {}).get(op)
                 if bo is not None:
-                    pairs.append((f"op {op}", bo.median_us, vo.median_us, bo.min_us, bo.max_us, vo.min_us, vo.max_us,
-                                  bo.repeats, vo.repeats))
+                    pairs.append(
+                        (
+                            f"op {op}",
+                            bo.median_us,
+                            vo.median_us,
+                            bo.min_us,
+                            bo.max_us,
+                            vo.min_us,
+                            vo.max_us,
+                            bo.repeats,
+                            vo.repeats,
+                        )
+                    )
             for label, b_med, v_med, b_lo, b_hi, v_lo, v_hi, b_n, v_n in pairs:
                 text = f"{label} {b_med / v_med:.2f}x"
                 if None in (b_lo, b_hi, v_lo, v_hi) or min(b_n or 1, v_n or 1) < 2:
@@ -502,9 +542,11 @@ def ratio_lines(records, *, load_before: tuple[float, int] | None = None) -> lis
     busy_load = [f"load average {load:.1f} on {n} cores" for load, n in loads if load > n]
     if noisy or busy_load:
         why = "; ".join(noisy[:4] + (["..."] if len(noisy) > 4 else []) + busy_load[:1])
-        lines.append(f"  WARNING: this machine was too busy for these ratios to mean anything ({why}; "
-                     f"over {100 * BUSY_SPREAD:.0f}% spread, or more load than cores). Rerun on a quiet machine, "
-                     "with more --repeats.")
+        lines.append(
+            f"  WARNING: this machine was too busy for these ratios to mean anything ({why}; "
+            f"over {100 * BUSY_SPREAD:.0f}% spread, or more load than cores). Rerun on a quiet machine, "
+            "with more --repeats."
+        )
     elif single:
         lines.append("  (with one repeat there is no spread to judge the ratios by: use --repeats 3 or more)")
     return lines

@@ -24,6 +24,7 @@ Sampled peaks can miss spikes shorter than the interval; a sample is also taken 
 The sampler thread competes for the GIL, so never time inside this block: memory and timing are
 separate passes.
 """
+
 from __future__ import annotations
 
 import os
@@ -106,7 +107,9 @@ class _Sampler(threading.Thread):
         self._stop_event.set()
         self.join()
         if self.error is not None:
-            raise MemoryProbeError(f"the memory sampler failed: {type(self.error).__name__}: {self.error}") from self.error
+            raise MemoryProbeError(
+                f"the memory sampler failed: {type(self.error).__name__}: {self.error}"
+            ) from self.error
 
 
 def _nvml_reader(index: int) -> Callable[[], int] | None:
@@ -146,15 +149,21 @@ class MemoryProbe:
         try:
             dev = torch.device(device)
         except (RuntimeError, TypeError) as exc:
-            raise MemoryProbeError(f"device {device!r} is not a torch device; pass 'cuda', 'cuda:0', 'mps' or 'cpu'") from exc
+            raise MemoryProbeError(
+                f"device {device!r} is not a torch device; pass 'cuda', 'cuda:0', 'mps' or 'cpu'"
+            ) from exc
         if dev.type not in ("cuda", "mps", "cpu"):
             raise MemoryProbeError(f"device type {dev.type!r} has no memory probe; accepted: cuda, mps, cpu")
         if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not (0 < interval_s <= 10):
             raise MemoryProbeError(f"interval_s must be a number of seconds in (0, 10], got {interval_s!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise MemoryProbeError("measure_memory('cuda') but torch sees no CUDA device; pass the device the block runs on")
+            raise MemoryProbeError(
+                "measure_memory('cuda') but torch sees no CUDA device; pass the device the block runs on"
+            )
         if dev.type == "mps" and not torch.backends.mps.is_available():
-            raise MemoryProbeError("measure_memory('mps') but torch sees no MPS device; pass the device the block runs on")
+            raise MemoryProbeError(
+                "measure_memory('mps') but torch sees no MPS device; pass the device the block runs on"
+            )
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
@@ -175,6 +184,7 @@ class MemoryProbe:
             if read is not None:
                 self._source = "nvml_device_used"
             else:
+
                 def read() -> int:
                     free, total = torch.cuda.mem_get_info(index)
                     return int(total - free)
@@ -248,7 +258,9 @@ class MemoryProbe:
     def peaks(self) -> Memory:
         """The peaks seen during the block, as a :class:`~mpsboost.bench.records.Memory`."""
         if self._result is None:
-            raise MemoryProbeError("peaks() read before the `with measure_memory(...)` block ended; read it after the block")
+            raise MemoryProbeError(
+                "peaks() read before the `with measure_memory(...)` block ended; read it after the block"
+            )
         return self._result
 
 

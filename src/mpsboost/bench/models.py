@@ -13,6 +13,7 @@ Two kinds of config, one table:
 Nothing here imports diffusers or transformers until a model is built. Weights are random: these
 models exercise every kernel at their shapes; their outputs are noise.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,17 @@ from typing import Any, Callable
 
 from .errors import BenchError
 
-__all__ = ["CONFIGS", "MODELS", "ModelSpec", "build", "config", "default_dtype", "dtype_name", "model_config",
-           "read_config"]
+__all__ = [
+    "CONFIGS",
+    "MODELS",
+    "ModelSpec",
+    "build",
+    "config",
+    "default_dtype",
+    "dtype_name",
+    "model_config",
+    "read_config",
+]
 
 #: The shipped configs (package data: they travel with the wheel).
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -94,76 +104,225 @@ def _latents(z_dim: int) -> dict:
 
 
 # The small transformers LM the selftest's recipe checks share (every attention path applies at head_dim 32).
-_SELFTEST_LM = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-                "num_key_value_heads": 1, "max_position_embeddings": 64, "tie_word_embeddings": False,
-                "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+_SELFTEST_LM = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 
 MODELS: dict[str, ModelSpec] = {
     # Wan2.2 VAE (diffusers AutoencoderKLWan): residual blocks, patch 2, z 48, 12 channels, 16x / 4x compression.
-    "wan22_vae:real": ModelSpec("diffusers", "AutoencoderKLWan", base=("wan22_ti2v", "real", "vae.json"),
-                                what="Wan2.2-TI2V-5B's VAE (705M parameters)"),
-    "wan22_vae:tiny": ModelSpec("diffusers", "AutoencoderKLWan", base=("wan22_ti2v", "tiny", "vae.json"),
-                                what="the Wan2.2 VAE structure at diffusers' test width (cookbook tiny, selftest)"),
+    "wan22_vae:real": ModelSpec(
+        "diffusers",
+        "AutoencoderKLWan",
+        base=("wan22_ti2v", "real", "vae.json"),
+        what="Wan2.2-TI2V-5B's VAE (705M parameters)",
+    ),
+    "wan22_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLWan",
+        base=("wan22_ti2v", "tiny", "vae.json"),
+        what="the Wan2.2 VAE structure at diffusers' test width (cookbook tiny, selftest)",
+    ),
     # Widths divided by 20 and 16: a decode takes well under a second on a CPU core (the encoder is not run;
     # base_dim only sizes its weights).
-    "wan22_vae:demo": ModelSpec("diffusers", "AutoencoderKLWan", base="wan22_vae:real",
-                                override={"base_dim": 8, "decoder_base_dim": 16}, what="mpsboost demo"),
-    "wan22_vae:bench_tiny": ModelSpec("diffusers", "AutoencoderKLWan", base="wan22_vae:tiny",
-                                      override={"decoder_base_dim": 4, "z_dim": 16, **_latents(16)},
-                                      what="benchmarks/wan_vae.py --size tiny"),
-    "wan22_vae:bench_small": ModelSpec("diffusers", "AutoencoderKLWan", base="wan22_vae:bench_tiny",
-                                       override={"base_dim": 16, "decoder_base_dim": 24, "num_res_blocks": 2},
-                                       what="benchmarks/wan_vae.py --size small"),
+    "wan22_vae:demo": ModelSpec(
+        "diffusers",
+        "AutoencoderKLWan",
+        base="wan22_vae:real",
+        override={"base_dim": 8, "decoder_base_dim": 16},
+        what="mpsboost demo",
+    ),
+    "wan22_vae:bench_tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLWan",
+        base="wan22_vae:tiny",
+        override={"decoder_base_dim": 4, "z_dim": 16, **_latents(16)},
+        what="benchmarks/wan_vae.py --size tiny",
+    ),
+    "wan22_vae:bench_small": ModelSpec(
+        "diffusers",
+        "AutoencoderKLWan",
+        base="wan22_vae:bench_tiny",
+        override={"base_dim": 16, "decoder_base_dim": 24, "num_res_blocks": 2},
+        what="benchmarks/wan_vae.py --size small",
+    ),
     # Qwen-Image VAE: the class defaults are Qwen-Image's; tiny is diffusers' tests/pipelines/qwenimage config.
     "qwen_image_vae:real": ModelSpec("diffusers", "AutoencoderKLQwenImage", base=("qwen_image", "real", "vae.json")),
     "qwen_image_vae:tiny": ModelSpec("diffusers", "AutoencoderKLQwenImage", base=("qwen_image", "tiny", "vae.json")),
-    "qwen_image_vae:bench_tiny": ModelSpec("diffusers", "AutoencoderKLQwenImage", override={
-        "base_dim": 4, "z_dim": 4, "dim_mult": [1, 2, 4], "num_res_blocks": 1, "temperal_downsample": [False, True],
-        **_latents(4)}, what="benchmarks/qwen_image_vae.py --size tiny"),
-    "qwen_image_vae:bench_small": ModelSpec("diffusers", "AutoencoderKLQwenImage", override={
-        "base_dim": 16, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2,
-        "temperal_downsample": [False, True, True]}, what="benchmarks/qwen_image_vae.py --size small"),
+    "qwen_image_vae:bench_tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLQwenImage",
+        override={
+            "base_dim": 4,
+            "z_dim": 4,
+            "dim_mult": [1, 2, 4],
+            "num_res_blocks": 1,
+            "temperal_downsample": [False, True],
+            **_latents(4),
+        },
+        what="benchmarks/qwen_image_vae.py --size tiny",
+    ),
+    "qwen_image_vae:bench_small": ModelSpec(
+        "diffusers",
+        "AutoencoderKLQwenImage",
+        override={
+            "base_dim": 16,
+            "z_dim": 16,
+            "dim_mult": [1, 2, 4, 4],
+            "num_res_blocks": 2,
+            "temperal_downsample": [False, True, True],
+        },
+        what="benchmarks/qwen_image_vae.py --size small",
+    ),
     # Qwen-Image-2.1: the class defaults (base_dim 96, decoder_base_dim 144, z_dim 64, dim_mult [1, 2, 4, 8, 8],
     # 4 channels in and out, spatial factor 16) are its VAE.
     "qwen_image21_vae:real": ModelSpec("diffusers", "AutoencoderKLQwenImage21", what="the class defaults"),
-    "qwen_image21_vae:tiny": ModelSpec("diffusers", "AutoencoderKLQwenImage21", override={
-        "base_dim": 8, "decoder_base_dim": 8, "z_dim": 4, "dim_mult": [1, 1, 1, 1, 1], "num_res_blocks": 1,
-        "temperal_downsample": [False, True, True, True], **_latents(4)}, what="selftest"),
-    "qwen_image21_vae:bench_tiny": ModelSpec("diffusers", "AutoencoderKLQwenImage21", override={
-        "base_dim": 4, "decoder_base_dim": 6, "z_dim": 4, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1,
-        "temperal_downsample": [False, True, True], "scale_factor_spatial": 8, **_latents(4)},
-        what="benchmarks/qwen_image_vae.py --size tiny"),
-    "qwen_image21_vae:bench_small": ModelSpec("diffusers", "AutoencoderKLQwenImage21", override={
-        "base_dim": 16, "decoder_base_dim": 24, "z_dim": 16, "dim_mult": [1, 2, 4, 4, 4], "num_res_blocks": 2,
-        "temperal_downsample": [False, True, True, True], **_latents(16)},
-        what="benchmarks/qwen_image_vae.py --size small"),
+    "qwen_image21_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLQwenImage21",
+        override={
+            "base_dim": 8,
+            "decoder_base_dim": 8,
+            "z_dim": 4,
+            "dim_mult": [1, 1, 1, 1, 1],
+            "num_res_blocks": 1,
+            "temperal_downsample": [False, True, True, True],
+            **_latents(4),
+        },
+        what="selftest",
+    ),
+    "qwen_image21_vae:bench_tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLQwenImage21",
+        override={
+            "base_dim": 4,
+            "decoder_base_dim": 6,
+            "z_dim": 4,
+            "dim_mult": [1, 2, 2, 2],
+            "num_res_blocks": 1,
+            "temperal_downsample": [False, True, True],
+            "scale_factor_spatial": 8,
+            **_latents(4),
+        },
+        what="benchmarks/qwen_image_vae.py --size tiny",
+    ),
+    "qwen_image21_vae:bench_small": ModelSpec(
+        "diffusers",
+        "AutoencoderKLQwenImage21",
+        override={
+            "base_dim": 16,
+            "decoder_base_dim": 24,
+            "z_dim": 16,
+            "dim_mult": [1, 2, 4, 4, 4],
+            "num_res_blocks": 2,
+            "temperal_downsample": [False, True, True, True],
+            **_latents(16),
+        },
+        what="benchmarks/qwen_image_vae.py --size small",
+    ),
     # HunyuanVideo's VAE structure (causal convs with replicate time padding) at a test width.
-    "hunyuan_video_vae:tiny": ModelSpec("diffusers", "AutoencoderKLHunyuanVideo", override={
-        "block_out_channels": (8, 8, 8, 8), "norm_num_groups": 4, "layers_per_block": 1, "latent_channels": 4}),
+    "hunyuan_video_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLHunyuanVideo",
+        override={
+            "block_out_channels": (8, 8, 8, 8),
+            "norm_num_groups": 4,
+            "layers_per_block": 1,
+            "latent_channels": 4,
+        },
+    ),
     # Qwen3-30B-A3B's layout (every layer sparse, top-k routing over many small experts, GQA with head_dim set
     # apart from hidden/heads) at toy widths.
-    "qwen3_moe:demo": ModelSpec("transformers", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", override={
-        "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
-        "num_experts": 16, "num_experts_per_tok": 4, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "max_position_embeddings": 1024, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "norm_topk_prob": True, "tie_word_embeddings": False}, what="mpsboost demo"),
-    "qwen3_moe:selftest": ModelSpec("transformers", "Qwen3MoeForCausalLM", "Qwen3MoeConfig", override={
-        **_SELFTEST_LM, "head_dim": 32, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 8,
-        "num_experts_per_tok": 2, "decoder_sparse_step": 1, "norm_topk_prob": True}),
-    "qwen3:selftest": ModelSpec("transformers", "Qwen3ForCausalLM", "Qwen3Config",
-                                override={**_SELFTEST_LM, "head_dim": 32, "intermediate_size": 64}),
+    "qwen3_moe:demo": ModelSpec(
+        "transformers",
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        override={
+            "vocab_size": 2048,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "moe_intermediate_size": 128,
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "max_position_embeddings": 1024,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "norm_topk_prob": True,
+            "tie_word_embeddings": False,
+        },
+        what="mpsboost demo",
+    ),
+    "qwen3_moe:selftest": ModelSpec(
+        "transformers",
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        override={
+            **_SELFTEST_LM,
+            "head_dim": 32,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": True,
+        },
+    ),
+    "qwen3:selftest": ModelSpec(
+        "transformers",
+        "Qwen3ForCausalLM",
+        "Qwen3Config",
+        override={**_SELFTEST_LM, "head_dim": 32, "intermediate_size": 64},
+    ),
     # head_dim 64 (a Metal kernel size), grouped K/V (4 heads, 2 K/V heads), eager attention.
-    "llama_eager:selftest": ModelSpec("transformers", "LlamaForCausalLM", "LlamaConfig", override={
-        **_SELFTEST_LM, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
-        "attn_implementation": "eager"}),
+    "llama_eager:selftest": ModelSpec(
+        "transformers",
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        override={
+            **_SELFTEST_LM,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 64,
+            "attn_implementation": "eager",
+        },
+    ),
     # Qwen3.6's text model (Gated DeltaNet + full attention, MoE with a shared expert) at a test width.
-    "qwen3_5_moe:selftest": ModelSpec("transformers", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig", override={
-        "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
-        "layer_types": ["linear_attention", "full_attention"],
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "num_experts": 8,
-        "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16,
-        "max_position_embeddings": 64}),
+    "qwen3_5_moe:selftest": ModelSpec(
+        "transformers",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeTextConfig",
+        override={
+            "vocab_size": 128,
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "layer_types": ["linear_attention", "full_attention"],
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+            "max_position_embeddings": 64,
+        },
+    ),
 }
 
 

@@ -3,6 +3,7 @@
 Built on the grouping of :mod:`.table`: every bar is a ratio of two records of one workload, and
 records whose environments differ are refused there.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,7 +59,13 @@ def plot(records: Iterable[Record], path: str | os.PathLike, *, title: str | Non
                 if k not in ops:
                     ops.append(k)
         for op in ops:
-            metrics.append((f"op {op}", (lambda o: lambda r: (r.op_time or {}).get(o))(op), (lambda o: lambda r: (base.op_time or {}).get(o) if base else None)(op)))
+            metrics.append(
+                (
+                    f"op {op}",
+                    (lambda o: lambda r: (r.op_time or {}).get(o))(op),
+                    (lambda o: lambda r: (base.op_time or {}).get(o) if base else None)(op),
+                )
+            )
         width = 0.8 / max(len(names), 1)
         any_bar = False
         for j, (name, rec) in enumerate(zip(names, recs)):
@@ -75,19 +82,28 @@ def plot(records: Iterable[Record], path: str | os.PathLike, *, title: str | Non
                 any_bar = True
                 # Error bars: the ratio's range over the two spreads (stock's min..max against the
                 # variant's); a bar whose range crosses 1 is no measured difference.
-                bars = ax.bar(xs, ys, width, label=name, color=colors[j], yerr=[lows, highs], capsize=2, error_kw={"lw": 0.8})
+                bars = ax.bar(
+                    xs, ys, width, label=name, color=colors[j], yerr=[lows, highs], capsize=2, error_kw={"lw": 0.8}
+                )
                 ax.bar_label(bars, fmt="%.2fx", fontsize=7)
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(metrics))])
         ax.set_xticklabels([m[0] for m in metrics], fontsize=8, rotation=15)
         ax.set_ylabel("speedup vs stock (>1 faster)")
-        ax.set_title(f"{g.workload.describe()}\nspeed" if any_bar else f"{g.workload.describe()}\nspeed: no stock baseline", fontsize=9)
+        ax.set_title(
+            f"{g.workload.describe()}\nspeed" if any_bar else f"{g.workload.describe()}\nspeed: no stock baseline",
+            fontsize=9,
+        )
         if any_bar:
             ax.legend(fontsize=7)
 
         # 2: memory peaks in GiB, absolute (ratios of memory across counters would mislead)
         ax = axes[row][1]
-        counters = [("tensor_allocated", "tensor-allocated"), ("allocator_reserved", "allocator-reserved"), ("driver_level", "driver-level")]
+        counters = [
+            ("tensor_allocated", "tensor-allocated"),
+            ("allocator_reserved", "allocator-reserved"),
+            ("driver_level", "driver-level"),
+        ]
         for j, (name, rec) in enumerate(zip(names, recs)):
             m = rec.memory
             xs, ys = [], []
@@ -124,7 +140,8 @@ def plot(records: Iterable[Record], path: str | os.PathLike, *, title: str | Non
             cap = max(finite + [40.0]) * 1.15
             heights = [cap if (math.isinf(v) and v > 0) else (v if math.isfinite(v) else 0.0) for v in values]
             bars = ax.bar(
-                range(len(values)), heights,
+                range(len(values)),
+                heights,
                 color=[colors[names.index(lbl.split(chr(10))[0])] for lbl in labels],
                 hatch=None,
             )
@@ -139,7 +156,10 @@ def plot(records: Iterable[Record], path: str | os.PathLike, *, title: str | Non
         ax.set_ylabel("dB (higher: closer to reference)")
         ax.set_title("correctness", fontsize=9)
     env = groups[0].env
-    fig.suptitle(title or f"{env.device_type} ({env.device_name}), torch {env.torch_version}, {env.dtype}, {env.compile}", fontsize=10)
+    fig.suptitle(
+        title or f"{env.device_type} ({env.device_name}), torch {env.torch_version}, {env.dtype}, {env.compile}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -152,7 +172,12 @@ def ratio_range(stock: Throughput | OpTime | None, variant: Throughput | OpTime 
     if isinstance(stock, OpTime) and isinstance(variant, OpTime):
         vals = (stock.min_us, stock.max_us, variant.min_us, variant.max_us)
     elif isinstance(stock, Throughput) and isinstance(variant, Throughput) and stock.unit == variant.unit:
-        vals = (stock.spread.get("min_s"), stock.spread.get("max_s"), variant.spread.get("min_s"), variant.spread.get("max_s"))
+        vals = (
+            stock.spread.get("min_s"),
+            stock.spread.get("max_s"),
+            variant.spread.get("min_s"),
+            variant.spread.get("max_s"),
+        )
     else:
         return None
     if any(v is None or v <= 0 for v in vals):
@@ -218,7 +243,11 @@ def _plot_compact(groups: list[Group], path: Path, plt, title: str | None) -> Pa
         _bars(axes[2][0], xs, db, w, v, color)
     for ax, ylabel in zip(
         (axes[0][0], axes[1][0], axes[2][0]),
-        ("speedup vs stock (>1 faster)", "peak memory / stock's (driver-level first)", "correctness dB (PSNR, else SQNR; identical not drawn)"),
+        (
+            "speedup vs stock (>1 faster)",
+            "peak memory / stock's (driver-level first)",
+            "correctness dB (PSNR, else SQNR; identical not drawn)",
+        ),
     ):
         ax.set_ylabel(ylabel, fontsize=8)
         ax.set_xticks([i + w * (len(variants) - 1) / 2 for i in range(n)])
@@ -228,7 +257,11 @@ def _plot_compact(groups: list[Group], path: Path, plt, title: str | None) -> Pa
     axes[0][0].axhline(1.0, color="grey", lw=0.8, ls="--")
     axes[1][0].axhline(1.0, color="grey", lw=0.8, ls="--")
     env = groups[0].env
-    fig.suptitle(title or f"{env.device_type} ({env.device_name}), torch {env.torch_version}, {env.dtype}, {env.compile}: {n} workloads", fontsize=10)
+    fig.suptitle(
+        title
+        or f"{env.device_type} ({env.device_name}), torch {env.torch_version}, {env.dtype}, {env.compile}: {n} workloads",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -2,6 +2,7 @@
 
 Set ``MPSBOOST_PROGRESS=0`` to silence it (CI logs), ``=1`` to force it on a non-terminal.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -11,6 +11,7 @@ Sums are taken in float64 so that a bf16 output against an fp32 reference is jud
 error, not the metric's rounding. :func:`cpu_reference` runs a copy of a module on the CPU in
 fp32 on the same inputs: the reference every recipe's correctness record is measured against.
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,7 +56,9 @@ def _pair(x: Any, ref: Any):
 
     x, ref = as_tensor(x), as_tensor(ref)
     if x.shape != ref.shape:
-        raise QualityError(f"shapes differ: output {tuple(x.shape)} vs reference {tuple(ref.shape)}; compare outputs of the same inputs")
+        raise QualityError(
+            f"shapes differ: output {tuple(x.shape)} vs reference {tuple(ref.shape)}; compare outputs of the same inputs"
+        )
     if x.numel() == 0:
         raise QualityError("cannot compare empty tensors (0 elements)")
     if x.is_complex() or ref.is_complex():
@@ -137,7 +140,9 @@ def max_abs(x: Any, ref: Any) -> float:
     return _sums(x, ref)[2]
 
 
-def correctness(x: Any, ref: Any, *, reference: str, data_range: float | None = None, psnr_too: bool = True) -> Correctness:
+def correctness(
+    x: Any, ref: Any, *, reference: str, data_range: float | None = None, psnr_too: bool = True
+) -> Correctness:
     """Every metric of ``x`` against ``ref`` as one :class:`~mpsboost.bench.records.Correctness`.
 
     ``reference`` names what ``ref`` is (``"cpu-fp32"``, ``"stock"``). ``psnr_too=False`` leaves
@@ -200,7 +205,9 @@ def cpu_reference(
     if method is not None and fn is not None:
         raise QualityError("pass either method= or fn=, not both")
     if any(p.device.type == "meta" for p in module.parameters()):
-        raise QualityError("the module has parameters on the meta device (not loaded); load its weights before taking a reference")
+        raise QualityError(
+            "the module has parameters on the meta device (not loaded); load its weights before taking a reference"
+        )
     ref_module = copy.deepcopy(module)
     # torch.nn.Module.to itself, not the library override: diffusers' ModelMixin.to warns about
     # casting on every call, and the cast of a throwaway reference copy is exactly what we want.

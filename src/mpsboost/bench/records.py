@@ -16,6 +16,7 @@ Files are JSON Lines, one record per line, each carrying :data:`SCHEMA_VERSION`.
 (a PSNR of identical tensors is ``inf``) are written as the strings ``"inf"``, ``"-inf"``,
 ``"nan"`` so that every line is strict JSON that any reader (``jq``, pandas) accepts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -91,7 +92,14 @@ def _encode(value: Any) -> Any:
     return str(value)
 
 
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+_NONFINITE = {
+    "nan": math.nan,
+    "inf": math.inf,
+    "-inf": -math.inf,
+    "Infinity": math.inf,
+    "-Infinity": -math.inf,
+    "NaN": math.nan,
+}
 
 
 def _float(value: Any, where: str) -> float | None:
@@ -217,7 +225,7 @@ def _dtype_name(dtype: Any) -> str:
     if dtype is None:
         return "none"
     text = str(dtype)
-    return text[len("torch."):] if text.startswith("torch.") else text
+    return text[len("torch.") :] if text.startswith("torch.") else text
 
 
 def _library_versions() -> dict:
@@ -258,7 +266,18 @@ class RecordEnv:
     libraries: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("mpsboost_version", "torch_version", "torch_build", "device_type", "device_name", "dtype", "compile", "os", "platform", "python"):
+        for name in (
+            "mpsboost_version",
+            "torch_version",
+            "torch_build",
+            "device_type",
+            "device_name",
+            "dtype",
+            "compile",
+            "os",
+            "platform",
+            "python",
+        ):
             _str(getattr(self, name), f"RecordEnv.{name}")
         object.__setattr__(self, "libraries", _mapping(self.libraries, "RecordEnv.libraries"))
 
@@ -334,7 +353,9 @@ class RecordEnv:
         _known(cls, data, "env")
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.name != "libraries"]
         if missing:
-            raise RecordError(f"env: missing field(s) {missing}; build environments with RecordEnv.capture(device, dtype)")
+            raise RecordError(
+                f"env: missing field(s) {missing}; build environments with RecordEnv.capture(device, dtype)"
+            )
         return cls(**data)
 
 
@@ -358,14 +379,18 @@ class Throughput:
     def __post_init__(self) -> None:
         object.__setattr__(self, "value", _float(self.value, "Throughput.value"))
         if self.value is None:
-            raise RecordError("Throughput.value: expected a number, got None; leave the whole throughput section None instead")
+            raise RecordError(
+                "Throughput.value: expected a number, got None; leave the whole throughput section None instead"
+            )
         _str(self.unit, "Throughput.unit")
         object.__setattr__(self, "seconds_per_call", _float(self.seconds_per_call, "Throughput.seconds_per_call"))
         object.__setattr__(self, "items_per_call", _float(self.items_per_call, "Throughput.items_per_call"))
         object.__setattr__(self, "repeats", _int(self.repeats, "Throughput.repeats"))
         object.__setattr__(self, "warmup", _int(self.warmup, "Throughput.warmup"))
         object.__setattr__(
-            self, "spread", {k: _float(v, f"Throughput.spread[{k!r}]") for k, v in _mapping(self.spread, "Throughput.spread").items()}
+            self,
+            "spread",
+            {k: _float(v, f"Throughput.spread[{k!r}]") for k, v in _mapping(self.spread, "Throughput.spread").items()},
         )
 
     @property
@@ -531,14 +556,20 @@ class Record:
 
     def __post_init__(self) -> None:
         if not isinstance(self.workload, Workload):
-            raise RecordError(f"Record.workload: expected a Workload(name, shape), got {type(self.workload).__name__} {self.workload!r}")
+            raise RecordError(
+                f"Record.workload: expected a Workload(name, shape), got {type(self.workload).__name__} {self.workload!r}"
+            )
         _str(self.variant, "Record.variant")
         if not isinstance(self.env, RecordEnv):
-            raise RecordError(f"Record.env: expected a RecordEnv (RecordEnv.capture(device, dtype)), got {type(self.env).__name__}")
+            raise RecordError(
+                f"Record.env: expected a RecordEnv (RecordEnv.capture(device, dtype)), got {type(self.env).__name__}"
+            )
         for name, cls in (("throughput", Throughput), ("correctness", Correctness), ("memory", Memory)):
             value = getattr(self, name)
             if value is not None and not isinstance(value, cls):
-                raise RecordError(f"Record.{name}: expected {cls.__name__} or None, got {type(value).__name__} {value!r}")
+                raise RecordError(
+                    f"Record.{name}: expected {cls.__name__} or None, got {type(value).__name__} {value!r}"
+                )
         if self.op_time is not None:
             ops = _mapping(self.op_time, "Record.op_time")
             for k, v in ops.items():

@@ -13,6 +13,7 @@ Ratios are never multiplied or averaged across workloads or baselines: each one 
 records of one group. Records whose environments differ in anything but the variant are refused
 with an :class:`~mpsboost.bench.errors.EnvMismatchError` naming the field.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,17 @@ from typing import Iterable, Sequence
 from .errors import EnvMismatchError, RecordError
 from .records import OpTime, Record, RecordEnv, Throughput, Workload
 
-__all__ = ["Group", "group_records", "check_comparable", "compare_table", "speed_ratio", "BASELINE", "fmt_number", "fmt_bytes", "fmt_us"]
+__all__ = [
+    "Group",
+    "group_records",
+    "check_comparable",
+    "compare_table",
+    "speed_ratio",
+    "BASELINE",
+    "fmt_number",
+    "fmt_bytes",
+    "fmt_us",
+]
 
 BASELINE = "stock"
 NA = "n/a"
@@ -250,7 +261,9 @@ def _rows(group: Group) -> list[tuple[str, list[str]]]:
                 if b:
                     text += _ratio_text(v / b, "memory")
             cells.append(text)
-        sources = {r.memory.driver_level_source for r in variants if r.memory is not None and r.memory.driver_level_source}
+        sources = {
+            r.memory.driver_level_source for r in variants if r.memory is not None and r.memory.driver_level_source
+        }
         if metric == "driver_level" and sources:
             label += f" ({', '.join(sorted(sources))})"
         rows.append((label, cells))

@@ -9,6 +9,7 @@
 
 Never time with the memory sampler running: :mod:`mpsboost.bench.memory` is a separate pass.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -110,7 +111,9 @@ class Timing:
             if not (isinstance(items_per_call, (int, float)) and items_per_call > 0):
                 raise TimingError(f"items_per_call must be a positive number, got {items_per_call!r}")
             if unit in ("s/call", "ms/call", "us/call"):
-                raise TimingError(f"unit {unit!r} is a time per call; with items_per_call give a rate such as 'tokens/s'")
+                raise TimingError(
+                    f"unit {unit!r} is a time per call; with items_per_call give a rate such as 'tokens/s'"
+                )
             value = items_per_call / self.median_s
         return Throughput(
             value=value,

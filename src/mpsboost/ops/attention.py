@@ -16,6 +16,7 @@ decision (``mpsboost.recipes.metal_attention.METAL_HEAD_DIMS``).
 
 ``ops`` never imports diffusers or transformers.
 """
+
 from __future__ import annotations
 
 import torch

@@ -12,6 +12,7 @@ against all keys gives the same rows, as long as each slice keeps its own rows o
 only) to it. Calls within the budget pass through unchanged. The budget arrives as an argument: the
 recipe that decides (``mpsboost.recipes.attention_split``) owns the 2^31 limit of the MPS kernels.
 """
+
 from __future__ import annotations
 
 import math
@@ -82,7 +83,9 @@ def sdpa_split(
                 mask = mask & causal
             else:
                 mask = mask.masked_fill(~causal, float("-inf"))
-        out[..., start:stop, :] = F.scaled_dot_product_attention(query[..., start:stop, :], key, value, attn_mask=mask, **kw)
+        out[..., start:stop, :] = F.scaled_dot_product_attention(
+            query[..., start:stop, :], key, value, attn_mask=mask, **kw
+        )
     return out
 
 

@@ -25,6 +25,7 @@ used on CUDA (a fused RMS norm over the channel axis, an in-place SiLU).
 
 Nothing here imports diffusers: the functions read the attributes those modules have.
 """
+
 from __future__ import annotations
 
 import torch

@@ -38,6 +38,7 @@ or inside the operator's eager body, never in traced code.
 
 This module never imports diffusers or transformers, and imports Triton only on the fused path.
 """
+
 from __future__ import annotations
 
 import functools
@@ -86,6 +87,7 @@ _CHUNK_ELEMENTS = 1 << 24
 
 # --------------------------------------------------------------------------------- integer codecs
 
+
 def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
     """float32 (or any float) -> uint8 e4m3fn codes with integer ops; saturating, round-to-nearest-even.
 
@@ -130,12 +132,13 @@ def decode_e4m3(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
     # the target mantissa. Adding (bias - 7) << exp_shift to the shifted magnitude does both at once.
     val = ((mag << mant_shift) + ((bias - 7) << exp_shift)).view(dtype)
     # Exponent 0: subnormal, value = mantissa * 2^-9, exact in every target dtype.
-    val = torch.where(mag < 8, mag.to(dtype) * (2.0 ** -9), val)
+    val = torch.where(mag < 8, mag.to(dtype) * (2.0**-9), val)
     val = torch.where(mag == 0x7F, torch.full_like(val, float("nan")), val)
     return torch.where((c & 0x80) != 0, -val, val)
 
 
 # --------------------------------------------------------------------------------- quantisation
+
 
 def storage_for(env: Env) -> str:
     """``"float8"`` where float8 tensors can live on the device (gate ``float8_storage``), else ``"uint8"``."""
@@ -262,6 +265,7 @@ def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 # --------------------------------------------------------------------------------- activations
 
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise fp8 quantisation of a 2-D activation in plain torch ops: (codes [M, K], scales [M, 1]).
 
@@ -273,12 +277,16 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def fp8_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def fp8_gemv_reference(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
     """The fp8 GEMV's numerics in plain torch: the weight dequantised as :func:`dequantize` does (codes x
     scale in fp32, rounded once to ``x.dtype``), then ``F.linear`` (fp32 sums, bias, one rounding). So the
     GEMV and the dequantise-then-linear path of large batches compute the same function of the file."""
     n = w.shape[0]
-    return F.linear(x, dequantize(w, scale.reshape(n, 1) if scale.numel() == n and n > 1 else scale.reshape(()), x.dtype), bias)
+    return F.linear(
+        x, dequantize(w, scale.reshape(n, 1) if scale.numel() == n and n > 1 else scale.reshape(()), x.dtype), bias
+    )
 
 
 @torch.library.custom_op("mpsboost::fp8_gemv", mutates_args=())
@@ -337,11 +345,17 @@ def _eager_cuda(x: torch.Tensor) -> bool:
     (torch.compile, export), tensor subclasses (fake, functional, distributed tensors of any tracer) and
     autograd (the operators have no backward: they raise) still go through the registered operator."""
     # is_compiling() first: under dynamo it is a constant True and nothing after it is traced.
-    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor and x.is_cuda
-            and not (x.requires_grad and torch.is_grad_enabled()))
+    return (
+        not torch.compiler.is_compiling()
+        and type(x) is torch.Tensor
+        and x.is_cuda
+        and not (x.requires_grad and torch.is_grad_enabled())
+    )
 
 
-def fp8_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def fp8_gemv(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """``x [M, K] @ (w [N, K] fp8 * scale).T + bias`` in ``x.dtype``: ``torch.ops.mpsboost.fp8_gemv``."""
     if _eager_cuda(x):
         return _fp8_gemv_cuda(x, w, scale, bias)
@@ -356,6 +370,7 @@ def fused_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------------- forward paths
+
 
 @dataclass(frozen=True)
 class LinearPath:
@@ -372,8 +387,9 @@ class LinearPath:
 ACTIVATIONS = ("bf16", "fp8")
 
 
-def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype, gemv_max_m: int = 16,
-                       activations: str = "bf16") -> LinearPath:
+def choose_linear_path(
+    env: Env, *, n: int, k: int, dtype: torch.dtype, gemv_max_m: int = 16, activations: str = "bf16"
+) -> LinearPath:
     """The forward path for an ``[n, k]`` layer computing in ``dtype`` in ``env`` (pure: asks only the gate).
 
     The backing text names what actually runs here: the GEMV's activation dtype (fp32 activations go
@@ -393,12 +409,30 @@ def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype, gemv_max
             if use_sm:
                 large = "fused activation quantisation + scaled_mm rowwise"
             elif activations == "bf16":
-                large = "dequantize then linear (exact: activations stay bf16)" if dtype == torch.bfloat16 else "dequantize then linear"
+                large = (
+                    "dequantize then linear (exact: activations stay bf16)"
+                    if dtype == torch.bfloat16
+                    else "dequantize then linear"
+                )
             else:
-                large = "dequantize then linear" + ("" if aligned else " (shape not 16-aligned for scaled_mm)") + (
-                    "" if dtype == torch.bfloat16 else f" ({str(dtype)[6:]} output: scaled_mm rowwise gives bf16 only)")
-            acts = "" if dtype == torch.bfloat16 else (
-                ", float32 activations; tf32 in its 16-row tile kernel" if dtype == torch.float32 else f", {str(dtype)[6:]} activations")
+                large = (
+                    "dequantize then linear"
+                    + ("" if aligned else " (shape not 16-aligned for scaled_mm)")
+                    + (
+                        ""
+                        if dtype == torch.bfloat16
+                        else f" ({str(dtype)[6:]} output: scaled_mm rowwise gives bf16 only)"
+                    )
+                )
+            acts = (
+                ""
+                if dtype == torch.bfloat16
+                else (
+                    ", float32 activations; tf32 in its 16-row tile kernel"
+                    if dtype == torch.float32
+                    else f", {str(dtype)[6:]} activations"
+                )
+            )
             small = f"fp8 GEMV (triton{acts}) for M<={gemv_max_m}" if gemv_max_m > 0 else "no fp8 GEMV (gemv_max_m=0)"
             return LinearPath(
                 "fused",
@@ -421,14 +455,25 @@ def choose_linear_path(env: Env, *, n: int, k: int, dtype: torch.dtype, gemv_max
         gv = check("fp8_gemv", env)
         sm = check("scaled_mm", env)
         if gv.ok and sm.ok:
-            return LinearPath("mps_scaled_mm", "scaled_mm for M<=4; dequantize then linear above", f"{gv.reason}; {sm.reason}", storage, 4)
+            return LinearPath(
+                "mps_scaled_mm",
+                "scaled_mm for M<=4; dequantize then linear above",
+                f"{gv.reason}; {sm.reason}",
+                storage,
+                4,
+            )
         return LinearPath(
             "dequant",
             "dequantize then linear",
             f"{st.reason}; FP8 is a storage format here: {gv.reason if not gv.ok else sm.reason}",
             storage,
         )
-    return LinearPath("dequant", "dequantize then linear", f"{env.device_type}: FP8 is a storage format; each layer is dequantised just before its matmul", storage)
+    return LinearPath(
+        "dequant",
+        "dequantize then linear",
+        f"{env.device_type}: FP8 is a storage format; each layer is dequantised just before its matmul",
+        storage,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -449,14 +494,23 @@ def scaled_mm_bias_supported(device: str) -> bool:
     return True
 
 
-def scaled_mm_rowwise(xq: torch.Tensor, q: torch.Tensor, xs: torch.Tensor, scale: torch.Tensor,
-                      bias: Optional[torch.Tensor], *, bias_in_mm: bool = True) -> torch.Tensor:
+def scaled_mm_rowwise(
+    xq: torch.Tensor,
+    q: torch.Tensor,
+    xs: torch.Tensor,
+    scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    *,
+    bias_in_mm: bool = True,
+) -> torch.Tensor:
     """``torch._scaled_mm`` of row-quantised activations ``[M, K]`` and a weight ``[N, K]`` (any scales), bf16 out.
 
     ``bias_in_mm`` is :func:`scaled_mm_bias_supported` of the device, decided at patch time.
     """
     n = q.shape[0]
-    ws = scale.reshape(1, n) if scale.numel() == n and scale.dim() > 0 else scale.reshape(1, 1).expand(1, n).contiguous()
+    ws = (
+        scale.reshape(1, n) if scale.numel() == n and scale.dim() > 0 else scale.reshape(1, 1).expand(1, n).contiguous()
+    )
     if bias is not None and bias_in_mm:
         return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=torch.bfloat16)
     y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16)

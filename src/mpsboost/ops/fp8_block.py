@@ -14,6 +14,7 @@ pytorch#194074), their uint8 bytes decoded with :func:`mpsboost.ops.fp8.decode_e
 
 This module never imports diffusers or transformers.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -68,19 +69,26 @@ def dequantize_block(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int
     if kb:
         for r in range(0, nb, per):
             r1 = min(nb, r + per)
-            blocks = w3[:, r * bn:r1 * bn, :cm].unflatten(2, (kb, bk)).unflatten(1, (r1 - r, bn))
+            blocks = w3[:, r * bn : r1 * bn, :cm].unflatten(2, (kb, bk)).unflatten(1, (r1 - r, bn))
             blocks.mul_(s[:, r:r1, None, :kb, None])
     if cm < cols and nb:  # the short last column of blocks
-        w3[:, :rm, cm:].unflatten(1, (nb, bn)).mul_(s[:, :nb, None, kb:kb + 1])
+        w3[:, :rm, cm:].unflatten(1, (nb, bn)).mul_(s[:, :nb, None, kb : kb + 1])
     if rm < rows and kb:  # the short last row of blocks
-        w3[:, rm:, :cm].unflatten(2, (kb, bk)).mul_(s[:, nb:nb + 1, :kb, None])
+        w3[:, rm:, :cm].unflatten(2, (kb, bk)).mul_(s[:, nb : nb + 1, :kb, None])
     if rm < rows and cm < cols:  # the corner
-        w3[:, rm:, cm:].mul_(s[:, nb:nb + 1, kb:kb + 1])
+        w3[:, rm:, cm:].mul_(s[:, nb : nb + 1, kb : kb + 1])
     return w
 
 
-def fp8_block_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor], *,
-                     block: tuple[int, int], compute_dtype: torch.dtype) -> torch.Tensor:
+def fp8_block_linear(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    *,
+    block: tuple[int, int],
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:
     """``F.linear(x, dequantize_block(q, scale), bias)``: this one layer is dequantised just before its matmul."""
     return F.linear(x, dequantize_block(q, scale, block, compute_dtype), bias)
 
@@ -114,10 +122,15 @@ def fp8_block_experts(
         from .moe import routed_experts
 
         return routed_experts(
-            hidden_states.to(compute_dtype), top_k_index, top_k_weights.to(compute_dtype),
+            hidden_states.to(compute_dtype),
+            top_k_index,
+            top_k_weights.to(compute_dtype),
             up_weight=dequantize_block(up[0], up[1], block, compute_dtype),
             down_weight=dequantize_block(down[0], down[1], down_block or block, compute_dtype),
-            activation=activation, up_bias=up_bias, down_bias=down_bias, path="fallback",
+            activation=activation,
+            up_bias=up_bias,
+            down_bias=down_bias,
+            path="fallback",
         ).to(hidden_states.dtype)
     if t == 0:
         return hidden_states.new_zeros(0, hdim)
@@ -130,13 +143,14 @@ def fp8_block_experts(
     wts = top_k_weights.reshape(-1)
     # Per-pair outputs weighted in the product's dtype and summed over the k slots, in the order of
     # transformers' own experts forward (integrations/moe.py), so that only the matmul kernels differ.
-    out = torch.zeros(t * k, down[0].shape[-2], dtype=torch.result_type(torch.empty((), dtype=compute_dtype), wts),
-                      device=x.device)
+    out = torch.zeros(
+        t * k, down[0].shape[-2], dtype=torch.result_type(torch.empty((), dtype=compute_dtype), wts), device=x.device
+    )
     start = 0
     for e, c in enumerate(counts):
         if not c:
             continue
-        pairs = order[start:start + c]
+        pairs = order[start : start + c]
         start += c
         tok = pairs // k
         w_up = dequantize_block(up[0][e], up[1][e], block, compute_dtype)

@@ -24,6 +24,7 @@ histogram, :func:`~mpsboost.ops.moe.unroute`). Paths (:data:`PATHS`):
 :func:`dequantize_experts` is the one place expert weights are dequantised, so tests can see which
 experts were touched. This module never imports diffusers or transformers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -180,7 +181,9 @@ def fp8_routed_experts(
             h = h + up_bias[eos_c]
         h = activation(h).to(compute_dtype)
         w_down = dequantize(down.q, down.scale, compute_dtype)
-        y = moe_ops.grouped_linear(h, w_down, routing.offsets, path=how, expert_of_sorted=eos, transposed=down.transposed)
+        y = moe_ops.grouped_linear(
+            h, w_down, routing.offsets, path=how, expert_of_sorted=eos, transposed=down.transposed
+        )
         del w_down
         if down_bias is not None:
             y = y + down_bias[eos_c]
@@ -229,14 +232,14 @@ def fp8_routed_experts(
             for e in hit_list:
                 c = counts[e]
                 idx = torch.tensor([e], dtype=torch.int64, device=x.device)
-                h = _mm_rows(x[start:start + c], dequantize_experts(up, idx, compute_dtype)[0], up.transposed)
+                h = _mm_rows(x[start : start + c], dequantize_experts(up, idx, compute_dtype)[0], up.transposed)
                 if up_bias is not None:
                     h = h + up_bias[e]
                 h = activation(h).to(compute_dtype)
                 ye = _mm_rows(h, dequantize_experts(down, idx, compute_dtype)[0], down.transposed)
                 if down_bias is not None:
                     ye = ye + down_bias[e]
-                y[start:start + c] = ye.to(y.dtype)
+                y[start : start + c] = ye.to(y.dtype)
                 start += c
         if rows < y.shape[0]:
             y[rows:] = 0

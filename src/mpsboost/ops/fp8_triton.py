@@ -20,6 +20,7 @@ other row counts on their first eager call (``MPSBOOST_FP8_AUTOTUNE=0`` turns ti
 heuristic pick; under capture the heuristic pick is used and not cached). Every kernel
 is also correct under ``TRITON_INTERPRET=1`` on CPU tensors, which the CPU tests use.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,10 +37,21 @@ _BLOCK_M = 16
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
-    M, N, K,
-    stride_xm, stride_wn, stride_om, s_stride,
-    SPLIT_K, TILES,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    ws_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    s_stride,
+    SPLIT_K,
+    TILES,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -88,10 +100,18 @@ def _fp8_gemv_kernel(
 
 @triton.jit
 def _fp8_gemv_row_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr,
-    N, K,
-    stride_wn, s_stride,
-    SPLIT_K, TILES,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    out_ptr,
+    ws_ptr,
+    N,
+    K,
+    stride_wn,
+    s_stride,
+    SPLIT_K,
+    TILES,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -135,8 +155,15 @@ def _fp8_gemv_row_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(
-    ws_ptr, b_ptr, out_ptr, M, N, stride_om, SPLIT_K,
-    HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+    ws_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_om,
+    SPLIT_K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -174,14 +201,16 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, BLOCK_K: tl
 
 # ----------------------------------------------------------------------------------------- launchers
 
+
 class GemvConfig(tuple):
     """(BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, kind): kind "mma" runs the tensor-core kernel
     (any M, 16 rows per tile), "row" the CUDA-core kernel for a single activation row."""
 
     __slots__ = ()
 
-    def __new__(cls, block_n: int, block_k: int, split_k: int, num_warps: int = 4, num_stages: int = 4,
-                kind: str = "mma"):
+    def __new__(
+        cls, block_n: int, block_k: int, split_k: int, num_warps: int = 4, num_stages: int = 4, kind: str = "mma"
+    ):
         if kind not in ("mma", "row"):
             raise ValueError(f"GemvConfig kind is 'mma' or 'row', got {kind!r}")
         return super().__new__(cls, (block_n, block_k, split_k, num_warps, num_stages, kind))
@@ -274,10 +303,21 @@ def _launch(x, w, scale, bias, out, cfg: GemvConfig) -> None:
         ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     b = bias if bias is not None else scale  # any pointer; unused when HAS_BIAS is False
     _fp8_gemv_kernel[grid](
-        x, w, scale, b, out, ws,
-        m, n, k,
-        x.stride(0), w.stride(0), out.stride(0), s_stride,
-        cfg.split_k, tiles,
+        x,
+        w,
+        scale,
+        b,
+        out,
+        ws,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        out.stride(0),
+        s_stride,
+        cfg.split_k,
+        tiles,
         HAS_BIAS=bias is not None,
         EVEN_K=(k % cfg.block_k == 0 and k_tiles % cfg.split_k == 0),
         BLOCK_M=_BLOCK_M,
@@ -294,7 +334,16 @@ def _reduce_split_k(ws, b, out, m: int, n: int, split_k: int, has_bias: bool) ->
     """Sum the fp32 partials of the K splits, add the bias, round once into ``out``."""
     block = 1024
     _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-        ws, b, out, m, n, out.stride(0), split_k, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+        ws,
+        b,
+        out,
+        m,
+        n,
+        out.stride(0),
+        split_k,
+        HAS_BIAS=has_bias,
+        BLOCK=block,
+        num_warps=4,
     )
 
 
@@ -308,10 +357,18 @@ def _launch_row(x, w, scale, bias, out, cfg: GemvConfig, s_stride: int) -> None:
         ws = torch.empty((cfg.split_k, 1, n), dtype=torch.float32, device=x.device)
     b = bias if bias is not None else scale
     _fp8_gemv_row_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        x, w, scale, b, out, ws,
-        n, k,
-        w.stride(0), s_stride,
-        cfg.split_k, tiles,
+        x,
+        w,
+        scale,
+        b,
+        out,
+        ws,
+        n,
+        k,
+        w.stride(0),
+        s_stride,
+        cfg.split_k,
+        tiles,
         HAS_BIAS=bias is not None,
         EVEN_K=(k % cfg.block_k == 0 and k_tiles % cfg.split_k == 0),
         BLOCK_N=cfg.block_n,

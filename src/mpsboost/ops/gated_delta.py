@@ -10,6 +10,7 @@ reference every Mac runs because flash-linear-attention is CUDA/Triton-only:
 with ``k``, ``q`` L2-normalised, ``q`` scaled by ``d_k ** -0.5``, and the state ``S`` (per value head,
 ``[d_k, d_v]``) kept in float32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,7 +27,9 @@ __all__ = [
 ]
 
 
-def conv_step(conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def conv_step(
+    conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """One token of a depthwise causal conv with its rolling state, updated in place.
 
     ``conv_state`` ``[B, C, W]`` (the cache's own tensor, oldest column first), ``x`` ``[B, C, 1]`` the new
@@ -51,7 +54,9 @@ def qk_normalize(qk: torch.Tensor, eps_rep: torch.Tensor) -> torch.Tensor:
     return qk * torch.rsqrt(torch.addcmul(eps_rep, n, n))
 
 
-def gates(ba: torch.Tensor, z_bias: torch.Tensor, z_sign: torch.Tensor, e_add: torch.Tensor, e_mult: torch.Tensor) -> torch.Tensor:
+def gates(
+    ba: torch.Tensor, z_bias: torch.Tensor, z_sign: torch.Tensor, e_add: torch.Tensor, e_mult: torch.Tensor
+) -> torch.Tensor:
     """``beta`` and the decay ``exp(g)`` of every value head in four elementwise ops, in float32.
 
     ``ba`` ``[..., 2]``: the raw ``b`` and ``a`` projections side by side. With ``x = a + dt_bias``:
@@ -65,7 +70,9 @@ def gates(ba: torch.Tensor, z_bias: torch.Tensor, z_sign: torch.Tensor, e_add: t
     return torch.exp(torch.addcmul(e_add, log_s, e_mult))
 
 
-def recurrent_step(state: torch.Tensor, kq: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor) -> torch.Tensor:
+def recurrent_step(
+    state: torch.Tensor, kq: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor
+) -> torch.Tensor:
     """One token of the gated delta rule; ``state`` (float32 ``[B, H, dk, dv]``, contiguous: the cache's
     own tensor) is updated in place.
 
@@ -92,7 +99,9 @@ def recurrent_step(state: torch.Tensor, kq: torch.Tensor, v: torch.Tensor, beta:
     return torch.bmm(q_row, s3)
 
 
-def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, dim: int) -> torch.Tensor:
+def gated_rms_norm(
+    o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, dim: int
+) -> torch.Tensor:
     """``weight * o * rsqrt(mean(o^2) + eps) * silu(gate)`` over the last dim (size ``dim``), float32.
 
     ``eps`` is a float32 tensor broadcastable to ``o[..., :1]``. The mean of squares comes from one
@@ -175,7 +184,7 @@ def chunk_gated_delta_rule(
     ]
     query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + eps)
     key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + eps)
-    query = query * (dk ** -0.5)
+    query = query * (dk**-0.5)
 
     pad = (chunk_size - seq % chunk_size) % chunk_size
     f = torch.nn.functional
@@ -185,7 +194,9 @@ def chunk_gated_delta_rule(
 
     v_beta = value * beta.unsqueeze(-1)
     k_beta = key * beta.unsqueeze(-1)
-    query, key, k_beta, v_beta = [x.reshape(b, hv, n_chunks, chunk_size, x.shape[-1]) for x in (query, key, k_beta, v_beta)]
+    query, key, k_beta, v_beta = [
+        x.reshape(b, hv, n_chunks, chunk_size, x.shape[-1]) for x in (query, key, k_beta, v_beta)
+    ]
     g = g.reshape(b, hv, n_chunks, chunk_size)
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
     cum = g.cumsum(dim=3)

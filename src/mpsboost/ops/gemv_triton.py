@@ -16,6 +16,7 @@ number of programs the GPU wants in flight), are the decode_linear recipe's deci
 
 Importing this module never imports triton; the kernel is built on first use.
 """
+
 from __future__ import annotations
 
 import functools

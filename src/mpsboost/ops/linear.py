@@ -22,6 +22,7 @@ query at all (``torch.cuda.is_current_stream_capturing()`` is asked only in eage
 
 ``ops`` never imports diffusers or transformers.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -109,8 +110,10 @@ def make_forward(eager: str, compiled: str, *, gemv_block_n: int | None = None) 
     if compiled == "gemv_graph":
         raise ValueError("'gemv_graph' asks the host about CUDA-graph capture: it is an eager path only; use 'gemv'")
     if gemv_block_n is None and (eager in _GEMV_PATHS or compiled in _GEMV_PATHS):
-        raise ValueError(f"make_forward({eager!r}, {compiled!r}) runs the GEMV kernel: pass gemv_block_n "
-                         "(gemv_triton.block_n_for(out_features, programs))")
+        raise ValueError(
+            f"make_forward({eager!r}, {compiled!r}) runs the GEMV kernel: pass gemv_block_n "
+            "(gemv_triton.block_n_for(out_features, programs))"
+        )
     eager_fn, compiled_fn = _path_forward(eager, gemv_block_n), _path_forward(compiled, gemv_block_n)
 
     def forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ The public API, stable for other recipes (FP8 expert weights reuse it):
 
 This module never imports diffusers or transformers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ _FALLBACK_CHUNK_ROWS = 256
 
 # ----------------------------------------------------------------------------------------- routing
 
+
 @dataclass(frozen=True)
 class Routing:
     """Routed pairs sorted by expert. All tensors live on the device of the routing input.
@@ -99,7 +101,9 @@ class Routing:
         return torch.diff(self.offsets, prepend=self.offsets.new_zeros(1))
 
 
-def expert_counts(expert_ids: torch.Tensor, num_experts: int, *, method: str = "scatter_add", histc_int: bool = False) -> torch.Tensor:
+def expert_counts(
+    expert_ids: torch.Tensor, num_experts: int, *, method: str = "scatter_add", histc_int: bool = False
+) -> torch.Tensor:
     """Pairs per expert as int32 ``[num_experts]``, computed on the device; ids ``>= num_experts`` are dropped.
 
     ``method="scatter_add"`` (default) adds ones into ``num_experts + 1`` int32 bins, the last one
@@ -198,6 +202,7 @@ def combine_slots(flat: torch.Tensor, weights: torch.Tensor | None, num_tokens: 
 
 # ----------------------------------------------------------------------------------------- grouped linear
 
+
 def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
@@ -250,7 +255,9 @@ def _as_kn(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
 BATCHED_FORMS = ("auto", "bmm", "fused")
 
 
-def _batched_rows(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, transposed: bool, form: str = "auto") -> torch.Tensor:
+def _batched_rows(
+    x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, transposed: bool, form: str = "auto"
+) -> torch.Tensor:
     """``x[s] @ weight[ids[s]]`` for every row, by gathering one weight copy per row.
 
     ``form="bmm"``: one gather and one ``bmm`` (transformers' batched_mm). ``form="fused"``: the
@@ -283,8 +290,8 @@ def _dense_rows(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, transp
     w_kn = _as_kn(weight, transposed)  # [E, in, out]
     outs = []
     for start in range(0, x.shape[0], _FALLBACK_CHUNK_ROWS):  # static trip count: the input's shape
-        xs = x[start:start + _FALLBACK_CHUNK_ROWS]
-        idx = ids[start:start + _FALLBACK_CHUNK_ROWS]
+        xs = x[start : start + _FALLBACK_CHUNK_ROWS]
+        idx = ids[start : start + _FALLBACK_CHUNK_ROWS]
         y = torch.matmul(xs.unsqueeze(0), w_kn)  # [E, rows, out]
         pick = idx.clamp(0, e - 1).view(1, -1, 1).expand(1, xs.shape[0], y.shape[-1])
         sel = y.gather(0, pick).squeeze(0)
@@ -342,7 +349,9 @@ def grouped_linear(
         out = fn(x, _as_kn(weight, transposed), offs=offsets)
     elif path == "cpu_loop":
         if offsets is None or x.device.type != "cpu" or offsets.device.type != "cpu":
-            raise ValueError("grouped_linear(path='cpu_loop') needs CPU tensors and offsets; on a device use 'fallback'")
+            raise ValueError(
+                "grouped_linear(path='cpu_loop') needs CPU tensors and offsets; on a device use 'fallback'"
+            )
         w_kn = _as_kn(weight, transposed)
         pieces, start = [], 0
         for e, end in enumerate(offsets.tolist()):  # host memory: no device to wait for
@@ -370,6 +379,7 @@ def grouped_linear(
 
 
 # ----------------------------------------------------------------------------------------- the experts call
+
 
 def routed_experts(
     hidden_states: torch.Tensor,
@@ -416,8 +426,9 @@ def routed_experts(
         return hidden_states.new_zeros(0, hdim)
 
     if path == "fallback" and post is None:
-        return _dense_experts(hidden_states, top_k_index, top_k_weights, ups, down_weight, activation,
-                              up_bias, down_bias, transposed, dt)
+        return _dense_experts(
+            hidden_states, top_k_index, top_k_weights, ups, down_weight, activation, up_bias, down_bias, transposed, dt
+        )
 
     if path == "batched_mm":
         # Pairs stay in (token, slot) order: no sort, no histogram, no unsort.
@@ -426,11 +437,30 @@ def routed_experts(
         if sentinels:
             valid = ids < num_experts
             ids = ids.clamp(0, num_experts - 1)
-        hs = [grouped_linear(x, w, path="batched_mm", bias=up_bias, expert_of_sorted=ids, transposed=transposed,
-                             batched_form=batched_form, sentinels=False) for w in ups]
+        hs = [
+            grouped_linear(
+                x,
+                w,
+                path="batched_mm",
+                bias=up_bias,
+                expert_of_sorted=ids,
+                transposed=transposed,
+                batched_form=batched_form,
+                sentinels=False,
+            )
+            for w in ups
+        ]
         h = activation(*hs)
-        y = grouped_linear(h, down_weight, path="batched_mm", bias=down_bias, expert_of_sorted=ids, transposed=dt,
-                           batched_form=batched_form, sentinels=False)
+        y = grouped_linear(
+            h,
+            down_weight,
+            path="batched_mm",
+            bias=down_bias,
+            expert_of_sorted=ids,
+            transposed=dt,
+            batched_form=batched_form,
+            sentinels=False,
+        )
         if post is not None:
             y = post(y)
         if sentinels:
@@ -439,18 +469,47 @@ def routed_experts(
 
     routing = route(top_k_index, top_k_weights, num_experts, counts_method=counts_method, histc_int=histc_int)
     x = hidden_states.index_select(0, routing.sorted_token_idx)
-    hs = [grouped_linear(x, w, routing.offsets, path=path, bias=up_bias, expert_of_sorted=routing.expert_of_sorted,
-                         transposed=transposed, sentinels=sentinels) for w in ups]
+    hs = [
+        grouped_linear(
+            x,
+            w,
+            routing.offsets,
+            path=path,
+            bias=up_bias,
+            expert_of_sorted=routing.expert_of_sorted,
+            transposed=transposed,
+            sentinels=sentinels,
+        )
+        for w in ups
+    ]
     h = activation(*hs)
-    y = grouped_linear(h, down_weight, routing.offsets, path=path, bias=down_bias,
-                       expert_of_sorted=routing.expert_of_sorted, transposed=dt, sentinels=sentinels)
+    y = grouped_linear(
+        h,
+        down_weight,
+        routing.offsets,
+        path=path,
+        bias=down_bias,
+        expert_of_sorted=routing.expert_of_sorted,
+        transposed=dt,
+        sentinels=sentinels,
+    )
     if post is not None:
         y = post(y)
     return unroute(y, routing, sentinels=sentinels).to(hidden_states.dtype)
 
 
-def _dense_experts(hidden_states, top_k_index, top_k_weights, ups, down_weight, activation,
-                   up_bias, down_bias, transposed, down_transposed) -> torch.Tensor:
+def _dense_experts(
+    hidden_states,
+    top_k_index,
+    top_k_weights,
+    ups,
+    down_weight,
+    activation,
+    up_bias,
+    down_bias,
+    transposed,
+    down_transposed,
+) -> torch.Tensor:
     """Every expert on every token, combined with a dense ``[N, E]`` weight matrix (zeros off the top-k).
 
     Used where no native grouped kernel exists (MPS before torch 2.15): static shapes, no host
@@ -460,14 +519,15 @@ def _dense_experts(hidden_states, top_k_index, top_k_weights, ups, down_weight, 
     e = ups[0].shape[0]
     valid = top_k_index < e
     dense_w = torch.zeros(n, e + 1, dtype=top_k_weights.dtype, device=top_k_weights.device)
-    dense_w.scatter_add_(1, top_k_index.clamp(0, e).to(torch.int64),
-                         torch.where(valid, top_k_weights, torch.zeros_like(top_k_weights)))
+    dense_w.scatter_add_(
+        1, top_k_index.clamp(0, e).to(torch.int64), torch.where(valid, top_k_weights, torch.zeros_like(top_k_weights))
+    )
     dense_w = dense_w[:, :e]
     ups_kn = [_as_kn(w, transposed) for w in ups]
     down_kn = _as_kn(down_weight, down_transposed)
     outs = []
     for start in range(0, n, _FALLBACK_CHUNK_ROWS):  # static trip count: the input's shape
-        xs = hidden_states[start:start + _FALLBACK_CHUNK_ROWS].to(ups_kn[0].dtype)
+        xs = hidden_states[start : start + _FALLBACK_CHUNK_ROWS].to(ups_kn[0].dtype)
         rows = xs.shape[0]
         hs = []
         for w_kn in ups_kn:
@@ -479,13 +539,14 @@ def _dense_experts(hidden_states, top_k_index, top_k_weights, ups, down_weight, 
         y = torch.matmul(h.view(e, rows, -1).to(down_kn.dtype), down_kn)  # [E, rows, H]
         if down_bias is not None:
             y = y + down_bias.unsqueeze(1)
-        w = dense_w[start:start + rows].transpose(0, 1).unsqueeze(-1)  # [E, rows, 1]
+        w = dense_w[start : start + rows].transpose(0, 1).unsqueeze(-1)  # [E, rows, 1]
         outs.append((y * w).sum(dim=0))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     return out.to(hidden_states.dtype)
 
 
 # ----------------------------------------------------------------------------------------- choosing a path
+
 
 def grouped_mm_widths_ok(widths, dtype: torch.dtype, device_type: str) -> tuple[bool, str]:
     """Whether the native grouped matmul takes operands whose row widths are ``widths`` (elements),
@@ -503,8 +564,10 @@ def grouped_mm_widths_ok(widths, dtype: torch.dtype, device_type: str) -> tuple[
             return False, f"CPU grouped_mm has no {dtype} kernel"
         bad = sorted({w for w in widths if (w * es) % 16})
         if bad:
-            return False, (f"CPU grouped_mm needs row strides that are multiples of 16 bytes; widths {bad} x {es} bytes "
-                           f"({dtype}) are not")
+            return False, (
+                f"CPU grouped_mm needs row strides that are multiples of 16 bytes; widths {bad} x {es} bytes "
+                f"({dtype}) are not"
+            )
         return True, ""
     if device_type == "cuda" and dtype != torch.bfloat16:
         return False, f"CUDA's grouped_mm reads offsets on the device for bf16 only, these weights are {dtype}"
@@ -513,8 +576,15 @@ def grouped_mm_widths_ok(widths, dtype: torch.dtype, device_type: str) -> tuple[
     return True, ""
 
 
-def choose_path(num_pairs: int, *, native: bool, batched_max_tokens: int, compiled_batched_max_tokens: int | None = None,
-                compiling: bool | None = None, device_type: str = "") -> str:
+def choose_path(
+    num_pairs: int,
+    *,
+    native: bool,
+    batched_max_tokens: int,
+    compiled_batched_max_tokens: int | None = None,
+    compiling: bool | None = None,
+    device_type: str = "",
+) -> str:
     """The path for one experts call of ``num_pairs`` routed pairs.
 
     ``native``: the gate allows the native grouped matmul here and :func:`native_grouped_mm_ok`
@@ -524,7 +594,9 @@ def choose_path(num_pairs: int, *, native: bool, batched_max_tokens: int, compil
     """
     if compiling is None:
         compiling = _compiling()
-    bound = compiled_batched_max_tokens if (compiling and compiled_batched_max_tokens is not None) else batched_max_tokens
+    bound = (
+        compiled_batched_max_tokens if (compiling and compiled_batched_max_tokens is not None) else batched_max_tokens
+    )
     if num_pairs <= bound:
         return "batched_mm"
     if native:

@@ -12,6 +12,7 @@ dispatches eight to ten ops; on the CPU it is the same composite as the module's
 result is bit-identical there. ``round_then_scale`` passes a weight of ones so that the fused path is
 taken and the weight is applied after rounding, as the module does.
 """
+
 from __future__ import annotations
 
 import torch

@@ -26,6 +26,7 @@ Where a module pads with zeros in space and then runs its own convolution, the z
 folded into the convolution's ``padding`` instead (:func:`cosmos_causal_conv3d`,
 :func:`vidtok_causal_conv3d`): no buffer at all, as the Wan recipe does.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -96,17 +97,20 @@ def pad5d(x: torch.Tensor, pad: Sequence[int], mode: str = "constant", value: fl
     if mode != "constant":
         if any(lo < 0 or hi < 0 for _, lo, hi in axes):
             raise ValueError(
-                f"pad5d: negative padding is accepted in constant mode only, got {tuple(pad)} in {mode} mode")
+                f"pad5d: negative padding is accepted in constant mode only, got {tuple(pad)} in {mode} mode"
+            )
         if mode == "reflect":
             for d, lo, hi in axes:
                 if lo >= x.shape[d] or hi >= x.shape[d]:
                     raise ValueError(
-                        f"pad5d: reflect padding {(lo, hi)} must be smaller than dimension {d} of size {x.shape[d]}")
+                        f"pad5d: reflect padding {(lo, hi)} must be smaller than dimension {d} of size {x.shape[d]}"
+                    )
         if mode == "circular":
             for d, lo, hi in axes:
                 if lo > x.shape[d] or hi > x.shape[d]:
                     raise ValueError(
-                        f"pad5d: circular padding {(lo, hi)} must not exceed dimension {d} of size {x.shape[d]}")
+                        f"pad5d: circular padding {(lo, hi)} must not exceed dimension {d} of size {x.shape[d]}"
+                    )
     else:
         # Cropping first: F.pad with a negative amount drops entries.
         for d, lo, hi in axes:
@@ -171,6 +175,7 @@ class Pad5dMode(TorchFunctionMode):
 
 
 # ------------------------------------------------------------------------- folds into the convolution
+
 
 def symmetric_spatial(p: Sequence[int]) -> tuple[int, int] | None:
     """``(pH, pW)`` when ``p`` = ``(pW, pW, pH, pH[, 0, 0])`` with no time padding; else None."""

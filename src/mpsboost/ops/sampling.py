@@ -22,6 +22,7 @@ How a model's sampling loop is given these draws (the softmax recipe rebinds the
 
 ``ops`` never imports diffusers or transformers.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,7 +46,9 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> tuple
     return tokens, winners
 
 
-def draw_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_from_logits(
+    logits: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sample per row of ``softmax(logits)`` without computing the softmax (Gumbel-max).
 
     ``argmax(p / q) = argmax(log p - log q) = argmax(logits - log q)``: the normaliser is the same for

@@ -15,6 +15,7 @@ is used (feature ``device_streams``); this module only runs it.
 On the CPU (no streams) the same object runs everything in order, so the code path stays testable
 where no accelerator is present.
 """
+
 from __future__ import annotations
 
 import torch

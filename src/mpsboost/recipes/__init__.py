@@ -3,6 +3,7 @@
 Modules are discovered, not listed, so adding a recipe is adding a file. None of them may import
 diffusers or transformers at module level: they match targets by class path and import lazily.
 """
+
 from __future__ import annotations
 
 import importlib

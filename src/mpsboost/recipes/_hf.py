@@ -11,6 +11,7 @@ functions (the module global ``ALL_ATTENTION_FUNCTIONS``, and ``eager_attention_
 models) resolves the names a recipe routes to mpsboost's functions (:func:`route_attention`). The config
 keeps saying what it said, and transformers picks its mask for that implementation.
 """
+
 from __future__ import annotations
 
 import functools
@@ -169,8 +170,9 @@ def _with_globals(fn: types.FunctionType, overrides: Mapping[str, Any]) -> types
 def _copy_meta(new: types.FunctionType, fn: types.FunctionType) -> types.FunctionType:
     """``new`` (a fresh copy of ``fn``'s code) with ``fn``'s keyword defaults, names, docstring and
     attributes (``__wrapped__`` included, so a decorator chain stays walkable)."""
-    return functools.update_wrapper(new, fn, assigned=("__kwdefaults__", "__qualname__", "__module__", "__doc__"),
-                                    updated=("__dict__",))
+    return functools.update_wrapper(
+        new, fn, assigned=("__kwdefaults__", "__qualname__", "__module__", "__doc__"), updated=("__dict__",)
+    )
 
 
 def eager_function(module: torch.nn.Module) -> Callable[..., Any] | None:

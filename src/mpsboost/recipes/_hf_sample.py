@@ -7,6 +7,7 @@ of the ``_sample`` call running in this context (:data:`CURRENT`); outside one t
 
 This module imports no transformers: it rebinds whatever function it is handed.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -35,8 +36,9 @@ class SamplingState:
 CURRENT: contextvars.ContextVar[SamplingState | None] = contextvars.ContextVar("mpsboost_sampling", default=None)
 
 
-def _softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3,
-             dtype: torch.dtype | None = None) -> torch.Tensor:
+def _softmax(
+    input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     state = CURRENT.get()
     if state is not None and state.logits_path and dim in (-1, input.dim() - 1) and dtype is None:
         # The probabilities only feed the draw (checked when the recipe decided): skip the softmax and
@@ -46,8 +48,14 @@ def _softmax(input: torch.Tensor, dim: int | None = None, _stacklevel: int = 3,
     return torch.nn.functional.softmax(input, dim=dim, _stacklevel=_stacklevel, dtype=dtype)
 
 
-def _multinomial(input: torch.Tensor, num_samples: int, replacement: bool = False, *,
-                 generator: torch.Generator | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def _multinomial(
+    input: torch.Tensor,
+    num_samples: int,
+    replacement: bool = False,
+    *,
+    generator: torch.Generator | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     state = CURRENT.get()
     if state is None or num_samples != 1 or out is not None or input.dim() not in (1, 2):
         return torch.multinomial(input, num_samples, replacement, generator=generator, out=out)

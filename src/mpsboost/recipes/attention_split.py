@@ -21,6 +21,7 @@ Gate: the ``sdpa_large_scores_correct`` feature where the gate has it; without i
 is taken to have the fault (no fix is known). On CUDA and CPU it steps aside. Options:
 ``max_scores`` (the per-call budget, default 2^31), ``force`` (apply in any environment).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -40,7 +41,10 @@ NAME = "attention_split"
 
 _PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
 _MODELMIXIN = "diffusers.models.modeling_utils.ModelMixin"
-_DIFFUSERS_ATTENTION = ("diffusers.models.attention_processor.Attention", "diffusers.models.attention.AttentionModuleMixin")
+_DIFFUSERS_ATTENTION = (
+    "diffusers.models.attention_processor.Attention",
+    "diffusers.models.attention.AttentionModuleMixin",
+)
 
 # The MPSGraph SDPA path (and bmm) index the score matrix with 32 bits: from about 2^31 elements the
 # results are silently wrong (gate feature ``sdpa_large_scores_correct``: issue pytorch#179352,
@@ -85,8 +89,11 @@ def _positions(module: torch.nn.Module) -> tuple[int | None, int | None]:
     never be read as the mask."""
     fwd = inspect.unwrap(getattr(type(module), "forward"))
     try:
-        names = [p.name for p in inspect.signature(fwd).parameters.values()
-                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+        names = [
+            p.name
+            for p in inspect.signature(fwd).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ][1:]
     except (TypeError, ValueError):
         return None, None
     pos = {n: i for i, n in enumerate(names)}
@@ -184,17 +191,24 @@ class AttentionSplit(Recipe):
         if match.data.kind == "transformers":
             impl = getattr(getattr(match.module, "config", None), "_attn_implementation", None)
             if impl != "sdpa":
-                return Decision.skip(f"attention implementation {impl!r}: only 'sdpa' calls the kernel this recipe splits")
+                return Decision.skip(
+                    f"attention implementation {impl!r}: only 'sdpa' calls the kernel this recipe splits"
+                )
             mods = [m for _, m in _hf.attention_modules(match.module) if _hf.implementation(m) == "sdpa"]
             if not mods:
                 return Decision.skip("no attention module on 'sdpa' that looks up transformers' attention functions")
-            found = Decision.apply("sdpa split along queries (attention module forwards)",
-                                   f"'sdpa' kept in the config; {len(mods)} attention modules",
-                                   plan=SplitPlan(max_scores=limit, attention_modules=len(mods)))
+            found = Decision.apply(
+                "sdpa split along queries (attention module forwards)",
+                f"'sdpa' kept in the config; {len(mods)} attention modules",
+                plan=SplitPlan(max_scores=limit, attention_modules=len(mods)),
+            )
         else:
             n = len(_attention_modules(match.module))
-            found = Decision.apply("sdpa split along queries (attention processors)", f"{n} attention modules",
-                                   plan=SplitPlan(max_scores=limit, attention_modules=n))
+            found = Decision.apply(
+                "sdpa split along queries (attention processors)",
+                f"{n} attention modules",
+                plan=SplitPlan(max_scores=limit, attention_modules=n),
+            )
         if force:
             return Decision.apply(found.backing, f"forced by options (force=True); {found.reason}", plan=found.plan)
         if env.device_type != "mps":
@@ -206,8 +220,9 @@ class AttentionSplit(Recipe):
             why = v.reason
         else:
             why = "no MPS build is known to compute SDPA over more than 2^31 scores correctly (ComfyUI#14837)"
-        return Decision.apply(found.backing, f"{why}; calls above {limit} scores are split; {found.reason}",
-                              plan=found.plan)
+        return Decision.apply(
+            found.backing, f"{why}; calls above {limit} scores are split; {found.reason}", plan=found.plan
+        )
 
     def apply(self, match: Match, decision: Decision, env: Env, options: AttentionSplitOptions) -> Patch:
         plan: SplitPlan = decision.plan

@@ -23,6 +23,7 @@ Options (``options={"decode_linear": {...}}``):
   since eager launches and compiled forwards both keep cuBLAS.
   ``cuda_eager``: ``True`` also uses the Triton kernel outside CUDA-graph capture (default ``False``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -133,7 +134,9 @@ class DecodeLinear(Recipe):
             return Decision.skip(f"{class_path(type(mod))} overrides forward (quantised or adapter layer); left alone")
         if "forward" in mod.__dict__:
             # accelerate's offload hooks (and other wrappers) live on the instance: keep their device handling.
-            return Decision.skip("forward already wrapped on this instance (e.g. an accelerate offload hook); left alone")
+            return Decision.skip(
+                "forward already wrapped on this instance (e.g. an accelerate offload hook); left alone"
+            )
         w = mod.weight
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
             return Decision.skip(f"weight is not a 2-D floating tensor ({getattr(w, 'dtype', type(w).__name__)})")
@@ -141,29 +144,37 @@ class DecodeLinear(Recipe):
         has_bias = mod.bias is not None
 
         if path == "fold":
-            return Decision.apply("[B,K] layout for one-token rows",
-                                  "forced by options (path='fold'); compiled: the same fold",
-                                  plan=DecodeLinearPlan(n, k, eager="fold", compiled="fold"))
+            return Decision.apply(
+                "[B,K] layout for one-token rows",
+                "forced by options (path='fold'); compiled: the same fold",
+                plan=DecodeLinearPlan(n, k, eager="fold", compiled="fold"),
+            )
         if path == "triton":
             eager = "gemv" if options.cuda_eager else "gemv_graph"
-            return Decision.apply("triton GEMV, fused bias",
-                                  "forced by options (path='triton'); compiled: the same operator",
-                                  plan=DecodeLinearPlan(n, k, eager=eager, compiled="gemv"))
+            return Decision.apply(
+                "triton GEMV, fused bias",
+                "forced by options (path='triton'); compiled: the same operator",
+                plan=DecodeLinearPlan(n, k, eager=eager, compiled="gemv"),
+            )
 
         if env.device_type == "mps":
             v = check("linear_3d_fast", env)
             if v.ok:
                 g = check("gemv_bias_epilogue", env)
                 return Decision.skip(f"native path: {v.reason}; {g.reason}")
-            return Decision.apply("[B,K] layout for one-token rows",
-                                  f"{v.reason}; compiled: the same fold (views, traceable)",
-                                  plan=DecodeLinearPlan(n, k, eager="fold", compiled="fold"))
+            return Decision.apply(
+                "[B,K] layout for one-token rows",
+                f"{v.reason}; compiled: the same fold (views, traceable)",
+                plan=DecodeLinearPlan(n, k, eager="fold", compiled="fold"),
+            )
         if env.device_type == "cpu":
             return Decision.skip("CPU F.linear runs the same kernel for [B,1,K] and [B,K]; nothing to gain")
         # CUDA
         return self._decide_cuda(env, n, k, has_bias, w.dtype, options)
 
-    def _decide_cuda(self, env: Env, n: int, k: int, has_bias: bool, dtype: torch.dtype, options: DecodeLinearOptions) -> Decision:
+    def _decide_cuda(
+        self, env: Env, n: int, k: int, has_bias: bool, dtype: torch.dtype, options: DecodeLinearOptions
+    ) -> Decision:
         graph, where = measured(env, "cuda_graph")
         if graph is None:
             return Decision.skip(f"cuBLAS kept: {where}")
@@ -189,7 +200,9 @@ class DecodeLinear(Recipe):
                 f"{s_graph:.2f}x over cuBLAS for {shape} only inside CUDA graphs you capture yourself ({src}); "
                 "eager launches and compiled forwards keep cuBLAS, so nothing is bound; "
                 "options={'decode_linear': {'cuda_graphs': True}} binds it for manual graph capture"
-                if use_graph else f"cuBLAS kept for {shape} ({src})")
+                if use_graph
+                else f"cuBLAS kept for {shape} ({src})"
+            )
         if use_graph:
             eager = "gemv" if eager_opt else "gemv_graph"
             when = "" if eager_opt else "; inside CUDA graphs only (eager launches stay on cuBLAS)"
@@ -200,8 +213,11 @@ class DecodeLinear(Recipe):
             comp, why = "gemv", f"{why}; compiled: {s_comp:.2f}x over cuBLAS measured under torch.compile"
         else:
             comp, why = "stock", f"{why}; {_NO_COMPILED_GAIN} ({TUNING})"
-        return Decision.apply("triton GEMV, fused bias", why,
-                              plan=DecodeLinearPlan(n, k, eager=eager, compiled=comp, speedup=s_graph or s_comp))
+        return Decision.apply(
+            "triton GEMV, fused bias",
+            why,
+            plan=DecodeLinearPlan(n, k, eager=eager, compiled=comp, speedup=s_graph or s_comp),
+        )
 
     def apply(self, match: Match, decision: Decision, env: Env, options: DecodeLinearOptions) -> Patch:
         plan: DecodeLinearPlan = decision.plan
@@ -214,6 +230,7 @@ class DecodeLinear(Recipe):
                 # Compile and load the kernel now (patch time): a first launch inside CUDA-graph capture
                 # would have to compile there. One launch per distinct (block, bias) configuration.
                 with torch.no_grad():
-                    gemv_triton.gemv(torch.ones(1, w.shape[1], device=w.device, dtype=w.dtype), w, match.module.bias,
-                                     block_n)
+                    gemv_triton.gemv(
+                        torch.ones(1, w.shape[1], device=w.device, dtype=w.dtype), w, match.module.bias, block_n
+                    )
         return bind_forward(match.module, self.name, fwd)

@@ -43,6 +43,7 @@ with a static cache (``generate(..., cache_implementation="static")``) on cuda, 
 sets that on the model's own generation config, reversibly; nothing does it by default (no Mac
 measurement of the compiled mode yet).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -124,8 +125,11 @@ class _Layout:
     @property
     def widths(self) -> tuple[int, ...]:
         kd, vd, hv = self.hk * self.dk, self.hv * self.dv, self.hv
-        return {"split": (2 * kd + vd, vd, hv, hv), "qkvz": (2 * kd + 2 * vd, 2 * hv),
-                "olmo": (kd, kd, vd, vd, hv, hv)}[self.family]
+        return {
+            "split": (2 * kd + vd, vd, hv, hv),
+            "qkvz": (2 * kd + 2 * vd, 2 * hv),
+            "olmo": (kd, kd, vd, vd, hv, hv),
+        }[self.family]
 
     @property
     def n(self) -> int:
@@ -156,6 +160,7 @@ class _State:
 
 # ---------------------------------------------------------------------------- structure
 
+
 def _family(mod: torch.nn.Module) -> str | None:
     return next((_FAMILIES[class_path(c)] for c in type(mod).__mro__ if class_path(c) in _FAMILIES), None)
 
@@ -177,7 +182,10 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
     if fam is None:
         return f"{class_path(type(mod))} is not a known Gated DeltaNet class"
     try:
-        ints = [int(getattr(mod, a)) for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size", "hidden_size")]
+        ints = [
+            int(getattr(mod, a))
+            for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size", "hidden_size")
+        ]
     except (AttributeError, TypeError, ValueError) as e:
         return f"missing or non-integer layout attribute ({e})"
     hk, hv, dk, dv, width, hidden = ints
@@ -186,15 +194,33 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
     if getattr(mod, "activation", None) not in _SILU:
         return f"conv activation {getattr(mod, 'activation', None)!r}; the recipe implements silu"
     norm = getattr(mod, _NORM[fam], None)
-    if (getattr(norm, "activation", None) not in _SILU or not isinstance(getattr(norm, "variance_epsilon", None), (int, float))
-            or tuple(getattr(getattr(norm, "weight", None), "shape", ())) != (dv,)):
+    if (
+        getattr(norm, "activation", None) not in _SILU
+        or not isinstance(getattr(norm, "variance_epsilon", None), (int, float))
+        or tuple(getattr(getattr(norm, "weight", None), "shape", ())) != (dv,)
+    ):
         return f"gated norm {type(norm).__name__} is not silu-gated RMSNorm of width {dv}"
-    layout = _Layout(fam, hk, hv, dk, dv, width, hidden, 2.0 if getattr(mod, "allow_neg_eigval", False) else 1.0,
-                     float(norm.variance_epsilon))
+    layout = _Layout(
+        fam,
+        hk,
+        hv,
+        dk,
+        dv,
+        width,
+        hidden,
+        2.0 if getattr(mod, "allow_neg_eigval", False) else 1.0,
+        float(norm.variance_epsilon),
+    )
     conv = getattr(mod, "conv1d", None)
     c = layout.conv_dim
-    if (not isinstance(conv, torch.nn.Conv1d) or conv.groups != c or tuple(conv.weight.shape) != (c, 1, width)
-            or tuple(conv.padding) != (width - 1,) or tuple(conv.stride) != (1,) or tuple(conv.dilation) != (1,)):
+    if (
+        not isinstance(conv, torch.nn.Conv1d)
+        or conv.groups != c
+        or tuple(conv.weight.shape) != (c, 1, width)
+        or tuple(conv.padding) != (width - 1,)
+        or tuple(conv.stride) != (1,)
+        or tuple(conv.dilation) != (1,)
+    ):
         return f"conv1d is not a depthwise causal Conv1d over {c} channels with kernel {width}"
     params = []
     for name, rows in zip(_PROJ[fam], layout.widths):
@@ -213,8 +239,13 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
             return f"{pname} is not a [{hv}] tensor"
     hooked = [n for n, m in mod.named_modules() if "_hf_hook" in m.__dict__]
     if hooked or "forward" in mod.__dict__:
-        return ("accelerate hooks move weights per call (" + ", ".join(n or "<layer>" for n in hooked) + "): a fused storage would be rebuilt every step"
-                if hooked else "forward already wrapped on this instance; left alone")
+        return (
+            "accelerate hooks move weights per call ("
+            + ", ".join(n or "<layer>" for n in hooked)
+            + "): a fused storage would be rebuilt every step"
+            if hooked
+            else "forward already wrapped on this instance; left alone"
+        )
     return layout
 
 
@@ -223,6 +254,7 @@ def _proj_params(mod: torch.nn.Module, layout: _Layout) -> list[torch.nn.Paramet
 
 
 # ---------------------------------------------------------------------------- fused storage
+
 
 def _fused_views(params: list[torch.nn.Parameter], fused: torch.Tensor | None) -> bool:
     if fused is None:
@@ -236,6 +268,7 @@ def _fused_views(params: list[torch.nn.Parameter], fused: torch.Tensor | None) -
 
 
 # ---------------------------------------------------------------------------- derived tensors
+
 
 def _qkvz_perm(lay: _Layout, device: torch.device) -> torch.Tensor:
     """Qwen3-Next's interleaved [qkvz | ba] rows gathered into the canonical [q | k | v | z | b | a]."""
@@ -317,6 +350,7 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
 
 # ---------------------------------------------------------------------------- the forward
 
+
 def _project(mod: torch.nn.Module, lay: _Layout, d: dict[str, Any], x2: torch.Tensor) -> torch.Tensor:
     """[M, hidden] -> [M, N] in the canonical column order [q | k | v | z | b | a]."""
     if d["wt"] is not None:
@@ -326,8 +360,9 @@ def _project(mod: torch.nn.Module, lay: _Layout, d: dict[str, Any], x2: torch.Te
     return y if d["perm"] is None else y.index_select(-1, d["perm"])
 
 
-def _decode(mod: torch.nn.Module, lay: _Layout, d: dict[str, Any], hs: torch.Tensor, conv_state: torch.Tensor,
-            rec: torch.Tensor) -> torch.Tensor:
+def _decode(
+    mod: torch.nn.Module, lay: _Layout, d: dict[str, Any], hs: torch.Tensor, conv_state: torch.Tensor, rec: torch.Tensor
+) -> torch.Tensor:
     b = hs.shape[0]
     hk, hv, r, dk, dv, c, n = lay.hk, lay.hv, lay.r, lay.dk, lay.dv, lay.conv_dim, lay.n
     kd, vd = hk * dk, hv * dv
@@ -336,20 +371,35 @@ def _decode(mod: torch.nn.Module, lay: _Layout, d: dict[str, Any], hs: torch.Ten
     qkv = F.silu(gd.conv_step(conv_state, y.as_strided((b, c, 1), (n, 1, 1), o0), d["conv_w"], d["conv_b"]))
     q0 = 0
     kq = gd.qk_normalize(qkv.as_strided((b, hk, 1, 2, dk), (c, dk, dk, kd, 1), q0), d["eps_rep"])
-    e = gd.gates(y.as_strided((b, hk, r, 2), (n, r, 1, hv), o0 + 2 * kd + 2 * vd), d["z_bias"], d["z_sign"], d["e_add"], d["e_mult"])
+    e = gd.gates(
+        y.as_strided((b, hk, r, 2), (n, r, 1, hv), o0 + 2 * kd + 2 * vd),
+        d["z_bias"],
+        d["z_sign"],
+        d["e_add"],
+        d["e_mult"],
+    )
     # One sequence (the usual decode): batch and heads merge into one dim, which saves two views.
     lead = (hv,) if b == 1 else (b, hv)
     ls = (dv,) if b == 1 else (c, dv)
     es = (2,) if b == 1 else (2 * hv, 2)
     v = qkv.as_strided((*lead, 1, dv), (*ls, dv, 1), q0 + 2 * kd)
-    o = gd.recurrent_step(rec, kq, v, e.as_strided((*lead, 1, 1), (*es, 1, 1), 0), e.as_strided((*lead, 1, 1), (*es, 1, 1), 1))
+    o = gd.recurrent_step(
+        rec, kq, v, e.as_strided((*lead, 1, 1), (*es, 1, 1), 0), e.as_strided((*lead, 1, 1), (*es, 1, 1), 1)
+    )
     z = y.as_strided((*lead, 1, dv), ((dv,) if b == 1 else (n, dv)) + (dv, 1), o0 + 2 * kd + vd)
     out = gd.gated_rms_norm(o if b == 1 else o.view(b, hv, 1, dv), z, d["norm_w"], d["eps_norm"], dv)
     return torch.mm(out.view(b, vd).to(hs.dtype), d["out_wt"]).view(b, 1, lay.hidden)
 
 
-def _prefill(mod: torch.nn.Module, lay: _Layout, d: dict[str, Any], hs: torch.Tensor, cache: Any,
-             rec: torch.Tensor | None, solve: str) -> torch.Tensor:
+def _prefill(
+    mod: torch.nn.Module,
+    lay: _Layout,
+    d: dict[str, Any],
+    hs: torch.Tensor,
+    cache: Any,
+    rec: torch.Tensor | None,
+    solve: str,
+) -> torch.Tensor:
     """The stock prefill (and multi-token continuation) with the chunked rule of :mod:`mpsboost.ops.gated_delta`."""
     b, s, _ = hs.shape
     hk, hv, dk, dv = lay.hk, lay.hv, lay.dk, lay.dv
@@ -359,16 +409,22 @@ def _prefill(mod: torch.nn.Module, lay: _Layout, d: dict[str, Any], hs: torch.Te
     if cache is not None:
         qkv = cache.update_conv_state(qkv, mod.layer_idx, conv_kernel_size=lay.width)
     conv = mod.conv1d
-    qkv = F.silu(F.conv1d(qkv.to(conv.weight.dtype), conv.weight, conv.bias, padding=lay.width - 1, groups=c)[..., :qkv.shape[-1]])
+    qkv = F.silu(
+        F.conv1d(qkv.to(conv.weight.dtype), conv.weight, conv.bias, padding=lay.width - 1, groups=c)[
+            ..., : qkv.shape[-1]
+        ]
+    )
     qkv = qkv[..., -s:].transpose(1, 2).to(hs.dtype)
     q = qkv[..., :kd].reshape(b, s, hk, dk)
-    k = qkv[..., kd:2 * kd].reshape(b, s, hk, dk)
-    v = qkv[..., 2 * kd:].reshape(b, s, hv, dv)
-    z = y[..., c:c + vd]
-    bb, a = y[..., c + vd:c + vd + hv], y[..., c + vd + hv:]
+    k = qkv[..., kd : 2 * kd].reshape(b, s, hk, dk)
+    v = qkv[..., 2 * kd :].reshape(b, s, hv, dv)
+    z = y[..., c : c + vd]
+    bb, a = y[..., c + vd : c + vd + hv], y[..., c + vd + hv :]
     beta = bb.sigmoid() * lay.beta_scale if lay.beta_scale != 1.0 else bb.sigmoid()
     g = -mod.A_log.float().exp() * F.softplus(a.float() + mod.dt_bias)
-    o, state = gd.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=rec, output_final_state=cache is not None, solve=solve)
+    o, state = gd.chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=rec, output_final_state=cache is not None, solve=solve
+    )
     if cache is not None:
         cache.update_recurrent_state(state, mod.layer_idx)
     norm = getattr(mod, _NORM[lay.family])
@@ -376,8 +432,13 @@ def _prefill(mod: torch.nn.Module, lay: _Layout, d: dict[str, Any], hs: torch.Te
     return getattr(mod, _OUT[lay.family])(out)
 
 
-def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, cache: Any = None, attention_mask: torch.Tensor | None = None,
-             **kwargs: Any) -> torch.Tensor:
+def _forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    cache: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
     state: _State = self.__dict__[_STATE]
     lay = state.layout
     compiling = torch.compiler.is_compiling()  # a trace-time constant
@@ -394,8 +455,15 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, cache: Any = No
     if not stock and cache is not None:
         conv_state = cache.get_conv_state(self.layer_idx, state_idx=0)
         rec = cache.get_recurrent_state(self.layer_idx, state_idx=0)
-    decode = (s == 1 and conv_state is not None and rec is not None and not cache.is_recording_past(self.layer_idx)
-              and rec.dtype == torch.float32 and rec.is_contiguous() and conv_state.is_contiguous())
+    decode = (
+        s == 1
+        and conv_state is not None
+        and rec is not None
+        and not cache.is_recording_past(self.layer_idx)
+        and rec.dtype == torch.float32
+        and rec.is_contiguous()
+        and conv_state.is_contiguous()
+    )
     if not stock and not decode and state.prefill == "stock":
         stock = True
     d = None
@@ -411,6 +479,7 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, cache: Any = No
 
 
 # ---------------------------------------------------------------------------- the recipe
+
 
 def _fast_path_packages() -> list[str]:
     """The CUDA kernel packages transformers would call instead of its torch reference."""
@@ -450,22 +519,37 @@ class LinearAttention(Recipe):
         if env.device_type == "cuda":
             found = _fast_path_packages()
             if found:
-                return Decision.skip(f"{' and '.join(found)} importable: transformers runs those CUDA kernels "
-                                     "(is_fast_path_available); the recipe steps aside")
+                return Decision.skip(
+                    f"{' and '.join(found)} importable: transformers runs those CUDA kernels "
+                    "(is_fast_path_available); the recipe steps aside"
+                )
         solve = check("solve_triangular_fast", env)
         prefill = options.prefill if options.prefill != "auto" else ("stock" if solve.ok else "matmul")
-        compiled = options.compiled if options.compiled != "auto" else ("recipe" if env.device_type == "mps" else "stock")
+        compiled = (
+            options.compiled if options.compiled != "auto" else ("recipe" if env.device_type == "mps" else "stock")
+        )
         backing = "fused projections, recurrent step in fp32"
-        backing += "; prefill chunked, matmul triangular inverse" if prefill == "matmul" else "; prefill stock (solve_triangular)"
-        why = [("eager decode: fused projections, conv roll, gates and state update in few ops (stock: 103 aten ops per step); "
-                f"prefill: {'forced by options' if options.prefill != 'auto' else solve.reason}")]
+        backing += (
+            "; prefill chunked, matmul triangular inverse"
+            if prefill == "matmul"
+            else "; prefill stock (solve_triangular)"
+        )
+        why = [
+            (
+                "eager decode: fused projections, conv roll, gates and state update in few ops (stock: 103 aten ops per step); "
+                f"prefill: {'forced by options' if options.prefill != 'auto' else solve.reason}"
+            )
+        ]
         if compiled == "recipe":
-            why.append("compiled: the recipe's forward, traced (weights read from the Parameters)"
-                       + ("; on MPS solve_triangular stays slow under compile too" if env.device_type == "mps" else ""))
+            why.append(
+                "compiled: the recipe's forward, traced (weights read from the Parameters)"
+                + ("; on MPS solve_triangular stays slow under compile too" if env.device_type == "mps" else "")
+            )
         else:
             why.append("compiled: stock forward (inductor fuses it; no compiled measurement of the recipe's path yet)")
-        return Decision.apply(backing, "; ".join(why),
-                              plan=LinearAttentionPlan(family=lay.family, prefill=prefill, compiled=compiled))
+        return Decision.apply(
+            backing, "; ".join(why), plan=LinearAttentionPlan(family=lay.family, prefill=prefill, compiled=compiled)
+        )
 
     def apply(self, match: Match, decision: Decision, env: Env, options: LinearAttentionOptions) -> Patch:
         mod = match.module
@@ -475,8 +559,11 @@ class LinearAttention(Recipe):
         with Changes() as ch:
             plan: LinearAttentionPlan = decision.plan
             state = _State(lay, plan.prefill, plan.compiled, None)  # type: ignore[arg-type]
-            fused, undo_fuse = fuse_params(_proj_params(mod, lay), current=lambda: state.fused,
-                                           description=f"{NAME}: projection weights back to their own storage")
+            fused, undo_fuse = fuse_params(
+                _proj_params(mod, lay),
+                current=lambda: state.fused,
+                description=f"{NAME}: projection weights back to their own storage",
+            )
             ch.add(undo_fuse)
             state.set_fused(fused)
             ch.add(set_instance_attr(mod, NAME, _STATE, state))
@@ -486,6 +573,7 @@ class LinearAttention(Recipe):
 
 
 # ---------------------------------------------------------------------------- compiled decoding on a Mac
+
 
 def mac_compile(model: Any, *, backend: str = "inductor", mode: str | None = None, fullgraph: bool = False) -> Patch:
     """Let ``generate(..., cache_implementation="static")`` compile the decode step on MPS (opt-in).
@@ -500,15 +588,26 @@ def mac_compile(model: Any, *, backend: str = "inductor", mode: str | None = Non
     """
     cfg = getattr(model, "generation_config", None)
     if cfg is None or not hasattr(cfg, "compile_config"):
-        raise TypeError(f"mac_compile needs a transformers generative model (with a generation_config), got {type(model).__name__}")
+        raise TypeError(
+            f"mac_compile needs a transformers generative model (with a generation_config), got {type(model).__name__}"
+        )
     if not isinstance(backend, str) or not isinstance(fullgraph, bool) or not (mode is None or isinstance(mode, str)):
-        raise TypeError(f"mac_compile takes backend: str, mode: str | None, fullgraph: bool; got {backend!r}, {mode!r}, {fullgraph!r}")
+        raise TypeError(
+            f"mac_compile takes backend: str, mode: str | None, fullgraph: bool; got {backend!r}, {mode!r}, {fullgraph!r}"
+        )
     import copy as _copy
 
     from transformers import CompileConfig
 
     previous = cfg.compile_config
-    new = _copy.copy(previous) if previous is not None else CompileConfig(backend=backend, mode=mode or "default", fullgraph=fullgraph)
+    new = (
+        _copy.copy(previous)
+        if previous is not None
+        else CompileConfig(backend=backend, mode=mode or "default", fullgraph=fullgraph)
+    )
     # not an __init__ argument in transformers 5.24 (a class-level default): set on the new copy, never on previous
     flag = set_attr(new, "_compile_all_devices", True)
-    return Patch.chain([flag, set_attr(cfg, "compile_config", new)], description="mac_compile: restore generation_config.compile_config")
+    return Patch.chain(
+        [flag, set_attr(cfg, "compile_config", new)],
+        description="mac_compile: restore generation_config.compile_config",
+    )

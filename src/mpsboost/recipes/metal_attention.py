@@ -27,6 +27,7 @@ What each torch build runs natively decides what routing buys (gate features):
 On CPU and CUDA it does not apply. ``options={"metal_attention": {"force": True}}`` applies it on any env
 (the code path is ordinary SDPA there; used by the tests).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -99,7 +100,15 @@ def _metal(module, query, key, value, attention_mask, dropout, scaling, is_causa
     causal = bool(q_len > 1 and attention_mask is None and causal)
     if causal and kv_len > q_len:
         key, value = key[:, :, :q_len], value[:, :, :q_len]
-    out = sdpa(query, key, value, attention_mask, dropout_p=dropout if module.training else 0.0, is_causal=causal, scale=scaling)
+    out = sdpa(
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout_p=dropout if module.training else 0.0,
+        is_causal=causal,
+        scale=scaling,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -200,7 +209,9 @@ class MetalAttention(Recipe):
         if not v.ok:
             return Decision.skip(v.reason)
         if isinstance(found.plan, RoutePlan) and found.plan.previous == "sdpa":
-            return Decision.skip(f"stock already does it: the model is on 'sdpa', which reaches the same Metal kernels ({v.reason})")
+            return Decision.skip(
+                f"stock already does it: the model is on 'sdpa', which reaches the same Metal kernels ({v.reason})"
+            )
         return Decision.apply(found.backing, f"{v.reason}; {found.reason}", plan=found.plan)
 
     # -------------------------------------------------------------- what the model allows
@@ -221,13 +232,20 @@ class MetalAttention(Recipe):
         if not mods:
             return Decision.skip("no attention module that looks up transformers' attention functions; left alone")
         why = next((w for w in map(_hf.routable, mods) if w), "") or next(
-            (f"{type(m).__name__}'s modeling file has no eager_attention_forward to fall back on" for m in mods
-             if _hf.implementation(m) == "eager" and _hf.eager_function(m) is None), "")
+            (
+                f"{type(m).__name__}'s modeling file has no eager_attention_forward to fall back on"
+                for m in mods
+                if _hf.implementation(m) == "eager" and _hf.eager_function(m) is None
+            ),
+            "",
+        )
         if why:
             return Decision.skip(f"cannot route its attention modules: {why}")
-        return Decision.apply("sdpa, grouped K/V (attention module forwards)",
-                              f"{impl!r} kept in the config; {len(mods)} attention modules",
-                              plan=RoutePlan(previous=impl, attention_modules=len(mods)))
+        return Decision.apply(
+            "sdpa, grouped K/V (attention module forwards)",
+            f"{impl!r} kept in the config; {len(mods)} attention modules",
+            plan=RoutePlan(previous=impl, attention_modules=len(mods)),
+        )
 
     def _decide_diffusers(self, match: Match) -> Decision:
         attn = match.module
@@ -243,8 +261,9 @@ class MetalAttention(Recipe):
             hd = inner // heads
             if not metal_head_dim_ok(hd):
                 return Decision.skip(f"head_dim {hd} has no Metal kernel (kernels: {METAL_HEAD_DIMS}); stock kept")
-        return Decision.apply(f"sdpa ({_SDPA_PROCESSOR[pname]})", f"was {pname}",
-                              plan=ProcessorPlan(processor=_SDPA_PROCESSOR[pname]))
+        return Decision.apply(
+            f"sdpa ({_SDPA_PROCESSOR[pname]})", f"was {pname}", plan=ProcessorPlan(processor=_SDPA_PROCESSOR[pname])
+        )
 
     # -------------------------------------------------------------- applying
     def apply(self, match: Match, decision: Decision, env: Env, options: MetalAttentionOptions) -> Patch:

@@ -38,6 +38,7 @@ Options (``mpsboost.patch(m, options={"moe_experts": {...}})``):
 (a forced path that cannot run on these tensors falls back to one that can).
 Defaults: the tuning files ``mpsboost/data/tuning/moe_thresholds_*.json`` (:func:`thresholds_for_env`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -150,9 +151,14 @@ class _Choice:
             if self.forced == "cpu_loop" and (not on_cpu or compiling):
                 return "fallback"
             return self.forced
-        return moe_ops.choose_path(num_pairs, native=native, batched_max_tokens=self.batched_max_tokens,
-                                   compiled_batched_max_tokens=self.compiled_batched_max_tokens,
-                                   compiling=compiling, device_type=self.sim_device or dev)
+        return moe_ops.choose_path(
+            num_pairs,
+            native=native,
+            batched_max_tokens=self.batched_max_tokens,
+            compiled_batched_max_tokens=self.compiled_batched_max_tokens,
+            compiling=compiling,
+            device_type=self.sim_device or dev,
+        )
 
 
 def _int_option(options: MoeExpertsOptions, key: str, default: int) -> int:
@@ -160,11 +166,14 @@ def _int_option(options: MoeExpertsOptions, key: str, default: int) -> int:
     if value is None:
         return default
     if value < 0:
-        raise ValueError(f"moe_experts option {key}={value!r}: expected an int >= 0 (routed token-expert pairs per call)")
+        raise ValueError(
+            f"moe_experts option {key}={value!r}: expected an int >= 0 (routed token-expert pairs per call)"
+        )
     return value
 
 
 # ----------------------------------------------------------------------------------------- forwards
+
 
 def _hf_forward(choice: _Choice):
     """The forward bound on a ``use_experts_implementation`` experts instance."""
@@ -196,9 +205,20 @@ def _hf_forward(choice: _Choice):
             return fn(self, hidden_states, top_k_index, top_k_weights)
         path = choice.path(idx.numel(), up_w)
         out = moe_ops.routed_experts(
-            x, idx, wts, up_weight=up_w, down_weight=self.down_proj, activation=act, up_bias=up_b,
-            down_bias=down_b, transposed=self.is_transposed, post=post, path=path, histc_int=choice.histc_int,
-            batched_form=choice.batched_form, sentinels=getattr(self, "_is_expert_parallel", False),
+            x,
+            idx,
+            wts,
+            up_weight=up_w,
+            down_weight=self.down_proj,
+            activation=act,
+            up_bias=up_b,
+            down_bias=down_b,
+            transposed=self.is_transposed,
+            post=post,
+            path=path,
+            histc_int=choice.histc_int,
+            batched_form=choice.batched_form,
+            sentinels=getattr(self, "_is_expert_parallel", False),
         )
         return out.reshape(shape)
 
@@ -211,9 +231,16 @@ def _stacked_forward(choice: _Choice):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         path = choice.path(top_k_index.numel(), self.gate_up_proj)
         return moe_ops.routed_experts(
-            hidden_states, top_k_index, top_k_weights, up_weight=self.gate_up_proj, down_weight=self.down_proj,
-            activation=self._apply_gate, path=path, histc_int=choice.histc_int,
-            batched_form=choice.batched_form, sentinels=False,
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            up_weight=self.gate_up_proj,
+            down_weight=self.down_proj,
+            activation=self._apply_gate,
+            path=path,
+            histc_int=choice.histc_int,
+            batched_form=choice.batched_form,
+            sentinels=False,
         )
 
     return forward
@@ -232,9 +259,17 @@ def _dbrx_forward(choice: _Choice):
         act = self.mlp.activation_fn
         path = choice.path(top_k_index.numel(), w1)
         out = moe_ops.routed_experts(
-            x, top_k_index, top_k_weights, up_weight=(w1, v1), down_weight=w2, down_transposed=True,
-            activation=lambda g, u: act(g) * u, path=path, histc_int=choice.histc_int,
-            batched_form=choice.batched_form, sentinels=False,
+            x,
+            top_k_index,
+            top_k_weights,
+            up_weight=(w1, v1),
+            down_weight=w2,
+            down_transposed=True,
+            activation=lambda g, u: act(g) * u,
+            path=path,
+            histc_int=choice.histc_int,
+            batched_form=choice.batched_form,
+            sentinels=False,
         )
         return out.view(batch, -1, h)
 
@@ -266,8 +301,15 @@ def _jetmoe_experts_forward(choice: _Choice):
         if path != "grouped_mm":
             rows = torch.arange(inputs.shape[0], device=inputs.device, dtype=torch.int32)
             ids = torch.searchsorted(offsets, rows, right=True)
-        return moe_ops.grouped_linear(inputs, self.weight, offsets, path=path, expert_of_sorted=ids,
-                                      batched_form=choice.batched_form, sentinels=False)
+        return moe_ops.grouped_linear(
+            inputs,
+            self.weight,
+            offsets,
+            path=path,
+            expert_of_sorted=ids,
+            batched_form=choice.batched_form,
+            sentinels=False,
+        )
 
     return forward
 
@@ -305,18 +347,29 @@ def _hold_decode_switch(root: torch.nn.Module, follow: bool) -> Patch:
     if not callable(getattr(type(root), _DECODE_ATTR, None)):
         return no_change(f"{NAME}: no generate() decode switch on {type(root).__name__}")
     # Someone else bound it on this instance: hold_instance_attr leaves theirs in place and we follow it.
-    return hold_instance_attr(root, _DECODE_ATTR, lambda: types.MethodType(_decode_switch, root), follow,
-                              description=f"{NAME}: restore generate()'s decode switch")
+    return hold_instance_attr(
+        root,
+        _DECODE_ATTR,
+        lambda: types.MethodType(_decode_switch, root),
+        follow,
+        description=f"{NAME}: restore generate()'s decode switch",
+    )
 
 
 def _own_config(config) -> Patch:
     """Store :data:`OWNED` as the config's experts implementation; undo puts the plain default back
     if nobody chose another implementation in between."""
-    return set_attr(config, "_experts_implementation_internal", OWNED, restore=_DEFAULT_IMPL,
-                    description=f"{NAME}: restore config._experts_implementation")
+    return set_attr(
+        config,
+        "_experts_implementation_internal",
+        OWNED,
+        restore=_DEFAULT_IMPL,
+        description=f"{NAME}: restore config._experts_implementation",
+    )
 
 
 # ----------------------------------------------------------------------------------------- the recipe
+
 
 @dataclass(frozen=True, eq=False)
 class ExpertsTarget:
@@ -381,7 +434,9 @@ class MoeExperts(Recipe):
         thr = thresholds_for_env(env, native.ok)
         forced = options.path
         if forced not in ("auto", *moe_ops.PATHS):
-            raise ValueError(f"moe_experts option path={forced!r}: expected 'auto' or one of {', '.join(moe_ops.PATHS)}")
+            raise ValueError(
+                f"moe_experts option path={forced!r}: expected 'auto' or one of {', '.join(moe_ops.PATHS)}"
+            )
         weights = self._weights(match)
         widths = {n for w in weights for n in w.shape[1:]}
         aligned = all(w.data_ptr() % 16 == 0 for w in weights)
@@ -389,11 +444,14 @@ class MoeExperts(Recipe):
         # Every operand of both projections, decided here once: (device type, dtype) pairs that may
         # take the native kernel. A simulated env runs on CPU tensors: its rule and CPU's must both hold.
         native_pairs = {
-            (env.device_type, dt) for dt in dtypes
+            (env.device_type, dt)
+            for dt in dtypes
             if native.ok and aligned and moe_ops.grouped_mm_widths_ok(widths, dt, env.device_type)[0]
         }
         if env.simulated and env.device_type != "cpu":
-            native_pairs |= {("cpu", dt) for d, dt in native_pairs if moe_ops.grouped_mm_widths_ok(widths, dt, "cpu")[0]}
+            native_pairs |= {
+                ("cpu", dt) for d, dt in native_pairs if moe_ops.grouped_mm_widths_ok(widths, dt, "cpu")[0]
+            }
         limit = ""
         dtype = weights[0].dtype
         if native.ok and (env.device_type, dtype) not in native_pairs:
@@ -402,17 +460,24 @@ class MoeExperts(Recipe):
         choice = _Choice(
             native=frozenset(native_pairs),
             batched_max_tokens=_int_option(options, "batched_max_tokens", thr.batched_max_tokens),
-            compiled_batched_max_tokens=_int_option(options, "compiled_batched_max_tokens", thr.compiled_batched_max_tokens),
+            compiled_batched_max_tokens=_int_option(
+                options, "compiled_batched_max_tokens", thr.compiled_batched_max_tokens
+            ),
             forced=None if forced == "auto" else forced,
             histc_int=check("histc_int", env).ok,
-            compiled_form=options.compiled_batched_form if options.compiled_batched_form is not None else thr.compiled_batched_form,
+            compiled_form=options.compiled_batched_form
+            if options.compiled_batched_form is not None
+            else thr.compiled_batched_form,
             follow_decode_switch=thr.follow_decode_switch,
-            eager_stock=(env.device_type == "cuda" and forced == "auto" and match.data.kind == "hf"
-                         and not options.cuda_eager),
+            eager_stock=(
+                env.device_type == "cuda" and forced == "auto" and match.data.kind == "hf" and not options.cuda_eager
+            ),
             sim_device=env.device_type if env.simulated else None,
         )
         if choice.compiled_form not in ("fused", "bmm"):
-            raise ValueError(f"moe_experts option compiled_batched_form={choice.compiled_form!r}: expected 'fused' or 'bmm'")
+            raise ValueError(
+                f"moe_experts option compiled_batched_form={choice.compiled_form!r}: expected 'fused' or 'bmm'"
+            )
         return choice, f"{native.reason}; thresholds: {thr.source}", limit
 
     @staticmethod
@@ -443,7 +508,8 @@ class MoeExperts(Recipe):
                 f"experts_implementation={chosen!r} was chosen explicitly (from_pretrained(experts_implementation=...), "
                 "set_experts_implementation() or the config): the user's choice outranks the recipe, which steps aside; "
                 f"to let it run, set_experts_implementation({_DEFAULT_IMPL!r}) before patching",
-                kind=match.data.kind, user_choice=chosen,
+                kind=match.data.kind,
+                user_choice=chosen,
             )
         choice, why, limit = self._choice(match, env, options)
         native = (env.device_type, self._weights(match)[0].dtype) in choice.native
@@ -458,20 +524,28 @@ class MoeExperts(Recipe):
             backing += f" (batched_mm at <= {choice.batched_max_tokens} routed tokens)"
         reason = ("forced by option path; " if choice.forced else "") + why + limit
         if choice.eager_stock:
-            reason += (f"; eager on CUDA: transformers' own batched_mm / grouped_mm kernels (the recipe's own eager paths "
-                       f"showed no gain in a whole generate(), {_CUDA_EAGER_RECORD}; this default: {_CUDA_EAGER_DEFAULT_RECORD}; "
-                       "options cuda_eager=True takes the recipe's paths); compiled forwards take the recipe's paths")
+            reason += (
+                f"; eager on CUDA: transformers' own batched_mm / grouped_mm kernels (the recipe's own eager paths "
+                f"showed no gain in a whole generate(), {_CUDA_EAGER_RECORD}; this default: {_CUDA_EAGER_DEFAULT_RECORD}; "
+                "options cuda_eager=True takes the recipe's paths); compiled forwards take the recipe's paths"
+            )
         if match.data.kind == "hf":
-            reason += ("; generate()'s decode switch to batched_mm kept (steps aside while decoding)"
-                       if choice.follow_decode_switch else
-                       "; a later set_experts_implementation() takes over from the recipe")
-        return Decision.apply(backing, reason, plan=ExpertsPlan(
-            kind=match.data.kind,
-            large_path=large,
-            batched_max_tokens=choice.batched_max_tokens,
-            compiled_batched_max_tokens=choice.compiled_batched_max_tokens,
-            choice=choice,
-        ))
+            reason += (
+                "; generate()'s decode switch to batched_mm kept (steps aside while decoding)"
+                if choice.follow_decode_switch
+                else "; a later set_experts_implementation() takes over from the recipe"
+            )
+        return Decision.apply(
+            backing,
+            reason,
+            plan=ExpertsPlan(
+                kind=match.data.kind,
+                large_path=large,
+                batched_max_tokens=choice.batched_max_tokens,
+                compiled_batched_max_tokens=choice.compiled_batched_max_tokens,
+                choice=choice,
+            ),
+        )
 
     # ------------------------------------------------------------------ applying
     def apply(self, match: Match, decision: Decision, env: Env, options: MoeExpertsOptions) -> Patch:
@@ -486,8 +560,10 @@ class MoeExperts(Recipe):
                 if choice.eager_stock:
                     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-                    choice = dataclasses.replace(choice, stock_functions=(ALL_EXPERTS_FUNCTIONS["batched_mm"],
-                                                                          ALL_EXPERTS_FUNCTIONS["grouped_mm"]))
+                    choice = dataclasses.replace(
+                        choice,
+                        stock_functions=(ALL_EXPERTS_FUNCTIONS["batched_mm"], ALL_EXPERTS_FUNCTIONS["grouped_mm"]),
+                    )
                 ch.add(_own_config(m.config))
                 ch.add(_hold_decode_switch(match.data.root, choice.follow_decode_switch))
                 ch.add(bind_forward(m, NAME, _hf_forward(choice)))
@@ -502,6 +578,7 @@ class MoeExperts(Recipe):
 # ----------------------------------------------------------------------------------------- thresholds
 # Which tuning file speaks for which device, and what holds where none does: the recipe's policy; the
 # numbers reach mpsboost.ops.moe.choose_path as arguments.
+
 
 @dataclass(frozen=True)
 class Thresholds:

@@ -21,6 +21,7 @@ device types. The result equals the module's bit for bit on the CPU; on MPS and 
 sums the squares in its own order (float32 rounding of the mean: on the H200, at most 5.6e-5 relative
 on one norm of that model, ``sensitivity-cuda-2026-12-01-qwen36.json``).
 """
+
 from __future__ import annotations
 
 import ast
@@ -43,10 +44,14 @@ NAME = "rms_norm"
 # (ops.norm); the reference only says which code computes it, and is checked against it numerically.
 REFERENCES: dict[str, tuple[tuple[str, str], ...]] = {
     "round_then_scale": (("transformers.models.llama.modeling_llama", "LlamaRMSNorm"),),
-    "scale_in_fp32": (("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssRMSNorm"),
-                      ("transformers.models.helium.modeling_helium", "HeliumRMSNorm")),
-    "zero_centered": (("transformers.models.gemma.modeling_gemma", "GemmaRMSNorm"),
-                      ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeRMSNorm")),
+    "scale_in_fp32": (
+        ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssRMSNorm"),
+        ("transformers.models.helium.modeling_helium", "HeliumRMSNorm"),
+    ),
+    "zero_centered": (
+        ("transformers.models.gemma.modeling_gemma", "GemmaRMSNorm"),
+        ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeRMSNorm"),
+    ),
 }
 DEVICES = ("mps", "cuda", "cpu")
 
@@ -69,12 +74,25 @@ def _code_key(fn: Any) -> str | None:
     if not isinstance(node, ast.FunctionDef):
         return None
     body = node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         body = body[1:]
-    args = ast.arguments(posonlyargs=[], args=[ast.arg(a.arg) for a in node.args.args], vararg=None, kwonlyargs=[],
-                         kw_defaults=[], kwarg=None, defaults=[])
-    return ast.dump(ast.Module(body=[ast.FunctionDef("f", args, body, [], None, None)], type_ignores=[]),
-                    annotate_fields=False)
+    args = ast.arguments(
+        posonlyargs=[],
+        args=[ast.arg(a.arg) for a in node.args.args],
+        vararg=None,
+        kwonlyargs=[],
+        kw_defaults=[],
+        kwarg=None,
+        defaults=[],
+    )
+    return ast.dump(
+        ast.Module(body=[ast.FunctionDef("f", args, body, [], None, None)], type_ignores=[]), annotate_fields=False
+    )
 
 
 def _class_key(cls: type) -> tuple[str | None, str | None]:
@@ -198,7 +216,9 @@ class RmsNorm(Recipe):
     def decide(self, match: Match, env: Env, options: RmsNormOptions) -> Decision:
         bad = [d for d in options.devices if d not in DEVICES]
         if bad:
-            raise ValueError(f"rms_norm option devices={options.devices!r}: unknown {bad}; accepted: {', '.join(DEVICES)}")
+            raise ValueError(
+                f"rms_norm option devices={options.devices!r}: unknown {bad}; accepted: {', '.join(DEVICES)}"
+            )
         mod = match.module
         eps = _eps(mod)
         if eps is None or not isinstance(getattr(mod, "weight", None), torch.Tensor) or mod.weight.dim() != 1:
@@ -218,10 +238,12 @@ class RmsNorm(Recipe):
                 return Decision.skip(v.reason)
             return Decision.apply(f"F.rms_norm, one Metal kernel ({form})", v.reason, plan=plan)
         if env.device_type == "cuda":
-            return Decision.apply(f"F.rms_norm, fused kernel in eager mode ({form})",
-                                  "eager generate() of the Qwen3.6 shape on an H200 decoded 1.08x faster with it "
-                                  "(e2e-cuda-2026-12-01b); under torch.compile the module's own code is traced",
-                                  plan=plan)
+            return Decision.apply(
+                f"F.rms_norm, fused kernel in eager mode ({form})",
+                "eager generate() of the Qwen3.6 shape on an H200 decoded 1.08x faster with it "
+                "(e2e-cuda-2026-12-01b); under torch.compile the module's own code is traced",
+                plan=plan,
+            )
         return Decision.apply(f"F.rms_norm ({form})", f"asked for on {env.device_type} by options devices", plan=plan)
 
     def apply(self, match: Match, decision: Decision, env: Env, options: RmsNormOptions) -> Patch:

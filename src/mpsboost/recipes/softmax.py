@@ -24,6 +24,7 @@ model object (not its ``state_dict``) needs ``unpatch`` first.
 Options (``options={"softmax": {...}}``): ``path``: ``"auto"`` (default), ``"probs"`` (native softmax,
 sync-free draw) or ``"logits"`` (no softmax), forced on any env.
 """
+
 from __future__ import annotations
 
 import copyreg
@@ -135,7 +136,9 @@ class SoftmaxPlan:
 @register
 class Softmax(Recipe):
     name = "softmax"
-    summary = "sampling step of generate(): native softmax and a sync-free multinomial draw (no softmax at all on MPS < 2.15)"
+    summary = (
+        "sampling step of generate(): native softmax and a sync-free multinomial draw (no softmax at all on MPS < 2.15)"
+    )
     targets = (_GENERATIVE,)
     lossless = True
     reversible = True
@@ -165,33 +168,45 @@ class Softmax(Recipe):
 
         syncs = "torch.multinomial's two host syncs per token removed, rows checked once per generate()"
         if path == "probs":
-            return Decision.apply("native softmax, sync-free draw", f"forced by options (path='probs'); {syncs}",
-                                  plan=SoftmaxPlan(logits=False))
+            return Decision.apply(
+                "native softmax, sync-free draw",
+                f"forced by options (path='probs'); {syncs}",
+                plan=SoftmaxPlan(logits=False),
+            )
         if path == "logits":
-            return Decision.apply("draw on logits (no softmax), sync-free",
-                                  f"forced by options (path='logits'); {syncs}",
-                                  plan=SoftmaxPlan(logits=True))
+            return Decision.apply(
+                "draw on logits (no softmax), sync-free",
+                f"forced by options (path='logits'); {syncs}",
+                plan=SoftmaxPlan(logits=True),
+            )
         v = check("softmax_native", env)
         if env.device_type == "mps" and not v.ok:
-            return Decision.apply("draw on logits (no softmax), sync-free", f"{v.reason}; {syncs}",
-                                  plan=SoftmaxPlan(logits=True))
+            return Decision.apply(
+                "draw on logits (no softmax), sync-free", f"{v.reason}; {syncs}", plan=SoftmaxPlan(logits=True)
+            )
         if env.device_type == "cuda":
             # A faster sampling step is not a faster generate(): the whole-job measurement on the one GPU
             # measured (tuning file softmax_sampling, entry end_to_end) decides, and stock is kept where it
             # shows no gain; a GPU not measured keeps stock too. options path='probs'|'logits' forces it.
             t, why = tuning.for_env(_TUNING, env)
             if t is None:
-                return Decision.skip(f"{why}; stock sampling kept (options={{'softmax': {{'path': 'probs'}}}} forces the sync-free draw)")
+                return Decision.skip(
+                    f"{why}; stock sampling kept (options={{'softmax': {{'path': 'probs'}}}} forces the sync-free draw)"
+                )
             e = t.entries
             e2e = e.get("end_to_end") or {}
             if e2e.get("default") == "off":
-                return Decision.skip(f"no end-to-end gain measured: {e2e['finding']} ({e2e['source']}); "
-                                     "stock sampling kept (options={'softmax': {'path': 'logits'}} forces it)")
+                return Decision.skip(
+                    f"no end-to-end gain measured: {e2e['finding']} ({e2e['source']}); "
+                    "stock sampling kept (options={'softmax': {'path': 'logits'}} forces it)"
+                )
             step = e["step_us"]
-            return Decision.apply("draw on logits (no softmax), sync-free",
-                                  f"one {e['dtype']} row of {e['vocab']:,}: sampling step {step['stock']} us stock, "
-                                  f"{step['logits']} us on logits ({_TUNING}: {t.describe()}); {syncs}",
-                                  plan=SoftmaxPlan(logits=True))
+            return Decision.apply(
+                "draw on logits (no softmax), sync-free",
+                f"one {e['dtype']} row of {e['vocab']:,}: sampling step {step['stock']} us stock, "
+                f"{step['logits']} us on logits ({_TUNING}: {t.describe()}); {syncs}",
+                plan=SoftmaxPlan(logits=True),
+            )
         return Decision.apply("native softmax, sync-free draw", f"{v.reason}; {syncs}", plan=SoftmaxPlan(logits=False))
 
     def apply(self, match: Match, decision: Decision, env: Env, options: SoftmaxOptions) -> Patch:

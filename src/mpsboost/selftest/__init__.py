@@ -20,6 +20,7 @@
 Sizes: ``--quick`` (default, about 8 minutes on a Mac), ``--full`` (upstream sizes), ``--size test``
 (tiny models: CI on a CPU, seconds).
 """
+
 from __future__ import annotations
 
 from .probes import PROBES, VERDICTS, Probe, decisions

@@ -1,4 +1,5 @@
 """``python -m mpsboost.selftest``: the same as ``mpsboost selftest`` (and the fresh processes it starts)."""
+
 from __future__ import annotations
 
 import sys

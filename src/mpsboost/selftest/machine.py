@@ -5,6 +5,7 @@ torch build, Python, mpsboost and library versions, and the device. Never a user
 or a path: :func:`facts` reads none of them, and :func:`scrub` removes any that reach a message
 (an exception text that quotes a file path, say) before it is written.
 """
+
 from __future__ import annotations
 
 import getpass
@@ -19,8 +20,20 @@ from typing import Any
 __all__ = ["REQUIRED_FACTS", "device_absent", "facts", "scrub", "scrub_all"]
 
 # The facts --validate requires in every file.
-REQUIRED_FACTS = ("os", "arch", "chip", "memory_bytes", "torch", "torch_build", "python", "mpsboost", "device", "device_name",
-                  "simulated", "mps_available")
+REQUIRED_FACTS = (
+    "os",
+    "arch",
+    "chip",
+    "memory_bytes",
+    "torch",
+    "torch_build",
+    "python",
+    "mpsboost",
+    "device",
+    "device_name",
+    "simulated",
+    "mps_available",
+)
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -79,8 +92,10 @@ def device_absent(device: str) -> str | None:
         if not torch.backends.mps.is_built():
             return "this torch build has no MPS support (torch.backends.mps.is_built() is False); run on a Mac with an arm64 torch"
         if not torch.backends.mps.is_available():
-            return ("no MPS device here (torch.backends.mps.is_available() is False; "
-                    f"{platform.system()} {platform.machine()}); run on an Apple-silicon Mac")
+            return (
+                "no MPS device here (torch.backends.mps.is_available() is False; "
+                f"{platform.system()} {platform.machine()}); run on an Apple-silicon Mac"
+            )
     elif device == "cuda":
         if not torch.cuda.is_available():
             return "no CUDA device here (torch.cuda.is_available() is False)"
@@ -114,7 +129,7 @@ def facts(device: str) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_build": f"{'cuda ' + cuda if cuda else 'no cuda'}, git {git[:10] if git else 'unknown'}, "
-                       f"{'debug' if getattr(torch.version, 'debug', False) else 'release'}",
+        f"{'debug' if getattr(torch.version, 'debug', False) else 'release'}",
         "mps_built": bool(torch.backends.mps.is_built()),
         "mps_available": bool(torch.backends.mps.is_available()),
         "python": platform.python_version(),

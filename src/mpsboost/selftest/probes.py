@@ -14,6 +14,7 @@ CPU (or times against a workaround) and records one verdict:
 Each probe keeps memory and time bounded so that a 16 GB Mac survives the whole run: the attention
 probe asks for its memory first and is skipped when the device cannot spare it.
 """
+
 from __future__ import annotations
 
 import time
@@ -83,6 +84,7 @@ def _mps_only(ctx: Ctx, result: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------ probes
 
+
 def _pad_rank5(ctx: Ctx, mode: str = "constant") -> dict:
     import torch
     import torch.nn.functional as F
@@ -95,7 +97,9 @@ def _pad_rank5(ctx: Ctx, mode: str = "constant") -> dict:
     ref = F.pad(x, pad, mode=mode)
     got = F.pad(ctx.to(x), pad, mode=mode).cpu()
     wrong = float((got - ref).abs().gt(1e-6).float().mean())
-    detail = f"F.pad {mode} {pad} on [1, 4, 3, {hw}, {hw}] (H*W = {hw * hw}): {wrong:.1%} of elements differ from the CPU"
+    detail = (
+        f"F.pad {mode} {pad} on [1, 4, 3, {hw}, {hw}] (H*W = {hw * hw}): {wrong:.1%} of elements differ from the CPU"
+    )
     return _mps_only(ctx, _out("has the bug" if wrong > 0 else "fixed", detail, wrong_fraction=wrong, hw=hw * hw))
 
 
@@ -146,10 +150,15 @@ def _grouped_mm(ctx: Ctx) -> dict:
         got = fn(ctx.to(a).to(dtype), ctx.to(b).to(dtype), offs=ctx.to(ends)).float().cpu()
     except (NotImplementedError, RuntimeError) as e_:
         first = str(e_).strip().splitlines()[0][:200]
-        return _mps_only(ctx, _out("has the bug", f"grouped_mm with offsets does not run on {ctx.device}: {type(e_).__name__}: {first}"))
+        return _mps_only(
+            ctx,
+            _out("has the bug", f"grouped_mm with offsets does not run on {ctx.device}: {type(e_).__name__}: {first}"),
+        )
     err = _rel(got, ref)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    detail = f"grouped_mm of {e} groups ({m} rows, K={k}, N={n}) with offsets on the device: rel. error {err:.1e} vs CPU"
+    detail = (
+        f"grouped_mm of {e} groups ({m} rows, K={k}, N={n}) with offsets on the device: rel. error {err:.1e} vs CPU"
+    )
     return _mps_only(ctx, _out("has the bug" if err > tol else "fixed", detail, rel_error=err, rows=m))
 
 
@@ -167,8 +176,13 @@ def _fp8_cast(ctx: Ctx) -> dict:
         first = str(e).strip().splitlines()[0][:200]
         return _mps_only(ctx, _out("has the bug", f"float8_e4m3fn on {ctx.device}: {type(e).__name__}: {first}"))
     same = bool(torch.equal(got, ref))
-    return _mps_only(ctx, _out("fixed" if same else "has the bug",
-                               f"4096 values cast to float8_e4m3fn on the device and back: {'identical to' if same else 'differ from'} the CPU cast"))
+    return _mps_only(
+        ctx,
+        _out(
+            "fixed" if same else "has the bug",
+            f"4096 values cast to float8_e4m3fn on the device and back: {'identical to' if same else 'differ from'} the CPU cast",
+        ),
+    )
 
 
 def _scaled_mm(ctx: Ctx) -> dict:
@@ -185,7 +199,10 @@ def _scaled_mm(ctx: Ctx) -> dict:
     xq, wq = (x / sa).to(torch.float8_e4m3fn), (w / sb).to(torch.float8_e4m3fn)
     ref = (xq.float() * sa) @ (wq.float() * sb).t()
     d = ctx.device
-    args = (ctx.to(xq), ctx.to(wq).t(), )
+    args = (
+        ctx.to(xq),
+        ctx.to(wq).t(),
+    )
     kw = {"scale_a": ctx.to(sa), "scale_b": ctx.to(sb.t().contiguous()), "out_dtype": torch.bfloat16}
     try:
         got = fn(*args, **kw)
@@ -197,10 +214,22 @@ def _scaled_mm(ctx: Ctx) -> dict:
     xb, wb = ctx.to(x).to(torch.bfloat16), ctx.to(w).to(torch.bfloat16)
     t_bf16 = _time(ctx, lambda: xb @ wb.t())
     speed = t_bf16 / t_fp8 if t_fp8 > 0 else None
-    detail = (f"rowwise _scaled_mm at M={m}, K={k}, N={n}: rel. error {err:.1e} vs CPU; {speed:.2f}x the speed of bf16 "
-              "(pytorch#196916: 0.12-0.25x for M >= 512, a storage format only)")
-    return _mps_only(ctx, _out("has the bug" if err > 2e-2 else "fixed", detail, rel_error=err, fp8_s=t_fp8, bf16_s=t_bf16,
-                               speed_vs_bf16=speed, m=m))
+    detail = (
+        f"rowwise _scaled_mm at M={m}, K={k}, N={n}: rel. error {err:.1e} vs CPU; {speed:.2f}x the speed of bf16 "
+        "(pytorch#196916: 0.12-0.25x for M >= 512, a storage format only)"
+    )
+    return _mps_only(
+        ctx,
+        _out(
+            "has the bug" if err > 2e-2 else "fixed",
+            detail,
+            rel_error=err,
+            fp8_s=t_fp8,
+            bf16_s=t_bf16,
+            speed_vs_bf16=speed,
+            m=m,
+        ),
+    )
 
 
 def _linear_b1k(ctx: Ctx) -> dict:
@@ -233,10 +262,17 @@ def _softmax_wide(ctx: Ctx) -> dict:
     t_soft = _time(ctx, lambda: torch.softmax(xd, -1), calls=20)
     t_mul = _time(ctx, lambda: xd * 1.5, calls=20)  # same bytes read and written: what a native kernel costs
     ratio = t_soft / t_mul if t_mul > 0 else 1.0
-    detail = (f"fp32 softmax of one row of {v}: {t_soft * 1e6:.1f} us, {ratio:.1f}x an elementwise op of the same bytes "
-              f"(pytorch#196071: 57.4 -> 7.1 us); rel. error {err:.1e} vs CPU")
+    detail = (
+        f"fp32 softmax of one row of {v}: {t_soft * 1e6:.1f} us, {ratio:.1f}x an elementwise op of the same bytes "
+        f"(pytorch#196071: 57.4 -> 7.1 us); rel. error {err:.1e} vs CPU"
+    )
     bad = ratio > 4.0 or err > 1e-4
-    return _mps_only(ctx, _out("has the bug" if bad else "fixed", detail, softmax_s=t_soft, elementwise_s=t_mul, ratio=ratio, rel_error=err))
+    return _mps_only(
+        ctx,
+        _out(
+            "has the bug" if bad else "fixed", detail, softmax_s=t_soft, elementwise_s=t_mul, ratio=ratio, rel_error=err
+        ),
+    )
 
 
 def _unit_lower(n_heads: int, c: int, device: str):
@@ -273,11 +309,23 @@ def _solve_triangular(ctx: Ctx) -> dict:
     t_s = _time(ctx, solve)
     t_m = _time(ctx, lambda: _matmul_inverse(a))
     ratio = t_s / t_m if t_m > 0 else 1.0
-    detail = (f"solve_triangular on [1, {heads}, {c}, {c}]: {t_s * 1e3:.2f} ms, {ratio:.1f}x a matmul-based inverse "
-              f"({t_m * 1e3:.2f} ms; reflex#1: ~15 ms per call on MPS, 4x slower); rel. errors {err_s:.1e} / {err_m:.1e}")
+    detail = (
+        f"solve_triangular on [1, {heads}, {c}, {c}]: {t_s * 1e3:.2f} ms, {ratio:.1f}x a matmul-based inverse "
+        f"({t_m * 1e3:.2f} ms; reflex#1: ~15 ms per call on MPS, 4x slower); rel. errors {err_s:.1e} / {err_m:.1e}"
+    )
     bad = (ratio > 3.0 and t_s > 1e-3) or err_s > 1e-4
-    return _mps_only(ctx, _out("has the bug" if bad else "fixed", detail, solve_s=t_s, matmul_inverse_s=t_m, ratio=ratio,
-                               rel_error=err_s, matmul_inverse_rel_error=err_m))
+    return _mps_only(
+        ctx,
+        _out(
+            "has the bug" if bad else "fixed",
+            detail,
+            solve_s=t_s,
+            matmul_inverse_s=t_m,
+            ratio=ratio,
+            rel_error=err_s,
+            matmul_inverse_rel_error=err_m,
+        ),
+    )
 
 
 def _free_bytes(device: str) -> int | None:
@@ -302,7 +350,11 @@ def _sdpa_2p31(ctx: Ctx) -> dict:
     need = scores * 6 + (1 << 30)
     free = _free_bytes(ctx.device)
     if not ctx.small and free is not None and free < need:
-        return _out("skipped", f"needs {need / 2**30:.0f} GiB of device memory, {free / 2**30:.1f} GiB free here", need_bytes=need)
+        return _out(
+            "skipped",
+            f"needs {need / 2**30:.0f} GiB of device memory, {free / 2**30:.1f} GiB free here",
+            need_bytes=need,
+        )
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, length, d, generator=g) for _ in range(3))
     got = F.scaled_dot_product_attention(*(ctx.to(t).to(dtype) for t in (q, k, v)))
@@ -311,8 +363,10 @@ def _sdpa_2p31(ctx: Ctx) -> dict:
     del got
     ref = F.scaled_dot_product_attention(q[:, :, rows], k, v)  # 32 query rows on the CPU: cheap
     err = _rel(picked, ref)
-    detail = (f"SDPA with B*H*Lq*Lk = {scores:,} scores ({'above' if scores >= 2**31 else 'below'} 2^31), "
-              f"{str(dtype).replace('torch.', '')}: rel. error {err:.1e} vs CPU on 32 query rows")
+    detail = (
+        f"SDPA with B*H*Lq*Lk = {scores:,} scores ({'above' if scores >= 2**31 else 'below'} 2^31), "
+        f"{str(dtype).replace('torch.', '')}: rel. error {err:.1e} vs CPU on 32 query rows"
+    )
     return _mps_only(ctx, _out("has the bug" if err > 5e-3 else "fixed", detail, scores=scores, rel_error=err))
 
 
@@ -348,7 +402,9 @@ def _sdpa_broadcast(ctx: Ctx) -> dict:
             got = F.scaled_dot_product_attention(ctx.to(q), ctx.to(k), ctx.to(v))
         except RuntimeError as e:
             first = str(e).strip().splitlines()[0][:200]
-            return _mps_only(ctx, _out("has the bug", f"SDPA with a broadcast batch/head dimension raises: RuntimeError: {first}"))
+            return _mps_only(
+                ctx, _out("has the bug", f"SDPA with a broadcast batch/head dimension raises: RuntimeError: {first}")
+            )
         errs.append(_rel(got, ref))
     worst = max(errs)
     detail = f"SDPA with K/V broadcast over batch and over heads (L={length}): rel. errors {errs[0]:.1e} / {errs[1]:.1e} vs CPU"
@@ -373,10 +429,14 @@ def _conv3d(ctx: Ctx) -> dict:
     b = ctx.to(torch.randn(27 * c, c, generator=g)).to(dtype)
     t_mm = _time(ctx, lambda: a @ b)
     share = t_mm / t_conv if t_conv > 0 else 1.0
-    detail = (f"conv3d 3x3x3, {c} channels, [{t}, {hw}, {hw}] output, {str(dtype).replace('torch.', '')}: {share:.0%} of the throughput "
-              f"of a matmul with the same multiply-adds (issue pytorch#192213: 7% on 2.12, 97% on 2.14); rel. error {err:.1e} vs CPU")
+    detail = (
+        f"conv3d 3x3x3, {c} channels, [{t}, {hw}, {hw}] output, {str(dtype).replace('torch.', '')}: {share:.0%} of the throughput "
+        f"of a matmul with the same multiply-adds (issue pytorch#192213: 7% on 2.12, 97% on 2.14); rel. error {err:.1e} vs CPU"
+    )
     bad = share < 0.25 or err > 1e-2
-    return _mps_only(ctx, _out("has the bug" if bad else "fixed", detail, conv_s=t_conv, matmul_s=t_mm, share=share, rel_error=err))
+    return _mps_only(
+        ctx, _out("has the bug" if bad else "fixed", detail, conv_s=t_conv, matmul_s=t_mm, share=share, rel_error=err)
+    )
 
 
 def _gemm_placeholder(ctx: Ctx) -> dict:
@@ -403,51 +463,145 @@ def gemm_verdict(samples: list[float], device: str) -> dict:
         return _out("skipped", "measured in one process only; run with --processes 2 or more", samples_s=samples)
     lo, hi = min(samples), max(samples)
     spread = hi / lo if lo > 0 else 1.0
-    detail = (f"one GEMM (bf16 M=1024, K=N=2048 on a GPU; small fp32 on a CPU) in {len(samples)} fresh processes: fastest {lo * 1e3:.3f} ms, slowest "
-              f"{hi * 1e3:.3f} ms ({spread:.2f}x; pytorch#182815: 2-3x slower in about 40% of processes)")
+    detail = (
+        f"one GEMM (bf16 M=1024, K=N=2048 on a GPU; small fp32 on a CPU) in {len(samples)} fresh processes: fastest {lo * 1e3:.3f} ms, slowest "
+        f"{hi * 1e3:.3f} ms ({spread:.2f}x; pytorch#182815: 2-3x slower in about 40% of processes)"
+    )
     res = _out("has the bug" if spread > 1.8 else "fixed", detail, samples_s=samples, spread=spread)
-    return res if device == "mps" else dict(res, verdict="not applicable", detail=f"MPS-only bug; on {device}: {detail}")
+    return (
+        res if device == "mps" else dict(res, verdict="not applicable", detail=f"MPS-only bug; on {device}: {detail}")
+    )
 
 
 PROBES: dict[str, Probe] = {
     p.name: p
     for p in [
-        Probe("pad_rank5_65536", ("pytorch#194922", "fix pytorch#194944", "fix pytorch#195147"),
-              "constant time-padding of rank-5 tensors corrupts about 80% of elements", "H*W = 65536 (2^16) and above",
-              "pad_rank5_correct", _pad_rank5, "wan_vae_pad / qwen_image_vae fold the padding into the conv on MPS < 2.15"),
-        Probe("pad3d_replicate_65536", ("pytorch#195147", "issue pytorch#194922"),
-              "replicate pad3d on rank-5 tensors wrong from the same size", "H*W = 65536",
-              "pad3d_all_modes_correct", lambda ctx: _pad_rank5(ctx, "replicate"),
-              "video_vae_pad replaces replicate time padding on MPS < 2.15"),
-        Probe("pad_driver_memory", ("pytorch#195368",),
-              "each constant pad builds an MPSGraph that keeps driver memory (270 GiB in a Wan2.2 tiled decode)",
-              "hundreds of 5-D pads", "pad_constant_native", _pad_driver_memory, "wan_vae_pad removes every 5-D F.pad on MPS < 2.15"),
-        Probe("grouped_mm_offsets", ("pytorch#194917", "pytorch#194933"),
-              "no grouped matmul with device offsets on MPS", "any MoE routing", "grouped_mm", _grouped_mm,
-              "moe_experts picks grouped_mm or batched_mm per device and torch"),
-        Probe("fp8_cast", ("pytorch#194074",), "float8_e4m3fn tensors cannot live on MPS", "any fp8 tensor",
-              "float8_storage", _fp8_cast, "fp8_weights stores float8 on the device, or steps aside"),
-        Probe("fp8_scaled_mm", ("pytorch#196916",), "fp8 _scaled_mm missing, or 0.12-0.25x of bf16 for M >= 512",
-              "M = 1024", "scaled_mm", _scaled_mm, "fp8_weights forward: scaled_mm or dequantize then linear"),
-        Probe("linear_b1k", ("issue pytorch#189847", "fix pytorch#189855"), "F.linear on [B,1,K] 8.5x slower than on [B,K]",
-              "one decode token, 4096x4096 bf16", "linear_3d_fast", _linear_b1k, "decode_linear routes [B,1,K] to [B,K]"),
-        Probe("softmax_128256", ("pytorch#196071",), "fp32 softmax of a 128,256-wide row on MPSGraph: 57.4 us vs 7.1 us",
-              "one row of 128,256", "softmax_native", _softmax_wide, "softmax recipe for sampling"),
-        Probe("solve_triangular", ("kshetrajna12/reflex#1",), "solve_triangular ~15 ms per call on MPS, 4x a matmul-based inverse",
-              "[1, 32, 64, 64] (a Gated DeltaNet prefill chunk)", None, _solve_triangular,
-              "linear_attention: chunked prefill without solve_triangular on MPS"),
-        Probe("sdpa_above_2p31", ("issue pytorch#179352", "fix pytorch#179592 (not confirmed merged)", "ComfyUI#14837"),
-              "attention wrong once B*H*Lq*Lk >= 2^31 (32-bit indexing)", "16 heads x 11586^2 scores", "sdpa_large_scores_correct",
-              _sdpa_2p31, "attention_split splits attention below 2^31 scores"),
-        Probe("sdpa_broadcast", ("pytorch#189631", "pytorch#179771"), "SDPA wrong or failing with K/V broadcast over batch or heads",
-              "batch 2 / 8 heads against K/V of 1", "sdpa_broadcast", _sdpa_broadcast, "metal_attention expands K/V where the build needs it"),
-        Probe("conv3d_throughput", ("issue pytorch#192213", "pytorch#188802", "pytorch#192229"),
-              "conv3d at 7% of matmul throughput on MPSGraph (before the Metal kernels)", "a 3x3x3 conv, 128 channels",
-              "conv3d_metal", _conv3d, "qwen_image_vae's single-frame 2-D path: sold on speed before 2.14, on memory after"),
-        Probe("long_k_matmul", ("pytorch#198182",), "on M1/M2 with macOS >= 14.4 matmuls with K > 32768 take a 6-10x slower kernel",
-              "K = 33280", None, _long_k, "none yet (a measurement hygiene fact)"),
-        Probe("gemm_fresh_process", ("pytorch#182815",), "MPSGraph picks a 2-3x slower GEMM kernel in about 40% of fresh processes",
-              "M in [768, 3072], across processes", None, _gemm_placeholder, "selftest and benchmarks time across fresh processes"),
+        Probe(
+            "pad_rank5_65536",
+            ("pytorch#194922", "fix pytorch#194944", "fix pytorch#195147"),
+            "constant time-padding of rank-5 tensors corrupts about 80% of elements",
+            "H*W = 65536 (2^16) and above",
+            "pad_rank5_correct",
+            _pad_rank5,
+            "wan_vae_pad / qwen_image_vae fold the padding into the conv on MPS < 2.15",
+        ),
+        Probe(
+            "pad3d_replicate_65536",
+            ("pytorch#195147", "issue pytorch#194922"),
+            "replicate pad3d on rank-5 tensors wrong from the same size",
+            "H*W = 65536",
+            "pad3d_all_modes_correct",
+            lambda ctx: _pad_rank5(ctx, "replicate"),
+            "video_vae_pad replaces replicate time padding on MPS < 2.15",
+        ),
+        Probe(
+            "pad_driver_memory",
+            ("pytorch#195368",),
+            "each constant pad builds an MPSGraph that keeps driver memory (270 GiB in a Wan2.2 tiled decode)",
+            "hundreds of 5-D pads",
+            "pad_constant_native",
+            _pad_driver_memory,
+            "wan_vae_pad removes every 5-D F.pad on MPS < 2.15",
+        ),
+        Probe(
+            "grouped_mm_offsets",
+            ("pytorch#194917", "pytorch#194933"),
+            "no grouped matmul with device offsets on MPS",
+            "any MoE routing",
+            "grouped_mm",
+            _grouped_mm,
+            "moe_experts picks grouped_mm or batched_mm per device and torch",
+        ),
+        Probe(
+            "fp8_cast",
+            ("pytorch#194074",),
+            "float8_e4m3fn tensors cannot live on MPS",
+            "any fp8 tensor",
+            "float8_storage",
+            _fp8_cast,
+            "fp8_weights stores float8 on the device, or steps aside",
+        ),
+        Probe(
+            "fp8_scaled_mm",
+            ("pytorch#196916",),
+            "fp8 _scaled_mm missing, or 0.12-0.25x of bf16 for M >= 512",
+            "M = 1024",
+            "scaled_mm",
+            _scaled_mm,
+            "fp8_weights forward: scaled_mm or dequantize then linear",
+        ),
+        Probe(
+            "linear_b1k",
+            ("issue pytorch#189847", "fix pytorch#189855"),
+            "F.linear on [B,1,K] 8.5x slower than on [B,K]",
+            "one decode token, 4096x4096 bf16",
+            "linear_3d_fast",
+            _linear_b1k,
+            "decode_linear routes [B,1,K] to [B,K]",
+        ),
+        Probe(
+            "softmax_128256",
+            ("pytorch#196071",),
+            "fp32 softmax of a 128,256-wide row on MPSGraph: 57.4 us vs 7.1 us",
+            "one row of 128,256",
+            "softmax_native",
+            _softmax_wide,
+            "softmax recipe for sampling",
+        ),
+        Probe(
+            "solve_triangular",
+            ("kshetrajna12/reflex#1",),
+            "solve_triangular ~15 ms per call on MPS, 4x a matmul-based inverse",
+            "[1, 32, 64, 64] (a Gated DeltaNet prefill chunk)",
+            None,
+            _solve_triangular,
+            "linear_attention: chunked prefill without solve_triangular on MPS",
+        ),
+        Probe(
+            "sdpa_above_2p31",
+            ("issue pytorch#179352", "fix pytorch#179592 (not confirmed merged)", "ComfyUI#14837"),
+            "attention wrong once B*H*Lq*Lk >= 2^31 (32-bit indexing)",
+            "16 heads x 11586^2 scores",
+            "sdpa_large_scores_correct",
+            _sdpa_2p31,
+            "attention_split splits attention below 2^31 scores",
+        ),
+        Probe(
+            "sdpa_broadcast",
+            ("pytorch#189631", "pytorch#179771"),
+            "SDPA wrong or failing with K/V broadcast over batch or heads",
+            "batch 2 / 8 heads against K/V of 1",
+            "sdpa_broadcast",
+            _sdpa_broadcast,
+            "metal_attention expands K/V where the build needs it",
+        ),
+        Probe(
+            "conv3d_throughput",
+            ("issue pytorch#192213", "pytorch#188802", "pytorch#192229"),
+            "conv3d at 7% of matmul throughput on MPSGraph (before the Metal kernels)",
+            "a 3x3x3 conv, 128 channels",
+            "conv3d_metal",
+            _conv3d,
+            "qwen_image_vae's single-frame 2-D path: sold on speed before 2.14, on memory after",
+        ),
+        Probe(
+            "long_k_matmul",
+            ("pytorch#198182",),
+            "on M1/M2 with macOS >= 14.4 matmuls with K > 32768 take a 6-10x slower kernel",
+            "K = 33280",
+            None,
+            _long_k,
+            "none yet (a measurement hygiene fact)",
+        ),
+        Probe(
+            "gemm_fresh_process",
+            ("pytorch#182815",),
+            "MPSGraph picks a 2-3x slower GEMM kernel in about 40% of fresh processes",
+            "M in [768, 3072], across processes",
+            None,
+            _gemm_placeholder,
+            "selftest and benchmarks time across fresh processes",
+        ),
     ]
 }
 
@@ -468,20 +622,45 @@ def run_probe(probe: Probe, device: str, small: bool, repeats: int = 5) -> dict:
         first = (str(e).strip().splitlines() or [""])[0][:300]
         res = _out("error", f"{type(e).__name__}: {first}")
     _release(device)
-    return {"kind": "probe", "name": probe.name, "upstream": list(probe.upstream), "what": probe.what, "trigger": probe.trigger,
-            "feature": probe.feature, "decision": probe.decision, **res, "seconds": round(time.perf_counter() - t0, 3),
-            "small": small}
+    return {
+        "kind": "probe",
+        "name": probe.name,
+        "upstream": list(probe.upstream),
+        "what": probe.what,
+        "trigger": probe.trigger,
+        "feature": probe.feature,
+        "decision": probe.decision,
+        **res,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "small": small,
+    }
 
 
-def run_probes(device: str, small: bool, *, deadline: float | None = None, only: tuple[str, ...] = (),
-               echo: Callable[[str], None] = print) -> list[dict]:
+def run_probes(
+    device: str,
+    small: bool,
+    *,
+    deadline: float | None = None,
+    only: tuple[str, ...] = (),
+    echo: Callable[[str], None] = print,
+) -> list[dict]:
     out = []
     for probe in PROBES.values():
         if only and probe.name not in only:
             continue
         if deadline is not None and time.perf_counter() > deadline:
-            rec = {"kind": "probe", "name": probe.name, "upstream": list(probe.upstream), "what": probe.what, "trigger": probe.trigger,
-                   "feature": probe.feature, "decision": probe.decision, **_out("skipped", "time budget spent"), "seconds": 0.0, "small": small}
+            rec = {
+                "kind": "probe",
+                "name": probe.name,
+                "upstream": list(probe.upstream),
+                "what": probe.what,
+                "trigger": probe.trigger,
+                "feature": probe.feature,
+                "decision": probe.decision,
+                **_out("skipped", "time budget spent"),
+                "seconds": 0.0,
+                "small": small,
+            }
         else:
             rec = run_probe(probe, device, small)
         echo(f"  probe {probe.name}: {rec['verdict']} ({rec['seconds']:.1f} s)")
@@ -503,7 +682,13 @@ def decisions() -> list[dict]:
         if "mps" not in feat.rules:
             continue
         probes = [p.name for p in PROBES.values() if p.feature == name]
-        rows.append({"feature": name, "description": feat.description, "selftest_probes": probes,
-                     "gate_probe": feat.probe is not None,
-                     "upstream": "; ".join(r.upstream for r in feat.rules["mps"] if r.upstream)})
+        rows.append(
+            {
+                "feature": name,
+                "description": feat.description,
+                "selftest_probes": probes,
+                "gate_probe": feat.probe is not None,
+                "upstream": "; ".join(r.upstream for r in feat.rules["mps"] if r.upstream),
+            }
+        )
     return rows

@@ -8,6 +8,7 @@ of stock and is no further from the CPU reference than stock is. These are corre
 each recipe on this device (tiny models: launch-bound, not a benchmark); the seed workloads in
 :mod:`.workloads` carry the speed and memory evidence.
 """
+
 from __future__ import annotations
 
 import copy
@@ -81,7 +82,12 @@ def _vae_decode(vae, device, dtype, *, tiled: bool = False, pixels: int = 32):
     spatial = 8 * (vae.config.patch_size or 1) if hasattr(vae.config, "patch_size") else 8
     z = torch.randn(1, vae.config.z_dim, 2, pixels // spatial, pixels // spatial, generator=g).to(device, dtype)
     if tiled:
-        vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16, tile_sample_stride_width=16)
+        vae.enable_tiling(
+            tile_sample_min_height=32,
+            tile_sample_min_width=32,
+            tile_sample_stride_height=16,
+            tile_sample_stride_width=16,
+        )
 
     def run(module):
         with torch.no_grad():
@@ -142,9 +148,16 @@ def _lm_sample(model, device, dtype, *, tiled: bool = False, **_: Any):
         dev = next(module.parameters()).device
         torch.manual_seed(0)
         with torch.no_grad():
-            out = module.generate(ids.to(dev), attention_mask=torch.ones_like(ids, device=dev), max_new_tokens=8,
-                                  do_sample=True, top_k=0, top_p=1.0, pad_token_id=0)
-        return out[:, ids.shape[1]:].float()
+            out = module.generate(
+                ids.to(dev),
+                attention_mask=torch.ones_like(ids, device=dev),
+                max_new_tokens=8,
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+            )
+        return out[:, ids.shape[1] :].float()
 
     return run
 
@@ -163,24 +176,62 @@ class Workload:
 
 
 WORKLOADS: dict[str, Workload] = {
-    "wan_vae_pad": Workload("wan22_vae_decode", _wan22_vae, _vae_decode, "psnr", shape={"latent": [1, 48, 2, 2, 2], "pixels": 32},
-                            kw={"pixels": 32}),
-    "mps_streams": Workload("wan22_vae_tiled_decode", _wan22_vae, _vae_decode, "psnr", tiled=True,
-                            shape={"latent": [1, 48, 2, 4, 4], "pixels": 64, "tile": 32, "stride": 16}, kw={"pixels": 64}),
-    "qwen_image_vae": Workload("qwen_image_vae_roundtrip", _qwen_image_vae, _vae_roundtrip, "psnr", shape={"image": [1, 3, 1, 32, 32]},
-                               kw={"pixels": 32}),
-    "moe_experts": Workload("qwen3_moe_prefill_decode", _qwen3_moe, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}),
-    "fp8_weights": Workload("qwen3_moe_prefill_decode", _qwen3_moe, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}),
-    "decode_linear": Workload("qwen3_prefill_decode", _qwen3, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}),
-    "metal_attention": Workload("llama_eager_prefill_decode", _llama_eager, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}),
-    "softmax": Workload("qwen3_generate_sampled", _qwen3, _lm_sample, "ids", shape={"batch": 2, "prompt": 5, "new_tokens": 8}),
-    "video_vae_pad": Workload("hunyuan_video_vae_roundtrip", _hunyuan_video_vae, _video_roundtrip, "psnr",
-                              shape={"video": [1, 3, 5, 32, 32]}, kw={"pixels": 32, "frames": 5}),
-    "attention_split": Workload("qwen3_prefill_decode", _qwen3, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}),
+    "wan_vae_pad": Workload(
+        "wan22_vae_decode",
+        _wan22_vae,
+        _vae_decode,
+        "psnr",
+        shape={"latent": [1, 48, 2, 2, 2], "pixels": 32},
+        kw={"pixels": 32},
+    ),
+    "mps_streams": Workload(
+        "wan22_vae_tiled_decode",
+        _wan22_vae,
+        _vae_decode,
+        "psnr",
+        tiled=True,
+        shape={"latent": [1, 48, 2, 4, 4], "pixels": 64, "tile": 32, "stride": 16},
+        kw={"pixels": 64},
+    ),
+    "qwen_image_vae": Workload(
+        "qwen_image_vae_roundtrip",
+        _qwen_image_vae,
+        _vae_roundtrip,
+        "psnr",
+        shape={"image": [1, 3, 1, 32, 32]},
+        kw={"pixels": 32},
+    ),
+    "moe_experts": Workload(
+        "qwen3_moe_prefill_decode", _qwen3_moe, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}
+    ),
+    "fp8_weights": Workload(
+        "qwen3_moe_prefill_decode", _qwen3_moe, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}
+    ),
+    "decode_linear": Workload(
+        "qwen3_prefill_decode", _qwen3, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}
+    ),
+    "metal_attention": Workload(
+        "llama_eager_prefill_decode", _llama_eager, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}
+    ),
+    "softmax": Workload(
+        "qwen3_generate_sampled", _qwen3, _lm_sample, "ids", shape={"batch": 2, "prompt": 5, "new_tokens": 8}
+    ),
+    "video_vae_pad": Workload(
+        "hunyuan_video_vae_roundtrip",
+        _hunyuan_video_vae,
+        _video_roundtrip,
+        "psnr",
+        shape={"video": [1, 3, 5, 32, 32]},
+        kw={"pixels": 32, "frames": 5},
+    ),
+    "attention_split": Workload(
+        "qwen3_prefill_decode", _qwen3, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}
+    ),
 }
 
 
 # ------------------------------------------------------------------------------------------ running
+
 
 @dataclass
 class RecipeResult:
@@ -210,7 +261,9 @@ def _compare(x, ref, metric: str, reference: str):
     return correctness(x, ref, reference=reference, psnr_too=False)
 
 
-def check_recipe(name: str, recipe: Any, device: str, dtype_name: str, repeats: int, env: Any, record_env: Any) -> RecipeResult:
+def check_recipe(
+    name: str, recipe: Any, device: str, dtype_name: str, repeats: int, env: Any, record_env: Any
+) -> RecipeResult:
     import torch
 
     import mpsboost
@@ -228,12 +281,16 @@ def check_recipe(name: str, recipe: Any, device: str, dtype_name: str, repeats: 
     model.to(device)
     if dtype != torch.float32:
         model.to(dtype)
-    bench_wl = BenchWorkload(f"{KIND}:{name}", dict(wl.shape, model=type(model).__name__, workload=wl.name, dtype=dtype_name))
+    bench_wl = BenchWorkload(
+        f"{KIND}:{name}", dict(wl.shape, model=type(model).__name__, workload=wl.name, dtype=dtype_name)
+    )
     plan = mpsboost.plan(model, env=env, recipes=[name], fp8=fp8)
     would = [r for r in plan.rows if r.status == "would apply"]
     if not would:
         why = "; ".join(sorted({r.reason for r in plan.rows})) or "no target in the workload"
-        rec = Record(bench_wl, "mpsboost", record_env, extra={KIND: {"recipe": name, "status": "not applicable", "reason": why}})
+        rec = Record(
+            bench_wl, "mpsboost", record_env, extra={KIND: {"recipe": name, "status": "not applicable", "reason": why}}
+        )
         return RecipeResult(name, "not applicable", why, wl.name, records=[rec])
     backing = ", ".join(sorted({r.backing for r in would if r.backing}))
     run = wl.runner(model, device, dtype, tiled=wl.tiled, **wl.kw)
@@ -266,7 +323,11 @@ def check_recipe(name: str, recipe: Any, device: str, dtype_name: str, repeats: 
         stock_ref = _compare(stock_out, ref, "rel", "cpu-fp32") if device == "cpu" else None
         patched_ref = _compare(patched_out, ref, "rel", "cpu-fp32") if device == "cpu" else None
         ok = same and (device != "cpu" or torch.equal(patched_out, ref))
-        why = "same tokens as stock for the same seed" if same else "patched drew other tokens than stock for the same seed"
+        why = (
+            "same tokens as stock for the same seed"
+            if same
+            else "patched drew other tokens than stock for the same seed"
+        )
     else:
         stock_ref = _compare(stock_out, ref, wl.metric, "cpu-fp32")
         patched_ref = _compare(patched_out, ref, wl.metric, "cpu-fp32")
@@ -274,16 +335,39 @@ def check_recipe(name: str, recipe: Any, device: str, dtype_name: str, repeats: 
         close = vs_stock.rel_error is not None and vs_stock.rel_error <= tol
         no_worse = rel_p is not None and rel_s is not None and rel_p <= 1.5 * rel_s + tol
         ok = bool(close and no_worse)
-        why = (f"patched vs stock rel {vs_stock.rel_error:.2e} (tolerance {tol:g}); vs CPU fp32: stock {rel_s:.2e}, patched {rel_p:.2e}")
+        why = f"patched vs stock rel {vs_stock.rel_error:.2e} (tolerance {tol:g}); vs CPU fp32: stock {rel_s:.2e}, patched {rel_p:.2e}"
     ratio = stock_t.median_s / patched_t.median_s if patched_t.median_s > 0 else None
     applied = [r for r in report.rows if r.status == "applied"]
-    info = {"recipe": name, "status": "pass" if ok else "fail", "reason": why, "speed_ratio": ratio, "tolerance": tol,
-            "backing": backing, "rows_applied": len(applied), "lossless": bool(recipe.lossless), "metric": wl.metric}
+    info = {
+        "recipe": name,
+        "status": "pass" if ok else "fail",
+        "reason": why,
+        "speed_ratio": ratio,
+        "tolerance": tol,
+        "backing": backing,
+        "rows_applied": len(applied),
+        "lossless": bool(recipe.lossless),
+        "metric": wl.metric,
+    }
     recs = [
-        Record(bench_wl, "stock", record_env, throughput=stock_t.throughput(), correctness=stock_ref, memory=stock_m,
-               extra={KIND: dict(info)}),
-        Record(bench_wl, "mpsboost", record_env, throughput=patched_t.throughput(), correctness=patched_ref, memory=patched_m,
-               extra={KIND: dict(info, vs_stock=vs_stock.to_dict())}),
+        Record(
+            bench_wl,
+            "stock",
+            record_env,
+            throughput=stock_t.throughput(),
+            correctness=stock_ref,
+            memory=stock_m,
+            extra={KIND: dict(info)},
+        ),
+        Record(
+            bench_wl,
+            "mpsboost",
+            record_env,
+            throughput=patched_t.throughput(),
+            correctness=patched_ref,
+            memory=patched_m,
+            extra={KIND: dict(info, vs_stock=vs_stock.to_dict())},
+        ),
     ]
     return RecipeResult(name, info["status"], why, wl.name, backing, ratio, vs_stock, recs)
 
@@ -307,7 +391,16 @@ def _mem(res: RecipeResult, field_name: str) -> str:
 
 def format_table(results: Sequence[RecipeResult]) -> str:
     """One row per recipe: status, speed ratio, errors, the three memory peaks (stock -> patched)."""
-    head = ["recipe", "status", "speed", "vs stock", "vs cpu-fp32 (stock/patched)", "tensor peak", "reserved peak", "driver peak"]
+    head = [
+        "recipe",
+        "status",
+        "speed",
+        "vs stock",
+        "vs cpu-fp32 (stock/patched)",
+        "tensor peak",
+        "reserved peak",
+        "driver peak",
+    ]
     rows = []
     for res in results:
         by = {r.variant: r for r in res.records}
@@ -315,20 +408,22 @@ def format_table(results: Sequence[RecipeResult]) -> str:
         ref = "-"
         if s is not None and p is not None and s.correctness is not None and p.correctness is not None:
             ref = f"{s.correctness.rel_error:.1e} / {p.correctness.rel_error:.1e}"
-        rows.append([
-            res.recipe,
-            res.status,
-            f"{res.speed_ratio:.2f}x" if res.speed_ratio else "-",
-            f"{res.vs_stock.rel_error:.1e}" if res.vs_stock is not None and res.vs_stock.rel_error is not None else "-",
-            ref,
-            _mem(res, "tensor_allocated"),
-            _mem(res, "allocator_reserved"),
-            _mem(res, "driver_level"),
-        ])
+        rows.append(
+            [
+                res.recipe,
+                res.status,
+                f"{res.speed_ratio:.2f}x" if res.speed_ratio else "-",
+                f"{res.vs_stock.rel_error:.1e}"
+                if res.vs_stock is not None and res.vs_stock.rel_error is not None
+                else "-",
+                ref,
+                _mem(res, "tensor_allocated"),
+                _mem(res, "allocator_reserved"),
+                _mem(res, "driver_level"),
+            ]
+        )
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     notes = [f"  {res.recipe}: {res.reason}" for res in results if res.reason]
     return "\n".join(lines + ([""] + notes if notes else []))
-
-

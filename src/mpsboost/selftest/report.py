@@ -9,6 +9,7 @@ A selftest JSONL file holds one JSON object per line, each with a ``kind``:
   the ratio's median and spread across fresh processes);
 * ``recipe``: one recipe's tiny correctness check (bench records of stock and patched).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,6 +47,7 @@ def issue_tracker() -> str:
 
 # ------------------------------------------------------------------------------------------ reading
 
+
 def fmt_ratio(r: dict | None) -> str:
     if not r or r.get("median") is None:
         return "-"
@@ -70,8 +72,10 @@ def revisit(probes: Sequence[dict], gate_ok: dict[str, bool]) -> list[str]:
             continue
         believes = "available" if gate_ok[feature] else "unavailable"
         found = "this build free of the bug" if measured else "the bug in this build"
-        out.append(f"revisit gate feature {feature!r}: the gate says {believes}, probe {p['name']} "
-                   f"({', '.join(p.get('upstream', []))}) found {found}")
+        out.append(
+            f"revisit gate feature {feature!r}: the gate says {believes}, probe {p['name']} "
+            f"({', '.join(p.get('upstream', []))}) found {found}"
+        )
     return out
 
 
@@ -89,17 +93,21 @@ def markdown(lines: Sequence[dict], jsonl_name: str) -> str:
         "",
         f"Send it: open an issue at {issue_tracker()}, paste this report and attach `{jsonl_name}`.",
         "",
-        ("**What the file contains**: the machine facts below (chip, OS version, memory size, torch build, Python, "
-        "library versions), the gate's decisions, each bug probe's verdict and measurements, each workload's time, "
-        "memory peaks and error (stock against mpsboost, across fresh processes), each recipe's check. "
-        "**No personal data**: no user name, host name, path, IP address or serial number is recorded "
-        "(error messages are scrubbed of them)."),
+        (
+            "**What the file contains**: the machine facts below (chip, OS version, memory size, torch build, Python, "
+            "library versions), the gate's decisions, each bug probe's verdict and measurements, each workload's time, "
+            "memory peaks and error (stock against mpsboost, across fresh processes), each recipe's check. "
+            "**No personal data**: no user name, host name, path, IP address or serial number is recorded "
+            "(error messages are scrubbed of them)."
+        ),
         "",
         f"- mpsboost {m['mpsboost']}, torch {m['torch']} ({m['torch_build']}), python {m['python']}, "
         + ", ".join(f"{k} {v}" for k, v in m.get("libraries", {}).items() if v),
         f"- machine: {m['chip']}, {m['arch']}, {_gib(m.get('memory_bytes'))}, {mac}; device {m['device_name']}",
-        (f"- run: `{head.get('command', 'mpsboost selftest')}` (size {head['size']}, {head['processes']} processes, "
-        f"{head['duration_s']:.0f} s of a {head['budget_s']:.0f} s budget)"),
+        (
+            f"- run: `{head.get('command', 'mpsboost selftest')}` (size {head['size']}, {head['processes']} processes, "
+            f"{head['duration_s']:.0f} s of a {head['budget_s']:.0f} s budget)"
+        ),
         "",
         "### Bug probes (stock torch against the CPU)",
         "",
@@ -107,10 +115,16 @@ def markdown(lines: Sequence[dict], jsonl_name: str) -> str:
         "|---|---|---|---|",
     ]
     out += [f"| {p['name']} | {', '.join(p['upstream'])} | **{p['verdict']}** | {p['detail']} |" for p in probes]
-    out += ["", "### Workloads (stock against `mpsboost.patch`)", "",
-            ("| workload | status | speed (stock / patched) | vs CPU (stock / patched) | tensor peak (stock / patched) "
-            "| driver peak (stock / patched) | recipes |"),
-            "|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "### Workloads (stock against `mpsboost.patch`)",
+        "",
+        (
+            "| workload | status | speed (stock / patched) | vs CPU (stock / patched) | tensor peak (stock / patched) "
+            "| driver peak (stock / patched) | recipes |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
     for w in workloads:
         q = "-"
         s_cpu, p_cpu = (w.get("stock") or {}).get("vs_cpu"), (w.get("patched") or {}).get("vs_cpu")
@@ -127,8 +141,10 @@ def markdown(lines: Sequence[dict], jsonl_name: str) -> str:
         sm, pm = (w.get("stock") or {}).get("memory"), (w.get("patched") or {}).get("memory")
         for key in ("tensor_allocated", "driver_level"):
             mem[key] = "-" if not sm else _gib(sm.get(key)) + (f" / {_gib(pm.get(key))}" if pm else "")
-        out.append(f"| {w['name']} | {w['status']} | {fmt_ratio(w.get('ratio'))} | {q} | {mem['tensor_allocated']} | {mem['driver_level']} "
-                   f"| {', '.join(w.get('recipes', [])) or '-'} |")
+        out.append(
+            f"| {w['name']} | {w['status']} | {fmt_ratio(w.get('ratio'))} | {q} | {mem['tensor_allocated']} | {mem['driver_level']} "
+            f"| {', '.join(w.get('recipes', [])) or '-'} |"
+        )
     notes = [f"- {w['name']}: {w['reason']}" for w in workloads if w.get("reason")]
     out += [""] + notes if notes else []
     if recipes:
@@ -136,13 +152,18 @@ def markdown(lines: Sequence[dict], jsonl_name: str) -> str:
         for r in recipes:
             counts[r["status"]] = counts.get(r["status"], 0) + 1
         out += ["", "### Recipe checks (tiny models)", "", ", ".join(f"{n} {s}" for s, n in counts.items()), ""]
-        out += [f"- {r['recipe']}: {r['status']}" + (f" ({r['reason']})" if r["status"] in ("fail", "error") else "") for r in recipes]
+        out += [
+            f"- {r['recipe']}: {r['status']}" + (f" ({r['reason']})" if r["status"] in ("fail", "error") else "")
+            for r in recipes
+        ]
     decided = [g for g in gates if g.get("decided_by") == "probed"]
     if decided:
         out += ["", "### Gate decisions a probe of this build made", ""]
         out += [f"- {g['feature']}: {'yes' if g['ok'] else 'no'} [{g['decided_by']}] {g['reason']}" for g in decided]
     todo = revisit(probes, {g["feature"]: g["ok"] for g in gates})
-    out += ["", "### Decisions to revisit", ""] + ([f"- {t}" for t in todo] if todo else ["- none: every probe agrees with the gate"])
+    out += ["", "### Decisions to revisit", ""] + (
+        [f"- {t}" for t in todo] if todo else ["- none: every probe agrees with the gate"]
+    )
     return "\n".join(out) + "\n"
 
 
@@ -156,6 +177,7 @@ def _num(v: Any) -> str:
 
 # ------------------------------------------------------------------------------------------ validation
 
+
 def _positive(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and math.isfinite(v)
 
@@ -168,7 +190,9 @@ def _check_machine(where: str, head: dict) -> dict:
     if missing:
         raise SelftestFormatError(f"{where}: machine facts missing: {', '.join(missing)}")
     if m["simulated"] is not False or head.get("simulated"):
-        raise SelftestFormatError(f"{where}: the file comes from a simulated environment; only a run on real hardware is evidence")
+        raise SelftestFormatError(
+            f"{where}: the file comes from a simulated environment; only a run on real hardware is evidence"
+        )
     if m["device"] == "mps":
         wrong = []
         if m["os"] != "Darwin":
@@ -180,8 +204,10 @@ def _check_machine(where: str, head: dict) -> dict:
         if not m.get("macos"):
             wrong.append("no macOS version")
         if wrong:
-            raise SelftestFormatError(f"{where}: claims device 'mps' but the machine facts say {', '.join(wrong)}; "
-                                      "MPS evidence comes from an Apple-silicon Mac (Darwin, arm64) with MPS available")
+            raise SelftestFormatError(
+                f"{where}: claims device 'mps' but the machine facts say {', '.join(wrong)}; "
+                "MPS evidence comes from an Apple-silicon Mac (Darwin, arm64) with MPS available"
+            )
     return m
 
 
@@ -200,32 +226,46 @@ def _check_line(where: str, rec: dict, seen: dict) -> None:
         raise SelftestFormatError(f"{where}: a second {kind} line for {name!r}")
     if kind == "gate":
         if not isinstance(rec.get("ok"), bool) or rec.get("decided_by") not in ("probed", "by version"):
-            raise SelftestFormatError(f"{where}: gate line {name!r} needs ok (bool) and decided_by ('probed' or 'by version')")
+            raise SelftestFormatError(
+                f"{where}: gate line {name!r} needs ok (bool) and decided_by ('probed' or 'by version')"
+            )
         seen[kind][name] = rec["ok"]
     elif kind == "probe":
         ups = rec.get("upstream")
         if not isinstance(ups, list) or not ups or not all(isinstance(u, str) and "#" in u for u in ups):
             raise SelftestFormatError(f"{where}: probe {name!r} names no upstream issue or pull request")
         if rec.get("verdict") not in VERDICTS:
-            raise SelftestFormatError(f"{where}: probe {name!r} verdict {rec.get('verdict')!r} is not one of {', '.join(VERDICTS)}")
+            raise SelftestFormatError(
+                f"{where}: probe {name!r} verdict {rec.get('verdict')!r} is not one of {', '.join(VERDICTS)}"
+            )
         seen[kind][name] = rec["verdict"]
     elif kind == "workload":
         status = rec.get("status")
         if status not in STATUSES:
-            raise SelftestFormatError(f"{where}: workload {name!r} status {status!r} is not one of {', '.join(STATUSES)}")
+            raise SelftestFormatError(
+                f"{where}: workload {name!r} status {status!r} is not one of {', '.join(STATUSES)}"
+            )
         if status in ("pass", "fail"):
             for side in ("stock", "patched"):
                 secs = (rec.get(side) or {}).get("seconds")
                 if not isinstance(secs, list) or not secs or not all(_positive(s) for s in secs):
-                    raise SelftestFormatError(f"{where}: workload {name!r} ran but its {side} seconds are missing or not positive")
+                    raise SelftestFormatError(
+                        f"{where}: workload {name!r} ran but its {side} seconds are missing or not positive"
+                    )
             if not _positive((rec.get("ratio") or {}).get("median")):
                 raise SelftestFormatError(f"{where}: workload {name!r} ran but has no positive speed ratio")
             if not isinstance(rec.get("vs_stock"), dict):
                 raise SelftestFormatError(f"{where}: workload {name!r} ran but has no comparison with stock")
         if status == "stock fails":
             secs = (rec.get("patched") or {}).get("seconds")
-            if not isinstance((rec.get("stock") or {}).get("error"), str) or not isinstance(secs, list) or not all(_positive(x) for x in secs):
-                raise SelftestFormatError(f"{where}: workload {name!r} 'stock fails' needs stock's error and patched seconds")
+            if (
+                not isinstance((rec.get("stock") or {}).get("error"), str)
+                or not isinstance(secs, list)
+                or not all(_positive(x) for x in secs)
+            ):
+                raise SelftestFormatError(
+                    f"{where}: workload {name!r} 'stock fails' needs stock's error and patched seconds"
+                )
         seen[kind][name] = status
     elif kind == "recipe":
         _check_recipe(where, rec, name, RECIPE_STATUSES)
@@ -247,21 +287,31 @@ def _check_recipe(where: str, rec: dict, name: str, statuses: tuple) -> None:
         raise SelftestFormatError(f"{where}: recipe {name!r} carries a broken bench record: {e}") from None
     variants = sorted(r.variant for r in records)
     if variants != ["mpsboost", "stock"]:
-        raise SelftestFormatError(f"{where}: recipe {name!r} ran but has {variants} records; expected stock and mpsboost")
+        raise SelftestFormatError(
+            f"{where}: recipe {name!r} ran but has {variants} records; expected stock and mpsboost"
+        )
     for r in records:
         if r.throughput is None or r.memory is None:
-            raise SelftestFormatError(f"{where}: recipe {name!r} ran but its {r.variant} record lacks throughput or memory")
+            raise SelftestFormatError(
+                f"{where}: recipe {name!r} ran but its {r.variant} record lacks throughput or memory"
+            )
         if r.correctness is not None and r.correctness.reference != "cpu-fp32":
-            raise SelftestFormatError(f"{where}: recipe {name!r}: correctness reference {r.correctness.reference!r}, expected 'cpu-fp32'")
+            raise SelftestFormatError(
+                f"{where}: recipe {name!r}: correctness reference {r.correctness.reference!r}, expected 'cpu-fp32'"
+            )
     if not _positive(rec.get("speed_ratio")):
-        raise SelftestFormatError(f"{where}: recipe {name!r} speed_ratio {rec.get('speed_ratio')!r} is not a positive number")
+        raise SelftestFormatError(
+            f"{where}: recipe {name!r} speed_ratio {rec.get('speed_ratio')!r} is not a positive number"
+        )
 
 
 def read_lines(path: str | Path) -> list[dict]:
     """The JSON objects of a selftest file, each with a known ``kind`` (no other check)."""
     p = Path(path)
     if not p.is_file():
-        raise SelftestFormatError(f"{p}: no such file (expected a mpsboost-selftest-*.jsonl written by `mpsboost selftest`)")
+        raise SelftestFormatError(
+            f"{p}: no such file (expected a mpsboost-selftest-*.jsonl written by `mpsboost selftest`)"
+        )
     text = p.read_text(encoding="utf-8", errors="replace")
     out = []
     for no, line in enumerate(text.splitlines(), 1):
@@ -272,11 +322,15 @@ def read_lines(path: str | Path) -> list[dict]:
         except json.JSONDecodeError as e:
             raise SelftestFormatError(f"{p}:{no}: not JSON ({e.msg})") from None
         if isinstance(rec, dict) and "kind" not in rec and "workload" in rec and "variant" in rec:
-            raise SelftestFormatError(f"{p}:{no}: a bench record, not a selftest line (a file of an older mpsboost selftest, "
-                                      "or a benchmark's results); run `mpsboost selftest` with this version")
+            raise SelftestFormatError(
+                f"{p}:{no}: a bench record, not a selftest line (a file of an older mpsboost selftest, "
+                "or a benchmark's results); run `mpsboost selftest` with this version"
+            )
         if not isinstance(rec, dict) or rec.get("kind") not in KINDS:
             got = rec.get("kind") if isinstance(rec, dict) else type(rec).__name__
-            raise SelftestFormatError(f"{p}:{no}: not a selftest line (kind {got!r}; expected one of {', '.join(KINDS)})")
+            raise SelftestFormatError(
+                f"{p}:{no}: not a selftest line (kind {got!r}; expected one of {', '.join(KINDS)})"
+            )
         rec["_line"] = no
         out.append(rec)
     if not out:
@@ -298,10 +352,14 @@ def validate(path: str | Path) -> dict:
     head = lines[0]
     where = f"{p}:{head['_line']}"
     if head["kind"] != "selftest":
-        raise SelftestFormatError(f"{where}: the first line must be the selftest header (kind 'selftest'), not {head['kind']!r}")
+        raise SelftestFormatError(
+            f"{where}: the first line must be the selftest header (kind 'selftest'), not {head['kind']!r}"
+        )
     if head.get("schema") != SCHEMA:
-        raise SelftestFormatError(f"{where}: schema {head.get('schema')!r}; this mpsboost reads schema {SCHEMA} "
-                                  "(run `mpsboost selftest` again with this version)")
+        raise SelftestFormatError(
+            f"{where}: schema {head.get('schema')!r}; this mpsboost reads schema {SCHEMA} "
+            "(run `mpsboost selftest` again with this version)"
+        )
     machine = _check_machine(where, head)
     seen: dict[str, dict] = {}
     for rec in lines[1:]:
@@ -312,10 +370,21 @@ def validate(path: str | Path) -> dict:
     from .probes import EVIDENCE
 
     probes, workloads, recipes = seen.get("probe", {}), seen.get("workload", {}), seen.get("recipe", {})
-    ok = (sum(v in EVIDENCE for v in probes.values()) + sum(v in ("pass", "fail", "stock fails") for v in workloads.values())
-          + sum(v in ("pass", "fail") for v in recipes.values()))
+    ok = (
+        sum(v in EVIDENCE for v in probes.values())
+        + sum(v in ("pass", "fail", "stock fails") for v in workloads.values())
+        + sum(v in ("pass", "fail") for v in recipes.values())
+    )
     if not ok:
-        raise SelftestFormatError(f"{p}: no successful case: every probe, workload and recipe errored, was skipped or did not apply "
-                                  f"(probes {sorted(set(probes.values()))}, workloads {sorted(set(workloads.values()))}, "
-                                  f"recipes {sorted(set(recipes.values()))})")
-    return {"machine": machine, "probes": probes, "workloads": workloads, "recipes": recipes, "gate": seen.get("gate", {})}
+        raise SelftestFormatError(
+            f"{p}: no successful case: every probe, workload and recipe errored, was skipped or did not apply "
+            f"(probes {sorted(set(probes.values()))}, workloads {sorted(set(workloads.values()))}, "
+            f"recipes {sorted(set(recipes.values()))})"
+        )
+    return {
+        "machine": machine,
+        "probes": probes,
+        "workloads": workloads,
+        "recipes": recipes,
+        "gate": seen.get("gate", {}),
+    }

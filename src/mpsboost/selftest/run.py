@@ -1,4 +1,5 @@
 """Running the selftest: refuse an absent device, probe, measure, repeat in fresh processes, write the files."""
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,16 @@ def _gate_lines(device: str) -> list[dict]:
     out = []
     for name, feat in FEATURES.items():
         v = check(name, env)
-        out.append({"kind": "gate", "feature": name, "ok": v.ok, "decided_by": v.decided_by, "reason": v.reason,
-                    "probe": feat.probe is not None})
+        out.append(
+            {
+                "kind": "gate",
+                "feature": name,
+                "ok": v.ok,
+                "decided_by": v.decided_by,
+                "reason": v.reason,
+                "probe": feat.probe is not None,
+            }
+        )
     return out
 
 
@@ -52,24 +61,44 @@ def _ratio(stock: list[float], patched: list[float]) -> dict:
     if not ratios:
         return {"median": None, "processes": 0}
     med = statistics.median(ratios)
-    return {"median": med, "min": min(ratios), "max": max(ratios), "spread": (max(ratios) - min(ratios)) / med if med else None,
-            "per_process": ratios, "processes": len(ratios)}
+    return {
+        "median": med,
+        "min": min(ratios),
+        "max": max(ratios),
+        "spread": (max(ratios) - min(ratios)) / med if med else None,
+        "per_process": ratios,
+        "processes": len(ratios),
+    }
 
 
 def _child_cmd(device: str, size: str, names: Sequence[str], repeats: int) -> list[str]:
-    return [sys.executable, "-m", "mpsboost.selftest", "--child", "--device", device, "--size", size, "--repeats", str(repeats),
-            "--workloads", ",".join(names) if names else "-"]
+    return [
+        sys.executable,
+        "-m",
+        "mpsboost.selftest",
+        "--child",
+        "--device",
+        device,
+        "--size",
+        size,
+        "--repeats",
+        str(repeats),
+        "--workloads",
+        ",".join(names) if names else "-",
+    ]
 
 
 def _run_child(cmd: list[str], timeout: float) -> dict | str:
     """One fresh process's timings, or why there are none."""
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, timeout), check=False, env=dict(os.environ))
+        out = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=max(1.0, timeout), check=False, env=dict(os.environ)
+        )
     except subprocess.TimeoutExpired:
         return f"killed after {timeout:.0f} s (time budget)"
     for line in out.stdout.splitlines():
         if line.startswith(_CHILD_MARK):
-            return json.loads(line[len(_CHILD_MARK):])
+            return json.loads(line[len(_CHILD_MARK) :])
     tail = (out.stderr.strip().splitlines() or ["no output"])[-1][:300]
     return f"exit status {out.returncode}: {tail}"
 
@@ -141,7 +170,9 @@ def run_selftest(
     repeats = REPEATS[size] if repeats is None else repeats
     budget_s = BUDGET_S[size] if budget_s is None else budget_s
     if processes < 1 or repeats < 1 or budget_s <= 0:
-        raise ValueError(f"processes ({processes}) and repeats ({repeats}) must be at least 1 and the budget ({budget_s}) positive")
+        raise ValueError(
+            f"processes ({processes}) and repeats ({repeats}) must be at least 1 and the budget ({budget_s}) positive"
+        )
     small = size == "test" or device == "cpu"
     t0 = time.perf_counter()
     deadline = t0 + budget_s
@@ -153,15 +184,27 @@ def run_selftest(
     wl_lines = []
     for name in names:
         if time.perf_counter() > deadline:
-            rec = {"kind": "workload", "name": name, "what": SEED_WORKLOADS[name].what, "size": size, "status": "skipped",
-                   "reason": "time budget spent"}
+            rec = {
+                "kind": "workload",
+                "name": name,
+                "what": SEED_WORKLOADS[name].what,
+                "size": size,
+                "status": "skipped",
+                "reason": "time budget spent",
+            }
         else:
             try:
                 rec = run_workload(SEED_WORKLOADS[name], device, size, repeats)
             except Exception as e:  # noqa: BLE001 - one workload's failure is a finding, not the end of the run
                 first = (str(e).strip().splitlines() or [""])[0][:300]
-                rec = {"kind": "workload", "name": name, "what": SEED_WORKLOADS[name].what, "size": size, "status": "error",
-                       "reason": f"{type(e).__name__}: {first}"}
+                rec = {
+                    "kind": "workload",
+                    "name": name,
+                    "what": SEED_WORKLOADS[name].what,
+                    "size": size,
+                    "status": "error",
+                    "reason": f"{type(e).__name__}: {first}",
+                }
         echo(f"  workload {name}: {rec['status']} ({rec.get('seconds', 0):.1f} s)")
         wl_lines.append(rec)
     # Repeats in fresh processes: the timings only (no reference, no memory), each in a new interpreter.
@@ -199,9 +242,19 @@ def run_selftest(
     lines += probe_lines + wl_lines
     if recipes is None or recipes:
         lines += _recipe_lines(device, dtype, recipes, repeats, deadline, echo)
-    head = {"kind": "selftest", "schema": SCHEMA, "machine": facts(device), "size": size, "processes": processes,
-            "repeats": repeats, "budget_s": budget_s, "duration_s": round(time.perf_counter() - t0, 1),
-            "date": _dt.date.today().isoformat(), "command": command, "process_notes": child_notes}
+    head = {
+        "kind": "selftest",
+        "schema": SCHEMA,
+        "machine": facts(device),
+        "size": size,
+        "processes": processes,
+        "repeats": repeats,
+        "budget_s": budget_s,
+        "duration_s": round(time.perf_counter() - t0, 1),
+        "date": _dt.date.today().isoformat(),
+        "command": command,
+        "process_notes": child_notes,
+    }
     lines = [head] + lines
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -214,8 +267,9 @@ def run_selftest(
     return lines, jsonl, md
 
 
-def _recipe_lines(device: str, dtype: str, names: Sequence[str] | None, repeats: int, deadline: float,
-                  echo: Callable[[str], None]) -> list[dict]:
+def _recipe_lines(
+    device: str, dtype: str, names: Sequence[str] | None, repeats: int, deadline: float, echo: Callable[[str], None]
+) -> list[dict]:
     from ..bench import Record, RecordEnv
     from ..bench import Workload as BenchWorkload
     from ..gate import Env
@@ -236,16 +290,31 @@ def _recipe_lines(device: str, dtype: str, names: Sequence[str] | None, repeats:
                 res = check_recipe(recipe.name, recipe, device, dtype, repeats, env, record_env)
             except Exception as e:  # noqa: BLE001 - one recipe's failure is a finding, not the end of the run
                 why = f"{type(e).__name__}: {e}"
-                rec = Record(BenchWorkload(f"{KIND}:{recipe.name}", {"dtype": dtype}), "mpsboost", record_env,
-                             extra={KIND: {"recipe": recipe.name, "status": "error", "reason": why}})
+                rec = Record(
+                    BenchWorkload(f"{KIND}:{recipe.name}", {"dtype": dtype}),
+                    "mpsboost",
+                    record_env,
+                    extra={KIND: {"recipe": recipe.name, "status": "error", "reason": why}},
+                )
                 res = RecipeResult(recipe.name, "error", why, records=[rec])
         echo(f"  recipe {recipe.name}: {res.status} ({time.perf_counter() - t0:.1f} s)")
-        out.append({"kind": "recipe", "recipe": res.recipe, "status": res.status, "reason": res.reason, "workload": res.workload,
-                    "backing": res.backing, "speed_ratio": res.speed_ratio, "records": [r.to_dict() for r in res.records]})
+        out.append(
+            {
+                "kind": "recipe",
+                "recipe": res.recipe,
+                "status": res.status,
+                "reason": res.reason,
+                "workload": res.workload,
+                "backing": res.backing,
+                "speed_ratio": res.speed_ratio,
+                "records": [r.to_dict() for r in res.records],
+            }
+        )
     return out
 
 
 # ------------------------------------------------------------------------------------------ command line
+
 
 def _names(text: str | None) -> list[str] | None:
     if text is None:
@@ -258,19 +327,44 @@ def build_parser(prog: str = "mpsboost selftest") -> argparse.ArgumentParser:
         prog=prog,
         description="Evidence from this machine: the known MPS bugs probed at their trigger sizes, the seed's workloads "
         "stock against patched across fresh processes, each recipe's check; writes a JSONL and a markdown report to "
-        "paste into an issue. No personal data is recorded.")
-    p.add_argument("--device", choices=("mps", "cuda", "cpu"), help="default: mps, then cuda, then cpu; an absent device is refused (exit 2)")
+        "paste into an issue. No personal data is recorded.",
+    )
+    p.add_argument(
+        "--device",
+        choices=("mps", "cuda", "cpu"),
+        help="default: mps, then cuda, then cpu; an absent device is refused (exit 2)",
+    )
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--quick", dest="size", action="store_const", const="quick", help="sizes that reach the triggers, about 8 minutes (default)")
-    size.add_argument("--full", dest="size", action="store_const", const="full", help="the sizes of the upstream reports, up to 30 minutes")
+    size.add_argument(
+        "--quick",
+        dest="size",
+        action="store_const",
+        const="quick",
+        help="sizes that reach the triggers, about 8 minutes (default)",
+    )
+    size.add_argument(
+        "--full",
+        dest="size",
+        action="store_const",
+        const="full",
+        help="the sizes of the upstream reports, up to 30 minutes",
+    )
     size.add_argument("--size", dest="size", choices=("test", "quick", "full"), help="test: tiny models (CI, seconds)")
-    p.add_argument("--processes", type=int, help="fresh processes that time the workloads (default: quick 3, full 5, test 1)")
+    p.add_argument(
+        "--processes", type=int, help="fresh processes that time the workloads (default: quick 3, full 5, test 1)"
+    )
     p.add_argument("--repeats", type=int, help="timed repeats per variant in each process")
-    p.add_argument("--budget", type=float, help="seconds; what does not fit is recorded as skipped (default: quick 480, full 1800)")
+    p.add_argument(
+        "--budget", type=float, help="seconds; what does not fit is recorded as skipped (default: quick 480, full 1800)"
+    )
     p.add_argument("--probes", help="comma-separated probe names (default all; '-' for none)")
     p.add_argument("--workloads", help="comma-separated workload names (default all; '-' for none)")
-    p.add_argument("--recipes", nargs="*", help="only these recipes' checks (default every recipe; give none for no checks)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype of the recipe checks")
+    p.add_argument(
+        "--recipes", nargs="*", help="only these recipes' checks (default every recipe; give none for no checks)"
+    )
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="dtype of the recipe checks"
+    )
     p.add_argument("--out", default=".", help="folder for the JSONL and markdown files (default: here)")
     p.add_argument("--validate", metavar="JSONL", help="only check a selftest file and print its summary")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -306,8 +400,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise SelftestFormatError(f"--{flag} must be at least 1, got {value}")
-    lines, _, _ = run_selftest(args.device, size=args.size, processes=args.processes, repeats=args.repeats, budget_s=args.budget,
-                               out_dir=args.out, probes=_names(args.probes), workloads=_names(args.workloads),
-                               recipes=args.recipes, dtype=args.dtype, command=_command(argv))
+    lines, _, _ = run_selftest(
+        args.device,
+        size=args.size,
+        processes=args.processes,
+        repeats=args.repeats,
+        budget_s=args.budget,
+        out_dir=args.out,
+        probes=_names(args.probes),
+        workloads=_names(args.workloads),
+        recipes=args.recipes,
+        dtype=args.dtype,
+        command=_command(argv),
+    )
     bad = [x for x in lines if x.get("status") in ("fail", "error") or x.get("verdict") == "error"]
     return 1 if bad else 0

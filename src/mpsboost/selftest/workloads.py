@@ -14,6 +14,7 @@ where the workload has one at that size (the VAEs: PSNR). A long call is timed f
 applicable" (stock is still measured: its error against the CPU is evidence of a build's bug).
 Recipes that are merged later (Gated DeltaNet, the Qwen-Image-2.1 VAE) apply without a change here.
 """
+
 from __future__ import annotations
 
 import copy
@@ -70,6 +71,7 @@ def _first_param(module):
 
 # ------------------------------------------------------------------------------------------ VAEs
 
+
 def _wan22(size: str, device: str) -> Built:
     import torch
 
@@ -87,8 +89,12 @@ def _wan22(size: str, device: str) -> Built:
         # full: 480x832, 21 frames, 256x256 tiles (H*W = 65536: the pytorch#194922 trigger), against the CPU.
         latent, tile = ((1, 48, 2, 16, 16), (128, 96)) if size == "quick" else ((1, 48, 6, 30, 52), (256, 192))
     vae = vae.eval().to(device)
-    vae.enable_tiling(tile_sample_min_height=tile[0], tile_sample_min_width=tile[0], tile_sample_stride_height=tile[1],
-                      tile_sample_stride_width=tile[1])
+    vae.enable_tiling(
+        tile_sample_min_height=tile[0],
+        tile_sample_min_width=tile[0],
+        tile_sample_stride_height=tile[1],
+        tile_sample_stride_width=tile[1],
+    )
     z = torch.randn(*latent, generator=torch.Generator().manual_seed(0))
 
     def run(module):
@@ -96,8 +102,12 @@ def _wan22(size: str, device: str) -> Built:
         with torch.no_grad():
             return module.decode(z.to(p.device, p.dtype)).sample
 
-    return Built(vae, run, {"latent": list(latent), "pixels": [latent[3] * 16, latent[4] * 16], "tile": tile[0], "stride": tile[1]},
-                 "float32")
+    return Built(
+        vae,
+        run,
+        {"latent": list(latent), "pixels": [latent[3] * 16, latent[4] * 16], "tile": tile[0], "stride": tile[1]},
+        "float32",
+    )
 
 
 def _roundtrip(vae, pixels: int, channels: int, device: str, tile: tuple[int, int] | None = None) -> Built:
@@ -105,8 +115,12 @@ def _roundtrip(vae, pixels: int, channels: int, device: str, tile: tuple[int, in
 
     vae = vae.eval().to(device)
     if tile is not None:
-        vae.enable_tiling(tile_sample_min_height=tile[0], tile_sample_min_width=tile[0], tile_sample_stride_height=tile[1],
-                          tile_sample_stride_width=tile[1])
+        vae.enable_tiling(
+            tile_sample_min_height=tile[0],
+            tile_sample_min_width=tile[0],
+            tile_sample_stride_height=tile[1],
+            tile_sample_stride_width=tile[1],
+        )
     x = torch.rand(1, channels, 1, pixels, pixels, generator=torch.Generator().manual_seed(0)) * 2 - 1
 
     def run(module):
@@ -144,6 +158,7 @@ def _qwen_image21(size: str, device: str) -> Built:
 
 # ------------------------------------------------------------------------------------------ Qwen3.6 decode
 
+
 def _memory_bytes() -> int:
     from .machine import _memory_bytes
 
@@ -165,8 +180,9 @@ def _qwen36(size: str, device: str) -> Built:
         # 16/32 heads of 128, attention 16/2 heads of 256); a few of its 40 layers. Each MoE layer is 1.6 GB in bf16.
         four = size == "full" and _memory_bytes() >= 48 * 2**30
         types = ["linear_attention"] * 3 + ["full_attention"] if four else ["linear_attention", "full_attention"]
-        cfg = Qwen3_5MoeTextConfig(num_hidden_layers=len(types), layer_types=types,
-                                   vocab_size=248320 if size == "full" else 32768)
+        cfg = Qwen3_5MoeTextConfig(
+            num_hidden_layers=len(types), layer_types=types, vocab_size=248320 if size == "full" else 32768
+        )
         prompt, steps = (512, 16) if size == "full" else (64, 8)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -196,12 +212,20 @@ def _qwen36(size: str, device: str) -> Built:
                 outs.append(out.logits.float())
         return torch.cat(outs, dim=1)
 
-    shape = {"layers": cfg.layer_types, "hidden": cfg.hidden_size, "experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok,
-             "vocab": cfg.vocab_size, "prompt": prompt, "decode_steps": steps}
+    shape = {
+        "layers": cfg.layer_types,
+        "hidden": cfg.hidden_size,
+        "experts": cfg.num_experts,
+        "top_k": cfg.num_experts_per_tok,
+        "vocab": cfg.vocab_size,
+        "prompt": prompt,
+        "decode_steps": steps,
+    }
     return Built(model, run, shape, dtype)
 
 
 # ------------------------------------------------------------------------------------------ fp8 layer
+
 
 def _fp8_linear(m_rows: Callable[[str], int]) -> Callable[[str, str], Built]:
     def build(size: str, device: str) -> Built:
@@ -228,23 +252,52 @@ def _fp8_linear(m_rows: Callable[[str], int]) -> Callable[[str, str], Built]:
 SEED_WORKLOADS: dict[str, SeedWorkload] = {
     w.name: w
     for w in [
-        SeedWorkload("wan22_vae_tiled_decode", "Wan2.2 TI2V-5B VAE, tiled decode (pytorch#195368, #194922)", _wan22,
-                     cpu_reference=("test", "full")),
-        SeedWorkload("qwen_image_vae_roundtrip", "Qwen-Image VAE encode + decode, PSNR vs CPU (ComfyUI#16433)", _qwen_image),
-        SeedWorkload("qwen_image21_vae_roundtrip", "Qwen-Image-2.1 VAE encode + decode, PSNR vs CPU (Qwen-Image-2.1#6)", _qwen_image21),
-        SeedWorkload("qwen36_decode", "Qwen3.6-35B-A3B layers (Gated DeltaNet + MoE): prefill, then one-token decode steps",
-                     _qwen36, metric="rel", cpu_reference=(), tolerance={"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2}),
-        SeedWorkload("fp8_linear_m1", "one 4096x4096 layer in fp8 rowwise storage, one token (decode)",
-                     _fp8_linear(lambda size: 1), metric="rel", cpu_reference=(), fp8="rowwise",
-                     tolerance=dict.fromkeys(("float32", "bfloat16", "float16"), 0.1)),
-        SeedWorkload("fp8_linear_m1024", "one 4096x4096 layer in fp8 rowwise storage, 1024 tokens (prefill; pytorch#196916)",
-                     _fp8_linear(lambda size: 16 if size == "test" else 1024), metric="rel", cpu_reference=(), fp8="rowwise",
-                     tolerance=dict.fromkeys(("float32", "bfloat16", "float16"), 0.1)),
+        SeedWorkload(
+            "wan22_vae_tiled_decode",
+            "Wan2.2 TI2V-5B VAE, tiled decode (pytorch#195368, #194922)",
+            _wan22,
+            cpu_reference=("test", "full"),
+        ),
+        SeedWorkload(
+            "qwen_image_vae_roundtrip", "Qwen-Image VAE encode + decode, PSNR vs CPU (ComfyUI#16433)", _qwen_image
+        ),
+        SeedWorkload(
+            "qwen_image21_vae_roundtrip",
+            "Qwen-Image-2.1 VAE encode + decode, PSNR vs CPU (Qwen-Image-2.1#6)",
+            _qwen_image21,
+        ),
+        SeedWorkload(
+            "qwen36_decode",
+            "Qwen3.6-35B-A3B layers (Gated DeltaNet + MoE): prefill, then one-token decode steps",
+            _qwen36,
+            metric="rel",
+            cpu_reference=(),
+            tolerance={"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2},
+        ),
+        SeedWorkload(
+            "fp8_linear_m1",
+            "one 4096x4096 layer in fp8 rowwise storage, one token (decode)",
+            _fp8_linear(lambda size: 1),
+            metric="rel",
+            cpu_reference=(),
+            fp8="rowwise",
+            tolerance=dict.fromkeys(("float32", "bfloat16", "float16"), 0.1),
+        ),
+        SeedWorkload(
+            "fp8_linear_m1024",
+            "one 4096x4096 layer in fp8 rowwise storage, 1024 tokens (prefill; pytorch#196916)",
+            _fp8_linear(lambda size: 16 if size == "test" else 1024),
+            metric="rel",
+            cpu_reference=(),
+            fp8="rowwise",
+            tolerance=dict.fromkeys(("float32", "bfloat16", "float16"), 0.1),
+        ),
     ]
 }
 
 
 # ------------------------------------------------------------------------------------------ running
+
 
 def _quality(x, ref, metric: str) -> dict:
     from ..bench import psnr, relative_error
@@ -278,15 +331,16 @@ def _time(run, model, device: str, repeats: int) -> float:
     """Median seconds per call after one warm-up call; fewer repeats when one call is long."""
     from ..bench.harness import measure_job
 
-    m = measure_job(lambda: run(model), device=device, repeats=repeats, warmup=1, output=None, memory=None,
-                    time_cap_s=TIME_CAP_S)
+    m = measure_job(
+        lambda: run(model), device=device, repeats=repeats, warmup=1, output=None, memory=None, time_cap_s=TIME_CAP_S
+    )
     return m.timing.median_s
 
 
 def _memory_dict(mem) -> dict:
-    return {k: getattr(mem, k) for k in ("tensor_allocated", "allocator_reserved", "driver_level", "driver_level_source")}
-
-
+    return {
+        k: getattr(mem, k) for k in ("tensor_allocated", "allocator_reserved", "driver_level", "driver_level_source")
+    }
 
 
 def run_workload(wl: SeedWorkload, device: str, size: str, repeats: int) -> dict:
@@ -320,7 +374,10 @@ def run_workload(wl: SeedWorkload, device: str, size: str, repeats: int) -> dict
     rec["recipes"] = applied
     rec["stock"] = stock
     if not applied:
-        why = "; ".join(sorted({f"{r.recipe}: {r.reason}" for r in report.rows if r.status == "skipped"})) or "no recipe applies"
+        why = (
+            "; ".join(sorted({f"{r.recipe}: {r.reason}" for r in report.rows if r.status == "skipped"}))
+            or "no recipe applies"
+        )
         rec.update(status="not applicable", reason=f"patch() applied nothing here ({why})")
     else:
         _release(device)
@@ -332,7 +389,11 @@ def run_workload(wl: SeedWorkload, device: str, size: str, repeats: int) -> dict
         vs_stock = _quality(patched_out.float().cpu(), stock_out.float().cpu(), wl.metric)
         tol = fp32_tolerance(device, built.dtype, wl.tolerance[built.dtype])
         close = vs_stock["rel_error"] is not None and vs_stock["rel_error"] <= tol
-        why = f"patched vs stock rel. error {vs_stock['rel_error']:.2e} (tolerance {tol:g})" if vs_stock["rel_error"] is not None else "patched output has NaN"
+        why = (
+            f"patched vs stock rel. error {vs_stock['rel_error']:.2e} (tolerance {tol:g})"
+            if vs_stock["rel_error"] is not None
+            else "patched output has NaN"
+        )
         if ref is not None:
             s, p = stock["vs_cpu"]["rel_error"], patched["vs_cpu"]["rel_error"]
             no_worse = p is not None and (s is None or p <= 1.5 * s + tol)
@@ -344,15 +405,23 @@ def run_workload(wl: SeedWorkload, device: str, size: str, repeats: int) -> dict
                 why += " (stock is the one far from the CPU)"
         else:
             ok = close
-        rec.update(status="pass" if ok else "fail", reason=why, patched=patched, vs_stock=vs_stock, tolerance=tol,
-                   ratio_here=stock["seconds"][0] / patched["seconds"][0] if patched["seconds"][0] > 0 else None)
+        rec.update(
+            status="pass" if ok else "fail",
+            reason=why,
+            patched=patched,
+            vs_stock=vs_stock,
+            tolerance=tol,
+            ratio_here=stock["seconds"][0] / patched["seconds"][0] if patched["seconds"][0] > 0 else None,
+        )
     rec["seconds"] = round(time.perf_counter() - t0, 2)
     del model, built
     _release(device)
     return rec
 
 
-def _stock_fails(rec: dict, wl: SeedWorkload, model, run, device: str, repeats: int, error: Exception, t0: float) -> dict:
+def _stock_fails(
+    rec: dict, wl: SeedWorkload, model, run, device: str, repeats: int, error: Exception, t0: float
+) -> dict:
     """Stock raised: patch and run anyway; the record says what stock raised and whether patched ran."""
     first = (str(error).strip().splitlines() or [""])[0][:300]
     rec["stock"] = {"error": f"{type(error).__name__}: {first}"}
@@ -366,9 +435,16 @@ def _stock_fails(rec: dict, wl: SeedWorkload, model, run, device: str, repeats: 
         with measure_memory(device) as probe:
             out = run(model).detach()
         finite = bool(out.float().isfinite().all())
-        rec["patched"] = {"seconds": [_time(run, model, device, repeats)], "memory": _memory_dict(probe.peaks()), "finite": finite}
-        rec.update(status="stock fails" if finite else "error",
-                   reason=f"stock raised {rec['stock']['error']}; patched ran" + ("" if finite else " but its output is not finite"))
+        rec["patched"] = {
+            "seconds": [_time(run, model, device, repeats)],
+            "memory": _memory_dict(probe.peaks()),
+            "finite": finite,
+        }
+        rec.update(
+            status="stock fails" if finite else "error",
+            reason=f"stock raised {rec['stock']['error']}; patched ran"
+            + ("" if finite else " but its output is not finite"),
+        )
     rec["seconds"] = round(time.perf_counter() - t0, 2)
     _release(device)
     return rec

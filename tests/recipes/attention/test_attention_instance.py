@@ -12,6 +12,7 @@ attention_split applies to ``sdpa`` models and metal_attention to ``eager`` ones
 (c) patched outputs equal stock (fp32, relative 1e-5, the tolerance of the recipes' own tests), with
     a small split budget so that the split really runs; unpatch restores the very same forwards.
 """
+
 from __future__ import annotations
 
 import math
@@ -172,8 +173,11 @@ def test_the_split_bound_reads_the_mask_by_name_and_never_underestimates():
     pos = (torch.zeros(2, 5, 32), torch.zeros(2, 5, 32))
     mask = torch.zeros(2, 1, 5, 40, dtype=torch.bool)  # 40 keys: 35 cached + 5 new
     exact = 2 * heads * 5 * 40
-    for args, kwargs in (((hidden, pos, mask), {}), ((hidden, pos), {"attention_mask": mask}),
-                         ((), {"hidden_states": hidden, "position_embeddings": pos, "attention_mask": mask})):
+    for args, kwargs in (
+        ((hidden, pos, mask), {}),
+        ((hidden, pos), {"attention_mask": mask}),
+        ((), {"hidden_states": hidden, "position_embeddings": pos, "attention_mask": mask}),
+    ):
         assert bound(attn, args, kwargs, exact) is False
         assert bound(attn, args, kwargs, exact - 1) is True
     # No mask: bounded by max_position_embeddings (64 here), never by Lq alone.

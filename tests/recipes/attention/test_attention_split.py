@@ -6,6 +6,7 @@ Numerics: on the CPU with a forced small budget the split result equals stock wi
 (fp32): the rows are the same dot products and softmaxes, but the matmul kernels may block a
 shorter query slice differently, so the last bit may differ.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,9 +51,20 @@ def _wan22_ti2v_like():
 
     # Wan2.2-TI2V-5B's attention shape (24 heads, patch 1x2x2, 48 latent channels) with one layer and
     # small widths: the score count depends on heads and tokens only.
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=4, in_channels=48,
-                                 out_channels=48, text_dim=32, freq_dim=256, ffn_dim=32, num_layers=1,
-                                 cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024).eval()
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=24,
+        attention_head_dim=4,
+        in_channels=48,
+        out_channels=48,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=1,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=1024,
+    ).eval()
 
 
 def test_wan22_720p_121_frames_no_call_above_2_31_scores():
@@ -105,7 +117,9 @@ def test_transformers_numerics_with_small_budget(rng_seed):
     ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(rng_seed))
     with torch.no_grad():
         ref = model(ids).logits
-    with mpsboost.patched(model, recipes=[RECIPE], device=MPS, options={RECIPE: {"max_scores": 2 * 2 * 5 * 24}}) as report:
+    with mpsboost.patched(
+        model, recipes=[RECIPE], device=MPS, options={RECIPE: {"max_scores": 2 * 2 * 5 * 24}}
+    ) as report:
         assert report.rows[0].status == "applied" and model.config._attn_implementation == "sdpa"
         with torch.no_grad(), RecordSdpa() as rec:
             out = model(ids).logits
@@ -139,7 +153,13 @@ def test_plans_by_environment():
     tr = tm.build("wan_transformer")
     rows = {
         (dev, ver): mpsboost.plan(tr, device=dev, torch_version=ver, recipes=[RECIPE]).rows[0]
-        for dev, ver in (("mps", "2.14.1"), ("mps", "2.15.0"), ("mps", "2.16.0.dev20261201"), ("cuda", "2.11.0"), ("cpu", "2.13.0"))
+        for dev, ver in (
+            ("mps", "2.14.1"),
+            ("mps", "2.15.0"),
+            ("mps", "2.16.0.dev20261201"),
+            ("cuda", "2.11.0"),
+            ("cpu", "2.13.0"),
+        )
     }
     from mpsboost.gate import FEATURES
 

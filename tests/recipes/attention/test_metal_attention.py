@@ -5,6 +5,7 @@ nightlies (before and after a merge date), CUDA, CPU;
 patched vs stock on tiny transformers (eager and sdpa, grouped-query attention, padding) and diffusers
 models (sliced attention); unpatch restores the very same processors and implementations.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,8 +27,16 @@ def _llama(impl: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, attn_implementation=impl)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation=impl,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -36,9 +45,16 @@ def _unet():
 
     torch.manual_seed(0)
     return UNet2DConditionModel(
-        block_out_channels=(32, 64), layers_per_block=1, sample_size=16, in_channels=4, out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=32, attention_head_dim=2, norm_num_groups=32,  # 2 heads of 32 channels
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=2,
+        norm_num_groups=32,  # 2 heads of 32 channels
     ).eval()
 
 
@@ -60,7 +76,11 @@ def test_plans_follow_the_gate():
         assert "pytorch#181575" in row.reason and "#183280" in row.reason and "'eager' kept in the config" in row.reason
         assert "only in torch 2.16 nightlies" in row.reason
     full = _row(model, "2.16.0.dev20261201")
-    assert full.status == "would apply" and full.reason.startswith("attention fully on Metal") and "'eager' kept in the config" in full.reason
+    assert (
+        full.status == "would apply"
+        and full.reason.startswith("attention fully on Metal")
+        and "'eager' kept in the config" in full.reason
+    )
     for dev in ("cuda:9.0", "cpu"):
         row = _row(model, "2.16.0", device=dev)
         assert row.status == "skipped" and "not available on" in row.reason
@@ -174,7 +194,9 @@ def test_diffusers_sliced_attention_to_sdpa(rng_seed):
 
 def test_diffusers_attention_already_on_sdpa_is_left_alone():
     # Wan's attention modules dispatch to SDPA themselves: nothing to route.
-    (row,) = mpsboost.plan(build("wan_transformer"), device="mps", torch_version="2.16.0.dev20261201", recipes=["metal_attention"]).rows
+    (row,) = mpsboost.plan(
+        build("wan_transformer"), device="mps", torch_version="2.16.0.dev20261201", recipes=["metal_attention"]
+    ).rows
     assert row.status == "not applicable"
     # Attention modules on the default SDPA processor are found and skipped with the reason.
     rows = mpsboost.plan(_unet(), device="mps", torch_version="2.16.0.dev20261201", recipes=["metal_attention"]).rows
@@ -185,7 +207,16 @@ def test_diffusers_attention_already_on_sdpa_is_left_alone():
 def test_unsupported_head_dim_keeps_stock():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, attn_implementation="eager")  # head_dim 24
-    (row,) = mpsboost.plan(LlamaForCausalLM(cfg), device="mps", torch_version="2.16.0.dev20261201", recipes=["metal_attention"]).rows
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attn_implementation="eager",
+    )  # head_dim 24
+    (row,) = mpsboost.plan(
+        LlamaForCausalLM(cfg), device="mps", torch_version="2.16.0.dev20261201", recipes=["metal_attention"]
+    ).rows
     assert row.status == "skipped" and "head_dim 24" in row.reason

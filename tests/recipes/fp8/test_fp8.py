@@ -5,6 +5,7 @@ Quality bounds used here: per layer SQNR >= 25 dB (the issue's bound; rowwise e4
 weights gives about 31 dB); whole tiny models >= 20 dB against the same model in bf16 (errors of
 several layers add up; the figures of the real-size models are in benchmarks/results/fp8-*.jsonl).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -31,6 +32,7 @@ def _applied(report):
 
 # ------------------------------------------------------------------------------------------ codecs
 
+
 def test_decode_every_code_is_bit_identical_to_float8_decoding():
     codes = torch.arange(256, dtype=torch.uint8)
     for dtype, itype in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16), (torch.float16, torch.int16)):
@@ -47,14 +49,15 @@ def test_encode_is_bit_identical_to_float8_conversion(rng_seed):
     finite = finite[~torch.isnan(finite)].unique()
     mids = (finite[1:] + finite[:-1]) / 2  # ties: round half to even
     wide = torch.randn(200_000) * torch.exp(torch.randn(200_000) * 3)
-    sub = (torch.rand(50_000) - 0.5) * 2 ** -5  # the subnormal range of e4m3fn
-    x = torch.cat([finite, mids, wide, sub, torch.tensor([0.0, -0.0, 447.9, 449.0, -1e30, 2.0 ** -126])])
+    sub = (torch.rand(50_000) - 0.5) * 2**-5  # the subnormal range of e4m3fn
+    x = torch.cat([finite, mids, wide, sub, torch.tensor([0.0, -0.0, 447.9, 449.0, -1e30, 2.0**-126])])
     mine = fp8_ops.encode_e4m3(x)
     ref = x.clamp(-448, 448).to(FP8).view(torch.uint8)
     assert torch.equal(mine, ref), (x[mine != ref][:5], mine[mine != ref][:5], ref[mine != ref][:5])
 
 
 # ------------------------------------------------------------------------------------------ quantisation
+
 
 @pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -69,7 +72,9 @@ def test_round_trip_error_is_within_half_an_e4m3_step(granularity, dtype, rng_se
     sc = s.expand(96, 1) if s.dim() == 0 else s
     # Normal range: relative error <= 2^-4 (3 mantissa bits, round to nearest); below the smallest
     # normal (2^-6 * scale) the step is 2^-9 * scale, so the error is at most half of it.
-    bound = torch.maximum(wf.abs() * 2.0 ** -4, sc * 2.0 ** -10) * (1 + 1e-3) + wf.abs() * 2.0 ** -8 * (dtype != torch.float32)
+    bound = torch.maximum(wf.abs() * 2.0**-4, sc * 2.0**-10) * (1 + 1e-3) + wf.abs() * 2.0**-8 * (
+        dtype != torch.float32
+    )
     assert ((back - wf).abs() <= bound).all()
     assert torch.equal(back[5], torch.zeros(200)) and s.flatten()[5 if granularity == "rowwise" else 0] > 0
     # The largest magnitude of each row (rowwise) or of the tensor maps to +-448 exactly.
@@ -109,7 +114,9 @@ def test_dequantize_rounds_the_fp32_product_once(dtype, granularity, storage, rn
     assert torch.equal(fp8_ops.dequantize(every_q, tenth, dtype).view(torch.int16), want.view(torch.int16))
 
 
-@pytest.mark.parametrize("shape", [(256, 384), (3, 128, 256), (200, 300), (2, 130, 256), (3, 300, 260), (520, 130), (100, 50)])
+@pytest.mark.parametrize(
+    "shape", [(256, 384), (3, 128, 256), (200, 300), (2, 130, 256), (3, 300, 260), (520, 130), (100, 50)]
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("storage", ["float8", "uint8"])
 def test_block_dequantize_is_the_fp32_product_rounded_once(shape, dtype, storage, monkeypatch, rng_seed):
@@ -121,7 +128,7 @@ def test_block_dequantize_is_the_fp32_product_rounded_once(shape, dtype, storage
     codes = (torch.randn(shape) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
     sshape = tuple(shape[:-2]) + (-(-shape[-2] // 128), -(-shape[-1] // 128))
     scale = torch.rand(sshape) * 1e-2 + 1e-4
-    expanded = scale.repeat_interleave(128, -2)[..., :shape[-2], :].repeat_interleave(128, -1)[..., :shape[-1]]
+    expanded = scale.repeat_interleave(128, -2)[..., : shape[-2], :].repeat_interleave(128, -1)[..., : shape[-1]]
     want = (codes.float() * expanded).to(dtype)
     q = codes.view(torch.uint8) if storage == "uint8" else codes
     bits = torch.int32 if dtype == torch.float32 else torch.int16
@@ -208,7 +215,10 @@ def test_uint8_storage_holds_the_same_bits_and_decodes_identically(rng_seed):
         assert qu.dtype == torch.uint8 and torch.equal(qu, qf.view(torch.uint8)) and torch.equal(su, sf)
         for dt in (torch.bfloat16, torch.float16, torch.float32):
             a, b = fp8_ops.dequantize(qu, su, dt), fp8_ops.dequantize(qf, sf, dt)
-            assert torch.equal(a.view(torch.int16 if dt != torch.float32 else torch.int32), b.view(a.view(torch.int16 if dt != torch.float32 else torch.int32).dtype))
+            assert torch.equal(
+                a.view(torch.int16 if dt != torch.float32 else torch.int32),
+                b.view(a.view(torch.int16 if dt != torch.float32 else torch.int32).dtype),
+            )
 
 
 @pytest.mark.parametrize("k_dim", [1, 2])
@@ -217,7 +227,9 @@ def test_expert_stacks_get_one_scale_per_expert_and_output_row(k_dim, rng_seed):
     w[2] = 0
     q, s = fp8_ops.quantize(w, "rowwise", "float8", k_dim=k_dim)
     assert s.shape == ((4, 24, 1) if k_dim == 2 else (4, 1, 40))
-    assert torch.equal(q.float().abs().amax(dim=k_dim)[[0, 1, 3]], torch.full_like(q.float().abs().amax(dim=k_dim)[[0, 1, 3]], 448.0))
+    assert torch.equal(
+        q.float().abs().amax(dim=k_dim)[[0, 1, 3]], torch.full_like(q.float().abs().amax(dim=k_dim)[[0, 1, 3]], 448.0)
+    )
     assert fp8_ops.sqnr_db(fp8_ops.dequantize(q, s, torch.float32), w) >= 28.0
     qt, st = fp8_ops.quantize(w, "tensorwise", "float8", k_dim=k_dim)
     assert st.shape == (4, 1, 1) and st[2].item() == 1.0
@@ -230,7 +242,9 @@ def test_quantisation_in_slices_equals_one_pass(rng_seed):
         sliced = fp8_ops.quantize(w, "rowwise", "uint8")
         tensor_sliced = fp8_ops.quantize(w, "tensorwise", "float8")
     assert torch.equal(full[0], sliced[0]) and torch.equal(full[1], sliced[1])
-    assert torch.equal(tensor_sliced[0].view(torch.uint8), fp8_ops.quantize(w, "tensorwise", "float8")[0].view(torch.uint8))
+    assert torch.equal(
+        tensor_sliced[0].view(torch.uint8), fp8_ops.quantize(w, "tensorwise", "float8")[0].view(torch.uint8)
+    )
 
 
 def test_layer_quality_meets_the_issue_bound_on_random_normal_weights(rng_seed):
@@ -258,12 +272,17 @@ def test_mps_scaled_mm_path_runs_small_m_through_scaled_mm_and_large_m_dequantis
         assert fp8_ops.sqnr_db(y, F.linear(x.double(), w.double(), b.double())) >= 25.0
     env = Env.simulate("mps", "2.15.0")
     real_check = fp8_ops.check
-    with mock.patch.object(fp8_ops, "check", side_effect=lambda f, e: real_check(f, e) if f != "fp8_gemv" else mpsboost.Verdict(True, "test")):
+    with mock.patch.object(
+        fp8_ops,
+        "check",
+        side_effect=lambda f, e: real_check(f, e) if f != "fp8_gemv" else mpsboost.Verdict(True, "test"),
+    ):
         lp = fp8_ops.choose_linear_path(env, n=64, k=128, dtype=torch.bfloat16)
     assert lp.kind == "mps_scaled_mm" and lp.backing.startswith("scaled_mm for M<=4") and lp.gemv_max_m == 4
 
 
 # ------------------------------------------------------------------------------------------ whole models
+
 
 def _pair(name: str, dtype: str = "bfloat16"):
     return tm.build(name, dtype=dtype, seed=0), tm.build(name, dtype=dtype, seed=0)
@@ -310,7 +329,12 @@ def _experts(model):
 def test_fp8_experts_dequantise_only_the_hit_experts(moe_path, pairs, rng_seed):
     ref_model, model = _pair("qwen3_moe")
     ref_exp = _experts(ref_model)
-    mpsboost.patch(model, recipes=[NAME], fp8="rowwise", options={NAME: {"moe_path": moe_path, "moe_gather_max_pairs": 0 if moe_path == "hit" else 64}})
+    mpsboost.patch(
+        model,
+        recipes=[NAME],
+        fp8="rowwise",
+        options={NAME: {"moe_path": moe_path, "moe_gather_max_pairs": 0 if moe_path == "hit" else 64}},
+    )
     exp = _experts(model)
     e, hdim = exp.num_experts, exp.hidden_dim
     tokens = pairs // 2
@@ -349,18 +373,35 @@ def test_decode_step_of_patched_moe_model_matches_bf16(rng_seed):
 
 # ------------------------------------------------------------------------------------------ skip rules and options
 
+
 def test_lm_head_is_kept_unless_asked_and_tied_weights_never_convert():
     model = tm.build("qwen3", dtype="bfloat16")
     rows = {r.target: r for r in mpsboost.plan(model, fp8="rowwise").rows_for(NAME)}
     assert rows["lm_head"].status == "skipped" and "include_lm_head" in rows["lm_head"].reason
-    rows = {r.target: r for r in mpsboost.plan(model, fp8="rowwise", options={NAME: {"include_lm_head": True}}).rows_for(NAME)}
+    rows = {
+        r.target: r
+        for r in mpsboost.plan(model, fp8="rowwise", options={NAME: {"include_lm_head": True}}).rows_for(NAME)
+    }
     assert rows["lm_head"].status == "would apply"
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tied = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True))
-    row = next(r for r in mpsboost.plan(tied, fp8="rowwise", options={NAME: {"include_lm_head": True}}).rows_for(NAME)
-               if r.target == "lm_head")
+    tied = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            tie_word_embeddings=True,
+        )
+    )
+    row = next(
+        r
+        for r in mpsboost.plan(tied, fp8="rowwise", options={NAME: {"include_lm_head": True}}).rows_for(NAME)
+        if r.target == "lm_head"
+    )
     assert row.status == "skipped" and "tied" in row.reason
 
 
@@ -380,7 +421,9 @@ def test_models_high_precision_lists_and_vae_are_respected():
 
 
 def test_router_and_subclassed_linears_are_left_alone():
-    mha = torch.nn.MultiheadAttention(16, 2)  # out_proj is a Linear subclass read directly by F.multi_head_attention_forward
+    mha = torch.nn.MultiheadAttention(
+        16, 2
+    )  # out_proj is a Linear subclass read directly by F.multi_head_attention_forward
     assert not _applied(mpsboost.plan(mha, fp8="rowwise"))
 
     class Block(torch.nn.Module):
@@ -402,7 +445,13 @@ def test_include_exclude_and_experts_options():
     assert not _applied(no_attn)
     reasons = {r.reason for r in no_attn.rows_for(NAME)}
     assert any("excluded by pattern" in x for x in reasons) and any("experts=False" in x for x in reasons)
-    for bad in ({"include": 3}, {"experts": "yes"}, {"gemv_max_m": -1}, {"moe_path": "fast"}, {"granularity": "rowwise"}):
+    for bad in (
+        {"include": 3},
+        {"experts": "yes"},
+        {"gemv_max_m": -1},
+        {"moe_path": "fast"},
+        {"granularity": "rowwise"},
+    ):
         with pytest.raises(PatchError) as info:
             mpsboost.plan(model, fp8="rowwise", options={NAME: bad})
         assert list(bad)[0] in str(info.value)
@@ -410,12 +459,17 @@ def test_include_exclude_and_experts_options():
 
 # ------------------------------------------------------------------------------------------ plans
 
+
 def test_plan_on_simulated_builds_names_storage_and_path():
     model = tm.build("qwen3_moe", dtype="bfloat16")
     cases = {
         ("mps", "2.14.1"): ("uint8", "uint8 storage, integer decode then linear", "hit experts"),
         ("mps", "2.15.0"): ("float8", "dequantize then linear", "hit experts"),
-        ("cuda:9.0", "2.11.0"): ("float8", "fp8 GEMV (triton) for M<=16; dequantize then linear (exact: activations stay bf16) above", "scaled_grouped_mm"),
+        ("cuda:9.0", "2.11.0"): (
+            "float8",
+            "fp8 GEMV (triton) for M<=16; dequantize then linear (exact: activations stay bf16) above",
+            "scaled_grouped_mm",
+        ),
         ("cuda:8.0", "2.11.0"): ("float8", "dequantize then linear", "hit experts"),
     }
     for (dev, ver), (storage, linear_backing, experts_word) in cases.items():
@@ -436,17 +490,33 @@ def test_backing_and_thresholds_say_what_runs_in_that_env():
     model = tm.build("qwen3", dtype="float32")
     rows = _applied(mpsboost.plan(model, fp8="rowwise", device="cuda:9.0", torch_version="2.11.0"))
     lin = [r for r in rows if r.details["kind"] == "linear"]
-    assert lin and all(r.backing == "fp8 GEMV (triton, float32 activations; tf32 in its 16-row tile kernel) for M<=16; "
-                                    "dequantize then linear above" for r in lin), lin[0].backing
+    assert lin and all(
+        r.backing == "fp8 GEMV (triton, float32 activations; tf32 in its 16-row tile kernel) for M<=16; "
+        "dequantize then linear above"
+        for r in lin
+    ), lin[0].backing
     assert all("thresholds from fp8_gemv, measured on NVIDIA H200 (sm_90)" in r.reason for r in lin), lin[0].reason
     assert all("compiled: the same path" in r.reason for r in lin)
     rows89 = _applied(mpsboost.plan(model, fp8="rowwise", device="cuda:8.9", torch_version="2.11.0"))
-    assert all("default thresholds (fp8_gemv was measured on NVIDIA H200 (sm_90)" in r.reason and "this is sm_89" in r.reason
-               for r in rows89 if r.details["kind"] == "linear"), rows89[0].reason
-    forced = _applied(mpsboost.plan(model, fp8="rowwise", device="cuda:9.0", torch_version="2.11.0",
-                                    options={NAME: {"gemv_max_m": 4, "moe_gather_max_pairs": 2}}))
-    assert all(r.backing.startswith("fp8 GEMV (triton, float32 activations; tf32 in its 16-row tile kernel) for M<=4;") for r in forced
-               if r.details["kind"] == "linear")
+    assert all(
+        "default thresholds (fp8_gemv was measured on NVIDIA H200 (sm_90)" in r.reason and "this is sm_89" in r.reason
+        for r in rows89
+        if r.details["kind"] == "linear"
+    ), rows89[0].reason
+    forced = _applied(
+        mpsboost.plan(
+            model,
+            fp8="rowwise",
+            device="cuda:9.0",
+            torch_version="2.11.0",
+            options={NAME: {"gemv_max_m": 4, "moe_gather_max_pairs": 2}},
+        )
+    )
+    assert all(
+        r.backing.startswith("fp8 GEMV (triton, float32 activations; tf32 in its 16-row tile kernel) for M<=4;")
+        for r in forced
+        if r.details["kind"] == "linear"
+    )
 
 
 _OPCHECK = ("test_faketensor", "test_aot_dispatch_static")
@@ -466,7 +536,9 @@ def test_registered_operators_match_their_references_and_fakes(rng_seed):
             # The same function of the stored weights as the dequantise-then-linear path of large batches.
             assert torch.equal(y, F.linear(x, fp8_ops.dequantize(q, s, torch.bfloat16), b))
             ref = F.linear(x.float(), fp8_ops.dequantize(q, s, torch.float32), b.float())
-            assert float((y.float() - ref).norm() / ref.norm()) < 1e-2  # vs fp32 weights: bf16 rounding of weights and output
+            assert (
+                float((y.float() - ref).norm() / ref.norm()) < 1e-2
+            )  # vs fp32 weights: bf16 rounding of weights and output
             # Fake kernel and dispatch only: opcheck's schema test multiplies inputs, not defined for fp8 on CPU.
             torch.library.opcheck(torch.ops.mpsboost.fp8_gemv.default, (x, q, s, b), test_utils=_OPCHECK)
             torch.library.opcheck(torch.ops.mpsboost.fp8_gemv.default, (x, q, s, None), test_utils=_OPCHECK)
@@ -499,8 +571,12 @@ def test_scaled_mm_bias_is_a_patch_time_probe(rng_seed):
     q, s = fp8_ops.quantize(w, "rowwise", "float8")
     x = torch.randn(1, 20, 128, dtype=torch.bfloat16)  # 20 rows: the scaled_mm path of "fused"
     with mock.patch.object(torch, "_scaled_mm", wraps=torch._scaled_mm) as spy:
-        fused = fp8_ops.fp8_linear(x, q, s, b, kind="fused", compute_dtype=torch.bfloat16, bias_in_mm=True, large="scaled_mm")
-        after = fp8_ops.fp8_linear(x, q, s, b, kind="fused", compute_dtype=torch.bfloat16, bias_in_mm=False, large="scaled_mm")
+        fused = fp8_ops.fp8_linear(
+            x, q, s, b, kind="fused", compute_dtype=torch.bfloat16, bias_in_mm=True, large="scaled_mm"
+        )
+        after = fp8_ops.fp8_linear(
+            x, q, s, b, kind="fused", compute_dtype=torch.bfloat16, bias_in_mm=False, large="scaled_mm"
+        )
     assert spy.call_count == 2
     assert "bias" in spy.call_args_list[0].kwargs and "bias" not in spy.call_args_list[1].kwargs
     torch.testing.assert_close(fused, after, rtol=2e-2, atol=2e-2)  # bias added before vs after one bf16 rounding
@@ -535,8 +611,11 @@ def test_large_batches_are_exact_by_default_and_fp8_activations_are_opt_in(rng_s
     model = tm.build("qwen3", dtype="bfloat16")
     env = dict(device="cuda:9.0", torch_version="2.11.0")
     default = [r for r in _applied(mpsboost.plan(model, fp8="rowwise", **env)) if r.details["kind"] == "linear"]
-    opted = [r for r in _applied(mpsboost.plan(model, fp8="rowwise", options={NAME: {"activations": "fp8"}}, **env))
-             if r.details["kind"] == "linear"]
+    opted = [
+        r
+        for r in _applied(mpsboost.plan(model, fp8="rowwise", options={NAME: {"activations": "fp8"}}, **env))
+        if r.details["kind"] == "linear"
+    ]
     assert default and all(r.details["large"] == "dequant" and "exact" in r.backing for r in default)
     assert opted and all(r.details["large"] == "scaled_mm" and "scaled_mm rowwise" in r.backing for r in opted)
     with pytest.raises(PatchError) as info:
@@ -558,15 +637,18 @@ def test_importing_the_ops_and_recipes_does_not_import_triton():
     import subprocess
     import sys
 
-    code = ("import sys, mpsboost.ops.fp8, mpsboost.ops.fp8_moe, mpsboost.ops.gemv_triton, mpsboost.ops.linear, "
-            "mpsboost.recipes.fp8.recipe, mpsboost.recipes.decode_linear; "
-            "assert 'triton' not in sys.modules, 'triton imported'; import torch; "
-            "assert hasattr(torch.ops.mpsboost, 'fp8_gemv') and hasattr(torch.ops.mpsboost, 'gemv')")
+    code = (
+        "import sys, mpsboost.ops.fp8, mpsboost.ops.fp8_moe, mpsboost.ops.gemv_triton, mpsboost.ops.linear, "
+        "mpsboost.recipes.fp8.recipe, mpsboost.recipes.decode_linear; "
+        "assert 'triton' not in sys.modules, 'triton imported'; import torch; "
+        "assert hasattr(torch.ops.mpsboost, 'fp8_gemv') and hasattr(torch.ops.mpsboost, 'gemv')"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------------ transaction, memory, errors
+
 
 def test_failed_validation_rolls_back_and_leaves_the_very_same_weights():
     model = tm.build("qwen3", dtype="bfloat16")
@@ -588,8 +670,13 @@ def test_conversion_frees_each_original_before_the_next_layer():
     for m in model.modules():
         for n in ("weight", "gate_up_proj", "down_proj"):
             t = m._parameters.get(n)
-            if t is not None and (type(m) is torch.nn.Linear or n != "weight") and m is not model.lm_head and t.dim() >= 2 \
-                    and not isinstance(m, torch.nn.Embedding):
+            if (
+                t is not None
+                and (type(m) is torch.nn.Linear or n != "weight")
+                and m is not model.lm_head
+                and t.dim() >= 2
+                and not isinstance(m, torch.nn.Embedding)
+            ):
                 refs.append(weakref.ref(t))
     del t
     alive_at_call = []
@@ -640,7 +727,7 @@ def test_second_patch_is_a_no_op():
 
 # ------------------------------------------------------------------------------------------ Triton kernels on CPU
 
-_INTERP = r'''
+_INTERP = r"""
 import numpy as np, torch, sys
 import triton.runtime.interpreter as ti
 _orig = ti._patch_lang_tensor
@@ -676,7 +763,7 @@ assert torch.equal(s, s2), "scales"
 # the codes torch and the kernel agree on are the clear majority.
 same = (q.view(torch.uint8) == q2.view(torch.uint8)).float().mean().item()
 print("WORST", worst, "SAME", same)
-'''
+"""
 
 
 def test_triton_kernels_under_the_interpreter(tmp_path, rng_seed):
@@ -688,7 +775,9 @@ def test_triton_kernels_under_the_interpreter(tmp_path, rng_seed):
     script = tmp_path / "interp.py"
     script.write_text(_INTERP)
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, str(script), str(rng_seed)], env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(script), str(rng_seed)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     line = next(l for l in res.stdout.splitlines() if l.startswith("WORST"))
     worst, same = float(line.split()[1]), float(line.split()[3])
@@ -697,6 +786,7 @@ def test_triton_kernels_under_the_interpreter(tmp_path, rng_seed):
 
 
 # ------------------------------------------------------------------------------------------ a second fp8 request
+
 
 @pytest.mark.parametrize(("first", "second"), [("rowwise", "tensorwise"), ("tensorwise", "rowwise")])
 def test_second_fp8_request_with_another_granularity_is_refused(first, second):

@@ -15,6 +15,7 @@ The reference is the stock model holding weights dequantised by hand (a loop ove
 products) and the file's other tensors; outputs are compared with a stated tolerance. Environments:
 simulated MPS 2.14.1 (uint8 storage), MPS 2.15.0 (float8 storage), and the real CPU.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,6 +46,7 @@ RTOL = 1e-4
 
 # ------------------------------------------------------------------------------------------ by-hand quantisation
 
+
 def _codes(w: torch.Tensor, scale_per_elem: torch.Tensor) -> torch.Tensor:
     return (w.float() / scale_per_elem).clamp(-448, 448).to(FP8)
 
@@ -57,9 +59,9 @@ def quant_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, 
     per = torch.empty(n, k)
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
-            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].float()
+            blk = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk].float()
             s[i, j] = max(blk.abs().max().item(), 1e-12) / 448.0
-            per[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = s[i, j]
+            per[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] = s[i, j]
     return _codes(w, per), s
 
 
@@ -68,7 +70,7 @@ def dequant_block(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> t
     w = q.float().clone()
     for i in range(s.shape[0]):
         for j in range(s.shape[1]):
-            w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] *= s[i, j]
+            w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk] *= s[i, j]
     return w
 
 
@@ -98,11 +100,14 @@ def _is_router(name: str) -> bool:
 
 # ------------------------------------------------------------------------------------------ writers
 
+
 def write_transformers_fp8(model, folder: Path, block=(16, 48), experts="per_expert"):
     """transformers' fine-grained FP8; returns the reference state dict (dequantised by hand)."""
     tensors, ref = {}, {}
     sd = model.state_dict()
-    linears = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n != "lm_head" and not _is_router(n)}
+    linears = {
+        n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n != "lm_head" and not _is_router(n)
+    }
     for key, t in sd.items():
         mod = key.rsplit(".", 1)[0]
         if key.endswith(".weight") and mod in linears:
@@ -136,8 +141,12 @@ def write_transformers_fp8(model, folder: Path, block=(16, 48), experts="per_exp
             tensors[key] = t.clone()
             ref[key] = t.clone()
     cfg = model.config.to_dict()
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(block),
-                                  "modules_to_not_convert": ["lm_head"]}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": ["lm_head"],
+    }
     if "lm_head.weight" in tensors and getattr(model.config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight")
     _save(tensors, folder / "model.safetensors", cfg)
@@ -147,7 +156,9 @@ def write_transformers_fp8(model, folder: Path, block=(16, 48), experts="per_exp
 def write_compressed_tensors(model, folder: Path, strategy="channel"):
     """compressed-tensors float-quantized, per-channel ([N, 1], bf16 scales) or per-tensor ([1], fp32)."""
     tensors, ref = {}, {}
-    linears = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n != "lm_head" and not _is_router(n)}
+    linears = {
+        n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n != "lm_head" and not _is_router(n)
+    }
     for key, t in model.state_dict().items():
         mod = key.rsplit(".", 1)[0]
         if key.endswith(".weight") and mod in linears:
@@ -164,7 +175,11 @@ def write_compressed_tensors(model, folder: Path, strategy="channel"):
             stacks = []
             for e in range(t.shape[0]):
                 inter = t.shape[1] // 2
-                pieces = {"gate_proj": t[e, :inter], "up_proj": t[e, inter:]} if key.endswith("gate_up_proj") else {"down_proj": t[e]}
+                pieces = (
+                    {"gate_proj": t[e, :inter], "up_proj": t[e, inter:]}
+                    if key.endswith("gate_up_proj")
+                    else {"down_proj": t[e]}
+                )
                 deq = []
                 for name, w in pieces.items():
                     q, s = quant_tensor(w)  # one scale per expert projection: joined into exact per-row scales
@@ -177,10 +192,16 @@ def write_compressed_tensors(model, folder: Path, strategy="channel"):
             ref[key] = t.clone()
     cfg = model.config.to_dict()
     cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
         "ignore": ["lm_head"],
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
-                                                                          "symmetric": True, "dynamic": False}}},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False},
+            }
+        },
     }
     _save(tensors, folder / "model.safetensors", cfg)
     return ref
@@ -201,7 +222,11 @@ def write_scaled_fp8(model, path: Path, prefix="model.diffusion_model.", origina
     for key, t in model.state_dict().items():
         mod = key.rsplit(".", 1)[0]
         name = prefix + (_wan_original_name(key) if original_names else key)
-        if key.endswith(".weight") and mod in linears and (key.startswith("blocks.") or key.startswith("transformer_blocks.")):
+        if (
+            key.endswith(".weight")
+            and mod in linears
+            and (key.startswith("blocks.") or key.startswith("transformer_blocks."))
+        ):
             q, s = quant_tensor(t)
             base = name[: -len("weight")]
             tensors[name], tensors[base + "scale_weight"] = q, s.reshape(())
@@ -216,11 +241,20 @@ def write_scaled_fp8(model, path: Path, prefix="model.diffusion_model.", origina
 
 # ------------------------------------------------------------------------------------------ models
 
+
 def _qwen3_moe_config():
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(**tm._LM_COMMON, head_dim=32, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
-                          num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
+    return Qwen3MoeConfig(
+        **tm._LM_COMMON,
+        head_dim=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+    )
 
 
 def _qwen3_config():
@@ -269,6 +303,7 @@ def _all_fp8_rows_loaded(report, count: int) -> list:
 
 
 # ------------------------------------------------------------------------------------------ each format
+
 
 @pytest.mark.parametrize("env", list(ENVS))
 @pytest.mark.parametrize("experts", ["per_expert", "stacked"])
@@ -341,7 +376,8 @@ def test_compressed_tensors(tmp_path, env, strategy):
     rows = _all_fp8_rows_loaded(report, 10)
     if env == "cuda-sm90-simulated":
         assert {r.backing for r in rows if r.details["kind"] == "linear"} == {
-            "fp8 GEMV (triton, float32 activations; tf32 in its 16-row tile kernel) for M<=16; dequantize then linear above"}
+            "fp8 GEMV (triton, float32 activations; tf32 in its 16-row tile kernel) for M<=16; dequantize then linear above"
+        }
     lin = {r.details["granularity"] for r in rows if r.details["kind"] == "linear"}
     assert lin == {"rowwise" if strategy == "channel" else "tensorwise"}
     # Per-expert per-tensor scales of gate and up: joined as exact per-row scales of the gate_up stack;
@@ -418,6 +454,7 @@ def test_published_checkpoints_on_cuda(tmp_path, fmt):
 
 # ------------------------------------------------------------------------------------------ mpsboost's own complete checkpoints
 
+
 @pytest.mark.parametrize("env", list(ENVS))
 def test_complete_checkpoint_sharded_round_trip(tmp_path, env):
     src = tm.build("qwen3_moe", dtype="bfloat16", seed=0)
@@ -445,7 +482,9 @@ def test_complete_checkpoint_of_a_pipeline(tmp_path):
     pipe = tm.build("wan22_ti2v_pipeline", dtype="bfloat16")
     mpsboost.patch(pipe, fp8="tensorwise")
     out = mpsboost.save_fp8(pipe, tmp_path / "pipe")
-    assert (out / "transformer" / "config.json").is_file() and (out / "text_encoder" / "model.fp8.safetensors").is_file()
+    assert (out / "transformer" / "config.json").is_file() and (
+        out / "text_encoder" / "model.fp8.safetensors"
+    ).is_file()
     fresh = tm.build("wan22_ti2v_pipeline", dtype="bfloat16")
     metas = {}
     for name in ("transformer", "text_encoder", "vae"):
@@ -460,10 +499,16 @@ def test_complete_checkpoint_of_a_pipeline(tmp_path):
     for name in ("transformer", "text_encoder"):
         a, b = getattr(pipe, name).state_dict(), getattr(fresh, name).state_dict()
         assert a.keys() == b.keys()
-        assert all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) if a[k].dtype in (FP8, torch.uint8)
-                   else torch.equal(a[k], b[k]) for k in a)
+        assert all(
+            torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
+            if a[k].dtype in (FP8, torch.uint8)
+            else torch.equal(a[k], b[k])
+            for k in a
+        )
     # The rotary tables differ: the source was cast to bf16 whole, a fresh build keeps them in float32.
-    assert _rel(tm.run("wan22_ti2v_pipeline", fresh, 4, steps=1), tm.run("wan22_ti2v_pipeline", pipe, 4, steps=1)) < 2e-2
+    assert (
+        _rel(tm.run("wan22_ti2v_pipeline", fresh, 4, steps=1), tm.run("wan22_ti2v_pipeline", pipe, 4, steps=1)) < 2e-2
+    )
 
 
 def test_save_of_a_loaded_published_checkpoint_round_trips(tmp_path):
@@ -483,7 +528,12 @@ def test_describe_checkpoint_names_format_storage_and_path(tmp_path):
 
     write_transformers_fp8(_lm(_qwen3_moe_config), tmp_path / "tf", block=(16, 48))
     old = describe_checkpoint(tmp_path / "tf", Env.simulate("mps", "2.14.1"))
-    assert "format transformers-fp8" in old and "block 16x48" in old and "storage: uint8" in old and "pytorch#194074" in old
+    assert (
+        "format transformers-fp8" in old
+        and "block 16x48" in old
+        and "storage: uint8" in old
+        and "pytorch#194074" in old
+    )
     assert "stacked into [E, out, in]" in old
     new = describe_checkpoint(tmp_path / "tf", Env.simulate("mps", "2.15.0"))
     assert "storage: float8" in new and "uint8" not in new
@@ -493,6 +543,7 @@ def test_describe_checkpoint_names_format_storage_and_path(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ bad files
+
 
 @pytest.fixture
 def fp8_folder(tmp_path):
@@ -536,7 +587,7 @@ def test_bad_files_are_refused_by_format_and_change_nothing(fp8_folder, tmp_path
     f = load_file(str(fp8_folder / "model.safetensors"))
     key = "model.layers.0.self_attn.q_proj.weight"
     model = _meta_lm(_qwen3_config)
-    load = lambda p: (lambda: mpsboost.load_fp8(model, p, device="cpu"))  # noqa: E731
+    load = lambda p: lambda: mpsboost.load_fp8(model, p, device="cpu")  # noqa: E731
     # A scale missing: the format and the key are named.
     bad = _rewrite(fp8_folder, tmp_path / "noscale", drop=[key + "_scale_inv"])
     _unchanged_after(model, load(bad), Fp8MismatchError, "transformers-fp8", key + "_scale_inv", "missing")
@@ -599,15 +650,27 @@ def test_scaled_fp8_without_scales_and_compressed_tensors_wrong_scales(tmp_path)
 
     with torch.device("meta"):
         model = WanTransformer3DModel.from_config(src.config)
-    _unchanged_after(model, lambda: mpsboost.load_fp8(model, tmp_path / "w2.safetensors", device="cpu"),
-                     Fp8MismatchError, "scaled_fp8", victim, "missing")
+    _unchanged_after(
+        model,
+        lambda: mpsboost.load_fp8(model, tmp_path / "w2.safetensors", device="cpu"),
+        Fp8MismatchError,
+        "scaled_fp8",
+        victim,
+        "missing",
+    )
     lm = _lm(_qwen3_config)
     write_compressed_tensors(lm, tmp_path / "ct", strategy="channel")
     key = "model.layers.0.mlp.up_proj.weight_scale"
     _rewrite(tmp_path / "ct", tmp_path / "ct2", replace={key: torch.ones(7, 1)})
     meta = _meta_lm(_qwen3_config)
-    _unchanged_after(meta, lambda: mpsboost.load_fp8(meta, tmp_path / "ct2", device="cpu"), Fp8MismatchError,
-                     "compressed-tensors", key, "[7, 1]")
+    _unchanged_after(
+        meta,
+        lambda: mpsboost.load_fp8(meta, tmp_path / "ct2", device="cpu"),
+        Fp8MismatchError,
+        "compressed-tensors",
+        key,
+        "[7, 1]",
+    )
 
 
 @pytest.mark.parametrize("fmt", ["mpsboost", "compressed-tensors"])
@@ -640,7 +703,13 @@ def test_a_failure_while_reading_puts_every_tensor_back(fp8_folder, tmp_path, mo
         return real(entry, out)
 
     monkeypatch.setattr(fp8_formats, "read_tensor", flaky)
-    _unchanged_after(model, lambda: mpsboost.load_fp8(model, fp8_folder, device="cpu"), Fp8FileError, "disk went away", "nothing was changed")
+    _unchanged_after(
+        model,
+        lambda: mpsboost.load_fp8(model, fp8_folder, device="cpu"),
+        Fp8FileError,
+        "disk went away",
+        "nothing was changed",
+    )
     assert calls["n"] == stop
 
 
@@ -662,8 +731,13 @@ def test_a_failure_while_binding_gives_back_every_class(tmp_path, monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(fp8_recipe, "bind_forward", flaky)
-    _unchanged_after(model, lambda: mpsboost.load_fp8(model, tmp_path / "ct", device="cpu"), Fp8FileError, "bind failed",
-                     "nothing was changed")
+    _unchanged_after(
+        model,
+        lambda: mpsboost.load_fp8(model, tmp_path / "ct", device="cpu"),
+        Fp8FileError,
+        "bind failed",
+        "nothing was changed",
+    )
     assert calls["n"] == 3
 
 
@@ -694,8 +768,17 @@ _MEM_SCRIPT = textwrap.dedent(
     """
 )
 
-_MEM_CFG = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
-                head_dim=64, intermediate_size=3072, tie_word_embeddings=False, max_position_embeddings=256)
+_MEM_CFG = dict(
+    vocab_size=32000,
+    hidden_size=1024,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=64,
+    intermediate_size=3072,
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
+)
 
 
 def _write_random_fp8(folder: Path, cfg: dict, block=(128, 128)) -> tuple[int, int]:
@@ -720,8 +803,12 @@ def _write_random_fp8(folder: Path, cfg: dict, block=(128, 128)) -> tuple[int, i
         else:
             tensors[key] = (torch.randn(tuple(p.shape), generator=g) * 0.02).to(torch.bfloat16)
             largest = max(largest, p.numel() * 2)
-    conf = dict(cfg, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
-                quantization_config={"quant_method": "fp8", "weight_block_size": list(block), "activation_scheme": "dynamic"})
+    conf = dict(
+        cfg,
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        quantization_config={"quant_method": "fp8", "weight_block_size": list(block), "activation_scheme": "dynamic"},
+    )
     path = _save(tensors, folder / "model.safetensors", conf)
     return path.stat().st_size, largest
 
@@ -730,27 +817,58 @@ def _write_random_fp8(folder: Path, cfg: dict, block=(128, 128)) -> tuple[int, i
 def test_peak_memory_while_loading_stays_under_file_plus_largest_layer(tmp_path):
     size, largest = _write_random_fp8(tmp_path / "big", _MEM_CFG)
     assert size > 200 * 2**20  # a model of a few hundred MB
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(mpsboost.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", _MEM_SCRIPT, str(tmp_path / "big"), json.dumps(_MEM_CFG)],
-                         capture_output=True, text=True, env=env, timeout=600)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(mpsboost.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _MEM_SCRIPT, str(tmp_path / "big"), json.dumps(_MEM_CFG)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     m = json.loads(out.stdout.strip().splitlines()[-1])
     peak = m["peak"] - m["base"]
     margin = 48 * 2**20  # Python objects, allocator slack, the rotary tables of a donor build
-    print(f"file {size / 2**20:.1f} MiB, largest tensor {largest / 2**20:.1f} MiB, peak over baseline {peak / 2**20:.1f} MiB, "
-          f"held after load {(m['after'] - m['base']) / 2**20:.1f} MiB")
+    print(
+        f"file {size / 2**20:.1f} MiB, largest tensor {largest / 2**20:.1f} MiB, peak over baseline {peak / 2**20:.1f} MiB, "
+        f"held after load {(m['after'] - m['base']) / 2**20:.1f} MiB"
+    )
     assert peak <= size + largest + margin, (peak, size, largest)
 
 
 # ------------------------------------------------------------------------------------------ the cookbook script
 
+
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "scaled_fp8"])
 def test_cookbook_script_writes_and_loads_each_format(tmp_path, fmt):
     root = Path(__file__).resolve().parents[3]
     env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
-    proc = subprocess.run([sys.executable, str(root / "examples" / "fp8_checkpoint.py"), "--random-weights", "tiny", "--write-format", fmt,
-                           "--device", "cpu", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "examples" / "fp8_checkpoint.py"),
+            "--random-weights",
+            "tiny",
+            "--write-format",
+            fmt,
+            "--device",
+            "cpu",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=root,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     from mpsboost.bench import read_jsonl
 

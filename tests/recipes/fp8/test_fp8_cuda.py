@@ -7,6 +7,7 @@ dequantisation of large batches is held to codes x scale in fp32, rounded once, 
 models, which include weight quantisation, are held to the issue's quality bound: SQNR >= 25 dB
 against the bf16 layer.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -86,8 +87,13 @@ def test_single_row_kernel_every_config(cfg, granularity, rng_seed):
     same = F.linear(x, fp8_ops.dequantize(q, s, torch.bfloat16), b)
     assert _rel(y, same) < 2e-3  # summation order only
     with pytest.raises(ValueError, match="one activation row"):
-        fp8_triton.fp8_gemv(torch.randn(2, k, device="cuda", dtype=torch.bfloat16), q, s, b,
-                            config=fp8_triton.GemvConfig(bn, bk, sk, 4, 1, "row"))
+        fp8_triton.fp8_gemv(
+            torch.randn(2, k, device="cuda", dtype=torch.bfloat16),
+            q,
+            s,
+            b,
+            config=fp8_triton.GemvConfig(bn, bk, sk, 4, 1, "row"),
+        )
 
 
 @needs_fp8
@@ -184,15 +190,28 @@ def test_decode_step_is_sync_free_and_graph_capturable(rng_seed):
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.cuda.synchronize()
-    torch.testing.assert_close(captured, fp8_ops.fp8_linear(x, q, s, None, kind="fused", compute_dtype=torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(
+        captured, fp8_ops.fp8_linear(x, q, s, None, kind="fused", compute_dtype=torch.bfloat16), rtol=0, atol=0
+    )
 
 
 def _tiny_qwen3_moe_cuda():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, intermediate_size=256, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
-                         max_position_embeddings=128, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(
+        vocab_size=256,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_experts=16,
+        num_experts_per_tok=4,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return Qwen3MoeForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
 
@@ -206,7 +225,9 @@ def test_patched_moe_model_on_cuda_within_the_quality_bound(moe_path, rng_seed):
     ids = torch.randint(0, 256, (2, 24), device="cuda")
     with torch.no_grad():
         ref = ref_model(ids).logits.float()
-        report = mpsboost.patch(model, recipes=["fp8_weights"], fp8="rowwise", options={"fp8_weights": {"moe_path": moe_path}})
+        report = mpsboost.patch(
+            model, recipes=["fp8_weights"], fp8="rowwise", options={"fp8_weights": {"moe_path": moe_path}}
+        )
         out = model(ids).logits.float()
         one = model(ids[:, :1]).logits.float()  # 4 routed pairs: the gather path in auto mode
     rows = [r for r in report.rows_for("fp8_weights") if r.status == "applied"]

@@ -1,5 +1,6 @@
 """mpsboost.save_fp8 / load_fp8: safetensors round trips, and every bad file refused by name with the
 model left exactly as it was."""
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,10 @@ def test_round_trip_into_a_fresh_model_is_exact(saved, rng_seed):
     seed = rng_seed % 1000
     # Same codes and scales; the loaded layers apply the scales in float32 and round once (the file's exact
     # dequantisation), the converted ones in bf16: the outputs agree to bf16 rounding.
-    a_out, b_out = tm.run("qwen3_moe", fresh, seed, dtype="bfloat16"), tm.run("qwen3_moe", model, seed, dtype="bfloat16")
+    a_out, b_out = (
+        tm.run("qwen3_moe", fresh, seed, dtype="bfloat16"),
+        tm.run("qwen3_moe", model, seed, dtype="bfloat16"),
+    )
     assert ((a_out - b_out).norm() / b_out.norm()).item() < 2e-2
     # The file is plain safetensors: any reader sees float8 codes, float32 scales and the metadata.
     from safetensors import safe_open
@@ -56,7 +60,12 @@ def test_round_trip_into_a_fresh_model_is_exact(saved, rng_seed):
         keys = list(f.keys())
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == FP8
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").dtype == torch.float32
-    assert meta["format"] == "mpsboost.fp8" and meta["format_version"] == "2" and meta["granularity"] == "rowwise" and meta["mpsboost_version"]
+    assert (
+        meta["format"] == "mpsboost.fp8"
+        and meta["format_version"] == "2"
+        and meta["granularity"] == "rowwise"
+        and meta["mpsboost_version"]
+    )
     modules = json.loads(meta["modules"])
     assert modules["model.layers.0.mlp.experts"]["kind"] == "experts"
     assert modules["model.layers.0.self_attn.q_proj"]["compute_dtype"] == "bfloat16"
@@ -71,7 +80,9 @@ def test_load_into_a_converted_model_replaces_the_values(saved):
     mpsboost.patch(other, fp8="rowwise")
     q = other.model.layers[0].self_attn.q_proj.weight
     report = mpsboost.load_fp8(other, path)  # a report on a converted model too, not None
-    assert report.rows and not [r for r in report.rows if r.recipe == "fp8_weights" and r.status == "applied"]  # new values only
+    assert report.rows and not [
+        r for r in report.rows if r.recipe == "fp8_weights" and r.status == "applied"
+    ]  # new values only
     assert other.model.layers[0].self_attn.q_proj.weight.dtype == q.dtype
     a, b = _fp8_state(model), _fp8_state(other)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -86,8 +97,12 @@ def test_uint8_storage_saves_the_same_file_contents(tmp_path, saved):
     from safetensors.torch import load_file
 
     x, y = load_file(str(path)), load_file(str(other))
-    assert x.keys() == y.keys() and all(torch.equal(x[k].view(torch.uint8) if x[k].dtype == FP8 else x[k],
-                                                    y[k].view(torch.uint8) if y[k].dtype == FP8 else y[k]) for k in x)
+    assert x.keys() == y.keys() and all(
+        torch.equal(
+            x[k].view(torch.uint8) if x[k].dtype == FP8 else x[k], y[k].view(torch.uint8) if y[k].dtype == FP8 else y[k]
+        )
+        for k in x
+    )
     # And a converted uint8-storage model takes a file's values into its uint8 buffers.
     target = tm.build("qwen3_moe", dtype="bfloat16", seed=5)
     mpsboost.patch(target, fp8="rowwise", device=Env.simulate("mps", "2.14.1"))
@@ -111,7 +126,10 @@ def test_pipeline_round_trip_keeps_component_paths(tmp_path):
     assert (path / "vae" / "config.json").is_file()
     fresh = tm.build("wan22_ti2v_pipeline")
     mpsboost.load_fp8(fresh, path)
-    assert torch.equal(fresh.transformer.blocks[0].ffn.net[2].weight.view(torch.uint8), pipe.transformer.blocks[0].ffn.net[2].weight.view(torch.uint8))
+    assert torch.equal(
+        fresh.transformer.blocks[0].ffn.net[2].weight.view(torch.uint8),
+        pipe.transformer.blocks[0].ffn.net[2].weight.view(torch.uint8),
+    )
 
 
 def test_saving_an_unconverted_model_says_what_to_do(tmp_path):
@@ -121,6 +139,7 @@ def test_saving_an_unconverted_model_says_what_to_do(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ bad files
+
 
 def _rewrite(path, out, *, drop=None, replace=None, meta=None):
     """A copy of the safetensors file at ``path`` with tensors dropped/replaced or metadata changed."""
@@ -148,17 +167,59 @@ def _bad_files(path, tmp):
 
     with safe_open(str(path), framework="pt") as f:
         q, e = f.get_tensor(Q), f.get_tensor(E)
-    yield "wrong shape", Fp8MismatchError, _rewrite(path, tmp / "shape.safetensors", replace={Q: q[:, :-8].contiguous()}), "shape"
-    yield "wrong dtype", Fp8MismatchError, _rewrite(path, tmp / "dtype.safetensors", replace={Q: q.to(torch.bfloat16)}), "dtype BF16"
-    yield "missing tensor", Fp8MismatchError, _rewrite(path, tmp / "missing.safetensors", drop=[E + "_scale"]), "missing"
-    yield "extra tensor", Fp8MismatchError, _rewrite(path, tmp / "extra.safetensors", replace={"foo.weight": q}), "foo.weight"
-    yield "wrong experts shape", Fp8MismatchError, _rewrite(path, tmp / "experts.safetensors", replace={E: e[:, :-2].contiguous()}), E
-    yield "other version", Fp8FileError, _rewrite(path, tmp / "plain.safetensors", meta={"format_version": "7"}), "version '7'"
+    yield (
+        "wrong shape",
+        Fp8MismatchError,
+        _rewrite(path, tmp / "shape.safetensors", replace={Q: q[:, :-8].contiguous()}),
+        "shape",
+    )
+    yield (
+        "wrong dtype",
+        Fp8MismatchError,
+        _rewrite(path, tmp / "dtype.safetensors", replace={Q: q.to(torch.bfloat16)}),
+        "dtype BF16",
+    )
+    yield (
+        "missing tensor",
+        Fp8MismatchError,
+        _rewrite(path, tmp / "missing.safetensors", drop=[E + "_scale"]),
+        "missing",
+    )
+    yield (
+        "extra tensor",
+        Fp8MismatchError,
+        _rewrite(path, tmp / "extra.safetensors", replace={"foo.weight": q}),
+        "foo.weight",
+    )
+    yield (
+        "wrong experts shape",
+        Fp8MismatchError,
+        _rewrite(path, tmp / "experts.safetensors", replace={E: e[:, :-2].contiguous()}),
+        E,
+    )
+    yield (
+        "other version",
+        Fp8FileError,
+        _rewrite(path, tmp / "plain.safetensors", meta={"format_version": "7"}),
+        "version '7'",
+    )
     # Version 1 (written by unreleased development builds only) is one more version this mpsboost does not read.
     yield "version 1", Fp8FileError, _rewrite(path, tmp / "v1.safetensors", meta={"format_version": "1"}), "reads '2'"
     mods = tmp / "mods.safetensors"
-    yield "unknown module", Fp8MismatchError, _rewrite(path, mods, meta={"modules": json.dumps({"model.nope": {
-        "kind": "linear", "tensors": ["weight"], "granularity": "rowwise"}})}), "model.nope"
+    yield (
+        "unknown module",
+        Fp8MismatchError,
+        _rewrite(
+            path,
+            mods,
+            meta={
+                "modules": json.dumps(
+                    {"model.nope": {"kind": "linear", "tensors": ["weight"], "granularity": "rowwise"}}
+                )
+            },
+        ),
+        "model.nope",
+    )
     pickle = tmp / "model.bin"
     torch.save({Q: q}, pickle)
     yield "pickle file", Fp8FileError, pickle, "not a readable safetensors file"
@@ -206,6 +267,7 @@ def test_missing_file_and_bad_path_type():
 
 # ------------------------------------------------------------------------------------------ plain loaders refuse a saved folder
 
+
 def _plain_load_refused(load, folder) -> str:
     with pytest.raises((OSError, ValueError)) as err:
         load(folder)
@@ -225,8 +287,11 @@ def test_plain_transformers_from_pretrained_of_a_saved_folder_refuses(tmp_path, 
     folder = mpsboost.save_fp8(model, tmp_path / "ck", max_shard_size="60KB" if granularity == "tensorwise" else "5GB")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for load in (AutoModelForCausalLM.from_pretrained, Qwen3MoeForCausalLM.from_pretrained,
-                     lambda f: AutoModelForCausalLM.from_pretrained(f, dtype=torch.bfloat16)):
+        for load in (
+            AutoModelForCausalLM.from_pretrained,
+            Qwen3MoeForCausalLM.from_pretrained,
+            lambda f: AutoModelForCausalLM.from_pretrained(f, dtype=torch.bfloat16),
+        ):
             assert "mpsboost.load_fp8" in _plain_load_refused(load, folder)
     # mpsboost reads the folder all the same, into a model built without weights: the saved model's output.
     with torch.device("meta"):
@@ -250,7 +315,9 @@ def test_plain_diffusers_from_pretrained_of_a_saved_folder_refuses(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert "mpsboost.load_fp8" in _plain_load_refused(cls.from_pretrained, folder)
-        assert "mpsboost.load_fp8" in _plain_load_refused(lambda f: cls.from_pretrained(f, torch_dtype=torch.bfloat16), folder)
+        assert "mpsboost.load_fp8" in _plain_load_refused(
+            lambda f: cls.from_pretrained(f, torch_dtype=torch.bfloat16), folder
+        )
         from diffusers import AutoModel
 
         assert "mpsboost.load_fp8" in _plain_load_refused(AutoModel.from_pretrained, folder)

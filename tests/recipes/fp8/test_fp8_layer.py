@@ -2,6 +2,7 @@
 (``FP8Linear``, ``FP8<Experts>``) whose repr shows the storage, granularity, scale shapes and backing
 path; it stays an instance of its original class, computes as the conversion dictates, and unpatch
 still explains that the conversion cannot be undone."""
+
 from __future__ import annotations
 
 import copy
@@ -37,9 +38,16 @@ def test_converted_linear_prints_as_an_fp8_layer(granularity, rng_seed):
     text = repr(q)
     row = rows["model.layers.0.self_attn.q_proj"]
     scale = "[]" if granularity == "tensorwise" else f"[{q.out_features}, 1]"
-    for part in (f"in_features={q.in_features}", f"out_features={q.out_features}", f"bias={q.bias is not None}",
-                 "fp8=float8_e4m3fn", f"granularity={granularity}", f"weight_scale={scale}", "compute_dtype=bfloat16",
-                 f"backing={row.backing}"):
+    for part in (
+        f"in_features={q.in_features}",
+        f"out_features={q.out_features}",
+        f"bias={q.bias is not None}",
+        "fp8=float8_e4m3fn",
+        f"granularity={granularity}",
+        f"weight_scale={scale}",
+        "compute_dtype=bfloat16",
+        f"backing={row.backing}",
+    ):
         assert part in text, (part, text)
     assert text.startswith("FP8Linear(")
     # Layers left alone keep their class (lm_head: kept in the compute dtype by default).
@@ -56,7 +64,10 @@ def test_converted_linear_prints_as_an_fp8_layer(granularity, rng_seed):
     assert f"FP8{type(experts).__mro__[1].__name__}(" in printed
     # The swap changes nothing in the computation: outputs within fp8's quality bound of stock.
     seed = rng_seed % 1000
-    out, ref = tm.run("qwen3_moe", model, seed, dtype="bfloat16"), tm.run("qwen3_moe", ref_model, seed, dtype="bfloat16")
+    out, ref = (
+        tm.run("qwen3_moe", model, seed, dtype="bfloat16"),
+        tm.run("qwen3_moe", ref_model, seed, dtype="bfloat16"),
+    )
     assert fp8_ops.sqnr_db(out, ref) >= 20.0
     # A copy keeps the class; unpatch still refuses (the conversion cannot be undone) and changes nothing.
     assert type(copy.deepcopy(model).model.layers[0].self_attn.q_proj) is FP8Linear

@@ -8,6 +8,7 @@ so the loaded model must give the patched model's outputs bit for bit on fresh r
 Environments: the real CPU, simulated MPS 2.14.1 (uint8 storage), MPS 2.15.0 and CUDA sm_90 (the fused
 path; its registered operators run their CPU references on these CPU tensors).
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,8 +42,16 @@ ENVS = {
 def _moe_config():
     from transformers import Qwen3MoeConfig
 
-    return Qwen3MoeConfig(**tm._LM_COMMON, head_dim=32, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
-                          num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True)
+    return Qwen3MoeConfig(
+        **tm._LM_COMMON,
+        head_dim=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        norm_topk_prob=True,
+    )
 
 
 def _lm(seed: int = 0):
@@ -96,10 +105,16 @@ def _write_compressed_tensors_from(patched, folder: Path) -> None:
                 tensors[f"{mod_name}.{e}.{name}.weight_scale"] = scale[e, rows].clone()
     cfg = patched.config.to_dict()
     cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
         "ignore": ["lm_head"],
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}}},
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False},
+            }
+        },
     }
     folder.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
@@ -208,6 +223,7 @@ def test_load_with_lossless_recipes_is_one_record(tmp_path):
 
 # ------------------------------------------------------------------------------------------ api.adopt itself
 
+
 def test_adopt_commits_rolls_back_and_records_through_patch_transaction():
     from mpsboost.registry import Decision
 
@@ -221,8 +237,13 @@ def test_adopt_commits_rolls_back_and_records_through_patch_transaction():
 
     steps = [
         api.Adopted("fp8_weights", "0", lambda: replace_tensors(lin, {"weight": new}, explanation="reload")),
-        api.Adopted("fp8_weights", "0", lambda: set_instance_attr(lin, "fp8_weights", "marker", 1), module=lin,
-                    decision=Decision.apply("a test change", "adopted")),
+        api.Adopted(
+            "fp8_weights",
+            "0",
+            lambda: set_instance_attr(lin, "fp8_weights", "marker", 1),
+            module=lin,
+            decision=Decision.apply("a test change", "adopted"),
+        ),
         api.Adopted("fp8_weights", "0", boom),
     ]
     before = tm.snapshot(model)
@@ -257,8 +278,9 @@ def test_replace_tensors_keeps_places_and_forgets_originals_at_commit():
     weight, bias = lin.weight, lin.bias
     order = list(lin.state_dict())
     codes = torch.zeros(3, 4, dtype=torch.uint8)
-    p = replace_tensors(lin, {"weight": codes, "bias": torch.nn.Parameter(torch.ones(3), requires_grad=False)},
-                        explanation="reload")
+    p = replace_tensors(
+        lin, {"weight": codes, "bias": torch.nn.Parameter(torch.ones(3), requires_grad=False)}, explanation="reload"
+    )
     assert "weight" in lin._buffers and "weight" not in lin._parameters and lin.weight is codes
     assert list(lin._parameters) == ["bias"] and torch.equal(lin.bias, torch.ones(3))
     p()  # before commit: the very same tensors, in their order

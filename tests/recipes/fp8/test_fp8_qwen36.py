@@ -25,6 +25,7 @@ included) and loaded into both classes built on the meta device: ``Qwen3_5MoeFor
 reference is the stock class holding the file's exact dequantisation (code x scale in float32, rounded
 once to bf16) and the file's other tensors as they are: logits are compared for equality.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,11 +48,27 @@ ENVS = {
 }
 # Widths chosen so that blocks are both whole (128) and ragged (the shared expert's 192 rows, the
 # in_proj_z / attention widths of 320 columns would be too big: 192 = 128 + 64 is the ragged case).
-TEXT = dict(vocab_size=250, hidden_size=256, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
-            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-            linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128,
-            shared_expert_intermediate_size=192, full_attention_interval=4, max_position_embeddings=256,
-            tie_word_embeddings=False, rms_norm_eps=1e-6)
+TEXT = dict(
+    vocab_size=250,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=128,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=192,
+    full_attention_interval=4,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+)
 PREFIX = "model.language_model."
 # The published modules_to_not_convert, per layer (besides lm_head and the embeddings).
 _BF16_LINEARS = ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
@@ -87,14 +104,33 @@ def _not_converted(n_layers: int) -> list[str]:
     out = ["lm_head", PREFIX + "embed_tokens", PREFIX + "norm"]
     for i in range(n_layers):
         p = f"{PREFIX}layers.{i}."
-        out += [p + "input_layernorm", p + "post_attention_layernorm", p + "mlp.gate", p + "mlp.shared_expert_gate",
-                p + "linear_attn.A_log", p + "linear_attn.conv1d", p + "linear_attn.dt_bias", p + "linear_attn.in_proj_a",
-                p + "linear_attn.in_proj_b", p + "linear_attn.norm", p + "self_attn.q_norm", p + "self_attn.k_norm"]
+        out += [
+            p + "input_layernorm",
+            p + "post_attention_layernorm",
+            p + "mlp.gate",
+            p + "mlp.shared_expert_gate",
+            p + "linear_attn.A_log",
+            p + "linear_attn.conv1d",
+            p + "linear_attn.dt_bias",
+            p + "linear_attn.in_proj_a",
+            p + "linear_attn.in_proj_b",
+            p + "linear_attn.norm",
+            p + "self_attn.q_norm",
+            p + "self_attn.k_norm",
+        ]
     return out + ["model.visual", "mtp"]
 
 
-VISION = {"depth": 1, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "out_hidden_size": 256, "patch_size": 4,
-          "spatial_merge_size": 2, "temporal_patch_size": 2}
+VISION = {
+    "depth": 1,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "out_hidden_size": 256,
+    "patch_size": 4,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
 
 
 def _wrapper_config():
@@ -113,8 +149,11 @@ def write_qwen36_fp8(folder: Path, seed: int = 0) -> dict:
     src = Qwen3_5MoeForConditionalGeneration(_wrapper_config())
     tensors: dict[str, torch.Tensor] = {}
     ref: dict[str, torch.Tensor] = {}
-    fp8_linears = {n for n, m in src.named_modules() if type(m) is torch.nn.Linear and n.startswith(PREFIX)
-                   and not n.endswith(_BF16_LINEARS)}
+    fp8_linears = {
+        n
+        for n, m in src.named_modules()
+        if type(m) is torch.nn.Linear and n.startswith(PREFIX) and not n.endswith(_BF16_LINEARS)
+    }
     for key, t in src.state_dict().items():
         mod = key.rsplit(".", 1)[0]
         if key.endswith(".weight") and mod in fp8_linears:
@@ -126,8 +165,11 @@ def write_qwen36_fp8(folder: Path, seed: int = 0) -> dict:
             deq = torch.empty(t.shape)
             for e in range(t.shape[0]):
                 inter = t.shape[1] // 2
-                pieces = ({"gate_proj": (0, inter), "up_proj": (inter, 2 * inter)} if key.endswith("gate_up_proj")
-                          else {"down_proj": (0, t.shape[1])})
+                pieces = (
+                    {"gate_proj": (0, inter), "up_proj": (inter, 2 * inter)}
+                    if key.endswith("gate_up_proj")
+                    else {"down_proj": (0, t.shape[1])}
+                )
                 for name, (r0, r1) in pieces.items():
                     q, s = quant_block(t[e, r0:r1])
                     tensors[f"{base}.{e}.{name}.weight"], tensors[f"{base}.{e}.{name}.weight_scale_inv"] = q, s
@@ -146,15 +188,24 @@ def write_qwen36_fp8(folder: Path, seed: int = 0) -> dict:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     config = _wrapper_config().to_dict()
     config["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
-    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(BLOCK),
-                                     "modules_to_not_convert": _not_converted(TEXT["num_hidden_layers"])}
+    config["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(BLOCK),
+        "modules_to_not_convert": _not_converted(TEXT["num_hidden_layers"]),
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return ref
 
 
 def _text_state(ref: dict) -> dict:
     """The wrapper-keyed reference under Qwen3_5MoeForCausalLM's keys (transformers' PrefixChange)."""
-    return {("model." + k[len(PREFIX):] if k.startswith(PREFIX) else k): v for k, v in ref.items() if k.startswith((PREFIX, "lm_head."))}
+    return {
+        ("model." + k[len(PREFIX) :] if k.startswith(PREFIX) else k): v
+        for k, v in ref.items()
+        if k.startswith((PREFIX, "lm_head."))
+    }
 
 
 def _meta_model():
@@ -219,7 +270,9 @@ def test_qwen36_fp8_layout_loads_into_a_meta_model_exactly(qwen36_folder, env, c
     assert {r.details["format"] for r in rows.values()} == {"transformers-fp8"}
     want_storage = "uint8" if env == "mps-2.14.1" else "float8"
     assert {r.details["storage"] for r in rows.values()} == {want_storage}
-    assert rows["model.layers.0.mlp.experts"].backing.startswith("block-scaled fp8 128x128: dequantise only the hit experts")
+    assert rows["model.layers.0.mlp.experts"].backing.startswith(
+        "block-scaled fp8 128x128: dequantise only the hit experts"
+    )
     # Module classes: the fp8 layers print as what they are, the bf16 ones stay stock.
     la = model.model.layers[0].linear_attn
     assert type(la.in_proj_qkv).__name__ == "FP8Linear" and type(la.out_proj).__name__ == "FP8Linear"
@@ -239,7 +292,9 @@ def test_qwen36_fp8_layout_loads_into_a_meta_model_exactly(qwen36_folder, env, c
     got, want_logits = _logits(model), _logits(ref)
     # The same bf16 weight values through the same ops (block dequantisation rounds code x scale once, as
     # the reference does; the routed experts run per expert in transformers' own order): equal, not close.
-    assert got.dtype == want_logits.dtype and torch.equal(got, want_logits), ((got - want_logits).norm() / want_logits.norm()).item()
+    assert got.dtype == want_logits.dtype and torch.equal(got, want_logits), (
+        (got - want_logits).norm() / want_logits.norm()
+    ).item()
 
 
 def test_qwen36_fp8_every_dense_layer_holds_the_files_codes(qwen36_folder):
@@ -249,7 +304,11 @@ def test_qwen36_fp8_every_dense_layer_holds_the_files_codes(qwen36_folder):
     from safetensors import safe_open
 
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        for key in ("layers.0.linear_attn.in_proj_qkv", "layers.3.self_attn.q_proj", "layers.1.mlp.shared_expert.down_proj"):
+        for key in (
+            "layers.0.linear_attn.in_proj_qkv",
+            "layers.3.self_attn.q_proj",
+            "layers.1.mlp.shared_expert.down_proj",
+        ):
             mod = model.model.get_submodule(key)
             assert torch.equal(mod.weight.view(torch.uint8), f.get_tensor(PREFIX + key + ".weight").view(torch.uint8))
             assert torch.equal(mod.weight_scale, f.get_tensor(PREFIX + key + ".weight_scale_inv").float())
@@ -305,10 +364,21 @@ mpsboost.load_fp8(model, sys.argv[1], device="cpu", lossless_recipes=False)
 print(json.dumps({"base": base, "peak": rss("VmHWM:"), "after": rss("VmRSS:")}))
 """
 
-_MEM_TEXT = {**TEXT, "vocab_size": 32000, "hidden_size": 1024, "num_experts": 32, "moe_intermediate_size": 512,
-             "shared_expert_intermediate_size": 512, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
-             "linear_key_head_dim": 128, "linear_value_head_dim": 128, "num_attention_heads": 8, "num_key_value_heads": 2,
-             "head_dim": 128}
+_MEM_TEXT = {
+    **TEXT,
+    "vocab_size": 32000,
+    "hidden_size": 1024,
+    "num_experts": 32,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+}
 
 
 def _write_random_qwen36(folder: Path) -> tuple[int, int]:
@@ -320,7 +390,11 @@ def _write_random_qwen36(folder: Path) -> tuple[int, int]:
     with torch.device("meta"):
         model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**_MEM_TEXT))
     g = torch.Generator().manual_seed(0)
-    fp8_linears = {n for n, m in model.named_modules() if type(m) is torch.nn.Linear and n != "lm_head" and not n.endswith(_BF16_LINEARS)}
+    fp8_linears = {
+        n
+        for n, m in model.named_modules()
+        if type(m) is torch.nn.Linear and n != "lm_head" and not n.endswith(_BF16_LINEARS)
+    }
     tensors, largest = {}, 0
 
     def codes(n, k):
@@ -329,7 +403,7 @@ def _write_random_qwen36(folder: Path) -> tuple[int, int]:
         return q, s
 
     for key, p in model.state_dict().items():
-        fkey = key if key.startswith("lm_head") else PREFIX + key[len("model."):]
+        fkey = key if key.startswith("lm_head") else PREFIX + key[len("model.") :]
         if key.rsplit(".", 1)[0] in fp8_linears:
             tensors[fkey], tensors[fkey + "_scale_inv"] = codes(*p.shape)
             largest = max(largest, p.numel())
@@ -339,17 +413,30 @@ def _write_random_qwen36(folder: Path) -> tuple[int, int]:
             subs = ("gate_proj", "up_proj") if key.endswith("gate_up_proj") else ("down_proj",)
             for i in range(e):
                 for sub in subs:
-                    tensors[f"{base}.{i}.{sub}.weight"], tensors[f"{base}.{i}.{sub}.weight_scale_inv"] = codes(n // len(subs), k)
+                    tensors[f"{base}.{i}.{sub}.weight"], tensors[f"{base}.{i}.{sub}.weight_scale_inv"] = codes(
+                        n // len(subs), k
+                    )
             largest = max(largest, p.numel())
         else:
             tensors[fkey] = (torch.randn(tuple(p.shape), generator=g) * 0.02).to(torch.bfloat16)
             largest = max(largest, 2 * p.numel())
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe", "text_config": _MEM_TEXT,
-        "quantization_config": {"quant_method": "fp8", "weight_block_size": list(BLOCK), "activation_scheme": "dynamic",
-                                "modules_to_not_convert": _not_converted(_MEM_TEXT["num_hidden_layers"])}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                "model_type": "qwen3_5_moe",
+                "text_config": _MEM_TEXT,
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "weight_block_size": list(BLOCK),
+                    "activation_scheme": "dynamic",
+                    "modules_to_not_convert": _not_converted(_MEM_TEXT["num_hidden_layers"]),
+                },
+            }
+        )
+    )
     return (folder / "model.safetensors").stat().st_size, largest
 
 
@@ -361,15 +448,25 @@ def test_qwen36_layout_loads_within_file_plus_largest_layer(tmp_path):
 
     size, largest = _write_random_qwen36(tmp_path / "big")
     assert size > 200 * 2**20
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(mpsboost.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-               PYTHONWARNINGS="ignore")
-    out = subprocess.run([sys.executable, "-c", _MEM_SCRIPT, str(tmp_path / "big"), json.dumps(_MEM_TEXT)],
-                         capture_output=True, text=True, env=env, timeout=600)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(Path(mpsboost.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+        PYTHONWARNINGS="ignore",
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _MEM_SCRIPT, str(tmp_path / "big"), json.dumps(_MEM_TEXT)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     m = json.loads(out.stdout.strip().splitlines()[-1])
     peak = m["peak"] - m["base"]
     margin = 48 * 2**20  # Python objects, allocator slack, the rotary tables of a donor build
-    print(f"file {size / 2**20:.1f} MiB, largest tensor {largest / 2**20:.1f} MiB, peak over baseline {peak / 2**20:.1f} MiB")
+    print(
+        f"file {size / 2**20:.1f} MiB, largest tensor {largest / 2**20:.1f} MiB, peak over baseline {peak / 2**20:.1f} MiB"
+    )
     assert peak <= size + largest + margin, (peak, size, largest)
 
 

@@ -1,4 +1,5 @@
 """Recipe moe_experts on tiny configs of every covered transformers class (random weights, CPU)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -13,8 +14,8 @@ from mpsboost.ops import moe as moe_ops
 from mpsboost.recipes import moe_experts as recipe_mod
 from test_moe_zoo import ALL_NAMES, build, routing, tiny_causal_lm
 
-FP32_TOL = 1e-5   # relative, patched vs transformers eager, fp32
-BF16_TOL = 2e-2   # relative, patched vs transformers eager, bf16 (different accumulation order and rounding points)
+FP32_TOL = 1e-5  # relative, patched vs transformers eager, fp32
+BF16_TOL = 2e-2  # relative, patched vs transformers eager, bf16 (different accumulation order and rounding points)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -33,11 +34,11 @@ def _patched(module, **options):
 SCENARIOS = [
     # (scenario, tokens, top_k): top_k = num_experts (8) and = 1 included
     ("random", 13, 2),
-    ("zero_tokens", 9, 2),       # experts 2..7 receive no token at all
-    ("one_expert_all", 11, 2),   # expert 3 takes every token
-    ("one_expert_all", 7, 1),    # top-1, every token to expert 3
-    ("random", 5, 8),            # top-k = number of experts
-    ("random", 1, 2),            # one decoding token
+    ("zero_tokens", 9, 2),  # experts 2..7 receive no token at all
+    ("one_expert_all", 11, 2),  # expert 3 takes every token
+    ("one_expert_all", 7, 1),  # top-1, every token to expert 3
+    ("random", 5, 8),  # top-k = number of experts
+    ("random", 1, 2),  # one decoding token
 ]
 
 
@@ -123,7 +124,11 @@ def test_jetmoe_router_keeps_sizes_on_device_and_matches(rng_seed):
     ids = torch.randint(0, 96, (2, 12))
     with torch.no_grad():
         ref = model(ids).logits
-        originals = {id(m): m.forward for m in model.modules() if type(m).__name__ in ("JetMoeTopKGating", "JetMoeParallelExperts")}
+        originals = {
+            id(m): m.forward
+            for m in model.modules()
+            if type(m).__name__ in ("JetMoeTopKGating", "JetMoeParallelExperts")
+        }
         for path in ("auto", "batched_mm", "fallback"):
             with _patched(model, path=path) as report:
                 rows = [r for r in report.rows if r.recipe == "moe_experts"]
@@ -141,7 +146,11 @@ def test_jetmoe_router_keeps_sizes_on_device_and_matches(rng_seed):
 def test_patched_forward_compiles_fullgraph(rng_seed):
     """No graph break (so no .item()/.tolist()/nonzero host sync) on each path, fp32 and bf16."""
     torch._dynamo.reset()
-    for name, dtype, n in (("qwen3_moe", torch.bfloat16, 40), ("gpt_oss", torch.float32, 40), ("qwen3_moe", torch.float32, 3)):
+    for name, dtype, n in (
+        ("qwen3_moe", torch.bfloat16, 40),
+        ("gpt_oss", torch.float32, 40),
+        ("qwen3_moe", torch.float32, 3),
+    ):
         case = build(name, dtype=dtype)
         x = torch.randn(n, case.hidden, dtype=dtype)
         idx, w = routing(n, case.num_experts, case.top_k, dtype=dtype)
@@ -202,9 +211,11 @@ def _generate_spied(model, ids):
         seen_impl.append(experts.config._experts_implementation)
         return real_fwd(*a, **k)
 
-    with mock.patch.object(GenerationMixin, "_optimize_model_for_decode", counted), \
-            mock.patch.object(recipe_mod.moe_ops, "routed_experts", spy), \
-            mock.patch.object(hf_moe.ExpertsInterface, "get_interface", get_spy):
+    with (
+        mock.patch.object(GenerationMixin, "_optimize_model_for_decode", counted),
+        mock.patch.object(recipe_mod.moe_ops, "routed_experts", spy),
+        mock.patch.object(hf_moe.ExpertsInterface, "get_interface", get_spy),
+    ):
         experts.__dict__["forward"] = record_impl
         try:
             tokens = model.generate(ids, max_new_tokens=6, do_sample=False)
@@ -227,7 +238,9 @@ def test_generate_keeps_the_chosen_path_through_the_decode_switch(rng_seed):
             patched, seen_paths, seen_impl, interface_calls, class_switch = _generate_spied(model, ids)
             assert experts.config._experts_implementation is recipe_mod.OWNED
         assert "_optimize_model_for_decode" not in model.__dict__
-        assert type(model.config._experts_implementation) is str and model.config._experts_implementation == "grouped_mm"
+        assert (
+            type(model.config._experts_implementation) is str and model.config._experts_implementation == "grouped_mm"
+        )
     assert class_switch == [], "transformers' switch ran on a model whose experts the recipe owns"
     assert seen_impl == ["grouped_mm"] * 6 and all(v is recipe_mod.OWNED for v in seen_impl)
     assert interface_calls == [], "transformers' experts interface was consulted by a patched module"
@@ -259,14 +272,19 @@ def test_generate_follows_the_decode_switch_where_no_thresholds_were_measured(rn
     assert seen_paths == ["grouped_mm", "grouped_mm"]  # prefill only
     assert torch.equal(patched, stock)
 
+
 def test_greedy_tokens_identical_fp32_over_32_steps(rng_seed):
     model = tiny_causal_lm("qwen3_moe", experts=16, top_k=4).eval()
     ids = torch.randint(0, 96, (2, 7))
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        stock = model.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+        stock = model.generate(
+            ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+        )
         with _patched(model):
-            patched = model.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+            patched = model.generate(
+                ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0
+            )
     assert patched.shape == (2, 39)
     assert torch.equal(patched, stock)
 
@@ -305,8 +323,11 @@ def test_every_use_experts_implementation_class_is_found():
     names = ("qwen3_moe", "qwen3_5_moe", "qwen3_next", "mixtral", "deepseek_v3", "gpt_oss", "olmoe", "qwen2_moe")
     for mod_name in names:
         mod = importlib.import_module(f"transformers.models.{mod_name}.modeling_{mod_name}")
-        classes = [c for c in vars(mod).values()
-                   if isinstance(c, type) and c.__name__.endswith("Experts") and c.__module__ == mod.__name__]
+        classes = [
+            c
+            for c in vars(mod).values()
+            if isinstance(c, type) and c.__name__.endswith("Experts") and c.__module__ == mod.__name__
+        ]
         assert classes, mod_name
         for cls in classes:
             inst = cls.__new__(cls)  # no __init__: only the class's forward matters for detection
@@ -329,7 +350,9 @@ def test_option_errors_name_what_is_accepted():
     case = build("qwen3_moe")
     with pytest.raises(mpsboost.PatchError, match="batched_max_tokens=-1"):
         mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"batched_max_tokens": -1}})
-    with pytest.raises(mpsboost.PatchError, match="expected 'auto' or one of grouped_mm, batched_mm, fallback, cpu_loop"):
+    with pytest.raises(
+        mpsboost.PatchError, match="expected 'auto' or one of grouped_mm, batched_mm, fallback, cpu_loop"
+    ):
         mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"path": "loop"}})
     with pytest.raises(mpsboost.PatchError, match="unknown moe_experts option"):
         mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"threshold": 3}})

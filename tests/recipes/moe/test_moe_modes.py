@@ -3,6 +3,7 @@ torch.compile(fullgraph=True) and generate() with a static cache, in simulated e
 
 Random weights and inputs (seed per test from ``rng_seed``); tolerances are relative errors of whole outputs.
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,8 +20,8 @@ from mpsboost.ops import moe as moe_ops
 from mpsboost.recipes import moe_experts as recipe_mod
 from test_moe_zoo import _init
 
-FP32_TOL = 1e-5   # patched vs transformers eager, fp32 (different summation order only)
-BF16_TOL = 2e-2   # bf16: different accumulation order and rounding points
+FP32_TOL = 1e-5  # patched vs transformers eager, fp32 (different summation order only)
+BF16_TOL = 2e-2  # bf16: different accumulation order and rounding points
 # Eager against compiled in bf16: inductor keeps fused intermediates in fp32, so the two round at
 # different points; each lands about 1e-2 from the fp32 model and, over some 60 seeds, up to 2.4e-2 from
 # the other (a token near a top-k tie can take another expert). A broken path is at ~1.
@@ -33,8 +34,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _lm(kind: str, *, dtype=torch.float32, layers: int = 2, inter: int = 16, impl: str | None = None,
-        decisive_router: bool | None = None):
+def _lm(
+    kind: str,
+    *,
+    dtype=torch.float32,
+    layers: int = 2,
+    inter: int = 16,
+    impl: str | None = None,
+    decisive_router: bool | None = None,
+):
     """A tiny causal LM of ``kind`` with random weights; ``impl``: an experts implementation set in the
     config before the model is built (as ``from_pretrained(..., experts_implementation=...)`` does).
 
@@ -44,15 +52,28 @@ def _lm(kind: str, *, dtype=torch.float32, layers: int = 2, inter: int = 16, imp
     patched-vs-stock comparisons measure."""
     import transformers as T
 
-    common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=128, num_experts_per_tok=2, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=96,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
     if kind == "mixtral":
         cfg = T.MixtralConfig(intermediate_size=inter, num_local_experts=8, head_dim=8, **common)
     elif kind == "olmoe":
         cfg = T.OlmoeConfig(intermediate_size=inter, num_experts=8, **common)
     elif kind == "qwen2_moe":
-        cfg = T.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=inter, shared_expert_intermediate_size=32,
-                               num_experts=8, **common)
+        cfg = T.Qwen2MoeConfig(
+            intermediate_size=48,
+            moe_intermediate_size=inter,
+            shared_expert_intermediate_size=32,
+            num_experts=8,
+            **common,
+        )
     elif kind == "qwen3_moe":
         cfg = T.Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=inter, num_experts=8, head_dim=8, **common)
     else:
@@ -115,11 +136,15 @@ def test_explicit_choice_after_patch_takes_effect(kind, device, rng_seed):
         assert len(recipe_calls) == 2  # both layers ran the recipe
         assert _rel(ours, eager) <= FP32_TOL
 
-        mocks = {"batched_mm": mock.Mock(wraps=batched_mm_experts_forward),
-                 "grouped_mm": mock.Mock(wraps=grouped_mm_experts_forward)}
+        mocks = {
+            "batched_mm": mock.Mock(wraps=batched_mm_experts_forward),
+            "grouped_mm": mock.Mock(wraps=grouped_mm_experts_forward),
+        }
         outs = {}
-        with mock.patch.dict("transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS._global_mapping", mocks), \
-                _spy_recipe() as recipe_calls:
+        with (
+            mock.patch.dict("transformers.integrations.moe.ALL_EXPERTS_FUNCTIONS._global_mapping", mocks),
+            _spy_recipe() as recipe_calls,
+        ):
             for impl in ("eager", "batched_mm", "grouped_mm"):
                 model.set_experts_implementation(impl)
                 assert model.config._experts_implementation == impl
@@ -167,6 +192,7 @@ def test_unpatch_gives_back_the_plain_default_and_the_decode_switch(rng_seed):
 
 
 # ----------------------------------------------------------------------------------------- 2. alignment
+
 
 def test_grouped_mm_widths_ok_covers_every_operand():
     ok = moe_ops.grouped_mm_widths_ok
@@ -290,8 +316,14 @@ def test_static_cache_generate_compiled_equals_eager(env_name, rng_seed):
     model = _lm("qwen3_moe").eval()
     ids = torch.randint(0, 96, (2, 10))
     mask = torch.ones_like(ids)
-    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
-              cache_implementation="static")
+    kw = dict(
+        attention_mask=mask,
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation="static",
+    )
     with torch.no_grad():
         stock = model.generate(ids, disable_compile=True, **kw)
         mpsboost.patch(model, recipes=["moe_experts"], device=_env(env_name))
@@ -311,6 +343,7 @@ def test_static_cache_generate_compiled_equals_eager(env_name, rng_seed):
 
 
 # ----------------------------------------------------------------------------------------- on a real GPU
+
 
 @pytest.mark.cuda
 def test_cuda_generate_keeps_the_recipe_through_transformers_decode_switch(rng_seed):
@@ -345,7 +378,7 @@ def test_cuda_generate_keeps_the_recipe_through_transformers_decode_switch(rng_s
             patched = model.generate(ids, **kw)
     assert asked == []
     assert paths[:2] == ["fallback", "fallback"]  # prefill, 96 pairs, fp32 (CUDA grouped_mm: bf16 only)
-    assert set(paths[2:]) == {"batched_mm"}       # decode, 4 pairs
+    assert set(paths[2:]) == {"batched_mm"}  # decode, 4 pairs
     assert torch.equal(patched, stock)
     mpsboost.unpatch(model)
 
@@ -370,8 +403,14 @@ def test_cuda_bf16_forward_and_static_cache_generate(rng_seed):
     mpsboost.unpatch(model)
     # Greedy tokens compared in fp32 (bf16 rounding differences could flip an argmax).
     model = _lm("qwen3_moe").eval().cuda()
-    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-              pad_token_id=0, cache_implementation="static")
+    kw = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=8,
+        min_new_tokens=8,
+        do_sample=False,
+        pad_token_id=0,
+        cache_implementation="static",
+    )
     with torch.no_grad():
         stock = model.generate(ids, disable_compile=True, **kw)
         mpsboost.patch(model, recipes=["moe_experts"])

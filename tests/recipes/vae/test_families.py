@@ -1,5 +1,6 @@
 """The VAE family table: every row names classes that exist, each recipe selects its rows, the rows
 refuse what they cannot mean, and the decisions carry typed plans whose details are the report's."""
+
 from __future__ import annotations
 
 import dataclasses

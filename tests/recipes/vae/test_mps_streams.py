@@ -3,6 +3,7 @@
 On the CPU torch has no streams; the same code path runs in order there (SideStream on "cpu"), so
 its output is checked against stock bit for bit. The real side stream is checked on CUDA (marker).
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -27,18 +28,41 @@ ON_CUDA = {RECIPE: {"on_cuda": True}}
 
 
 def wan22() -> AutoencoderKLWan:
-    vae = AutoencoderKLWan(base_dim=3, decoder_base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                           temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
-                           patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
-                           latents_mean=[0.0] * 16, latents_std=[1.0] * 16).eval()
-    vae.enable_tiling(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32, tile_sample_stride_width=48)
+    vae = AutoencoderKLWan(
+        base_dim=3,
+        decoder_base_dim=4,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=[0.0] * 16,
+        latents_std=[1.0] * 16,
+    ).eval()
+    vae.enable_tiling(
+        tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32, tile_sample_stride_width=48
+    )
     return vae
 
 
 def qwen() -> AutoencoderKLQwenImage:
-    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True],
-                                 latents_mean=[0.0] * 4, latents_std=[1.0] * 4).eval()
-    vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8, tile_sample_stride_width=12)
+    vae = AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    ).eval()
+    vae.enable_tiling(
+        tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8, tile_sample_stride_width=12
+    )
     return vae
 
 
@@ -129,7 +153,9 @@ def test_side_stream_helper_on_cpu_runs_in_order():
     spec = vae_patch.loop_spec(vae, family("wan"), patchify=wan.patchify, unpatchify=wan.unpatchify)
     z = torch.randn(1, 16, 2, 4, 6)
     with torch.no_grad():
-        assert torch.equal(vae_tiles.tiled_decode(vae, z, spec, side=SideStream("cpu")), vae_tiles.tiled_decode(vae, z, spec))
+        assert torch.equal(
+            vae_tiles.tiled_decode(vae, z, spec, side=SideStream("cpu")), vae_tiles.tiled_decode(vae, z, spec)
+        )
 
 
 @pytest.mark.cuda

@@ -9,6 +9,7 @@ Tolerances: fp32 relative error ||patched - stock|| / ||stock|| <= 1e-5 (the fol
 bit-exact on the CPU; the channels-last path of CUDA rounds the fused RMS norm differently, ~1e-7);
 bf16 relative error <= 2e-2.
 """
+
 from __future__ import annotations
 
 import gc
@@ -30,7 +31,9 @@ from diffusers.models.autoencoders import autoencoder_kl_qwenimage21 as q21  # n
 RECIPE = "qwen_image_vae"
 NAME = "qwen_image21_vae"  # the tiny model of tests/tiny_models.py (spatial factor 8, RGBA)
 # Tiles of 2 latent pixels (16 px) with strides of 1 and 2 latent pixels: a 16x24 image gives a 2x2 grid or more.
-TILES = dict(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8, tile_sample_stride_width=16)
+TILES = dict(
+    tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8, tile_sample_stride_width=16
+)
 ENVS = {
     "mps 2.14.1": Env.simulate("mps", "2.14.1"),
     "mps 2.15.0": Env.simulate("mps", "2.15.0"),

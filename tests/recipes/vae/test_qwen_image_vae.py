@@ -2,6 +2,7 @@
 
 Tolerances: fp32 max abs difference <= 1e-5 against stock; bf16 relative error <= 2e-2.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,13 +20,22 @@ from diffusers.models.autoencoders import autoencoder_kl_qwenimage as qwen  # no
 
 RECIPE = "qwen_image_vae"
 # Tiles of 4 latent pixels (spatial factor 4), strides of 2 and 3 latent pixels.
-TILES = dict(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8, tile_sample_stride_width=12)
+TILES = dict(
+    tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=8, tile_sample_stride_width=12
+)
 
 
 def tiny() -> AutoencoderKLQwenImage:
     # Two downsampling levels; base_dim 8 keeps the channel RMS norms well conditioned.
-    return AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
-                                  temperal_downsample=[False, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4).eval()
+    return AutoencoderKLQwenImage(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True],
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    ).eval()
 
 
 @contextlib.contextmanager
@@ -162,8 +172,14 @@ def test_qwen_image_pipeline_patch(rng_seed):
 def test_qwen_image_edit_pipeline_patch(rng_seed):
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
 
-    pipe = QwenImageEditPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=tiny(), text_encoder=None,
-                                 tokenizer=None, processor=None, transformer=None)
+    pipe = QwenImageEditPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=tiny(),
+        text_encoder=None,
+        tokenizer=None,
+        processor=None,
+        transformer=None,
+    )
     x = torch.rand(1, 3, 1, 16, 16) * 2 - 1
     z_ref, ref = roundtrip(pipe.vae, x)
     with mpsboost.patched(pipe, recipes=[RECIPE]) as report:

@@ -6,6 +6,7 @@ pad of a rank-5 tensor is counted at the aten level (``constant_pad_nd``, ``repl
 folded convolutions read the same zeros at the border, so encode and decode are bit-identical to
 stock in fp32 and bf16.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -68,7 +69,12 @@ def test_plans_by_environment():
     vae = tm.build_video_vae("hunyuan_video")
     rows = {
         label: mpsboost.plan(vae, device=dev, torch_version=ver, recipes=[RECIPE]).rows[0]
-        for label, dev, ver in (("mps214", "mps", "2.14.1"), ("mps215", "mps", "2.15.0"), ("cuda", "cuda", "2.11.0"), ("cpu", "cpu", "2.13.0"))
+        for label, dev, ver in (
+            ("mps214", "mps", "2.14.1"),
+            ("mps215", "mps", "2.15.0"),
+            ("cuda", "cuda", "2.11.0"),
+            ("cpu", "cpu", "2.13.0"),
+        )
     }
     assert rows["mps214"].status == "would apply" and rows["mps214"].backing == "pad as slice copies"
     assert "pytorch#194922" in rows["mps214"].reason
@@ -78,7 +84,9 @@ def test_plans_by_environment():
         assert "native and correct" in rows[label].reason
     cosmos = mpsboost.plan(tm.build_video_vae("cosmos"), device="mps", torch_version="2.14.1", recipes=[RECIPE]).rows[0]
     assert cosmos.backing == "conv padding fold + pad as slice copies" and cosmos.details["folded"] > 0
-    forced = mpsboost.plan(vae, device="cpu", torch_version="2.13.0", recipes=[RECIPE], options={RECIPE: {"force": True}}).rows[0]
+    forced = mpsboost.plan(
+        vae, device="cpu", torch_version="2.13.0", recipes=[RECIPE], options={RECIPE: {"force": True}}
+    ).rows[0]
     assert forced.status == "would apply"
 
 
@@ -93,7 +101,9 @@ def test_wan_and_qwen_vaes_are_left_to_their_own_recipes():
 def test_pad5d_equals_f_pad(mode, dtype, rng_seed):
     g = torch.Generator().manual_seed(rng_seed)
     for _ in range(12):
-        shape = [int(v) for v in torch.randint(1, 4, (2,), generator=g)] + [int(v) for v in torch.randint(3, 7, (3,), generator=g)]
+        shape = [int(v) for v in torch.randint(1, 4, (2,), generator=g)] + [
+            int(v) for v in torch.randint(3, 7, (3,), generator=g)
+        ]
         x = torch.randn(*shape, generator=g).to(dtype)
         # F.pad takes 2, 4 or 6 amounts for constant pads of rank-5 tensors, 6 for the other modes.
         n = int(torch.randint(1, 4, (1,), generator=g)) * 2 if mode == "constant" else 6

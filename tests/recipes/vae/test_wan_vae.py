@@ -4,6 +4,7 @@ Tolerances: fp32 max abs difference <= 1e-5 against stock (the padding fold alon
 the CPU; the single-frame 2-D convolution sums in another order); bf16: relative error <= 2e-2
 (a few bf16 roundings, 2**-8 each, through the network).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,23 +25,40 @@ from diffusers.models.autoencoders import autoencoder_kl_wan as wan  # noqa: E40
 RECIPE = "wan_vae_pad"
 # Tiles of 4 latent pixels with strides of 2 and 3: a 4x6 latent gives a 2x2 grid of tiles.
 TILES = {
-    "wan2.1": dict(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16, tile_sample_stride_width=24),
-    "wan2.2": dict(tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32, tile_sample_stride_width=48),
+    "wan2.1": dict(
+        tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=16, tile_sample_stride_width=24
+    ),
+    "wan2.2": dict(
+        tile_sample_min_height=64, tile_sample_min_width=64, tile_sample_stride_height=32, tile_sample_stride_width=48
+    ),
 }
 SIZE = {"wan2.1": (32, 48), "wan2.2": (64, 96)}  # pixels for a 4x6 latent
 
 
 def wan21() -> AutoencoderKLWan:
-    return AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                            temperal_downsample=[False, True, True]).eval()
+    return AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).eval()
 
 
 def wan22() -> AutoencoderKLWan:
     # The Wan2.2 TI2V-5B structure (residual blocks, AvgDown3D, patch size 2, spatial factor 16).
-    return AutoencoderKLWan(base_dim=3, decoder_base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                            temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
-                            out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4,
-                            latents_mean=[0.0] * 16, latents_std=[1.0] * 16).eval()
+    return AutoencoderKLWan(
+        base_dim=3,
+        decoder_base_dim=4,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=[0.0] * 16,
+        latents_std=[1.0] * 16,
+    ).eval()
 
 
 BUILDERS = {"wan2.1": wan21, "wan2.2": wan22}
@@ -298,7 +316,9 @@ def test_wan_i2v_pipeline_patch(rng_seed):
     from diffusers import FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
 
     vae = wan21()
-    pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler())
+    pipe = WanImageToVideoPipeline(
+        tokenizer=None, text_encoder=None, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler()
+    )
     with mpsboost.patched(pipe, recipes=[RECIPE]) as report:
         assert [(r.target, r.status) for r in report.rows] == [("vae", "applied")]
         x = torch.rand(1, 3, 5, 32, 32) * 2 - 1

@@ -26,6 +26,7 @@ time, so the only memory a load needs is the model itself plus the tensor being 
 
 This module imports neither diffusers nor transformers at import time.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,17 +58,43 @@ __all__ = [
 FORMATS = ("mpsboost", "transformers-fp8", "compressed-tensors", "scaled_fp8")
 
 ST_DTYPES: dict[str, torch.dtype] = {
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BF16": torch.bfloat16, "F16": torch.float16,
-    "F32": torch.float32, "F64": torch.float64, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-    "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 if hasattr(torch, "float8_e8m0fnu"):
     ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
-_ITEMSIZE = {"F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4,
-             "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_ITEMSIZE = {
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "BF16": 2,
+    "F16": 2,
+    "F32": 4,
+    "F64": 8,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 # mpsboost's own folder names first (save_fp8 writes them: plain loaders do not read them), then Hugging Face's.
-_INDEX_NAMES = ("model.fp8.safetensors.index.json", "model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
+_INDEX_NAMES = (
+    "model.fp8.safetensors.index.json",
+    "model.safetensors.index.json",
+    "diffusion_pytorch_model.safetensors.index.json",
+)
 _SINGLE_NAMES = ("model.fp8.safetensors", "model.safetensors", "diffusion_pytorch_model.safetensors")
 # The shard that save_fp8's decoy indexes name (checkpoints.DECOY_SHARD): such an index is not the weights' own.
 _DECOY_MARK = "load-it-with-mpsboost.load_fp8"
@@ -112,6 +139,7 @@ class Checkpoint:
 
 # ------------------------------------------------------------------------------------------ reading
 
+
 # The one safetensors header reader of mpsboost: this module imports no other fp8 module at import
 # time (mpsboost.checkpoints imports it, never the other way round).
 def safetensors_header(path: Path, what: str) -> tuple[int, dict]:
@@ -124,7 +152,9 @@ def safetensors_header(path: Path, what: str) -> tuple[int, dict]:
             raise Fp8FileError(f"{what}: it has {size} bytes, fewer than a safetensors header")
         (n,) = struct.unpack("<Q", head)
         if n > min(size - 8, 100 * 2**20):
-            raise Fp8FileError(f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file (truncated, or not safetensors)")
+            raise Fp8FileError(
+                f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file (truncated, or not safetensors)"
+            )
         try:
             header = json.loads(fh.read(n).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -132,7 +162,6 @@ def safetensors_header(path: Path, what: str) -> tuple[int, dict]:
     if not isinstance(header, dict):
         raise Fp8FileError(f"{what}: its header is not a JSON object")
     return n, header
-
 
 
 def _header(path: Path) -> tuple[dict[str, str], dict[str, TensorEntry]]:
@@ -155,11 +184,15 @@ def _header(path: Path) -> tuple[dict[str, str], dict[str, TensorEntry]]:
         for s in shape:
             numel *= s
         if b - a != numel * _ITEMSIZE[dt] or a < 0:
-            raise Fp8FileError(f"{what}: tensor {key!r} {dt} {list(shape)} spans {b - a} bytes, expected {numel * _ITEMSIZE[dt]}")
+            raise Fp8FileError(
+                f"{what}: tensor {key!r} {dt} {list(shape)} spans {b - a} bytes, expected {numel * _ITEMSIZE[dt]}"
+            )
         entries[key] = TensorEntry(path, dt, shape, base + a, base + b)
         end = max(end, b)
     if base + end != size:
-        raise Fp8FileError(f"{path.name}: the header describes {base + end} bytes but the file has {size} (truncated or padded)")
+        raise Fp8FileError(
+            f"{path.name}: the header describes {base + end} bytes but the file has {size} (truncated or padded)"
+        )
     return {str(k): str(v) for k, v in meta.items()}, entries
 
 
@@ -175,7 +208,9 @@ def read_tensor(entry: TensorEntry, out: Optional[torch.Tensor] = None) -> torch
             fh.seek(entry.begin)
             got = fh.readinto(buf)
         if got != entry.nbytes:
-            raise Fp8FileError(f"{entry.file.name}: short read at byte {entry.begin} ({got} of {entry.nbytes} bytes): the file changed or is truncated")
+            raise Fp8FileError(
+                f"{entry.file.name}: short read at byte {entry.begin} ({got} of {entry.nbytes} bytes): the file changed or is truncated"
+            )
     return t
 
 
@@ -187,11 +222,14 @@ def scale_to_float32(entry: TensorEntry) -> torch.Tensor:
         val = torch.ldexp(torch.ones(raw.shape), (raw - 127).float())
         return torch.where(raw == 255, torch.full_like(val, float("nan")), val)
     if entry.dtype not in ("F32", "BF16", "F16", "F64"):
-        raise Fp8FileError(f"{entry.file.name}: a scale tensor has dtype {entry.dtype}; scales are F32, BF16, F16 or F8_E8M0")
+        raise Fp8FileError(
+            f"{entry.file.name}: a scale tensor has dtype {entry.dtype}; scales are F32, BF16, F16 or F8_E8M0"
+        )
     return read_tensor(entry).float()
 
 
 # ------------------------------------------------------------------------------------------ opening
+
 
 def _shard_files(folder: Path) -> tuple[list[Path], Optional[dict[str, str]]]:
     for name in _INDEX_NAMES:
@@ -209,7 +247,9 @@ def _shard_files(folder: Path) -> tuple[list[Path], Optional[dict[str, str]]]:
                 continue  # save_fp8's guard against plain from_pretrained, not an index of this folder's weights
             missing = [f for f in files if not (folder / f).is_file()]
             if missing:
-                raise Fp8FileError(f"{folder.name}: partial checkpoint: the index {name} lists shard(s) {missing[:3]} that are not in the folder")
+                raise Fp8FileError(
+                    f"{folder.name}: partial checkpoint: the index {name} lists shard(s) {missing[:3]} that are not in the folder"
+                )
             return [folder / f for f in files], {str(k): str(v) for k, v in weight_map.items()}
     for name in _SINGLE_NAMES:
         if (folder / name).is_file():
@@ -218,10 +258,16 @@ def _shard_files(folder: Path) -> tuple[list[Path], Optional[dict[str, str]]]:
     if len(found) == 1:
         return found, None
     if not found:
-        raise Fp8FileError(f"{folder}: no safetensors file (model.safetensors, diffusion_pytorch_model.safetensors, or a shard index)")
+        raise Fp8FileError(
+            f"{folder}: no safetensors file (model.safetensors, diffusion_pytorch_model.safetensors, or a shard index)"
+        )
     if all(re.search(r"-\d{5}-of-\d{5}\.safetensors$", f.name) for f in found):
-        raise Fp8FileError(f"{folder}: shards {[f.name for f in found[:3]]} without their index (model.safetensors.index.json): partial checkpoint")
-    raise Fp8FileError(f"{folder}: several safetensors files {[f.name for f in found[:4]]} and no index; pass the one to load")
+        raise Fp8FileError(
+            f"{folder}: shards {[f.name for f in found[:3]]} without their index (model.safetensors.index.json): partial checkpoint"
+        )
+    raise Fp8FileError(
+        f"{folder}: several safetensors files {[f.name for f in found[:4]]} and no index; pass the one to load"
+    )
 
 
 def open_checkpoint(path: Any, *, config: Optional[dict] = None) -> Checkpoint:
@@ -255,7 +301,9 @@ def open_checkpoint(path: Any, *, config: Optional[dict] = None) -> Checkpoint:
     if weight_map is not None:
         lost = [k for k, f in weight_map.items() if k not in entries or entries[k].file.name != Path(f).name]
         if lost:
-            raise Fp8FileError(f"{p.name}: partial checkpoint: {len(lost)} tensor(s) of the index are not in their shard, e.g. {lost[:3]}")
+            raise Fp8FileError(
+                f"{p.name}: partial checkpoint: {len(lost)} tensor(s) of the index are not in their shard, e.g. {lost[:3]}"
+            )
     if config is None and "config" in metadata:
         try:
             config = json.loads(metadata["config"])
@@ -267,6 +315,7 @@ def open_checkpoint(path: Any, *, config: Optional[dict] = None) -> Checkpoint:
 
 
 # ------------------------------------------------------------------------------------------ detecting
+
 
 def _qconfig(ckpt: Checkpoint) -> Optional[dict]:
     cfg = ckpt.config or {}
@@ -299,32 +348,53 @@ def detect(ckpt: Checkpoint) -> str:
     if method == "fp8" or (method is None and any(k.endswith("scale_inv") for k in ents)):
         block = (q or {}).get("weight_block_size", None if q is not None else "infer")
         if block not in (None, "infer"):
-            if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-                raise Fp8FileError(f"{ckpt.name}: transformers-fp8 quantization_config.weight_block_size={block!r}; expected two positive ints such as [128, 128]")
+            if not (
+                isinstance(block, (list, tuple))
+                and len(block) == 2
+                and all(isinstance(b, int) and b > 0 for b in block)
+            ):
+                raise Fp8FileError(
+                    f"{ckpt.name}: transformers-fp8 quantization_config.weight_block_size={block!r}; expected two positive ints such as [128, 128]"
+                )
             block = (int(block[0]), int(block[1]))
         if not any(k.endswith("scale_inv") for k in ents):
-            raise Fp8FileError(f"{ckpt.name}: transformers-fp8 checkpoint (quant_method 'fp8') without any '*.weight_scale_inv' tensor: partial or mislabelled")
+            raise Fp8FileError(
+                f"{ckpt.name}: transformers-fp8 checkpoint (quant_method 'fp8') without any '*.weight_scale_inv' tensor: partial or mislabelled"
+            )
         ckpt.format = "transformers-fp8"
         ckpt.info = {"block": block, "ignored_suffixes": (".activation_scale", ".input_scale", "_activation_scale")}
         return ckpt.format
-    if method == "compressed-tensors" or (method is None and "scaled_fp8" not in ents and any(k.endswith(".weight_scale") for k in ents)):
+    if method == "compressed-tensors" or (
+        method is None and "scaled_fp8" not in ents and any(k.endswith(".weight_scale") for k in ents)
+    ):
         fmt = (q or {}).get("format", "float-quantized")
         if fmt not in ("float-quantized", "naive-quantized"):
-            raise Fp8FileError(f"{ckpt.name}: compressed-tensors format {fmt!r}; mpsboost reads 'float-quantized' (8-bit float weights) only")
+            raise Fp8FileError(
+                f"{ckpt.name}: compressed-tensors format {fmt!r}; mpsboost reads 'float-quantized' (8-bit float weights) only"
+            )
         block = None
         for group in ((q or {}).get("config_groups") or {}).values():
             w = (group or {}).get("weights") or {}
             if w and (w.get("type") != "float" or int(w.get("num_bits", 8)) != 8):
-                raise Fp8FileError(f"{ckpt.name}: compressed-tensors weights {w.get('type')} {w.get('num_bits')}-bit; mpsboost reads 8-bit float weights only")
+                raise Fp8FileError(
+                    f"{ckpt.name}: compressed-tensors weights {w.get('type')} {w.get('num_bits')}-bit; mpsboost reads 8-bit float weights only"
+                )
             if w.get("strategy") == "block":
                 bs = w.get("block_structure")
                 if not (isinstance(bs, (list, tuple)) and len(bs) == 2):
-                    raise Fp8FileError(f"{ckpt.name}: compressed-tensors block strategy without a block_structure [bn, bk]")
+                    raise Fp8FileError(
+                        f"{ckpt.name}: compressed-tensors block strategy without a block_structure [bn, bk]"
+                    )
                 block = (int(bs[0]), int(bs[1]))
         if not any(k.endswith(".weight_scale") for k in ents):
-            raise Fp8FileError(f"{ckpt.name}: compressed-tensors checkpoint without any '*.weight_scale' tensor: partial or not float-quantized")
+            raise Fp8FileError(
+                f"{ckpt.name}: compressed-tensors checkpoint without any '*.weight_scale' tensor: partial or not float-quantized"
+            )
         ckpt.format = "compressed-tensors"
-        ckpt.info = {"block": block, "ignored_suffixes": (".input_scale", ".weight_zero_point", ".input_zero_point", ".output_scale")}
+        ckpt.info = {
+            "block": block,
+            "ignored_suffixes": (".input_scale", ".weight_zero_point", ".input_zero_point", ".output_scale"),
+        }
         return ckpt.format
     if "scaled_fp8" in ents:
         if not any(k.endswith(".scale_weight") for k in ents):
@@ -345,6 +415,7 @@ def detect(ckpt: Checkpoint) -> str:
 
 
 # ------------------------------------------------------------------------------------------ planning a load
+
 
 @dataclass
 class Part:
@@ -417,7 +488,9 @@ def _scale_key(fmt: str, codes: str) -> str:
     return codes + "_scale"
 
 
-def _key_mapper(ckpt: Checkpoint, root: torch.nn.Module, model_keys: list[str]) -> tuple[dict[str, tuple[str, Optional[tuple[int, int]]]], list[str]]:
+def _key_mapper(
+    ckpt: Checkpoint, root: torch.nn.Module, model_keys: list[str]
+) -> tuple[dict[str, tuple[str, Optional[tuple[int, int]]]], list[str]]:
     """{model key -> (file key, source row slice)} for the format's naming, and problems."""
     ents = ckpt.entries
     if ckpt.format == "scaled_fp8":
@@ -442,9 +515,11 @@ _KEY_MAPS = (
     lambda k: k,
     lambda k: "model." + k,
     lambda k: k.removeprefix("model."),
-    lambda k: _LM + k[len("model."):] if k.startswith("model.") and not k.startswith(_LM) else k,  # ForCausalLM <- wrapper file
+    lambda k: (
+        _LM + k[len("model.") :] if k.startswith("model.") and not k.startswith(_LM) else k
+    ),  # ForCausalLM <- wrapper file
     lambda k: _LM + k,  # the text base model <- wrapper file
-    lambda k: "model." + k[len(_LM):] if k.startswith(_LM) else k,  # wrapper <- ForCausalLM file
+    lambda k: "model." + k[len(_LM) :] if k.startswith(_LM) else k,  # wrapper <- ForCausalLM file
 )
 
 
@@ -453,8 +528,9 @@ def _ignored_keys(ckpt: Checkpoint, root: torch.nn.Module, used: set[str]) -> se
     ``_keys_to_ignore_on_load_unexpected`` patterns (Qwen3_5MoeForCausalLM: ``^mtp.*``, ``^model.visual.*``),
     and, when the file is a multimodal wrapper's (``model.language_model.*`` loaded), its other towers."""
     pats = [p for cls in type(root).__mro__ for p in (getattr(cls, "_keys_to_ignore_on_load_unexpected", None) or ())]
-    wrapper = any(k.startswith(_LM) for k in used) and not any(n.startswith("language_model.") or ".language_model." in n
-                                                              for n, _ in root.named_modules())
+    wrapper = any(k.startswith(_LM) for k in used) and not any(
+        n.startswith("language_model.") or ".language_model." in n for n, _ in root.named_modules()
+    )
     out = set()
     for k in ckpt.entries:
         if k in used:
@@ -491,7 +567,11 @@ def _diffusers_key_map(ckpt: Checkpoint, root: torch.nn.Module, model_keys: list
     """
     skip = ("scaled_fp8",)
     ignored = ckpt.info.get("ignored_suffixes", ())
-    src = {k: e for k, e in ckpt.entries.items() if k not in skip and not k.endswith(ignored) and not k.endswith(".scale_weight")}
+    src = {
+        k: e
+        for k, e in ckpt.entries.items()
+        if k not in skip and not k.endswith(ignored) and not k.endswith(".scale_weight")
+    }
     fn = None
     try:
         from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
@@ -509,7 +589,9 @@ def _diffusers_key_map(ckpt: Checkpoint, root: torch.nn.Module, model_keys: list
         try:
             converted = fn(dict(metas), config=getattr(root, "config", None))
         except Exception as exc:  # the conversion function raises on layouts it does not know
-            return {}, [f"diffusers' single-file conversion for {type(root).__name__} failed on this file: {type(exc).__name__}: {exc}"]
+            return {}, [
+                f"diffusers' single-file conversion for {type(root).__name__} failed on this file: {type(exc).__name__}: {exc}"
+            ]
     else:
         converted = dict(metas)
     out: dict[str, tuple[str, Optional[tuple[int, int]]]] = {}
@@ -519,16 +601,26 @@ def _diffusers_key_map(ckpt: Checkpoint, root: torch.nn.Module, model_keys: list
             out[key] = (by_id[id(t)], None)
             continue
         base = getattr(t, "_base", None)
-        if base is not None and id(base) in by_id and t.dim() >= 1 and tuple(t.shape[1:]) == tuple(base.shape[1:]) and t.is_contiguous():
+        if (
+            base is not None
+            and id(base) in by_id
+            and t.dim() >= 1
+            and tuple(t.shape[1:]) == tuple(base.shape[1:])
+            and t.is_contiguous()
+        ):
             row = max(1, t[0].numel()) if t.dim() > 1 else 1
             start = t.storage_offset() // row
             out[key] = (by_id[id(base)], (start, start + t.shape[0]))
             continue
-        problems.append(f"{key}: diffusers' conversion builds it from several tensors of the file; mpsboost loads renamed or row-split tensors only")
+        problems.append(
+            f"{key}: diffusers' conversion builds it from several tensors of the file; mpsboost loads renamed or row-split tensors only"
+        )
     return out, problems
 
 
-def _entry_scheme(codes_shape: tuple[int, ...], scale_shape: tuple[int, ...], block: Optional[tuple[int, int]]) -> Optional[str]:
+def _entry_scheme(
+    codes_shape: tuple[int, ...], scale_shape: tuple[int, ...], block: Optional[tuple[int, int]]
+) -> Optional[str]:
     """The scale layout of one fp8 source tensor: "block", "tensorwise" or "rowwise"; None when it fits none."""
     from ...ops.fp8_block import check_block_scale
 
@@ -609,26 +701,43 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
     # 1. fp8 weights: linear layers and experts stacks.
     for mname, mod in root.named_modules():
         path = join_path(prefix, mname)
-        if isinstance(mod, torch.nn.Linear) or (mod._parameters.get("weight") is not None and mod.weight.dim() == 2 and not _is_hf_experts(mod)):
+        if isinstance(mod, torch.nn.Linear) or (
+            mod._parameters.get("weight") is not None and mod.weight.dim() == 2 and not _is_hf_experts(mod)
+        ):
             s = src_of(f"{mname}.weight" if mname else "weight")
             if s is not None and ents[s[0]].dtype != "F8_E4M3" and _scale_key(fmt, s[0]) in ents:
-                plan.problems.append(f"{s[0]}: dtype {ents[s[0]].dtype} in the file next to its scale {_scale_key(fmt, s[0])}; "
-                                     "expected F8_E4M3 codes")
+                plan.problems.append(
+                    f"{s[0]}: dtype {ents[s[0]].dtype} in the file next to its scale {_scale_key(fmt, s[0])}; "
+                    "expected F8_E4M3 codes"
+                )
                 continue
             if s is None or ents[s[0]].dtype != "F8_E4M3":
                 continue
             if not plain_linear(mod):
-                plan.problems.append(f"{path}.weight: fp8 codes in the file, but the model's module is a {type(mod).__name__}; mpsboost loads fp8 into torch.nn.Linear layers")
+                plan.problems.append(
+                    f"{path}.weight: fp8 codes in the file, but the model's module is a {type(mod).__name__}; mpsboost loads fp8 into torch.nn.Linear layers"
+                )
                 continue
             w = mod.weight
             if len(groups[id(w)].holders) > 1:
-                plan.problems.append(f"{path}.weight: fp8 codes in the file for a weight the model ties to another module")
+                plan.problems.append(
+                    f"{path}.weight: fp8 codes in the file for a weight the model ties to another module"
+                )
                 continue
-            qt = QTensor(path, mod, "weight", "linear", tuple(w.shape), [Part(s[0], _scale_key(fmt, s[0]), None, (0, w.shape[0]), s[1])],
-                         block=_module_block(ckpt, mname))
+            qt = QTensor(
+                path,
+                mod,
+                "weight",
+                "linear",
+                tuple(w.shape),
+                [Part(s[0], _scale_key(fmt, s[0]), None, (0, w.shape[0]), s[1])],
+                block=_module_block(ckpt, mname),
+            )
             plan.quant.append(qt)
             quant_ids.add(id(w))
-            quant_ids.add(id(mod._buffers.get("weight_scale")))  # a module converted already: its scales are replaced too
+            quant_ids.add(
+                id(mod._buffers.get("weight_scale"))
+            )  # a module converted already: its scales are replaced too
         elif _is_hf_experts(mod):
             tr = bool(getattr(mod, "is_transposed", False))
             for name in _expert_weight_names(mod):
@@ -646,13 +755,19 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
                     parts = [Part(s[0], _scale_key(fmt, s[0]), None, (0, w.shape[1]), s[1])]
                 else:
                     # One 2-D Linear per expert, as the published checkpoints store them.
-                    names = {"gate_up_proj": ("gate_proj", "up_proj"), "up_proj": ("up_proj",), "down_proj": ("down_proj",)}[name]
+                    names = {
+                        "gate_up_proj": ("gate_proj", "up_proj"),
+                        "up_proj": ("up_proj",),
+                        "down_proj": ("down_proj",),
+                    }[name]
                     base = kmap.get(key, (key, None))[0][: -len(name)]
                     first = f"{base}0.{names[0]}.weight"
                     if first not in ents:
                         continue  # reported as missing below
                     if tr:
-                        plan.problems.append(f"{path}.{name}: per-expert weights in the file, but the model stores experts transposed [E, in, out]")
+                        plan.problems.append(
+                            f"{path}.{name}: per-expert weights in the file, but the model stores experts transposed [E, in, out]"
+                        )
                         continue
                     is_fp8 = ents[first].dtype == "F8_E4M3"
                     row = 0
@@ -661,7 +776,9 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
                         for e in range(e_count):
                             k2 = f"{base}{e}.{sub}.weight"
                             if k2 not in ents:
-                                plan.problems.append(f"{k2}: missing from the file (expert {e} of {e_count} for {path}.{name})")
+                                plan.problems.append(
+                                    f"{k2}: missing from the file (expert {e} of {e_count} for {path}.{name})"
+                                )
                                 continue
                             rows = ents[k2].shape[0]
                             if is_fp8:
@@ -671,7 +788,9 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
                         row += rows or 0
                     if not is_fp8:
                         if len(names) > 1:
-                            plan.problems.append(f"{path}.{name}: per-expert {names} in a plain dtype; mpsboost stacks fp8 experts only")
+                            plan.problems.append(
+                                f"{path}.{name}: per-expert {names} in a plain dtype; mpsboost stacks fp8 experts only"
+                            )
                         else:
                             g = groups[id(w)]
                             g.source, g.pieces = first, pieces
@@ -688,8 +807,10 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
         for part in qt.parts:
             used.add(part.codes)
             if fmt == "transformers-fp8" and _not_converted(ckpt, part.codes.rsplit(".", 1)[0]):
-                plan.problems.append(f"{part.codes}: fp8 codes in the file for a module its quantization_config.modules_to_not_convert "
-                                     "keeps in high precision (a broken export)")
+                plan.problems.append(
+                    f"{part.codes}: fp8 codes in the file for a module its quantization_config.modules_to_not_convert "
+                    "keeps in high precision (a broken export)"
+                )
             ce = ents[part.codes]
             if part.scale not in ents:
                 plan.problems.append(f"{part.scale}: missing from the file ({ckpt.format} scale of {part.codes})")
@@ -704,18 +825,28 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
             if qt.kind == "experts" and part.expert is None:
                 bad_shape = tuple(ce.shape) != qt.shape
             else:
-                bad_shape = len(cshape) != 2 or cshape[1] != want[-1] or (qt.kind == "linear" and cshape[0] != want[0]) or (
-                    part.expert is not None and part.rows[1] > want[0])
+                bad_shape = (
+                    len(cshape) != 2
+                    or cshape[1] != want[-1]
+                    or (qt.kind == "linear" and cshape[0] != want[0])
+                    or (part.expert is not None and part.rows[1] > want[0])
+                )
             if bad_shape:
-                plan.problems.append(f"{part.codes}: shape {list(cshape)} in the file, the model's {qt.path}.{qt.name} is {list(qt.shape)}")
+                plan.problems.append(
+                    f"{part.codes}: shape {list(cshape)} in the file, the model's {qt.path}.{qt.name} is {list(qt.shape)}"
+                )
                 continue
             sch = _entry_scheme(ce.shape, se.shape, qt.block)
             if sch is None:
-                plan.problems.append(f"{part.scale}: shape {list(se.shape)} is no {ckpt.format} scale layout for codes {list(ce.shape)}"
-                                     + (f" with blocks {list(qt.block)}" if qt.block else ""))
+                plan.problems.append(
+                    f"{part.scale}: shape {list(se.shape)} is no {ckpt.format} scale layout for codes {list(ce.shape)}"
+                    + (f" with blocks {list(qt.block)}" if qt.block else "")
+                )
                 continue
             if part.src_rows is not None and sch == "block" and part.src_rows[0] % qt.block[0]:
-                plan.problems.append(f"{part.codes}: split at row {part.src_rows[0]}, inside a scale block of {qt.block[0]} rows")
+                plan.problems.append(
+                    f"{part.codes}: split at row {part.src_rows[0]}, inside a scale block of {qt.block[0]} rows"
+                )
                 continue
             part.scheme = sch
         schemes = {p.scheme for p in qt.parts}
@@ -724,12 +855,18 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
         if qt.kind == "experts" and any(p.expert is not None for p in qt.parts):
             covered = max(p.rows[1] for p in qt.parts)
             if covered != qt.shape[1]:
-                plan.problems.append(f"{qt.path}.{qt.name}: the per-expert tensors give {covered} rows, the model has {qt.shape[1]}")
+                plan.problems.append(
+                    f"{qt.path}.{qt.name}: the per-expert tensors give {covered} rows, the model has {qt.shape[1]}"
+                )
                 continue
         per_matrix = {}
         for p in qt.parts:
             per_matrix[p.expert] = per_matrix.get(p.expert, 0) + 1
-        if schemes == {"tensorwise"} and all(v == 1 for v in per_matrix.values()) and all(p.src_rows is None for p in qt.parts):
+        if (
+            schemes == {"tensorwise"}
+            and all(v == 1 for v in per_matrix.values())
+            and all(p.src_rows is None for p in qt.parts)
+        ):
             qt.scheme = "tensorwise"
         elif "block" not in schemes:
             qt.scheme = "rowwise"  # per-tensor scales of stacked or split parts become exact per-row scales
@@ -750,10 +887,14 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
         e = ents[key]
         shape = e.shape if rows is None else (rows[1] - rows[0],) + e.shape[1:]
         if tuple(shape) != g.shape:
-            plan.problems.append(f"{key}: shape {list(shape)} in the file, the model's {join_path(prefix, g.key)} is {list(g.shape)}")
+            plan.problems.append(
+                f"{key}: shape {list(shape)} in the file, the model's {join_path(prefix, g.key)} is {list(g.shape)}"
+            )
             continue
         if e.dtype == "F8_E4M3":
-            plan.problems.append(f"{key}: fp8 codes for {join_path(prefix, g.key)}, which is not a Linear weight or experts stack")
+            plan.problems.append(
+                f"{key}: fp8 codes for {join_path(prefix, g.key)}, which is not a Linear weight or experts stack"
+            )
             continue
         model_t = getattr(g.holders[0][0], g.holders[0][1])
         if model_t.is_floating_point() != ST_DTYPES[e.dtype].is_floating_point:
@@ -764,15 +905,20 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
         plan.plain.append(g)
     if fmt == "mpsboost":
         listed = ckpt.info.get("modules", {})
-        have = {join_path("", q.path[len(prefix) + 1:] if prefix else q.path) for q in plan.quant}
+        have = {join_path("", q.path[len(prefix) + 1 :] if prefix else q.path) for q in plan.quant}
         for m in sorted(set(listed) - have):
-            plan.problems.append(f"{m}: listed among the file's fp8 modules, but this {type(root).__name__} has no fp8 codes for it there")
+            plan.problems.append(
+                f"{m}: listed among the file's fp8 modules, but this {type(root).__name__} has no fp8 codes for it there"
+            )
     ignored = tuple(ckpt.info.get("ignored_suffixes", ()))
     plan.ignored = sorted(_ignored_keys(ckpt, root, used))
     skip = set(plan.ignored)
     extra = sorted(k for k in ents if k not in used and k not in skip and k != "scaled_fp8" and not k.endswith(ignored))
     if extra:
-        plan.problems.append(f"{len(extra)} tensor(s) in the file belong to no tensor of this {type(root).__name__}: {extra[:4]}" + (" ..." if len(extra) > 4 else ""))
+        plan.problems.append(
+            f"{len(extra)} tensor(s) in the file belong to no tensor of this {type(root).__name__}: {extra[:4]}"
+            + (" ..." if len(extra) > 4 else "")
+        )
     # The compute dtype of fp8 layers: the dtype most plain floating bytes of the file have.
     counts: dict[str, int] = {}
     for g in plan.plain:
@@ -784,6 +930,7 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
 
 
 # ------------------------------------------------------------------------------------------ describing
+
 
 def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
@@ -805,7 +952,11 @@ def describe_checkpoint(path: Any, env: Any = None) -> str:
     p = Path(path)
     folders = [p]
     if p.is_dir() and not any(p.glob("*.safetensors")) and not any(p.glob("*.safetensors.index.json")):
-        folders = sorted(d for d in p.iterdir() if d.is_dir() and (any(d.glob("*.safetensors")) or any(d.glob("*.safetensors.index.json"))))
+        folders = sorted(
+            d
+            for d in p.iterdir()
+            if d.is_dir() and (any(d.glob("*.safetensors")) or any(d.glob("*.safetensors.index.json")))
+        )
         if not folders:
             raise Fp8FileError(f"{p}: no safetensors checkpoint in it or in its subfolders")
     lines = [f"fp8 checkpoint {p} for {env.describe()}:"]
@@ -836,21 +987,35 @@ def describe_checkpoint(path: Any, env: Any = None) -> str:
             elif len(e.shape) == 2:
                 shapes[e.shape] = shapes.get(e.shape, 0) + 1
         total = ckpt.nbytes
-        lines.append(f"  {head}format {ckpt.format}, {len(ckpt.files)} file(s), {_size(total)} "
-                     f"({_size(fp8_bytes)} fp8 codes); scales: "
-                     + ", ".join(f"{v} {k}" for k, v in sorted(schemes.items())))
-        lines.append(f"  {head}storage: {storage}" + ("" if st.ok else f" (the fp8 bytes kept as uint8 and decoded with integer ops: {st.reason})"))
+        lines.append(
+            f"  {head}format {ckpt.format}, {len(ckpt.files)} file(s), {_size(total)} "
+            f"({_size(fp8_bytes)} fp8 codes); scales: " + ", ".join(f"{v} {k}" for k, v in sorted(schemes.items()))
+        )
+        lines.append(
+            f"  {head}storage: {storage}"
+            + ("" if st.ok else f" (the fp8 bytes kept as uint8 and decoded with integer ops: {st.reason})")
+        )
         if any(k.startswith("block") for k in schemes):
-            lines.append(f"  {head}block-scaled layers: dequantise this layer (code x block scale in float32, rounded once) then linear; "
-                         "experts: only the hit experts, one at a time")
+            lines.append(
+                f"  {head}block-scaled layers: dequantise this layer (code x block scale in float32, rounded once) then linear; "
+                "experts: only the hit experts, one at a time"
+            )
         if shapes:
             (n, k), _ = max(shapes.items(), key=lambda kv: kv[1])
             lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=torch.bfloat16)
             if any(not s.startswith("block") for s in schemes):
                 lines.append(f"  {head}per-tensor/per-row layers: {lp.backing} ({lp.reason})")
         if experts:
-            lines.append(f"  {head}{experts} expert weight tensor(s)" + (" stored one Linear per expert: stacked into [E, out, in] while loading"
-                                                                          if any(re.search(r"\.experts\.\d+\.", k) for k in ents) else ""))
+            lines.append(
+                f"  {head}{experts} expert weight tensor(s)"
+                + (
+                    " stored one Linear per expert: stacked into [E, out, in] while loading"
+                    if any(re.search(r"\.experts\.\d+\.", k) for k in ents)
+                    else ""
+                )
+            )
         if ckpt.format == "scaled_fp8":
-            lines.append(f"  {head}names mapped onto diffusers' with diffusers' single-file conversion of the target class")
+            lines.append(
+                f"  {head}names mapped onto diffusers' with diffusers' single-file conversion of the target class"
+            )
     return "\n".join(lines)

@@ -8,6 +8,7 @@ instance and swaps its class to :func:`fp8_class`. ``save_fp8`` and ``print(mode
 Imports neither diffusers nor transformers (it reads classes by their code, not their import path), and
 no recipe, registry or checkpoint module, so that the recipe and ``mpsboost.checkpoints`` can both use it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,8 +24,20 @@ from ...ops import fp8_moe
 from ...ops.fp8_block import fp8_block_experts, fp8_block_linear
 from ...patching import original_forward, saved_state
 
-__all__ = ["RECIPE", "FP8_BASE_ATTR", "Fp8State", "LoadedLayer", "FP8Linear", "fp8_class", "fp8_state", "forward_for",
-           "is_hf_experts", "expert_weight_names", "plain_linear", "weight_names"]
+__all__ = [
+    "RECIPE",
+    "FP8_BASE_ATTR",
+    "Fp8State",
+    "LoadedLayer",
+    "FP8Linear",
+    "fp8_class",
+    "fp8_state",
+    "forward_for",
+    "is_hf_experts",
+    "expert_weight_names",
+    "plain_linear",
+    "weight_names",
+]
 
 # The recipe that owns every fp8 layer (its record on the instance, its report rows).
 RECIPE = "fp8_weights"
@@ -34,6 +47,7 @@ _CODES = (torch.float8_e4m3fn, torch.uint8)
 
 
 # ------------------------------------------------------------------------------------------ which modules
+
 
 def is_hf_experts(module: torch.nn.Module) -> bool:
     """An instance of a class decorated by transformers' ``use_experts_implementation``.
@@ -70,6 +84,7 @@ def plain_linear(module: torch.nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------------------ the state
+
 
 @dataclass(eq=False, slots=True)
 class Fp8State:
@@ -124,6 +139,7 @@ def fp8_state(module: torch.nn.Module) -> Optional[Fp8State]:
 
 # ------------------------------------------------------------------------------------------ the forwards
 
+
 def _cast_error(module: torch.nn.Module, name: str, t: torch.Tensor) -> Exception:
     return Fp8StateError(
         f"{type(module).__name__}.{name} was converted to fp8 by mpsboost but is now {t.dtype} (the model was cast "
@@ -140,11 +156,20 @@ def _linear_forward(state: Fp8State) -> Callable[..., Any]:
             raise _cast_error(self, "weight", w)
         if state.block is not None:
             # Block scales of the file, applied as they are: this layer dequantised just before its matmul.
-            return fp8_block_linear(input, w, self.weight_scale, self.bias, block=state.block,
-                                    compute_dtype=state.compute_dtype)
-        return fp8_ops.fp8_linear(input, w, self.weight_scale, self.bias, kind=state.kind,
-                                  compute_dtype=state.compute_dtype, gemv_max_m=state.gemv_max_m,
-                                  bias_in_mm=state.bias_in_mm, large=state.large)
+            return fp8_block_linear(
+                input, w, self.weight_scale, self.bias, block=state.block, compute_dtype=state.compute_dtype
+            )
+        return fp8_ops.fp8_linear(
+            input,
+            w,
+            self.weight_scale,
+            self.bias,
+            kind=state.kind,
+            compute_dtype=state.compute_dtype,
+            gemv_max_m=state.gemv_max_m,
+            bias_in_mm=state.bias_in_mm,
+            large=state.large,
+        )
 
     return forward
 
@@ -172,9 +197,18 @@ def _experts_forward(state: Fp8State) -> Callable[..., Any]:
         act = self._apply_gate if getattr(self, "has_gate", True) else self.act_fn
         if state.block is not None:
             # Block scales of the file: only the hit experts dequantised, one at a time (the whole stack when traced).
-            out = fp8_block_experts(x, idx, wts, up=(up_q, getattr(self, up_name + "_scale")),
-                                    down=(down_q, getattr(self, down_name + "_scale")), block=state.block,
-                                    activation=act, compute_dtype=state.compute_dtype, up_bias=up_b, down_bias=down_b)
+            out = fp8_block_experts(
+                x,
+                idx,
+                wts,
+                up=(up_q, getattr(self, up_name + "_scale")),
+                down=(down_q, getattr(self, down_name + "_scale")),
+                block=state.block,
+                activation=act,
+                compute_dtype=state.compute_dtype,
+                up_bias=up_b,
+                down_bias=down_b,
+            )
             return out.reshape(shape)
         tr = bool(getattr(self, "is_transposed", False))
         up = fp8_moe.Fp8Stack(up_q, getattr(self, up_name + "_scale"), tr)
@@ -185,13 +219,27 @@ def _experts_forward(state: Fp8State) -> Callable[..., Any]:
         compiling = torch.compiler.is_compiling()
         large = state.compiled_path if compiling else state.large_path
         path = "gather" if idx.numel() <= state.gather_max else large
-        if path == "scaled_grouped_mm" and not (x.is_cuda and fp8_moe.scaled_grouped_ok(up, state.compute_dtype)
-                                                and fp8_moe.scaled_grouped_ok(down, state.compute_dtype)):
+        if path == "scaled_grouped_mm" and not (
+            x.is_cuda
+            and fp8_moe.scaled_grouped_ok(up, state.compute_dtype)
+            and fp8_moe.scaled_grouped_ok(down, state.compute_dtype)
+        ):
             # Static facts (device, dtype, layout): the same answer at every call of this module.
             path = "stack" if compiling else "hit"
         out = fp8_moe.fp8_routed_experts(
-            x, idx, wts, up=up, down=down, activation=act, compute_dtype=state.compute_dtype, up_bias=up_b,
-            down_bias=down_b, post=post, path=path, native_grouped=state.native_grouped, histc_int=state.histc_int,
+            x,
+            idx,
+            wts,
+            up=up,
+            down=down,
+            activation=act,
+            compute_dtype=state.compute_dtype,
+            up_bias=up_b,
+            down_bias=down_b,
+            post=post,
+            path=path,
+            native_grouped=state.native_grouped,
+            histc_int=state.histc_int,
         )
         return out.reshape(shape)
 
@@ -205,6 +253,7 @@ def forward_for(state: Fp8State) -> Callable[..., Any]:
 
 
 # ------------------------------------------------------------------------------------------ the classes
+
 
 def _fp8_repr(module: torch.nn.Module) -> str:
     """What ``print(model)`` shows of a converted layer: storage, granularity, scale shapes, backing path."""
@@ -257,5 +306,8 @@ def fp8_class(cls: type) -> type:
         return FP8Linear
     name = f"FP8{cls.__name__}"
     doc = f"{cls.__name__} with its expert weights stored in fp8 by mpsboost's fp8_weights."
-    return type(name, (cls,), {"extra_repr": _experts_repr, FP8_BASE_ATTR: cls, "__module__": __name__,
-                               "__qualname__": name, "__doc__": doc})
+    return type(
+        name,
+        (cls,),
+        {"extra_repr": _experts_repr, FP8_BASE_ATTR: cls, "__module__": __name__, "__qualname__": name, "__doc__": doc},
+    )

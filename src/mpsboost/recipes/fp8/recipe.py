@@ -43,6 +43,7 @@ the experts forward selects a traceable path with ``torch.compiler.is_compiling(
 constant): where eager mode reads the hit experts on the host (``"hit"``), a compiled forward
 dequantises the layer's stack instead (``"stack"``); the report row says so.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -86,13 +87,18 @@ _ROUTER_NAMES = ("gate", "router")
 
 # ------------------------------------------------------------------------------------------ finding
 
+
 def _class_paths(mod: torch.nn.Module) -> list[str]:
     return [f"{c.__module__}.{c.__qualname__}" for c in type(mod).__mro__]
 
 
 def _plain_float(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and type(t.data) is torch.Tensor and t.is_floating_point() and t.dtype not in (
-        torch.float8_e4m3fn, torch.float8_e5m2)
+    return (
+        isinstance(t, torch.Tensor)
+        and type(t.data) is torch.Tensor
+        and t.is_floating_point()
+        and t.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)
+    )
 
 
 class _Context:
@@ -121,14 +127,16 @@ class _Context:
     def _under(name: str, prefix: str) -> bool:
         return prefix == "" or name == prefix or name.startswith(prefix + ".")
 
-    def skip_reason(self, name: str, mod: torch.nn.Module, tensors: list[tuple[str, Any]], parent: torch.nn.Module | None) -> str | None:
+    def skip_reason(
+        self, name: str, mod: torch.nn.Module, tensors: list[tuple[str, Any]], parent: torch.nn.Module | None
+    ) -> str | None:
         for v in self.vae:
             if self._under(name, v):
                 return "inside a VAE: kept in the compute dtype (image quality; its linear bytes are few)"
         for oname, owner in self.owners:
             if not self._under(name, oname):
                 continue
-            rel = name[len(oname) + 1:] if oname else name
+            rel = name[len(oname) + 1 :] if oname else name
             parts = rel.split(".")
             for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
                 keep = getattr(owner, attr, None) or ()
@@ -158,6 +166,7 @@ class _Context:
 
 # ------------------------------------------------------------------------------------------ options
 
+
 def _patterns(value: Any, key: str) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -165,7 +174,9 @@ def _patterns(value: Any, key: str) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise ValueError(f"fp8_weights option {key}={value!r}: expected a glob pattern or a list of them, e.g. ['*.attn.*']")
+    raise ValueError(
+        f"fp8_weights option {key}={value!r}: expected a glob pattern or a list of them, e.g. ['*.attn.*']"
+    )
 
 
 @dataclass(frozen=True)
@@ -194,20 +205,26 @@ def _parse(options: Fp8WeightsOptions) -> Fp8WeightsOptions:
         if v is not None and v < 0:
             raise ValueError(f"fp8_weights option {key}={v!r}: expected an int >= 0")
     if options.moe_path not in ("auto", *fp8_moe.PATHS):
-        raise ValueError(f"fp8_weights option moe_path={options.moe_path!r}: expected 'auto' or one of {', '.join(fp8_moe.PATHS)}")
+        raise ValueError(
+            f"fp8_weights option moe_path={options.moe_path!r}: expected 'auto' or one of {', '.join(fp8_moe.PATHS)}"
+        )
     if options.activations not in fp8_ops.ACTIVATIONS:
-        raise ValueError(f"fp8_weights option activations={options.activations!r}: expected 'bf16' (dequantise large "
-                         "batches, exact) or 'fp8' (quantise activations for scaled_mm)")
-    return dataclasses.replace(options, fp8=gran, include=_patterns(options.include, "include"),
-                               exclude=_patterns(options.exclude, "exclude"))
+        raise ValueError(
+            f"fp8_weights option activations={options.activations!r}: expected 'bf16' (dequantise large "
+            "batches, exact) or 'fp8' (quantise activations for scaled_mm)"
+        )
+    return dataclasses.replace(
+        options, fp8=gran, include=_patterns(options.include, "include"), exclude=_patterns(options.exclude, "exclude")
+    )
 
 
 # ------------------------------------------------------------------------------------------ conversion
 
+
 def _all_finite(t: torch.Tensor) -> bool:
     """``torch.isfinite(t).all()`` in slices: isfinite materialises |t| and two masks (2.5x the layer)."""
     per = max(1, (1 << 24) // max(1, t[0].numel()))
-    flags = [torch.isfinite(t[i:i + per]).all() for i in range(0, t.shape[0], per)]
+    flags = [torch.isfinite(t[i : i + per]).all() for i in range(0, t.shape[0], per)]
     return bool(torch.stack(flags).all())  # one host read for the whole tensor
 
 
@@ -245,17 +262,26 @@ def _thresholds(env: Env, opts: Fp8WeightsOptions) -> tuple[int, int, str]:
     if gemv is not None and gather is not None:
         return gemv, gather, "thresholds set by options"
     if env.device_type != "cuda":
-        return (gemv if gemv is not None else _DEFAULT_GEMV_MAX_M,
-                gather if gather is not None else _DEFAULT_GATHER_MAX, "")
+        return (
+            gemv if gemv is not None else _DEFAULT_GEMV_MAX_M,
+            gather if gather is not None else _DEFAULT_GATHER_MAX,
+            "",
+        )
     t, why = tuning.for_env("fp8_gemv", env)
     if t is None:
         # Another GPU: the GEMV's one-tile limit still holds (it is the kernel's, not a timing), and its
         # launch configurations are tuned on this GPU at patch time; the gather threshold is unmeasured here.
-        return (gemv if gemv is not None else _DEFAULT_GEMV_MAX_M,
-                gather if gather is not None else _DEFAULT_GATHER_MAX, f"default thresholds ({why})")
+        return (
+            gemv if gemv is not None else _DEFAULT_GEMV_MAX_M,
+            gather if gather is not None else _DEFAULT_GATHER_MAX,
+            f"default thresholds ({why})",
+        )
     e = t.entries
-    return (gemv if gemv is not None else int(e["gemv_max_m"]),
-            gather if gather is not None else int(e["moe_gather_max_pairs"]), f"thresholds from fp8_gemv, {t.describe()}")
+    return (
+        gemv if gemv is not None else int(e["gemv_max_m"]),
+        gather if gather is not None else int(e["moe_gather_max_pairs"]),
+        f"thresholds from fp8_gemv, {t.describe()}",
+    )
 
 
 def _compiled_path(large: str) -> str:
@@ -263,6 +289,7 @@ def _compiled_path(large: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the plan
+
 
 @dataclass(frozen=True)
 class Fp8Plan:
@@ -289,13 +316,33 @@ def _state(plan: Fp8Plan, device: torch.device, backing: str) -> Fp8State:
     compute_dtype = plan.compute_dtype
     if plan.kind == "linear":
         # Patch-time probe (never in a forward): can _scaled_mm take the bias with rowwise scales here?
-        bias_in_mm = plan.path in ("fused", "mps_scaled_mm") and plan.storage == "float8" and \
-            fp8_ops.scaled_mm_bias_supported(str(device))
-        return Fp8State(kind=plan.path, compute_dtype=compute_dtype, granularity=plan.granularity, block=plan.block,
-                        gemv_max_m=plan.gemv_max_m, bias_in_mm=bias_in_mm, large=plan.large, backing=backing)
-    return Fp8State(kind="experts", compute_dtype=compute_dtype, granularity=plan.granularity, block=plan.block,
-                    large_path=plan.path, compiled_path=plan.compiled_path, gather_max=plan.gather_max,
-                    native_grouped=plan.native_grouped, histc_int=plan.histc_int, backing=backing)
+        bias_in_mm = (
+            plan.path in ("fused", "mps_scaled_mm")
+            and plan.storage == "float8"
+            and fp8_ops.scaled_mm_bias_supported(str(device))
+        )
+        return Fp8State(
+            kind=plan.path,
+            compute_dtype=compute_dtype,
+            granularity=plan.granularity,
+            block=plan.block,
+            gemv_max_m=plan.gemv_max_m,
+            bias_in_mm=bias_in_mm,
+            large=plan.large,
+            backing=backing,
+        )
+    return Fp8State(
+        kind="experts",
+        compute_dtype=compute_dtype,
+        granularity=plan.granularity,
+        block=plan.block,
+        large_path=plan.path,
+        compiled_path=plan.compiled_path,
+        gather_max=plan.gather_max,
+        native_grouped=plan.native_grouped,
+        histc_int=plan.histc_int,
+        backing=backing,
+    )
 
 
 def _layer(module: torch.nn.Module, state: Fp8State) -> list[Patch]:
@@ -310,6 +357,7 @@ def _layer(module: torch.nn.Module, state: Fp8State) -> list[Patch]:
 
 
 # ------------------------------------------------------------------------------------------ the recipe
+
 
 @register
 class Fp8Weights(Recipe):
@@ -352,8 +400,11 @@ class Fp8Weights(Recipe):
                 skip = "expert-parallel experts (sentinel routing across ranks) are not converted"
             if skip is None and kind == "experts" and any(t.dim() != 3 for _, t in tensors):
                 skip = "expert weights are not 3-D [E, out, in] stacks"
-            yield Match(mod, join_path(prefix, name), {"kind": kind, "skip": skip,
-                                                   "lm_head": skip is not None and skip.startswith("output embedding")})
+            yield Match(
+                mod,
+                join_path(prefix, name),
+                {"kind": kind, "skip": skip, "lm_head": skip is not None and skip.startswith("output embedding")},
+            )
 
     # ------------------------------------------------------------------ a module converted already
     def repeat_request(self, match: Match, options: Fp8WeightsOptions) -> str | None:
@@ -373,7 +424,10 @@ class Fp8Weights(Recipe):
                 f"fp8_weights: {match.path} holds fp8 weights with {have_text} scales already (an earlier patch(fp8=...) "
                 f"or load_fp8); this call asks for fp8={want!r}. fp8 codes are not re-quantised to another granularity: "
                 f"call patch(model, fp8={have!r}) (a no-op), or reload the bf16 weights and patch(model, fp8={want!r}). "
-                "Nothing was changed.", recipe=NAME, target=match.path)
+                "Nothing was changed.",
+                recipe=NAME,
+                target=match.path,
+            )
         return f"converted already with {have_text} scales (the granularity asked for)"
 
     # ------------------------------------------------------------------ deciding
@@ -399,9 +453,17 @@ class Fp8Weights(Recipe):
             before = w.numel() * w.element_size()
             after = w.numel() + (4 * n if gran == "rowwise" else 4)
             return Decision.apply(
-                backing, f"{gran} scales, {plan.storage} storage: {why}", plan=plan,
-                kind="linear", granularity=gran, storage=plan.storage, compute_dtype=str(w.dtype).replace("torch.", ""),
-                bytes_before=before, bytes_after=after, path_kind=plan.path, gemv_max_m=plan.gemv_max_m,
+                backing,
+                f"{gran} scales, {plan.storage} storage: {why}",
+                plan=plan,
+                kind="linear",
+                granularity=gran,
+                storage=plan.storage,
+                compute_dtype=str(w.dtype).replace("torch.", ""),
+                bytes_before=before,
+                bytes_after=after,
+                path_kind=plan.path,
+                gemv_max_m=plan.gemv_max_m,
                 large=plan.large,
             )
         if not opts.experts:
@@ -410,12 +472,21 @@ class Fp8Weights(Recipe):
         tr = bool(getattr(mod, "is_transposed", False))
         plan, backing, why = self._experts_plan(env, ws, tr, gran, storage, opts)
         before = sum(w.numel() * w.element_size() for w in ws)
-        after = sum(w.numel() + 4 * (w.numel() // w.shape[2 if not tr else 1] if gran == "rowwise" else w.shape[0])
-                    for w in ws)
+        after = sum(
+            w.numel() + 4 * (w.numel() // w.shape[2 if not tr else 1] if gran == "rowwise" else w.shape[0]) for w in ws
+        )
         return Decision.apply(
-            backing, f"{gran} scales per expert, {storage} storage: {why}", plan=plan,
-            kind="experts", granularity=gran, storage=storage, compute_dtype=str(ws[0].dtype).replace("torch.", ""),
-            bytes_before=before, bytes_after=after, large_path=plan.path, compiled_path=plan.compiled_path,
+            backing,
+            f"{gran} scales per expert, {storage} storage: {why}",
+            plan=plan,
+            kind="experts",
+            granularity=gran,
+            storage=storage,
+            compute_dtype=str(ws[0].dtype).replace("torch.", ""),
+            bytes_before=before,
+            bytes_after=after,
+            large_path=plan.path,
+            compiled_path=plan.compiled_path,
             gather_max_pairs=plan.gather_max,
         )
 
@@ -425,45 +496,70 @@ class Fp8Weights(Recipe):
         block scales, the block-scaled forward that applies them as they are. Reads no data."""
         storage = fp8_ops.storage_for(env)
         opts = _parse(Fp8WeightsOptions())
-        details: dict[str, Any] = {"kind": layer.kind, "granularity": layer.granularity, "storage": storage,
-                                   "compute_dtype": str(layer.compute_dtype).replace("torch.", ""),
-                                   "bytes_after": layer.nbytes, "loaded_from": layer.loaded_from,
-                                   "format": layer.format}
+        details: dict[str, Any] = {
+            "kind": layer.kind,
+            "granularity": layer.granularity,
+            "storage": storage,
+            "compute_dtype": str(layer.compute_dtype).replace("torch.", ""),
+            "bytes_after": layer.nbytes,
+            "loaded_from": layer.loaded_from,
+            "format": layer.format,
+        }
         if layer.block is not None:
             bn, bk = layer.block
             details["block"] = [bn, bk]
-            plan = Fp8Plan(kind=layer.kind, granularity="block", storage=storage, path="block",
-                           compute_dtype=layer.compute_dtype, block=layer.block)
-            backing = (f"block-scaled fp8 {bn}x{bk}, dequantise then linear" if layer.kind == "linear"
-                       else f"block-scaled fp8 {bn}x{bk}: dequantise only the hit experts, one at a time")
+            plan = Fp8Plan(
+                kind=layer.kind,
+                granularity="block",
+                storage=storage,
+                path="block",
+                compute_dtype=layer.compute_dtype,
+                block=layer.block,
+            )
+            backing = (
+                f"block-scaled fp8 {bn}x{bk}, dequantise then linear"
+                if layer.kind == "linear"
+                else f"block-scaled fp8 {bn}x{bk}: dequantise only the hit experts, one at a time"
+            )
             why = f"{storage} storage, scales kept exactly as in {layer.source}"
             return Decision.apply(backing, why, plan=plan, **details)
         gran, dtype = layer.granularity, layer.compute_dtype
         if layer.kind == "linear":
             plan, backing, why = self._linear_plan(env, layer.shapes[0], dtype, gran, storage, opts)
-            return Decision.apply(backing, f"{gran} scales from {layer.source}, {plan.storage} storage: {why}",
-                                  plan=plan, **details)
+            return Decision.apply(
+                backing, f"{gran} scales from {layer.source}, {plan.storage} storage: {why}", plan=plan, **details
+            )
         ws = [torch.empty(s, dtype=dtype, device="meta") for s in layer.shapes]
         tr = bool(getattr(module, "is_transposed", False))
         plan, backing, why = self._experts_plan(env, ws, tr, gran, storage, opts)
-        return Decision.apply(backing, f"{gran} scales per expert from {layer.source}, {storage} storage: {why}",
-                              plan=plan, **details)
+        return Decision.apply(
+            backing, f"{gran} scales per expert from {layer.source}, {storage} storage: {why}", plan=plan, **details
+        )
 
     @staticmethod
-    def _linear_plan(env: Env, shape: tuple[int, ...], dtype: torch.dtype, gran: str, storage: str,
-                     opts: Fp8WeightsOptions) -> tuple[Fp8Plan, str, str]:
+    def _linear_plan(
+        env: Env, shape: tuple[int, ...], dtype: torch.dtype, gran: str, storage: str, opts: Fp8WeightsOptions
+    ) -> tuple[Fp8Plan, str, str]:
         """(plan, backing, why) of a linear layer ``[N, K]`` computing in ``dtype``."""
         n, k = shape
         gemv_max, _, where = _thresholds(env, opts)
         lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=dtype, gemv_max_m=gemv_max, activations=opts.activations)
         extra = f"; {where}" if where and lp.kind == "fused" else ""
         comp = "compiled: the same path (registered operators)" if lp.kind == "fused" else "compiled: the same path"
-        plan = Fp8Plan(kind="linear", granularity=gran, storage=lp.storage, path=lp.kind, compute_dtype=dtype,
-                       gemv_max_m=lp.gemv_max_m, large=lp.large)
+        plan = Fp8Plan(
+            kind="linear",
+            granularity=gran,
+            storage=lp.storage,
+            path=lp.kind,
+            compute_dtype=dtype,
+            gemv_max_m=lp.gemv_max_m,
+            large=lp.large,
+        )
         return plan, lp.backing, f"{lp.reason}{extra}; {comp}"
 
-    def _experts_plan(self, env: Env, ws: list[torch.Tensor], tr: bool, gran: str, storage: str,
-                      opts: Fp8WeightsOptions) -> tuple[Fp8Plan, str, str]:
+    def _experts_plan(
+        self, env: Env, ws: list[torch.Tensor], tr: bool, gran: str, storage: str, opts: Fp8WeightsOptions
+    ) -> tuple[Fp8Plan, str, str]:
         """(plan, backing, why) of an experts module with stacks ``ws`` (only shapes and dtype are read)."""
         _, gather_max, where = _thresholds(env, opts)
         large, why = self._experts_path(env, ws, tr, storage, opts)
@@ -481,20 +577,33 @@ class Fp8Weights(Recipe):
             why += "; compiled: the same path"
         if where and env.device_type == "cuda":
             why += f"; {where}"
-        plan = Fp8Plan(kind="experts", granularity=gran, storage=storage, path=large, compute_dtype=ws[0].dtype,
-                       compiled_path=comp, gather_max=gather, native_grouped=check("grouped_mm", env).ok,
-                       histc_int=check("histc_int", env).ok)
+        plan = Fp8Plan(
+            kind="experts",
+            granularity=gran,
+            storage=storage,
+            path=large,
+            compute_dtype=ws[0].dtype,
+            compiled_path=comp,
+            gather_max=gather,
+            native_grouped=check("grouped_mm", env).ok,
+            histc_int=check("histc_int", env).ok,
+        )
         return plan, backing, why
 
     @staticmethod
-    def _experts_path(env: Env, ws: list[torch.Tensor], transposed: bool, storage: str, opts: Fp8WeightsOptions) -> tuple[str, str]:
+    def _experts_path(
+        env: Env, ws: list[torch.Tensor], transposed: bool, storage: str, opts: Fp8WeightsOptions
+    ) -> tuple[str, str]:
         forced = opts.moe_path
         sg = check("scaled_grouped_mm", env)
         aligned = all(w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0 for w in ws)
         sg_ok = sg.ok and storage == "float8" and not transposed and aligned and ws[0].dtype == torch.bfloat16
         if forced not in ("auto", "gather"):
             if forced == "scaled_grouped_mm" and not sg_ok:
-                return "hit", f"moe_path=scaled_grouped_mm cannot run here ({sg.reason if not sg.ok else 'layout, alignment or dtype'}); hit experts instead"
+                return (
+                    "hit",
+                    f"moe_path=scaled_grouped_mm cannot run here ({sg.reason if not sg.ok else 'layout, alignment or dtype'}); hit experts instead",
+                )
             return forced, "forced by option moe_path"
         if sg_ok:
             return "scaled_grouped_mm", sg.reason
@@ -507,7 +616,10 @@ class Fp8Weights(Recipe):
         else:
             why = f"{ws[0].dtype} weights: scaled_grouped_mm gives bf16 only"
         gm = check("grouped_mm", env)
-        return "hit", f"no fp8 grouped kernel ({why}); hit experts then {'native grouped_mm' if gm.ok else 'one expert at a time'}"
+        return (
+            "hit",
+            f"no fp8 grouped kernel ({why}); hit experts then {'native grouped_mm' if gm.ok else 'one expert at a time'}",
+        )
 
     # ------------------------------------------------------------------ applying
     def apply(self, match: Match, decision: Decision, env: Env, options: Fp8WeightsOptions) -> Patch:
@@ -535,17 +647,24 @@ class Fp8Weights(Recipe):
                 _tune_gemv(mod, compute_dtype)
 
         def keep_original(exc: BaseException) -> None:  # out of memory at commit: this layer stays as it was
-            warnings.warn(f"mpsboost: fp8_weights could not convert {match.path} ({type(exc).__name__}: {exc}); "
-                          "it keeps its original weights and forward", stacklevel=5)
+            warnings.warn(
+                f"mpsboost: fp8_weights could not convert {match.path} ({type(exc).__name__}: {exc}); "
+                "it keeps its original weights and forward",
+                stacklevel=5,
+            )
 
         # Nothing is converted before the transaction commits: a rollback leaves the very same weights.
         convert = _converter(plan.granularity, plan.storage, dict(zip(names, k_dims)))
         return Patch.chain(
-            [*_layer(mod, state),
-             replace_at_commit(mod, names, convert, explanation=self.unpatch_hint(),
-                               description=f"{NAME}: convert {match.path}"),
-             at_commit(converted, f"{NAME}: {match.path} converted")],
-            on_commit_error=keep_original, description=f"{NAME}: {match.path}",
+            [
+                *_layer(mod, state),
+                replace_at_commit(
+                    mod, names, convert, explanation=self.unpatch_hint(), description=f"{NAME}: convert {match.path}"
+                ),
+                at_commit(converted, f"{NAME}: {match.path} converted"),
+            ],
+            on_commit_error=keep_original,
+            description=f"{NAME}: {match.path}",
         )
 
     def loaded_layer(self, module: torch.nn.Module, path: str, decision: Decision) -> Patch:
@@ -556,10 +675,16 @@ class Fp8Weights(Recipe):
         device = getattr(module, weight_names(module)[0]).device  # where the codes are now
         state = _state(plan, device, decision.backing)
         state.mark_converted()
-        return Patch.chain(_layer(module, state), reversible=False, explanation=self.unpatch_hint(),
-                           description=f"{NAME}: {path} (loaded)")
+        return Patch.chain(
+            _layer(module, state),
+            reversible=False,
+            explanation=self.unpatch_hint(),
+            description=f"{NAME}: {path} (loaded)",
+        )
 
     def unpatch_hint(self) -> str:
-        return ("reload the model from its checkpoint (from_pretrained); to skip the conversion next time, save the "
-                "converted weights once with mpsboost.save_fp8(model, path) and load them into a freshly loaded model "
-                "with mpsboost.load_fp8(model, path)")
+        return (
+            "reload the model from its checkpoint (from_pretrained); to skip the conversion next time, save the "
+            "converted weights once with mpsboost.save_fp8(model, path) and load them into a freshly loaded model "
+            "with mpsboost.load_fp8(model, path)"
+        )

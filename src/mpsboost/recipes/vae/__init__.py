@@ -26,4 +26,5 @@ Tests to copy: ``tests/recipes/vae/test_qwen_image21_vae.py`` (a causal row: zer
 stock, decisions per simulated environment, unpatch) or, for a pad row, a tiny config in
 ``tests/tiny_models.py``'s ``VIDEO_VAE_NAMES`` (then ``tests/recipes/vae/test_video_vae_pad.py`` runs it).
 """
+
 from . import qwen_image, streams, video, wan  # noqa: F401  (each registers its recipe)

@@ -23,6 +23,7 @@ The pad treatment (rows with ``pads``; :func:`patch_pads`): each module of a row
 classes, and every ``nn.Conv3d`` with a padding mode other than zeros, gets a forward from
 :data:`PAD_TREATMENTS` (:mod:`mpsboost.ops.pad5d`: slice copies or a folded convolution).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -114,8 +115,12 @@ class VaeOptions:
         return self.layout == "channels_last"
 
     def describe(self) -> dict:
-        out = {"layout": self.layout, "fused_norm": self.fused_norm, "single_frame_2d": self.single_frame_2d,
-               "tile_loop": self.tile_loop}
+        out = {
+            "layout": self.layout,
+            "fused_norm": self.fused_norm,
+            "single_frame_2d": self.single_frame_2d,
+            "tile_loop": self.tile_loop,
+        }
         out["memory_watch"] = self.memory_watch.threshold if self.memory_watch is not None else None
         return out
 
@@ -190,8 +195,9 @@ def parse_options(recipe: str, options: VaePadOptions, device_type: str) -> VaeO
     tl = _bool_option(recipe, "tile_loop", options.tile_loop, True)
     threshold = options.memory_threshold
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < float(threshold) <= 1.0:
-        raise ValueError(f"{recipe} option memory_threshold={threshold!r} is not accepted; "
-                         "pass a fraction in (0, 1], e.g. 0.85")
+        raise ValueError(
+            f"{recipe} option memory_threshold={threshold!r} is not accepted; pass a fraction in (0, 1], e.g. 0.85"
+        )
     watch = options.memory_watch
     watcher: vae_tiles.MemoryWatcher | None
     if isinstance(watch, vae_tiles.MemoryWatcher):
@@ -257,6 +263,7 @@ def fused_norm_fits(norm: torch.nn.Module, x: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------------------- binding
+
 
 def bind_module_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[..., Any]) -> Patch:
     """Bind ``new_forward`` on this instance (inside an accelerate hook where there is one: the
@@ -390,14 +397,19 @@ def patch_tree(
             def tiled_encode(self: Any, x: torch.Tensor) -> torch.Tensor:
                 return vae_tiles.tiled_encode(self, x, spec, watcher=watcher)
 
-            loops = (("_decode", _decode), ("_encode", _encode), ("tiled_decode", tiled_decode),
-                     ("tiled_encode", tiled_encode))
+            loops = (
+                ("_decode", _decode),
+                ("_encode", _encode),
+                ("tiled_decode", tiled_decode),
+                ("tiled_encode", tiled_encode),
+            )
             for name, fn in loops:
                 ch.add(set_instance_attr(root, recipe, name, types.MethodType(fn, root)))
     return ch.patch(description=f"{recipe}: restore {class_path(type(root))}")
 
 
 # ----------------------------------------------------------------------------------------- causal treatment
+
 
 def find_targets(root: torch.nn.Module, prefix: str, rows: tuple[VaeFamily, ...]) -> Iterator[Match]:
     """Per row: each whole VAE under ``root`` (one match, one report row); or, when ``root`` holds the
@@ -417,8 +429,10 @@ def _single_frame_reason(env: Env) -> str:
     conv3d = check("conv3d_metal", env)
     if not conv3d.ok:
         # issue pytorch#192213: conv3d at 7% of matmul throughput on 2.12 (MPSGraph).
-        return ("single frames as 2-D convolutions: a third of the FLOPs, and conv3d is slow on this build "
-                f"({conv3d.reason})")
+        return (
+            "single frames as 2-D convolutions: a third of the FLOPs, and conv3d is slow on this build "
+            f"({conv3d.reason})"
+        )
     return (
         "single frames as 2-D convolutions: conv3d runs on Metal kernels here (pytorch#188802, #192229), so this "
         "buys memory (no 5-D activations or cached frames) and a graph with no F.pad, not speed"
@@ -502,6 +516,7 @@ def find_vaes(root: torch.nn.Module, prefix: str, rows: tuple[VaeFamily, ...]) -
 
 # ----------------------------------------------------------------------------------------- pad treatment
 
+
 def _cosmos_foldable(m: torch.nn.Module) -> bool:
     return getattr(m, "pad_mode", None) == "constant" and p5.symmetric_spatial(m.spatial_pad) is not None
 
@@ -535,8 +550,9 @@ PAD_TREATMENTS: dict[str, PadTreatment] = {
     "fold_cosmos": PadTreatment(_cosmos_foldable, p5.cosmos_causal_conv3d, "folded"),
     "fold_vidtok": PadTreatment(_vidtok_foldable, p5.vidtok_causal_conv3d, "folded"),
     "pad_then_conv": PadTreatment(_pad_then_conv_fits, p5.pad_then_conv, "written_out"),
-    "conv_mode": PadTreatment(lambda m: type(m).forward is torch.nn.Conv3d.forward, p5.conv3d_padding_mode,
-                              "written_out"),
+    "conv_mode": PadTreatment(
+        lambda m: type(m).forward is torch.nn.Conv3d.forward, p5.conv3d_padding_mode, "written_out"
+    ),
     "route": PadTreatment(lambda m: True, None, "routed"),
 }
 # A site whose own treatment does not fit a module (another pad mode, asymmetric padding) is routed:
@@ -585,8 +601,7 @@ def decide_pads(match: Match, env: Env, force: bool) -> Decision:
     if force:
         return Decision.apply(backing, "forced by options (force=True)", plan=plan)
     if env.device_type != "mps":
-        return Decision.skip(f"pads of 5-D tensors are native and correct on {env.device_type}; stock kept",
-                             plan=plan)
+        return Decision.skip(f"pads of 5-D tensors are native and correct on {env.device_type}; stock kept", plan=plan)
     bad = _gate_reasons(env)
     if not bad:
         return Decision.skip(
@@ -618,4 +633,3 @@ def patch_pads(recipe: str, match: Match, decision: Decision) -> Patch:
                 fwd = PAD_TREATMENTS[how].forward
                 ch.add(bind_forward(m, recipe, routed if fwd is None else fwd))
     return ch.patch(description=f"{recipe}: restore forwards")
-

@@ -16,6 +16,7 @@ Two treatments read the rows:
 
 A new VAE that pads like an existing row is a new row, with no new code.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,8 +40,9 @@ class PadSite:
 
     def __post_init__(self) -> None:
         if self.how not in PAD_HOWS:
-            raise ValueError(f"PadSite how={self.how!r} for {self.cls} is not accepted; "
-                             f"pass one of {', '.join(PAD_HOWS)}")
+            raise ValueError(
+                f"PadSite how={self.how!r} for {self.cls} is not accepted; pass one of {', '.join(PAD_HOWS)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -79,14 +81,15 @@ class VaeFamily:
 
     def __post_init__(self) -> None:
         if self.conv is not None and self.pads:
-            raise ValueError(f"VAE family {self.name!r}: give conv (causal treatment) or pads (pad treatment), "
-                             "not both")
+            raise ValueError(
+                f"VAE family {self.name!r}: give conv (causal treatment) or pads (pad treatment), not both"
+            )
         if self.conv_kind not in ("causal3d", "frame2d"):
             raise ValueError(f"VAE family {self.name!r}: conv_kind={self.conv_kind!r}; pass 'causal3d' or 'frame2d'")
 
     @property
     def treatment(self) -> str:
-        """"causal" (:func:`~mpsboost.recipes.vae.common.patch_tree`: a row with ``conv``) or "pad"
+        """ "causal" (:func:`~mpsboost.recipes.vae.common.patch_tree`: a row with ``conv``) or "pad"
         (:func:`~mpsboost.recipes.vae.common.patch_pads`)."""
         return "causal" if self.conv is not None else "pad"
 
@@ -115,68 +118,128 @@ _MINIMAX = f"{_AE}.autoencoder_kl_minimax_h3"
 FAMILIES: tuple[VaeFamily, ...] = (
     # Wan2.1 / Wan2.2 (AutoencoderKLWan: Wan2.2 adds AvgDown3D and patch_size 2).
     VaeFamily(
-        "wan", "wan_vae_pad", f"{_WAN}.AutoencoderKLWan",
+        "wan",
+        "wan_vae_pad",
+        f"{_WAN}.AutoencoderKLWan",
         conv=f"{_WAN}.WanCausalConv3d",
         norm=f"{_WAN}.WanRMS_norm",
         resample=f"{_WAN}.WanResample",
         blocks=(f"{_WAN}.WanResidualBlock", f"{_WAN}.WanEncoder3d", f"{_WAN}.WanDecoder3d"),
         avg_down=f"{_WAN}.AvgDown3D",
-        first_chunk=True, clamp_tiled=True, patchify=True, side_stream=True,
+        first_chunk=True,
+        clamp_tiled=True,
+        patchify=True,
+        side_stream=True,
     ),
     # Qwen-Image 1.0: the Wan2.1 design without AvgDown3D or patches; its tiled_decode does not clamp.
     VaeFamily(
-        "qwen", "qwen_image_vae", f"{_QWEN}.AutoencoderKLQwenImage",
+        "qwen",
+        "qwen_image_vae",
+        f"{_QWEN}.AutoencoderKLQwenImage",
         conv=f"{_QWEN}.QwenImageCausalConv3d",
         norm=f"{_QWEN}.QwenImageRMS_norm",
         resample=f"{_QWEN}.QwenImageResample",
         blocks=(f"{_QWEN}.QwenImageResidualBlock", f"{_QWEN}.QwenImageEncoder3d", f"{_QWEN}.QwenImageDecoder3d"),
-        images=True, side_stream=True,
+        images=True,
+        side_stream=True,
     ),
     # Qwen-Image-2.1: the Wan2.2 residual design (AvgDown3D, DupUp3D, first_chunk, clamped tiles) for
     # images only, its causal convolutions already 2-D (nn.Conv2d subclasses that squeeze the frame,
     # F.pad it and refuse a cache).
     VaeFamily(
-        "qwen21", "qwen_image_vae", f"{_QWEN21}.AutoencoderKLQwenImage21",
+        "qwen21",
+        "qwen_image_vae",
+        f"{_QWEN21}.AutoencoderKLQwenImage21",
         conv=f"{_QWEN21}.QwenImage21CausalConv3d",
         norm=f"{_QWEN21}.QwenImage21RMS_norm",
         resample=f"{_QWEN21}.QwenImage21Resample",
-        blocks=(f"{_QWEN21}.QwenImage21ResidualBlock", f"{_QWEN21}.QwenImage21Encoder3d",
-                f"{_QWEN21}.QwenImage21Decoder3d"),
+        blocks=(
+            f"{_QWEN21}.QwenImage21ResidualBlock",
+            f"{_QWEN21}.QwenImage21Encoder3d",
+            f"{_QWEN21}.QwenImage21Decoder3d",
+        ),
         avg_down=f"{_QWEN21}.QwenImage21AvgDown3D",
-        first_chunk=True, clamp_tiled=True, patchify=True,
-        conv_kind="frame2d", patch_fns=("_patchify", "_unpatchify"), images=True,
-        rank5_note=("in this VAE the 5-D pads are the encoder's AvgDown3D time pads, whose corruption makes "
-                    "the latents wrong (QwenLM/Qwen-Image-2.1#6, ComfyUI#16433)"),
+        first_chunk=True,
+        clamp_tiled=True,
+        patchify=True,
+        conv_kind="frame2d",
+        patch_fns=("_patchify", "_unpatchify"),
+        images=True,
+        rank5_note=(
+            "in this VAE the 5-D pads are the encoder's AvgDown3D time pads, whose corruption makes "
+            "the latents wrong (QwenLM/Qwen-Image-2.1#6, ComfyUI#16433)"
+        ),
     ),
     # ---- the pad treatment: F.pad(x, self.time_causal_padding, mode=self.pad_mode) then self.conv(x)
-    VaeFamily("hunyuan_video", "video_vae_pad", f"{_HV}.AutoencoderKLHunyuanVideo",
-              pads=(PadSite(f"{_HV}.HunyuanVideoCausalConv3d", "pad_then_conv"),)),
-    VaeFamily("hunyuan_video15", "video_vae_pad", f"{_HV15}.AutoencoderKLHunyuanVideo15",
-              pads=(PadSite(f"{_HV15}.HunyuanVideo15CausalConv3d", "pad_then_conv"),)),
-    VaeFamily("hunyuan_image_refiner", "video_vae_pad", f"{_HIR}.AutoencoderKLHunyuanImageRefiner",
-              pads=(PadSite(f"{_HIR}.HunyuanImageRefinerCausalConv3d", "pad_then_conv"),)),
+    VaeFamily(
+        "hunyuan_video",
+        "video_vae_pad",
+        f"{_HV}.AutoencoderKLHunyuanVideo",
+        pads=(PadSite(f"{_HV}.HunyuanVideoCausalConv3d", "pad_then_conv"),),
+    ),
+    VaeFamily(
+        "hunyuan_video15",
+        "video_vae_pad",
+        f"{_HV15}.AutoencoderKLHunyuanVideo15",
+        pads=(PadSite(f"{_HV15}.HunyuanVideo15CausalConv3d", "pad_then_conv"),),
+    ),
+    VaeFamily(
+        "hunyuan_image_refiner",
+        "video_vae_pad",
+        f"{_HIR}.AutoencoderKLHunyuanImageRefiner",
+        pads=(PadSite(f"{_HIR}.HunyuanImageRefinerCausalConv3d", "pad_then_conv"),),
+    ),
     # Mochi pads in CogVideoX's causal convolution.
-    VaeFamily("mochi", "video_vae_pad", f"{_AE}.autoencoder_kl_mochi.AutoencoderKLMochi",
-              pads=(PadSite(f"{_COG}.CogVideoXCausalConv3d"),)),
-    VaeFamily("cogvideox", "video_vae_pad", f"{_COG}.AutoencoderKLCogVideoX",
-              pads=(PadSite(f"{_COG}.CogVideoXCausalConv3d"),
-                    PadSite("diffusers.models.downsampling.CogVideoXDownsample3D"))),
-    VaeFamily("cosmos", "video_vae_pad", f"{_COSMOS}.AutoencoderKLCosmos",
-              pads=(PadSite(f"{_COSMOS}.CosmosCausalConv3d", "fold_cosmos"), PadSite(f"{_COSMOS}.CosmosDownsample3d"),
-                    PadSite(f"{_COSMOS}.CosmosPatchEmbed3d"))),
-    VaeFamily("easyanimate", "video_vae_pad", f"{_MAGVIT}.AutoencoderKLMagvit",
-              pads=(PadSite(f"{_MAGVIT}.EasyAnimateCausalConv3d"), PadSite(f"{_MAGVIT}.EasyAnimateDownsampler3D"))),
+    VaeFamily(
+        "mochi",
+        "video_vae_pad",
+        f"{_AE}.autoencoder_kl_mochi.AutoencoderKLMochi",
+        pads=(PadSite(f"{_COG}.CogVideoXCausalConv3d"),),
+    ),
+    VaeFamily(
+        "cogvideox",
+        "video_vae_pad",
+        f"{_COG}.AutoencoderKLCogVideoX",
+        pads=(PadSite(f"{_COG}.CogVideoXCausalConv3d"), PadSite("diffusers.models.downsampling.CogVideoXDownsample3D")),
+    ),
+    VaeFamily(
+        "cosmos",
+        "video_vae_pad",
+        f"{_COSMOS}.AutoencoderKLCosmos",
+        pads=(
+            PadSite(f"{_COSMOS}.CosmosCausalConv3d", "fold_cosmos"),
+            PadSite(f"{_COSMOS}.CosmosDownsample3d"),
+            PadSite(f"{_COSMOS}.CosmosPatchEmbed3d"),
+        ),
+    ),
+    VaeFamily(
+        "easyanimate",
+        "video_vae_pad",
+        f"{_MAGVIT}.AutoencoderKLMagvit",
+        pads=(PadSite(f"{_MAGVIT}.EasyAnimateCausalConv3d"), PadSite(f"{_MAGVIT}.EasyAnimateDownsampler3D")),
+    ),
     # KVAE's KVAESafeConv3d (an nn.Conv3d with its own forward and a replicate padding_mode) is routed
     # by the pad treatment's rule for every row: an nn.Conv3d whose padding_mode is not "zeros".
-    VaeFamily("kvae_video", "video_vae_pad", f"{_KVAE}.AutoencoderKLKVAEVideo",
-              pads=(PadSite(f"{_KVAE}.KVAECachedCausalConv3d"),)),
+    VaeFamily(
+        "kvae_video",
+        "video_vae_pad",
+        f"{_KVAE}.AutoencoderKLKVAEVideo",
+        pads=(PadSite(f"{_KVAE}.KVAECachedCausalConv3d"),),
+    ),
     # LTX-2 pads only through nn.Conv3d(padding_mode="reflect") in its decoder, which that rule writes out.
     VaeFamily("ltx2_video", "video_vae_pad", f"{_AE}.autoencoder_kl_ltx2.AutoencoderKLLTX2Video"),
-    VaeFamily("vidtok", "video_vae_pad", f"{_VIDTOK}.AutoencoderVidTok",
-              pads=(PadSite(f"{_VIDTOK}.VidTokCausalConv3d", "fold_vidtok"), PadSite(f"{_VIDTOK}.VidTokDownsample3D"))),
-    VaeFamily("minimax_h3", "video_vae_pad", f"{_MINIMAX}.AutoencoderKLMiniMaxH3",
-              pads=(PadSite(f"{_MINIMAX}.MiniMaxH3VideoCausalConv3d"),
-                    PadSite(f"{_MINIMAX}.MiniMaxH3VideoDownsample3d"))),
+    VaeFamily(
+        "vidtok",
+        "video_vae_pad",
+        f"{_VIDTOK}.AutoencoderVidTok",
+        pads=(PadSite(f"{_VIDTOK}.VidTokCausalConv3d", "fold_vidtok"), PadSite(f"{_VIDTOK}.VidTokDownsample3D")),
+    ),
+    VaeFamily(
+        "minimax_h3",
+        "video_vae_pad",
+        f"{_MINIMAX}.AutoencoderKLMiniMaxH3",
+        pads=(PadSite(f"{_MINIMAX}.MiniMaxH3VideoCausalConv3d"), PadSite(f"{_MINIMAX}.MiniMaxH3VideoDownsample3d")),
+    ),
 )
 
 _BY_NAME = {f.name: f for f in FAMILIES}

@@ -15,6 +15,7 @@ pad 5-D in time. A 256x256 roundtrip issues 74 4-D and 5 5-D ``constant_pad_nd``
 patched, none. The 5-D time pads are the ones pytorch#194922 corrupts on MPS before 2.15
 (QwenLM/Qwen-Image-2.1#6: encoder latents far from the CPU ones once H*W >= 65536).
 """
+
 from __future__ import annotations
 
 from typing import Iterator

@@ -20,6 +20,7 @@ measure the code that MPS 2.16 will run, it also needs ``options={"mps_streams":
 Targets: the Wan and Qwen-Image VAEs (``tiled_decode``). With ``wan_vae_pad`` / ``qwen_image_vae``
 applied as well, their convolutions are used inside the same tile loop.
 """
+
 from __future__ import annotations
 
 import types

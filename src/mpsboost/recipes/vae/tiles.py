@@ -22,6 +22,7 @@ assembly to a side stream: tile i+1 computes while tile i is blended and cropped
 
 Nothing here imports diffusers: the VAE's attributes and a :class:`VaeLoopSpec` describe it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -96,8 +97,11 @@ class MemoryWatcher:
 
     def _fns(self) -> tuple[Callable[[], int], Callable[[], int], Callable[[], None]]:
         mps = torch.mps
-        return (self._allocated or mps.driver_allocated_memory, self._max or mps.recommended_max_memory,
-                self._empty or mps.empty_cache)
+        return (
+            self._allocated or mps.driver_allocated_memory,
+            self._max or mps.recommended_max_memory,
+            self._empty or mps.empty_cache,
+        )
 
     def applies_to(self, device: torch.device) -> bool:
         return self._injected or device.type == "mps"
@@ -120,7 +124,10 @@ class MemoryWatcher:
         logging.getLogger("mpsboost").info(
             "tiled VAE loop: driver memory %.2f GiB >= %.0f%% of the recommended %.2f GiB; "
             "freed cached blocks (now %.2f GiB)",
-            before / 2**30, 100 * self.threshold, limit / 2**30, after / 2**30,
+            before / 2**30,
+            100 * self.threshold,
+            limit / 2**30,
+            after / 2**30,
         )
         return True
 
@@ -133,6 +140,7 @@ def _patch_size(vae: Any, spec: VaeLoopSpec) -> int | None:
 
 
 # ----------------------------------------------------------------------------------------- blend
+
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -180,6 +188,7 @@ def blend_(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------- frames
+
 
 def decode_latents(vae: Any, x: torch.Tensor, spec: VaeLoopSpec, *, post_quant_per_frame: bool) -> torch.Tensor:
     """Decode every latent frame of ``x`` with a fresh causal cache; frames concatenated on dim 2.
@@ -230,6 +239,7 @@ def encode_frames(vae: Any, x: torch.Tensor, spec: VaeLoopSpec, *, quant_per_chu
 
 # ----------------------------------------------------------------------------------------- untiled
 
+
 def decode(vae: Any, z: torch.Tensor, spec: VaeLoopSpec) -> torch.Tensor:
     """``vae._decode(z)``'s sample (tiled when diffusers would tile)."""
     _, _, _, height, width = z.shape
@@ -261,6 +271,7 @@ def encode(vae: Any, x: torch.Tensor, spec: VaeLoopSpec) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------- tiles
+
 
 def _place(
     tile: torch.Tensor,
@@ -332,8 +343,20 @@ def _tile_grid(
             tile = run_tile(src[..., i : i + tile_h, j : j + tile_w])
             # Offsets are the sizes of the crops before this one, as in diffusers' concatenation.
             x_done = sum(c.shape[-1] for c in crops)
-            args = (tile, crops, above[cj], left, out_h - y_done, out_w - x_done, crop_h, crop_w,
-                    blend_h, blend_w, ri + 1 < len(rows), cj + 1 < len(cols))
+            args = (
+                tile,
+                crops,
+                above[cj],
+                left,
+                out_h - y_done,
+                out_w - x_done,
+                crop_h,
+                crop_w,
+                blend_h,
+                blend_w,
+                ri + 1 < len(rows),
+                cj + 1 < len(cols),
+            )
             if side is None:
                 below[cj], left = _place(*args)
             else:
@@ -358,8 +381,14 @@ def _tile_grid(
     return done_rows[0] if len(done_rows) == 1 else torch.cat(done_rows, dim=-2)
 
 
-def tiled_decode(vae: Any, z: torch.Tensor, spec: VaeLoopSpec, *, side: SideStream | None = None,
-                 watcher: MemoryWatcher | None = None) -> torch.Tensor:
+def tiled_decode(
+    vae: Any,
+    z: torch.Tensor,
+    spec: VaeLoopSpec,
+    *,
+    side: SideStream | None = None,
+    watcher: MemoryWatcher | None = None,
+) -> torch.Tensor:
     """``vae.tiled_decode(z)``'s sample."""
     _, _, _, height, width = z.shape
     scr = vae.spatial_compression_ratio
@@ -382,9 +411,23 @@ def tiled_decode(vae: Any, z: torch.Tensor, spec: VaeLoopSpec, *, side: SideStre
     def run_tile(t: torch.Tensor) -> torch.Tensor:
         return decode_latents(vae, t, spec, post_quant_per_frame=True)
 
-    dec = _tile_grid(vae, z, tile_h=tile_h, tile_w=tile_w, step_h=step_h, step_w=step_w, crop_h=crop_h, crop_w=crop_w,
-                     blend_h=blend_h, blend_w=blend_w, out_h=sample_h, out_w=sample_w, run_tile=run_tile, side=side,
-                     watcher=watcher)
+    dec = _tile_grid(
+        vae,
+        z,
+        tile_h=tile_h,
+        tile_w=tile_w,
+        step_h=step_h,
+        step_w=step_w,
+        crop_h=crop_h,
+        crop_w=crop_w,
+        blend_h=blend_h,
+        blend_w=blend_w,
+        out_h=sample_h,
+        out_w=sample_w,
+        run_tile=run_tile,
+        side=side,
+        watcher=watcher,
+    )
     if spec.clamp_tiled:
         # Clamping commutes with unpatchify's permutation; doing it first, in place, saves a buffer.
         dec = dec.clamp_(-1.0, 1.0) if not torch.is_grad_enabled() else torch.clamp(dec, -1.0, 1.0)
@@ -393,8 +436,14 @@ def tiled_decode(vae: Any, z: torch.Tensor, spec: VaeLoopSpec, *, side: SideStre
     return dec
 
 
-def tiled_encode(vae: Any, x: torch.Tensor, spec: VaeLoopSpec, *, side: SideStream | None = None,
-                 watcher: MemoryWatcher | None = None) -> torch.Tensor:
+def tiled_encode(
+    vae: Any,
+    x: torch.Tensor,
+    spec: VaeLoopSpec,
+    *,
+    side: SideStream | None = None,
+    watcher: MemoryWatcher | None = None,
+) -> torch.Tensor:
     """``vae.tiled_encode(x)`` (``x`` already patchified where the VAE patchifies)."""
     _, _, _, height, width = x.shape
     ratio = vae.spatial_compression_ratio
@@ -410,7 +459,20 @@ def tiled_encode(vae: Any, x: torch.Tensor, spec: VaeLoopSpec, *, side: SideStre
     def run_tile(t: torch.Tensor) -> torch.Tensor:
         return encode_frames(vae, t, spec, quant_per_chunk=True)
 
-    return _tile_grid(vae, x, tile_h=vae.tile_sample_min_height, tile_w=vae.tile_sample_min_width,
-                      step_h=vae.tile_sample_stride_height, step_w=vae.tile_sample_stride_width,
-                      crop_h=t_step_h, crop_w=t_step_w, blend_h=t_min_h - t_step_h, blend_w=t_min_w - t_step_w,
-                      out_h=latent_h, out_w=latent_w, run_tile=run_tile, side=side, watcher=watcher)
+    return _tile_grid(
+        vae,
+        x,
+        tile_h=vae.tile_sample_min_height,
+        tile_w=vae.tile_sample_min_width,
+        step_h=vae.tile_sample_stride_height,
+        step_w=vae.tile_sample_stride_width,
+        crop_h=t_step_h,
+        crop_w=t_step_w,
+        blend_h=t_min_h - t_step_h,
+        blend_w=t_min_w - t_step_w,
+        out_h=latent_h,
+        out_w=latent_w,
+        run_tile=run_tile,
+        side=side,
+        watcher=watcher,
+    )

@@ -36,6 +36,7 @@ Gated: on MPS before 2.15 it applies; from 2.15 on (and on CUDA and CPU) the sto
 and correct, and the recipe steps aside with that reason. ``options={"video_vae_pad": {"force":
 True}}`` applies it anywhere.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,6 +9,7 @@ causal time padding as cached frames or a zero slab, replaces ``AvgDown3D``'s ti
 not. On later builds and other devices it is kept for speed (one copy less per convolution, a
 tile loop that blends as it goes; on CUDA also channels-last activations and a fused RMS norm).
 """
+
 from __future__ import annotations
 
 from typing import Iterator
