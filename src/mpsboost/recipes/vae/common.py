@@ -45,7 +45,7 @@ from ...ops.causal_conv import (
     silu_inplace,
 )
 from ...patching import Changes, Patch, bind_forward, call_original, relayout_param, set_instance_attr
-from ...registry import Decision, Match, class_path, join_path, matches_class
+from ...registry import Decision, Match, Recipe, class_path, join_path, matches_class
 from . import tiles as vae_tiles
 from .families import VaeFamily, family
 
@@ -633,3 +633,21 @@ def patch_pads(recipe: str, match: Match, decision: Decision) -> Patch:
                 fwd = PAD_TREATMENTS[how].forward
                 ch.add(bind_forward(m, recipe, routed if fwd is None else fwd))
     return ch.patch(description=f"{recipe}: restore forwards")
+
+
+class CausalVaeRecipe(Recipe):
+    """The recipes of Wan-design VAEs (``wan_vae_pad``, ``qwen_image_vae``): a subclass is its declaration
+    (``name``, ``summary``, ``targets``, ``ROWS``); finding, deciding and applying are this module's,
+    steered by the rows. Not registered itself."""
+
+    ROWS: tuple[VaeFamily, ...] = ()
+    Options = VaePadOptions
+
+    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
+        return find_targets(root, prefix, self.ROWS)
+
+    def decide(self, match: Match, env: Env, options: VaePadOptions) -> Decision:
+        return decide(self.name, match, env, options)
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: VaePadOptions) -> Patch:
+        return apply(self.name, match, decision)

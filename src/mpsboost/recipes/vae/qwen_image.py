@@ -18,14 +18,8 @@ patched, none. The 5-D time pads are the ones pytorch#194922 corrupts on MPS bef
 
 from __future__ import annotations
 
-from typing import Iterator
-
-import torch
-
-from ...gate import Env
-from ...patching import Patch
-from ...registry import Decision, Match, Recipe, register
-from . import common
+from ...registry import register
+from .common import CausalVaeRecipe
 from .families import rows_for
 
 NAME = "qwen_image_vae"
@@ -34,7 +28,7 @@ ROWS = rows_for(NAME)
 
 
 @register
-class QwenImageVae(Recipe):
+class QwenImageVae(CausalVaeRecipe):
     name = NAME
     summary = "Qwen-Image 1.0 / 2.1 VAEs: no F.pad (padding fold, zero slab); single frames as 2-D convolutions"
     targets = tuple(t for row in ROWS for t in (row.vae, row.conv))
@@ -43,15 +37,6 @@ class QwenImageVae(Recipe):
     requires = ()
     default = True
     order = 100
-    Options = common.VaePadOptions
-
-    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
-        return common.find_targets(root, prefix, ROWS)
-
-    def decide(self, match: Match, env: Env, options: common.VaePadOptions) -> Decision:
-        # The rows say the rest: the 2.1 row's convolutions are 2-D already ("conv2d padding fold") and its
-        # rank5_note names its AvgDown3D pads; the 1.0 row (images=True) names the single-frame 2-D path.
-        return common.decide(self.name, match, env, options)
-
-    def apply(self, match: Match, decision: Decision, env: Env, options: common.VaePadOptions) -> Patch:
-        return common.apply(self.name, match, decision)
+    # The rows say the rest: the 2.1 row's convolutions are 2-D already ("conv2d padding fold") and its
+    # rank5_note names its AvgDown3D pads; the 1.0 row (images=True) names the single-frame 2-D path.
+    ROWS = ROWS

@@ -12,14 +12,8 @@ tile loop that blends as it goes; on CUDA also channels-last activations and a f
 
 from __future__ import annotations
 
-from typing import Iterator
-
-import torch
-
-from ...gate import Env
-from ...patching import Patch
-from ...registry import Decision, Match, Recipe, register
-from . import common
+from ...registry import register
+from .common import CausalVaeRecipe
 from .families import rows_for
 
 NAME = "wan_vae_pad"
@@ -28,7 +22,7 @@ ROWS = rows_for(NAME)
 
 
 @register
-class WanVaePad(Recipe):
+class WanVaePad(CausalVaeRecipe):
     name = NAME
     summary = "Wan VAE: spatial padding folded into each causal Conv3d, time padding as cache or zero slab; no F.pad"
     targets = tuple(t for row in ROWS for t in (row.vae, row.conv, row.avg_down) if t)
@@ -37,13 +31,4 @@ class WanVaePad(Recipe):
     requires = ()
     default = True
     order = 100
-    Options = common.VaePadOptions
-
-    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
-        return common.find_targets(root, prefix, ROWS)
-
-    def decide(self, match: Match, env: Env, options: common.VaePadOptions) -> Decision:
-        return common.decide(self.name, match, env, options)
-
-    def apply(self, match: Match, decision: Decision, env: Env, options: common.VaePadOptions) -> Patch:
-        return common.apply(self.name, match, decision)
+    ROWS = ROWS
