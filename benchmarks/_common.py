@@ -134,8 +134,10 @@ def measure_workload(
         stream_record(rec)
         records.append(rec)
         log(
-            f"{workload.describe()} {name} {str(dtype).replace('torch.', '')}: {t.median_s:.4f} s/call ({t.min_s:.4f}..{t.max_s:.4f}, "
-            f"{t.repeats} alternating rounds{', busy machine' if m.busy else ''}), {p['pads']['total']} 5-D pads, {p['pads'].get('all_ranks', '-')} of any rank (aten)"
+            f"{workload.describe()} {name} {str(dtype).replace('torch.', '')}: "
+            f"{t.median_s:.4f} s/call ({t.min_s:.4f}..{t.max_s:.4f}, "
+            f"{t.repeats} alternating rounds{', busy machine' if m.busy else ''}), "
+            f"{p['pads']['total']} 5-D pads, {p['pads'].get('all_ranks', '-')} of any rank (aten)"
             + ("" if name == "stock" else f", {m.ratio(name):.2f}x stock ({m.verdict(name)})")
             + (f", rel err vs {reference_name} {p['corr'].rel_error:.2e}" if p["corr"] else "")
         )
@@ -196,7 +198,8 @@ def summary(paths: list[Path]) -> str:
     from mpsboost.bench import read_jsonl
 
     lines = [
-        f"{'workload':58s} {'variant':20s} {'s/call':>8s} {'x stock':>7s} {'pads':>6s} {'alloc GiB':>9s} {'resv GiB':>8s} {'rel err':>8s} {'PSNR':>6s}"
+        f"{'workload':58s} {'variant':20s} {'s/call':>8s} {'x stock':>7s} {'pads':>6s} "
+        f"{'alloc GiB':>9s} {'resv GiB':>8s} {'rel err':>8s} {'PSNR':>6s}"
     ]
     for path in paths:
         if not Path(path).exists():
@@ -211,11 +214,17 @@ def summary(paths: list[Path]) -> str:
             gib = lambda b: f"{b / 2**30:9.2f}" if b else f"{'-':>9s}"  # noqa: E731
             c = r.correctness
             sh = r.workload.shape
-            what = f"{r.workload.name} {sh.get('video') or sh.get('image') or sh.get('label') or sh.get('latent')} {sh.get('dtype', '')}"
+            what = (
+                f"{r.workload.name} "
+                f"{sh.get('video') or sh.get('image') or sh.get('label') or sh.get('latent')} {sh.get('dtype', '')}"
+            )
             lines.append(
                 f"{what[:58]:58s} {r.variant[:20]:20s} {r.throughput.value:8.4f} "
                 + (f"{ratio:7.2f}" if ratio else f"{'':>7s}")
-                + f" {(r.extra.get('pad5d_aten') or {}).get('total', r.extra.get('pad_calls', '-')):>6} {gib(r.memory.tensor_allocated if r.memory else None)}"
+                + (
+                    f" {(r.extra.get('pad5d_aten') or {}).get('total', r.extra.get('pad_calls', '-')):>6} "
+                    f"{gib(r.memory.tensor_allocated if r.memory else None)}"
+                )
                 + f" {gib(r.memory.allocator_reserved if r.memory else None)[1:]}"
                 + (
                     f" {c.rel_error:8.1e} {c.psnr_db:6.1f}"

@@ -375,7 +375,8 @@ def _model_level(device: str, env: RecordEnv, repeats: int) -> list[Record]:
     print(
         "\nmodel-level decode (Qwen3-0.6B-shaped, eager, ms/token, median (min..max)): "
         + "; ".join(
-            f"{k} {t.median_s * 1e3:.2f} ({t.min_s * 1e3:.2f}..{t.max_s * 1e3:.2f}), {patches[k]['layers_patched']} layers patched"
+            f"{k} {t.median_s * 1e3:.2f} ({t.min_s * 1e3:.2f}..{t.max_s * 1e3:.2f}), "
+            f"{patches[k]['layers_patched']} layers patched"
             + ("" if k == "stock" else f", {m.ratio(k):.2f}x {m.verdict(k)}")
             for k, t in m.timings.items()
         )
@@ -389,11 +390,13 @@ def _print_table(table, cuda: bool, bw: float | None) -> None:
         print(f"\ncopy bandwidth {bw / 1e12:.2f} TB/s")
     print(f"\n{how}; median us per call; ratios within each shape; verdict: min..max spreads apart or not")
     print(
-        f"{'layer':34s} {'N':>6s} {'K':>6s} b {'stock_us':>9s} {'mps_us':>9s} {'mps/stk':>7s} {'verdict':>13s} {'forced':>6s} {'verdict':>13s} {'patch row':>10s} busy"
+        f"{'layer':34s} {'N':>6s} {'K':>6s} b {'stock_us':>9s} {'mps_us':>9s} {'mps/stk':>7s} {'verdict':>13s} "
+        f"{'forced':>6s} {'verdict':>13s} {'patch row':>10s} busy"
     )
     for lab, n, k, b, s, mu, r, v, fr, fv, st, busy in table:
         print(
-            f"{lab[:34]:34s} {n:6d} {k:6d} {int(b)} {s:9.2f} {mu:9.2f} {r:7.3f} {v:>13s} {fr:6.3f} {fv:>13s} {str(st):>10s} {'yes' if busy else ''}"
+            f"{lab[:34]:34s} {n:6d} {k:6d} {int(b)} {s:9.2f} {mu:9.2f} {r:7.3f} {v:>13s} "
+            f"{fr:6.3f} {fv:>13s} {str(st):>10s} {'yes' if busy else ''}"
         )
     for col, name in ((7, "mpsboost (patch() defaults)"), (9, "forced path")):
         verdicts = [row[col] for row in table]

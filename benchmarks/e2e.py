@@ -8,8 +8,8 @@ Workloads (real architectures, random weights built from shipped configs directl
 
 * ``qwen3-8b`` (Qwen3-8B shape, ``benchmarks/configs/qwen3_dense``), ``qwen3-30b-a3b`` (Qwen3-30B-A3B
   shape, ``examples/configs/qwen3_moe``) and ``qwen3.6-35b-a3b`` (Qwen3.6-35B-A3B: 30 Gated DeltaNet + 10
-  attention layers, 256 experts, ``benchmarks/configs/qwen3_5_moe``): ``generate()`` of ``--new-tokens`` after a prompt of
-  ``--prompt-tokens`` random ids, greedy and sampled (``do_sample=True``, the global RNG seeded before
+  attention layers, 256 experts, ``benchmarks/configs/qwen3_5_moe``): ``generate()`` of ``--new-tokens``
+  after a prompt of ``--prompt-tokens`` random ids, greedy and sampled (``do_sample=True``, the global RNG seeded before
   every call). Modes: ``eager`` (the default dynamic cache) and ``static``
   (``cache_implementation="static"``: transformers compiles the forward itself). Variants: ``stock``,
   ``mpsboost`` (``mpsboost.patch(model)`` on the same model, unpatched again for every stock call) and
@@ -607,7 +607,8 @@ def llm_mode(
         run.log(
             f"{label}: round {r + 1}: "
             + ", ".join(
-                f"{n} prefill {prefill[n][-1] * 1e3:.1f} ms decode {(full[n][-1] - prefill[n][-1]) / max(N - 1, 1) * 1e3:.2f} ms/tok"
+                f"{n} prefill {prefill[n][-1] * 1e3:.1f} ms "
+                f"decode {(full[n][-1] - prefill[n][-1]) / max(N - 1, 1) * 1e3:.2f} ms/tok"
                 for n in names
                 if len(full[n]) == r + 1
             )
@@ -726,7 +727,10 @@ def llm_mode(
                         "copy_bandwidth_source": bw_source,
                         "limit_s_per_token": limit_s,
                         "share_of_limit": limit_s / statistics.median(dec) if statistics.median(dec) > 0 else None,
-                        "counted": "parameters and buffers; input embedding one row; 3-D expert weights x top_k/num_experts; KV cache not counted",
+                        "counted": (
+                            "parameters and buffers; input embedding one row; 3-D expert weights x top_k/num_experts; "
+                            "KV cache not counted"
+                        ),
                     },
                 }
             )
@@ -863,7 +867,9 @@ def pipe_inputs(
             "guidance_scale": run["guidance_scale"],
         }
         desc = {
-            "prompt_embeds": f"random N(0,1) [1, {n}, {dim}] {C.dtype_name(dtype)} (UMT5 output shape; no text encoder built)",
+            "prompt_embeds": (
+                f"random N(0,1) [1, {n}, {dim}] {C.dtype_name(dtype)} (UMT5 output shape; no text encoder built)"
+            ),
             "negative_prompt_embeds": "random, same shape",
             "guidance_scale": run["guidance_scale"],
         }
@@ -882,7 +888,10 @@ def pipe_inputs(
             "width": run["width"],
         }
         desc = {
-            "prompt_embeds": f"random N(0,1) [1, {n}, {dim}] {C.dtype_name(dtype)} with an all-ones mask (Qwen2.5-VL output shape; no text encoder built)",
+            "prompt_embeds": (
+                f"random N(0,1) [1, {n}, {dim}] {C.dtype_name(dtype)} with an all-ones mask "
+                "(Qwen2.5-VL output shape; no text encoder built)"
+            ),
             "negative_prompt_embeds": "random, same shape",
             "true_cfg_scale": run["true_cfg_scale"],
         }
@@ -1190,7 +1199,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--variants",
         default="mpsboost,fp8",
-        help="besides stock (always run): mpsboost, fp8 (LLM only), mac (LLM only: Mac decisions, see --mac-torch), options (LLM only: --options)",
+        help=(
+            "besides stock (always run): mpsboost, fp8 (LLM only), mac (LLM only: Mac decisions, see --mac-torch), "
+            "options (LLM only: --options)"
+        ),
     )
     p.add_argument(
         "--options",

@@ -838,13 +838,15 @@ def run(device: str, size: str, out: Path) -> list[Record]:
             geo = math.exp(sum(math.log(s) for s in sp) / len(sp))
             big = sorted(res, key=lambda r: -r[1] * r[2])[:5]
             summary.append(
-                f"decode: {len(res)} shapes, geomean speedup fp8/bf16 {geo:.3f}x (min {min(sp):.2f}, max {max(sp):.2f}); "
+                f"decode: {len(res)} shapes, geomean speedup fp8/bf16 {geo:.3f}x "
+                f"(min {min(sp):.2f}, max {max(sp):.2f}); "
                 f"min SQNR {min(r[6] for r in res):.1f} dB"
             )
             for r in big:
                 frac = f"{r[5] * 100:.0f}% of copy BW" if r[5] else ""
                 summary.append(
-                    f"  {r[0]:34s} {r[1]:6d}x{r[2]:<6d} bf16 {r[3]:8.2f} us  fp8 {r[4]:8.2f} us  {r[3] / r[4]:.2f}x  {frac}"
+                    f"  {r[0]:34s} {r[1]:6d}x{r[2]:<6d} bf16 {r[3]:8.2f} us  "
+                    f"fp8 {r[4]:8.2f} us  {r[3] / r[4]:.2f}x  {frac}"
                 )
             peer_lines = {}
             for r in res:

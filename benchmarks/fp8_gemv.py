@@ -6,7 +6,8 @@ weight bytes fastest, and how close each gets to the device's copy bandwidth; wh
 
 For each (N, K) of the Qwen3-8B decoder and its lm_head, ``L`` distinct weights (together well over the
 L2 cache, as the layers of one decode step are) are run one after the other, captured into one CUDA
-graph (``mpsboost.bench.timing.time_fn``); the time per layer is the time per cycle over ``L``. Variants, all in one process:
+graph (``mpsboost.bench.timing.time_fn``); the time per layer is the time per cycle over ``L``. Variants,
+all in one process:
 
 * ``bf16``: ``F.linear`` on the bf16 weights (cuBLAS), the baseline a user has without fp8;
 * ``fp8 mma <cfg>`` / ``fp8 row <cfg>``: each launch configuration the tuner considers, for the

@@ -554,7 +554,8 @@ def main(argv=None) -> int:
         try:
             files = write_checkpoints(name, _config(name, layers, args.tiny), work, args.device)
             print(
-                f"{name} ({layers} layers{', tiny' if args.tiny else ''}): wrote bf16 {files['bf16_bytes'] / 2**30:.2f} GiB"
+                f"{name} ({layers} layers{', tiny' if args.tiny else ''}): "
+                f"wrote bf16 {files['bf16_bytes'] / 2**30:.2f} GiB"
                 f"{'' if files['bf16'] else ' (size only: no file)'} and fp8 "
                 f"{files['fp8_bytes'] / 2**30:.2f} GiB in {files['write_s']:.0f} s",
                 flush=True,
@@ -590,13 +591,16 @@ def main(argv=None) -> int:
             all_recs += recs
             a, b = res["bf16"], res["fp8"]
             print(
-                f"  bf16 + convert: {a['total_s']:.1f} s, device peak {a.get('device_peak', 0) / 2**30:.2f} GiB, host peak "
+                f"  bf16 + convert: {a['total_s']:.1f} s, "
+                f"device peak {a.get('device_peak', 0) / 2**30:.2f} GiB, host peak "
                 f"{a['host_peak'] / 2**30:.2f} GiB, decode step {a['decode_ms']:.2f} ms"
             )
             print(
                 f"  load_fp8:       {b['total_s']:.1f} s, device peak {b.get('device_peak', 0) / 2**30:.2f} GiB "
-                f"({ratio if ratio is None else round(ratio, 3)}x, target <= {TARGET_PEAK}), host peak {b['host_peak'] / 2**30:.2f} GiB "
-                f"({host_ratio if host_ratio is None else round(host_ratio, 3)}x), decode step {b['decode_ms']:.2f} ms, "
+                f"({ratio if ratio is None else round(ratio, 3)}x, target <= {TARGET_PEAK}), "
+                f"host peak {b['host_peak'] / 2**30:.2f} GiB "
+                f"({host_ratio if host_ratio is None else round(host_ratio, 3)}x), "
+                f"decode step {b['decode_ms']:.2f} ms, "
                 f"rel error {b['rel_error']:.2e} (target <= {TARGET_REL}; bit-equal: {b.get('logits_equal')})"
                 + (
                     ""

@@ -474,7 +474,8 @@ def _sync_and_graph(run: _Run, s: dict, dtype: torch.dtype, options: dict) -> No
         )
     )
     run.summary.append(
-        f"sync-debug 'error' on every mpsboost path: {'pass' if ok else 'FAIL'}; CUDA-graph capture: {'pass' if graphs else 'FAIL'}"
+        f"sync-debug 'error' on every mpsboost path: {'pass' if ok else 'FAIL'}; "
+        f"CUDA-graph capture: {'pass' if graphs else 'FAIL'}"
     )
     for key, val in results.items():
         if not key.startswith("mpsboost") and key.endswith("sync"):
@@ -755,7 +756,10 @@ def _compiled_stage(
             )
         )
         share = "no HBM limit measured" if frac is None else f"{frac * 100:5.1f}% of HBM limit {limit_s * 1e3:.3f} ms"
-        line = f"compiled {v:24s} {layers} layers: decode {per_tok * 1e3:7.3f} ms/token = {share} (first generate {compile_s:.0f}s)"
+        line = (
+            f"compiled {v:24s} {layers} layers: decode {per_tok * 1e3:7.3f} ms/token = {share} "
+            f"(first generate {compile_s:.0f}s)"
+        )
         run.log(line)
         run.summary.append(line)
     _set_variant(model, "transformers:grouped_mm")
@@ -790,7 +794,10 @@ def run(device: str, size: str, out: Path) -> list[Record]:
             env=_env(device, dtype),
             extra={
                 "batched_max_tokens": bound,
-                "rule": "largest routed-token count of the sweep up to which mpsboost batched_mm <= grouped_mm (CUDA events, eager)",
+                "rule": (
+                    "largest routed-token count of the sweep up to which mpsboost batched_mm <= grouped_mm "
+                    "(CUDA events, eager)"
+                ),
             },
         )
     )

@@ -2,7 +2,8 @@
 
 Variants on the same model and inputs: ``stock``; ``mps_streams`` alone (the stock convolutions in
 the side-stream tile loop; its output must equal stock bit for bit); ``wan_vae_pad`` /
-``qwen_image_vae`` alone (same loop, no side stream); both (``mps_streams`` is opt-in on CUDA; this benchmark opts in). Workloads: the Wan2.2 VAE tiled decode at 480x832 with 21 frames (15 tiles) and the
+``qwen_image_vae`` alone (same loop, no side stream); both (``mps_streams`` is opt-in on CUDA; this
+benchmark opts in). Workloads: the Wan2.2 VAE tiled decode at 480x832 with 21 frames (15 tiles) and the
 Qwen-Image VAE tiled decode of a 1024x1024 latent (36 tiles), fp32.
 
 On MPS the recipe needs a 2.16 nightly with user streams (pytorch#191415); on CPU it is skipped and

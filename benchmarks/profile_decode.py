@@ -119,7 +119,8 @@ def main(argv=None) -> int:
         what = f"{a.new_tokens} new tokens after 512" if a.workload == "qwen3-8b" else "one 512x512 denoising forward"
         print(
             f"== {a.workload} {variant}: {a.layers} layers, {what}: wall {wall * 1e3:.1f} ms, "
-            f"kernels {total:.1f} ms ({total / wall / 10:.0f}% of wall); without the profiler: median {plain_ms:.1f} ms of 5"
+            f"kernels {total:.1f} ms ({total / wall / 10:.0f}% of wall); "
+            f"without the profiler: median {plain_ms:.1f} ms of 5"
         )
         for g, v in sorted(groups.items(), key=lambda x: -x[1]):
             print(f"   {g:20s} {v:8.2f} ms  {v / per:7.3f} ms/{unit}")

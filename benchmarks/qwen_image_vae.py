@@ -105,7 +105,9 @@ def _tiling(vae: torch.nn.Module, size: str, on: bool) -> None:
                 tile_sample_stride_height=24,
                 tile_sample_stride_width=24,
             )
-        else:  # a 2x2 grid of tiles on the 16x24 image (Qwen-Image-2.1, spatial factor 8: 2x3 tiles, each a whole latent pixel)
+        else:
+            # a 2x2 grid of tiles on the 16x24 image (Qwen-Image-2.1, spatial factor 8: 2x3 tiles, each a whole
+            # latent pixel)
             stride_w = 8 if getattr(vae.config, "scale_factor_spatial", None) == 8 else 12
             vae.enable_tiling(
                 tile_sample_min_height=16,

@@ -656,7 +656,8 @@ def block_gaps(results: Path | None = None) -> str:
         [
             "`moe_experts` compiled static-cache decode, 48 layers, fraction of the HBM limit",
             f">= {TARGETS['moe_compiled_fraction']:.0%}",
-            f"{r.extra['fraction_of_hbm_limit']:.1%} ({r.extra.get('ms_per_token', math.nan):.2f} ms/token; {r.extra.get('method')})",
+            f"{r.extra['fraction_of_hbm_limit']:.1%} "
+            f"({r.extra.get('ms_per_token', math.nan):.2f} ms/token; {r.extra.get('method')})",
             "met" if r.extra["fraction_of_hbm_limit"] >= TARGETS["moe_compiled_fraction"] else "not met",
             source(moe, cg),
         ]
@@ -847,7 +848,8 @@ def block_gaps_e2e(results: Path | None = None) -> str:
             noop = _applies_nothing(g.variants["mpsboost"])
             rows.append(
                 [
-                    f"static-cache (compiled) decode, default patch, {label} {g.workload.shape['layers']} layers, {decoding}",
+                    f"static-cache (compiled) decode, default patch, {label} "
+                    f"{g.workload.shape['layers']} layers, {decoding}",
                     ">= 1.0x of stock",
                     f"{r:.2f}x ({v})"
                     + ("; the default patch applies nothing here, so this is stock against itself" if noop else ""),
@@ -863,7 +865,8 @@ def block_gaps_e2e(results: Path | None = None) -> str:
                 r, v = ratio(f, g, "mpsboost:fp8-rowwise", "decode_s_per_token")
                 rows.append(
                     [
-                        f'static-cache decode, `fp8="rowwise"`, {label} {g.workload.shape["layers"]} layers, {decoding}',
+                        f'static-cache decode, `fp8="rowwise"`, {label} '
+                        f"{g.workload.shape['layers']} layers, {decoding}",
                         ">= 1.3x of bf16 stock",
                         f"{r:.2f}x ({v})",
                         status(r, v, 1.3),
@@ -877,7 +880,8 @@ def block_gaps_e2e(results: Path | None = None) -> str:
         layers = g.workload.shape["layers"]
         rows.append(
             [
-                f"MoE static-cache decode, share of the bandwidth limit ({layers} layers measured; the target is at 48)",
+                f"MoE static-cache decode, share of the bandwidth limit "
+                f"({layers} layers measured; the target is at 48)",
                 ">= 25%",
                 f"{share:.1%} (stock {g.variants['stock'].extra['bandwidth']['share_of_limit']:.1%})",
                 "not met" if share < 0.25 else ("met" if layers == 48 else f"met at {layers} layers"),
@@ -891,7 +895,8 @@ def block_gaps_e2e(results: Path | None = None) -> str:
             r, v = ratio(f, g, "mpsboost", key)
             rows.append(
                 [
-                    f"eager `generate()` {name}, MoE {g.workload.shape['layers']} layers (stock: transformers' default, "
+                    f"eager `generate()` {name}, MoE {g.workload.shape['layers']} layers "
+                    "(stock: transformers' default, "
                     "which switches decode to batched_mm)",
                     f">= {target}x of stock",
                     f"{r:.2f}x ({v})",
@@ -982,7 +987,8 @@ def block_fp8_load(results: Path | None = None) -> str:
         path_text = "; ".join(var.extra.get("backing") or []) or "-"
         rows.append(
             [
-                f"{sh['workload']} ({sh['layers']} layers), {sh['format']}; files: bf16 {gib(sh['bf16_bytes'])}, fp8 {gib(sh['fp8_bytes'])}",
+                f"{sh['workload']} ({sh['layers']} layers), {sh['format']}; "
+                f"files: bf16 {gib(sh['bf16_bytes'])}, fp8 {gib(sh['fp8_bytes'])}",
                 path_text,
                 f"{base.throughput.value:.1f} s -> {var.throughput.value:.1f} s (one run each)",
                 f"{gib(dev_b)} -> {gib(dev_v)} ({dev_v / dev_b:.3f}x)",
@@ -1093,7 +1099,8 @@ def block_fp8_gemv(results: Path | None = None) -> str:
                         f"`{shape}` {r['n']}x{r['k']}",
                         label,
                         r["variant"].split(" ", 2)[-1] if label.startswith("fp8") else "-",
-                        f"{r['us_per_layer_median']:.1f} ({r['us_per_layer_min']:.1f} .. {r['us_per_layer_max']:.1f}, n={r['repeats']})",
+                        f"{r['us_per_layer_median']:.1f} "
+                        f"({r['us_per_layer_min']:.1f} .. {r['us_per_layer_max']:.1f}, n={r['repeats']})",
                         f"{r['share_of_copy_bandwidth']:.0%}" if r.get("share_of_copy_bandwidth") else "-",
                         f"{r['speedup_vs_bf16']:.2f}x" if r.get("speedup_vs_bf16") else "-",
                         f"{r['rel_err_vs_fp32_dequant']:.1e}",
@@ -1130,7 +1137,10 @@ def block_profile_decode(results: Path | None = None) -> str:
                 f"{k} {v / r['new_tokens']:.2f}" for k, v in sorted(r["groups_ms"].items(), key=lambda x: -x[1])
             )
             if r.get("unit", "token") == "token":
-                call = f"{r.get('workload', 'qwen3-8b')} static-cache generate(), {r['layers']} layers, {r['new_tokens']} new tokens"
+                call = (
+                    f"{r.get('workload', 'qwen3-8b')} static-cache generate(), "
+                    f"{r['layers']} layers, {r['new_tokens']} new tokens"
+                )
             else:
                 call = f"{r['workload']} transformer, {r['layers']} layers, one 512x512 denoising forward"
             plain = f"; {r['plain_wall_ms']:.1f} ms without the profiler (median of 5)" if "plain_wall_ms" in r else ""

@@ -11,7 +11,8 @@ weights):
 
 Every record keeps the four kinds apart: time (the variants of one workload timed in alternating
 rounds, each patched by ``mpsboost.patched`` around its own samples; median, min and max kept), the
-count of aten-level pads of 5-D tensors in one decode (:func:`mpsboost.bench.harness.count_pad5d`), correctness (mpsboost vs stock of the same run; stock vs the CPU fp32 reference of the
+count of aten-level pads of 5-D tensors in one decode (:func:`mpsboost.bench.harness.count_pad5d`),
+correctness (mpsboost vs stock of the same run; stock vs the CPU fp32 reference of the
 reduced decode), and the memory peaks of a separate pass. Sizes "tiny" and "small" run the same
 code on small configs (tiny finishes in seconds on a CPU).
 

@@ -3,7 +3,8 @@
 
 With weights (network or a local copy):
 
-    python examples/fp8_any.py --model Qwen/Qwen3-30B-A3B --device mps --granularity rowwise --save qwen3-fp8.safetensors
+    python examples/fp8_any.py --model Qwen/Qwen3-30B-A3B --device mps --granularity rowwise \
+        --save qwen3-fp8.safetensors
     python examples/fp8_any.py --model Wan-AI/Wan2.2-TI2V-5B-Diffusers --subfolder transformer --device mps
 
 Offline, real architecture with random weights (configs shipped with mpsboost, mpsboost.bench.models):
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
             identical = bool(torch.equal(forward(fresh).float().cpu(), forward(model).float().cpu()))
     where = f"{path}" if tmp is None else "a temporary file, deleted now (--save FILE keeps it)"
     print(
-        f"fp8 file: {where} ({size / 2**20:.2f} MiB); weights {bytes_before / 2**20:.2f} -> {bytes_after / 2**20:.2f} MiB "
+        f"fp8 file: {where} ({size / 2**20:.2f} MiB); "
+        f"weights {bytes_before / 2**20:.2f} -> {bytes_after / 2**20:.2f} MiB "
         f"({bytes_after / bytes_before:.2f}x); reloaded output identical to the converted model: {identical}"
     )
     if tmp is not None:

@@ -9,7 +9,8 @@ With weights (network or a local copy):
 Offline, real architecture with random weights (the qwen3_moe configs shipped with mpsboost):
 
     python examples/qwen3_moe_chat.py --random-weights tiny            # seconds on a CPU (what CI runs)
-    python examples/qwen3_moe_chat.py --random-weights real --layers 8 --device mps   # Qwen3-30B-A3B shape, 8 of 48 layers
+    python examples/qwen3_moe_chat.py --random-weights real --layers 8 --device mps   # Qwen3-30B-A3B shape,
+                                                                                      # 8 of 48 layers
 
 The job is ``generate()`` (greedy, or ``--sample``): prefill of the prompt, then one token at a time.
 Operator times: the prefill forward and one decode step with a KV cache of the prompt (the cache is

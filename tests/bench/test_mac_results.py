@@ -1,4 +1,5 @@
-"""benchmarks/mac_results.py: contributed selftest files become docs/mac-results.md; an empty folder says how to add a row."""
+"""benchmarks/mac_results.py: contributed selftest files become docs/mac-results.md; an empty folder says how to
+add a row."""
 
 from __future__ import annotations
 

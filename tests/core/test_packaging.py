@@ -54,7 +54,8 @@ c1 = time.process_time(); import mpsboost; t2 = time.perf_counter(); c2 = time.p
 names = mpsboost.recipe_names()
 missing = [n for n in {public!r} if not hasattr(mpsboost, n)]
 heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('diffusers', 'transformers', 'accelerate'))
-print(json.dumps({{"torch_s": t1 - t0, "mpsboost_s": t2 - t1, "mpsboost_cpu_s": c2 - c1, "version": mpsboost.__version__, "recipes": names,
+print(json.dumps({{"torch_s": t1 - t0, "mpsboost_s": t2 - t1, "mpsboost_cpu_s": c2 - c1,
+                  "version": mpsboost.__version__, "recipes": names,
                   "missing": missing, "heavy": heavy, "file": mpsboost.__file__}}))
 """
 
@@ -219,7 +220,8 @@ def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_proper
         "diffusers": "import mpsboost, diffusers, torch; from diffusers import AutoencoderKLWan as A; "
         "v = A(base_dim=3, z_dim=16, dim_mult=[1,1,1,1], num_res_blocks=1, temperal_downsample=[False,True,True]); "
         "r = mpsboost.plan(v, device='mps', torch_version='2.14.1'); assert r.rows, r; print(len(r.applied))",
-        "transformers": "import mpsboost, transformers, torch; from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM as M; "
+        "transformers": "import mpsboost, transformers, torch; "
+        "from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM as M; "
         "m = M(Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, "
         "num_key_value_heads=1, head_dim=16, intermediate_size=32, moe_intermediate_size=16, num_experts=4, "
         "num_experts_per_tok=2)); r = mpsboost.patch(m); assert r.rows; mpsboost.unpatch(m) if r.applied else None",

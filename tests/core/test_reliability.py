@@ -176,8 +176,10 @@ def test_1000_patch_unpatch_cycles_do_not_grow_objects_or_memory(record_property
         ((k, objs1[k] - objs0[k]) for k in objs1 | objs0 if objs1[k] != objs0[k]), key=lambda kv: -abs(kv[1])
     )[:8]
     figures = (
-        f"1000 cycles of {', '.join(names)} ({n_applied} patches each, {label}): {seconds:.2f} s ({seconds:.2f} ms/cycle); "
-        f"gc objects {sum(objs0.values())} -> {sum(objs1.values())} ({grew_objects:+d}: {grew_types}); RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB "
+        f"1000 cycles of {', '.join(names)} ({n_applied} patches each, {label}): "
+        f"{seconds:.2f} s ({seconds:.2f} ms/cycle); "
+        f"gc objects {sum(objs0.values())} -> {sum(objs1.values())} ({grew_objects:+d}: {grew_types}); "
+        f"RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB "
         f"({grew_rss / 2**20:+.2f} MiB)"
     )
     print(figures)

@@ -5,7 +5,8 @@
   module computes what the eager patched one does.
 - Offloading: diffusers ``enable_model_cpu_offload`` after patching and patching after it; sequential
   offloading (accelerate ``cpu_offload``, what ``enable_sequential_cpu_offload`` installs per component)
-  likewise, and unpatching under it (accelerate's hooks stay, with the original forwards inside). diffusers' own ``enable_sequential_cpu_offload()`` needs an accelerator (on the CPU its
+  likewise, and unpatching under it (accelerate's hooks stay, with the original forwards inside).
+  diffusers' own ``enable_sequential_cpu_offload()`` needs an accelerator (on the CPU its
   meta-to-CPU reload fails in stock diffusers), so that test is ``cuda``-marked, as is the default
   accelerator form of both calls.
 - Isolation: patching one pipeline changes no other pipeline, no freshly built model of the same class,

@@ -401,7 +401,8 @@ def test_revisit_names_the_decision_a_probe_contradicts():
 
 
 def test_a_stock_failure_is_a_finding_when_patched_runs(tmp_path, monkeypatch):
-    """A build whose stock path raises (a missing MPS kernel) and whose patched path runs: 'stock fails', a valid finding."""
+    """A build whose stock path raises (a missing MPS kernel) and whose patched path runs: 'stock fails', a valid
+    finding."""
     import mpsboost
     from mpsboost.selftest import workloads
 
@@ -441,7 +442,7 @@ def test_a_stock_failure_is_a_finding_when_patched_runs(tmp_path, monkeypatch):
     assert "stock fails" in md.read_text()
 
 
-# ------------------------------------------------------------------------------------------ probes on a simulated MPS build
+# -------------------------------------------------------------------------------------- probes on a simulated MPS build
 
 
 class _BuggyMps:

@@ -1,4 +1,5 @@
-"""metal_attention: routes to the Metal SDPA kernels each MPS build has; a real SDPA code path, run on CPU by forcing it.
+"""metal_attention: routes to the Metal SDPA kernels each MPS build has; a real SDPA code path, run on CPU by
+forcing it.
 
 Plans on simulated MPS 2.12 / 2.13 (nightlies either side of the GQA merge) / 2.14.1 / 2.15.0 / 2.16
 nightlies (before and after a merge date), CUDA, CPU;

@@ -376,7 +376,8 @@ def test_compressed_tensors(tmp_path, env, strategy):
     rows = _all_fp8_rows_loaded(report, 10)
     if env == "cuda-sm90-simulated":
         assert {r.backing for r in rows if r.details["kind"] == "linear"} == {
-            "fp8 GEMV (triton, float32 activations; tf32 in its 16-row tile kernel) for M<=16; dequantize then linear above"
+            "fp8 GEMV (triton, float32 activations; tf32 in its 16-row tile kernel) for M<=16; "
+            "dequantize then linear above"
         }
     lin = {r.details["granularity"] for r in rows if r.details["kind"] == "linear"}
     assert lin == {"rowwise" if strategy == "channel" else "tensorwise"}
@@ -452,7 +453,7 @@ def test_published_checkpoints_on_cuda(tmp_path, fmt):
     assert _rel(got, want) < (RTOL if fmt == "transformers" else 5e-2)
 
 
-# ------------------------------------------------------------------------------------------ mpsboost's own complete checkpoints
+# ---------------------------------------------------------------------------------- mpsboost's own complete checkpoints
 
 
 @pytest.mark.parametrize("env", list(ENVS))
@@ -833,7 +834,8 @@ def test_peak_memory_while_loading_stays_under_file_plus_largest_layer(tmp_path)
     peak = m["peak"] - m["base"]
     margin = 48 * 2**20  # Python objects, allocator slack, the rotary tables of a donor build
     print(
-        f"file {size / 2**20:.1f} MiB, largest tensor {largest / 2**20:.1f} MiB, peak over baseline {peak / 2**20:.1f} MiB, "
+        f"file {size / 2**20:.1f} MiB, largest tensor {largest / 2**20:.1f} MiB, "
+        f"peak over baseline {peak / 2**20:.1f} MiB, "
         f"held after load {(m['after'] - m['base']) / 2**20:.1f} MiB"
     )
     assert peak <= size + largest + margin, (peak, size, largest)

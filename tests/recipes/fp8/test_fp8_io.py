@@ -265,7 +265,7 @@ def test_missing_file_and_bad_path_type():
         mpsboost.load_fp8(model, 42)
 
 
-# ------------------------------------------------------------------------------------------ plain loaders refuse a saved folder
+# ---------------------------------------------------------------------------------- plain loaders refuse a saved folder
 
 
 def _plain_load_refused(load, folder) -> str:

@@ -465,7 +465,8 @@ def test_qwen36_layout_loads_within_file_plus_largest_layer(tmp_path):
     peak = m["peak"] - m["base"]
     margin = 48 * 2**20  # Python objects, allocator slack, the rotary tables of a donor build
     print(
-        f"file {size / 2**20:.1f} MiB, largest tensor {largest / 2**20:.1f} MiB, peak over baseline {peak / 2**20:.1f} MiB"
+        f"file {size / 2**20:.1f} MiB, largest tensor {largest / 2**20:.1f} MiB, "
+        f"peak over baseline {peak / 2**20:.1f} MiB"
     )
     assert peak <= size + largest + margin, (peak, size, largest)
 
