@@ -432,7 +432,8 @@ def plan(
                 raise TypeError(f"device must be a str such as 'mps' or 'cuda:9.0', got {type(device).__name__}")
             if device.partition(":")[0] not in ("cpu", "cuda", "mps"):
                 raise GateError(
-                    f"device {device!r} is not one mpsboost knows; accepted: cpu, cuda, mps (cuda:MAJOR.MINOR for a GPU generation)"
+                    f"device {device!r} is not one mpsboost knows; accepted: cpu, cuda, mps "
+                    "(cuda:MAJOR.MINOR for a GPU generation)"
                 )
             env = Env.simulate(device, torch_version, capability=capability)
         else:
@@ -654,10 +655,12 @@ def unpatch(obj: Any) -> None:
             copied = _patched_modules(targets)
             if copied:
                 raise PatchedCopyError(
-                    f"this {type(obj).__name__} carries mpsboost patches ({copied[0]} and {len(copied) - 1} more module(s)) "
+                    f"this {type(obj).__name__} carries mpsboost patches "
+                    f"({copied[0]} and {len(copied) - 1} more module(s)) "
                     "that were not made on it: it is a copy (copy.deepcopy) of a patched object, and the undo of each "
                     "patch belongs to the original. Nothing was changed. Unpatch the original and copy it again "
-                    "(or reload the model); to copy a patched model and keep both, copy it before patching and patch each."
+                    "(or reload the model); to copy a patched model and keep both, "
+                    "copy it before patching and patch each."
                 )
             raise NotPatchedError(
                 f"this {type(obj).__name__} was not patched by mpsboost (or was already unpatched); nothing to undo"

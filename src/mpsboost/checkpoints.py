@@ -14,7 +14,8 @@ indexes those loaders do read (``model.safetensors.index.json``,
 ``diffusion_pytorch_model.safetensors.index.json``), which name one shard that does not exist and
 whose name says what to do: their ``from_pretrained`` raises an error naming ``mpsboost.load_fp8``
 instead of building a bf16 model that reads fp8 codes as weights. The metadata says, per converted
-module, its kind, scales (granularity, block) and compute dtype. Files are written tensor by tensor: saving never holds a second copy.
+module, its kind, scales (granularity, block) and compute dtype. Files are written tensor by tensor:
+saving never holds a second copy.
 
 ``load_fp8`` reads mpsboost's own checkpoints and the formats people publish
 (:mod:`mpsboost.recipes.fp8.formats`: transformers' fine-grained FP8, compressed-tensors, ``scaled_fp8``
@@ -70,7 +71,8 @@ INDEX_NAME = "model.fp8.safetensors.index.json"
 # of layers of different widths do not fit) and diffusers has no fp8 quantizer. An index whose one
 # shard is missing is refused by both loaders, and their error prints the shard's name:
 #   transformers: "No such file or directory: <folder>/<DECOY_SHARD>"
-#   diffusers:    "<folder> does not appear to have a file named <DECOY_SHARD> which is required according to the checkpoint index"
+#   diffusers:    "<folder> does not appear to have a file named <DECOY_SHARD> which is required according
+#                  to the checkpoint index"
 DECOY_SHARD = "THIS-FOLDER-HOLDS-FP8-CODES--load-it-with-mpsboost.load_fp8.safetensors"
 DECOY_INDEXES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
 _ST_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32"}
@@ -161,8 +163,10 @@ def save_fp8(obj: Any, path: Any, *, max_shard_size: Any = _SHARD_DEFAULT) -> Pa
     entries = list(_converted(obj))
     if not entries:
         raise Fp8StateError(
-            f"this {type(obj).__name__} has no weights converted by fp8_weights, so there is nothing to save to {target.name}; "
-            "call mpsboost.patch(obj, fp8='rowwise') (or 'tensorwise') first, or load an fp8 checkpoint with mpsboost.load_fp8"
+            f"this {type(obj).__name__} has no weights converted by fp8_weights, "
+            f"so there is nothing to save to {target.name}; "
+            "call mpsboost.patch(obj, fp8='rowwise') (or 'tensorwise') first, "
+            "or load an fp8 checkpoint with mpsboost.load_fp8"
         )
     for mpath, mod, names, state in entries:
         for n in names:
@@ -402,8 +406,10 @@ def _donor_buffers(root: torch.nn.Module, pairs, dev: torch.device) -> dict:
     where = ", ".join(sorted({n for n, m in root.named_modules() for mm, _ in pairs if mm is m})[:3])
     if init_empty_weights is None or cfg is None:
         raise Fp8MismatchError(
-            f"buffers of {where} are on the meta device and are not stored in checkpoints (computed at construction); "
-            "build the model with accelerate.init_empty_weights() (it keeps buffers real) instead of torch.device('meta')"
+            f"buffers of {where} are on the meta device and are not stored in checkpoints "
+            "(computed at construction); "
+            "build the model with accelerate.init_empty_weights() (it keeps buffers real) "
+            "instead of torch.device('meta')"
         )
     with init_empty_weights(include_buffers=False):
         if matches_class(root, ("transformers.modeling_utils.PreTrainedModel",)):
@@ -436,7 +442,8 @@ def _load_plans(obj: Any, target: Path, roots) -> list:
         return plans
     if not target.is_dir():
         raise Fp8FileError(
-            f"a {type(obj).__name__} loads from a folder with one subfolder per component, not from the file {target.name}"
+            f"a {type(obj).__name__} loads from a folder with one subfolder per component, "
+            f"not from the file {target.name}"
         )
     for prefix, root in roots:
         sub = target / prefix

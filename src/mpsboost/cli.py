@@ -134,7 +134,8 @@ def _doctor(args: argparse.Namespace) -> int:
             print(f"  {r['name'].ljust(w)}  {r['summary']} [{tags}]")
     hk = info["hub_kernels"]
     print(
-        f"\ntransformers hub kernels for Metal ({', '.join(hk['repos'])}): {'would load' if hk['would_load'] else 'would not load'}"
+        f"\ntransformers hub kernels for Metal ({', '.join(hk['repos'])}): "
+        f"{'would load' if hk['would_load'] else 'would not load'}"
         f"\n  {hk['why']}"
     )
     if "fp8_checkpoint" in info:
@@ -199,7 +200,8 @@ def _hub_kernels(env: Any) -> dict[str, Any]:
             fits = False
         if not fits:
             why.append(
-                f"kernels {out['kernels']} is installed; transformers {out['transformers']} needs {out['needs']} and skips them silently"
+                f"kernels {out['kernels']} is installed; transformers {out['transformers']} "
+                f"needs {out['needs']} and skips them silently"
             )
     if flag not in ("1", "ON", "YES", "TRUE"):
         why.append(f"USE_HUB_KERNELS={os.environ.get('USE_HUB_KERNELS')} turns them off")

@@ -523,7 +523,8 @@ def measure_lines(records) -> list[str]:
                 faster, slower = ("throughput", f"op {op}") if tp > 1.0 else (f"op {op}", "throughput")
                 lines.append(
                     f"  {name}: {variant} vs stock: op {op} {r_op:.2f}x but throughput {tp:.2f}x. These time different "
-                    f"work: the op line is one isolated call of {op}; the throughput is the whole job, where a recipe also "
+                    f"work: the op line is one isolated call of {op}; "
+                    "the throughput is the whole job, where a recipe also "
                     "changes every other call, the work between the calls (padding copies, cache concatenations, host "
                     "syncs, layout changes) and how calls of different sizes are served. "
                     f"{faster.capitalize()} is faster and {slower} slower here: the whole-job figure is the one that "

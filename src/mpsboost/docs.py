@@ -437,7 +437,10 @@ def support_details(samples: Sequence[Sample] = SAMPLES, columns: Sequence[Colum
             count = f"{cell.applied} applied, {cell.skipped} stepped aside" if cell.status != NO_TARGET else "-"
             reason = cell.reason or "-"
             if cell.other_reasons:
-                reason += f" (and {cell.other_reasons} other reason{'s' if cell.other_reasons > 1 else ''} on other targets: `plan()` gives each)"
+                reason += (
+                    f" (and {cell.other_reasons} other reason{'s' if cell.other_reasons > 1 else ''} "
+                    "on other targets: `plan()` gives each)"
+                )
             rows.append([col.heading, cell.status, _backing_text(cell.backings) or "-", where, count, reason])
         out.append(
             f"#### `{recipe.name}` ({selection(recipe)})\n\n{recipe.summary}\n\n"

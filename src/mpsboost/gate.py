@@ -85,7 +85,8 @@ class TorchVersion:
 
 
 def parse_torch_version(text: str) -> TorchVersion:
-    """Parse a torch version string (the forms in this module's docstring); raise :class:`GateError` for anything else."""
+    """Parse a torch version string (the forms in this module's docstring); raise :class:`GateError` for
+    anything else."""
     if not isinstance(text, str):
         raise TypeError(f"torch version must be a str such as '2.15.0', got {type(text).__name__}: {text!r}")
     raw = text.strip()
@@ -364,7 +365,8 @@ def _rule_verdict(feature: Feature, rule: Rule, env: Env) -> Verdict:
             if tv.nightly_date is None:
                 return Verdict(
                     False,
-                    f"{feature.description}: nightly {tv.raw} carries no date to compare with the merge of{ups} on {rule.merged}",
+                    f"{feature.description}: nightly {tv.raw} carries no date to compare with "
+                    f"the merge of{ups} on {rule.merged}",
                 )
             if tv.nightly_date < rule.merged:
                 return Verdict(
@@ -692,7 +694,9 @@ FEATURES: dict[str, Feature] = {
                     Rule(
                         since="2.15",
                         upstream="pytorch#196916",
-                        conditions="a storage format for large M: the general kernel runs at 0.12-0.25x of bf16 for M >= 512",
+                        conditions=(
+                            "a storage format for large M: the general kernel runs at 0.12-0.25x of bf16 for M >= 512"
+                        ),
                     ),
                 ),
                 "cuda": (Rule(since="2.4", min_capability=(8, 9), upstream="torch._scaled_mm"),),
@@ -830,7 +834,9 @@ FEATURES: dict[str, Feature] = {
                         since="2.13",
                         min_macos=(26, 2),
                         upstream="pytorch#182256 (May 2026)",
-                        conditions="fp16/bf16, head dims 64/96/128/256, query length > 8; others keep the simdgroup kernel",
+                        conditions=(
+                            "fp16/bf16, head dims 64/96/128/256, query length > 8; others keep the simdgroup kernel"
+                        ),
                     ),
                 ),
             },
@@ -880,7 +886,9 @@ FEATURES: dict[str, Feature] = {
                     Rule(
                         since="2.14",
                         upstream="pytorch#188802, #192229",
-                        conditions="issue #192213: 7% of matmul throughput on 2.12, 97% on a 2.14 nightly (fp16, with bias)",
+                        conditions=(
+                            "issue #192213: 7% of matmul throughput on 2.12, 97% on a 2.14 nightly (fp16, with bias)"
+                        ),
                     ),
                 ),
                 "cuda": _ALWAYS,

@@ -537,7 +537,8 @@ def register_in_interface(
         existing = getattr(interface, "_global_mapping", {})
         if key in existing:
             raise RuntimeError(
-                f"{getattr(interface, '__name__', interface)!r} already has a function named {key!r} that mpsboost did not register"
+                f"{getattr(interface, '__name__', interface)!r} already has a function named {key!r} "
+                "that mpsboost did not register"
             )
         fn = make_fn()
         interface.register(key, fn)

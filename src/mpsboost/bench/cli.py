@@ -232,7 +232,8 @@ def run_benchmark(
     bad = [type(r).__name__ for r in records if not isinstance(r, Record)]
     if bad:
         raise BenchError(
-            f"benchmark {name}: run() returned non-Record items ({', '.join(sorted(set(bad)))}); return mpsboost.bench.Record objects"
+            f"benchmark {name}: run() returned non-Record items ({', '.join(sorted(set(bad)))}); "
+            "return mpsboost.bench.Record objects"
         )
     jsonl = write_jsonl(out / f"{name}.jsonl", records)
     table = compare_table(records)

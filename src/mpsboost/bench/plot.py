@@ -259,7 +259,10 @@ def _plot_compact(groups: list[Group], path: Path, plt, title: str | None) -> Pa
     env = groups[0].env
     fig.suptitle(
         title
-        or f"{env.device_type} ({env.device_name}), torch {env.torch_version}, {env.dtype}, {env.compile}: {n} workloads",
+        or (
+            f"{env.device_type} ({env.device_name}), torch {env.torch_version}, "
+            f"{env.dtype}, {env.compile}: {n} workloads"
+        ),
         fontsize=10,
     )
     fig.tight_layout()

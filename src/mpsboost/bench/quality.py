@@ -57,7 +57,8 @@ def _pair(x: Any, ref: Any):
     x, ref = as_tensor(x), as_tensor(ref)
     if x.shape != ref.shape:
         raise QualityError(
-            f"shapes differ: output {tuple(x.shape)} vs reference {tuple(ref.shape)}; compare outputs of the same inputs"
+            f"shapes differ: output {tuple(x.shape)} vs reference {tuple(ref.shape)}; "
+            "compare outputs of the same inputs"
         )
     if x.numel() == 0:
         raise QualityError("cannot compare empty tensors (0 elements)")

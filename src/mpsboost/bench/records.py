@@ -557,7 +557,8 @@ class Record:
     def __post_init__(self) -> None:
         if not isinstance(self.workload, Workload):
             raise RecordError(
-                f"Record.workload: expected a Workload(name, shape), got {type(self.workload).__name__} {self.workload!r}"
+                "Record.workload: expected a Workload(name, shape), "
+                f"got {type(self.workload).__name__} {self.workload!r}"
             )
         _str(self.variant, "Record.variant")
         if not isinstance(self.env, RecordEnv):

@@ -309,7 +309,8 @@ def capture_cuda_graph(fn, *, warmup: int = 1, calls: int = 1):
     except _HostSync as sync:
         raise CudaGraphCaptureError(
             f"could not capture the timed function into a CUDA graph: it synchronises with the host "
-            f"({sync.__cause__}); capture was not attempted. Time with cuda_graph=False, or cuda_graph='auto' to fall back"
+            f"({sync.__cause__}); capture was not attempted. "
+            "Time with cuda_graph=False, or cuda_graph='auto' to fall back"
         ) from sync.__cause__
     except Exception as exc:  # capture fails with RuntimeError/CUDA errors of many kinds
         # A failed capture can leave the stream in capture mode or with a sticky error; sync to

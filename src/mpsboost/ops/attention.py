@@ -1,4 +1,5 @@
-"""Attention in the layout the Metal SDPA kernels of MPS take (prefill kernels from torch 2.13, fully on Metal in 2.16 nightlies).
+"""Attention in the layout the Metal SDPA kernels of MPS take (prefill kernels from torch 2.13, fully on
+Metal in 2.16 nightlies).
 
 On MPS, ``F.scaled_dot_product_attention`` runs a Metal kernel (decode vector kernels for query length
 <= 8, flash-style prefill kernels above) only when (aten/src/ATen/native/mps/operations/Attention.mm on

@@ -35,7 +35,10 @@ def check_block_scale(shape: tuple[int, ...], scale_shape: tuple[int, ...], bloc
     bn, bk = block
     want = tuple(shape[:-2]) + (-(-shape[-2] // bn), -(-shape[-1] // bk))
     if tuple(scale_shape) != want:
-        return f"block scales of a {list(shape)} weight with blocks {[bn, bk]} have shape {list(want)}, got {list(scale_shape)}"
+        return (
+            f"block scales of a {list(shape)} weight with blocks {[bn, bk]} have shape {list(want)}, "
+            f"got {list(scale_shape)}"
+        )
     return None
 
 
@@ -110,8 +113,9 @@ def fp8_block_experts(
     """Routed experts on block-scaled stacks ``up [E, N_up, H]``, ``down [E, H, I]`` (the [E, out, in] layout).
 
     Per-row (``[E, N, 1]``) and per-expert (``[E, 1, 1]``) scales are block scales of blocks ``(1, K)`` and
-    ``(N, K)``: ``down_block`` gives the down projection's when it differs from ``block``. Pairs are sorted by expert; the per-expert counts are read once on the host and only the experts
-    with routed pairs are dequantised, one at a time. ``hidden_states [T, H]``, ``top_k_* [T, k]``. Under
+    ``(N, K)``: ``down_block`` gives the down projection's when it differs from ``block``. Pairs are sorted
+    by expert; the per-expert counts are read once on the host and only the experts with routed pairs are
+    dequantised, one at a time. ``hidden_states [T, H]``, ``top_k_* [T, k]``. Under
     torch.compile the counts are never read on the host: the layer's stacks are dequantised whole and the
     sync-free routed path of :mod:`mpsboost.ops.moe` runs instead.
     """

@@ -17,9 +17,9 @@ histogram, :func:`~mpsboost.ops.moe.unroute`). Paths (:data:`PATHS`):
   dequantised (transiently the bytes of one stock layer), then the native grouped matmul where the gate
   has one, else the dense fallback of :func:`mpsboost.ops.moe.grouped_linear`. No host sync.
 * ``"hit"`` (many pairs, no fp8 grouped kernel; eager only, see :data:`TRACEABLE`): the experts with at
-  least one routed pair are found (one host read of the per-expert counts) and only those are dequantised: into a compact stack for
-  the native grouped matmul where the gate has one, else one expert at a time (rows sliced by the
-  counts already on the host). Never the whole stack unless every expert is hit.
+  least one routed pair are found (one host read of the per-expert counts) and only those are
+  dequantised: into a compact stack for the native grouped matmul where the gate has one, else one
+  expert at a time (rows sliced by the counts already on the host). Never the whole stack unless every expert is hit.
 
 :func:`dequantize_experts` is the one place expert weights are dequantised, so tests can see which
 experts were touched. This module never imports diffusers or transformers.

@@ -7,10 +7,10 @@ by the CUDA kernels of the registered operators ``mpsboost::fp8_gemv`` and ``mps
   loaded (1 byte per weight: half the bytes of bf16), multiplied by its per-row (or per-tensor) scale
   in fp32 and rounded once to the activation dtype in registers (the weight ``F.linear`` would get
   from :func:`mpsboost.ops.fp8.dequantize`), multiplied with fp32 accumulation (tensor cores for
-  up to 16 rows per tile, CUDA cores for a single row), the bias added in the epilogue. Rows of ``x`` are padded to 16 (the smallest ``tl.dot``);
-  the padding costs arithmetic, which is idle at decode, not bytes. Layers with few output rows
-  split K over more programs (partials in fp32, then one small reduction kernel with the epilogue),
-  so that every multiprocessor streams weight bytes.
+  up to 16 rows per tile, CUDA cores for a single row), the bias added in the epilogue. Rows of ``x``
+  are padded to 16 (the smallest ``tl.dot``); the padding costs arithmetic, which is idle at decode,
+  not bytes. Layers with few output rows split K over more programs (partials in fp32, then one small
+  reduction kernel with the epilogue), so that every multiprocessor streams weight bytes.
 * :func:`quantize_rows` -- rowwise fp8 quantisation of an activation in one kernel (amax, scale,
   codes), feeding ``torch._scaled_mm`` on the large-M path.
 

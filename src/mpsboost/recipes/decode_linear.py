@@ -103,7 +103,10 @@ class DecodeLinearPlan:
 @register
 class DecodeLinear(Recipe):
     name = "decode_linear"
-    summary = "one-token F.linear on the matrix-vector path of the env ([B,K] layout before MPS 2.15; measured Triton GEMV on CUDA)"
+    summary = (
+        "one-token F.linear on the matrix-vector path of the env "
+        "([B,K] layout before MPS 2.15; measured Triton GEMV on CUDA)"
+    )
     targets = (_LINEAR,)
     lossless = True
     reversible = True

@@ -172,7 +172,10 @@ def _plain_linear(m: Any, n_in: int, n_out: int) -> str | None:
         return "has a bias"
     w = m.weight
     if not isinstance(w, torch.nn.Parameter) or not w.is_floating_point() or tuple(w.shape) != (n_out, n_in):
-        return f"weight {getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}, expected floating ({n_out}, {n_in})"
+        return (
+            f"weight {getattr(w, 'dtype', type(w).__name__)} {tuple(getattr(w, 'shape', ()))}, "
+            f"expected floating ({n_out}, {n_in})"
+        )
     return None
 
 
@@ -500,7 +503,10 @@ class LinearAttentionPlan:
 @register
 class LinearAttention(Recipe):
     name = NAME
-    summary = "Gated DeltaNet layers: fused projections and a few-op recurrent step at decode; matmul triangular solves in prefill where solve_triangular is slow"
+    summary = (
+        "Gated DeltaNet layers: fused projections and a few-op recurrent step at decode; "
+        "matmul triangular solves in prefill where solve_triangular is slow"
+    )
     targets = tuple(_FAMILIES)
     lossless = True
     reversible = True
@@ -536,7 +542,8 @@ class LinearAttention(Recipe):
         )
         why = [
             (
-                "eager decode: fused projections, conv roll, gates and state update in few ops (stock: 103 aten ops per step); "
+                "eager decode: fused projections, conv roll, gates and state update in few ops "
+                "(stock: 103 aten ops per step); "
                 f"prefill: {'forced by options' if options.prefill != 'auto' else solve.reason}"
             )
         ]
@@ -593,7 +600,8 @@ def mac_compile(model: Any, *, backend: str = "inductor", mode: str | None = Non
         )
     if not isinstance(backend, str) or not isinstance(fullgraph, bool) or not (mode is None or isinstance(mode, str)):
         raise TypeError(
-            f"mac_compile takes backend: str, mode: str | None, fullgraph: bool; got {backend!r}, {mode!r}, {fullgraph!r}"
+            "mac_compile takes backend: str, mode: str | None, fullgraph: bool; "
+            f"got {backend!r}, {mode!r}, {fullgraph!r}"
         )
     import copy as _copy
 

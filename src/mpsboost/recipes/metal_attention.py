@@ -176,7 +176,10 @@ class ProcessorPlan:
 @register
 class MetalAttention(Recipe):
     name = "metal_attention"
-    summary = "attention on the Metal SDPA kernels (2.13+; fully on Metal in 2.16 nightlies): grouped K/V, bool or same-dtype masks, no matmul/sliced processors"
+    summary = (
+        "attention on the Metal SDPA kernels (2.13+; fully on Metal in 2.16 nightlies): "
+        "grouped K/V, bool or same-dtype masks, no matmul/sliced processors"
+    )
     targets = (_PRETRAINED, _DIFFUSERS_ATTENTION)
     lossless = True
     reversible = True

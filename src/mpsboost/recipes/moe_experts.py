@@ -396,7 +396,10 @@ class ExpertsPlan:
 @register
 class MoeExperts(Recipe):
     name = NAME
-    summary = "routed experts by one grouped matmul with offsets on the device; grouped_mm / batched_mm / sync-free fallback (CPU: per-expert loop) chosen per call"
+    summary = (
+        "routed experts by one grouped matmul with offsets on the device; "
+        "grouped_mm / batched_mm / sync-free fallback (CPU: per-expert loop) chosen per call"
+    )
     targets = (
         # Found by transformers' use_experts_implementation decorator (every such class), e.g.:
         "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts",
@@ -505,8 +508,10 @@ class MoeExperts(Recipe):
         chosen = self._user_choice(match)
         if chosen is not None:
             return Decision.skip(
-                f"experts_implementation={chosen!r} was chosen explicitly (from_pretrained(experts_implementation=...), "
-                "set_experts_implementation() or the config): the user's choice outranks the recipe, which steps aside; "
+                f"experts_implementation={chosen!r} was chosen explicitly "
+                "(from_pretrained(experts_implementation=...), "
+                "set_experts_implementation() or the config): "
+                "the user's choice outranks the recipe, which steps aside; "
                 f"to let it run, set_experts_implementation({_DEFAULT_IMPL!r}) before patching",
                 kind=match.data.kind,
                 user_choice=chosen,
@@ -526,7 +531,8 @@ class MoeExperts(Recipe):
         if choice.eager_stock:
             reason += (
                 f"; eager on CUDA: transformers' own batched_mm / grouped_mm kernels (the recipe's own eager paths "
-                f"showed no gain in a whole generate(), {_CUDA_EAGER_RECORD}; this default: {_CUDA_EAGER_DEFAULT_RECORD}; "
+                f"showed no gain in a whole generate(), {_CUDA_EAGER_RECORD}; "
+                f"this default: {_CUDA_EAGER_DEFAULT_RECORD}; "
                 "options cuda_eager=True takes the recipe's paths); compiled forwards take the recipe's paths"
             )
         if match.data.kind == "hf":

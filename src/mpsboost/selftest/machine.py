@@ -90,7 +90,10 @@ def device_absent(device: str) -> str | None:
 
     if device == "mps":
         if not torch.backends.mps.is_built():
-            return "this torch build has no MPS support (torch.backends.mps.is_built() is False); run on a Mac with an arm64 torch"
+            return (
+                "this torch build has no MPS support (torch.backends.mps.is_built() is False); "
+                "run on a Mac with an arm64 torch"
+            )
         if not torch.backends.mps.is_available():
             return (
                 "no MPS device here (torch.backends.mps.is_available() is False; "

@@ -128,7 +128,10 @@ def _pad_driver_memory(ctx: Ctx) -> dict:
     # Fixed: the outputs are freed and the cache emptied, nothing stays. The bug kept about 31 MiB per
     # call in MPSGraph (270 GiB over 8,764 pads of a Wan2.2 decode); more than one output per call kept is the bug.
     bad = per_call > out_bytes
-    detail = f"{calls} constant pads of [1, 96, 3, {hw}, {hw}]: driver memory grew {grown / 2**20:.1f} MiB ({per_call / 2**20:.2f} MiB per call)"
+    detail = (
+        f"{calls} constant pads of [1, 96, 3, {hw}, {hw}]: driver memory grew {grown / 2**20:.1f} MiB "
+        f"({per_call / 2**20:.2f} MiB per call)"
+    )
     return _out("has the bug" if bad else "fixed", detail, grown_bytes=int(grown), per_call_bytes=per_call, calls=calls)
 
 
@@ -180,7 +183,8 @@ def _fp8_cast(ctx: Ctx) -> dict:
         ctx,
         _out(
             "fixed" if same else "has the bug",
-            f"4096 values cast to float8_e4m3fn on the device and back: {'identical to' if same else 'differ from'} the CPU cast",
+            "4096 values cast to float8_e4m3fn on the device and back: "
+            f"{'identical to' if same else 'differ from'} the CPU cast",
         ),
     )
 
@@ -246,7 +250,10 @@ def _linear_b1k(ctx: Ctx) -> dict:
     t3 = _time(ctx, lambda: F.linear(x3, w), calls=10)
     err = _rel(F.linear(x3, w)[:, 0], F.linear(x2, w))
     slow = t3 / t2 if t2 > 0 else 1.0
-    detail = f"F.linear [{b},1,{k}] vs [{b},{k}] by a {n}x{k} weight: {slow:.2f}x the time (pytorch#189847: 8.5x before the fix)"
+    detail = (
+        f"F.linear [{b},1,{k}] vs [{b},{k}] by a {n}x{k} weight: {slow:.2f}x the time "
+        "(pytorch#189847: 8.5x before the fix)"
+    )
     bad = slow > 2.0 or err > 1e-3
     return _mps_only(ctx, _out("has the bug" if bad else "fixed", detail, ratio=slow, s_2d=t2, s_3d=t3, rel_error=err))
 
@@ -382,7 +389,10 @@ def _long_k(ctx: Ctx) -> dict:
     t1 = _time(ctx, lambda: a1 @ b1)
     t2 = _time(ctx, lambda: a @ b)
     ratio = (t2 / k2) / (t1 / k1) if t1 > 0 else 1.0
-    detail = f"matmul {m}x{k2}x{m} vs {m}x{k1}x{m}: {ratio:.1f}x the time per K (pytorch#198182: 6-10x on M1/M2, macOS >= 14.4)"
+    detail = (
+        f"matmul {m}x{k2}x{m} vs {m}x{k1}x{m}: {ratio:.1f}x the time per K "
+        "(pytorch#198182: 6-10x on M1/M2, macOS >= 14.4)"
+    )
     return _mps_only(ctx, _out("has the bug" if ratio > 3.0 else "fixed", detail, ratio=ratio, s_short=t1, s_long=t2))
 
 
@@ -407,7 +417,10 @@ def _sdpa_broadcast(ctx: Ctx) -> dict:
             )
         errs.append(_rel(got, ref))
     worst = max(errs)
-    detail = f"SDPA with K/V broadcast over batch and over heads (L={length}): rel. errors {errs[0]:.1e} / {errs[1]:.1e} vs CPU"
+    detail = (
+        f"SDPA with K/V broadcast over batch and over heads (L={length}): "
+        f"rel. errors {errs[0]:.1e} / {errs[1]:.1e} vs CPU"
+    )
     return _mps_only(ctx, _out("has the bug" if worst > 1e-4 else "fixed", detail, rel_errors=errs))
 
 
@@ -430,8 +443,10 @@ def _conv3d(ctx: Ctx) -> dict:
     t_mm = _time(ctx, lambda: a @ b)
     share = t_mm / t_conv if t_conv > 0 else 1.0
     detail = (
-        f"conv3d 3x3x3, {c} channels, [{t}, {hw}, {hw}] output, {str(dtype).replace('torch.', '')}: {share:.0%} of the throughput "
-        f"of a matmul with the same multiply-adds (issue pytorch#192213: 7% on 2.12, 97% on 2.14); rel. error {err:.1e} vs CPU"
+        f"conv3d 3x3x3, {c} channels, [{t}, {hw}, {hw}] output, {str(dtype).replace('torch.', '')}: "
+        f"{share:.0%} of the throughput "
+        "of a matmul with the same multiply-adds (issue pytorch#192213: 7% on 2.12, 97% on 2.14); "
+        f"rel. error {err:.1e} vs CPU"
     )
     bad = share < 0.25 or err > 1e-2
     return _mps_only(
@@ -464,7 +479,8 @@ def gemm_verdict(samples: list[float], device: str) -> dict:
     lo, hi = min(samples), max(samples)
     spread = hi / lo if lo > 0 else 1.0
     detail = (
-        f"one GEMM (bf16 M=1024, K=N=2048 on a GPU; small fp32 on a CPU) in {len(samples)} fresh processes: fastest {lo * 1e3:.3f} ms, slowest "
+        f"one GEMM (bf16 M=1024, K=N=2048 on a GPU; small fp32 on a CPU) in {len(samples)} fresh processes: "
+        f"fastest {lo * 1e3:.3f} ms, slowest "
         f"{hi * 1e3:.3f} ms ({spread:.2f}x; pytorch#182815: 2-3x slower in about 40% of processes)"
     )
     res = _out("has the bug" if spread > 1.8 else "fixed", detail, samples_s=samples, spread=spread)
@@ -674,7 +690,8 @@ def feature_ok(verdict: str) -> bool | None:
 
 
 def decisions() -> list[dict]:
-    """For each MPS decision of the gate, the probe that confirms or refutes it (selftest probe, gate API probe, or none)."""
+    """For each MPS decision of the gate, the probe that confirms or refutes it (selftest probe, gate API
+    probe, or none)."""
     from ..gate import FEATURES
 
     rows = []

@@ -335,7 +335,10 @@ def check_recipe(
         close = vs_stock.rel_error is not None and vs_stock.rel_error <= tol
         no_worse = rel_p is not None and rel_s is not None and rel_p <= 1.5 * rel_s + tol
         ok = bool(close and no_worse)
-        why = f"patched vs stock rel {vs_stock.rel_error:.2e} (tolerance {tol:g}); vs CPU fp32: stock {rel_s:.2e}, patched {rel_p:.2e}"
+        why = (
+            f"patched vs stock rel {vs_stock.rel_error:.2e} (tolerance {tol:g}); "
+            f"vs CPU fp32: stock {rel_s:.2e}, patched {rel_p:.2e}"
+        )
     ratio = stock_t.median_s / patched_t.median_s if patched_t.median_s > 0 else None
     applied = [r for r in report.rows if r.status == "applied"]
     info = {

@@ -142,7 +142,8 @@ def markdown(lines: Sequence[dict], jsonl_name: str) -> str:
         for key in ("tensor_allocated", "driver_level"):
             mem[key] = "-" if not sm else _gib(sm.get(key)) + (f" / {_gib(pm.get(key))}" if pm else "")
         out.append(
-            f"| {w['name']} | {w['status']} | {fmt_ratio(w.get('ratio'))} | {q} | {mem['tensor_allocated']} | {mem['driver_level']} "
+            f"| {w['name']} | {w['status']} | {fmt_ratio(w.get('ratio'))} | {q} "
+            f"| {mem['tensor_allocated']} | {mem['driver_level']} "
             f"| {', '.join(w.get('recipes', [])) or '-'} |"
         )
     notes = [f"- {w['name']}: {w['reason']}" for w in workloads if w.get("reason")]
@@ -339,7 +340,8 @@ def read_lines(path: str | Path) -> list[dict]:
 
 
 def validate(path: str | Path) -> dict:
-    """Check a selftest file; returns ``{"machine", "probes", "workloads", "recipes", "gate"}`` (name -> verdict/status).
+    """Check a selftest file; returns ``{"machine", "probes", "workloads", "recipes", "gate"}``
+    (name -> verdict/status).
 
     Rejects (:class:`SelftestFormatError`, naming file and line): a line that is not JSON or of no
     known kind; a first line without the machine facts; a simulated run; a file that claims MPS but

@@ -325,7 +325,8 @@ def _names(text: str | None) -> list[str] | None:
 def build_parser(prog: str = "mpsboost selftest") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Evidence from this machine: the known MPS bugs probed at their trigger sizes, the seed's workloads "
+        description="Evidence from this machine: the known MPS bugs probed at their trigger sizes, "
+        "the seed's workloads "
         "stock against patched across fresh processes, each recipe's check; writes a JSONL and a markdown report to "
         "paste into an issue. No personal data is recorded.",
     )

@@ -153,7 +153,8 @@ def safetensors_header(path: Path, what: str) -> tuple[int, dict]:
         (n,) = struct.unpack("<Q", head)
         if n > min(size - 8, 100 * 2**20):
             raise Fp8FileError(
-                f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file (truncated, or not safetensors)"
+                f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file "
+                "(truncated, or not safetensors)"
             )
         try:
             header = json.loads(fh.read(n).decode("utf-8"))
@@ -209,7 +210,8 @@ def read_tensor(entry: TensorEntry, out: Optional[torch.Tensor] = None) -> torch
             got = fh.readinto(buf)
         if got != entry.nbytes:
             raise Fp8FileError(
-                f"{entry.file.name}: short read at byte {entry.begin} ({got} of {entry.nbytes} bytes): the file changed or is truncated"
+                f"{entry.file.name}: short read at byte {entry.begin} ({got} of {entry.nbytes} bytes): "
+                "the file changed or is truncated"
             )
     return t
 
@@ -248,7 +250,8 @@ def _shard_files(folder: Path) -> tuple[list[Path], Optional[dict[str, str]]]:
             missing = [f for f in files if not (folder / f).is_file()]
             if missing:
                 raise Fp8FileError(
-                    f"{folder.name}: partial checkpoint: the index {name} lists shard(s) {missing[:3]} that are not in the folder"
+                    f"{folder.name}: partial checkpoint: the index {name} lists shard(s) {missing[:3]} "
+                    "that are not in the folder"
                 )
             return [folder / f for f in files], {str(k): str(v) for k, v in weight_map.items()}
     for name in _SINGLE_NAMES:
@@ -263,7 +266,8 @@ def _shard_files(folder: Path) -> tuple[list[Path], Optional[dict[str, str]]]:
         )
     if all(re.search(r"-\d{5}-of-\d{5}\.safetensors$", f.name) for f in found):
         raise Fp8FileError(
-            f"{folder}: shards {[f.name for f in found[:3]]} without their index (model.safetensors.index.json): partial checkpoint"
+            f"{folder}: shards {[f.name for f in found[:3]]} without their index "
+            "(model.safetensors.index.json): partial checkpoint"
         )
     raise Fp8FileError(
         f"{folder}: several safetensors files {[f.name for f in found[:4]]} and no index; pass the one to load"
@@ -302,7 +306,8 @@ def open_checkpoint(path: Any, *, config: Optional[dict] = None) -> Checkpoint:
         lost = [k for k, f in weight_map.items() if k not in entries or entries[k].file.name != Path(f).name]
         if lost:
             raise Fp8FileError(
-                f"{p.name}: partial checkpoint: {len(lost)} tensor(s) of the index are not in their shard, e.g. {lost[:3]}"
+                f"{p.name}: partial checkpoint: {len(lost)} tensor(s) of the index are not in their shard, "
+                f"e.g. {lost[:3]}"
             )
     if config is None and "config" in metadata:
         try:
@@ -354,12 +359,14 @@ def detect(ckpt: Checkpoint) -> str:
                 and all(isinstance(b, int) and b > 0 for b in block)
             ):
                 raise Fp8FileError(
-                    f"{ckpt.name}: transformers-fp8 quantization_config.weight_block_size={block!r}; expected two positive ints such as [128, 128]"
+                    f"{ckpt.name}: transformers-fp8 quantization_config.weight_block_size={block!r}; "
+                    "expected two positive ints such as [128, 128]"
                 )
             block = (int(block[0]), int(block[1]))
         if not any(k.endswith("scale_inv") for k in ents):
             raise Fp8FileError(
-                f"{ckpt.name}: transformers-fp8 checkpoint (quant_method 'fp8') without any '*.weight_scale_inv' tensor: partial or mislabelled"
+                f"{ckpt.name}: transformers-fp8 checkpoint (quant_method 'fp8') "
+                "without any '*.weight_scale_inv' tensor: partial or mislabelled"
             )
         ckpt.format = "transformers-fp8"
         ckpt.info = {"block": block, "ignored_suffixes": (".activation_scale", ".input_scale", "_activation_scale")}
@@ -370,14 +377,16 @@ def detect(ckpt: Checkpoint) -> str:
         fmt = (q or {}).get("format", "float-quantized")
         if fmt not in ("float-quantized", "naive-quantized"):
             raise Fp8FileError(
-                f"{ckpt.name}: compressed-tensors format {fmt!r}; mpsboost reads 'float-quantized' (8-bit float weights) only"
+                f"{ckpt.name}: compressed-tensors format {fmt!r}; "
+                "mpsboost reads 'float-quantized' (8-bit float weights) only"
             )
         block = None
         for group in ((q or {}).get("config_groups") or {}).values():
             w = (group or {}).get("weights") or {}
             if w and (w.get("type") != "float" or int(w.get("num_bits", 8)) != 8):
                 raise Fp8FileError(
-                    f"{ckpt.name}: compressed-tensors weights {w.get('type')} {w.get('num_bits')}-bit; mpsboost reads 8-bit float weights only"
+                    f"{ckpt.name}: compressed-tensors weights {w.get('type')} {w.get('num_bits')}-bit; "
+                    "mpsboost reads 8-bit float weights only"
                 )
             if w.get("strategy") == "block":
                 bs = w.get("block_structure")
@@ -388,7 +397,8 @@ def detect(ckpt: Checkpoint) -> str:
                 block = (int(bs[0]), int(bs[1]))
         if not any(k.endswith(".weight_scale") for k in ents):
             raise Fp8FileError(
-                f"{ckpt.name}: compressed-tensors checkpoint without any '*.weight_scale' tensor: partial or not float-quantized"
+                f"{ckpt.name}: compressed-tensors checkpoint without any '*.weight_scale' tensor: "
+                "partial or not float-quantized"
             )
         ckpt.format = "compressed-tensors"
         ckpt.info = {
@@ -405,7 +415,8 @@ def detect(ckpt: Checkpoint) -> str:
     fp8 = _fp8_keys(ckpt)
     if fp8:
         raise Fp8FileError(
-            f"{ckpt.name} holds {len(fp8)} float8 tensor(s) (e.g. {fp8[0]!r}) but none of the scale layouts mpsboost reads: "
+            f"{ckpt.name} holds {len(fp8)} float8 tensor(s) (e.g. {fp8[0]!r}) "
+            "but none of the scale layouts mpsboost reads: "
             "no mpsboost metadata, no quantization_config (fp8 / compressed-tensors), no '*.weight_scale_inv', "
             "'*.weight_scale' or 'scaled_fp8' marker. Pass the folder with its config.json"
         )
@@ -590,7 +601,8 @@ def _diffusers_key_map(ckpt: Checkpoint, root: torch.nn.Module, model_keys: list
             converted = fn(dict(metas), config=getattr(root, "config", None))
         except Exception as exc:  # the conversion function raises on layouts it does not know
             return {}, [
-                f"diffusers' single-file conversion for {type(root).__name__} failed on this file: {type(exc).__name__}: {exc}"
+                f"diffusers' single-file conversion for {type(root).__name__} failed on this file: "
+                f"{type(exc).__name__}: {exc}"
             ]
     else:
         converted = dict(metas)
@@ -613,7 +625,8 @@ def _diffusers_key_map(ckpt: Checkpoint, root: torch.nn.Module, model_keys: list
             out[key] = (by_id[id(base)], (start, start + t.shape[0]))
             continue
         problems.append(
-            f"{key}: diffusers' conversion builds it from several tensors of the file; mpsboost loads renamed or row-split tensors only"
+            f"{key}: diffusers' conversion builds it from several tensors of the file; "
+            "mpsboost loads renamed or row-split tensors only"
         )
     return out, problems
 
@@ -715,7 +728,8 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
                 continue
             if not plain_linear(mod):
                 plan.problems.append(
-                    f"{path}.weight: fp8 codes in the file, but the model's module is a {type(mod).__name__}; mpsboost loads fp8 into torch.nn.Linear layers"
+                    f"{path}.weight: fp8 codes in the file, but the model's module is a {type(mod).__name__}; "
+                    "mpsboost loads fp8 into torch.nn.Linear layers"
                 )
                 continue
             w = mod.weight
@@ -766,7 +780,8 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
                         continue  # reported as missing below
                     if tr:
                         plan.problems.append(
-                            f"{path}.{name}: per-expert weights in the file, but the model stores experts transposed [E, in, out]"
+                            f"{path}.{name}: per-expert weights in the file, "
+                            "but the model stores experts transposed [E, in, out]"
                         )
                         continue
                     is_fp8 = ents[first].dtype == "F8_E4M3"
@@ -833,7 +848,8 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
                 )
             if bad_shape:
                 plan.problems.append(
-                    f"{part.codes}: shape {list(cshape)} in the file, the model's {qt.path}.{qt.name} is {list(qt.shape)}"
+                    f"{part.codes}: shape {list(cshape)} in the file, "
+                    f"the model's {qt.path}.{qt.name} is {list(qt.shape)}"
                 )
                 continue
             sch = _entry_scheme(ce.shape, se.shape, qt.block)
@@ -908,7 +924,8 @@ def plan_load(root: torch.nn.Module, ckpt: Checkpoint, prefix: str = "") -> Load
         have = {join_path("", q.path[len(prefix) + 1 :] if prefix else q.path) for q in plan.quant}
         for m in sorted(set(listed) - have):
             plan.problems.append(
-                f"{m}: listed among the file's fp8 modules, but this {type(root).__name__} has no fp8 codes for it there"
+                f"{m}: listed among the file's fp8 modules, "
+                f"but this {type(root).__name__} has no fp8 codes for it there"
             )
     ignored = tuple(ckpt.info.get("ignored_suffixes", ()))
     plan.ignored = sorted(_ignored_keys(ckpt, root, used))
@@ -997,7 +1014,8 @@ def describe_checkpoint(path: Any, env: Any = None) -> str:
         )
         if any(k.startswith("block") for k in schemes):
             lines.append(
-                f"  {head}block-scaled layers: dequantise this layer (code x block scale in float32, rounded once) then linear; "
+                f"  {head}block-scaled layers: dequantise this layer "
+                "(code x block scale in float32, rounded once) then linear; "
                 "experts: only the hit experts, one at a time"
             )
         if shapes:

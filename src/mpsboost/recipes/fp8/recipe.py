@@ -362,7 +362,10 @@ def _layer(module: torch.nn.Module, state: Fp8State) -> list[Patch]:
 @register
 class Fp8Weights(Recipe):
     name = NAME
-    summary = "float8_e4m3fn weights with per-row or per-tensor fp32 scales; fused fp8 GEMV/scaled_mm on CUDA, per-layer dequantise elsewhere"
+    summary = (
+        "float8_e4m3fn weights with per-row or per-tensor fp32 scales; "
+        "fused fp8 GEMV/scaled_mm on CUDA, per-layer dequantise elsewhere"
+    )
     targets = (
         "torch.nn.modules.linear.Linear",
         # Experts modules are found by transformers' use_experts_implementation decorator, e.g.:
@@ -421,9 +424,12 @@ class Fp8Weights(Recipe):
         have_text = f"{have} {block[0]}x{block[1]}" if have == "block" and block else have
         if want != have:
             raise PatchError(
-                f"fp8_weights: {match.path} holds fp8 weights with {have_text} scales already (an earlier patch(fp8=...) "
-                f"or load_fp8); this call asks for fp8={want!r}. fp8 codes are not re-quantised to another granularity: "
-                f"call patch(model, fp8={have!r}) (a no-op), or reload the bf16 weights and patch(model, fp8={want!r}). "
+                f"fp8_weights: {match.path} holds fp8 weights with {have_text} scales already "
+                "(an earlier patch(fp8=...) "
+                f"or load_fp8); this call asks for fp8={want!r}. "
+                "fp8 codes are not re-quantised to another granularity: "
+                f"call patch(model, fp8={have!r}) (a no-op), "
+                f"or reload the bf16 weights and patch(model, fp8={want!r}). "
                 "Nothing was changed.",
                 recipe=NAME,
                 target=match.path,
@@ -602,7 +608,8 @@ class Fp8Weights(Recipe):
             if forced == "scaled_grouped_mm" and not sg_ok:
                 return (
                     "hit",
-                    f"moe_path=scaled_grouped_mm cannot run here ({sg.reason if not sg.ok else 'layout, alignment or dtype'}); hit experts instead",
+                    "moe_path=scaled_grouped_mm cannot run here "
+                    f"({sg.reason if not sg.ok else 'layout, alignment or dtype'}); hit experts instead",
                 )
             return forced, "forced by option moe_path"
         if sg_ok:
@@ -618,7 +625,8 @@ class Fp8Weights(Recipe):
         gm = check("grouped_mm", env)
         return (
             "hit",
-            f"no fp8 grouped kernel ({why}); hit experts then {'native grouped_mm' if gm.ok else 'one expert at a time'}",
+            f"no fp8 grouped kernel ({why}); "
+            f"hit experts then {'native grouped_mm' if gm.ok else 'one expert at a time'}",
         )
 
     # ------------------------------------------------------------------ applying
