@@ -6,9 +6,9 @@
 
 Workloads (real architectures, random weights built from shipped configs directly on the device):
 
-* ``qwen3-8b`` (Qwen3-8B shape, ``benchmarks/configs/qwen3_dense``), ``qwen3-30b-a3b`` (Qwen3-30B-A3B
-  shape, ``examples/configs/qwen3_moe``) and ``qwen3.6-35b-a3b`` (Qwen3.6-35B-A3B: 30 Gated DeltaNet + 10
-  attention layers, 256 experts, ``benchmarks/configs/qwen3_5_moe``): ``generate()`` of ``--new-tokens``
+* ``qwen3-8b`` (Qwen3-8B shape, ``mpsboost/bench/configs/qwen3_dense``), ``qwen3-30b-a3b`` (Qwen3-30B-A3B
+  shape, ``mpsboost/bench/configs/qwen3_moe``) and ``qwen3.6-35b-a3b`` (Qwen3.6-35B-A3B: 30 Gated DeltaNet + 10
+  attention layers, 256 experts, ``mpsboost/bench/configs/qwen3_5_moe``): ``generate()`` of ``--new-tokens``
   after a prompt of ``--prompt-tokens`` random ids, greedy and sampled (``do_sample=True``, the global RNG seeded before
   every call). Modes: ``eager`` (the default dynamic cache) and ``static``
   (``cache_implementation="static"``: transformers compiles the forward itself). Variants: ``stock``,

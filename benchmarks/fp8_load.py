@@ -4,9 +4,9 @@ Workloads (real widths, random weights; ``--layers`` cuts the depth, ``--only`` 
 
 * ``qwen3_8b``: Qwen3-8B shape (hidden 4096, 36 layers, 32 heads, 8 KV heads, intermediate 12288,
   vocab 151936), transformers' fine-grained FP8 with 128x128 block scales (as Qwen/Qwen3-8B-FP8);
-* ``qwen3_30b_a3b``: Qwen3-30B-A3B shape (examples/configs/qwen3_moe/real), same format, experts
+* ``qwen3_30b_a3b``: Qwen3-30B-A3B shape (mpsboost/bench/configs/qwen3_moe/real), same format, experts
   stored one Linear per expert as in Qwen/Qwen3-30B-A3B-FP8; default 12 of its 48 layers (disk and time);
-* ``qwen_image``: the Qwen-Image transformer (examples/configs/qwen_image/real/transformer.json) as a
+* ``qwen_image``: the Qwen-Image transformer (mpsboost/bench/configs/qwen_image/real/transformer.json) as a
   single ``scaled_fp8`` file (one scale per weight); default 16 of its 60 blocks.
 * ``qwen3.6``: Qwen3.6-35B-A3B (``Qwen3_5MoeForCausalLM``: hidden 2048, 40 layers, 3 of 4 Gated DeltaNet,
   256 experts top-8 of width 512, a shared expert, vocab 248,320) in the layout of
