@@ -811,3 +811,14 @@ def test_second_fp8_request_with_another_granularity_is_refused(first, second):
     assert all(r.reason == f"converted already with {first} scales (the granularity asked for)" for r in converted)
     out = tm.run("qwen3_moe", model, 1, dtype="bfloat16")
     assert torch.isfinite(out).all()
+
+
+def test_report_details_are_the_decisions_own_keys():
+    """The report row shows what the decision names (sizes, the chosen path), not the plan's internals:
+    a typed plan must not widen the row (the plan holds dtypes and flags that are apply's business)."""
+    model = tm.build("qwen3_moe")
+    rows = [r for r in mpsboost.plan(model, fp8="rowwise", recipes=[NAME]).rows if r.status == "would apply"]
+    keys = {r.details["kind"]: tuple(r.details) for r in rows}
+    common = ("kind", "granularity", "storage", "compute_dtype", "bytes_before", "bytes_after")
+    assert keys["linear"] == (*common, "path_kind", "gemv_max_m", "large")
+    assert keys["experts"] == (*common, "large_path", "compiled_path", "gather_max_pairs")

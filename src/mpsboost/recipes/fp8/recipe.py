@@ -310,6 +310,11 @@ class Fp8Plan:
     histc_int: bool = False
     block: tuple[int, int] | None = None  # loaded block scales, applied as they are
 
+    def report_details(self) -> dict:
+        """Nothing of the plan itself: each decision names what its report row shows (sizes before and after,
+        the file a layer came from), which the plan does not hold."""
+        return {}
+
 
 def _state(plan: Fp8Plan, device: torch.device, backing: str) -> Fp8State:
     """The layer state of ``plan`` for codes on ``device``."""
