@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import math
 import os
 import struct
 import warnings
@@ -46,6 +48,7 @@ import torch
 
 from .errors import Fp8ConversionError, Fp8FileError, Fp8MismatchError, Fp8StateError  # noqa: F401 (re-exported)
 from .patching import is_patched_by, replace_tensors
+from .recipes.fp8.formats import ST_DTYPES, TORCH_TO_ST
 from .recipes.fp8.formats import describe_checkpoint  # noqa: F401 (re-exported: which path a file takes here)
 from .recipes.fp8.layers import RECIPE as _RECIPE, LoadedLayer, fp8_state, weight_names
 
@@ -61,6 +64,8 @@ __all__ = [
     "FORMAT_VERSION",
 ]
 
+log = logging.getLogger("mpsboost")
+
 FORMAT = "mpsboost.fp8"
 FORMAT_VERSION = "2"
 WEIGHTS_NAME = "model.fp8.safetensors"
@@ -75,7 +80,6 @@ INDEX_NAME = "model.fp8.safetensors.index.json"
 #                  to the checkpoint index"
 DECOY_SHARD = "THIS-FOLDER-HOLDS-FP8-CODES--load-it-with-mpsboost.load_fp8.safetensors"
 DECOY_INDEXES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
-_ST_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.float32: "F32"}
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -211,7 +215,6 @@ def _save_root(root: torch.nn.Module, prefix: str, mods: dict, dest: Path, singl
         codes.update(f"{rel}.{n}" if rel else n for n in names)
     tensors: list[tuple[str, torch.Tensor, str]] = []
     seen: dict[tuple, str] = {}
-    from .recipes.fp8.formats import TORCH_TO_ST
 
     for key, t in root.state_dict(keep_vars=True).items():
         t = t.detach()
@@ -497,12 +500,9 @@ def load_fp8(
         raise TypeError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     plans = _load_plans(obj, target, roots)
     for p in plans:
-        if (
-            p.ignored
-        ):  # e.g. a Qwen3.6 wrapper's vision tower and multi-token-prediction head, loaded into the text model
-            import logging
-
-            logging.getLogger("mpsboost").info(
+        # e.g. a Qwen3.6 wrapper's vision tower and multi-token-prediction head, loaded into the text model
+        if p.ignored:
+            log.info(
                 "load_fp8: %d tensor(s) of %s are not part of this %s and were not read (e.g. %s)",
                 len(p.ignored),
                 p.ckpt.name,
@@ -612,7 +612,7 @@ def _changes(plan, env, dev: torch.device, dtype) -> list:
         def read_plain(g=g) -> torch.Tensor:
             e = ents[g.source]
             if g.pieces:
-                t = torch.empty(g.shape, dtype=_st_dtype(e.dtype))
+                t = torch.empty(g.shape, dtype=ST_DTYPES[e.dtype])
                 for key, ex in g.pieces:
                     read_tensor(ents[key], out=t[ex])
             else:
@@ -658,7 +658,7 @@ def _changes(plan, env, dev: torch.device, dtype) -> list:
             raise Fp8MismatchError(
                 f"{path}: block-scaled and other fp8 tensors in one experts module ({schemes}); nothing was changed"
             )
-        nbytes = sum(_nbytes(q.shape) + 4 * _nbytes(q.scale_shape) for q in qts)
+        nbytes = sum(math.prod(q.shape) + 4 * math.prod(q.scale_shape) for q in qts)
         layer = LoadedLayer(
             kind=qts[0].kind,
             granularity="+".join(schemes),
@@ -681,16 +681,3 @@ def _changes(plan, env, dev: torch.device, dtype) -> list:
             )
         )
     return steps
-
-
-def _nbytes(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _st_dtype(st: str) -> torch.dtype:
-    from .recipes.fp8.formats import ST_DTYPES
-
-    return ST_DTYPES[st]
