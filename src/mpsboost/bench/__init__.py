@@ -54,6 +54,8 @@ _LAZY = {
     "measure_job": "harness",
     "best_device": "harness",
     "ratio_lines": "harness",
+    "paired_rounds": "harness",
+    "round_ratios": "harness",
 }
 
 
@@ -103,6 +105,8 @@ __all__ = [
     "measure_job",
     "best_device",
     "ratio_lines",
+    "paired_rounds",
+    "round_ratios",
     "BenchError",
     "RecordError",
     "EnvMismatchError",

@@ -13,6 +13,11 @@ synchronisation, median and spread, the busy-machine check and the memory pass m
   :class:`~mpsboost.bench.timing.Timing` (median, min, max, quartiles); the result says whether the
   spread was large enough to call the machine busy, and :func:`verdict` says whether two variants
   differ at all (their min..max ranges apart) before any ratio is read.
+* :func:`paired_rounds`: the end-to-end form of the same loop: each round runs every variant once (stock,
+  patched; the order reversed every other round, so that drift touches both sides alike), each variant
+  possibly in several phases (a prefill call, a whole ``generate()``) sampled back to back in its state;
+  :func:`round_ratios` turns the paired samples into one ratio per round, their median, min..max and IQR, and
+  a label that never calls a variant faster when its rounds straddle 1.0.
 * the busy-machine check: :data:`BUSY_SPREAD`, :func:`machine_load` and :func:`ratio_lines` (each speed
   ratio with its range over the repeats, and a warning when the machine was too busy to read it).
 * :func:`copy_bandwidth`: device-to-device copy bandwidth (bytes read plus bytes written over
@@ -28,12 +33,13 @@ synchronisation, median and spread, the busy-machine check and the memory pass m
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator, Mapping
+from typing import Any, Callable, ContextManager, Iterator, Mapping, Sequence
 
 from .errors import TimingError
-from .timing import Timing, _summarise, capture_cuda_graph, device_type_of, synchronize, time_fn
+from .timing import Timing, _quantile, _summarise, capture_cuda_graph, device_type_of, synchronize, time_fn
 
 __all__ = [
     "best_device",
@@ -50,6 +56,16 @@ __all__ = [
     "Measurement",
     "measure_variants",
     "verdict",
+    "paired_rounds",
+    "Rounds",
+    "round_ratios",
+    "RoundRatios",
+    "round_order",
+    "ORDERS",
+    "FASTER",
+    "SLOWER",
+    "NOT_FASTER",
+    "ONE_ROUND",
     "BUSY_SPREAD",
     "MIN_REPEATS",
 ]
@@ -62,6 +78,15 @@ MIN_REPEATS = 5
 #: 1.1x-1.5x, and repeats that spread 25% of their median can move a ratio of two medians by more than such
 #: an effect; 0.10 is also the threshold the published benchmark records were judged by.
 BUSY_SPREAD = 0.10
+#: How the variants of a round are ordered: ``"rotate"`` starts round ``r`` at variant ``r`` (a, b, c / b, c, a
+#: / ...); ``"alternate"`` runs them in the given order on even rounds and reversed on odd ones (stock, patched /
+#: patched, stock / ...), so that over two rounds every pair has run in both orders.
+ORDERS = ("rotate", "alternate")
+#: The labels of :attr:`RoundRatios.label`: a variant is "faster" only when every round says so.
+FASTER = "faster in every round"
+SLOWER = "slower in every round"
+NOT_FASTER = "not faster: rounds straddle 1.0"
+ONE_ROUND = "one round: no spread to judge"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -185,8 +210,16 @@ def count_pad5d() -> Iterator[PadCount]:
 # the measure loop
 
 
-def _sampler(fn: Callable[[], Any], device: Any, calls: int, cuda_graph: bool) -> tuple[Callable[[], float], str, Any]:
-    """A function taking one timed sample of ``calls`` calls of ``fn`` (seconds), and the method name."""
+def _sampler(
+    fn: Callable[[], Any],
+    device: Any,
+    calls: int,
+    cuda_graph: bool,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[Callable[[], float], str, Any]:
+    """A function taking one timed sample of ``calls`` calls of ``fn`` (seconds), and the method name.
+
+    ``clock`` is the host clock of the MPS and CPU samplers (a test passes a fake one); CUDA uses events."""
     import torch
 
     kind = device_type_of(device)
@@ -220,21 +253,54 @@ def _sampler(fn: Callable[[], Any], device: Any, calls: int, cuda_graph: bool) -
 
         def sample() -> float:
             torch.mps.synchronize()
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(calls):
                 fn()
             torch.mps.synchronize()
-            return time.perf_counter() - t0
+            return clock() - t0
 
         return sample, "mps_synchronize", None
 
     def sample() -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         for _ in range(calls):
             fn()
-        return time.perf_counter() - t0
+        return clock() - t0
 
     return sample, "perf_counter", None
+
+
+def round_order(names: list[str], r: int, order: str) -> list[str]:
+    """The variants of round ``r`` in the order they run (see :data:`ORDERS`)."""
+    if order == "rotate":
+        k = r % len(names)
+        return names[k:] + names[:k]
+    if order == "alternate":
+        return list(names) if r % 2 == 0 else list(reversed(names))
+    raise TimingError(f"order must be one of {ORDERS}, got {order!r}")
+
+
+def _run_rounds(
+    names: list[str],
+    take: Callable[[str, int], None],
+    rounds: int,
+    order: str,
+    state: Callable[[str], ContextManager],
+    stop: Callable[[int], bool] | None = None,
+) -> list[tuple[str, ...]]:
+    """THE loop: ``rounds`` rounds, each entering every variant's state and taking its samples (``take(name,
+    r)``) in the order of :func:`round_order`; ``stop(done)``, asked after each round, ends the loop early.
+    Returns the order each round ran in."""
+    orders: list[tuple[str, ...]] = []
+    for r in range(rounds):
+        seq = round_order(names, r, order)
+        for name in seq:
+            with state(name):
+                take(name, r)
+        orders.append(tuple(seq))
+        if stop is not None and stop(r + 1):
+            break
+    return orders
 
 
 @dataclass(frozen=True)
@@ -325,11 +391,7 @@ def measure_variants(
             samplers[name], methods[name], handle = _sampler(variants[name], device, calls, cuda_graph)
         keep.append(handle)
     samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(repeats):
-        k = r % len(names)
-        for name in names[k:] + names[:k]:
-            with state(name):
-                samples[name].append(samplers[name]())
+    _run_rounds(names, lambda name, r: samples[name].append(samplers[name]()), repeats, "rotate", state)
     timings = {n: _summarise(samples[n], calls=calls, warmup=warmup, method=methods[n]) for n in names}
     worst = max((t.max_s - t.min_s) / t.median_s for t in timings.values() if t.median_s > 0)
     del keep
@@ -339,6 +401,196 @@ def measure_variants(
         busy=worst > busy_spread,
         worst_spread=worst,
         busy_spread=busy_spread,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# paired rounds: the end-to-end form of the loop, with one ratio per round
+
+
+@dataclass(frozen=True)
+class RoundRatios:
+    """Speed ratios of a variant to its baseline, one per round (baseline time / variant time of the same
+    round: > 1 is faster), with their median, min..max and quartiles, and a :attr:`label`."""
+
+    per_round: tuple[float, ...]
+    median: float
+    min: float
+    max: float
+    q1: float
+    q3: float
+
+    @property
+    def n(self) -> int:
+        return len(self.per_round)
+
+    @property
+    def iqr(self) -> float:
+        return self.q3 - self.q1
+
+    @property
+    def straddles_one(self) -> bool:
+        """Some round says faster and some says not (a round at exactly 1.0 is not faster)."""
+        return self.min <= 1.0 <= self.max
+
+    @property
+    def label(self) -> str:
+        """:data:`FASTER` when every round is above 1.0, :data:`SLOWER` when every round is below, else
+        :data:`NOT_FASTER` (whatever the median says); :data:`ONE_ROUND` with a single round."""
+        if self.n < 2:
+            return ONE_ROUND
+        if self.min > 1.0:
+            return FASTER
+        if self.max < 1.0:
+            return SLOWER
+        return NOT_FASTER
+
+    def to_dict(self) -> dict:
+        return {
+            "per_round": list(self.per_round),
+            "median": self.median,
+            "min": self.min,
+            "max": self.max,
+            "q1": self.q1,
+            "q3": self.q3,
+            "iqr": self.iqr,
+            "n": self.n,
+            "label": self.label,
+        }
+
+    def __str__(self) -> str:
+        return (
+            f"{self.median:.2f}x median of {self.n} rounds ({self.min:.2f}x..{self.max:.2f}x, "
+            f"IQR {self.q1:.2f}x..{self.q3:.2f}x; {self.label})"
+        )
+
+
+def round_ratios(baseline: Sequence[float], variant: Sequence[float]) -> RoundRatios:
+    """The per-round ratios ``baseline[r] / variant[r]`` of two lists of times (seconds, or any time per
+    item) taken in the same rounds, and their summary. Both lists must have one positive time per round."""
+    b, v = list(baseline), list(variant)
+    if not b or len(b) != len(v):
+        raise TimingError(
+            f"paired ratios need one time per round on both sides, got {len(b)} baseline and {len(v)} variant times"
+        )
+    if any(not (x > 0) for x in b + v):
+        raise TimingError(f"paired ratios need positive times, got baseline {b} and variant {v}")
+    per = tuple(x / y for x, y in zip(b, v))
+    xs = sorted(per)
+    return RoundRatios(
+        per_round=per,
+        median=statistics.median(xs),
+        min=xs[0],
+        max=xs[-1],
+        q1=_quantile(xs, 0.25),
+        q3=_quantile(xs, 0.75),
+    )
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """What :func:`paired_rounds` took: ``samples[variant][phase]`` holds one time (seconds) per round, in
+    round order, so that index ``r`` of two variants comes from the same round."""
+
+    samples: dict  # variant -> phase -> tuple of seconds per call, one per round
+    orders: tuple  # the order each round ran its variants in
+    order: str  # "alternate" or "rotate"
+    methods: dict  # variant -> how a sample was timed ("cuda_events", "mps_synchronize", "perf_counter")
+    baseline: str | None
+
+    @property
+    def rounds(self) -> int:
+        return len(self.orders)
+
+    def timing(self, variant: str, phase: str) -> Timing:
+        return _summarise(list(self.samples[variant][phase]), calls=1, warmup=0, method=self.methods[variant])
+
+    def ratios(self, variant: str, phase: str, baseline: str | None = None) -> RoundRatios:
+        base = baseline or self.baseline
+        if base is None:
+            raise TimingError("no baseline: pass baseline= here or to paired_rounds")
+        return round_ratios(self.samples[base][phase], self.samples[variant][phase])
+
+    def describe_order(self) -> str:
+        return {
+            "alternate": "paired rounds, every variant once a round, the order reversed every other round",
+            "rotate": "paired rounds, every variant once a round, the start rotated each round",
+        }[self.order]
+
+
+def paired_rounds(
+    jobs: Mapping[str, Callable[[], Any] | Mapping[str, Callable[[], Any]]],
+    *,
+    device: Any,
+    rounds: int = MIN_REPEATS,
+    warmup: int = 1,
+    baseline: str | None = "stock",
+    contexts: Mapping[str, Callable[[], ContextManager]] | None = None,
+    order: str = "alternate",
+    stop: Callable[[int], bool] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Rounds:
+    """Time whole jobs of several variants in paired rounds, in one process.
+
+    ``jobs``: variant -> a no-argument callable, or variant -> {phase: callable} (e.g. ``{"prefill": ...,
+    "generate": ...}``): a round enters the variant's state once (``contexts[variant]()``, outside every
+    timed region: patching is not timed) and samples each phase once, back to back, in the mapping's order.
+    Every variant runs once a round; the order of the variants follows ``order`` (:data:`ORDERS`; default
+    ``"alternate"``: stock, patched / patched, stock / ...). ``warmup`` untimed calls of every phase first,
+    in the variant's state. ``stop(rounds_done)``, asked after each round, ends the rounds early (a budget).
+    Each sample is timed by the harness's sampler for ``device`` (CUDA events, ``mps.synchronize`` + ``clock``,
+    ``clock`` on the CPU). Fewer than :data:`MIN_REPEATS` rounds are allowed (a smoke run) but are no figure to
+    publish; the rounds' ratios come from :meth:`Rounds.ratios`.
+    """
+    if not jobs:
+        raise TimingError("paired_rounds needs at least one variant")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise TimingError(f"rounds must be an integer >= 1, got {rounds!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise TimingError(f"warmup must be an integer >= 0, got {warmup!r}")
+    if order not in ORDERS:
+        raise TimingError(f"order must be one of {ORDERS}, got {order!r}")
+    if baseline is not None and baseline not in jobs:
+        raise TimingError(f"baseline {baseline!r} is not among the variants {sorted(jobs)}")
+    phases: dict[str, dict[str, Callable[[], Any]]] = {
+        name: (dict(job) if isinstance(job, Mapping) else {"call": job}) for name, job in jobs.items()
+    }
+    for name, ph in phases.items():
+        if not ph or not all(callable(f) for f in ph.values()):
+            raise TimingError(f"variant {name!r}: a callable, or a mapping of phase names to callables, is needed")
+    contexts = dict(contexts or {})
+    unknown = sorted(set(contexts) - set(jobs))
+    if unknown:
+        raise TimingError(f"contexts for variants that are not measured: {unknown}; variants: {sorted(jobs)}")
+    names = list(phases)
+
+    def state(name: str) -> ContextManager:
+        return contexts[name]() if name in contexts else contextlib.nullcontext()
+
+    samplers: dict[str, dict[str, Callable[[], float]]] = {}
+    methods: dict[str, str] = {}
+    for name in names:
+        samplers[name] = {}
+        if warmup:
+            with state(name):
+                for _ in range(warmup):
+                    for fn in phases[name].values():
+                        fn()
+        for phase, fn in phases[name].items():
+            samplers[name][phase], methods[name], _ = _sampler(fn, device, 1, False, clock)
+    samples: dict[str, dict[str, list[float]]] = {n: {p: [] for p in phases[n]} for n in names}
+
+    def take(name: str, r: int) -> None:
+        for phase, sample in samplers[name].items():
+            samples[name][phase].append(sample())
+
+    orders = _run_rounds(names, take, rounds, order, state, stop)
+    return Rounds(
+        samples={n: {p: tuple(xs) for p, xs in ph.items()} for n, ph in samples.items()},
+        orders=tuple(orders),
+        order=order,
+        methods=methods,
+        baseline=baseline,
     )
 
 
