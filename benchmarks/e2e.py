@@ -17,18 +17,18 @@ Workloads (real architectures, random weights built from shipped configs directl
   undone; its baseline is the stock bf16 model of the same run) and ``mac`` (``mpsboost:mac-2.15.0``:
   the same model patched with the decisions a Mac on torch ``--mac-torch`` gets,
   ``patch(model, device=Env.simulate("mps", V))``, computing on this device. Its tokens and logits check
-  the Mac paths for correctness at real size; its speed here says nothing about a Mac). Both phases come from one
-  ``generate(max_new_tokens=N)`` call: prefill (time to first token) runs from the call to the first
-  call of a logits processor (which synchronises the device once: the prompt's forward is done), and
-  decode time per token is the rest of the call over ``N - 1``. The share of the bandwidth limit is
+  the Mac paths for correctness at real size; its speed here says nothing about a Mac). Each round times two
+  calls of every variant back to back: ``generate(max_new_tokens=1)`` (prefill: the time to the first token)
+  and ``generate(max_new_tokens=N)`` (the call); decode time per token is (call - prefill) / (N - 1) of the
+  same round. The share of the bandwidth limit is
   (weight bytes read per decoded token / measured device copy bandwidth) / decode time per token,
   where the bytes are every parameter and buffer of the model except the input embedding (one row is
   read), with 3-D expert weights counted at top_k/num_experts. Generated tokens are compared with the
   first stock round's (reported, not asserted); the last-position logits of one forward over the
-  prompt are compared with stock's (relative error, SQNR). In eager mode one more untimed pass per
-  variant times each module kind (Gated DeltaNet, attention, MoE block, of which experts) with
-  device-synchronising forward hooks, over the prompt's forward and ``--breakdown-steps`` decode steps
-  (``extra.breakdown``; the hooks' own synchronisation is in those figures, not in the timed rounds).
+  prompt are compared with stock's (relative error, SQNR). Mode ``hooked`` writes its own records
+  (``e2e-breakdown``, never mixed with the throughput): each module kind (Gated DeltaNet, attention, MoE
+  block, of which experts) timed with device-synchronising forward hooks over the prompt's forward and
+  ``--breakdown-steps`` greedy decode steps, in the same paired rounds, medians per kind.
 * ``wan22-ti2v-5b`` (``WanPipeline``, 480x832, 81 frames) and ``qwen-image`` (``QwenImagePipeline``,
   1024x1024): ``--steps`` denoising steps and the VAE decode. No text encoder is built: the pipeline
   gets random ``prompt_embeds`` (and negative ones) of the text encoder's output shape and dtype; the
@@ -36,24 +36,38 @@ Workloads (real architectures, random weights built from shipped configs directl
   and ``offload`` (``pipe.enable_model_cpu_offload()``). Variants: ``stock`` and ``mpsboost``. Each
   patched output is compared with the stock output of the same mode (PSNR, relative error).
 
-Every (workload, mode) runs in one process: one untimed warm-up call per variant (compilation
-included; its time is recorded), then ``--rounds`` rounds, each running every variant once in a
-rotating order. Memory peaks come from an untimed call per variant (the warm-up call where nothing
-compiles, else one more call after the rounds): memory sampling is never inside a timed call.
-One record per (workload, mode, variant) holds all rounds, with best, median and spread, and its
-ratios to stock of the same run. Records are appended to ``OUT/e2e.jsonl`` as each (workload, mode)
-finishes; ``--budget-s`` stops starting new work once spent (and cuts rounds short, saying so).
+Every (workload, mode) runs in one process, on one model built once (the patched variants patch it and
+unpatch it again: patching is never timed, and after every unpatch the model is checked to be stock again,
+object for object and bit for bit). One untimed warm-up call per variant (compilation included; its time is
+recorded), then ``--rounds`` paired rounds (at least 5 for a figure to publish) through the harness's one
+measure loop (:func:`mpsboost.bench.harness.paired_rounds`): every variant once a round, stock and patched
+alternating (the order reversed every other round, to cancel drift). Each round gives each variant a ratio to
+stock (stock's time / the variant's, same round); a record keeps every round's ratio, their median (the
+published figure), min..max and IQR, and a label: "faster in every round", "slower in every round", or
+"not faster: rounds straddle 1.0" whatever the median says. Memory peaks come from an untimed call per variant
+(the warm-up call where nothing compiles, else one more call after the rounds): memory sampling is never
+inside a timed call. Records are appended to ``OUT/e2e.jsonl`` as each (workload, mode) finishes;
+``--budget-s`` stops starting new work once spent (and cuts rounds short, saying so).
+
+The seed's Qwen3.6 on one GPU, native and Mac 2.15.0 decisions (each command builds the 40-layer model once):
+
+    python benchmarks/e2e.py --device cuda --only qwen3.6-35b-a3b --modes eager,hooked --variants mpsboost,mac \
+        --decoding greedy --rounds 7 --new-tokens 32 --out OUT
+    python benchmarks/e2e.py --device cuda --only qwen3.6-35b-a3b --modes static --variants mpsboost,mac \
+        --decoding greedy --rounds 5 --new-tokens 32 --out OUT
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -62,18 +76,18 @@ import torch
 import mpsboost
 from mpsboost.api import is_patched
 from mpsboost.bench import models as C  # the shipped configs (config, default_dtype, dtype_name), as the cookbook's
-from mpsboost.bench.harness import best_device, copy_bandwidth
+from mpsboost.bench.harness import RoundRatios, best_device, copy_bandwidth, paired_rounds, round_ratios
 from mpsboost.bench.memory import measure_memory
 from mpsboost.bench.quality import correctness
 from mpsboost.bench.records import Correctness, OpTime, Record, RecordEnv, Throughput, Workload
-from mpsboost.bench.timing import synchronize
+from mpsboost.bench.timing import _quantile, synchronize
 
 NAME = "e2e"
 # workload -> its family in the shipped configs (mpsboost.bench.models)
 LLM = {"qwen3-8b": "qwen3_dense", "qwen3-30b-a3b": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe"}
 DIFFUSION = {"wan22-ti2v-5b": "wan22_ti2v", "qwen-image": "qwen_image"}
 WORKLOADS = tuple(LLM) + tuple(DIFFUSION)
-LLM_MODES = ("eager", "static")
+LLM_MODES = ("eager", "static", "hooked")  # hooked: the per-module breakdown, its own records
 DIFFUSION_MODES = ("eager", "compile", "offload")
 LLM_VARIANTS = ("stock", "mpsboost", "fp8", "mac", "options")
 DIFFUSION_VARIANTS = ("stock", "mpsboost")
@@ -144,14 +158,6 @@ def free(reset_dynamo: bool = True) -> None:
         torch.cuda.empty_cache()
 
 
-def timed_call(fn: Callable[[], Any], device: str) -> tuple[float, Any]:
-    synchronize(device)
-    t0 = time.perf_counter()
-    out = fn()
-    synchronize(device)
-    return time.perf_counter() - t0, out
-
-
 def summary(samples: list[float]) -> dict:
     """Best, median, worst and the spread of a list of seconds (the spread relative to the median)."""
     xs = sorted(samples)
@@ -194,44 +200,6 @@ def patch_summary(report: Any) -> dict:
     return {"applied": len(report.applied), "skipped": len(report.skipped), "backing": backing, "skip_reasons": reasons}
 
 
-def warm_up(
-    run: Run,
-    label: str,
-    names: list[str],
-    call: Callable[[str], Any],
-    dev: str,
-    mem_on_warmup: bool,
-    errors: dict[str, str],
-    select: Callable[[str], Any],
-) -> tuple[dict[str, float], dict[str, Any], dict[str, int]]:
-    """One untimed call per variant (compilation included): its time, its memory peaks where
-    ``mem_on_warmup``, and the graphs dynamo compiled for it. A variant that cannot run is recorded in
-    ``errors`` and removed from ``names``. ``select(name)`` (patch or unpatch) runs before, untimed."""
-    warm: dict[str, float] = {}
-    mem: dict[str, Any] = {}
-    warm_graphs: dict[str, int] = {}
-    for name in list(names):
-        try:
-            select(name)
-            g0 = graphs_compiled()
-            if mem_on_warmup:
-                with measure_memory(dev) as probe:
-                    s, _ = timed_call(lambda: call(name), dev)
-                mem[name] = probe.peaks()
-            else:
-                s, _ = timed_call(lambda: call(name), dev)
-            warm_graphs[name] = graphs_compiled() - g0
-            warm[name] = s
-            run.log(f"{label}: warm-up {name} {s:.1f} s")
-        except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded and left out
-            errors[name] = f"warm-up: {error_text(exc)}"
-            run.log(f"{label}: {name} failed: {errors[name]}")
-            traceback.print_exc(limit=3)
-            names.remove(name)
-            free(reset_dynamo=False)  # a reset would drop the other variants' compiled code
-    return warm, mem, warm_graphs
-
-
 def graphs_compiled() -> int:
     """Graphs dynamo has compiled in this process so far (to show that no timed round recompiled)."""
     try:
@@ -240,11 +208,6 @@ def graphs_compiled() -> int:
         return int(counters["stats"]["unique_graphs"])
     except Exception:  # noqa: BLE001 - dynamo unavailable
         return 0
-
-
-def rotate(items: list[str], r: int) -> list[str]:
-    r %= len(items)
-    return items[r:] + items[:r]
 
 
 def error_text(exc: BaseException) -> str:
@@ -283,24 +246,6 @@ def build_llm(cfg, device: str, dtype: torch.dtype, seed: int):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval()
-
-
-class FirstLogits:
-    """A logits processor that notes when the first token's logits exist: the prefill forward has run.
-
-    It synchronises the device once, on its first call (the prefill must finish before the first
-    token can be chosen anyway), and does nothing afterwards.
-    """
-
-    def __init__(self, device: str):
-        self.device = device
-        self.t: float | None = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.t is None:
-            synchronize(self.device)
-            self.t = time.perf_counter()
-        return scores
 
 
 def weight_bytes_per_token(model) -> int:
@@ -404,6 +349,84 @@ def module_breakdown(model, prompt: torch.Tensor, mask: torch.Tensor, steps: int
     }
 
 
+class StockState:
+    """The stock model as ``unpatch`` must give it back, checked after every unpatch between rounds.
+
+    :meth:`snapshot` before a patch takes every module's type and instance attribute names, and every parameter
+    and buffer (the same object, shape, strides, dtype, device); :meth:`check` after the unpatch compares them
+    (transformers itself adds attributes in ``generate()``, such as its static cache: hence a snapshot per
+    patch, not one per run). A tensor whose storage moved since the model was built (a recipe that fuses
+    projections gives the same Parameter new storage back) must hold the bits it held then: an exact checksum
+    of its integer view, taken on the device when the model was built, is compared (one synchronisation).
+    :meth:`check` raises naming the first difference; a run whose stock is not stock times nothing.
+    """
+
+    _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+    def __init__(self, model: torch.nn.Module):
+        self.structure, self.ptrs, self.tensors = self._take(model)
+        self.sums = {key: self._sum(t) for key, t in self.tensors.items()}
+
+    @staticmethod
+    def _take(model: torch.nn.Module):
+        structure, ptrs, tensors = [], {}, {}
+        for name, mod in model.named_modules():
+            structure.append((name, type(mod).__qualname__, tuple(sorted(vars(mod)))))
+            for kind, items in (("param", mod._parameters), ("buffer", mod._buffers)):
+                for pname, t in items.items():
+                    if t is None:
+                        continue
+                    key = f"{name}.{pname}" if name else pname
+                    structure.append((kind, key, id(t), tuple(t.shape), t.stride(), str(t.dtype), str(t.device)))
+                    ptrs[key] = t.data_ptr()
+                    tensors[key] = t
+        return structure, ptrs, tensors
+
+    @classmethod
+    def _sum(cls, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.is_complex() or t.element_size() not in cls._INT:
+            return t.float().sum()
+        return t.view(cls._INT[t.element_size()]).sum(dtype=torch.int64)
+
+    def snapshot(self, model: torch.nn.Module) -> list:
+        return self._take(model)[0]
+
+    def check(self, model: torch.nn.Module, before: list | None = None) -> None:
+        """Raise unless ``model`` is as it was at ``before`` (a :meth:`snapshot`; default: when built)."""
+        before = self.structure if before is None else before
+        structure, ptrs, tensors = self._take(model)
+        if structure != before:
+            diff = next(
+                (_first_difference(x, y) for x, y in zip(before, structure) if x != y),
+                f"{len(before)} entries became {len(structure)}",
+            )
+            raise RuntimeError(f"unpatch did not restore the stock model: {diff}")
+        moved = [k for k, p in ptrs.items() if p != self.ptrs[k]]
+        if moved:
+            now = torch.stack([self._sum(tensors[k]) for k in moved])
+            was = torch.stack([self.sums[k] for k in moved])
+            bad = (now != was).nonzero().flatten().tolist()
+            if bad:
+                raise RuntimeError(f"unpatch did not restore the stock model: {moved[bad[0]]} holds other values")
+
+
+def _first_difference(was: tuple, now: tuple) -> str:
+    if was[0] == now[0] and len(was) == len(now) == 3:  # a module: say which attributes came or went
+        gone, new = sorted(set(was[2]) - set(now[2])), sorted(set(now[2]) - set(was[2]))
+        return f"module {was[0] or '<root>'} ({was[1]}): attributes removed {gone}, added {new}"
+    return f"{was} became {now}"
+
+
+def round_summary(samples: list[float]) -> dict:
+    """:func:`summary` plus the quartiles (the IQR) of a phase's per-round times."""
+    out = summary(samples)
+    xs = sorted(samples)
+    out.update(q1=_quantile(xs, 0.25), q3=_quantile(xs, 0.75))
+    out["iqr"] = out["q3"] - out["q1"]
+    return out
+
+
 def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], decodings: list[str]) -> None:
     a = run.args
     dev, dtype = run.device, torch.bfloat16 if a.dtype == "bfloat16" else torch.float32
@@ -424,53 +447,48 @@ def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], deco
             fp8_model = None
             free()
     run.log(f"{workload}: built in {build_s:.1f} s" + (f", fp8 model {fp8_build_s:.1f} s" if fp8_build_s else ""))
-    report = mpsboost.patch(model)
-    if is_patched(model):  # a default that applies nothing on this device leaves nothing to undo
-        mpsboost.unpatch(model)
-    opt_report = None
-    if "options" in variants:
-        opt_report = mpsboost.patch(model, options=a.options)
-        if is_patched(model):
-            mpsboost.unpatch(model)
-    mac_report = None
-    if "mac" in variants:
-        mac_report = mpsboost.patch(model, device=mac_env(a.mac_torch))
-        if is_patched(model):
-            mpsboost.unpatch(model)
+    t = time.perf_counter()
+    stock = StockState(model)
+    run.log(f"{workload}: stock state taken in {time.perf_counter() - t:.1f} s")
+    mac_name = MAC_PREFIX + a.mac_torch
+    reports: dict[str, Any] = {FP8_VARIANT: fp8_report}
+    for name, want in (("mpsboost", "mpsboost"), (mac_name, "mac"), (OPTIONS_VARIANT, "options")):
+        if want == "mpsboost" or want in variants:
+            reports[name] = apply_variant(model, name, a)
+            if is_patched(model):  # a default that applies nothing on this device leaves nothing to undo
+                mpsboost.unpatch(model)
+            stock.check(model)
     bw, bw_source = run.copy_bandwidth()
     gen = torch.Generator().manual_seed(a.seed + 1)
     prompt = torch.randint(0, cfg.vocab_size, (1, a.prompt_tokens), generator=gen).to(dev)
     mask = torch.ones_like(prompt)
-    N = a.new_tokens
+    ctx = LlmContext(
+        run=run,
+        workload=workload,
+        cfg=cfg,
+        model=model,
+        fp8_model=fp8_model,
+        fp8_error=fp8_error,
+        reports=reports,
+        stock=stock,
+        prompt=prompt,
+        mask=mask,
+        bw=bw,
+        bw_source=bw_source,
+        dtype=dtype,
+        build_s={"stock": build_s, FP8_VARIANT: fp8_build_s},
+    )
     try:
         for mode in modes:
-            for decoding in decodings:
+            for decoding in ["greedy"] if mode == "hooked" else decodings:
                 if run.spent():
                     run.log(f"{workload} {mode} {decoding}: budget spent, not started")
                     continue
                 try:
-                    llm_mode(
-                        run,
-                        workload,
-                        cfg,
-                        mode,
-                        decoding,
-                        variants,
-                        model,
-                        fp8_model,
-                        report,
-                        fp8_report,
-                        fp8_error,
-                        prompt,
-                        mask,
-                        N,
-                        bw,
-                        bw_source,
-                        dtype,
-                        {"stock": build_s, FP8_VARIANT: fp8_build_s},
-                        mac_report,
-                        opt_report,
-                    )
+                    if mode == "hooked":
+                        llm_breakdown(ctx, variants)
+                    else:
+                        llm_mode(ctx, mode, decoding, variants)
                 except Exception as exc:  # noqa: BLE001 - the next mode or decoding still runs
                     run.log(f"{workload} {mode} {decoding}: failed: {error_text(exc)}")
                     traceback.print_exc(limit=5)
@@ -479,7 +497,7 @@ def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], deco
                 free(reset_dynamo=False)  # greedy and sampled share the compiled forward
             free()
     finally:
-        del model, fp8_model
+        del model, fp8_model, ctx
         free()
 
 
@@ -490,175 +508,189 @@ def mac_env(version: str):
     return Env.simulate("mps", version)
 
 
-def llm_mode(
-    run: Run,
-    workload: str,
-    cfg,
-    mode: str,
-    decoding: str,
-    variants: list[str],
-    model,
-    fp8_model,
-    report,
-    fp8_report,
-    fp8_error,
-    prompt,
-    mask,
-    N: int,
-    bw: float,
-    bw_source: str,
-    dtype,
-    build_s: dict,
-    mac_report=None,
-    opt_report=None,
-) -> None:
-    a = run.args
-    dev = run.device
+def apply_variant(model, name: str, a: argparse.Namespace):
+    """Patch the shared model as variant ``name`` asks (through ``mpsboost.patch``); returns the report."""
+    if name == "mpsboost":
+        return mpsboost.patch(model)
+    if name.startswith(MAC_PREFIX):
+        return mpsboost.patch(model, device=mac_env(a.mac_torch))
+    if name == OPTIONS_VARIANT:
+        return mpsboost.patch(model, options=a.options)
+    raise ValueError(f"no patch for variant {name!r}")
+
+
+@dataclass
+class LlmContext:
+    """What every mode of one LLM workload shares: the model (built once), its stock state, the reports."""
+
+    run: Run
+    workload: str
+    cfg: Any
+    model: Any
+    fp8_model: Any
+    fp8_error: str | None
+    reports: dict
+    stock: StockState
+    prompt: torch.Tensor
+    mask: torch.Tensor
+    bw: float
+    bw_source: str
+    dtype: torch.dtype
+    build_s: dict
+
+    def names(self, variants: list[str]) -> list[str]:
+        a = self.run.args
+        return (
+            ["stock"]
+            + (["mpsboost"] if "mpsboost" in variants else [])
+            + ([FP8_VARIANT] if self.fp8_model is not None else [])
+            + ([MAC_PREFIX + a.mac_torch] if "mac" in variants else [])
+            + ([OPTIONS_VARIANT] if "options" in variants else [])
+        )
+
+    def model_of(self, name: str):
+        return self.fp8_model if name == FP8_VARIANT else self.model
+
+    def state(self, name: str, switch_s: dict[str, list[float]]) -> Callable[[], Any]:
+        """The variant's state around its calls, entered outside every timed region: a patched variant
+        of the shared model is patched on entry (the time it takes goes to ``switch_s``, not to a sample)
+        and unpatched on exit, and the stock state is checked after every unpatch."""
+        model = self.model
+
+        @contextlib.contextmanager
+        def state():
+            if name in (FP8_VARIANT, "stock"):
+                if is_patched(model):
+                    raise RuntimeError(f"the shared model is still patched when {name} runs")
+                yield
+                return
+            before = self.stock.snapshot(model)
+            t = time.perf_counter()
+            apply_variant(model, name, self.run.args)
+            switch_s.setdefault(name, []).append(time.perf_counter() - t)
+            try:
+                yield
+            finally:
+                if is_patched(model):
+                    mpsboost.unpatch(model)
+                self.stock.check(model, before)
+
+        return state
+
+
+def llm_mode(ctx: LlmContext, mode: str, decoding: str, variants: list[str]) -> None:
+    """generate() of every variant in paired rounds (:func:`mpsboost.bench.harness.paired_rounds`): each round
+    runs each variant's prefill (``max_new_tokens=1``: the time to the first token) and its whole call
+    (``max_new_tokens=N``) back to back; decode per token is (call - prefill) / (N - 1) of the same round."""
+    run, a, dev = ctx.run, ctx.run.args, ctx.run.device
+    workload, prompt, mask = ctx.workload, ctx.prompt, ctx.mask
+    N = a.new_tokens
+    names = ctx.names(variants)
     mac_name = MAC_PREFIX + a.mac_torch
-    names = (
-        ["stock"]
-        + (["mpsboost"] if "mpsboost" in variants else [])
-        + ([FP8_VARIANT] if fp8_model is not None else [])
-        + ([mac_name] if "mac" in variants else [])
-        + ([OPTIONS_VARIANT] if "options" in variants else [])
-    )
-    models = {"stock": model, "mpsboost": model, FP8_VARIANT: fp8_model, mac_name: model, OPTIONS_VARIANT: model}
-    on_model: list[str | None] = [None]  # which patch the shared model carries now (None: stock)
     errors: dict[str, str] = {}
-    if "fp8" in variants and fp8_model is None:
-        errors[FP8_VARIANT] = fp8_error or "not built"
-    kw: dict[str, Any] = {"attention_mask": mask}
+    if "fp8" in variants and ctx.fp8_model is None:
+        errors[FP8_VARIANT] = ctx.fp8_error or "not built"
+    kw: dict[str, Any] = {"attention_mask": mask, "do_sample": decoding == "sampled"}
     if mode == "static":
         kw["cache_implementation"] = "static"
-    if decoding == "sampled":
-        kw.update(do_sample=True)
-    else:
-        kw.update(do_sample=False)
+    switch_s: dict[str, list[float]] = {}
+    outs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
 
-    switch_s: dict[str, list[float]] = {n: [] for n in names}
+    def job(name: str, new: int, keep: bool) -> Callable[[], Any]:
+        m = ctx.model_of(name)
 
-    def select(name: str):
-        """Patch or unpatch the shared model for ``name``; never inside a timed region (the time a
-        switch takes is recorded on its own, as ``switch_s``)."""
-        m = models[name]
-        want = None if name == "stock" else name
-        if m is model and on_model[0] != want:
-            t = time.perf_counter()
-            if is_patched(model):
-                mpsboost.unpatch(model)
-            if want == "mpsboost":
-                mpsboost.patch(model)
-            elif want == mac_name:
-                mpsboost.patch(model, device=mac_env(a.mac_torch))
-            elif want == OPTIONS_VARIANT:
-                mpsboost.patch(model, options=a.options)
-            on_model[0] = want
-            switch_s[name].append(time.perf_counter() - t)
-        return m
+        def call():
+            torch.manual_seed(a.seed + 2)  # the sampling seed, the same for every call
+            with torch.no_grad():
+                out = m.generate(prompt, max_new_tokens=new, min_new_tokens=new, **kw)
+            if keep:
+                outs[name].append(out)  # a device tensor: read after the rounds, no sync in a timed call
+            return out
 
-    def generate(name: str, first: Any = None):
-        m = models[name]
-        torch.manual_seed(a.seed + 2)  # the sampling seed, the same for every call
-        extra_kw = {"logits_processor": LogitsProcessorList([first])} if first is not None else {}
-        with torch.no_grad():
-            return m.generate(prompt, max_new_tokens=N, min_new_tokens=N, **kw, **extra_kw)
+        return call
 
-    def timed_generate(name: str) -> tuple[float, float, Any]:
-        """(time to the first token's logits, time of the whole call, output): one call, both phases."""
-        first = FirstLogits(dev)
-        synchronize(dev)
-        t0 = time.perf_counter()
-        out = generate(name, first)
-        synchronize(dev)
-        t1 = time.perf_counter()
-        if first.t is None:
-            raise RuntimeError("generate() never called the logits processor: no prefill timestamp")
-        return first.t - t0, t1 - t0, out
-
-    from transformers import LogitsProcessorList
-
+    jobs = {n: {"prefill": job(n, 1, False), "generate": job(n, N, True)} for n in names}
+    states = {n: ctx.state(n, switch_s) for n in names}
     label = f"{workload} {mode} {decoding}"
     # Eager: the memory peaks are taken on the untimed warm-up call (nothing compiles there), which
     # saves a call per variant; compiled: on a separate call after the rounds (compilation allocates).
     mem_on_warmup = mode == "eager"
-    warm, mem, warm_graphs = warm_up(run, label, names, generate, dev, mem_on_warmup, errors, select)
+    warm: dict[str, dict[str, float]] = {}
+    mem: dict[str, Any] = {}
+    warm_graphs: dict[str, int] = {}
+    for name in list(names):
+        try:
+            with states[name]():
+                g0 = graphs_compiled()
+                warm[name] = {"prefill": wall(jobs[name]["prefill"], dev)}
+                if mem_on_warmup:
+                    with measure_memory(dev) as probe:
+                        warm[name]["generate"] = wall(jobs[name]["generate"], dev)
+                    mem[name] = probe.peaks()
+                else:
+                    warm[name]["generate"] = wall(jobs[name]["generate"], dev)
+                warm_graphs[name] = graphs_compiled() - g0
+            run.log(f"{label}: warm-up {name} " + ", ".join(f"{k} {v:.1f} s" for k, v in warm[name].items()))
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded and left out
+            errors[name] = f"warm-up: {error_text(exc)}"
+            run.log(f"{label}: {name} failed: {errors[name]}")
+            traceback.print_exc(limit=3)
+            names.remove(name)
+            free(reset_dynamo=False)  # a reset would drop the other variants' compiled code
     if "stock" not in names:
         run.log(f"{label}: stock failed; nothing to compare")
-    prefill: dict[str, list[float]] = {n: [] for n in names}
-    full: dict[str, list[float]] = {n: [] for n in names}
-    tokens: dict[str, list[list[int]]] = {n: [] for n in names}
-    budget_cut = False
+        return
+    for n in names:
+        outs[n].clear()
     graphs0 = graphs_compiled()
-    for r in range(a.rounds):
-        if r >= 1 and run.spent():
-            budget_cut = True
-            run.log(f"{label}: budget spent after {r} round(s)")
-            break
-        for name in rotate(names, r):
-            try:
-                select(name)
-                s_1, s_n, out = timed_generate(name)
-            except Exception as exc:  # noqa: BLE001
-                errors[name] = f"round {r + 1}: {error_text(exc)}"
-                continue
-            prefill[name].append(s_1)
-            full[name].append(s_n)
-            tokens[name].append(out[0, prompt.shape[1] :].tolist())
-        run.log(
-            f"{label}: round {r + 1}: "
-            + ", ".join(
-                f"{n} prefill {prefill[n][-1] * 1e3:.1f} ms "
-                f"decode {(full[n][-1] - prefill[n][-1]) / max(N - 1, 1) * 1e3:.2f} ms/tok"
-                for n in names
-                if len(full[n]) == r + 1
-            )
-        )
+    rounds = paired_rounds(
+        {n: jobs[n] for n in names},
+        device=dev,
+        rounds=a.rounds,
+        warmup=0,
+        baseline="stock",
+        contexts={n: states[n] for n in names},
+        stop=lambda done: done < a.rounds and run.spent(),
+    )
     recompiled = graphs_compiled() - graphs0
-    logits: dict[str, torch.Tensor] = {}
-    breakdown: dict[str, dict] = {}
-    for name in names:
-        if not full[name]:
+    budget_cut = rounds.rounds < a.rounds
+    if budget_cut:
+        run.log(f"{label}: budget spent after {rounds.rounds} round(s)")
+    pre = {n: list(rounds.samples[n]["prefill"]) for n in names}
+    full = {n: list(rounds.samples[n]["generate"]) for n in names}
+    decode = {n: [(f - p) / max(N - 1, 1) for f, p in zip(full[n], pre[n])] for n in names}
+    for r in range(rounds.rounds):
+        run.log(
+            f"{label}: round {r + 1} ({', '.join(rounds.orders[r])}): "
+            + ", ".join(f"{n} prefill {pre[n][r] * 1e3:.1f} ms decode {decode[n][r] * 1e3:.2f} ms/tok" for n in names)
+        )
+    paired: dict[str, dict[str, RoundRatios]] = {}
+    for n in names:
+        if n == "stock":
             continue
+        paired[n] = {
+            "prefill": round_ratios(pre["stock"], pre[n]),
+            "decode": round_ratios(decode["stock"], decode[n]),
+            "call": round_ratios(full["stock"], full[n]),
+        }
+        run.log(f"{label}: {n} vs stock: " + "; ".join(f"{k} {v}" for k, v in paired[n].items()))
+    tokens = {n: [o[0, prompt.shape[1] :].tolist() for o in outs[n]] for n in names}
+    logits: dict[str, torch.Tensor] = {}
+    for name in names:
         try:
-            if mode == "eager" and a.breakdown_steps > 0:
-                breakdown[name] = module_breakdown(select(name), prompt, mask, a.breakdown_steps, dev)
-                run.log(
-                    f"{label}: {name} breakdown per decoded token: "
-                    + ", ".join(f"{k} {v:.2f} ms" for k, v in breakdown[name]["decode_ms_per_token"].items())
-                )
-            if not mem_on_warmup:
-                select(name)
-                with measure_memory(dev) as probe:
-                    generate(name)
-                mem[name] = probe.peaks()
-            with torch.no_grad():
-                logits[name] = select(name)(prompt, attention_mask=mask).logits[0, -1].float().cpu()
+            with states[name]():
+                if not mem_on_warmup:
+                    with measure_memory(dev) as probe:
+                        jobs[name]["generate"]()
+                    mem[name] = probe.peaks()
+                with torch.no_grad():
+                    logits[name] = ctx.model_of(name)(prompt, attention_mask=mask).logits[0, -1].float().cpu()
         except Exception as exc:  # noqa: BLE001
             errors.setdefault(name, f"memory pass: {error_text(exc)}")
-    if is_patched(model):
-        mpsboost.unpatch(model)
-    on_model[0] = None
 
-    env = RecordEnv.capture(dev, dtype, compile="transformers-static-cache" if mode == "static" else False)
-    shape = {
-        "model": workload,
-        "layers": cfg.num_hidden_layers,
-        "mode": mode,
-        "decoding": decoding,
-        "prompt_tokens": int(prompt.shape[1]),
-        "new_tokens": N,
-        "batch": 1,
-        "weights": "random (seeded, N(0, 0.02))",
-    }
-    work = Workload(f"{NAME}-generate", shape)
+    env = RecordEnv.capture(dev, ctx.dtype, compile="transformers-static-cache" if mode == "static" else False)
+    work = Workload(f"{NAME}-generate", llm_shape(ctx, mode, decoding))
     ref_tokens = tokens["stock"][0] if tokens.get("stock") else None
-    decode = {n: [(f - p) / max(N - 1, 1) for f, p in zip(full[n], prefill[n])] for n in names}
-    med = {
-        n: {
-            k: statistics.median(v) for k, v in (("prefill", prefill[n]), ("decode", decode[n]), ("call", full[n])) if v
-        }
-        for n in names
-    }
     recs = []
     for name in ["stock", "mpsboost", FP8_VARIANT, mac_name, OPTIONS_VARIANT]:
         if name not in names and name not in errors:
@@ -668,7 +700,7 @@ def llm_mode(
             "decoding": decoding,
             "sampling_seed": a.seed + 2 if decoding == "sampled" else None,
             "generate_kwargs": {k: v for k, v in kw.items() if k != "attention_mask"},
-            "build_s": build_s.get(name, build_s["stock"]),
+            "build_s": ctx.build_s.get(name) or ctx.build_s["stock"],
             "warmup_s": warm.get(name),
             "rounds_requested": a.rounds,
             "switch_s": switch_s.get(name) or None,
@@ -676,9 +708,15 @@ def llm_mode(
             "graphs_compiled_during_rounds": recompiled,
             "graphs_compiled_in_warmup": warm_graphs.get(name),
             "sampling": (
-                {k: getattr(models["stock"].generation_config, k, None) for k in ("temperature", "top_k", "top_p")}
+                {k: getattr(ctx.model.generation_config, k, None) for k in ("temperature", "top_k", "top_p")}
                 if decoding == "sampled"
                 else None
+            ),
+            "timing": (
+                f"{rounds.describe_order()} (mpsboost.bench.harness.paired_rounds, {rounds.methods.get(name, '-')}); "
+                "prefill: generate(max_new_tokens=1); call: generate(max_new_tokens=N); decode per token: "
+                "(call - prefill) / (N - 1) of the same round; patching between rounds is not timed and the "
+                "stock model is checked after every unpatch"
             ),
         }
         if name in errors:
@@ -688,31 +726,29 @@ def llm_mode(
             if mem_on_warmup
             else "one untimed call after the rounds"
         )
-        rep = {FP8_VARIANT: fp8_report, "mpsboost": report, mac_name: mac_report, OPTIONS_VARIANT: opt_report}.get(name)
         if name == OPTIONS_VARIANT:
             extra["options"] = a.options
-        if rep is not None:
-            extra["patch"] = patch_summary(rep)
+        if ctx.reports.get(name) is not None:
+            extra["patch"] = patch_summary(ctx.reports[name])
         if name == mac_name:
             extra["decisions"] = (
                 f"simulated: the decisions of an Apple MPS machine on torch {a.mac_torch}, computed on this "
                 "device; tokens and logits check the Mac paths, the speed here says nothing about a Mac"
             )
-        if name in breakdown:
-            extra["breakdown"] = breakdown[name]
         if name == FP8_VARIANT:
             extra["baseline"] = "stock bf16 model of this run (fp8 cannot be undone: a second model, same seed)"
         throughput = ops = corr = None
-        if full.get(name):
-            wbytes = weight_bytes_per_token(models[name])
-            limit_s = wbytes / bw
+        if name in names:
             dec = decode[name]
+            wbytes = weight_bytes_per_token(ctx.model_of(name))
+            limit_s = wbytes / ctx.bw
             extra.update(
                 {
-                    "rounds": len(full[name]),
-                    "prefill_s": summary(prefill[name]),
-                    "decode_s_per_token": summary(dec),
-                    "generate_call_s": summary(full[name]),
+                    "rounds": rounds.rounds,
+                    "round_orders": [list(o) for o in rounds.orders],
+                    "prefill_s": round_summary(pre[name]),
+                    "decode_s_per_token": round_summary(dec),
+                    "generate_call_s": round_summary(full[name]),
                     "tokens_equal_stock": bool(ref_tokens is not None and all(t == ref_tokens for t in tokens[name])),
                     "tokens_reference": "stock, first timed round"
                     + (" (same sampling seed)" if decoding == "sampled" else ""),
@@ -723,8 +759,8 @@ def llm_mode(
                     ),
                     "bandwidth": {
                         "weight_bytes_per_token": wbytes,
-                        "copy_bandwidth_bytes_per_s": bw,
-                        "copy_bandwidth_source": bw_source,
+                        "copy_bandwidth_bytes_per_s": ctx.bw,
+                        "copy_bandwidth_source": ctx.bw_source,
                         "limit_s_per_token": limit_s,
                         "share_of_limit": limit_s / statistics.median(dec) if statistics.median(dec) > 0 else None,
                         "counted": (
@@ -734,13 +770,15 @@ def llm_mode(
                     },
                 }
             )
-            if name != "stock" and "stock" in med and med["stock"]:
-                extra["ratio_vs_stock"] = {
-                    k: med["stock"][k] / med[name][k]
-                    for k in ("prefill", "decode", "call")
-                    if med[name].get(k) and med["stock"].get(k)
+            if name in paired:
+                extra["paired_rounds"] = {
+                    "baseline": "stock",
+                    "ratio": "stock time / this variant's time in the same round (> 1 faster)",
+                    **{k: v.to_dict() for k, v in paired[name].items()},
                 }
-                extra["ratio_note"] = "stock median / this median, same run (> 1 faster)"
+                extra["ratio_vs_stock"] = {k: v.median for k, v in paired[name].items()}
+                extra["verdict_vs_stock"] = {k: v.label for k, v in paired[name].items()}
+                extra["ratio_note"] = "median over the paired rounds of stock / this variant (> 1 faster)"
             throughput = Throughput(
                 value=statistics.median(dec) * 1e3,
                 unit="ms/token",
@@ -751,7 +789,7 @@ def llm_mode(
                 spread={"min_ms": min(dec) * 1e3, "max_ms": max(dec) * 1e3},
             )
             ops = {
-                "prefill": op_time(prefill[name], 1),
+                "prefill": op_time(pre[name], 1),
                 "decode_token": op_time(dec, 1),
                 "generate_call": op_time(full[name], 1),
             }
@@ -775,6 +813,101 @@ def llm_mode(
                 extra=extra,
             )
         )
+    ctx.run.add(recs)
+
+
+def llm_shape(ctx: LlmContext, mode: str, decoding: str) -> dict:
+    return {
+        "model": ctx.workload,
+        "layers": ctx.cfg.num_hidden_layers,
+        "mode": mode,
+        "decoding": decoding,
+        "prompt_tokens": int(ctx.prompt.shape[1]),
+        "new_tokens": ctx.run.args.new_tokens,
+        "batch": 1,
+        "weights": "random (seeded, N(0, 0.02))",
+    }
+
+
+def wall(fn: Callable[[], Any], device: str) -> float:
+    """Seconds of one untimed call (a warm-up: compilation included), synchronised."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0
+
+
+def llm_breakdown(ctx: LlmContext, variants: list[str]) -> None:
+    """The hooked breakdown, its own records (``e2e-breakdown``, never mixed with the throughput rounds): per
+    round, each variant's forward over the prompt and ``--breakdown-steps`` greedy decode steps with
+    device-synchronising hooks around each Gated DeltaNet layer, attention layer, MoE block and its experts;
+    the rounds paired and alternated as the throughput's are. Figures are medians over the rounds, in ms."""
+    run, a, dev = ctx.run, ctx.run.args, ctx.run.device
+    names = [n for n in ctx.names(variants) if n != FP8_VARIANT or ctx.fp8_model is not None]
+    switch_s: dict[str, list[float]] = {}
+    passes: dict[str, list[dict]] = {n: [] for n in names}
+
+    def job(name: str) -> Callable[[], None]:
+        def call():
+            passes[name].append(module_breakdown(ctx.model_of(name), ctx.prompt, ctx.mask, a.breakdown_steps, dev))
+
+        return call
+
+    states = {n: ctx.state(n, switch_s) for n in names}
+    rounds = paired_rounds(
+        {n: job(n) for n in names},
+        device=dev,
+        rounds=a.rounds,
+        warmup=1,
+        baseline="stock",
+        contexts=states,
+        stop=lambda done: done < a.rounds and run.spent(),
+    )
+    for n in names:
+        del passes[n][0]  # the warm-up pass
+    env = RecordEnv.capture(dev, ctx.dtype, compile=False)
+    shape = dict(llm_shape(ctx, "hooked", "greedy"), decode_steps=a.breakdown_steps)
+    shape.pop("new_tokens")
+    work = Workload(f"{NAME}-breakdown", shape)
+    recs = []
+    for name in names:
+        ps = passes[name]
+        med = lambda key: {  # noqa: E731
+            k: statistics.median(p[key][k] for p in ps) for k in ps[0][key]
+        }
+        per_kind = {k: [p["decode_ms_per_token"][k] for p in ps] for k in ps[0]["decode_ms_per_token"]}
+        extra = {
+            "mode": "hooked",
+            "rounds": rounds.rounds,
+            "round_orders": [list(o) for o in rounds.orders],
+            "switch_s": switch_s.get(name) or None,
+            "breakdown": {
+                "decode_ms_per_token": med("decode_ms_per_token"),
+                "decode_ms_per_token_rounds": per_kind,
+                "decode_step_ms_hooked": statistics.median(p["decode_step_ms_hooked"] for p in ps),
+                "prefill_ms": med("prefill_ms"),
+                "prefill_ms_hooked": statistics.median(p["prefill_ms_hooked"] for p in ps),
+                "modules": ps[0]["modules"],
+                "steps": a.breakdown_steps,
+                "method": ps[0]["method"] + "; medians over paired, alternated rounds",
+            },
+            "note": "hooks synchronise the device around every timed module: never compare with throughput records",
+        }
+        if ctx.reports.get(name) is not None:
+            extra["patch"] = patch_summary(ctx.reports[name])
+        if name != "stock":
+            extra["paired_rounds"] = {
+                kind: round_ratios(per_kind_stock, per_kind_var).to_dict()
+                for kind, per_kind_stock, per_kind_var in (
+                    (k, [p["decode_ms_per_token"][k] for p in passes["stock"]], v) for k, v in per_kind.items()
+                )
+            }
+        run.log(
+            f"{ctx.workload} hooked: {name} decode per token (medians): "
+            + ", ".join(f"{k} {v:.2f} ms" for k, v in extra["breakdown"]["decode_ms_per_token"].items())
+        )
+        recs.append(Record(workload=work, variant=name, env=env, extra=extra))
     run.add(recs)
 
 
@@ -968,45 +1101,80 @@ def diffusion_mode(
         elif name == "stock" and is_patched(pipe):
             mpsboost.unpatch(pipe)
 
+    def state(name: str) -> Callable[[], Any]:
+        # patched on entry, unpatched on exit: outside every timed region (patching is a one-time cost)
+        @contextlib.contextmanager
+        def cm():
+            select(name)
+            try:
+                yield
+            finally:
+                select("stock")
+
+        return cm
+
+    last: dict[str, Any] = {}
+
     def call(name: str):
         with torch.no_grad():
             out = pipe(**kw, generator=torch.Generator(device="cpu").manual_seed(a.seed))
-        return out.frames if workload == "wan22-ti2v-5b" else out.images
+        last[name] = out.frames if workload == "wan22-ti2v-5b" else out.images  # read after the rounds
+        return last[name]
 
     label = f"{workload} {mode}"
     mem_on_warmup = mode != "compile"  # as for generate(): no compilation in the warm-up call
-    warm, mem, warm_graphs = warm_up(run, label, names, call, dev, mem_on_warmup, errors, select)
+    warm, mem, warm_graphs = {}, {}, {}
+    for name in list(names):
+        try:
+            with state(name)():
+                g0 = graphs_compiled()
+                if mem_on_warmup:
+                    with measure_memory(dev) as probe:
+                        warm[name] = wall(lambda: call(name), dev)
+                    mem[name] = probe.peaks()
+                else:
+                    warm[name] = wall(lambda: call(name), dev)
+                warm_graphs[name] = graphs_compiled() - g0
+            run.log(f"{label}: warm-up {name} {warm[name]:.1f} s")
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded and left out
+            errors[name] = f"warm-up: {error_text(exc)}"
+            run.log(f"{label}: {name} failed: {errors[name]}")
+            traceback.print_exc(limit=3)
+            names.remove(name)
+            free(reset_dynamo=False)
     times: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, torch.Tensor] = {}
-    budget_cut = False
     graphs0 = graphs_compiled()
-    for r in range(a.rounds):
-        if r >= 1 and run.spent():
-            budget_cut = True
-            run.log(f"{label}: budget spent after {r} round(s)")
-            break
-        for name in rotate(names, r):
-            try:
-                select(name)  # untimed: patching is a one-time cost, not part of a pipeline call
-                s, out = timed_call(lambda: call(name), dev)
-            except Exception as exc:  # noqa: BLE001
-                errors[name] = f"round {r + 1}: {error_text(exc)}"
-                continue
-            times[name].append(s)
-            if name not in outputs:
-                outputs[name] = torch.as_tensor(out).detach().float().cpu()
-        run.log(
-            f"{label}: round {r + 1}: "
-            + ", ".join(f"{n} {times[n][-1]:.3f} s" for n in names if len(times[n]) == r + 1)
+    budget_cut = False
+    paired: dict[str, RoundRatios] = {}
+    orders: list[list[str]] = []
+    if "stock" in names:
+        rounds = paired_rounds(
+            {n: (lambda n=n: call(n)) for n in names},
+            device=dev,
+            rounds=a.rounds,
+            warmup=0,
+            baseline="stock",
+            contexts={n: state(n) for n in names},
+            stop=lambda done: done < a.rounds and run.spent(),
         )
+        budget_cut = rounds.rounds < a.rounds
+        orders = [list(o) for o in rounds.orders]
+        times = {n: list(rounds.samples[n]["call"]) for n in names}
+        outputs = {n: torch.as_tensor(last[n]).detach().float().cpu() for n in names}
+        for r in range(rounds.rounds):
+            run.log(f"{label}: round {r + 1}: " + ", ".join(f"{n} {times[n][r]:.3f} s" for n in rounds.orders[r]))
+        paired = {n: rounds.ratios(n, "call") for n in names if n != "stock"}
+        for n, rr in paired.items():
+            run.log(f"{label}: {n} vs stock: {rr}")
     recompiled = graphs_compiled() - graphs0
     for name in names:
         if not times[name] or mem_on_warmup:
             continue
         try:
-            select(name)
-            with measure_memory(dev) as probe:
-                call(name)
+            with state(name)():
+                with measure_memory(dev) as probe:
+                    call(name)
             mem[name] = probe.peaks()
         except Exception as exc:  # noqa: BLE001
             errors.setdefault(name, f"memory pass: {error_text(exc)}")
@@ -1026,7 +1194,6 @@ def diffusion_mode(
     if "frames" in cfg:
         shape["frames"] = cfg["frames"]
     work = Workload(f"{NAME}-{workload}", shape)
-    med = {n: statistics.median(v) for n, v in times.items() if v}
     recs = []
     for name in ["stock", "mpsboost"]:
         if name not in names and name not in errors:
@@ -1057,10 +1224,16 @@ def diffusion_mode(
             extra["patch"] = patch_summary(reports[name])
         throughput = ops = corr = None
         if times.get(name):
-            extra.update({"rounds": len(times[name]), "call_s": summary(times[name])})
-            if name != "stock" and "stock" in med:
-                extra["ratio_vs_stock"] = {"call": med["stock"] / med[name]}
-                extra["ratio_note"] = "stock median / this median, same run (> 1 faster)"
+            extra.update({"rounds": len(times[name]), "round_orders": orders, "call_s": round_summary(times[name])})
+            if name in paired:
+                extra["paired_rounds"] = {
+                    "baseline": "stock",
+                    "ratio": "stock time / this variant's time in the same round (> 1 faster)",
+                    "call": paired[name].to_dict(),
+                }
+                extra["ratio_vs_stock"] = {"call": paired[name].median}
+                extra["verdict_vs_stock"] = {"call": paired[name].label}
+                extra["ratio_note"] = "median over the paired rounds of stock / this variant (> 1 faster)"
             xs = times[name]
             throughput = Throughput(
                 value=statistics.median(xs),
@@ -1098,6 +1271,18 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
 
+SHORT_LABEL = {"faster in every round": "faster", "slower in every round": "slower"}
+
+
+def _ratio_cell(extra: dict, key: str) -> str:
+    """The median of the paired rounds' ratios, their min..max, and the label (``straddles 1.0``: not faster)."""
+    p = (extra.get("paired_rounds") or {}).get(key)
+    if not p:
+        return f"{extra['ratio_vs_stock'][key]:.2f}"
+    label = SHORT_LABEL.get(p["label"], "NOT FASTER, straddles 1.0" if "straddle" in p["label"] else p["label"])
+    return f"{p['median']:.2f} ({p['min']:.2f}..{p['max']:.2f}, {label})"
+
+
 def table(records: list[Record]) -> str:
     """One line per record: the figures of its medians, its ratio to stock of the same run, memory, agreement."""
     head = (
@@ -1125,7 +1310,7 @@ def table(records: list[Record]) -> str:
             dec = f"{d['median'] * 1e3:.2f} ({d['best'] * 1e3:.2f}..{d['worst'] * 1e3:.2f})"
             pre = f"{e['prefill_s']['median'] * 1e3:.1f}"
             call = f"{e['generate_call_s']['median']:.3f}"
-            x = f"dec {ratio['decode']:.2f} pre {ratio['prefill']:.2f}" if "decode" in ratio else ""
+            x = f"dec {_ratio_cell(e, 'decode')} pre {_ratio_cell(e, 'prefill')}" if "decode" in ratio else ""
             share = e["bandwidth"]["share_of_limit"]
             bws = "-" if share is None else f"{share * 100:.1f}%"
             agree = str(e["tokens_equal_stock"])
@@ -1133,7 +1318,7 @@ def table(records: list[Record]) -> str:
             c = e["call_s"]
             dec, pre, bws = "-", "-", "-"
             call = f"{c['median']:.3f} ({c['best']:.3f}..{c['worst']:.3f})"
-            x = f"{ratio['call']:.2f}" if "call" in ratio else ""
+            x = _ratio_cell(e, "call") if "call" in ratio else ""
             agree = "-" if r.correctness is None else f"{r.correctness.psnr_db:.1f}"
         else:
             dec = pre = call = x = bws = agree = "-"
@@ -1194,7 +1379,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--modes",
         default=",".join(dict.fromkeys(LLM_MODES + DIFFUSION_MODES)),
-        help="LLM: eager, static; diffusers: eager, compile, offload (each workload runs those of its kind)",
+        help=(
+            "LLM: eager, static, hooked (the per-module breakdown, its own records); diffusers: eager, compile, "
+            "offload (each workload runs those of its kind)"
+        ),
     )
     p.add_argument(
         "--variants",
@@ -1215,14 +1403,14 @@ def parse(argv=None) -> argparse.Namespace:
         "--breakdown-steps",
         type=int,
         default=8,
-        help="eager LLM modes: decode steps of the per-module breakdown pass (0: none)",
+        help="mode hooked: greedy decode steps of each per-module breakdown pass",
     )
     p.add_argument("--decoding", default="greedy,sampled", help="LLM decoding: greedy, sampled")
     p.add_argument(
         "--rounds",
         type=int,
-        default=3,
-        help="timed rounds, each running every variant once (>= 3 for figures you report)",
+        default=5,
+        help="paired rounds, each running every variant once (>= 5 for figures you report)",
     )
     p.add_argument(
         "--layers", type=int, default=None, help="override the number of layers (transformer blocks) of every model"
@@ -1248,6 +1436,8 @@ def parse(argv=None) -> argparse.Namespace:
         raise SystemExit("--variants options needs --options '{\"recipe\": {...}}'")
     if a.rounds < 1:
         raise SystemExit("--rounds must be >= 1")
+    if "hooked" in a.modes and a.breakdown_steps < 1:
+        raise SystemExit("--breakdown-steps must be >= 1 with --modes hooked")
     if a.prompt_tokens is None:
         a.prompt_tokens = 512 if a.size == "real" else 16
     if a.new_tokens is None:
