@@ -760,10 +760,64 @@ def _applies_nothing(rec: Record) -> bool:
     return isinstance(p, dict) and p.get("applied") == 0
 
 
+#: The phases of an end-to-end generate() record: its ``extra`` key of per-round times, and its key in
+#: ``extra["paired_rounds"]``.
+E2E_PHASES = {"prefill_s": "prefill", "decode_s_per_token": "decode", "generate_call_s": "call"}
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A variant's ratios to stock, one per round (stock's time / the variant's, same round; > 1 faster)."""
+
+    per_round: tuple
+    median: float
+    lo: float
+    hi: float
+    q1: float
+    q3: float
+    label: str
+    recorded: bool  # taken from the record's paired_rounds (False: paired here from the two records' rounds)
+
+    @property
+    def n(self) -> int:
+        return len(self.per_round)
+
+    def cell(self) -> str:
+        if self.n < 2:
+            return f"{self.median:.2f}x (one round: no spread)"
+        return (
+            f"{self.median:.2f}x median of {self.n} rounds ({self.lo:.2f}x .. {self.hi:.2f}x, "
+            f"IQR {self.q1:.2f}x .. {self.q3:.2f}x): {self.label}"
+        )
+
+
+def _paired(base: Record, rec: Record, key: str) -> Paired | None:
+    """The per-round ratios of ``rec`` to ``base`` for the phase ``key`` (see :data:`E2E_PHASES`): from the
+    record's ``paired_rounds`` where it has them, else paired here round by round from both records' samples
+    (the end-to-end runs keep them in round order; older runs rotated the order instead of alternating it)."""
+    from mpsboost.bench.harness import round_ratios
+
+    p = (rec.extra.get("paired_rounds") or {}).get(E2E_PHASES.get(key, key))
+    if isinstance(p, dict) and p.get("per_round"):
+        return Paired(
+            tuple(p["per_round"]), p["median"], p["min"], p["max"], p["q1"], p["q3"], p["label"], recorded=True
+        )
+    b, x = (r.extra.get(key) for r in (base, rec))
+    if not (isinstance(b, dict) and isinstance(x, dict)):
+        return None
+    bs, xs = b.get("samples") or [], x.get("samples") or []
+    if not bs or len(bs) != len(xs):
+        return None
+    r = round_ratios(bs, xs)
+    return Paired(r.per_round, r.median, r.min, r.max, r.q1, r.q3, r.label, recorded=False)
+
+
 def block_e2e_generate(results: Path | None = None) -> str:
     """transformers ``generate()`` in the end-to-end matrix: prefill (time to the first token) and decode
-    per token, each with its spread and its own verdict against stock of the same model, mode and decoding
-    in the same file; the decode's share of the bandwidth limit; whether greedy tokens equal stock's."""
+    per token, each as medians with their spread, and the variant's ratio to stock of the same model, mode and
+    decoding in the same file as the median of its per-round ratios (stock and the variant ran in the same
+    rounds) with their min..max and IQR; a variant whose rounds straddle 1.0 reads "not faster" whatever its
+    median; the decode's share of the bandwidth limit; whether greedy tokens equal stock's."""
     rows = []
     for path in sorted((results or RESULTS).glob("e2e-*.jsonl")):
         for g in groups(path.name, results):
@@ -778,7 +832,11 @@ def block_e2e_generate(results: Path | None = None) -> str:
                 cells = []
                 for key in ("prefill_s", "decode_s_per_token"):
                     b, x = _phase(base, key), _phase(rec, key)
-                    cells += [f"{x.cell()} vs {b.cell()}", f"{b.median / x.median:.2f}x, {verdict(b, x)}"]
+                    if x is None:
+                        cells += ["not measured: " + str(rec.extra.get("error") or "no rounds"), "-"]
+                        continue
+                    pr = _paired(base, rec, key)
+                    cells += [f"{x.cell()} vs {b.cell()}", pr.cell() if pr else f"{b.median / x.median:.2f}x"]
                 share = lambda r: (r.extra.get("bandwidth") or {}).get("share_of_limit")  # noqa: E731
                 bw = (
                     f"{share(rec):.1%} (stock {share(base):.1%})"
@@ -799,14 +857,47 @@ def block_e2e_generate(results: Path | None = None) -> str:
         [
             "model, mode, decoding",
             "variant",
-            "prefill: variant vs stock",
-            "prefill speedup",
+            "prefill: variant vs stock (median (min .. max, rounds))",
+            "prefill speedup: per-round ratios",
             "decode per token: variant vs stock",
-            "decode speedup",
+            "decode speedup: per-round ratios",
             "share of the bandwidth limit (decode)",
             "greedy tokens vs stock",
             "record",
         ],
+        rows,
+    )
+
+
+def block_e2e_breakdown(results: Path | None = None) -> str:
+    """The hooked per-module breakdown of decode (``e2e-breakdown`` records: synchronising hooks, never mixed
+    with the throughput): each module kind's ms per decoded token, median over the rounds (min .. max), per
+    variant, with its per-round ratio to stock."""
+    rows = []
+    for path in sorted((results or RESULTS).glob("e2e-*.jsonl")):
+        for g in groups(path.name, results):
+            if g.workload.name != "e2e-breakdown" or "stock" not in g.variants:
+                continue
+            sh = g.workload.shape
+            what = f"{sh.get('model')} ({sh.get('layers')} layers), {sh.get('decode_steps')} hooked decode steps"
+            base = g.variants["stock"].extra["breakdown"]
+            for v, rec in g.variants.items():
+                b = rec.extra["breakdown"]
+                for kind, ms in b["decode_ms_per_token"].items():
+                    xs = sorted(b.get("decode_ms_per_token_rounds", {}).get(kind) or [ms])
+                    spread = f" ({xs[0]:.2f} .. {xs[-1]:.2f}, {len(xs)} rounds)" if len(xs) > 1 else ""
+                    pr = (rec.extra.get("paired_rounds") or {}).get(kind)
+                    ratio = "-" if v == "stock" else f"{base['decode_ms_per_token'][kind] / ms:.2f}x"
+                    if pr:
+                        ratio = (
+                            f"{pr['median']:.2f}x median of {pr['n']} rounds ({pr['min']:.2f}x .. {pr['max']:.2f}x): "
+                            f"{pr['label']}"
+                        )
+                    rows.append([what, v, kind, f"{ms:.2f} ms{spread}", ratio, source(path.name, g)])
+    if not rows:
+        return "No hooked breakdown records (`e2e-breakdown` in `e2e-*.jsonl`) committed yet."
+    return md_table(
+        ["model", "variant", "module kind", "ms per decoded token (hooked)", "vs stock: per-round ratios", "record"],
         rows,
     )
 
@@ -817,12 +908,36 @@ def _e2e_generate(results: Path | None, variant: str = "mpsboost", **shape) -> t
     for path in sorted((results or RESULTS).glob("e2e-*.jsonl"), reverse=True):
         for g in groups(path.name, results):
             if (
-                variant in g.variants
+                g.workload.name == "e2e-generate"
+                and variant in g.variants
                 and "stock" in g.variants
+                and _phase(g.variants[variant], "decode_s_per_token") is not None
                 and all(g.workload.shape.get(k) == v for k, v in shape.items())
             ):
                 return path.name, g
     return None
+
+
+def _e2e_breakdown(results: Path | None, **shape) -> tuple[str, Group] | None:
+    """The latest hooked breakdown group (``e2e-breakdown``) whose shape has these fields."""
+    for path in sorted((results or RESULTS).glob("e2e-*.jsonl"), reverse=True):
+        for g in groups(path.name, results):
+            if g.workload.name == "e2e-breakdown" and all(g.workload.shape.get(k) == v for k, v in shape.items()):
+                return path.name, g
+    return None
+
+
+def _paired_status(p: Paired, target: float, *, min_rounds: int = 5, floor: float | None = None) -> str:
+    """A paired-rounds target: the median at least ``target`` over at least ``min_rounds`` rounds, and with
+    ``floor`` no round below it."""
+    why = []
+    if p.median < target:
+        why.append(f"median below {target}x")
+    if p.n < min_rounds:
+        why.append(f"{p.n} rounds (at least {min_rounds} needed)")
+    if floor is not None and p.lo < floor:
+        why.append(f"a round below {floor}x")
+    return "met" if not why else "not met: " + ", ".join(why)
 
 
 def block_gaps_e2e(results: Path | None = None) -> str:
@@ -904,47 +1019,61 @@ def block_gaps_e2e(results: Path | None = None) -> str:
                     source(f, g),
                 ]
             )
-    # Qwen3.6-35B-A3B (Gated DeltaNet + attention + MoE): the targets of its recipes, from the latest record.
-    hit = _e2e_generate(results, model="qwen3.6-35b-a3b", mode="eager", decoding="greedy")
-    if hit is not None:
+    # Qwen3.6-35B-A3B (Gated DeltaNet + attention + MoE): the targets of its recipes, from the latest record
+    # that ran each decision set; ratios are medians of paired rounds, with their spread and label.
+    mac = "mpsboost:mac-2.15.0"
+    targets = [
+        ("eager", "mpsboost", "decode_s_per_token", "default patch", 1.5, None),
+        ("eager", mac, "decode_s_per_token", "Mac 2.15.0 decisions on the GPU", 2.0, None),
+        ("static", "mpsboost", "decode_s_per_token", "default patch", 1.2, 1.0),
+        ("static", mac, "decode_s_per_token", "Mac 2.15.0 decisions on the GPU", 1.2, 1.0),
+    ] + [
+        (mode, v, "prefill_s", name, 1.0, None)
+        for mode in ("eager", "static")
+        for v, name in (("mpsboost", "default patch"), (mac, "Mac 2.15.0 decisions on the GPU"))
+    ]
+    for mode, variant, key, name, target, floor in targets:
+        hit = _e2e_generate(results, variant=variant, model="qwen3.6-35b-a3b", mode=mode, decoding="greedy")
+        if hit is None:
+            continue
         f, g = hit
-        layers = g.workload.shape["layers"]
-        for key, name in (("decode_s_per_token", "decode"), ("prefill_s", "prefill")):
-            r, v = ratio(f, g, "mpsboost", key)
-            rows.append(
-                [
-                    f"eager `generate()` {name}, Qwen3.6-35B-A3B {layers} layers, default patch",
-                    ">= 1.5x of stock",
-                    f"{r:.2f}x ({v})",
-                    status(r, v, 1.5),
-                    source(f, g),
-                ]
-            )
-        parts = {
-            n: (g.variants[n].extra.get("breakdown") or {}).get("decode_ms_per_token", {})
-            for n in ("stock", "mpsboost")
-        }
-        if all("linear_attention" in p for p in parts.values()):
-            s_ms, p_ms = parts["stock"]["linear_attention"], parts["mpsboost"]["linear_attention"]
-            rows.append(
-                [
-                    f"Gated DeltaNet layers per decoded token (synchronised hooks), Qwen3.6-35B-A3B {layers} layers",
-                    "at most half of stock's",
-                    f"{p_ms:.1f} ms against {s_ms:.1f} ms ({s_ms / p_ms:.2f}x)",
-                    "met" if p_ms <= s_ms / 2 else "not met",
-                    source(f, g),
-                ]
-            )
-    hit = _e2e_generate(results, model="qwen3.6-35b-a3b", mode="static", decoding="greedy")
-    if hit is not None:
-        f, g = hit
-        r, v = ratio(f, g, "mpsboost", "decode_s_per_token")
+        p = _paired(g.variants["stock"], g.variants[variant], key)
+        if p is None:
+            continue
+        phase = "decode" if key == "decode_s_per_token" else "prefill"
+        mode_name = "eager `generate()`" if mode == "eager" else "static-cache (compiled)"
         rows.append(
             [
-                f"static-cache (compiled) decode, Qwen3.6-35B-A3B {g.workload.shape['layers']} layers, default patch",
-                ">= 1.2x of stock",
-                f"{r:.2f}x ({v})",
-                status(r, v, 1.2),
+                f"{mode_name} {phase}, Qwen3.6-35B-A3B {g.workload.shape['layers']} layers, {name}",
+                f"median >= {target}x of stock over >= 5 paired rounds"
+                + (f", no round below {floor}x" if floor is not None else ""),
+                p.cell(),
+                _paired_status(p, target, floor=floor),
+                source(f, g),
+            ]
+        )
+    hit = _e2e_breakdown(results, model="qwen3.6-35b-a3b")
+    if hit is not None:
+        f, g = hit
+        parts = {n: g.variants[n].extra["breakdown"]["decode_ms_per_token"] for n in ("stock", "mpsboost")}
+    else:  # older runs kept the breakdown inside the eager generate() records
+        hit = _e2e_generate(results, model="qwen3.6-35b-a3b", mode="eager", decoding="greedy")
+        parts = {}
+        if hit is not None:
+            f, g = hit
+            parts = {
+                n: (g.variants[n].extra.get("breakdown") or {}).get("decode_ms_per_token", {})
+                for n in ("stock", "mpsboost")
+            }
+    if hit is not None and parts and all("linear_attention" in p for p in parts.values()):
+        s_ms, p_ms = parts["stock"]["linear_attention"], parts["mpsboost"]["linear_attention"]
+        rows.append(
+            [
+                f"Gated DeltaNet layers per decoded token (synchronised hooks), Qwen3.6-35B-A3B "
+                f"{g.workload.shape['layers']} layers",
+                "at most half of stock's",
+                f"{p_ms:.1f} ms against {s_ms:.1f} ms ({s_ms / p_ms:.2f}x)",
+                "met" if p_ms <= s_ms / 2 else "not met",
                 source(f, g),
             ]
         )
@@ -1031,7 +1160,11 @@ def block_e2e(results: Path | None = None) -> str:
     rows = []
     for path in sorted((results or RESULTS).glob("e2e-*.jsonl")):
         for g in groups(path.name, results):
-            if "stock" not in g.variants or _phase(g.variants["stock"], "decode_s_per_token") is not None:
+            if (
+                "stock" not in g.variants
+                or g.workload.name == "e2e-breakdown"
+                or _phase(g.variants["stock"], "decode_s_per_token") is not None
+            ):
                 continue
             for v in g.variants:
                 if v == "stock":
@@ -1181,6 +1314,7 @@ BLOCKS: dict[str, Callable[..., str]] = {
     "details": block_details,
     "e2e": block_e2e,
     "e2e-generate": block_e2e_generate,
+    "e2e-breakdown": block_e2e_breakdown,
     "gaps-e2e": block_gaps_e2e,
     "fp8-load": block_fp8_load,
 }
