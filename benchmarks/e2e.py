@@ -17,10 +17,10 @@ Workloads (real architectures, random weights built from shipped configs directl
   undone; its baseline is the stock bf16 model of the same run) and ``mac`` (``mpsboost:mac-2.15.0``:
   the same model patched with the decisions a Mac on torch ``--mac-torch`` gets,
   ``patch(model, device=Env.simulate("mps", V))``, computing on this device. Its tokens and logits check
-  the Mac paths for correctness at real size; its speed here says nothing about a Mac). Each round times two
-  calls of every variant back to back: ``generate(max_new_tokens=1)`` (prefill: the time to the first token)
-  and ``generate(max_new_tokens=N)`` (the call); decode time per token is (call - prefill) / (N - 1) of the
-  same round. The share of the bandwidth limit is
+  the Mac paths for correctness at real size; its speed here says nothing about a Mac). Each round times one
+  ``generate(max_new_tokens=N)`` call of every variant: prefill (time to first token) runs from the call to
+  the first call of a logits processor (a mark: a CUDA event on the stream, or one synchronisation on MPS),
+  and decode time per token is the rest of the call over ``N - 1``. The share of the bandwidth limit is
   (weight bytes read per decoded token / measured device copy bandwidth) / decode time per token,
   where the bytes are every parameter and buffer of the model except the input embedding (one row is
   read), with 3-D expert weights counted at top_k/num_experts. Generated tokens are compared with the
@@ -76,7 +76,7 @@ import torch
 import mpsboost
 from mpsboost.api import is_patched
 from mpsboost.bench import models as C  # the shipped configs (config, default_dtype, dtype_name), as the cookbook's
-from mpsboost.bench.harness import RoundRatios, best_device, copy_bandwidth, paired_rounds, round_ratios
+from mpsboost.bench.harness import RoundRatios, best_device, copy_bandwidth, mark, paired_rounds, round_ratios
 from mpsboost.bench.memory import measure_memory
 from mpsboost.bench.quality import correctness
 from mpsboost.bench.records import Correctness, OpTime, Record, RecordEnv, Throughput, Workload
@@ -578,10 +578,20 @@ class LlmContext:
         return state
 
 
+class FirstToken:
+    """A logits processor that marks the first token's logits (:func:`mpsboost.bench.harness.mark`): the
+    prefill forward has run. On CUDA the mark is an event on the stream (no synchronisation); on MPS it waits
+    for the device once (the prefill must finish before the first token is chosen anyway)."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        mark("first_token")  # the first call counts; later calls change nothing
+        return scores
+
+
 def llm_mode(ctx: LlmContext, mode: str, decoding: str, variants: list[str]) -> None:
-    """generate() of every variant in paired rounds (:func:`mpsboost.bench.harness.paired_rounds`): each round
-    runs each variant's prefill (``max_new_tokens=1``: the time to the first token) and its whole call
-    (``max_new_tokens=N``) back to back; decode per token is (call - prefill) / (N - 1) of the same round."""
+    """generate() of every variant in paired rounds (:func:`mpsboost.bench.harness.paired_rounds`): one
+    ``generate(max_new_tokens=N)`` call of each variant a round; its prefill (time to the first token) runs to
+    the first call of a logits processor, and decode per token is the rest of the call over ``N - 1``."""
     run, a, dev = ctx.run, ctx.run.args, ctx.run.device
     workload, prompt, mask = ctx.workload, ctx.prompt, ctx.mask
     N = a.new_tokens
@@ -596,41 +606,47 @@ def llm_mode(ctx: LlmContext, mode: str, decoding: str, variants: list[str]) -> 
     switch_s: dict[str, list[float]] = {}
     outs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
 
-    def job(name: str, new: int, keep: bool) -> Callable[[], Any]:
+    from transformers import LogitsProcessorList
+
+    def job(name: str) -> Callable[[], Any]:
         m = ctx.model_of(name)
 
         def call():
             torch.manual_seed(a.seed + 2)  # the sampling seed, the same for every call
             with torch.no_grad():
-                out = m.generate(prompt, max_new_tokens=new, min_new_tokens=new, **kw)
-            if keep:
-                outs[name].append(out)  # a device tensor: read after the rounds, no sync in a timed call
+                out = m.generate(
+                    prompt,
+                    max_new_tokens=N,
+                    min_new_tokens=N,
+                    logits_processor=LogitsProcessorList([FirstToken()]),
+                    **kw,
+                )
+            outs[name].append(out)  # a device tensor: read after the rounds, no sync in a timed call
             return out
 
         return call
 
-    jobs = {n: {"prefill": job(n, 1, False), "generate": job(n, N, True)} for n in names}
+    jobs = {n: {"generate": job(n)} for n in names}
     states = {n: ctx.state(n, switch_s) for n in names}
     label = f"{workload} {mode} {decoding}"
     # Eager: the memory peaks are taken on the untimed warm-up call (nothing compiles there), which
     # saves a call per variant; compiled: on a separate call after the rounds (compilation allocates).
     mem_on_warmup = mode == "eager"
-    warm: dict[str, dict[str, float]] = {}
+    warm: dict[str, float] = {}
     mem: dict[str, Any] = {}
     warm_graphs: dict[str, int] = {}
     for name in list(names):
         try:
             with states[name]():
                 g0 = graphs_compiled()
-                warm[name] = {"prefill": wall(jobs[name]["prefill"], dev)}
                 if mem_on_warmup:
                     with measure_memory(dev) as probe:
-                        warm[name]["generate"] = wall(jobs[name]["generate"], dev)
+                        warm[name] = wall(jobs[name]["generate"], dev)
                     mem[name] = probe.peaks()
                 else:
-                    warm[name]["generate"] = wall(jobs[name]["generate"], dev)
+                    warm[name] = wall(jobs[name]["generate"], dev)
                 warm_graphs[name] = graphs_compiled() - g0
-            run.log(f"{label}: warm-up {name} " + ", ".join(f"{k} {v:.1f} s" for k, v in warm[name].items()))
+            run.log(f"{label}: warm-up {name} {warm[name]:.1f} s")
         except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded and left out
             errors[name] = f"warm-up: {error_text(exc)}"
             run.log(f"{label}: {name} failed: {errors[name]}")
@@ -656,7 +672,7 @@ def llm_mode(ctx: LlmContext, mode: str, decoding: str, variants: list[str]) -> 
     budget_cut = rounds.rounds < a.rounds
     if budget_cut:
         run.log(f"{label}: budget spent after {rounds.rounds} round(s)")
-    pre = {n: list(rounds.samples[n]["prefill"]) for n in names}
+    pre = {n: list(rounds.samples[n]["generate@first_token"]) for n in names}
     full = {n: list(rounds.samples[n]["generate"]) for n in names}
     decode = {n: [(f - p) / max(N - 1, 1) for f, p in zip(full[n], pre[n])] for n in names}
     for r in range(rounds.rounds):
@@ -714,9 +730,9 @@ def llm_mode(ctx: LlmContext, mode: str, decoding: str, variants: list[str]) -> 
             ),
             "timing": (
                 f"{rounds.describe_order()} (mpsboost.bench.harness.paired_rounds, {rounds.methods.get(name, '-')}); "
-                "prefill: generate(max_new_tokens=1); call: generate(max_new_tokens=N); decode per token: "
-                "(call - prefill) / (N - 1) of the same round; patching between rounds is not timed and the "
-                "stock model is checked after every unpatch"
+                "one generate(max_new_tokens=N) call a round; prefill: from its start to the first call of a "
+                "logits processor (harness.mark: a CUDA event, no sync); decode per token: (call - prefill) / "
+                "(N - 1); patching between rounds is not timed and the stock model is checked after every unpatch"
             ),
         }
         if name in errors:

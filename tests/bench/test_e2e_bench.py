@@ -50,8 +50,8 @@ def test_tiny_generate_eager_records(e2e, tmp_path, capsys, monkeypatch):
         assert e["rounds"] == 2 and e["budget_cut"] is False
         for key in ("prefill_s", "decode_s_per_token", "generate_call_s"):
             s = e[key]
-            assert s["n"] == 2 and s["best"] <= s["median"] <= s["worst"]
-            assert s["spread"] == pytest.approx(s["worst"] - s["best"])
+            assert s["n"] == 2 and s["best"] <= s["q1"] <= s["median"] <= s["q3"] <= s["worst"]
+            assert s["spread"] == pytest.approx(s["worst"] - s["best"]) and s["iqr"] == pytest.approx(s["q3"] - s["q1"])
         assert isinstance(e["tokens_equal_stock"], bool)
         assert 0.0 <= e["token_match_fraction"] <= 1.0
         # decode per token is (t(N) - t(1)) / (N - 1) of the same round
@@ -69,9 +69,14 @@ def test_tiny_generate_eager_records(e2e, tmp_path, capsys, monkeypatch):
     assert "patch" not in stock.extra and stock.correctness is None
     p = patched.extra
     assert p["patch"]["applied"] + p["patch"]["skipped"] > 0
-    # the ratio comes from the two records of this run, nothing else
+    # stock and patched alternate: stock first in round 1, patched first in round 2
+    assert p["round_orders"] == [["stock", "mpsboost"], ["mpsboost", "stock"]]
+    # the ratio is the median of the per-round ratios of the two records of this run, nothing else
     for key, src in (("decode", "decode_s_per_token"), ("prefill", "prefill_s"), ("call", "generate_call_s")):
-        assert p["ratio_vs_stock"][key] == pytest.approx(stock.extra[src]["median"] / p[src]["median"])
+        per_round = [b / v for b, v in zip(stock.extra[src]["samples"], p[src]["samples"])]
+        assert p["paired_rounds"][key]["per_round"] == pytest.approx(per_round)
+        assert p["ratio_vs_stock"][key] == pytest.approx(statistics.median(per_round))
+        assert p["verdict_vs_stock"][key] == p["paired_rounds"][key]["label"]
     assert patched.correctness.reference.startswith("stock")
     assert patched.correctness.rel_error is not None and patched.correctness.rel_error < 0.05
     out = capsys.readouterr().out
@@ -148,9 +153,10 @@ def test_an_fp8_model_is_freed_after_its_workload(e2e):
     assert ref() is None
 
 
-def test_qwen36_mac_variant_and_breakdown(e2e, tmp_path):
+def test_qwen36_mac_variant_and_hooked_breakdown_records(e2e, tmp_path):
     # The seed's model (Gated DeltaNet + attention + MoE) at toy width: stock, native and Mac decisions in
-    # one run, each with its per-module breakdown; the Mac variant says its decisions are simulated.
+    # one run; the hooked breakdown is its own mode with its own records (no throughput), never inside the
+    # throughput records.
     a = e2e.parse(
         [
             "--device",
@@ -160,13 +166,13 @@ def test_qwen36_mac_variant_and_breakdown(e2e, tmp_path):
             "--only",
             "qwen3.6-35b-a3b",
             "--modes",
-            "eager",
+            "eager,hooked",
             "--variants",
             "mpsboost,mac",
             "--decoding",
             "greedy",
             "--rounds",
-            "1",
+            "2",
             "--new-tokens",
             "3",
             "--breakdown-steps",
@@ -176,16 +182,245 @@ def test_qwen36_mac_variant_and_breakdown(e2e, tmp_path):
         ]
     )
     recs = e2e._main(a)
-    assert [r.variant for r in recs] == ["stock", "mpsboost", "mpsboost:mac-2.15.0"]
-    assert recs[0].workload.shape["layers"] == 4
-    for r in recs:
+    names = ["stock", "mpsboost", "mpsboost:mac-2.15.0"]
+    gen = [r for r in recs if r.workload.name == "e2e-generate"]
+    hooked = [r for r in recs if r.workload.name == "e2e-breakdown"]
+    assert [r.variant for r in gen] == names and [r.variant for r in hooked] == names
+    assert gen[0].workload.shape["layers"] == 4
+    for r in gen:
+        assert "breakdown" not in r.extra  # hooks add syncs: never in a throughput record
+        assert r.extra["round_orders"] == [names, names[::-1]]
+    for r in hooked:
+        assert r.throughput is None and r.op_time is None and r.workload.shape["mode"] == "hooked"
         b = r.extra["breakdown"]
         # 3 Gated DeltaNet layers, 1 attention layer, 4 MoE blocks (each with its experts) in the tiny config
         assert b["modules"] == {"linear_attention": 3, "attention": 1, "experts": 4, "moe_block": 4}
-        assert all(v > 0 for v in b["decode_ms_per_token"].values())
-        # the kinds are disjoint layers (experts sit inside moe_block), so their sum fits in the hooked step
+        assert all(len(v) == 2 for v in b["decode_ms_per_token_rounds"].values())
+        for kind, ms in b["decode_ms_per_token"].items():
+            assert ms == pytest.approx(statistics.median(b["decode_ms_per_token_rounds"][kind])) and ms > 0
         parts = b["decode_ms_per_token"]
         assert parts["linear_attention"] + parts["attention"] + parts["moe_block"] <= b["decode_step_ms_hooked"]
-    mac = recs[2].extra
+    assert set(hooked[1].extra["paired_rounds"]) == set(hooked[1].extra["breakdown"]["decode_ms_per_token"])
+    mac = gen[2].extra
     assert "simulated" in mac["decisions"] and mac["patch"]["applied"] + mac["patch"]["skipped"] > 0
-    assert recs[2].correctness is not None and recs[2].correctness.rel_error < 0.05
+    assert gen[2].correctness is not None and gen[2].correctness.rel_error < 0.05
+
+
+# ------------------------------------------------------------------------------------ the rounds logic
+
+
+class FakeClock:
+    """A host clock that moves only when a job says how long it took."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def spend(self, s: float) -> None:
+        self.t += s
+
+
+def test_paired_rounds_alternate_the_order_and_pair_each_round():
+    from mpsboost.bench.harness import paired_rounds
+
+    clock = FakeClock()
+    log: list[tuple[str, str]] = []
+    # per-round times: stock drifts slower through the run; patched stays 20% below the stock of its round
+    stock_s = iter([1.0, 1.1, 1.2, 1.3, 1.4])
+    patched_s = iter([0.8, 0.88, 0.96, 1.04, 1.12])
+
+    def job(name: str, phase: str, times):
+        def call():
+            log.append((name, phase))
+            clock.spend(next(times))
+
+        return call
+
+    state = {"patched": False}
+    entered: list[str] = []
+
+    def patched_state():
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            state["patched"] = True
+            entered.append("patched")
+            clock.spend(100.0)  # patching takes long: it must never reach a sample
+            yield
+            state["patched"] = False
+
+        return cm()
+
+    rounds = paired_rounds(
+        {"stock": {"call": job("stock", "call", stock_s)}, "patched": {"call": job("patched", "call", patched_s)}},
+        device="cpu",
+        rounds=5,
+        warmup=0,
+        contexts={"patched": patched_state},
+        clock=clock,
+    )
+    assert rounds.orders == (
+        ("stock", "patched"),
+        ("patched", "stock"),
+        ("stock", "patched"),
+        ("patched", "stock"),
+        ("stock", "patched"),
+    )
+    assert [n for n, _ in log] == [n for o in rounds.orders for n in o]
+    assert len(entered) == 5  # the state is entered once a round, outside the samples
+    assert rounds.samples["stock"]["call"] == pytest.approx((1.0, 1.1, 1.2, 1.3, 1.4))
+    r = rounds.ratios("patched", "call")
+    assert r.per_round == pytest.approx((1.25,) * 5) and r.median == pytest.approx(1.25)
+    assert r.label == "faster in every round" and not r.straddles_one
+    # the ratio of medians would be the same here; the per-round pairing is what cancels the drift below
+    assert rounds.timing("stock", "call").median_s == pytest.approx(1.2)
+
+
+def test_paired_rounds_sample_every_phase_of_a_variant_back_to_back():
+    from mpsboost.bench.harness import paired_rounds
+
+    clock = FakeClock()
+    log: list[str] = []
+
+    def job(tag: str, s: float):
+        return lambda: (log.append(tag), clock.spend(s))
+
+    rounds = paired_rounds(
+        {
+            "stock": {"prefill": job("s-pre", 0.2), "generate": job("s-gen", 2.0)},
+            "patched": {"prefill": job("p-pre", 0.25), "generate": job("p-gen", 1.5)},
+        },
+        device="cpu",
+        rounds=2,
+        warmup=1,
+        clock=clock,
+    )
+    # one warm-up call of every phase, then each round: a variant's phases back to back
+    assert log == ["s-pre", "s-gen", "p-pre", "p-gen"] + ["s-pre", "s-gen", "p-pre", "p-gen"] * 1 + [
+        "p-pre",
+        "p-gen",
+        "s-pre",
+        "s-gen",
+    ]
+    assert rounds.ratios("patched", "prefill").median == pytest.approx(0.8)
+    assert rounds.ratios("patched", "generate").median == pytest.approx(2.0 / 1.5)
+    assert rounds.ratios("patched", "prefill").label == "slower in every round"
+
+
+def test_a_mark_inside_a_timed_call_splits_it_and_is_nothing_outside():
+    from mpsboost.bench.errors import TimingError
+    from mpsboost.bench.harness import mark, paired_rounds
+
+    clock = FakeClock()
+
+    def generate(first: float, rest: float):
+        def call():
+            clock.spend(first)
+            mark("first_token")
+            clock.spend(rest)
+            mark("first_token")  # a later mark of the same label changes nothing
+
+        return call
+
+    mark("first_token")  # outside any timed call: nothing happens
+    rounds = paired_rounds(
+        {"stock": {"generate": generate(0.2, 3.0)}, "patched": {"generate": generate(0.25, 1.5)}},
+        device="cpu",
+        rounds=3,
+        warmup=1,
+        clock=clock,
+    )
+    assert set(rounds.samples["stock"]) == {"generate", "generate@first_token"}
+    assert rounds.samples["stock"]["generate@first_token"] == pytest.approx((0.2,) * 3)
+    assert rounds.samples["patched"]["generate"] == pytest.approx((1.75,) * 3)
+    assert rounds.ratios("patched", "generate@first_token").median == pytest.approx(0.8)
+    # a mark reached in some rounds only cannot be paired
+    state = {"n": 0}
+
+    def sometimes():
+        state["n"] += 1
+        if state["n"] % 2:
+            mark("first_token")
+
+    with pytest.raises(TimingError, match="not reached in every round"):
+        paired_rounds({"stock": sometimes}, device="cpu", rounds=2, warmup=0)
+
+
+def test_paired_rounds_stop_early_on_a_budget():
+    from mpsboost.bench.harness import paired_rounds
+
+    rounds = paired_rounds(
+        {"stock": lambda: None, "b": lambda: None}, device="cpu", rounds=5, warmup=0, stop=lambda d: d >= 2
+    )
+    assert rounds.rounds == 2 and len(rounds.samples["b"]["call"]) == 2
+
+
+def test_round_ratios_median_spread_and_the_straddling_label():
+    from mpsboost.bench.harness import NOT_FASTER, ONE_ROUND, SLOWER, round_ratios
+    from mpsboost.bench.errors import TimingError
+
+    # median above 1 but one round below: not faster
+    r = round_ratios([1.0, 1.0, 1.0, 1.0, 1.0], [0.5, 0.8, 0.9, 1.25, 0.7])
+    assert r.per_round == pytest.approx((2.0, 1.25, 1.0 / 0.9, 0.8, 1.0 / 0.7))
+    assert r.median == pytest.approx(1.25) and r.min == pytest.approx(0.8) and r.max == pytest.approx(2.0)
+    assert r.q1 == pytest.approx(1.0 / 0.9) and r.q3 == pytest.approx(1.0 / 0.7) and r.iqr == pytest.approx(r.q3 - r.q1)
+    assert r.straddles_one and r.label == NOT_FASTER
+    d = r.to_dict()
+    assert d["label"] == NOT_FASTER and d["n"] == 5 and d["per_round"] == pytest.approx(list(r.per_round))
+    # a round at exactly 1.0 is not faster either
+    assert round_ratios([1.0, 2.0], [1.0, 1.0]).label == NOT_FASTER
+    assert round_ratios([1.0, 1.0], [2.0, 1.5]).label == SLOWER
+    assert round_ratios([1.0], [0.5]).label == ONE_ROUND
+    with pytest.raises(TimingError, match="one time per round"):
+        round_ratios([1.0, 2.0], [1.0])
+    with pytest.raises(TimingError, match="positive"):
+        round_ratios([1.0, 0.0], [1.0, 1.0])
+
+
+def test_the_summary_table_says_not_faster_when_rounds_straddle(e2e):
+    extra = {
+        "ratio_vs_stock": {"decode": 1.25},
+        "paired_rounds": {
+            "decode": {"median": 1.25, "min": 0.8, "max": 2.0, "label": "not faster: rounds straddle 1.0"}
+        },
+    }
+    assert e2e._ratio_cell(extra, "decode") == "1.25 (0.80..2.00, NOT FASTER, straddles 1.0)"
+    extra["paired_rounds"]["decode"].update(min=1.1, label="faster in every round")
+    assert e2e._ratio_cell(extra, "decode") == "1.25 (1.10..2.00, faster)"
+
+
+def test_the_stock_check_catches_an_incomplete_unpatch(e2e):
+    import mpsboost
+    from mpsboost.gate import Env
+
+    cfg = e2e.llm_config("qwen3.6-35b-a3b", "tiny", None)
+    model = e2e.build_llm(cfg, "cpu", torch.float32, 0)
+    stock = e2e.StockState(model)
+    # a real patch and unpatch give stock back (linear_attention hands its Parameters new storage: same bits)
+    for env in (None, Env.simulate("mps", "2.15.0")):
+        before = stock.snapshot(model)
+        mpsboost.patch(model, device=env)
+        mpsboost.unpatch(model)
+        stock.check(model, before)
+    la = model.model.layers[0].linear_attn
+    # an attribute left behind
+    before = stock.snapshot(model)
+    la.leftover = 1
+    with pytest.raises(RuntimeError, match="leftover"):
+        stock.check(model, before)
+    del la.leftover
+    # values that moved (storage swapped for other bits)
+    w = la.in_proj_qkv.weight
+    w.data = w.data.clone()
+    stock.check(model, before)  # new storage, same bits: stock
+    w.data[0, 0] += 1.0
+    with pytest.raises(RuntimeError, match="in_proj_qkv.weight holds other values"):
+        stock.check(model, before)
+    # a Parameter replaced by another object
+    w.data[0, 0] -= 1.0
+    la.in_proj_qkv.weight = torch.nn.Parameter(w.data.clone())
+    with pytest.raises(RuntimeError, match="in_proj_qkv"):
+        stock.check(model, before)

@@ -57,6 +57,7 @@ __all__ = [
     "measure_variants",
     "verdict",
     "paired_rounds",
+    "mark",
     "Rounds",
     "round_ratios",
     "RoundRatios",
@@ -210,16 +211,8 @@ def count_pad5d() -> Iterator[PadCount]:
 # the measure loop
 
 
-def _sampler(
-    fn: Callable[[], Any],
-    device: Any,
-    calls: int,
-    cuda_graph: bool,
-    clock: Callable[[], float] = time.perf_counter,
-) -> tuple[Callable[[], float], str, Any]:
-    """A function taking one timed sample of ``calls`` calls of ``fn`` (seconds), and the method name.
-
-    ``clock`` is the host clock of the MPS and CPU samplers (a test passes a fake one); CUDA uses events."""
+def _sampler(fn: Callable[[], Any], device: Any, calls: int, cuda_graph: bool) -> tuple[Callable[[], float], str, Any]:
+    """A function taking one timed sample of ``calls`` calls of ``fn`` (seconds), and the method name."""
     import torch
 
     kind = device_type_of(device)
@@ -253,21 +246,108 @@ def _sampler(
 
         def sample() -> float:
             torch.mps.synchronize()
-            t0 = clock()
+            t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
             torch.mps.synchronize()
-            return clock() - t0
+            return time.perf_counter() - t0
 
         return sample, "mps_synchronize", None
 
     def sample() -> float:
-        t0 = clock()
+        t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        return clock() - t0
+        return time.perf_counter() - t0
 
     return sample, "perf_counter", None
+
+
+class _Marks:
+    """The marks of the sample being taken: ``mark(label)`` inside a timed call records the time since the
+    sample began (a CUDA event on the current stream: no synchronisation; elsewhere the device is synchronised
+    and the host clock read)."""
+
+    def __init__(self, kind: str, clock: Callable[[], float]):
+        self.kind, self.clock = kind, clock
+        self.t0: float | None = None
+        self.start: Any = None
+        self.events: dict[str, Any] = {}
+
+    def begin(self) -> None:
+        self.events = {}
+        if self.kind == "cuda":
+            import torch
+
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = self.clock()
+
+    def mark(self, label: str) -> None:
+        if label in self.events:
+            return  # the first mark of a label counts (e.g. the first token's logits)
+        if self.kind == "cuda":
+            import torch
+
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.events[label] = ev
+        else:
+            if self.kind == "mps":
+                import torch
+
+                torch.mps.synchronize()
+            self.events[label] = self.clock() - self.t0
+
+    def read(self) -> dict[str, float]:
+        """Seconds from the start of the sample to each mark (after the sample's end was waited for)."""
+        if self.kind == "cuda":
+            return {k: self.start.elapsed_time(ev) / 1e3 for k, ev in self.events.items()}
+        return dict(self.events)
+
+
+_ACTIVE: list[_Marks] = []  # the sample being taken (a stack: at most one deep in practice)
+
+
+def mark(label: str) -> None:
+    """Inside a call timed by :func:`paired_rounds`: record the time from the start of this sample to now under
+    ``label`` (e.g. a logits processor's first call: the prefill is done). Outside a timed call: nothing."""
+    if _ACTIVE:
+        _ACTIVE[-1].mark(label)
+
+
+def _marked_sampler(
+    fn: Callable[[], Any], device: Any, clock: Callable[[], float]
+) -> tuple[Callable[[], tuple[float, dict[str, float]]], str]:
+    """A function taking one timed sample of one call of ``fn``: (seconds, {mark label: seconds since the start})."""
+    import torch
+
+    kind = device_type_of(device)
+    marks = _Marks(kind, clock)
+
+    def sample() -> tuple[float, dict[str, float]]:
+        if kind == "mps":
+            torch.mps.synchronize()
+        _ACTIVE.append(marks)
+        try:
+            marks.begin()
+            fn()
+            if kind == "cuda":
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                end.synchronize()
+                total = marks.start.elapsed_time(end) / 1e3
+            else:
+                if kind == "mps":
+                    torch.mps.synchronize()
+                total = clock() - marks.t0
+        finally:
+            _ACTIVE.pop()
+        return total, marks.read()
+
+    method = {"cuda": "cuda_events", "mps": "mps_synchronize"}.get(kind, "perf_counter")
+    return sample, method
 
 
 def round_order(names: list[str], r: int, order: str) -> list[str]:
@@ -492,7 +572,7 @@ class Rounds:
     """What :func:`paired_rounds` took: ``samples[variant][phase]`` holds one time (seconds) per round, in
     round order, so that index ``r`` of two variants comes from the same round."""
 
-    samples: dict  # variant -> phase -> tuple of seconds per call, one per round
+    samples: dict  # variant -> phase (or "phase@mark") -> tuple of seconds per call, one per round
     orders: tuple  # the order each round ran its variants in
     order: str  # "alternate" or "rotate"
     methods: dict  # variant -> how a sample was timed ("cuda_events", "mps_synchronize", "perf_counter")
@@ -536,7 +616,9 @@ def paired_rounds(
     "generate": ...}``): a round enters the variant's state once (``contexts[variant]()``, outside every
     timed region: patching is not timed) and samples each phase once, back to back, in the mapping's order.
     Every variant runs once a round; the order of the variants follows ``order`` (:data:`ORDERS`; default
-    ``"alternate"``: stock, patched / patched, stock / ...). ``warmup`` untimed calls of every phase first,
+    ``"alternate"``: stock, patched / patched, stock / ...). A timed call may call :func:`mark` (``label``): the
+    time from the start of its sample to that point is kept as the phase ``"<phase>@<label>"`` (e.g. the first
+    token of a ``generate()`` call: its prefill). ``warmup`` untimed calls of every phase first,
     in the variant's state. ``stop(rounds_done)``, asked after each round, ends the rounds early (a budget).
     Each sample is timed by the harness's sampler for ``device`` (CUDA events, ``mps.synchronize`` + ``clock``,
     ``clock`` on the CPU). Fewer than :data:`MIN_REPEATS` rounds are allowed (a smoke run) but are no figure to
@@ -577,14 +659,23 @@ def paired_rounds(
                     for fn in phases[name].values():
                         fn()
         for phase, fn in phases[name].items():
-            samplers[name][phase], methods[name], _ = _sampler(fn, device, 1, False, clock)
+            samplers[name][phase], methods[name] = _marked_sampler(fn, device, clock)
     samples: dict[str, dict[str, list[float]]] = {n: {p: [] for p in phases[n]} for n in names}
 
     def take(name: str, r: int) -> None:
         for phase, sample in samplers[name].items():
-            samples[name][phase].append(sample())
+            total, marks = sample()
+            samples[name][phase].append(total)
+            for label, s in marks.items():
+                samples[name].setdefault(f"{phase}@{label}", []).append(s)
 
     orders = _run_rounds(names, take, rounds, order, state, stop)
+    for name, ph in samples.items():
+        uneven = {k: len(v) for k, v in ph.items() if len(v) != len(orders)}
+        if uneven:
+            raise TimingError(
+                f"variant {name!r}: a mark was not reached in every round ({uneven} of {len(orders)} rounds)"
+            )
     return Rounds(
         samples={n: {p: tuple(xs) for p, xs in ph.items()} for n, ph in samples.items()},
         orders=tuple(orders),
