@@ -929,10 +929,13 @@ def _e2e_breakdown(results: Path | None, **shape) -> tuple[str, Group] | None:
 
 def _paired_status(p: Paired, target: float, *, min_rounds: int = 5, floor: float | None = None) -> str:
     """A paired-rounds target: the median at least ``target`` over at least ``min_rounds`` rounds, and with
-    ``floor`` no round below it."""
+    ``floor`` no round below it. A speedup target (above 1.0x) is never met by rounds that straddle 1.0: such a
+    mode is not faster, whatever its median."""
     why = []
     if p.median < target:
         why.append(f"median below {target}x")
+    if target > 1.0 and p.lo <= 1.0 <= p.hi:
+        why.append("rounds straddle 1.0")
     if p.n < min_rounds:
         why.append(f"{p.n} rounds (at least {min_rounds} needed)")
     if floor is not None and p.lo < floor:

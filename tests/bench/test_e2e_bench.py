@@ -424,3 +424,88 @@ def test_the_stock_check_catches_an_incomplete_unpatch(e2e):
     la.in_proj_qkv.weight = torch.nn.Parameter(w.data.clone())
     with pytest.raises(RuntimeError, match="in_proj_qkv"):
         stock.check(model, before)
+
+
+# ------------------------------------------------------------------------------------ the published tables
+
+
+@pytest.fixture(scope="module")
+def tables():
+    spec = importlib.util.spec_from_file_location("mpsboost_tables_e2e", ROOT / "benchmarks" / "tables.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def _generate_records(mode: str, stock_dec: list[float], var_dec: list[float], variant: str = "mpsboost"):
+    """A stock and a variant e2e-generate record of the Qwen3.6 shape, as e2e.py writes them, with per-round
+    decode times (seconds per token) and a 0.2 s prefill."""
+    from mpsboost.bench import RecordEnv, Throughput, Workload
+    from mpsboost.bench.harness import round_ratios
+
+    env = RecordEnv.capture("cpu", torch.bfloat16, compile="transformers-static-cache" if mode == "static" else False)
+    shape = {"model": "qwen3.6-35b-a3b", "layers": 40, "mode": mode, "decoding": "greedy", "new_tokens": 32}
+    w = Workload("e2e-generate", shape)
+
+    def phases(dec):
+        return {
+            "prefill_s": {"samples": [0.2] * len(dec)},
+            "decode_s_per_token": {"samples": dec},
+            "generate_call_s": {"samples": [0.2 + 31 * d for d in dec]},
+        }
+
+    def rec(name, dec, extra):
+        tp = Throughput(value=statistics.median(dec) * 1e3, unit="ms/token", repeats=len(dec))
+        return e2e_record(w, name, env, tp, {**phases(dec), **extra})
+
+    paired = {
+        "prefill": round_ratios([0.2] * len(stock_dec), [0.2] * len(var_dec)).to_dict(),
+        "decode": round_ratios(stock_dec, var_dec).to_dict(),
+    }
+    return [rec("stock", stock_dec, {}), rec(variant, var_dec, {"paired_rounds": paired})]
+
+
+def e2e_record(w, name, env, tp, extra):
+    from mpsboost.bench import Record
+
+    return Record(workload=w, variant=name, env=env, throughput=tp, extra=extra)
+
+
+def test_tables_show_the_median_of_paired_rounds_and_say_not_faster_when_they_straddle(tables, tmp_path):
+    from mpsboost.bench import write_jsonl
+
+    # eager, Mac decisions: median 2.5x but one round at 0.9x: not faster, and the 2.0x target is not met
+    eager = _generate_records(
+        "eager", [0.1, 0.1, 0.1, 0.1, 0.1], [0.04, 0.04, 0.111, 0.04, 0.04], variant="mpsboost:mac-2.15.0"
+    )
+    # static, default patch: every round 1.25x: faster, target met
+    static = _generate_records("static", [0.01] * 5, [0.008] * 5)
+    write_jsonl(tmp_path / "e2e-cpu-2026-12-01.jsonl", eager + static)
+    block = tables.block_e2e_generate(tmp_path)
+    mac_row = next(line for line in block.splitlines() if "mpsboost:mac-2.15.0" in line)
+    assert "2.50x median of 5 rounds (0.90x .. 2.50x" in mac_row and "not faster: rounds straddle 1.0" in mac_row
+    static_row = next(line for line in block.splitlines() if "| mpsboost |" in line)
+    assert "1.25x median of 5 rounds (1.25x .. 1.25x" in static_row and "faster in every round" in static_row
+    gaps = tables.block_gaps_e2e(tmp_path)
+    mac_gap = next(line for line in gaps.splitlines() if "eager `generate()` decode" in line and "Mac 2.15.0" in line)
+    # the median meets 2.0x, but a mode whose rounds straddle 1.0 is not faster: the target is not met
+    assert "median >= 2.0x" in mac_gap and "2.50x median" in mac_gap and "not met: rounds straddle 1.0" in mac_gap
+    static_gap = next(line for line in gaps.splitlines() if "static-cache (compiled) decode" in line)
+    assert "| met |" in static_gap
+    # one static round below 1.0x fails the "no round below 1.0x" target whatever the median
+    static = _generate_records("static", [0.01] * 5, [0.008, 0.008, 0.011, 0.008, 0.008])
+    write_jsonl(tmp_path / "e2e-cpu-2026-12-02.jsonl", static)
+    tables._records.cache_clear()
+    static_gap = next(
+        line for line in tables.block_gaps_e2e(tmp_path).splitlines() if "static-cache (compiled) decode" in line
+    )
+    assert "not met: rounds straddle 1.0, a round below 1.0x" in static_gap
+    # too few rounds are no figure to publish
+    write_jsonl(tmp_path / "e2e-cpu-2026-12-03.jsonl", _generate_records("static", [0.01] * 3, [0.008] * 3))
+    tables._records.cache_clear()
+    static_gap = next(
+        line for line in tables.block_gaps_e2e(tmp_path).splitlines() if "static-cache (compiled) decode" in line
+    )
+    assert "3 rounds (at least 5 needed)" in static_gap
