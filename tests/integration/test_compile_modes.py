@@ -17,6 +17,9 @@ devices (``GenerationMixin._valid_auto_compile_criteria``). On CPU the test asks
 through its own switch: a ``CompileConfig`` with ``_compile_all_devices=True``, which makes
 ``generate()`` call ``torch.compile(self.__call__, **compile_config.to_dict())`` exactly as on a GPU.
 
+``mac_compile`` (the opt-in compiled decode for a Mac) is tested on the seed's Qwen3.6 structure at toy width
+under Mac 2.15.0 decisions, over whatever ``patch()`` installs there: one graph, no break, the eager tokens.
+
 Tolerances: compiled and eager run the same aten ops with backend "eager", so logits agree to float
 rounding (fp32: rtol 1e-5, atol 1e-5; bf16: rtol 1e-2, atol 1e-2) and greedy tokens exactly. The eager
 reference for ``generate`` uses the same static cache with compilation disabled, so the only difference
@@ -375,3 +378,62 @@ def test_cuda_static_cache_generate_compiled_with_the_gemv_operator():
         stock_stats,
     )
     assert torch.equal(got, ref), (got.tolist(), ref.tolist())
+
+
+# ------------------------------------------------------------------------------------------ mac_compile
+
+
+def _qwen36_tiny(dtype: torch.dtype = torch.float32):
+    """The seed's Qwen3.6-35B-A3B structure at toy width (3 Gated DeltaNet + 1 attention layer, a MoE block with
+    a shared expert in each): the shipped tiny config, random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mpsboost.bench import models
+
+    data = models.config("qwen3_5_moe", "tiny", "config.json")
+    cfg = AutoConfig.for_model(data.pop("model_type"), **data)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+def test_mac_compile_decode_step_is_one_graph_without_breaks_and_gives_the_eager_tokens():
+    """``mac_compile`` under Mac 2.15.0 decisions (whatever ``patch()`` installs there): transformers compiles the
+    static-cache decode step itself, as it would on a Mac with mac_compile. Counted by dynamo without
+    ``fullgraph`` (a break would be counted, not raised): 0 graph breaks, one graph for every decode step of every
+    layer, no recompilation; then with ``fullgraph=True`` (which raises on any break). Greedy tokens equal the
+    eager patched model's and stock's (fp32, lossless recipes)."""
+    from torch._dynamo.utils import counters
+
+    from mpsboost.recipes.linear_attention import mac_compile
+
+    model = _qwen36_tiny()
+    ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(3))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        stock = model.generate(ids, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = mpsboost.patch(model, device=ENVS["mps_2.15.0"])
+    applied = {r.recipe for r in report.applied}
+    assert {"linear_attention", "moe_experts"} <= applied, str(report)
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)  # what a Mac runs without mac_compile: eager, dynamic cache
+    assert torch.equal(eager, stock), (eager.tolist(), stock.tolist())
+    for fullgraph in (False, True):
+        undo = mac_compile(model, backend="eager", fullgraph=fullgraph)
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            with torch.no_grad():
+                compiled = model.generate(ids, cache_implementation="static", **kw)
+            breaks = dict(counters["graph_break"])
+            graphs = counters["stats"]["unique_graphs"]
+            recompiles = dict(counters["recompiles"])
+        finally:
+            undo()
+            torch._dynamo.reset()
+        assert not breaks, breaks
+        assert graphs == 1, f"{graphs} graphs for the decode step (fullgraph={fullgraph})"
+        assert not recompiles, recompiles
+        assert torch.equal(compiled, eager), (fullgraph, compiled.tolist(), eager.tolist())
+    assert model.generation_config.compile_config is None  # undo() put the model's own config back
