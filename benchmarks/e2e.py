@@ -497,7 +497,7 @@ def run_llm(run: Run, workload: str, modes: list[str], variants: list[str], deco
                 free(reset_dynamo=False)  # greedy and sampled share the compiled forward
             free()
     finally:
-        del model, fp8_model, ctx
+        del model, fp8_model, ctx, stock, reports  # the stock state holds the parameters too
         free()
 
 
