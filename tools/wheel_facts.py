@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import fnmatch
 import hashlib
 import json
 import os
@@ -74,7 +75,8 @@ class Check:
 class Fact:
     name: str
     description: str
-    symbol: str  # the name a reason text quotes ("kernel X in the 2.15.0 macOS wheel")
+    # The name the gate's rule quotes ("kernel X in the 2.15.0 macOS wheel"); ``*`` stands for a suffix.
+    symbol: str
     checks: tuple[Check, ...] = field(default_factory=tuple)
 
 
@@ -148,7 +150,7 @@ FACTS: tuple[Fact, ...] = (
         "pad3d_kernels",
         "reflection and replication pad3d on Metal kernels (pytorch#195147): out of the MPSGraph path "
         "whose rank-5 pads were wrong",
-        "reflection_pad3d_forward_float",
+        "reflection_pad3d_forward_*",
         (K(r"^reflection_pad3d_forward_(float|half|bfloat)"), K(r"^replication_pad3d_forward_(float|half|bfloat)")),
     ),
     Fact(
@@ -166,19 +168,19 @@ FACTS: tuple[Fact, ...] = (
     Fact(
         "conv3d_kernels",
         "conv3d on Metal kernels (pytorch#188802, #192229)",
-        "conv3d_simd_bfloat_64_64_2_2",
+        "conv3d_simd_*",
         (K(r"^conv3d_(simd|mpp)_"),),
     ),
     Fact(
         "sdpa_prefill_kernels",
         "flash-style SDPA prefill kernels (pytorch#181575)",
-        "prefill_attention_bfloat16_bq32_bk16_bd128_wm4_wn1_hm0_dc0_maskbfloat16",
+        "prefill_attention_*",
         (K(r"^prefill_attention_(bfloat16|float16|float32)_bq"),),
     ),
     Fact(
         "sdpa_mpp_kernels",
         "SDPA prefill kernels on Metal Performance Primitives (pytorch#182256)",
-        "prefill_attention_mpp_a10_bfloat16_bq64_bk32_bd128_wm4_wn1_hm0_dc0_maskbfloat16",
+        "prefill_attention_mpp_*",
         (K(r"^prefill_attention_mpp_"),),
     ),
     Fact(
@@ -284,6 +286,25 @@ class Wheel:
             return sorted({m.group(0) for m in re.finditer(check.pattern, text, re.M)})
         raise ValueError(f"unknown check kind {check.kind!r}")
 
+    def has_symbol(self, fact: Fact) -> bool:
+        """Does this wheel carry the name ``fact`` quotes: a kernel (``*`` for any suffix), bytes of
+        libtorch_cpu.dylib, a file of the wheel, or text in a file one of the fact's checks reads."""
+        sym = fact.symbol
+        if any(fnmatch.fnmatchcase(n, sym) for n in self.kernels):
+            return True
+        if "*" not in sym and sym.encode() in self.dylib:
+            return True
+        if sym in self.zf.namelist():
+            return True
+        for c in fact.checks:
+            if c.kind == "text":
+                try:
+                    if sym in self.zf.read(c.path).decode("utf-8", "replace"):
+                        return True
+                except KeyError:
+                    pass
+        return False
+
 
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
@@ -366,6 +387,7 @@ def evidence(versions: list[str], cache: Path, offline: bool) -> dict:
                 "checks": [c.to_dict() for c in f.checks],
                 "shows": {},
                 "matched": {},
+                "symbol_in": [],
                 "first": None,
             }
             for f in FACTS
@@ -390,7 +412,9 @@ def evidence(versions: list[str], cache: Path, offline: bool) -> dict:
             results = [w.run(c) for c in f.checks]
             shows = all(bool(r) == c.present for r, c in zip(results, f.checks))
             rec["shows"][version] = shows
-            seen = [r[:SAMPLES] for r, c in zip(results, f.checks) if c.present]
+            if w.has_symbol(f):
+                rec["symbol_in"].append(version)
+            seen = [r[:SAMPLES] for r in results]
             if any(seen):
                 rec["matched"][version] = seen
             if shows and rec["first"] is None:

@@ -946,7 +946,8 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         since="2.7",
-                        upstream="torch.mps.compile_shader (public since 2.7; in every macOS wheel read)",
+                        upstream="def compile_shader in torch/mps/__init__.py of every macOS wheel read; "
+                        "public since 2.7",
                         evidence="mps_compile_shader",
                     ),
                 )
@@ -1059,7 +1060,8 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         never=True,
-                        upstream="issue pytorch#179352 (fix #179592 not confirmed merged), ComfyUI#14837",
+                        upstream="issue pytorch#179352 (fix #179592 not confirmed merged), ComfyUI#14837 "
+                        "(behavioural: no symbol)",
                         note=f"not fixed as of {RESEARCHED}: split attention so that B*H*Lq*Lk < 2^31",
                         evidence=BEHAVIOURAL,
                     ),
@@ -1094,7 +1096,7 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         since="2.15",
-                        upstream="kernels reflection_pad3d_forward_float / replication_pad3d_forward_* in the "
+                        upstream="kernels reflection_pad3d_forward_* / replication_pad3d_forward_* in the "
                         "2.15.0 macOS wheel (pad3d off MPSGraph); pytorch#195147 (issue #194922)",
                         evidence="pad3d_kernels",
                     ),
