@@ -496,6 +496,7 @@ def feature_info(name: str, device_type: str) -> dict:
                 "min_macos": ".".join(map(str, r.min_macos)) if r.min_macos else None,
                 "min_capability": ".".join(map(str, r.min_capability)) if r.min_capability else None,
                 "evidence": r.evidence or None,
+                "evidence_text": evidence_text(r),
             }
             for r in rules
         ],
