@@ -540,7 +540,7 @@ def evidence_text(rule: Rule) -> str:
     if not rule.evidence:
         return ""
     if rule.evidence == BEHAVIOURAL:
-        return "behavioural: no kernel or API in a wheel shows it; " + (rule.upstream or "see the rule")
+        return "behavioural: no kernel, symbol or API of a wheel shows it (the upstream change is the evidence)"
     facts = wheel_evidence()["facts"]
     fact = facts.get(rule.evidence)
     if fact is None:

@@ -150,4 +150,4 @@ def test_evidence_text_per_rule():
     (events,) = FEATURES["cross_stream_events"].rules["mps"]
     assert gate.evidence_text(events).startswith("not shown by any macOS wheel up to 2.15.0")
     (gqa,) = FEATURES["sdpa_metal_gqa"].rules["mps"]
-    assert gate.evidence_text(gqa).startswith("behavioural") and "pytorch#183280" in gate.evidence_text(gqa)
+    assert gate.evidence_text(gqa).startswith("behavioural") and "pytorch#183280" in gqa.upstream
