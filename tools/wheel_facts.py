@@ -109,11 +109,13 @@ FACTS: tuple[Fact, ...] = (
     ),
     Fact(
         "scaled_mm_kernels",
-        "float8 _scaled_mm kernels on MPS; the error text accepts tensorwise or rowwise scales only",
+        "float8 scaled_mm kernels on MPS behind aten::_scaled_mm_v2 (torch.nn.functional.scaled_mm); the error "
+        "text accepts tensorwise or rowwise scales only",
         "scaled_mm_float8_e4m3fn",
         (
             K(r"^scaled_mm_float8_e4m3fn$"),
             N(r"MPS _scaled_mm_v2 only supports TensorWise or RowWise scaling"),
+            N(r"wrapper_MPS__scaled_mm_v2"),  # F.scaled_mm's op; torch._scaled_mm (v1) has no MPS kernel
         ),
     ),
     Fact(

@@ -636,8 +636,9 @@ def _probe_fp8_gemv(env: Env) -> Verdict | None:
         return _probe_triton(env)
     import torch
 
-    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
-        return Verdict(False, "this torch build has no torch.float8_e4m3fn / torch._scaled_mm")
+    # On MPS only aten::_scaled_mm_v2 has a kernel (torch.nn.functional.scaled_mm), not torch._scaled_mm.
+    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch.nn.functional, "scaled_mm"):
+        return Verdict(False, "this torch build has no torch.float8_e4m3fn / torch.nn.functional.scaled_mm")
     return None
 
 
@@ -787,9 +788,10 @@ FEATURES: dict[str, Feature] = {
                         since="2.15",
                         upstream="kernel scaled_mm_float8_e4m3fn in the 2.15.0 macOS wheel; pytorch#196916",
                         conditions=(
-                            "tensorwise or rowwise scales only (the wheel's error text: 'MPS _scaled_mm_v2 only "
-                            "supports TensorWise or RowWise scaling'); a storage format for large M: the general "
-                            "kernel runs at 0.12-0.25x of bf16 for M >= 512"
+                            "through torch.nn.functional.scaled_mm (aten::_scaled_mm_v2; torch._scaled_mm has no MPS "
+                            "kernel in the 2.15.0 wheel); tensorwise or rowwise scales only (the wheel's error text: "
+                            "'MPS _scaled_mm_v2 only supports TensorWise or RowWise scaling'); a storage format for "
+                            "large M: the general kernel runs at 0.12-0.25x of bf16 for M >= 512"
                         ),
                         evidence="scaled_mm_kernels",
                     ),
