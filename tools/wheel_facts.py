@@ -329,7 +329,8 @@ def _macos_from_tag(filename: str) -> str:
 def _pip_env() -> dict:
     env = dict(os.environ)
     env["PIP_CONFIG_FILE"] = os.devnull  # ignore every pip config file (a torch cap, extra indexes)
-    env.pop("PIP_CONSTRAINT", None)
+    for var in ("PIP_CONSTRAINT", "PIP_FIND_LINKS"):  # local folders may hold other builds (a +cpu wheel)
+        env.pop(var, None)
     return env
 
 
@@ -346,7 +347,8 @@ def released_versions() -> list[str]:
     if not m:
         raise SystemExit(f"cannot read the versions pip index reports:\n{out}")
     vs = [Version(v.strip()) for v in m.group(1).split(",")]
-    return [str(v) for v in sorted(v for v in vs if v >= FIRST and not v.is_prerelease and not v.is_devrelease)]
+    keep = (v for v in vs if v >= FIRST and not v.is_prerelease and not v.is_devrelease and not v.local)
+    return [str(v) for v in sorted(keep)]
 
 
 def wheel_file(version: str, cache: Path, offline: bool) -> Path:
