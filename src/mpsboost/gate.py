@@ -725,7 +725,7 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         since="2.15",
-                        upstream="issue pytorch#194922, fixes pytorch#194944 and #195147 (behavioural: no symbol)",
+                        upstream="issue pytorch#194922, fixes pytorch#194944 and #195147; behavioural: no symbol",
                         conditions="wrong results from H*W = 65536 (2^16) exactly; smaller frames are fine",
                         evidence=BEHAVIOURAL,
                     ),
@@ -860,7 +860,7 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         since="2.15",
-                        upstream="fix pytorch#189855 of issue #189847 (8.5x slower before; behavioural: no symbol)",
+                        upstream="fix pytorch#189855 of issue #189847, 8.5x slower before; behavioural: no symbol",
                         evidence=BEHAVIOURAL,
                     ),
                 ),
@@ -889,7 +889,7 @@ FEATURES: dict[str, Feature] = {
             {
                 "mps": (
                     Rule(
-                        since="2.15", upstream="pytorch#189631, #179771 (behavioural: no symbol)", evidence=BEHAVIOURAL
+                        since="2.15", upstream="pytorch#189631, #179771; behavioural: no symbol", evidence=BEHAVIOURAL
                     ),
                 ),
                 "cuda": _ALWAYS,
@@ -930,7 +930,7 @@ FEATURES: dict[str, Feature] = {
                         since="2.16",
                         nightly_only=True,
                         merged=None,
-                        upstream="pytorch#194111 (open); 'Non-default streams are not yet supported.' raised by "
+                        upstream="pytorch#194111, open; 'Non-default streams are not yet supported.' raised by "
                         "torch.mps.Event in the 2.15.0 macOS wheel",
                         note=f"not merged as of {RESEARCHED}: on a real Mac a probe of torch.mps.Event on a side "
                         "stream decides",
@@ -995,7 +995,7 @@ FEATURES: dict[str, Feature] = {
                     Rule(
                         since="2.13",
                         merged=_d(2026, 5, 11),
-                        upstream="pytorch#183280 (behavioural: no symbol)",
+                        upstream="pytorch#183280; behavioural: no symbol",
                         conditions="Metal kernel paths only; the MPSGraph fallback still repeats K/V",
                         evidence=BEHAVIOURAL,
                     ),
@@ -1013,7 +1013,7 @@ FEATURES: dict[str, Feature] = {
                     Rule(
                         since="2.14",
                         min_macos=(26, 2),
-                        upstream="kernels prefill_attention_mpp_* in the 2.14.0 macOS wheel (none in 2.13.0); "
+                        upstream="kernels prefill_attention_mpp_* in the 2.14.0 macOS wheel, none in 2.13.0; "
                         "pytorch#182256 (May 2026)",
                         evidence="sdpa_mpp_kernels",
                         conditions=(
@@ -1031,7 +1031,7 @@ FEATURES: dict[str, Feature] = {
                     Rule(
                         since="2.14",
                         merged=_d(2026, 8, 2),
-                        upstream="pytorch#191794 (behavioural: no symbol)",
+                        upstream="pytorch#191794; behavioural: no symbol",
                         evidence=BEHAVIOURAL,
                     ),
                 )
@@ -1046,7 +1046,7 @@ FEATURES: dict[str, Feature] = {
                         since="2.16",
                         nightly_only=True,
                         upstream="documented on the main branch only; no single pull request; the MPSGraph SDPA "
-                        "(sdpa_general_mps) is still in the 2.15.0 macOS wheel",
+                        "sdpa_general_mps is still in the 2.15.0 macOS wheel",
                         evidence="sdpa_without_mpsgraph",
                     ),
                 )
@@ -1063,8 +1063,8 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         never=True,
-                        upstream="issue pytorch#179352 (fix #179592 not confirmed merged), ComfyUI#14837 "
-                        "(behavioural: no symbol)",
+                        upstream="issue pytorch#179352 (fix #179592 not confirmed merged), ComfyUI#14837; "
+                        "behavioural: no symbol",
                         note=f"not fixed as of {RESEARCHED}: split attention so that B*H*Lq*Lk < 2^31",
                         evidence=BEHAVIOURAL,
                     ),
@@ -1100,7 +1100,7 @@ FEATURES: dict[str, Feature] = {
                     Rule(
                         since="2.15",
                         upstream="kernels reflection_pad3d_forward_* / replication_pad3d_forward_* in the "
-                        "2.15.0 macOS wheel (pad3d off MPSGraph); pytorch#195147 (issue #194922)",
+                        "2.15.0 macOS wheel, pad3d off MPSGraph; pytorch#195147 (issue #194922)",
                         evidence="pad3d_kernels",
                     ),
                 ),
@@ -1151,9 +1151,9 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         since="2.15",
-                        upstream="kernel triangular_solve_small_16 in the 2.15.0 macOS wheel (pytorch#196900, "
-                        "written for the Gated DeltaNet solve); before it MPSMatrixSolveTriangular, about 15 ms "
-                        "per call (kshetrajna12/reflex#1)",
+                        upstream="kernel triangular_solve_small_16 in the 2.15.0 macOS wheel, pytorch#196900, written "
+                        "for the Gated DeltaNet solve; before it MPSMatrixSolveTriangular, about 15 ms per call, "
+                        "kshetrajna12/reflex#1",
                         evidence="triangular_solve_small",
                     ),
                 ),
