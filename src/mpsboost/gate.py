@@ -20,6 +20,12 @@ build either has or not: ``torch.mps.Stream``, ``float8_e4m3fn`` on MPS, ``torch
 ``torch.mps.load_metallib``) is decided by its probe either way, whatever the version says. Where no
 probe is possible (a simulated environment, traced code) the version rule decides. Every
 :class:`Verdict` says which decided: ``decided_by`` is ``"probed"`` or ``"by version"``.
+
+The MPS column rests on the released macOS arm64 wheels, the builds ``pip install torch`` gives a Mac:
+``tools/wheel_facts.py`` reads each one (Metal kernel names, symbols, error strings, ``torch/*.py``)
+into ``data/mps_wheels.json``; every MPS rule names its fact there (``Rule.evidence``) or says it is
+behavioural, and ``tests/core/test_wheel_evidence.py`` fails when ``since`` and the first wheel that
+shows the fact disagree.
 """
 
 from __future__ import annotations
