@@ -83,6 +83,8 @@ def _doctor(args: argparse.Namespace) -> int:
         ],
     }
     info["hub_kernels"] = _hub_kernels(env)
+    info["gguf_kernels"] = _gguf_kernels(env)
+    info["torch_wheel"] = _wheel_facts(env)
     if getattr(args, "fp8_checkpoint", None):
         info["fp8_checkpoint"] = _describe_fp8(args.fp8_checkpoint, env)
     if args.json:
@@ -113,6 +115,7 @@ def _doctor(args: argparse.Namespace) -> int:
                 f"macOS >= {r['min_macos']}" if r["min_macos"] else "",
                 f"sm >= {r['min_capability']}" if r["min_capability"] else "",
                 r["conditions"],
+                f"macOS wheels: {r['evidence_text']}" if r.get("evidence_text") else "",
             ]
             print(f"  {''.ljust(width)}       " + "; ".join(f for f in facts if f))
     if info["recipes"]:
@@ -138,6 +141,14 @@ def _doctor(args: argparse.Namespace) -> int:
         f"{'would load' if hk['would_load'] else 'would not load'}"
         f"\n  {hk['why']}"
     )
+    gk = info["gguf_kernels"]
+    print(
+        f"\ntransformers GGUF-on-MPS kernels ({', '.join(gk['repos'])}): "
+        f"{'would load' if gk['would_load'] else 'would not load'}"
+        f"\n  {gk['why']}"
+    )
+    if info["torch_wheel"]:
+        print(f"\n{info['torch_wheel']}")
     if "fp8_checkpoint" in info:
         print(f"\nfp8 checkpoint {args.fp8_checkpoint}:\n  {info['fp8_checkpoint']}")
     return 0
@@ -214,6 +225,122 @@ def _hub_kernels(env: Any) -> dict[str, Any]:
         else f"kernels {out['kernels']} fits {out['needs']} (the first use downloads them from the Hub)"
     )
     return out
+
+
+# transformers' GGUF-on-MPS path (transformers/integrations/gguf/, 5.24+): a .gguf checkpoint of an architecture in
+# integrations/gguf/utils.GGUF_ARCHS (qwen35, qwen35moe, lfm2 in 5.24) stays packed on the Mac and runs on ggml's
+# Metal kernels, fetched from the Hub through the `kernels` package: get_gguf_kernel() calls
+# hub_kernels.get_kernel("ggml-org/ggml-quantization"), which raises unless is_kernels_available()
+# (KERNELS_MIN_VERSION <= kernels < KERNELS_MAX_VERSION), and kernelize_ggml_layers() returns without grafting
+# the layer kernels (ggml-norm, ggml-gated-delta-net, topk) on the same check. Without it every forward unpacks
+# the weights (slower, same memory). Reading a .gguf file at all needs the `gguf` package (GGUF_MIN_VERSION).
+_GGUF_REPOS = (
+    "ggml-org/ggml-quantization",
+    "ggml-org/ggml-norm",
+    "ggml-org/ggml-gated-delta-net",
+    "transformers-community/topk",
+)
+
+
+def _gguf_kernels(env: Any) -> dict[str, Any]:
+    """Would transformers' GGUF-on-MPS kernels load here, and why not (never downloads anything)."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import InvalidVersion, Version
+
+    def installed(dist: str) -> str | None:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return None
+
+    out: dict[str, Any] = {
+        "repos": list(_GGUF_REPOS),
+        "transformers": installed("transformers"),
+        "kernels": installed("kernels"),
+        "gguf": installed("gguf"),
+        "needs": None,
+        "architectures": [],
+        "would_load": False,
+    }
+    why = []
+    lo = hi = gguf_min = None
+    path = False
+    if out["transformers"] is None:
+        why.append("transformers is not installed")
+    else:
+        try:
+            path = importlib.util.find_spec("transformers.integrations.gguf.kernels") is not None
+        except (ImportError, ValueError):
+            path = False
+        if not path:
+            why.append(
+                f"transformers {out['transformers']} has no GGUF-on-MPS path "
+                "(transformers/integrations/gguf/kernels.py, transformers 5.24+)"
+            )
+        else:
+            from transformers.utils import import_utils
+
+            lo = getattr(import_utils, "KERNELS_MIN_VERSION", None)
+            hi = getattr(import_utils, "KERNELS_MAX_VERSION", None)
+            gguf_min = getattr(import_utils, "GGUF_MIN_VERSION", None)
+            try:
+                from transformers.integrations.gguf.utils import GGUF_ARCHS
+
+                out["architectures"] = sorted(GGUF_ARCHS)
+            except ImportError:
+                pass
+    if lo and hi:
+        out["needs"] = f"kernels>={lo},<{hi}" + (f", gguf>={gguf_min}" if gguf_min else "")
+    if path:
+        if out["kernels"] is None:
+            why.append(f"the `kernels` package is not installed (transformers needs kernels>={lo},<{hi})")
+        elif lo and hi:
+            try:
+                fits = Version(lo) <= Version(out["kernels"]) < Version(hi)
+            except InvalidVersion:
+                fits = False
+            if not fits:
+                why.append(
+                    f"kernels {out['kernels']} is installed, needs >={lo},<{hi}: transformers "
+                    f"{out['transformers']} unpacks the GGUF weights on every forward instead"
+                )
+        if out["gguf"] is None:
+            why.append(f"the `gguf` package (to read .gguf files) is not installed (needs gguf>={gguf_min})")
+        elif gguf_min:
+            try:
+                if Version(out["gguf"]) < Version(gguf_min):
+                    why.append(f"gguf {out['gguf']} is installed, needs >={gguf_min}")
+            except InvalidVersion:
+                why.append(f"gguf {out['gguf']}: not a version transformers can compare")
+    if env.device_type != "mps":
+        why.append(f"they are Metal kernels and this is {env.device_type}")
+    out["would_load"] = not why
+    archs = ", ".join(out["architectures"]) or "none listed"
+    out["why"] = (
+        "; ".join(why)
+        if why
+        else f"kernels {out['kernels']} and gguf {out['gguf']} fit {out['needs']}; architectures: {archs} "
+        "(the first load downloads the kernels from the Hub)"
+    )
+    return out
+
+
+def _wheel_facts(env: Any) -> str:
+    """What the released macOS wheel of this torch release says (data/mps_wheels.json), for MPS."""
+    if env.device_type != "mps":
+        return ""
+    from .gate import wheel_evidence
+
+    rel = ".".join(map(str, env.torch_version.release))
+    for w in wheel_evidence()["wheels"]:
+        if w["version"] == rel:
+            return (
+                f"torch {rel} macOS wheel: {w['file']} (macOS {w['min_macos']} or later), sha256 {w['sha256'][:16]}..."
+                f"; the gate's MPS column is checked against it (data/mps_wheels.json)"
+            )
+    return f"torch {rel}: no released macOS wheel read into data/mps_wheels.json (a nightly, or newer than the file)"
 
 
 def _describe_fp8(path: str, env: Any) -> str:

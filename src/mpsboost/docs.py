@@ -513,8 +513,10 @@ def options_table() -> str:
 def gate_table(device: str = "mps") -> str:
     """Every feature of the gate that ``device`` has rules for: what it is, the upstream change, the first
     release, and the table's verdict on each build of :data:`ENVS` for that device (a real device also
-    runs the feature's probe, which can only say no)."""
-    from .gate import FEATURES, check, feature_info
+    runs the feature's probe, which can only say no). For MPS a column says what the released macOS
+    wheels show for each rule (data/mps_wheels.json, written by tools/wheel_facts.py): the kernel, symbol
+    or API and the first wheel that has it, or that the fix is behavioural (no symbol shows it)."""
+    from .gate import FEATURES, check, evidence_text, feature_info, wheel_evidence
 
     columns = [c for c in ENVS if c.device.partition(":")[0] == device]
     rows = []
@@ -525,11 +527,23 @@ def gate_table(device: str = "mps") -> str:
         upstream = "; ".join(r["upstream"] for r in info["rules"] if r["upstream"]) or "-"
         first = "; ".join(dict.fromkeys(r["first_release"] for r in info["rules"]))
         marks = ["yes" if check(name, c.env()).ok else "no" for c in columns]
-        rows.append(
-            [f"`{name}`", feat.description, upstream, first + (" (probed on the device)" if info["probe"] else "")]
-            + marks
-        )
-    return _md(["feature", "what", "upstream", "first release"] + [c.short or c.heading for c in columns], rows)
+        row = [f"`{name}`", feat.description, upstream, first + (" (probed on the device)" if info["probe"] else "")]
+        if device == "mps":
+            row.append("; ".join(evidence_text(r) for r in feat.rules[device]) or "-")
+        rows.append(row + marks)
+    head = ["feature", "what", "upstream", "first release"] + (["macOS wheels"] if device == "mps" else [])
+    table = _md(head + [c.short or c.heading for c in columns], rows)
+    if device != "mps":
+        return table
+    wheels = wheel_evidence()["wheels"]
+    files = ", ".join(f"`{w['file']}` (sha256 `{w['sha256'][:12]}`)" for w in wheels)
+    macos = sorted({w["min_macos"] for w in wheels})
+    return (
+        table
+        + "\n\nmacOS wheels read (`python tools/wheel_facts.py` regenerates `src/mpsboost/data/mps_wheels.json`): "
+        + files
+        + f". Their platform tags need macOS {' / '.join(macos)} or later."
+    )
 
 
 def blocks() -> Mapping[str, Callable[..., str]]:

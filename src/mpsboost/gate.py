@@ -20,6 +20,12 @@ build either has or not: ``torch.mps.Stream``, ``float8_e4m3fn`` on MPS, ``torch
 ``torch.mps.load_metallib``) is decided by its probe either way, whatever the version says. Where no
 probe is possible (a simulated environment, traced code) the version rule decides. Every
 :class:`Verdict` says which decided: ``decided_by`` is ``"probed"`` or ``"by version"``.
+
+The MPS column rests on the released macOS arm64 wheels, the builds ``pip install torch`` gives a Mac:
+``tools/wheel_facts.py`` reads each one (Metal kernel names, symbols, error strings, ``torch/*.py``)
+into ``data/mps_wheels.json``; every MPS rule names its fact there (``Rule.evidence``) or says it is
+behavioural, and ``tests/core/test_wheel_evidence.py`` fails when ``since`` and the first wheel that
+shows the fact disagree.
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ __all__ = [
     "clear_probe_cache",
     "BY_VERSION",
     "PROBED",
+    "BEHAVIOURAL",
+    "wheel_evidence",
+    "evidence_text",
 ]
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")
@@ -62,6 +71,9 @@ PROBED = "probed"
 
 # The date the upstream status in FEATURES was last checked against pytorch's repository and tracker.
 RESEARCHED = _dt.date(2026, 11, 30)
+
+# Rule.evidence of a fix that no kernel, symbol or API of a wheel shows (its pull request is the evidence).
+BEHAVIOURAL = "behavioural"
 
 _NIGHTLY_DATE = re.compile(r"^(\d{4})(\d{2})(\d{2})$")
 
@@ -295,6 +307,12 @@ class Rule:
     # A macOS the rule needs (e.g. (26, 2)); a Mac known to be older fails it, an unknown one passes
     # with the condition in the reason.
     min_macos: tuple[int, int] | None = None
+    # What the released macOS wheels show for it (MPS rules): the name of a fact in
+    # data/mps_wheels.json (written by tools/wheel_facts.py from the wheels themselves), or BEHAVIOURAL
+    # for a fix no kernel, symbol or API in a wheel can show. tests/core/test_wheel_evidence.py holds
+    # every MPS rule to it: ``since`` is the first release whose wheel shows the fact, and a rule no
+    # released wheel has yet names the fact that the newest wheel lacks.
+    evidence: str = ""
 
     @property
     def first_release(self) -> str:
@@ -483,6 +501,8 @@ def feature_info(name: str, device_type: str) -> dict:
                 "conditions": "; ".join(t for t in (r.conditions, r.note) if t),
                 "min_macos": ".".join(map(str, r.min_macos)) if r.min_macos else None,
                 "min_capability": ".".join(map(str, r.min_capability)) if r.min_capability else None,
+                "evidence": r.evidence or None,
+                "evidence_text": evidence_text(r),
             }
             for r in rules
         ],
@@ -503,6 +523,41 @@ def check_all(features: "tuple[str, ...] | list[str]", env: Env) -> Verdict:
 def matrix(env: Env) -> dict[str, Verdict]:
     """Every feature's verdict in ``env`` (what ``mpsboost doctor`` prints)."""
     return {name: check(name, env) for name in FEATURES}
+
+
+_EVIDENCE: dict | None = None
+
+
+def wheel_evidence() -> dict:
+    """What the released macOS arm64 torch wheels ship (``data/mps_wheels.json``, written by
+    ``tools/wheel_facts.py``): ``wheels`` (version, file, sha256, min_macos) and ``facts`` (per fact:
+    ``symbol``, ``shows`` per version, ``first``). Read once; never downloads anything."""
+    global _EVIDENCE
+    if _EVIDENCE is None:
+        import json
+        from importlib import resources
+
+        _EVIDENCE = json.loads(resources.files("mpsboost").joinpath("data/mps_wheels.json").read_text())
+    return _EVIDENCE
+
+
+def evidence_text(rule: Rule) -> str:
+    """One line on what the macOS wheels show for ``rule`` (the support table's evidence column)."""
+    if not rule.evidence:
+        return ""
+    if rule.evidence == BEHAVIOURAL:
+        return "behavioural: no kernel, symbol or API of a wheel shows it (the upstream change is the evidence)"
+    facts = wheel_evidence()["facts"]
+    fact = facts.get(rule.evidence)
+    if fact is None:
+        return f"fact {rule.evidence!r} missing from data/mps_wheels.json"
+    versions = list(fact["shows"])
+    if fact["first"] is not None:
+        where = f"from the {fact['first']} macOS wheel"
+        if fact["first"] == versions[0]:
+            where = f"in every macOS wheel read ({versions[0]} to {versions[-1]})"
+        return f"{fact['symbol']} {where}"
+    return f"not shown by any macOS wheel up to {versions[-1]} ({fact['symbol']})"
 
 
 # ----------------------------------------------------------------------------- probes
@@ -580,6 +635,38 @@ def _probe_streams(env: Env) -> Verdict | None:
     return None
 
 
+def _probe_fp8_gemv(env: Env) -> Verdict | None:
+    """CUDA: mpsboost's Triton kernel needs triton. MPS: torch's own scaled_mm few-rows kernels need
+    the float8 dtype and ``torch._scaled_mm`` in this build."""
+    if env.device_type == "cuda":
+        return _probe_triton(env)
+    import torch
+
+    # On MPS only aten::_scaled_mm_v2 has a kernel (torch.nn.functional.scaled_mm), not torch._scaled_mm.
+    if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch.nn.functional, "scaled_mm"):
+        return Verdict(False, "this torch build has no torch.float8_e4m3fn / torch.nn.functional.scaled_mm")
+    return None
+
+
+def _probe_cross_stream_events(env: Env) -> Verdict | None:
+    import torch
+
+    if env.device_type == "mps":
+        if not hasattr(torch.mps, "Stream"):
+            return Verdict(False, "this torch build has no torch.mps.Stream: one MPS stream only")
+        side = torch.mps.Stream()
+        try:
+            with torch.mps.stream(side):
+                ev = torch.mps.Event()
+                ev.record()
+                ev.wait()
+        except NotImplementedError as e:  # 2.15.0: "Non-default streams are not yet supported."
+            return Verdict(False, f"torch.mps.Event on a side stream raises NotImplementedError: {e}")
+    elif env.device_type == "cuda" and not hasattr(torch, "Event"):
+        return Verdict(False, "this torch build lacks torch.Event")
+    return None
+
+
 def _probe_mps_api(attr: str, upstream: str) -> Callable[[Env], Verdict | None]:
     """A probe for an API of ``torch.mps`` (reported by doctor and the selftest; no recipe uses it yet)."""
 
@@ -627,8 +714,10 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         since="2.15",
-                        upstream="pytorch#195368; fp8 pad #197801",
+                        upstream="kernel constant_pad_nd_dense_float in the 2.15.0 macOS wheel; pytorch#195368, "
+                        "fp8 pad #197801",
                         note="before it, each pad built an MPSGraph; Wan2.2 VAE decode reached 270 GiB driver memory",
+                        evidence="constant_pad_kernel",
                     ),
                 ),
                 "cuda": _ALWAYS,
@@ -642,8 +731,9 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         since="2.15",
-                        upstream="issue pytorch#194922, fixes pytorch#194944 and #195147",
+                        upstream="issue pytorch#194922, fixes pytorch#194944 and #195147; behavioural: no symbol",
                         conditions="wrong results from H*W = 65536 (2^16) exactly; smaller frames are fine",
+                        evidence=BEHAVIOURAL,
                     ),
                 ),
                 "cuda": _ALWAYS,
@@ -654,7 +744,14 @@ FEATURES: dict[str, Feature] = {
             "grouped_mm",
             "native grouped matmul with offsets read on the device",
             {
-                "mps": (Rule(since="2.15", upstream="pytorch#194917, #194933"),),
+                "mps": (
+                    Rule(
+                        since="2.15",
+                        upstream="kernel grouped_mm_rows_bfloat_bm16_u32 in the 2.15.0 macOS wheel; "
+                        "pytorch#194917, #194933",
+                        evidence="grouped_mm_kernels",
+                    ),
+                ),
                 "cuda": (
                     Rule(since="2.8", min_capability=(9, 0), upstream="torch._grouped_mm (sm90)"),
                     Rule(since="2.9", min_capability=(8, 0), upstream="torch._grouped_mm (sm80+)"),
@@ -676,8 +773,10 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         since="2.15",
-                        upstream="pytorch#194074",
+                        upstream="kernel copy_identity_dense_castout_float8_e4m3fn in the 2.15.0 macOS wheel; "
+                        "pytorch#194074",
                         note="before it: 'Trying to convert Float8_e4m3fn to the MPS backend'",
+                        evidence="float8_kernels",
                     ),
                 ),
                 "cuda": (Rule(since="2.1"),),
@@ -693,10 +792,14 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         since="2.15",
-                        upstream="pytorch#196916",
+                        upstream="kernel scaled_mm_float8_e4m3fn in the 2.15.0 macOS wheel; pytorch#196916",
                         conditions=(
-                            "a storage format for large M: the general kernel runs at 0.12-0.25x of bf16 for M >= 512"
+                            "through torch.nn.functional.scaled_mm (aten::_scaled_mm_v2; torch._scaled_mm has no MPS "
+                            "kernel in the 2.15.0 wheel); tensorwise or rowwise scales only (the wheel's error text: "
+                            "'MPS _scaled_mm_v2 only supports TensorWise or RowWise scaling'); a storage format for "
+                            "large M: the general kernel runs at 0.12-0.25x of bf16 for M >= 512"
                         ),
+                        evidence="scaled_mm_kernels",
                     ),
                 ),
                 "cuda": (Rule(since="2.4", min_capability=(8, 9), upstream="torch._scaled_mm"),),
@@ -713,10 +816,26 @@ FEATURES: dict[str, Feature] = {
             "fp8_gemv",
             "float8 matrix-vector fast path for M = 1..4",
             {
-                "mps": (Rule(never=True, upstream=f"pytorch#197862, open as of {RESEARCHED}"),),
-                "cuda": (Rule(since="2.4", min_capability=(8, 9), upstream="mpsboost Triton kernel"),),
+                # Two different kernels behind one capability: on MPS torch's own (F.scaled_mm runs them for
+                # one to four rows), on CUDA mpsboost's Triton kernel.
+                "mps": (
+                    Rule(
+                        since="2.15",
+                        upstream="kernel scaled_mm_few_rows_1_float8_e4m3fn in the 2.15.0 macOS wheel; pytorch#197862",
+                        note="on MPS: torch's scaled_mm few-rows kernels (M = 1..4), tensorwise or rowwise scales only",
+                        evidence="scaled_mm_few_rows",
+                    ),
+                ),
+                "cuda": (
+                    Rule(
+                        since="2.4",
+                        min_capability=(8, 9),
+                        upstream="mpsboost Triton kernel",
+                        note="on CUDA: mpsboost's Triton kernel",
+                    ),
+                ),
             },
-            probe=_probe_triton,
+            probe=_probe_fp8_gemv,
         ),
         Feature(
             "triton",
@@ -728,7 +847,14 @@ FEATURES: dict[str, Feature] = {
             "gemv_bias_epilogue",
             "matrix-vector kernels for mm/addmm with a fused bias (x @ W.t() decode layout)",
             {
-                "mps": (Rule(since="2.15", upstream="pytorch#186927, #189628"),),
+                "mps": (
+                    Rule(
+                        since="2.14",
+                        upstream="kernels gemv_t_bfloat_16_1_ab / gemv_nt_*_ab in the 2.14.0 macOS wheel; "
+                        "pytorch#186927, #189628",
+                        evidence="gemv_bias_kernels",
+                    ),
+                ),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },
@@ -737,7 +863,13 @@ FEATURES: dict[str, Feature] = {
             "linear_3d_fast",
             "F.linear on [B,1,K] as fast as on [B,K]",
             {
-                "mps": (Rule(since="2.15", upstream="fix pytorch#189855 of issue #189847 (8.5x slower before)"),),
+                "mps": (
+                    Rule(
+                        since="2.15",
+                        upstream="fix pytorch#189855 of issue #189847, 8.5x slower before; behavioural: no symbol",
+                        evidence=BEHAVIOURAL,
+                    ),
+                ),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },
@@ -746,7 +878,13 @@ FEATURES: dict[str, Feature] = {
             "softmax_native",
             "softmax on a native kernel (one fp32 row of 128,256: 57.4 -> 7.1 us on MPS)",
             {
-                "mps": (Rule(since="2.15", upstream="pytorch#196071"),),
+                "mps": (
+                    Rule(
+                        since="2.15",
+                        upstream="kernel softmax_float_u32 in the 2.15.0 macOS wheel; pytorch#196071",
+                        evidence="softmax_kernel",
+                    ),
+                ),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },
@@ -755,25 +893,29 @@ FEATURES: dict[str, Feature] = {
             "sdpa_broadcast",
             "SDPA with batch/head broadcasting",
             {
-                "mps": (Rule(since="2.15", upstream="pytorch#189631, #179771"),),
+                "mps": (
+                    Rule(
+                        since="2.15", upstream="pytorch#189631, #179771; behavioural: no symbol", evidence=BEHAVIOURAL
+                    ),
+                ),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },
         ),
         Feature(
             "device_streams",
-            "device streams, record_stream and cross-stream events",
+            "device streams (torch.mps.Stream / torch.Stream) and record_stream",
             {
-                # Not merged as of RESEARCHED: #191415 (torch.mps.Stream) is an open draft, #194111 (multi-stream
-                # events) open, #193464 (record_stream) and #190375 (stream pool) closed. A 2.16 nightly passes
-                # the table only; on a real Mac the probe decides (torch.mps.Stream must exist).
+                # The 2.15.0 macOS wheel ships torch/mps/streams.py (Stream, stream, set_stream) and an MPS
+                # record_stream. Events across streams are a separate feature (cross_stream_events): 2.15.0
+                # raises on them. On a real Mac the probe decides (torch.mps.Stream must exist).
                 "mps": (
                     Rule(
-                        since="2.16",
-                        nightly_only=True,
-                        merged=None,
-                        upstream="pytorch#191415 (open draft), #194111 (open); #193464, #190375 closed",
-                        note=f"not merged as of {RESEARCHED}: on a real Mac a probe for torch.mps.Stream decides",
+                        since="2.15",
+                        upstream="torch/mps/streams.py and record_stream_mps in the 2.15.0 macOS wheel; "
+                        "pytorch#191415, #193464",
+                        note="events across streams are not in 2.15 (feature cross_stream_events)",
+                        evidence="mps_streams",
                     ),
                 ),
                 "cuda": (Rule(since="2.4", note="torch.Stream / torch.accelerator"),),
@@ -782,16 +924,58 @@ FEATURES: dict[str, Feature] = {
             probe_decides=True,
         ),
         Feature(
+            "cross_stream_events",
+            "events across device streams (record on one stream, wait on another)",
+            {
+                # torch/mps/event.py of the 2.15.0 macOS wheel: Event.record()/wait() raise
+                # NotImplementedError("Non-default streams are not yet supported.") off the default stream.
+                # pytorch#194111 (multi-stream events) open as of RESEARCHED; a 2.16 nightly passes the table,
+                # on a real Mac the probe (an event recorded and awaited on a side stream) decides.
+                "mps": (
+                    Rule(
+                        since="2.16",
+                        nightly_only=True,
+                        merged=None,
+                        upstream="pytorch#194111, open; 'Non-default streams are not yet supported.' raised by "
+                        "torch.mps.Event in the 2.15.0 macOS wheel",
+                        note=f"not merged as of {RESEARCHED}: on a real Mac a probe of torch.mps.Event on a side "
+                        "stream decides",
+                        evidence="mps_cross_stream_events",
+                    ),
+                ),
+                "cuda": (Rule(since="2.4", note="torch.Event / wait_stream"),),
+            },
+            probe=_probe_cross_stream_events,
+            probe_decides=True,
+        ),
+        Feature(
             "mps_compile_shader",
             "torch.mps.compile_shader: Metal kernels compiled from source at run time (reported for future recipes)",
-            {"mps": (Rule(since="2.7", upstream="torch.mps.compile_shader (public since 2.7)"),)},
+            {
+                "mps": (
+                    Rule(
+                        since="2.7",
+                        upstream="def compile_shader in torch/mps/__init__.py of every macOS wheel read; "
+                        "public since 2.7",
+                        evidence="mps_compile_shader",
+                    ),
+                )
+            },
             probe=_probe_mps_api("compile_shader", "public since torch 2.7"),
             probe_decides=True,
         ),
         Feature(
             "mps_load_metallib",
             "torch.mps.load_metallib: precompiled Metal libraries (reported for future recipes)",
-            {"mps": (Rule(since="2.13", upstream="pytorch#177276"),)},
+            {
+                "mps": (
+                    Rule(
+                        since="2.13",
+                        upstream="def load_metallib in torch/mps/__init__.py of the 2.13.0 macOS wheel; pytorch#177276",
+                        evidence="mps_load_metallib",
+                    ),
+                )
+            },
             probe=_probe_mps_api("load_metallib", "pytorch#177276, torch 2.13"),
             probe_decides=True,
         ),
@@ -802,8 +986,9 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         since="2.13",
-                        upstream="pytorch#181575 (Apr 2026)",
+                        upstream="kernels prefill_attention_* in the 2.13.0 macOS wheel; pytorch#181575 (Apr 2026)",
                         conditions="head dims 32/64/72/80/96/128/256; other shapes use the MPSGraph path",
+                        evidence="sdpa_prefill_kernels",
                     ),
                 ),
             },
@@ -816,8 +1001,9 @@ FEATURES: dict[str, Feature] = {
                     Rule(
                         since="2.13",
                         merged=_d(2026, 5, 11),
-                        upstream="pytorch#183280",
+                        upstream="pytorch#183280; behavioural: no symbol",
                         conditions="Metal kernel paths only; the MPSGraph fallback still repeats K/V",
+                        evidence=BEHAVIOURAL,
                     ),
                 ),
                 "cuda": (Rule(since="2.5", upstream="enable_gqa"),),
@@ -831,9 +1017,11 @@ FEATURES: dict[str, Feature] = {
             {
                 "mps": (
                     Rule(
-                        since="2.13",
+                        since="2.14",
                         min_macos=(26, 2),
-                        upstream="pytorch#182256 (May 2026)",
+                        upstream="kernels prefill_attention_mpp_* in the 2.14.0 macOS wheel, none in 2.13.0; "
+                        "pytorch#182256 (May 2026)",
+                        evidence="sdpa_mpp_kernels",
                         conditions=(
                             "fp16/bf16, head dims 64/96/128/256, query length > 8; others keep the simdgroup kernel"
                         ),
@@ -844,7 +1032,16 @@ FEATURES: dict[str, Feature] = {
         Feature(
             "sdpa_metal_macos26_fixed",
             "Metal SDPA kernels fixed for macOS 26",
-            {"mps": (Rule(since="2.14", merged=_d(2026, 8, 2), upstream="pytorch#191794"),)},
+            {
+                "mps": (
+                    Rule(
+                        since="2.14",
+                        merged=_d(2026, 8, 2),
+                        upstream="pytorch#191794; behavioural: no symbol",
+                        evidence=BEHAVIOURAL,
+                    ),
+                )
+            },
         ),
         Feature(
             "metal_attention",
@@ -854,7 +1051,9 @@ FEATURES: dict[str, Feature] = {
                     Rule(
                         since="2.16",
                         nightly_only=True,
-                        upstream="documented on the main branch only; no single pull request",
+                        upstream="documented on the main branch only; no single pull request; the MPSGraph SDPA "
+                        "sdpa_general_mps is still in the 2.15.0 macOS wheel",
+                        evidence="sdpa_without_mpsgraph",
                     ),
                 )
             },
@@ -870,8 +1069,10 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         never=True,
-                        upstream="issue pytorch#179352 (fix #179592 not confirmed merged), ComfyUI#14837",
+                        upstream="issue pytorch#179352 (fix #179592 not confirmed merged), ComfyUI#14837; "
+                        "behavioural: no symbol",
                         note=f"not fixed as of {RESEARCHED}: split attention so that B*H*Lq*Lk < 2^31",
+                        evidence=BEHAVIOURAL,
                     ),
                 ),
                 "cuda": _ALWAYS,
@@ -885,7 +1086,9 @@ FEATURES: dict[str, Feature] = {
                 "mps": (
                     Rule(
                         since="2.14",
-                        upstream="pytorch#188802, #192229",
+                        upstream="kernels conv3d_simd_* / conv3d_mpp_* in the 2.14.0 macOS wheel; "
+                        "pytorch#188802, #192229",
+                        evidence="conv3d_kernels",
                         conditions=(
                             "issue #192213: 7% of matmul throughput on 2.12, 97% on a 2.14 nightly (fp16, with bias)"
                         ),
@@ -899,7 +1102,14 @@ FEATURES: dict[str, Feature] = {
             "pad3d_all_modes_correct",
             "correct reflection and replication pad3d on rank-5 tensors with H*W >= 65536",
             {
-                "mps": (Rule(since="2.15", upstream="pytorch#195147 (issue #194922)"),),
+                "mps": (
+                    Rule(
+                        since="2.15",
+                        upstream="kernels reflection_pad3d_forward_* / replication_pad3d_forward_* in the "
+                        "2.15.0 macOS wheel, pad3d off MPSGraph; pytorch#195147 (issue #194922)",
+                        evidence="pad3d_kernels",
+                    ),
+                ),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },
@@ -908,7 +1118,14 @@ FEATURES: dict[str, Feature] = {
             "histc_no_host_sync",
             "torch.histc counts on the device without a host sync (MoE routing offsets)",
             {
-                "mps": (Rule(since="2.15", upstream="pytorch#196016"),),
+                "mps": (
+                    Rule(
+                        since="2.15",
+                        upstream="kernel histc_atomic_global_float in the 2.15.0 macOS wheel; pytorch#196016",
+                        note="before it MPS histc cost about 0.17 ms per bin (43.9 ms for 256 bins, pytorch#198304)",
+                        evidence="histc_atomic_float",
+                    ),
+                ),
                 "cuda": _ALWAYS,
                 "cpu": _ALWAYS,
             },
@@ -920,21 +1137,30 @@ FEATURES: dict[str, Feature] = {
                 # aten's rms_norm on MPS calls the Metal kernel directly when a weight is given (pytorch#145301,
                 # merged 2025-01-23, in 2.7); elsewhere on the CPU it is the composite (pow, mean, rsqrt, muls).
                 # pytorch#187779 (fp16/bf16 weight multiply kept in fp32) does not matter to fp32 calls.
-                "mps": (Rule(since="2.7", upstream="pytorch#145301"),),
+                "mps": (
+                    Rule(
+                        since="2.7",
+                        upstream="pytorch#145301; kernel rms_norm_float in every macOS wheel read",
+                        evidence="rms_norm_kernel",
+                    ),
+                ),
             },
         ),
         Feature(
             "solve_triangular_fast",
             "torch.linalg.solve_triangular at matmul speed (Gated DeltaNet chunked prefill: two calls per layer)",
             {
-                # On MPS each call costs about 15 ms whatever its size; a matmul-based inverse of the unit
-                # lower-triangular system was 4x faster on the whole prefill (kshetrajna12/reflex#1, Qwen3.5 on
-                # MPS: 81% of request time in this path). No upstream fix known.
+                # Up to 2.14 MPS solved through MPSMatrixSolveTriangular at about 15 ms per call whatever its
+                # size (kshetrajna12/reflex#1: a matmul inverse was 4x faster on a Qwen3.5 prefill). The 2.15.0
+                # macOS wheel ships small triangular-solve Metal kernels written for this solve (pytorch#196900)
+                # and no MPSMatrixSolveTriangular any more (pytorch#196241).
                 "mps": (
                     Rule(
-                        never=True,
-                        upstream="kshetrajna12/reflex#1 (about 15 ms per call on MPS)",
-                        note="linear_attention solves by matmuls instead",
+                        since="2.15",
+                        upstream="kernel triangular_solve_small_16 in the 2.15.0 macOS wheel, pytorch#196900, written "
+                        "for the Gated DeltaNet solve; before it MPSMatrixSolveTriangular, about 15 ms per call, "
+                        "kshetrajna12/reflex#1",
+                        evidence="triangular_solve_small",
                     ),
                 ),
                 "cuda": _ALWAYS,
@@ -945,9 +1171,17 @@ FEATURES: dict[str, Feature] = {
             "histc_int",
             "torch.histc on integer input",
             {
-                # Not implemented for integer dtypes on CPU either ("histogram_cpu" not implemented for
-                # 'Long', checked on 2.13); CUDA has it. Count with scatter_add or histc on float instead.
-                "mps": (Rule(never=True, upstream="ostris/ai-toolkit#858, transformers#45685"),),
+                # MPS: integer histc kernels (histc_atomic_*_int/long) ship in the 2.15.0 macOS wheel; not
+                # implemented for integer dtypes on CPU ("histogram_cpu" not implemented for 'Long', checked
+                # on 2.13); CUDA has it. Elsewhere count with scatter_add or histc on float instead.
+                "mps": (
+                    Rule(
+                        since="2.15",
+                        upstream="kernel histc_atomic_global_int in the 2.15.0 macOS wheel; before it "
+                        "ostris/ai-toolkit#858, transformers#45685",
+                        evidence="histc_atomic_int",
+                    ),
+                ),
                 "cuda": _ALWAYS,
                 "cpu": (Rule(never=True, note="'histogram_cpu' not implemented for integer dtypes"),),
             },

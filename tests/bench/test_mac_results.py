@@ -97,7 +97,7 @@ def _write(path: Path, machine: dict) -> Path:
         },
         {
             "kind": "gate",
-            "feature": "device_streams",
+            "feature": "cross_stream_events",  # not in 2.15.0 by the gate; present by this probe
             "ok": True,
             "decided_by": "probed",
             "reason": "probed on mps: present",
@@ -152,7 +152,7 @@ def test_a_synthetic_mac_file_renders_the_tables(mac_results, tmp_path, capsys):
     printed = capsys.readouterr()
     # the file disagrees with the gate twice: the pad bug on 2.15.0, and streams found by the probe
     assert "revisit gate feature 'pad_rank5_correct'" in printed.out and "pad_rank5_65536" in printed.out
-    assert "revisit gate feature 'device_streams'" in printed.out and "found it present" in printed.out
+    assert "revisit gate feature 'cross_stream_events'" in printed.out and "found it present" in printed.out
     assert "rejected mpsboost-selftest-mps-2.15.0-fake.jsonl" in printed.err
     assert "revisit gate feature 'pad_rank5_correct'" in text
     # --check: up to date -> 1 only because a file is rejected; stale -> 1

@@ -35,7 +35,8 @@ def test_doctor_simulated_json():
     assert "pytorch#195368" in feats["pad_constant_native"]["reason"]
     info215 = json.loads(_run("doctor", "--device", "mps", "--torch", "2.15.0", "--json").stdout)
     assert info215["features"]["pad_constant_native"]["available"] is True
-    assert info215["features"]["device_streams"]["available"] is False
+    assert info215["features"]["device_streams"]["available"] is True  # torch/mps/streams.py in the 2.15.0 wheel
+    assert info215["features"]["cross_stream_events"]["available"] is False
 
 
 def test_doctor_rejects_a_nonsense_version():

@@ -71,10 +71,15 @@ def test_mps_215_features(version, ok):
         "grouped_mm",
         "float8_storage",
         "scaled_mm",
-        "gemv_bias_epilogue",
         "linear_3d_fast",
         "softmax_native",
         "sdpa_broadcast",
+        # the 2.15.0 macOS wheel's kernels: triangular_solve_small_*, scaled_mm_few_rows_*, histc_atomic_*
+        "solve_triangular_fast",
+        "fp8_gemv",
+        "histc_int",
+        "histc_no_host_sync",
+        "device_streams",
     ):
         v = check(feat, env)
         assert v.ok is ok, (feat, version, v.reason)
@@ -91,7 +96,7 @@ def test_mps_reason_names_the_upstream_change():
 
 
 def test_nightly_only_features_on_215_and_216():
-    for feat in ("device_streams", "metal_attention"):
+    for feat in ("cross_stream_events", "metal_attention"):
         assert not check(feat, Env.simulate("mps", "2.15.0")).ok
         assert "2.16" in check(feat, Env.simulate("mps", "2.15.0")).reason
         assert check(feat, Env.simulate("mps", "2.16.0")).ok
@@ -183,7 +188,7 @@ EITHER_SIDE = [
     ("grouped_mm", "cpu", "2.9.1", "2.10.0", "grouped_mm"),
     ("float8_storage", "mps", "2.14.1", "2.15.0", "pytorch#194074"),
     ("scaled_mm", "mps", "2.14.1", "2.15.0", "pytorch#196916"),
-    ("gemv_bias_epilogue", "mps", "2.14.1", "2.15.0", "pytorch#186927"),
+    ("gemv_bias_epilogue", "mps", "2.13.0", "2.14.0", "pytorch#186927"),  # kernels gemv_*_ab in the 2.14.0 wheel
     ("linear_3d_fast", "mps", "2.14.1", "2.15.0", "pytorch#189855"),
     ("softmax_native", "mps", "2.14.1", "2.15.0", "pytorch#196071"),
     ("sdpa_broadcast", "mps", "2.14.1", "2.15.0", "pytorch#189631"),
@@ -193,8 +198,12 @@ EITHER_SIDE = [
     ("sdpa_metal_prefill", "mps", "2.12.1", "2.13.0", "pytorch#181575"),
     ("sdpa_metal_gqa", "mps", "2.12.1", "2.13.0", "pytorch#183280"),
     ("sdpa_metal_gqa", "cpu", "2.4.1", "2.5.0", "enable_gqa"),
-    ("sdpa_mpp_attention", "mps", "2.12.1", "2.13.0", "pytorch#182256"),
-    ("device_streams", "mps", "2.15.0", "2.16.0.dev20261101", "pytorch#191415"),
+    ("sdpa_mpp_attention", "mps", "2.13.0", "2.14.0", "pytorch#182256"),  # prefill_attention_mpp_* from 2.14.0
+    ("device_streams", "mps", "2.14.1", "2.15.0", "pytorch#191415"),
+    ("cross_stream_events", "mps", "2.15.0", "2.16.0.dev20261101", "pytorch#194111"),
+    ("solve_triangular_fast", "mps", "2.14.1", "2.15.0", "triangular_solve_small_16"),
+    ("fp8_gemv", "mps", "2.14.1", "2.15.0", "scaled_mm_few_rows_1_float8_e4m3fn"),
+    ("histc_int", "mps", "2.14.1", "2.15.0", "histc_atomic_global_int"),
     ("metal_attention", "mps", "2.15.0", "2.16.0.dev20261101", "main branch"),
     ("scaled_mm", "cuda", "2.3.1", "2.4.0", "torch._scaled_mm"),
 ]
@@ -223,7 +232,7 @@ def test_nightlies_either_side_of_the_merge(feature, before, on, date):
     assert check(feature, Env.simulate("mps", on)).ok
 
 
-@pytest.mark.parametrize("feature", ["sdpa_large_scores_correct", "fp8_gemv", "histc_int"])
+@pytest.mark.parametrize("feature", ["sdpa_large_scores_correct"])
 def test_unfixed_entries_fail_on_every_mps_build(feature):
     for tv in (
         "2.12.0",
@@ -275,10 +284,17 @@ def test_macos_condition():
 def test_feature_info_for_doctor():
     info = gate.feature_info("sdpa_metal_gqa", "mps")
     (rule,) = info["rules"]
-    assert rule["upstream"] == "pytorch#183280" and rule["merged"] == "2026-05-11" and rule["first_release"] == "2.13.0"
+    assert (
+        rule["upstream"].startswith("pytorch#183280")
+        and rule["merged"] == "2026-05-11"
+        and rule["first_release"] == "2.13.0"
+    )
     assert info["probe"] is True
+    assert rule["evidence"] == gate.BEHAVIOURAL
     (streams,) = gate.feature_info("device_streams", "mps")["rules"]
-    assert streams["first_release"].startswith("none yet")
+    assert streams["first_release"] == "2.15.0" and streams["evidence"] == "mps_streams"
+    (events,) = gate.feature_info("cross_stream_events", "mps")["rules"]
+    assert events["first_release"].startswith("none yet")
     (never,) = gate.feature_info("sdpa_large_scores_correct", "mps")["rules"]
     assert never["first_release"].startswith("none")
     assert gate.feature_info("sdpa_metal_prefill", "cpu")["rules"] == []
@@ -386,12 +402,43 @@ def test_streams_probed_when_torch_mps_stream_exists(monkeypatch, fresh_probes, 
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: object())
     v = check("device_streams", _real_mps(version))
     assert v.ok and v.decided_by == "probed" and "probed on mps" in v.reason, v.reason
-    if version == "2.15.0":
+    if version == "2.14.1":
         assert "present in this build" in v.reason and "by version alone" in v.reason
     # where no probe is possible (a simulated environment) the version rule decides, and says so
     sim = check("device_streams", Env.simulate("mps", version))
     assert sim.decided_by == "by version" and "by version" in sim.reason
-    assert sim.ok is (version.startswith("2.16"))
+    assert sim.ok is (version != "2.14.1")  # torch/mps/streams.py ships from the 2.15.0 macOS wheel
+
+
+class _FakeEvent:
+    raises = True
+
+    def record(self):
+        if _FakeEvent.raises:  # what torch/mps/event.py of the 2.15.0 wheel does off the default stream
+            raise NotImplementedError("Non-default streams are not yet supported.")
+
+    def wait(self):
+        self.record()
+
+
+@pytest.mark.parametrize("raises", [True, False])
+def test_cross_stream_events_probed_on_a_side_stream(monkeypatch, fresh_probes, raises):
+    """2.15.0 has torch.mps.Stream but its Event raises off the default stream: the probe records and
+    waits on an event inside a side stream and decides either way, whatever the version says."""
+    import contextlib
+
+    import torch
+
+    monkeypatch.setattr(torch.mps, "Stream", _FakeMpsStream, raising=False)
+    monkeypatch.setattr(torch.mps, "stream", lambda s: contextlib.nullcontext(), raising=False)
+    monkeypatch.setattr(torch.mps, "Event", _FakeEvent, raising=False)
+    monkeypatch.setattr(_FakeEvent, "raises", raises)
+    v = check("cross_stream_events", _real_mps("2.15.0"))
+    assert v.decided_by == "probed" and v.ok is (not raises), v.reason
+    if raises:
+        assert "Non-default streams are not yet supported." in v.reason
+    else:
+        assert "present in this build" in v.reason
 
 
 def test_streams_probed_absent_without_torch_mps_stream(monkeypatch, fresh_probes):

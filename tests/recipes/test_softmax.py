@@ -8,11 +8,13 @@ identity, the deferred NaN check, pickling.
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 from unittest import mock
 
 import pytest
 import torch
+from torch import nn
 
 import mpsboost
 from mpsboost.ops.sampling import DeferredCheck, draw, draw_from_logits
@@ -120,8 +122,8 @@ def test_plan_per_env(lm):
     expect = {
         ("mps", "2.14.1"): ("draw on logits", "pytorch#196071"),
         ("mps", "2.15.0"): ("native softmax", "pytorch#196071"),
-        ("mps", "2.16.0.dev20261201"): ("native softmax", "host syncs"),
-        ("cpu", "2.13.0"): ("native softmax", "host syncs"),
+        ("mps", "2.16.0.dev20261201"): ("native softmax", "host reads per sampled token"),
+        ("cpu", "2.13.0"): ("native softmax", "host reads per sampled token"),
     }
     # CUDA: the whole generate() measured on the H200 decides (stock kept there); other GPUs keep stock too.
     skipped = {
@@ -139,6 +141,30 @@ def test_plan_per_env(lm):
             tv,
             rows[0],
         )
+
+
+def test_reason_counts_host_reads_against_the_stock_loop(lm):
+    """transformers 5.23+ defers generate()'s stop check on MPS (DeferredStopCheck), so there the stock
+    loop reads 2 values per token (torch.multinomial's check) and the patched one 0; elsewhere the stop
+    check still reads one per token: 3 stock, 1 patched. Counted from the installed loop's source."""
+    from mpsboost.recipes.softmax import host_reads_per_token
+
+    sample = type(lm)._sample
+    deferred = "DeferredStopCheck.is_supported(" in inspect.getsource(sample)
+    assert host_reads_per_token(sample, "mps") == ((2, 0) if deferred else (3, 1))
+    assert host_reads_per_token(sample, "cuda") == (3, 1)
+    mps = mpsboost.plan(lm, device="mps", torch_version="2.15.0", recipes=["softmax"]).rows[0]
+    cpu = mpsboost.plan(lm, device="cpu", torch_version="2.13.0", recipes=["softmax"]).rows[0]
+    assert "3 stock" in cpu.reason and "1 patched" in cpu.reason and "stop check still reads one" in cpu.reason
+    if deferred:  # transformers >= 5.23
+        assert "2 stock" in mps.reason and "0 patched" in mps.reason and "DeferredStopCheck" in mps.reason
+    # a loop without the deferred check (transformers < 5.23) counts the stop check's read on MPS too
+
+    def _sample(self):
+        probs = nn.functional.softmax(next_token_scores, dim=-1)  # noqa: F821
+        return torch.multinomial(probs, num_samples=1)
+
+    assert host_reads_per_token(_sample, "mps") == (3, 1)
 
 
 @pytest.mark.parametrize("path", ["probs", "logits"])

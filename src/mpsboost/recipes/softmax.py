@@ -2,8 +2,16 @@
 
 Stock, each generated token runs ``probs = softmax(scores)`` then ``torch.multinomial(probs, 1)``,
 whose input check costs two host syncs and five extra full-vocabulary reductions per token (see
-:mod:`mpsboost.ops.sampling`). The patched model draws the very same exponential race without the syncs
+:mod:`mpsboost.ops.sampling`; the MPS kernel, aten/src/ATen/native/mps/operations/Distributions.mm, runs
+the same two ``.item()`` checks). The patched model draws the very same exponential race without the syncs
 (same generator calls, so the same tokens for the same seed) and checks the rows once per ``generate()``.
+
+Host reads per sampled token, counted from the loop's source (:func:`host_reads_per_token`): the loop's
+stop check reads one value (``unfinished_sequences.max() == 0``) except where transformers defers it
+(``DeferredStopCheck``, transformers 5.23+, MPS only: the flag is copied asynchronously and read one step
+late), and ``torch.multinomial`` reads two. transformers 5.24 on MPS: 2 stock, 0 patched, so the host
+never waits on the GPU between tokens only with the recipe; on CUDA and CPU, and with transformers < 5.23:
+3 stock, 1 patched (the stop check still waits every token).
 Where the softmax itself is slow the race runs on the logits and no softmax is computed at all
 (Gumbel-max: the same distribution; the same tokens up to rounding of near ties): on MPS before torch
 2.15, whose softmax still ran through MPSGraph (pytorch#196071 moved it to a Metal kernel in 2.15), and
@@ -119,6 +127,45 @@ def _subclass(cls: type, logits_path: bool) -> type:
     return sub
 
 
+#: host values torch.multinomial(probs, 1) reads per call: ``(max < inf & min >= 0).item()`` and
+#: ``(sum == 0).item()`` (ATen's n_sample == 1 path, CPU, CUDA and MPS alike).
+MULTINOMIAL_HOST_READS = 2
+
+
+@functools.lru_cache(maxsize=16)
+def _defers_stop_check(fn: types.FunctionType) -> bool:
+    """Does this ``_sample`` defer its stop check where the device allows (``DeferredStopCheck``, 5.23+)?"""
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return False
+    return "DeferredStopCheck.is_supported(" in src
+
+
+def host_reads_per_token(fn: types.FunctionType, device_type: str) -> tuple[int, int]:
+    """(stock, patched) host reads per sampled token of ``generate()``'s loop ``fn`` on ``device_type``.
+
+    The stop check reads one value per token unless the loop defers it, which transformers does on MPS
+    only (``DeferredStopCheck.is_supported``: ``device.type != "mps"`` returns False); the stock draw reads
+    :data:`MULTINOMIAL_HOST_READS`, the patched draw none (its check runs once per ``generate()``).
+    """
+    stop = 0 if device_type == "mps" and _defers_stop_check(fn) else 1
+    return stop + MULTINOMIAL_HOST_READS, stop
+
+
+def _reads_text(fn: types.FunctionType, device_type: str) -> str:
+    stock, patched = host_reads_per_token(fn, device_type)
+    where = (
+        "transformers defers its stop check here (DeferredStopCheck)"
+        if stock == MULTINOMIAL_HOST_READS
+        else "the loop's stop check still reads one"
+    )
+    return (
+        f"host reads per sampled token: {stock} stock (torch.multinomial's input check: {MULTINOMIAL_HOST_READS}; "
+        f"{where}), {patched} patched; the rows are checked once per generate()"
+    )
+
+
 @dataclass(frozen=True)
 class SoftmaxOptions:
     """``options={"softmax": {...}}``: ``path`` "auto", "probs" or "logits" (see the module docstring)."""
@@ -166,7 +213,7 @@ class Softmax(Recipe):
         if unknown is not None:
             return Decision.skip(f"{class_path(cls)}: {unknown}; this transformers version is left alone")
 
-        syncs = "torch.multinomial's two host syncs per token removed, rows checked once per generate()"
+        syncs = _reads_text(fn, env.device_type)
         if path == "probs":
             return Decision.apply(
                 "native softmax, sync-free draw",

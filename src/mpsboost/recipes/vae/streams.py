@@ -3,15 +3,18 @@
 In diffusers' tiled decode the tiles are independent until they are blended: here tile i is
 blended with its finished neighbours and written into the output on a side stream while tile i+1
 decodes on the main stream. Written with device-generic stream APIs (``torch.Stream``,
-``torch.accelerator``, ``Tensor.record_stream``), so the same code runs on CUDA now and on MPS in
-the 2.16 nightlies that have user streams (pytorch#191415 ``torch.mps.Stream``, #193464
-``record_stream``, #194111 multi-stream events): the gate feature ``device_streams`` decides.
-The output is the stock one, value for value.
+``torch.accelerator``, ``Tensor.record_stream``), so the same code runs on CUDA now and on MPS once
+a build orders work across streams. Streams alone are not enough: the loop makes each stream wait
+for the other (``wait_stream``, an event recorded on one stream and awaited on the other). The
+2.15.0 macOS wheel ships ``torch.mps.Stream`` and ``record_stream`` (gate feature ``device_streams``)
+but its ``torch.mps.Event`` raises "Non-default streams are not yet supported." off the default
+stream, so the recipe requires ``cross_stream_events`` (pytorch#194111; 2.16 nightlies at the
+earliest, probed on a real Mac). The output is the stock one, value for value.
 
 Opt-in everywhere (``default = False``: a plain ``patch()`` never selects it; name it, e.g.
 ``patch(vae, recipes=["wan_vae_pad", "mps_streams"])``). A recipe is on by default only where it was
 measured harmless, and this one has no such record: on MPS it has never been measured (no MPS device
-has run it; the 2.16 nightlies with user streams are the first builds where it can run), and on an H200
+has run it; the first builds where it can run are those with events across streams), and on an H200
 it bought nothing: the side stream left a stock tiled decode's time unchanged and, next to
 ``wan_vae_pad``, measured slower in one series (1.48 s vs 1.19 s, 2026-11-29) and no different in the
 next (0.99x, 2026-11-30; ``benchmarks/results/mps_streams-cuda-*.jsonl``). On CUDA, where it exists to
@@ -29,7 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ...gate import Env, check
+from ...gate import Env, check_all
 from ...ops.streams import SideStream
 from ...patching import Patch, set_instance_attr
 from ...registry import Decision, Match, Recipe, register
@@ -66,7 +69,7 @@ class MpsStreams(Recipe):
     targets = tuple(row.vae for row in ROWS)
     lossless = True
     reversible = True
-    requires = ("device_streams",)
+    requires = ("device_streams", "cross_stream_events")
     default = False  # opt-in: measured harmless nowhere yet (see the module docstring)
     order = 110  # after wan_vae_pad / qwen_image_vae, whose tile loop this one replaces
     Options = MpsStreamsOptions
@@ -76,7 +79,7 @@ class MpsStreams(Recipe):
 
     def decide(self, match: Match, env: Env, options: MpsStreamsOptions) -> Decision:
         on_cuda = options.on_cuda
-        v = check("device_streams", env)
+        v = check_all(self.requires, env)
         if not v.ok:
             return Decision.skip(v.reason)
         if env.device_type == "cuda" and not on_cuda:
