@@ -51,7 +51,16 @@ import torch.nn.functional as F
 
 from ..gate import Env, check
 from ..ops.attention import rotary, sdpa
-from ..patching import ATTR, Changes, Patch, bind_forward, call_original, fuse_params, fuse_storage, set_instance_attr
+from ..patching import (
+    Changes,
+    Patch,
+    bind_forward,
+    call_original,
+    fuse_params,
+    fuse_storage,
+    is_patched_by,
+    set_instance_attr,
+)
 from ..registry import Decision, Match, Recipe, class_path, register
 from . import _hf
 
@@ -77,6 +86,8 @@ _NORMS = {
     "qk_norm": (_TM + "qwen3.modeling_qwen3.Qwen3RMSNorm", _TM + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeRMSNorm"),
 }
 _IMPLS = ("eager", "sdpa")
+# The recipe whose forward (transformers' forward with its attention lookup routed) may sit under this one.
+_ROUTER = "metal_attention"
 _GQA = ("enable_gqa", "packed")
 _COMPILED = ("auto", "recipe", "stock")
 # Arguments of an attention call this step does not implement (packed sequences, biases, sinks, caps).
@@ -187,8 +198,8 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
     hooked = [n for n, m in mod.named_modules() if "_hf_hook" in m.__dict__]
     if hooked:
         return f"accelerate hooks move weights per call ({', '.join(n or '<layer>' for n in hooked)})"
-    if "forward" in mod.__dict__ and ATTR not in mod.__dict__:
-        return "forward already replaced on this instance (not by mpsboost); left alone"
+    if "forward" in mod.__dict__ and not is_patched_by(mod, _ROUTER):
+        return "forward already replaced on this instance; left alone"
     if "cache" not in inspect.signature(inspect.unwrap(type(mod).forward)).parameters:
         return "the class forward takes no `cache` argument (transformers before 5.2x); stock kept"
     return lay
