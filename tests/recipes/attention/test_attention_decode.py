@@ -192,11 +192,19 @@ def test_left_padded_batch_with_mask(family, impl):
 
 
 def test_sliding_window_layers_match_stock():
+    from transformers import StaticCache
+
     stock = _model("qwen3_sliding", "sdpa", seed=5)
+    assert "sliding_attention" in stock.config.layer_types
     patched = copy.deepcopy(stock)
     _patch(patched, ENVS["mps-2.15.0"]())
     ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(5))
     _compare(stock, patched, ids, 6, what="sliding window")  # decode positions 6..11 > window 4
+    ref, got = [], []
+    _steps(stock, ids, 2, outputs=ref, cache=StaticCache(config=stock.config, max_cache_len=16))
+    _steps(patched, ids, 2, outputs=got, cache=StaticCache(config=patched.config, max_cache_len=16))
+    assert len(ref) == len(got) == 2 * 11
+    assert all(tm.relative_error(g, r) <= FP32_TOL for g, r in zip(got, ref))
 
 
 def test_packed_query_heads_match_stock():
@@ -323,10 +331,18 @@ def test_decode_step_compiles_fullgraph(cache_kind):
         def step(h, c):
             return layer(h, position_embeddings=pe, attention_mask=mask, cache=c)[0]
 
-        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        graphs = []
+
+        def backend(gm, example_inputs):  # records the traced graph, runs it as traced
+            graphs.append(gm)
+            return gm.forward
+
+        compiled = torch.compile(step, fullgraph=True, backend=backend)
         got = compiled(x, cache)
         ref = ad.call_original(layer, ad.NAME, x, position_embeddings=pe, attention_mask=mask, cache=twin)[0]
     assert tm.relative_error(got, ref) <= FP32_TOL
+    # one graph, and it is the recipe's step (the rotate-half permutation), not the module's own forward
+    assert len(graphs) == 1 and "index_select" in str(graphs[0].graph)
     k, tk = cache.layers[layer.layer_idx].keys, twin.layers[layer.layer_idx].keys
     assert k.shape == tk.shape and tm.relative_error(k, tk) <= FP32_TOL
     torch._dynamo.reset()
