@@ -33,6 +33,9 @@ continuation, training or autograd on the weights, ``output_attentions`` (howeve
 flag, the config, or transformers' output capture), attention implementations other than eager and sdpa,
 packed sequences, masks with per-head or per-query rows.
 
+Where: on MPS by default (eager decode is host-bound there; no measurement on CUDA or the CPU yet);
+``options={"attention_decode": {"devices": ("mps", "cuda", "cpu")}}`` chooses the device types.
+
 Exactness (tested): float32 outputs within 1e-5 of stock on every family, one sequence and a left-padded
 batch, dynamic and static cache; greedy tokens equal. Compiled (``torch.compile`` tracing the forward, as
 transformers' static cache does): on MPS the same math, traced (weights read from the Parameters); on CUDA
@@ -94,11 +97,16 @@ _COMPILED = ("auto", "recipe", "stock")
 _UNCOVERED = ("cu_seq_lens_q", "cu_seq_lens_k", "position_bias", "softcap", "s_aux", "sinks", "cache_params")
 
 
+_DEVICES = ("mps", "cuda", "cpu")
+
+
 @dataclass(frozen=True)
 class AttentionDecodeOptions:
-    """``options={"attention_decode": {...}}``: ``compiled`` ("auto": the recipe's step traced on MPS, the
-    module's own forward elsewhere; "recipe"; "stock")."""
+    """``options={"attention_decode": {...}}``: ``devices``, the device types it applies on (default MPS: no
+    measurement elsewhere yet); ``compiled`` ("auto": the recipe's step traced on MPS, the module's own
+    forward elsewhere; "recipe"; "stock")."""
 
+    devices: tuple[str, ...] = ("mps",)
     compiled: str = "auto"
 
 
@@ -498,12 +506,20 @@ class AttentionDecode(Recipe):
     def decide(self, match: Match, env: Env, options: AttentionDecodeOptions) -> Decision:
         if options.compiled not in _COMPILED:
             raise ValueError(f"{NAME} option 'compiled' must be one of {_COMPILED}, got {options.compiled!r}")
+        bad = [d for d in options.devices if d not in _DEVICES]
+        if bad:
+            raise ValueError(f"{NAME} option devices={options.devices!r}: unknown {bad}; accepted: {_DEVICES}")
         lay = _layout(match.module)
         if isinstance(lay, str):
             return Decision.skip(lay)
         impl = _hf.implementation(match.module)
         if impl not in _IMPLS:
             return Decision.skip(f"attention implementation {impl!r}: the step implements eager and sdpa only")
+        if env.device_type not in options.devices:
+            return Decision.skip(
+                f"applies on {', '.join(options.devices)} (options devices); no measurement of the step on "
+                f"{env.device_type} yet: stock kept"
+            )
         if lay.hq == lay.hkv:
             gqa, why_gqa = "enable_gqa", "no grouped K/V"
         elif env.device_type == "mps":

@@ -57,8 +57,12 @@ def _attentions(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if ad._family(m) is not None]
 
 
+ALL_DEVICES = ("mps", "cuda", "cpu")
+
+
 def _patch(model: torch.nn.Module, env: Env, recipes=None, **opts) -> mpsboost.PatchReport:
-    report = mpsboost.patch(model, recipes=recipes, device=env, options={"attention_decode": opts} if opts else None)
+    opts.setdefault("devices", ALL_DEVICES)  # the default is MPS only; the CUDA and CPU paths are tested too
+    report = mpsboost.patch(model, recipes=recipes, device=env, options={"attention_decode": opts})
     applied = [r for r in report.rows if r.recipe == "attention_decode" and r.status == "applied"]
     assert len(applied) == len(_attentions(model)) > 0, str(report)
     return report
@@ -393,8 +397,9 @@ def test_training_and_autograd_run_stock():
 def test_decisions_per_environment():
     model = _model("qwen3_5_moe", "sdpa")
     rows = {}
+    opts = {"attention_decode": {"devices": ALL_DEVICES}}
     for name, env in [*ENVS.items(), ("mps-2.12.0", lambda: Env.simulate("mps", "2.12.0"))]:
-        rep = mpsboost.plan(model, env=env())
+        rep = mpsboost.plan(model, env=env(), options=opts)
         (row,) = [r for r in rep.rows if r.recipe == "attention_decode"]
         rows[name] = row
     assert all(r.status != "skipped" for r in rows.values()), rows
@@ -404,6 +409,14 @@ def test_decisions_per_environment():
     assert rows["mps-2.15.0"].details["compiled"] == "recipe" and rows["cpu"].details["compiled"] == "stock"
     with pytest.raises(Exception, match="compiled"):
         mpsboost.plan(model, env=ENVS["cpu"](), options={"attention_decode": {"compiled": "always"}})
+    with pytest.raises(Exception, match="devices"):
+        mpsboost.plan(model, env=ENVS["cpu"](), options={"attention_decode": {"devices": ("tpu",)}})
+    # by default MPS only
+    for name in ("cuda-sm90", "cpu"):
+        (row,) = [r for r in mpsboost.plan(model, env=ENVS[name]()).rows if r.recipe == "attention_decode"]
+        assert row.status == "skipped" and "no measurement" in row.reason, row
+    (row,) = [r for r in mpsboost.plan(model, env=ENVS["mps-2.15.0"]()).rows if r.recipe == "attention_decode"]
+    assert row.status == "would apply", row
 
 
 def test_steps_aside_for_other_implementations_and_hooks():
