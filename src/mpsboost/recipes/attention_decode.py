@@ -208,9 +208,16 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
         return f"accelerate hooks move weights per call ({', '.join(n or '<layer>' for n in hooked)})"
     if "forward" in mod.__dict__ and not is_patched_by(mod, _ROUTER):
         return "forward already replaced on this instance; left alone"
-    if "cache" not in inspect.signature(inspect.unwrap(type(mod).forward)).parameters:
-        return "the class forward takes no `cache` argument (transformers before 5.2x); stock kept"
+    if _cache_arg(mod) is None:
+        return "the class forward takes neither `cache` nor `past_key_values`; stock kept"
     return lay
+
+
+def _cache_arg(mod: torch.nn.Module) -> str | None:
+    """The name the class forward takes the cache by: ``cache`` (transformers >= 5.2x, which also passes the
+    call's keywords on to ``cache.update``) or ``past_key_values`` (earlier 5.x)."""
+    params = inspect.signature(inspect.unwrap(type(mod).forward)).parameters
+    return next((n for n in ("cache", "past_key_values") if n in params), None)
 
 
 def _proj_params(mod: torch.nn.Module, lay: _Layout) -> list[torch.nn.Parameter]:
@@ -221,8 +228,9 @@ def _proj_params(mod: torch.nn.Module, lay: _Layout) -> list[torch.nn.Parameter]
 class _State:
     """What the recipe keeps on one patched layer (an instance attribute, never module-level)."""
 
-    def __init__(self, layout: _Layout, gqa: str, compiled: str, collector: Any):
+    def __init__(self, layout: _Layout, gqa: str, compiled: str, collector: Any, cache_arg: str):
         self.layout = layout
+        self.cache_arg = cache_arg
         self.gqa = gqa
         self.compiled = compiled
         self.collector = collector
@@ -392,7 +400,10 @@ def _decode(
         q = qk.as_strided((b, hq, 1, dh), (rs, lay.q_stride, dh, 1), 0)
     k = qk.as_strided((b, hkv, 1, dh), (rs, dh, dh, 1), (rows - hkv) * dh)
     v = y.as_strided((b, hkv, 1, dh), (n, dh, dh, 1), lay.widths[0] + lay.widths[1])
-    k, v = cache.update(k, v, mod.layer_idx, kwargs=kwargs)
+    if st.cache_arg == "cache":  # as the class forward calls it
+        k, v = cache.update(k, v, mod.layer_idx, kwargs=kwargs)
+    else:
+        k, v = cache.update(k, v, mod.layer_idx)
     out = sdpa(q, k, v, mask, scale=mod.scaling)  # [B, H, 1, D] or [B, Hkv, r, D]: both [B, H * D] in memory
     if lay.family == "gated":
         gate = y.as_strided((b, hq, dh), (n, 2 * dh, 1), dh)
@@ -455,7 +466,7 @@ def _forward(
 ) -> Any:
     st: _State = self.__dict__[_STATE]
     compiling = torch.compiler.is_compiling()  # a trace-time constant
-    if "past_key_values" in kwargs and cache is None:  # the deprecated name
+    if "past_key_values" in kwargs and cache is None:  # the name before 5.2x (deprecated since)
         cache = kwargs.pop("past_key_values")
     d = None
     if not (compiling and st.compiled == "stock") and _decodable(
@@ -469,7 +480,7 @@ def _forward(
             hidden_states,
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            cache=cache,
+            **{st.cache_arg: cache},
             **kwargs,
         )
     cos, sin = position_embeddings
@@ -548,7 +559,7 @@ class AttentionDecode(Recipe):
             raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
         plan: AttentionDecodePlan = decision.plan
         with Changes() as ch:
-            st = _State(lay, plan.gqa, plan.compiled, _hf.attention_collector())
+            st = _State(lay, plan.gqa, plan.compiled, _hf.attention_collector(), _cache_arg(mod) or "cache")
             ps = _proj_params(mod, lay)
             w, undo_w = fuse_params(
                 ps[:3],

@@ -430,3 +430,37 @@ def test_steps_aside_for_other_implementations_and_hooks():
     rep = mpsboost.plan(model, env=ENVS["cpu"]())
     reasons = [r.reason for r in rep.rows if r.recipe == ad.NAME]
     assert any("forward already replaced" in r for r in reasons), reasons
+
+
+def test_transformers_before_5_2x_cache_argument():
+    """transformers 5.17 (the measurement machine's) names the cache ``past_key_values`` and calls
+    ``past_key_values.update(k, v, layer_idx)``: an attention class of that form, on the same modules."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
+
+    class Old517Attention(q.Qwen3_5Attention):
+        def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+            past_key_values = kwargs.pop("cache", past_key_values)  # this test's decoder layers are 5.24's
+            input_shape = hidden_states.shape[:-1]
+            hidden_shape = (*input_shape, -1, self.head_dim)
+            qs, gate = torch.chunk(self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2, dim=-1)
+            gate = gate.reshape(*input_shape, -1)
+            qs = self.q_norm(qs.view(hidden_shape)).transpose(1, 2)
+            ks = self.k_norm(self.k_proj(hidden_states).view(hidden_shape)).transpose(1, 2)
+            vs = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            qs, ks = q.apply_rotary_pos_emb(qs, ks, *position_embeddings)
+            if past_key_values is not None:
+                ks, vs = past_key_values.update(ks, vs, self.layer_idx)
+            fn = q.ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, q.eager_attention_forward)
+            out, w = fn(self, qs, ks, vs, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+            out = out.reshape(*input_shape, -1).contiguous() * torch.sigmoid(gate)
+            return self.o_proj(out), w
+
+    stock = _model("qwen3_5", "sdpa", seed=24)
+    for layer in _attentions(stock):
+        layer.__class__ = Old517Attention
+    patched = copy.deepcopy(stock)
+    _patch(patched, ENVS["mps-2.15.0"]())
+    assert all(m.__dict__[ad._STATE].cache_arg == "past_key_values" for m in _attentions(patched))
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(25))
+    _compare(stock, patched, ids, 5, what="5.17 form")
+    assert _decode_ops(patched, 1) <= OPS_BOUND
