@@ -2,12 +2,15 @@
 
 - transformers models on ``eager`` (or ``sdpa``, forced) attention: each attention module of the instance
   gets its class's forward with the attention function looked up for its implementation routed to
-  :func:`metal_attention_forward` (:func:`mpsboost.recipes._hf.route_attention`): SDPA with K/V left
-  grouped, bool or query-dtype masks (transformers' own mask for the configured implementation). Cases it
-  does not cover (softcap, position bias, attention sinks, returned attention weights) go to the function
-  the implementation names (transformers' eager or SDPA one). No config changes: ``config._attn_implementation``
-  still reads what it read (transformers picks its mask by it), and a model built later from the same
-  config object is untouched. ``unpatch`` restores the very same forwards.
+  Metal SDPA (:func:`mpsboost.recipes._hf.route_attention`): K/V left grouped, bool or query-dtype masks
+  (transformers' own mask for the configured implementation). Cases it does not cover (softcap, position
+  bias, attention sinks, attention weights the caller may read) go to the function the implementation names
+  (transformers' eager or SDPA one). Weights count however they were asked for: the call's
+  ``output_attentions``, the config's, or transformers' output capture collecting them
+  (:func:`mpsboost.recipes._hf.weights_wanted`; transformers 5.x asks the config and records the attention
+  modules' outputs through hooks, so nothing in the call's arguments may say so). No config changes:
+  ``config._attn_implementation`` still reads what it read (transformers picks its mask by it), and a model
+  built later from the same config object is untouched. ``unpatch`` restores the very same forwards.
 - diffusers ``Attention`` modules on the matmul processors (``AttnProcessor``, ``SlicedAttnProcessor``
   from ``enable_attention_slicing()``, and their added-KV variants) get diffusers' SDPA processors; the
   flash-style Metal prefill kernels keep memory linear in sequence length, which is what slicing was for.

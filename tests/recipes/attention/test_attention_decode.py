@@ -279,12 +279,14 @@ def test_bf16_error_no_worse_than_stock():
 
 @pytest.mark.parametrize("how", ["config", "call"])
 @pytest.mark.parametrize("recipes", [None, ["metal_attention"], ["attention_decode"]])
-def test_attention_weights_however_asked_for(how, recipes):
+@pytest.mark.parametrize("mac", ["2.15.0", "2.14.1"])
+def test_attention_weights_however_asked_for(how, recipes, mac):
     """Issue 30 item 3: weights asked for through the config reach the attention modules through
     transformers' output capture only; every recipe steps aside for them (eager: the weights stock returns)."""
     stock = _model("qwen3_5", "eager", seed=15)
     patched = copy.deepcopy(stock)
-    mpsboost.patch(patched, recipes=recipes, device=Env.simulate("mps", "2.15.0"))
+    report = mpsboost.patch(patched, recipes=recipes, device=Env.simulate("mps", mac))
+    assert {r.recipe for r in report.rows if r.status == "applied"} >= set(recipes or ("metal_attention", ad.NAME))
     ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(16))
     outs = []
     for m in (stock, patched):
@@ -464,3 +466,26 @@ def test_transformers_before_5_2x_cache_argument():
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(25))
     _compare(stock, patched, ids, 5, what="5.17 form")
     assert _decode_ops(patched, 1) <= OPS_BOUND
+
+
+@pytest.mark.slow
+def test_static_cache_compiled_generate_in_one_graph_equals_eager():
+    """transformers compiles the whole decode step itself with a static cache (made to on the CPU by
+    linear_attention's mac_compile), fullgraph: the recipe's traced step inside, the eager tokens out."""
+    from mpsboost.recipes.linear_attention import mac_compile
+
+    torch._dynamo.reset()
+    model = _model("qwen3_5_moe", "sdpa", seed=26)
+    _patch(model, ENVS["mps-2.15.0"]())
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(27))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        eager = model.generate(ids, **kw)
+        undo = mac_compile(model, backend="eager", fullgraph=True)
+        torch._dynamo.utils.counters.clear()
+        compiled = model.generate(ids, cache_implementation="static", **kw)
+    undo()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert torch.equal(eager, compiled)
+    torch._dynamo.reset()
