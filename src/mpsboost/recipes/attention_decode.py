@@ -147,10 +147,10 @@ def _family(mod: torch.nn.Module) -> str | None:
 def _linear(m: Any, n_in: int, n_out: int, bias: bool) -> str | None:
     if not isinstance(m, torch.nn.Linear) or type(m).forward is not torch.nn.Linear.forward:
         return f"{type(m).__name__} is not a plain nn.Linear"
-    w = m.weight
+    w = getattr(m, "weight", None)
     if not isinstance(w, torch.nn.Parameter) or not w.is_floating_point() or tuple(w.shape) != (n_out, n_in):
         return f"weight {tuple(getattr(w, 'shape', ()))}, expected floating ({n_out}, {n_in})"
-    if (m.bias is not None) != bias:
+    if (getattr(m, "bias", None) is not None) != bias:
         return "bias differs from the other projections"
     return None
 
@@ -314,8 +314,8 @@ def _configured_rotary_dim(mod: torch.nn.Module, lay: _Layout) -> int | None:
 
 def _key(mod: torch.nn.Module, lay: _Layout) -> tuple:
     """Where and at which version every tensor the constants come from is: host-side metadata only."""
-    ts = [getattr(getattr(mod, n), "weight") for n in (*_PROJ, "o_proj")]
-    ts += [getattr(getattr(mod, n), "bias") for n in (*_PROJ, "o_proj")]
+    ts = [getattr(getattr(mod, n, None), "weight", None) for n in (*_PROJ, "o_proj")]
+    ts += [getattr(getattr(mod, n, None), "bias", None) for n in (*_PROJ, "o_proj")]
     if lay.family != "plain":
         ts += [mod.q_norm.weight, mod.k_norm.weight]
     return tuple((t.data_ptr(), t._version, t.dtype, t.device) if isinstance(t, torch.Tensor) else None for t in ts)
@@ -328,7 +328,9 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
     key = _key(mod, lay)
     if key == state.key and state.derived is not None:
         return state.derived
-    linears = [(getattr(mod, n), lay.hidden, rows, lay.bias) for n, rows in zip(_PROJ, lay.widths)]
+    linears = [(getattr(mod, n, None), lay.hidden, rows, lay.bias) for n, rows in zip(_PROJ, lay.widths)]
+    o = getattr(mod, "o_proj", None)
+    linears.append((o, lay.hq * lay.d, lay.hidden, getattr(o, "bias", None) is not None))
     if any(_linear(*x) for x in linears) or len({(m.weight.dtype, m.weight.device) for m, *_ in linears}) != 1:
         state.forget()
         return None
@@ -438,7 +440,7 @@ def _decodable(
     rd = cos.shape[-1]
     if cos.dim() != 3 or cos.shape[1] != 1 or cos.shape[0] not in (1, hs.shape[0]) or rd % 2 or rd > lay.d:
         return False
-    if cos.dtype != hs.dtype or hs.dtype != mod.q_proj.weight.dtype:
+    if cos.dtype != hs.dtype:
         return False
     if mask is not None and (
         not isinstance(mask, torch.Tensor)
@@ -473,6 +475,8 @@ def _forward(
         self, st, hidden_states, position_embeddings, attention_mask, cache, kwargs, compiling
     ):
         d = _derive(self, st.layout, None) if compiling else _eager_derived(self, st)
+        if d is not None and hidden_states.dtype != self.q_proj.weight.dtype:
+            d = None  # e.g. autocast's or a caller's other dtype: stock casts as it does
     if d is None:
         return call_original(
             self,

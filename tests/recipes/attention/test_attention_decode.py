@@ -489,3 +489,20 @@ def test_static_cache_compiled_generate_in_one_graph_equals_eager():
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert torch.equal(eager, compiled)
     torch._dynamo.reset()
+
+
+def test_fp8_weights_converted_after_patch_run_stock_and_free_the_fused_storage():
+    """fp8_weights (opt-in) replaces the projections at commit, after this recipe fused them: the next call
+    finds no plain nn.Linear, runs the module's own forward and lets the fused storage go."""
+    import warnings
+
+    base = _model("qwen3", "sdpa", seed=28)
+    ref_model = copy.deepcopy(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mpsboost.patch(ref_model, device=ENVS["mps-2.15.0"](), fp8="rowwise", exclude=[ad.NAME])
+        mpsboost.patch(base, device=ENVS["mps-2.15.0"](), fp8="rowwise")
+    states = [m.__dict__[ad._STATE] for m in _attentions(base)]
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(29))
+    _compare(ref_model, base, ids, 5, what="fp8 after patch")
+    assert all(st.fused is None and st.derived is None for st in states)
