@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["sdpa"]
+__all__ = ["sdpa", "rotary"]
 
 
 def sdpa(
@@ -59,3 +59,23 @@ def sdpa(
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=h != hkv
     )
+
+
+def rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, perm: torch.Tensor, sign: torch.Tensor, *, inplace: bool
+) -> torch.Tensor:
+    """Rotary position embedding on the first ``R = cos.shape[-1]`` columns of ``x`` ``[..., D]`` (all of them
+    when ``R == D``; transformers' partial rotary otherwise): ``x * cos + rotate_half(x) * sin``, with
+    rotate_half as one ``index_select`` by ``perm`` (``[R/2..R) + [0..R/2)``) and its negation folded into
+    ``sign * sin`` (``sign``: ``-1`` on the first half, ``+1`` on the second; exact). ``cos``/``sin`` broadcast
+    against ``x``'s leading dims. A partial rotary writes its columns into ``x`` when ``inplace`` (``x`` must then
+    be a tensor the caller owns), else returns a new tensor."""
+    rd = cos.shape[-1]
+    part = x if rd == x.shape[-1] else x[..., :rd]
+    rot = torch.addcmul(part * cos, part.index_select(-1, perm), sin * sign)
+    if part is x:
+        return rot
+    if inplace:
+        part.copy_(rot)
+        return x
+    return torch.cat((rot, x[..., rd:]), dim=-1)

@@ -179,3 +179,35 @@ def eager_function(module: torch.nn.Module) -> Callable[..., Any] | None:
     """The modeling file's own ``eager_attention_forward`` of ``module``'s class (None when it has none)."""
     inner = inspect.unwrap(_class_forward(module))
     return getattr(inner, "__globals__", {}).get(EAGER)
+
+
+def attention_collector() -> Any:
+    """transformers' collector of captured outputs (``utils.output_capturing._active_collector``), or None
+    where the installed transformers has none. Read at patch time; :func:`weights_wanted` reads it per call."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return None
+    return getattr(output_capturing, "_active_collector", None)
+
+
+def _collecting_attentions(collector: Any) -> bool:
+    if collector is None:
+        return False
+    if torch.compiler.is_compiling():
+        # dynamo cannot trace ContextVar.get; a capture set while compiling lives on the plain attribute
+        got = getattr(collector, "global_var", None) if getattr(collector, "compiling", False) else None
+    else:
+        got = collector.get()
+    return isinstance(got, dict) and any(str(k).endswith("attentions") for k in got)
+
+
+def weights_wanted(module: torch.nn.Module, kwargs: Mapping[str, Any], collector: Any) -> bool:
+    """True when the caller may read this attention call's weights, however they were asked for: the call's
+    ``output_attentions`` argument, else the module's ``config.output_attentions`` (transformers reads the
+    argument first, then the config), or transformers' output capture collecting attentions right now (its
+    hooks read the attention modules' second output; the config that asked may be an outer model's)."""
+    flag = kwargs.get("output_attentions")
+    if flag is None:
+        flag = getattr(getattr(module, "config", None), "output_attentions", False)
+    return bool(flag) or _collecting_attentions(collector)

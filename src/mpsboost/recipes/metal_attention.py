@@ -2,12 +2,15 @@
 
 - transformers models on ``eager`` (or ``sdpa``, forced) attention: each attention module of the instance
   gets its class's forward with the attention function looked up for its implementation routed to
-  :func:`metal_attention_forward` (:func:`mpsboost.recipes._hf.route_attention`): SDPA with K/V left
-  grouped, bool or query-dtype masks (transformers' own mask for the configured implementation). Cases it
-  does not cover (softcap, position bias, attention sinks, returned attention weights) go to the function
-  the implementation names (transformers' eager or SDPA one). No config changes: ``config._attn_implementation``
-  still reads what it read (transformers picks its mask by it), and a model built later from the same
-  config object is untouched. ``unpatch`` restores the very same forwards.
+  Metal SDPA (:func:`mpsboost.recipes._hf.route_attention`): K/V left grouped, bool or query-dtype masks
+  (transformers' own mask for the configured implementation). Cases it does not cover (softcap, position
+  bias, attention sinks, attention weights the caller may read) go to the function the implementation names
+  (transformers' eager or SDPA one). Weights count however they were asked for: the call's
+  ``output_attentions``, the config's, or transformers' output capture collecting them
+  (:func:`mpsboost.recipes._hf.weights_wanted`; transformers 5.x asks the config and records the attention
+  modules' outputs through hooks, so nothing in the call's arguments may say so). No config changes:
+  ``config._attn_implementation`` still reads what it read (transformers picks its mask by it), and a model
+  built later from the same config object is untouched. ``unpatch`` restores the very same forwards.
 - diffusers ``Attention`` modules on the matmul processors (``AttnProcessor``, ``SlicedAttnProcessor``
   from ``enable_attention_slicing()``, and their added-KV variants) get diffusers' SDPA processors; the
   flash-style Metal prefill kernels keep memory linear in sequence length, which is what slicing was for.
@@ -63,33 +66,44 @@ def metal_head_dim_ok(head_dim: int) -> bool:
     return int(head_dim) in METAL_HEAD_DIMS
 
 
-def _uncovered(kwargs: dict) -> bool:
+def _uncovered(module: torch.nn.Module, kwargs: dict, collector: Any) -> bool:
+    """Cases SDPA does not cover. Attention weights count however they were asked for: the call's flag, the
+    config's ``output_attentions``, or transformers' output capture (hooks on the attention modules,
+    driven by the config; nothing in the call's arguments says so)."""
     return (
         kwargs.get("softcap") is not None
         or kwargs.get("position_bias") is not None
         or kwargs.get("s_aux") is not None
         or kwargs.get("sinks") is not None
-        or bool(kwargs.get("output_attentions", False))
+        or _hf.weights_wanted(module, kwargs, collector)
     )
 
 
-def metal_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention function: ``[B, H, L, D]`` in, ``[B, L, H, D]`` out, as ``sdpa_attention_forward``."""
-    if _uncovered(kwargs):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def _sdpa_routed(collector: Any):
+    """The function an ``sdpa`` model's attention modules get (``collector``: transformers' output capture,
+    read at patch time: see :func:`mpsboost.recipes._hf.weights_wanted`)."""
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    return _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal)
+    def metal_attention_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """transformers attention function: ``[B, H, L, D]`` in, ``[B, L, H, D]`` out, as ``sdpa_attention_forward``."""
+        if _uncovered(module, kwargs, collector):
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+            )
+        return _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal)
+
+    return metal_attention_forward
 
 
 def _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal):
@@ -116,9 +130,10 @@ def _eager_routed(eager: Any):
     """The function an eager model's attention modules get: Metal SDPA on transformers' eager mask (a
     query-dtype additive mask, always materialised); the modeling file's own eager function for the cases
     SDPA does not cover (returned attention weights among them: an eager model's users may read them)."""
+    collector = _hf.attention_collector()
 
     def eager_to_metal(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        if _uncovered(kwargs):
+        if _uncovered(module, kwargs, collector):
             return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         return _metal(module, query, key, value, attention_mask, dropout, scaling, kwargs.get("is_causal"))
 
@@ -129,7 +144,7 @@ def _routes(module: torch.nn.Module) -> dict[str, Any]:
     """implementation name -> the function ``module``'s forward gets for it."""
     if _hf.implementation(module) == "eager":
         return {"eager": _eager_routed(_hf.eager_function(module))}
-    return {"sdpa": metal_attention_forward}
+    return {"sdpa": _sdpa_routed(_hf.attention_collector())}
 
 
 def _head_dim(cfg: Any) -> int | None:

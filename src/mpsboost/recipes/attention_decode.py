@@ -1,0 +1,587 @@
+"""attention_decode: transformers' full-attention layers in few ops per decode step.
+
+A Mac runs transformers eagerly, where every aten op costs host time. One decode step of Qwen3.5/3.6's
+gated attention layer dispatches 70 aten ops on transformers 5.24 with sdpa (90 with eager: three
+``nn.Linear`` of four ops each, two RMS norms, a partial rotary built from slices, negations and
+concatenations, the cache, the attention function, the output gate); this recipe's step takes 29 (one
+sequence, fp32, DynamicCache; 31 in bf16; 35 with a StaticCache, whose update is 5 ops; counted on the CPU,
+where ``F.rms_norm`` is 6 ops: on MPS it is one kernel).
+
+Targets, matched by class path and then checked structurally (projection shapes, norms, no accelerate hook,
+a forward of its own set by no one else):
+
+- ``gated``: Qwen3.5 / 3.6 (MoE and dense) and Qwen3-Next: ``q_proj`` gives the query and a sigmoid output
+  gate per head, zero-centred q/k RMS norms, partial rotary;
+- ``qk_norm``: Qwen3 and Qwen3-MoE: q/k RMS norms (weight applied after rounding), full rotary;
+- ``plain``: Llama: no norms, full rotary.
+
+The one-token step (a cache given, eager or sdpa attention, no attention weights wanted):
+
+- q/k/v (and the gate) come from one matmul: at patch time the three projection Parameters become views of
+  one fused storage (same Parameter objects, values and state_dict; memory does not double), undone on
+  unpatch; moved weights are fused again on the next eager call;
+- the q and k heads are normalised by one ``F.rms_norm`` and one multiply (per-row weights prepared once);
+- the rotary is one ``index_select`` (the rotate-half permutation) and a multiply-add with the sign folded
+  into ``sin``; a partial rotary writes its slice in place;
+- the K/V go through the model's own cache object (``cache.update``: DynamicCache concatenates,
+  StaticCache copies in place), so stock and patched layers mix;
+- one SDPA call on transformers' mask, K/V left grouped (``enable_gqa``) where the build's kernels take it,
+  otherwise the query heads of a group packed as rows (what transformers itself does on MPS < 2.13);
+- the gate is ``sigmoid`` and a multiply; ``o_proj`` one matmul.
+
+Everything else runs the module's own forward (which reads the same Parameters): prefill and multi-token
+continuation, training or autograd on the weights, ``output_attentions`` (however asked for: the call's
+flag, the config, or transformers' output capture), attention implementations other than eager and sdpa,
+packed sequences, masks with per-head or per-query rows.
+
+Where: on MPS by default (eager decode is host-bound there; no measurement on CUDA or the CPU yet);
+``options={"attention_decode": {"devices": ("mps", "cuda", "cpu")}}`` chooses the device types.
+
+Exactness (tested): float32 outputs within 1e-5 of stock on every family, one sequence and a left-padded
+batch, dynamic and static cache; greedy tokens equal. Compiled (``torch.compile`` tracing the forward, as
+transformers' static cache does): on MPS the same math, traced (weights read from the Parameters); on CUDA
+and CPU the stock forward (inductor fuses it; no compiled measurement of the recipe yet). Option
+``compiled``: "auto" | "recipe" | "stock".
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..gate import Env, check
+from ..ops.attention import rotary, sdpa
+from ..patching import (
+    Changes,
+    Patch,
+    bind_forward,
+    call_original,
+    fuse_params,
+    fuse_storage,
+    is_patched_by,
+    set_instance_attr,
+)
+from ..registry import Decision, Match, Recipe, class_path, register
+from . import _hf
+
+NAME = "attention_decode"
+_STATE = "_mpsboost_attention_decode"
+_TM = "transformers.models."
+_FAMILIES = {
+    _TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeAttention": "gated",
+    _TM + "qwen3_5.modeling_qwen3_5.Qwen3_5Attention": "gated",
+    _TM + "qwen3_next.modeling_qwen3_next.Qwen3NextAttention": "gated",
+    _TM + "qwen3.modeling_qwen3.Qwen3Attention": "qk_norm",
+    _TM + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention": "qk_norm",
+    _TM + "llama.modeling_llama.LlamaAttention": "plain",
+}
+# The norm classes each family's q/k norms are (zero-centred: x * rsqrt(...) * (1 + w) in float32, then
+# rounded; round-then-scale: w * round(x * rsqrt(...))).
+_NORMS = {
+    "gated": (
+        _TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeRMSNorm",
+        _TM + "qwen3_5.modeling_qwen3_5.Qwen3_5RMSNorm",
+        _TM + "qwen3_next.modeling_qwen3_next.Qwen3NextRMSNorm",
+    ),
+    "qk_norm": (_TM + "qwen3.modeling_qwen3.Qwen3RMSNorm", _TM + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeRMSNorm"),
+}
+_IMPLS = ("eager", "sdpa")
+# The recipe whose forward (transformers' forward with its attention lookup routed) may sit under this one.
+_ROUTER = "metal_attention"
+_GQA = ("enable_gqa", "packed")
+_COMPILED = ("auto", "recipe", "stock")
+# Arguments of an attention call this step does not implement (packed sequences, biases, sinks, caps).
+_UNCOVERED = ("cu_seq_lens_q", "cu_seq_lens_k", "position_bias", "softcap", "s_aux", "sinks", "cache_params")
+
+
+_DEVICES = ("mps", "cuda", "cpu")
+
+
+@dataclass(frozen=True)
+class AttentionDecodeOptions:
+    """``options={"attention_decode": {...}}``: ``devices``, the device types it applies on (default MPS: no
+    measurement elsewhere yet); ``compiled`` ("auto": the recipe's step traced on MPS, the module's own
+    forward elsewhere; "recipe"; "stock")."""
+
+    devices: tuple[str, ...] = ("mps",)
+    compiled: str = "auto"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    family: str
+    hq: int
+    hkv: int
+    d: int
+    hidden: int
+    eps: float  # q/k norm epsilon (unused for "plain")
+    bias: bool
+
+    @property
+    def q_rows(self) -> int:  # rows of the head-major view holding q (and the gate) and k
+        return (2 * self.hq if self.family == "gated" else self.hq) + self.hkv
+
+    @property
+    def q_stride(self) -> int:  # columns between two query heads
+        return 2 * self.d if self.family == "gated" else self.d
+
+    @property
+    def widths(self) -> tuple[int, int, int]:
+        return (self.hq * self.d * (2 if self.family == "gated" else 1), self.hkv * self.d, self.hkv * self.d)
+
+    @property
+    def n(self) -> int:
+        return sum(self.widths)
+
+
+_PROJ = ("q_proj", "k_proj", "v_proj")
+
+
+def _family(mod: torch.nn.Module) -> str | None:
+    return next((_FAMILIES[class_path(c)] for c in type(mod).__mro__ if class_path(c) in _FAMILIES), None)
+
+
+def _linear(m: Any, n_in: int, n_out: int, bias: bool) -> str | None:
+    if not isinstance(m, torch.nn.Linear) or type(m).forward is not torch.nn.Linear.forward:
+        return f"{type(m).__name__} is not a plain nn.Linear"
+    w = getattr(m, "weight", None)
+    if not isinstance(w, torch.nn.Parameter) or not w.is_floating_point() or tuple(w.shape) != (n_out, n_in):
+        return f"weight {tuple(getattr(w, 'shape', ()))}, expected floating ({n_out}, {n_in})"
+    if (getattr(m, "bias", None) is not None) != bias:
+        return "bias differs from the other projections"
+    return None
+
+
+def _norm_eps(norm: Any) -> float | None:
+    for name in ("eps", "variance_epsilon"):
+        v = getattr(norm, "__dict__", {}).get(name)
+        if isinstance(v, float):
+            return v
+    return None
+
+
+def _layout(mod: torch.nn.Module) -> _Layout | str:
+    """The layer's layout, or why the recipe cannot rely on it."""
+    fam = _family(mod)
+    if fam is None:
+        return f"{class_path(type(mod))} is not a known attention class"
+    cfg = getattr(mod, "config", None)
+    try:
+        d = int(mod.head_dim)
+        hq = int(cfg.num_attention_heads)
+        hkv = int(cfg.num_key_value_heads)
+        hidden = int(cfg.hidden_size)
+    except (AttributeError, TypeError, ValueError) as e:
+        return f"missing or non-integer layout attribute ({e})"
+    if min(d, hq, hkv, hidden) < 1 or hq % hkv or d % 2:
+        return f"heads {hq}/{hkv} or head_dim {d} not supported"
+    if getattr(mod, "num_key_value_groups", hq // hkv) != hq // hkv or not isinstance(mod.scaling, float):
+        return "num_key_value_groups or scaling differ from the config"
+    bias = getattr(mod.q_proj, "bias", None) is not None
+    eps = 0.0
+    if fam != "plain":
+        norms = [getattr(mod, n, None) for n in ("q_norm", "k_norm")]
+        eps_ = [_norm_eps(n) for n in norms]
+        if any(class_path(type(n)) not in _NORMS[fam] for n in norms):
+            return f"q/k norms are {[type(n).__name__ for n in norms]}, expected {_NORMS[fam]}"
+        if any(tuple(getattr(getattr(n, "weight", None), "shape", ())) != (d,) for n in norms):
+            return f"q/k norm weights are not of width {d}"
+        if eps_[0] is None or eps_[0] != eps_[1]:
+            return "q/k norms have no float eps, or different ones"
+        eps = eps_[0]
+    lay = _Layout(fam, hq, hkv, d, hidden, eps, bias)
+    for name, rows in zip(_PROJ, lay.widths):
+        why = _linear(getattr(mod, name, None), hidden, rows, bias)
+        if why:
+            return f"{name}: {why}"
+    why = _linear(getattr(mod, "o_proj", None), hq * d, hidden, getattr(mod.o_proj, "bias", None) is not None)
+    if why:
+        return f"o_proj: {why}"
+    params = _proj_params(mod, lay)
+    if len({(p.dtype, p.device) for p in params}) != 1 or len({id(p) for p in params}) != len(params):
+        return "projections differ in dtype or device, or share a weight"
+    hooked = [n for n, m in mod.named_modules() if "_hf_hook" in m.__dict__]
+    if hooked:
+        return f"accelerate hooks move weights per call ({', '.join(n or '<layer>' for n in hooked)})"
+    if "forward" in mod.__dict__ and not is_patched_by(mod, _ROUTER):
+        return "forward already replaced on this instance; left alone"
+    if _cache_arg(mod) is None:
+        return "the class forward takes neither `cache` nor `past_key_values`; stock kept"
+    return lay
+
+
+def _cache_arg(mod: torch.nn.Module) -> str | None:
+    """The name the class forward takes the cache by: ``cache`` (transformers >= 5.2x, which also passes the
+    call's keywords on to ``cache.update``) or ``past_key_values`` (earlier 5.x)."""
+    params = inspect.signature(inspect.unwrap(type(mod).forward)).parameters
+    return next((n for n in ("cache", "past_key_values") if n in params), None)
+
+
+def _proj_params(mod: torch.nn.Module, lay: _Layout) -> list[torch.nn.Parameter]:
+    ps = [getattr(mod, n).weight for n in _PROJ]
+    return ps + ([getattr(mod, n).bias for n in _PROJ] if lay.bias else [])
+
+
+class _State:
+    """What the recipe keeps on one patched layer (an instance attribute, never module-level)."""
+
+    def __init__(self, layout: _Layout, gqa: str, compiled: str, collector: Any, cache_arg: str):
+        self.layout = layout
+        self.cache_arg = cache_arg
+        self.gqa = gqa
+        self.compiled = compiled
+        self.collector = collector
+        self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weights [N, hidden], biases [N])
+        self.key: tuple | None = None
+        self.derived: dict[str, Any] | None = None
+
+    def forget(self) -> None:
+        self.fused = self.derived = self.key = None
+
+
+def _fuse(mod: torch.nn.Module, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ps = _proj_params(mod, lay)
+    w = fuse_storage(ps[:3])
+    return w, (fuse_storage(ps[3:]) if lay.bias else None)
+
+
+def _is_view_of(params: list[torch.nn.Parameter], fused: torch.Tensor | None) -> bool:
+    if fused is None:
+        return False
+    start = fused.data_ptr()
+    step = (fused.shape[1] if fused.dim() == 2 else 1) * fused.element_size()
+    for p in params:
+        if p.dtype != fused.dtype or p.device != fused.device or p.data_ptr() != start or not p.is_contiguous():
+            return False
+        start += p.shape[0] * step
+    return True
+
+
+def _norm_weight(mod: torch.nn.Module, lay: _Layout, detach: bool) -> torch.Tensor | None:
+    """Per-row weights of the head-major [q (and gate) | k] view: one multiply after the norm."""
+    if lay.family == "plain":
+        return None
+    wq, wk = mod.q_norm.weight, mod.k_norm.weight
+    if detach:
+        wq, wk = wq.detach(), wk.detach()
+    if lay.family == "gated":  # (1 + w) in float32, as the modules compute it; the gate rows are left alone
+        wq, wk = 1.0 + wq.float(), 1.0 + wk.float()
+        q = torch.stack((wq, torch.ones_like(wq)), 0).repeat(lay.hq, 1)
+    else:
+        q = wq.expand(lay.hq, lay.d)
+    return torch.cat((q, wk.expand(lay.hkv, lay.d)), 0)
+
+
+def _derive(mod: torch.nn.Module, lay: _Layout, state: _State | None) -> dict[str, Any]:
+    """The constants of the decode step. Eager mode keeps them until a Parameter changes; traced code builds
+    them inside the graph (no state read)."""
+    detach = state is not None
+    o = mod.o_proj
+    d: dict[str, Any] = {
+        "norm_w": _norm_weight(mod, lay, detach),
+        "o_wt": o.weight.detach().t() if detach else o.weight.t(),
+        "o_b": None if o.bias is None else (o.bias.detach() if detach else o.bias),
+        "ones": None,
+        "wt": None,
+        "b": None,
+        "rope": {},  # rotary dim -> (perm, sign)
+    }
+    if lay.family != "plain":
+        d["ones"] = torch.ones(lay.d, dtype=torch.float32, device=o.weight.device)
+    if state is not None:
+        w, b = state.fused
+        d["wt"], d["b"] = w.t(), b
+        # the rotary constants of the configured rotary width, now rather than inside the first step
+        rd = _configured_rotary_dim(mod, lay)
+        if rd is not None:
+            _rope_consts(d, rd, torch.empty(0, dtype=w.dtype, device=w.device))
+    return d
+
+
+def _configured_rotary_dim(mod: torch.nn.Module, lay: _Layout) -> int | None:
+    cfg = getattr(mod, "config", None)
+    rope = getattr(cfg, "rope_parameters", None)
+    factor = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    factor = factor if factor is not None else getattr(cfg, "partial_rotary_factor", 1.0)
+    if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        return None
+    rd = int(lay.d * factor)
+    return rd if rd % 2 == 0 and rd > 0 else None
+
+
+def _key(mod: torch.nn.Module, lay: _Layout) -> tuple:
+    """Where and at which version every tensor the constants come from is: host-side metadata only."""
+    ts = [getattr(getattr(mod, n, None), "weight", None) for n in (*_PROJ, "o_proj")]
+    ts += [getattr(getattr(mod, n, None), "bias", None) for n in (*_PROJ, "o_proj")]
+    if lay.family != "plain":
+        ts += [mod.q_norm.weight, mod.k_norm.weight]
+    return tuple((t.data_ptr(), t._version, t.dtype, t.device) if isinstance(t, torch.Tensor) else None for t in ts)
+
+
+def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None:
+    """The eager constants, rebuilt (and the projections fused again) when a Parameter moved or was written to
+    since; None when the layout no longer holds (then the stock forward runs)."""
+    lay = state.layout
+    key = _key(mod, lay)
+    if key == state.key and state.derived is not None:
+        return state.derived
+    linears = [(getattr(mod, n, None), lay.hidden, rows, lay.bias) for n, rows in zip(_PROJ, lay.widths)]
+    o = getattr(mod, "o_proj", None)
+    linears.append((o, lay.hq * lay.d, lay.hidden, getattr(o, "bias", None) is not None))
+    if any(_linear(*x) for x in linears) or len({(m.weight.dtype, m.weight.device) for m, *_ in linears}) != 1:
+        state.forget()
+        return None
+    ps = _proj_params(mod, lay)
+    fused = state.fused
+    if fused is None or not _is_view_of(ps[:3], fused[0]) or (lay.bias and not _is_view_of(ps[3:], fused[1])):
+        state.fused = _fuse(mod, lay)
+        key = _key(mod, lay)
+    with torch.no_grad():
+        state.derived = _derive(mod, lay, state)
+    state.key = key
+    return state.derived
+
+
+def _rope_consts(d: dict[str, Any], rd: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotate_half as a permutation of the ``rd`` rotary columns, and its sign ([-1]*h + [1]*h)."""
+    found = d["rope"].get((rd, like.dtype, like.device))
+    if found is None:
+        h = rd // 2
+        perm = torch.cat((torch.arange(h, rd), torch.arange(0, h))).to(like.device)
+        sign = torch.cat((torch.full((h,), -1.0), torch.ones(h))).to(like.device, like.dtype)
+        found = (perm, sign)
+        if not torch.compiler.is_compiling():
+            d["rope"][(rd, like.dtype, like.device)] = found
+    return found
+
+
+def _project(mod: torch.nn.Module, d: dict[str, Any], x2: torch.Tensor) -> torch.Tensor:
+    if d["wt"] is not None:
+        return torch.mm(x2, d["wt"]) if d["b"] is None else torch.addmm(d["b"], x2, d["wt"])
+    # traced: read the Parameters (inductor sees the stock matmuls)
+    return torch.cat([F.linear(x2, getattr(mod, n).weight, getattr(mod, n).bias) for n in _PROJ], dim=-1)
+
+
+def _decode(
+    mod: torch.nn.Module,
+    st: _State,
+    d: dict[str, Any],
+    hs: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    mask: torch.Tensor | None,
+    cache: Any,
+    kwargs: dict,
+) -> torch.Tensor:
+    lay = st.layout
+    b, hq, hkv, dh, n = hs.shape[0], lay.hq, lay.hkv, lay.d, lay.n
+    y = _project(mod, d, hs.reshape(b, lay.hidden))  # [B, N], a fresh result: as_strided views address it
+    rows = lay.q_rows
+    qk = y.as_strided((b, rows, dh), (n, dh, 1), 0)
+    fresh = d["norm_w"] is not None
+    if fresh:
+        dtype = qk.dtype
+        normed = F.rms_norm(qk.float(), (dh,), d["ones"], lay.eps)
+        if lay.family == "gated":
+            qk = (normed * d["norm_w"]).to(dtype)
+        else:
+            qk = normed.to(dtype) * d["norm_w"]
+    perm, sign = _rope_consts(d, cos.shape[-1], cos)
+    # [B, rows, D] (contiguous); a partial rotary writes in place only into the norm's fresh result
+    qk = rotary(qk, cos, sin, perm, sign, inplace=fresh)
+    if not qk.is_contiguous():  # host-side check; the views below address a dense [B, rows, D]
+        qk = qk.contiguous()
+    rs = rows * dh
+    if st.gqa == "packed":
+        r = hq // hkv
+        q = qk.as_strided((b, hkv, r, dh), (rs, r * lay.q_stride, lay.q_stride, 1), 0)
+    else:
+        q = qk.as_strided((b, hq, 1, dh), (rs, lay.q_stride, dh, 1), 0)
+    k = qk.as_strided((b, hkv, 1, dh), (rs, dh, dh, 1), (rows - hkv) * dh)
+    v = y.as_strided((b, hkv, 1, dh), (n, dh, dh, 1), lay.widths[0] + lay.widths[1])
+    if st.cache_arg == "cache":  # as the class forward calls it
+        k, v = cache.update(k, v, mod.layer_idx, kwargs=kwargs)
+    else:
+        k, v = cache.update(k, v, mod.layer_idx)
+    out = sdpa(q, k, v, mask, scale=mod.scaling)  # [B, H, 1, D] or [B, Hkv, r, D]: both [B, H * D] in memory
+    if lay.family == "gated":
+        gate = y.as_strided((b, hq, dh), (n, 2 * dh, 1), dh)
+        out = out.reshape(b, hq, dh) * torch.sigmoid(gate)
+    o = out.reshape(b, hq * dh)  # a view where SDPA's output is dense in [B, H, D] order
+    o = torch.mm(o, d["o_wt"]) if d["o_b"] is None else torch.addmm(d["o_b"], o, d["o_wt"])
+    return o.view(b, 1, lay.hidden)
+
+
+def _decodable(
+    mod: torch.nn.Module, st: _State, hs: Any, pe: Any, mask: Any, cache: Any, kwargs: dict, compiling: bool
+) -> bool:
+    """Whether this call is a one-token step the recipe computes as stock does (host-side checks only)."""
+    lay = st.layout
+    if (
+        mod.training
+        or cache is None
+        or not isinstance(hs, torch.Tensor)
+        or hs.dim() != 3
+        or hs.shape[1] != 1
+        or hs.shape[2] != lay.hidden
+        or not isinstance(pe, (tuple, list))
+        or len(pe) != 2
+        or _hf.implementation(mod) not in _IMPLS
+        or any(kwargs.get(k) is not None for k in _UNCOVERED)
+        or _hf.weights_wanted(mod, kwargs, st.collector)
+    ):
+        return False
+    cos, sin = pe
+    if not (isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)) or cos.shape != sin.shape:
+        return False
+    rd = cos.shape[-1]
+    if cos.dim() != 3 or cos.shape[1] != 1 or cos.shape[0] not in (1, hs.shape[0]) or rd % 2 or rd > lay.d:
+        return False
+    if cos.dtype != hs.dtype:
+        return False
+    if mask is not None and (
+        not isinstance(mask, torch.Tensor)
+        or mask.dim() != 4
+        or mask.shape[1] != 1
+        or mask.shape[2] != 1
+        or mask.shape[0] not in (1, hs.shape[0])
+    ):
+        return False
+    if not compiling and (
+        torch.is_autocast_enabled(hs.device.type)
+        or (torch.is_grad_enabled() and any(p.requires_grad for p in mod.parameters()))
+    ):
+        return False
+    return True
+
+
+def _forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    cache: Any = None,
+    **kwargs: Any,
+) -> Any:
+    st: _State = self.__dict__[_STATE]
+    compiling = torch.compiler.is_compiling()  # a trace-time constant
+    if "past_key_values" in kwargs and cache is None:  # the name before 5.2x (deprecated since)
+        cache = kwargs.pop("past_key_values")
+    d = None
+    if not (compiling and st.compiled == "stock") and _decodable(
+        self, st, hidden_states, position_embeddings, attention_mask, cache, kwargs, compiling
+    ):
+        d = _derive(self, st.layout, None) if compiling else _eager_derived(self, st)
+        if d is not None and hidden_states.dtype != self.q_proj.weight.dtype:
+            d = None  # e.g. autocast's or a caller's other dtype: stock casts as it does
+    if d is None:
+        return call_original(
+            self,
+            NAME,
+            hidden_states,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            **{st.cache_arg: cache},
+            **kwargs,
+        )
+    cos, sin = position_embeddings
+    out = _decode(self, st, d, hidden_states, cos, sin, attention_mask, cache, kwargs)
+    return out, None
+
+
+@dataclass(frozen=True)
+class AttentionDecodePlan:
+    """What one attention layer gets: its ``family`` (a key of the families table), how SDPA takes grouped
+    K/V (``"enable_gqa"`` or ``"packed"``: a group's query heads as rows) and what runs while torch.compile
+    traces (``"recipe"`` or ``"stock"``)."""
+
+    family: str
+    gqa: str
+    compiled: str
+
+
+@register
+class AttentionDecode(Recipe):
+    name = NAME
+    summary = (
+        "full-attention decode step in few ops: fused q/k/v(/gate) matmul, one norm for q and k, "
+        "rotary by one permutation, cache update, one SDPA, gate and o_proj"
+    )
+    targets = tuple(_FAMILIES)
+    lossless = True
+    reversible = True
+    requires = ()
+    default = True
+    order = 105  # after metal_attention (its routed forward stays what prefill runs), before attention_split
+    Options = AttentionDecodeOptions
+
+    def decide(self, match: Match, env: Env, options: AttentionDecodeOptions) -> Decision:
+        if options.compiled not in _COMPILED:
+            raise ValueError(f"{NAME} option 'compiled' must be one of {_COMPILED}, got {options.compiled!r}")
+        bad = [d for d in options.devices if d not in _DEVICES]
+        if bad:
+            raise ValueError(f"{NAME} option devices={options.devices!r}: unknown {bad}; accepted: {_DEVICES}")
+        lay = _layout(match.module)
+        if isinstance(lay, str):
+            return Decision.skip(lay)
+        impl = _hf.implementation(match.module)
+        if impl not in _IMPLS:
+            return Decision.skip(f"attention implementation {impl!r}: the step implements eager and sdpa only")
+        if env.device_type not in options.devices:
+            return Decision.skip(
+                f"applies on {', '.join(options.devices)} (options devices); no measurement of the step on "
+                f"{env.device_type} yet: stock kept"
+            )
+        if lay.hq == lay.hkv:
+            gqa, why_gqa = "enable_gqa", "no grouped K/V"
+        elif env.device_type == "mps":
+            v = check("sdpa_metal_gqa", env)
+            gqa = "enable_gqa" if v.ok else "packed"
+            why_gqa = v.reason if v.ok else f"query heads packed per K/V head: {v.reason}"
+        elif env.device_type == "cuda":
+            gqa, why_gqa = "packed", "query heads packed per K/V head (CUDA SDPA with a mask and GQA is the math path)"
+        else:
+            gqa, why_gqa = "enable_gqa", "SDPA with enable_gqa"
+        compiled = (
+            options.compiled if options.compiled != "auto" else ("recipe" if env.device_type == "mps" else "stock")
+        )
+        backing = f"fused projections, one norm, rotary by permutation, SDPA ({gqa})"
+        why = (
+            f"eager decode in few ops ({lay.family} attention; stock: 70 aten ops per step for Qwen3.5/3.6); "
+            f"{why_gqa}; prefill and other calls: the module's own forward; compiled: "
+            + ("the recipe's step, traced" if compiled == "recipe" else "the module's own forward (inductor fuses it)")
+        )
+        return Decision.apply(backing, why, plan=AttentionDecodePlan(family=lay.family, gqa=gqa, compiled=compiled))
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: AttentionDecodeOptions) -> Patch:
+        mod = match.module
+        lay = _layout(mod)
+        if isinstance(lay, str):
+            raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
+        plan: AttentionDecodePlan = decision.plan
+        with Changes() as ch:
+            st = _State(lay, plan.gqa, plan.compiled, _hf.attention_collector(), _cache_arg(mod) or "cache")
+            ps = _proj_params(mod, lay)
+            w, undo_w = fuse_params(
+                ps[:3],
+                current=lambda: st.fused[0] if st.fused else None,
+                description=f"{NAME}: projection weights back to their own storage",
+            )
+            ch.add(undo_w)
+            b = None
+            if lay.bias:
+                b, undo_b = fuse_params(
+                    ps[3:],
+                    current=lambda: st.fused[1] if st.fused else None,
+                    description=f"{NAME}: projection biases back to their own storage",
+                )
+                ch.add(undo_b)
+            st.fused = (w, b)
+            ch.add(set_instance_attr(mod, NAME, _STATE, st))
+            ch.add(bind_forward(mod, NAME, _forward))
+            _eager_derived(mod, st)
+        return ch.patch(description=f"{NAME}: restore forward and projection storage")
