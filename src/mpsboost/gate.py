@@ -519,6 +519,11 @@ def _probe_triton(env: Env) -> Verdict | None:
     return None
 
 
+def _probe_triton_on_cuda(env: Env) -> Verdict | None:
+    # fp8_gemv is mpsboost's Triton kernel on CUDA; on MPS it is torch's own scaled_mm kernel.
+    return _probe_triton(env) if env.device_type == "cuda" else None
+
+
 def _probe_grouped_mm(env: Env) -> Verdict | None:
     import torch
 
@@ -713,10 +718,16 @@ FEATURES: dict[str, Feature] = {
             "fp8_gemv",
             "float8 matrix-vector fast path for M = 1..4",
             {
-                "mps": (Rule(never=True, upstream=f"pytorch#197862, open as of {RESEARCHED}"),),
+                "mps": (
+                    Rule(
+                        since="2.15",
+                        upstream="pytorch#197862: kernels scaled_mm_few_rows_{1..4} in the 2.15.0 macOS wheel",
+                        note="scaled_mm with tensorwise or rowwise scales, K and N multiples of 16",
+                    ),
+                ),
                 "cuda": (Rule(since="2.4", min_capability=(8, 9), upstream="mpsboost Triton kernel"),),
             },
-            probe=_probe_triton,
+            probe=_probe_triton_on_cuda,
         ),
         Feature(
             "triton",

@@ -33,14 +33,30 @@ from typing import Callable, Optional
 import torch
 
 from . import moe as moe_ops
-from .fp8 import FP8_DTYPE, dequantize, fused_quantize_rows, quantize_rows
+from .fp8 import FEW_ROWS_MAX, FP8_DTYPE, dequantize, few_rows_ok, fused_quantize_rows, quantize_rows, quantize_rows_few
 
-__all__ = ["PATHS", "TRACEABLE", "BACKING", "Fp8Stack", "dequantize_experts", "fp8_routed_experts", "scaled_grouped_ok"]
+__all__ = [
+    "PATHS",
+    "TRACEABLE",
+    "BACKING",
+    "Fp8Stack",
+    "dequantize_experts",
+    "fp8_routed_experts",
+    "scaled_grouped_ok",
+    "few_rows_experts_ok",
+    "few_rows_experts",
+]
 
 PATHS = ("scaled_grouped_mm", "gather", "hit", "stack")
 # The paths torch.compile(fullgraph=True) can trace: "hit" reads the per-expert counts on the host, so a
 # compiled forward takes "stack" instead (no host sync; the whole stack of this one layer dequantised).
 TRACEABLE = ("scaled_grouped_mm", "gather", "stack")
+# Decoding (at most FEW_ROWS_MAX tokens) where scaled_mm has its few-rows kernels (MPS, torch 2.15+).
+FEW_ROWS_BACKING = (
+    f"decode (<= {FEW_ROWS_MAX} tokens): fp8 gather of the routed experts' codes, one scaled_mm for every up "
+    "projection and one per 4 pairs for the down projections (3 bytes per routed weight: gather read and write, "
+    "matmul read; no bf16 copy)"
+)
 BACKING = {
     "scaled_grouped_mm": "scaled_grouped_mm rowwise on the fp8 stack, offsets on device",
     "gather": "fp8 gather of the routed experts, dequantise, bmm",
@@ -104,6 +120,83 @@ def _scaled_grouped(x: torch.Tensor, stack: Fp8Stack, offsets: torch.Tensor) -> 
     return torch._scaled_grouped_mm(
         xq, stack.q.transpose(-2, -1), xs.reshape(-1), _scale_en(stack), offs=offsets, out_dtype=torch.bfloat16
     )
+
+
+def few_rows_experts_ok(up: Fp8Stack, down: Fp8Stack, dtype: torch.dtype) -> bool:
+    """Static facts for :func:`few_rows_experts`: float8 codes in the [E, out, in] layout, 16-aligned dims,
+    an output type scaled_mm writes."""
+    return all(
+        st.q.dtype == FP8_DTYPE and not st.transposed and few_rows_ok(st.q.shape[1], st.q.shape[2], dtype)
+        for st in (up, down)
+    )
+
+
+def _row_scales(stack: Fp8Stack, ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """The gathered experts' scales as one row ``[1, P * out]`` (scaled_mm's rowwise ``scale_b``)."""
+    s = stack.scale.index_select(0, ids) if stack.scale.shape[0] != 1 else stack.scale.expand(ids.shape[0], -1, -1)
+    if s.shape[1] != stack.q.shape[1]:  # one scale per expert: one per output row of it
+        s = s.expand(-1, stack.q.shape[1], -1).contiguous()
+    return s.view(1, rows)
+
+
+def few_rows_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    up: Fp8Stack,
+    down: Fp8Stack,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    key: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Routed experts for a few tokens (``T <= 4``) on fp8 stacks by ``scaled_mm`` (MPS: its few-rows kernels).
+
+    The routed experts' codes are gathered in fp8 (``index_select``: the only copy, 1 byte per weight read and
+    written), never widened. Up: one ``scaled_mm`` of the ``T`` quantised token rows against all ``T * k``
+    gathered experts side by side (``[T * k * N, H]``), each token keeping its own experts' columns. Down: the
+    ``T * k`` activations quantised per row with the routing weight folded into each row's scale, then one
+    ``scaled_mm`` per 4 pairs against those pairs' gathered experts, each row keeping its own expert's columns
+    (the few-rows kernel streams the weight once for its 4 rows). The sum over the k slots is in the output
+    dtype, as transformers' experts forward sums. No host sync; every branch is on shapes.
+    ``hidden_states [T, H]``, ``top_k_* [T, k]``; returns ``[T, H]`` in ``hidden_states.dtype``."""
+    t, hdim = hidden_states.shape
+    k = top_k_index.shape[-1]
+    p = t * k
+    dtype = hidden_states.dtype
+    ids = top_k_index.reshape(p)
+    xq, xs = quantize_rows_few(hidden_states, key)
+    _, n_up, _ = up.q.shape
+    w_up = up.q.index_select(0, ids).view(p * n_up, hdim)
+    y = torch._scaled_mm(xq, w_up.t(), scale_a=xs, scale_b=_row_scales(up, ids, p * n_up), out_dtype=dtype)
+    if t == 1:
+        h = y.view(p, n_up)
+    else:  # token i keeps the columns of its own k experts: the diagonal of [T, T, k * N]
+        h = y.view(t, t, k * n_up).diagonal(0, 0, 1).t().reshape(p, n_up)
+    h = activation(h)
+    inter = h.shape[-1]
+    hq, hs = quantize_rows_few(h)
+    hs = hs * top_k_weights.reshape(p, 1)
+    _, n_down, _ = down.q.shape
+    w_down = down.q.index_select(0, ids).view(p * n_down, inter)
+    s_down = _row_scales(down, ids, p * n_down)
+    if p <= FEW_ROWS_MAX:  # one call: no slicing
+        yc = torch._scaled_mm(hq, w_down.t(), scale_a=hs, scale_b=s_down, out_dtype=dtype)
+        out = yc if p == 1 else yc.view(p, p, n_down).diagonal(0, 0, 1).t()
+        return out.view(t, k, n_down).sum(dim=1)
+    outs = []
+    for c0 in range(0, p, FEW_ROWS_MAX):
+        r = min(p, c0 + FEW_ROWS_MAX) - c0
+        yc = torch._scaled_mm(
+            hq[c0 : c0 + r],
+            w_down[c0 * n_down : (c0 + r) * n_down].t(),
+            scale_a=hs[c0 : c0 + r],
+            scale_b=s_down[:, c0 * n_down : (c0 + r) * n_down],
+            out_dtype=dtype,
+        )
+        # row j keeps the columns of its own pair's expert: the diagonal of [r, r, H]
+        outs.append(yc if r == 1 else yc.view(r, r, n_down).diagonal(0, 0, 1).t())
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.view(t, k, n_down).sum(dim=1)
 
 
 def _mm_rows(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:

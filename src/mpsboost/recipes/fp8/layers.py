@@ -107,6 +107,8 @@ class Fp8State:
     gather_max: int = 0  # experts: routed pairs at or below which experts are gathered per pair
     native_grouped: bool = False
     histc_int: bool = False
+    # experts: decoding (<= 4 tokens) by scaled_mm on the gathered fp8 codes (mpsboost.ops.fp8_moe.few_rows_experts)
+    few_rows: bool = False
     converted: bool = False
     backing: str = ""
 
@@ -214,6 +216,18 @@ def _experts_forward(state: Fp8State) -> Callable[..., Any]:
         up = fp8_moe.Fp8Stack(up_q, getattr(self, up_name + "_scale"), tr)
         down = fp8_moe.Fp8Stack(down_q, getattr(self, down_name + "_scale"), tr)
         post = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
+        if (
+            state.few_rows
+            and x.shape[0] <= fp8_ops.FEW_ROWS_MAX
+            and up_b is None
+            and down_b is None
+            and post is None
+            and x.dtype == state.compute_dtype
+            and fp8_moe.few_rows_experts_ok(up, down, x.dtype)
+        ):
+            # Decoding: static facts (shapes, dtypes, layout), the same answer for every step of a decode.
+            out = fp8_moe.few_rows_experts(x, idx, wts, up=up, down=down, activation=act, key=hidden_states)
+            return out.reshape(shape)
         # torch.compiler.is_compiling() is a constant while dynamo traces: a compiled forward takes the
         # traceable path decided at patch time, with no host read of the expert counts.
         compiling = torch.compiler.is_compiling()

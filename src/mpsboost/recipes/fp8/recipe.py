@@ -309,6 +309,7 @@ class Fp8Plan:
     native_grouped: bool = False
     histc_int: bool = False
     block: tuple[int, int] | None = None  # loaded block scales, applied as they are
+    few_rows: bool = False  # experts: decode by scaled_mm on the gathered fp8 codes (MPS few-rows kernels)
 
     def report_details(self) -> dict:
         """Nothing of the plan itself: each decision names what its report row shows (sizes before and after,
@@ -346,6 +347,7 @@ def _state(plan: Fp8Plan, device: torch.device, backing: str) -> Fp8State:
         gather_max=plan.gather_max,
         native_grouped=plan.native_grouped,
         histc_int=plan.histc_int,
+        few_rows=plan.few_rows,
         backing=backing,
     )
 
@@ -588,6 +590,17 @@ class Fp8Weights(Recipe):
             why += "; compiled: the same path"
         if where and env.device_type == "cuda":
             why += f"; {where}"
+        few_rows = (
+            env.device_type == "mps"
+            and opts.moe_path == "auto"
+            and storage == "float8"
+            and not tr
+            and check("fp8_gemv", env).ok
+            and check("scaled_mm", env).ok
+            and all(fp8_ops.few_rows_ok(w.shape[1], w.shape[2], ws[0].dtype) for w in ws)
+        )
+        if few_rows:
+            backing = f"{fp8_moe.FEW_ROWS_BACKING}; {backing} above"
         plan = Fp8Plan(
             kind="experts",
             granularity=gran,
@@ -598,6 +611,7 @@ class Fp8Weights(Recipe):
             gather_max=gather,
             native_grouped=check("grouped_mm", env).ok,
             histc_int=check("histc_int", env).ok,
+            few_rows=few_rows,
         )
         return plan, backing, why
 

@@ -1,0 +1,171 @@
+"""fp8 decode paths whose weight traffic is the fp8 bytes (issue 28): scaled_mm for 1-4 rows where the device
+has the few-rows kernels (MPS, torch 2.15: ``scaled_mm_few_rows_{1..4}``), dense layers and routed experts.
+
+CPU runs the same code (torch has a reference ``_scaled_mm`` kernel on CPU), decisions are those of a simulated
+Mac. The whole-model bounds count one decode step as the project's decode-ops tool does (fp8_decode_cost.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mpsboost
+from fp8_decode_cost import build, decode_cost
+from mpsboost.gate import Env
+from mpsboost.ops import fp8 as fp8_ops
+from mpsboost.ops import fp8_moe
+
+MAC = Env.simulate("mps", "2.15.0")
+
+
+def _ref_linear(x, q, s, b):
+    w = fp8_ops.dequantize(q, s, torch.float64)
+    return F.linear(x.double(), w, None if b is None else b.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("gran", ["rowwise", "tensorwise"])
+def test_few_rows_linear_is_scaled_mm_within_the_activation_quantisation_bound(dtype, gran, rng_seed):
+    # Activation quantisation (e4m3, per row) adds its own error to the weights': 25 dB SQNR against the exact
+    # product with the stored weights (about 31 dB each for e4m3 on normal data) is the stated bound.
+    n, k = 96, 160
+    w = torch.randn(n, k) * 0.05
+    q, s = fp8_ops.quantize(w, gran, "float8")
+    for m, bias, shape in ((1, True, (1, 1)), (2, False, (2,)), (3, True, (3,)), (4, False, (2, 2))):
+        b = torch.randn(n, dtype=dtype) if bias else None
+        x = torch.randn(*shape, k, dtype=dtype)
+        calls = []
+        real = torch._scaled_mm
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch, "_scaled_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+            y = fp8_ops.fp8_linear(x, q, s, b, kind="mps_scaled_mm", compute_dtype=dtype, gemv_max_m=4)
+        assert calls == [1] and y.shape == (*shape, n) and y.dtype == dtype
+        assert fp8_ops.sqnr_db(y, _ref_linear(x, q, s, b)) >= 25.0, (m, bias)
+    # Five rows: the layer is dequantised (exact with respect to the stored weights).
+    x = torch.randn(5, k, dtype=dtype)
+    y = fp8_ops.fp8_linear(x, q, s, None, kind="mps_scaled_mm", compute_dtype=dtype, gemv_max_m=4)
+    torch.testing.assert_close(y, F.linear(x, fp8_ops.dequantize(q, s, dtype)))
+
+
+def test_few_rows_path_only_for_16_aligned_layers_and_named_in_the_plan():
+    lp = fp8_ops.choose_linear_path(MAC, n=64, k=128, dtype=torch.bfloat16)
+    assert lp.kind == "mps_scaled_mm" and lp.gemv_max_m == 4 and lp.backing.startswith("scaled_mm rowwise for M<=4")
+    lp = fp8_ops.choose_linear_path(MAC, n=1, k=128, dtype=torch.bfloat16)  # e.g. a shared-expert gate
+    assert lp.kind == "dequant" and "multiples of 16" in lp.reason
+    old = fp8_ops.choose_linear_path(Env.simulate("mps", "2.14.1"), n=64, k=128, dtype=torch.bfloat16)
+    assert old.kind == "dequant" and old.storage == "uint8"
+
+
+def test_activation_is_quantised_once_per_unchanged_input(rng_seed):
+    k = 64
+    qs = [fp8_ops.quantize(torch.randn(32, k), "rowwise", "float8") for _ in range(3)]
+    x = torch.randn(1, 1, k)
+    norms = []
+    real = torch.linalg.vector_norm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.linalg, "vector_norm", lambda *a, **kw: norms.append(1) or real(*a, **kw))
+        y = [fp8_ops.fp8_linear(x, q, s, None, kind="mps_scaled_mm", compute_dtype=torch.float32) for q, s in qs]
+        assert len(norms) == 1
+        x.mul_(3.0)  # changed in place: its version moves on, the codes are made again
+        y3 = fp8_ops.fp8_linear(x, *qs[0], None, kind="mps_scaled_mm", compute_dtype=torch.float32)
+        assert len(norms) == 2
+        x2 = x.clone()  # equal values, another tensor
+        fp8_ops.fp8_linear(x2, *qs[0], None, kind="mps_scaled_mm", compute_dtype=torch.float32)
+        assert len(norms) == 3
+    torch.testing.assert_close(y3, 3.0 * y[0], rtol=0.07, atol=1e-3)
+
+
+def _stacks(e, n_up, h, inter, gran, dtype):
+    up = torch.randn(e, n_up, h) * 0.05
+    down = torch.randn(e, h, inter) * 0.05
+    (uq, us), (dq, ds) = (fp8_ops.quantize(w, gran, "float8") for w in (up, down))
+    return fp8_moe.Fp8Stack(uq, us), fp8_moe.Fp8Stack(dq, ds)
+
+
+def _ref_experts(x, idx, wts, up, down):
+    out = torch.zeros(x.shape[0], down.q.shape[1], dtype=torch.float64)
+    wu = fp8_ops.dequantize(up.q, up.scale, torch.float64)
+    wd = fp8_ops.dequantize(down.q, down.scale, torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            g, u = (wu[e] @ x[t].double()).chunk(2)
+            out[t] += wts[t, j].double() * (wd[e] @ (F.silu(g) * u))
+    return out
+
+
+def _act(h):
+    g, u = h.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+@pytest.mark.parametrize("gran", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_few_rows_experts_match_the_dequantised_experts_and_never_widen_a_weight(gran, dtype, rng_seed):
+    e, h, inter = 12, 64, 32
+    fp8 = torch.float8_e4m3fn
+    up, down = _stacks(e, 2 * inter, h, inter, gran, dtype)
+    for t, k in ((1, 2), (1, 8), (2, 3), (4, 2), (3, 8)):
+        x = torch.randn(t, h, dtype=dtype)
+        idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+        wts = torch.softmax(torch.randn(t, k), -1).to(dtype)
+        widened = []
+
+        class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                leaves = torch.utils._pytree.tree_leaves
+                codes = [a.numel() for a in leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.dtype == fp8]
+                for o in leaves(out):
+                    if isinstance(o, torch.Tensor) and o.dtype != fp8 and o.is_floating_point():
+                        # a float output as large as an fp8 input of at least one expert: a widened copy
+                        if any(n >= inter * h and o.numel() >= n for n in codes):
+                            widened.append((func, o.shape))
+                return out
+
+        with Spy():
+            y = fp8_moe.few_rows_experts(x, idx, wts, up=up, down=down, activation=_act)
+        assert not widened, widened  # no bf16/fp32 copy of any expert weight
+        assert y.shape == (t, h) and y.dtype == dtype
+        assert fp8_ops.sqnr_db(y, _ref_experts(x, idx, wts, up, down)) >= 22.0, (t, k)
+
+
+def test_experts_layer_takes_the_few_rows_path_on_a_simulated_mac_and_not_on_2_14(rng_seed):
+    for env, want in ((MAC, True), (Env.simulate("mps", "2.14.1"), False)):
+        m = build("tiny")
+        report = mpsboost.patch(m, device=env, fp8="rowwise")
+        rows = [r for r in report.rows_for("fp8_weights") if r.target.endswith("mlp.experts")]
+        assert rows and all(r.status == "applied" for r in rows)
+        assert all(("scaled_mm" in r.backing and "3 bytes per routed weight" in r.backing) == want for r in rows)
+
+
+# ------------------------------------------------------------------------------------------ whole decode step
+
+_MINE = ("self_attn", "mlp", "rest")  # linear_attn is the linear_attention recipe's (it fuses the projections)
+
+
+def _costs(size):
+    out = {}
+    for label, kw in (("bf16", {}), ("fp8", {"fp8": "rowwise"})):
+        m = build(size)
+        mpsboost.patch(m, device=MAC, **kw)
+        out[label] = decode_cost(m)
+    return out
+
+
+def _total(c, what, blocks=None):
+    return sum(v for b, v in c[what].items() if blocks is None or b in blocks)
+
+
+def test_tiny_decode_step_ops_of_fp8_blocks_within_1_1x_of_patched_bf16():
+    c = _costs("tiny")
+    ratio = _total(c["fp8"], "ops", _MINE) / _total(c["bf16"], "ops", _MINE)
+    assert ratio <= 1.1, (ratio, c)
+
+
+def test_medium_decode_step_moves_at_most_0_6x_the_bytes_of_patched_bf16():
+    c = _costs("medium")
+    ratio = _total(c["fp8"], "bytes") / _total(c["bf16"], "bytes")
+    assert ratio <= 0.6, (ratio, c)
