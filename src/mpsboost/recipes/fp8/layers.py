@@ -130,6 +130,7 @@ class LoadedLayer:
     loaded_from: str
     format: str
     block: Optional[tuple[int, int]] = None
+    requantized_from: Optional[tuple[int, int]] = None  # load_fp8(requantize="rowwise") of these block scales
 
 
 def fp8_state(module: torch.nn.Module) -> Optional[Fp8State]:

@@ -537,6 +537,15 @@ class Fp8Weights(Recipe):
             why = f"{storage} storage, scales kept exactly as in {layer.source}"
             return Decision.apply(backing, why, plan=plan, **details)
         gran, dtype = layer.granularity, layer.compute_dtype
+        source = layer.source
+        if layer.requantized_from is not None:
+            bn, bk = layer.requantized_from
+            details["requantized_from"] = f"block {bn}x{bk}"
+            source = (
+                f"{source}, requantised at load from {bn}x{bk} block scales to rowwise "
+                "(lossy: each weight within half an e4m3 step)"
+            )
+        layer = dataclasses.replace(layer, source=source)
         if layer.kind == "linear":
             plan, backing, why = self._linear_plan(env, layer.shapes[0], dtype, gran, storage, opts)
             return Decision.apply(
