@@ -142,8 +142,11 @@ def test_experts_layer_takes_the_few_rows_path_on_a_simulated_mac_and_not_on_2_1
 
 
 # ------------------------------------------------------------------------------------------ whole decode step
-
-_MINE = ("self_attn", "mlp", "rest")  # linear_attn is the linear_attention recipe's (it fuses the projections)
+# One decode step of the Qwen3.6-shaped model under Mac 2.15.0 decisions, fp8="rowwise" against patched bf16.
+# linear_attn is the linear_attention recipe's: it steps aside on fp8 projections today (its own change fuses
+# them), so its blocks run transformers' path on these fp8 layers; the bounds below are on the whole step and on
+# the blocks this recipe decides alone. Before this change (per-call dequantisation): 4.67x the bytes overall,
+# 4.46x in self_attn, 5.35x in mlp.
 
 
 def _costs(size):
@@ -155,17 +158,27 @@ def _costs(size):
     return out
 
 
-def _total(c, what, blocks=None):
-    return sum(v for b, v in c[what].items() if blocks is None or b in blocks)
+def _ratio(c, what, blocks=None):
+    def total(x):
+        return sum(v for b, v in x[what].items() if blocks is None or b in blocks)
+
+    return total(c["fp8"]) / total(c["bf16"])
 
 
-def test_tiny_decode_step_ops_of_fp8_blocks_within_1_1x_of_patched_bf16():
+def test_tiny_decode_step_quantises_each_activation_once():
+    # 5 dispatches per distinct input quantised, 3 per fp8 layer: q/k/v share one quantisation, as do the
+    # shared expert's gate and up and the routed experts. Quantising per layer gives 1.34x and 1.64x.
     c = _costs("tiny")
-    ratio = _total(c["fp8"], "ops", _MINE) / _total(c["bf16"], "ops", _MINE)
-    assert ratio <= 1.1, (ratio, c)
+    assert _ratio(c, "ops", ("self_attn",)) <= 1.25, c
+    assert _ratio(c, "ops", ("mlp",)) <= 1.6, c
 
 
-def test_medium_decode_step_moves_at_most_0_6x_the_bytes_of_patched_bf16():
+@pytest.mark.slow
+def test_medium_decode_step_moves_fp8_bytes():
     c = _costs("medium")
-    ratio = _total(c["fp8"], "bytes") / _total(c["bf16"], "bytes")
-    assert ratio <= 0.6, (ratio, c)
+    # Dense layers read their fp8 bytes once (scaled_mm few rows): half of bf16.
+    assert _ratio(c, "bytes", ("self_attn",)) <= 0.55, c
+    # Routed experts: gather (1 byte read + 1 written per routed weight) + scaled_mm (1 read) = 3 bytes per
+    # weight against bf16 grouped_mm's 2; the shared expert at 1. No bf16 copy of an expert.
+    assert _ratio(c, "bytes", ("mlp",)) <= 1.45, c
+    assert _ratio(c, "bytes") <= 1.1, c
