@@ -314,7 +314,8 @@ def quantize_rows_few(x: torch.Tensor, key: Optional[torch.Tensor] = None) -> tu
     with its version counter): the next linear layer reading the very same tensor reuses the codes. ``key`` is
     the tensor to remember when ``x`` is a fresh 2-D view of it (the layer's own input)."""
     key = x if key is None else key
-    eager = not torch.compiler.is_compiling()
+    # Inference tensors keep no version counter (torch.inference_mode): nothing is remembered for them.
+    eager = not torch.compiler.is_compiling() and type(key) is torch.Tensor and not key.is_inference()
     if eager:
         for ref, version, out in _LAST.entries:
             if ref() is key and version == key._version:
@@ -322,7 +323,7 @@ def quantize_rows_few(x: torch.Tensor, key: Optional[torch.Tensor] = None) -> tu
     amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
     xs = amax.div_(FP8_MAX).clamp_min_(_TINY_SCALE)
     xq = (x / xs).to(FP8_DTYPE)
-    if eager and type(key) is torch.Tensor:
+    if eager:
         _LAST.entries = [e for e in _LAST.entries[-(_LAST_KEPT - 1) :] if e[0]() is not None]
         _LAST.entries.append((weakref.ref(key), key._version, (xq, xs)))
     return xq, xs

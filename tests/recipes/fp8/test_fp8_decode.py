@@ -75,6 +75,11 @@ def test_activation_is_quantised_once_per_unchanged_input(rng_seed):
         fp8_ops.fp8_linear(x2, *qs[0], None, kind="mps_scaled_mm", compute_dtype=torch.float32)
         assert len(norms) == 3
     torch.testing.assert_close(y3, 3.0 * y[0], rtol=0.07, atol=1e-3)
+    # Under torch.inference_mode (no version counters) every call quantises, with the same result.
+    with torch.inference_mode():
+        xi = x.clone()
+        y_inf = [fp8_ops.fp8_linear(xi, q, s, None, kind="mps_scaled_mm", compute_dtype=torch.float32) for q, s in qs]
+    torch.testing.assert_close(y_inf[0], y3)
 
 
 def _stacks(e, n_up, h, inter, gran, dtype):
