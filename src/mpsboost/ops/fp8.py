@@ -25,8 +25,10 @@ input rows):
   Qwen-Image transformer it gave a relative error of 5.9e-2 against the file's exact dequantisation,
   and the step was slower than bf16 on the H200 (benchmarks/results/fp8_load-cuda-2026-11-30b.jsonl),
   so it is an opt-in;
-* ``mps_scaled_mm`` (MPS, only where the gate's ``fp8_gemv`` says the small-M kernel exists):
-  ``scaled_mm`` for M <= 4, otherwise dequantise then ``F.linear``;
+* ``mps_scaled_mm`` (MPS, where the gate's ``fp8_gemv`` says the few-rows kernels exist: torch 2.15's
+  ``scaled_mm_few_rows_{1..4}``, tensorwise or rowwise scales, K and N multiples of 16): for M <= 4 the
+  activation is quantised per row (:func:`quantize_rows_few`: five dispatches, once per input tensor) and
+  ``scaled_mm`` reads the weight once as its fp8 bytes; otherwise dequantise then ``F.linear``;
 * ``dequant`` (everything else): dequantise this one layer to the compute dtype, then ``F.linear``.
 
 The Triton kernels are registered operators (``torch.library.custom_op`` with ``register_fake``), so
@@ -535,8 +537,8 @@ def choose_linear_path(
         if gv.ok and sm.ok and few_rows_ok(n, k, dtype):
             return LinearPath(
                 "mps_scaled_mm",
-                f"scaled_mm rowwise for M<={FEW_ROWS_MAX} (activations quantised per row, weights read as fp8 "
-                "bytes); dequantize then linear above",
+                f"scaled_mm rowwise for M<={FEW_ROWS_MAX} (activations quantised per row; the weight read once as fp8, "
+                "1 byte per weight); dequantize then linear above",
                 f"{gv.reason}; {sm.reason}",
                 storage,
                 FEW_ROWS_MAX,

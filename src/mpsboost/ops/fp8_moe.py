@@ -11,6 +11,9 @@ histogram, :func:`~mpsboost.ops.moe.unroute`). Paths (:data:`PATHS`):
 * ``"scaled_grouped_mm"`` (CUDA with an fp8 grouped kernel, gate ``scaled_grouped_mm``): activations
   quantised per row, one ``torch._scaled_grouped_mm`` per projection reading the fp8 stack and the
   offsets on the device; no weight is ever dequantised.
+* decoding (at most 4 tokens) where scaled_mm has few-rows kernels (MPS, torch 2.15; the fp8 layer's state
+  says so): :func:`few_rows_experts`, the routed experts' codes gathered in fp8 and multiplied by ``scaled_mm``
+  (3 bytes per routed weight, no widened copy, no host sync);
 * ``"gather"`` (few routed pairs, e.g. decoding; every device): each pair's expert is gathered in fp8
   and dequantised (only the experts the tokens hit), then one ``bmm``. No host sync.
 * ``"stack"`` (many pairs under ``torch.compile``, no fp8 grouped kernel): this layer's whole stack is

@@ -460,7 +460,8 @@ def test_plan_on_simulated_builds_names_storage_and_path():
         ("mps", "2.14.1"): ("uint8", "uint8 storage, integer decode then linear", "hit experts"),
         ("mps", "2.15.0"): (
             "float8",
-            "scaled_mm rowwise for M<=4 (activations quantised per row, weights read as fp8 bytes); "
+            "scaled_mm rowwise for M<=4 (activations quantised per row; the weight read once as fp8, "
+            "1 byte per weight); "
             "dequantize then linear above",
             "3 bytes per routed weight",
         ),

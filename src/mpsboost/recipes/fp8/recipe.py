@@ -371,7 +371,7 @@ class Fp8Weights(Recipe):
     name = NAME
     summary = (
         "float8_e4m3fn weights with per-row or per-tensor fp32 scales; "
-        "fused fp8 GEMV/scaled_mm on CUDA, per-layer dequantise elsewhere"
+        "fused fp8 GEMV/scaled_mm on CUDA, scaled_mm few-rows decode on MPS 2.15+, per-layer dequantise elsewhere"
     )
     targets = (
         "torch.nn.modules.linear.Linear",
