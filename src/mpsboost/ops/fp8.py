@@ -71,6 +71,7 @@ __all__ = [
     "fp8_linear",
     "quantize_rows",
     "quantize_rows_few",
+    "concat_rows",
     "scaled_mm_few_rows",
     "few_rows_ok",
     "FEW_ROWS_MAX",
@@ -329,6 +330,32 @@ def quantize_rows_few(x: torch.Tensor, key: Optional[torch.Tensor] = None) -> tu
         _LAST.entries = [e for e in _LAST.entries[-(_LAST_KEPT - 1) :] if e[0]() is not None]
         _LAST.entries.append((weakref.ref(key), key._version, (xq, xs)))
     return xq, xs
+
+
+def concat_rows(parts: "list[tuple[torch.Tensor, torch.Tensor]]") -> tuple[torch.Tensor, torch.Tensor]:
+    """Linear layers of one input fused along their outputs: codes ``[N_i, K]`` and their rowwise (``[N_i, 1]``)
+    or tensorwise (``[]``) scales -> codes ``[sum N_i, K]`` and rowwise scales ``[sum N_i, 1]``, exactly (a tensor
+    scale is the scale of each of its rows). For a recipe that fuses projections (e.g. a Gated DeltaNet's
+    ``in_proj_*``): then one :func:`fp8_linear` quantises the input once and reads every code once. Block scales
+    are not accepted here (their rows join only at whole blocks)."""
+    if not parts:
+        raise ValueError("concat_rows needs at least one (codes, scale) pair")
+    codes, scales = [], []
+    for q, s in parts:
+        if q.dim() != 2 or q.dtype not in (FP8_DTYPE, torch.uint8):
+            raise TypeError(f"concat_rows takes 2-D float8_e4m3fn or uint8 codes, got {q.dtype} {tuple(q.shape)}")
+        n = q.shape[0]
+        if s.numel() == 1:
+            s = s.float().reshape(1, 1).expand(n, 1)
+        elif tuple(s.shape) in ((n, 1), (n,)):
+            s = s.float().reshape(n, 1)
+        else:
+            raise ValueError(f"concat_rows takes rowwise [N, 1] or tensorwise scales; got {tuple(s.shape)} for N={n}")
+        codes.append(q)
+        scales.append(s)
+    if len({(q.dtype, q.shape[1]) for q in codes}) != 1:
+        raise ValueError("concat_rows: every part must have the same code dtype and input size K")
+    return torch.cat(codes), torch.cat(scales).contiguous()
 
 
 def few_rows_ok(n: int, k: int, dtype: torch.dtype) -> bool:

@@ -82,6 +82,21 @@ def test_activation_is_quantised_once_per_unchanged_input(rng_seed):
     torch.testing.assert_close(y_inf[0], y3)
 
 
+def test_fused_projections_equal_the_separate_layers(rng_seed):
+    # What a recipe fusing one input's projections does: codes and scales concatenated, one call.
+    k = 64
+    x = torch.randn(1, k)
+    parts = [fp8_ops.quantize(torch.randn(n, k), g, "float8") for n, g in ((32, "rowwise"), (16, "tensorwise"))]
+    q, s = fp8_ops.concat_rows(parts)
+    assert q.shape == (48, k) and s.shape == (48, 1)
+    for kind in ("dequant", "mps_scaled_mm"):
+        fused = fp8_ops.fp8_linear(x, q, s, None, kind=kind, compute_dtype=torch.float32)
+        apart = torch.cat([fp8_ops.fp8_linear(x, *p, None, kind=kind, compute_dtype=torch.float32) for p in parts], -1)
+        torch.testing.assert_close(fused, apart, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="rowwise"):
+        fp8_ops.concat_rows([(parts[0][0], torch.ones(2, 2))])
+
+
 def _stacks(e, n_up, h, inter, gran, dtype):
     up = torch.randn(e, n_up, h) * 0.05
     down = torch.randn(e, h, inter) * 0.05
