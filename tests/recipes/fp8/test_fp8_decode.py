@@ -152,6 +152,31 @@ def test_few_rows_experts_match_the_dequantised_experts_and_never_widen_a_weight
         assert fp8_ops.sqnr_db(y, _ref_experts(x, idx, wts, up, down)) >= 22.0, (t, k)
 
 
+@pytest.mark.parametrize("t, k", [(1, 8), (2, 3), (4, 8)])
+def test_few_rows_experts_by_the_fp8_gemv_equal_the_dequantised_experts(t, k, rng_seed):
+    # The CUDA kernel of these decode steps: mpsboost::fp8_gemv (Triton there, its reference here), which computes
+    # with the stored weights exactly: the same products as the dequantised experts, summed in another order.
+    e, h, inter = 12, 64, 32
+    up, down = _stacks(e, 2 * inter, h, inter, "rowwise", torch.float32)
+    x = torch.randn(t, h)
+    idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    wts = torch.softmax(torch.randn(t, k), -1)
+    y = fp8_moe.few_rows_experts(x, idx, wts, up=up, down=down, activation=_act, kernel="gemv")
+    torch.testing.assert_close(y.double(), _ref_experts(x, idx, wts, up, down), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="accepted kernels"):
+        fp8_moe.few_rows_experts(x, idx, wts, up=up, down=down, activation=_act, kernel="bmm")
+
+
+def test_cuda_plan_decodes_experts_by_the_fp8_gemv():
+    rows = mpsboost.plan(build("tiny"), fp8="rowwise", device="cuda:9.0", torch_version="2.11.0").rows_for(
+        "fp8_weights"
+    )
+    experts = [r for r in rows if r.target.endswith("mlp.experts")]
+    assert experts and all(
+        r.backing.startswith("decode (<= 4 tokens)") and "fp8 GEMV (triton)" in r.backing for r in experts
+    )
+
+
 def test_experts_layer_takes_the_few_rows_path_on_a_simulated_mac_and_not_on_2_14(rng_seed):
     for env, want in ((MAC, True), (Env.simulate("mps", "2.14.1"), False)):
         m = build("tiny")

@@ -107,8 +107,9 @@ class Fp8State:
     gather_max: int = 0  # experts: routed pairs at or below which experts are gathered per pair
     native_grouped: bool = False
     histc_int: bool = False
-    # experts: decoding (<= 4 tokens) by scaled_mm on the gathered fp8 codes (mpsboost.ops.fp8_moe.few_rows_experts)
-    few_rows: bool = False
+    # experts: decoding (<= 4 tokens) on the gathered fp8 codes by this kernel ("scaled_mm" on MPS 2.15+, "gemv" on
+    # CUDA; mpsboost.ops.fp8_moe.few_rows_experts), or "" (not)
+    few_rows: str = ""
     converted: bool = False
     backing: str = ""
 
@@ -224,10 +225,12 @@ def _experts_forward(state: Fp8State) -> Callable[..., Any]:
             and down_b is None
             and post is None
             and x.dtype == state.compute_dtype
-            and fp8_moe.few_rows_experts_ok(up, down, x.dtype)
+            and fp8_moe.few_rows_experts_ok(up, down, x.dtype, state.few_rows)
         ):
             # Decoding: static facts (shapes, dtypes, layout), the same answer for every step of a decode.
-            out = fp8_moe.few_rows_experts(x, idx, wts, up=up, down=down, activation=act, key=hidden_states)
+            out = fp8_moe.few_rows_experts(
+                x, idx, wts, up=up, down=down, activation=act, key=hidden_states, kernel=state.few_rows
+            )
             return out.reshape(shape)
         # torch.compiler.is_compiling() is a constant while dynamo traces: a compiled forward takes the
         # traceable path decided at patch time, with no host read of the expert counts.

@@ -309,7 +309,7 @@ class Fp8Plan:
     native_grouped: bool = False
     histc_int: bool = False
     block: tuple[int, int] | None = None  # loaded block scales, applied as they are
-    few_rows: bool = False  # experts: decode by scaled_mm on the gathered fp8 codes (MPS few-rows kernels)
+    few_rows: str = ""  # experts: decode on the gathered fp8 codes by this kernel ("scaled_mm" MPS, "gemv" CUDA)
 
     def report_details(self) -> dict:
         """Nothing of the plan itself: each decision names what its report row shows (sizes before and after,
@@ -599,17 +599,19 @@ class Fp8Weights(Recipe):
             why += "; compiled: the same path"
         if where and env.device_type == "cuda":
             why += f"; {where}"
-        few_rows = (
-            env.device_type == "mps"
-            and opts.moe_path == "auto"
-            and storage == "float8"
-            and not tr
-            and check("fp8_gemv", env).ok
-            and check("scaled_mm", env).ok
-            and all(fp8_ops.few_rows_ok(w.shape[1], w.shape[2], ws[0].dtype) for w in ws)
-        )
+        few_rows = ""
+        if opts.moe_path == "auto" and storage == "float8" and not tr:
+            if (
+                env.device_type == "mps"
+                and check("fp8_gemv", env).ok
+                and check("scaled_mm", env).ok
+                and all(fp8_ops.few_rows_ok(w.shape[1], w.shape[2], ws[0].dtype) for w in ws)
+            ):
+                few_rows = "scaled_mm"
+            elif env.device_type == "cuda" and check("fp8_gemv", env).ok and check("scaled_mm", env).ok:
+                few_rows = "gemv"  # mpsboost's Triton fp8 GEMV: the weights read once as fp8, activations untouched
         if few_rows:
-            backing = f"{fp8_moe.FEW_ROWS_BACKING}; {backing} above"
+            backing = f"{fp8_moe.FEW_ROWS_BACKING[few_rows]}; {backing} above"
         plan = Fp8Plan(
             kind="experts",
             granularity=gran,
