@@ -167,6 +167,52 @@ def test_few_rows_experts_by_the_fp8_gemv_equal_the_dequantised_experts(t, k, rn
         fp8_moe.few_rows_experts(x, idx, wts, up=up, down=down, activation=_act, kernel="bmm")
 
 
+_INTERP_EXPERTS = r"""
+import numpy as np, torch, sys
+import triton.runtime.interpreter as ti
+_orig = ti._patch_lang_tensor
+def _patched(tensor, scope):  # numpy >= 2.4 refuses int() of a 1-element array (triton 3.6's interpreter)
+    _orig(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+ti._patch_lang_tensor = _patched
+import torch.nn.functional as F
+from mpsboost.ops import fp8 as f, fp8_triton as ft, fp8_moe
+torch.manual_seed(int(sys.argv[1]))
+e, h, inter = 6, 64, 32
+up = fp8_moe.Fp8Stack(*f.quantize(torch.randn(e, 2 * inter, h) * 0.05, "rowwise", "float8"))
+down = fp8_moe.Fp8Stack(*f.quantize(torch.randn(e, h, inter) * 0.05, "tensorwise", "float8"))
+def act(hh):
+    g, u = hh.chunk(2, -1)
+    return F.silu(g) * u
+# fp16 activations: the interpreter's bf16 dot is wrong (numpy has no bf16)
+x = torch.randn(2, h, dtype=torch.float16)
+idx = torch.tensor([[0, 3, 5], [2, 3, 1]])
+wts = torch.softmax(torch.randn(2, 3), -1).half()
+ref = fp8_moe.few_rows_experts(x.float(), idx, wts.float(), up=up, down=down, activation=act, kernel="gemv")
+fp8_moe.fp8_gemv = lambda x_, w_, s_, b_: ft.fp8_gemv(x_, w_, s_, b_)  # the Triton kernel itself
+y = fp8_moe.few_rows_experts(x, idx, wts, up=up, down=down, activation=act, kernel="gemv")
+print("REL", ((y.float() - ref).norm() / ref.norm()).item())
+"""
+
+
+def test_few_rows_experts_through_the_triton_gemv_under_the_interpreter(tmp_path, rng_seed):
+    # The kernel CUDA runs for these decode steps, on the gathered experts' shapes ([P * N, K] codes, P * N scales).
+    pytest.importorskip("triton", reason="triton is not installed (it ships with CUDA torch builds)")
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "interp.py"
+    script.write_text(_INTERP_EXPERTS)
+    env = dict(os.environ, TRITON_INTERPRET="1", MPSBOOST_FP8_AUTOTUNE="0")
+    res = subprocess.run(
+        [sys.executable, str(script), str(rng_seed)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rel = float(next(ln for ln in res.stdout.splitlines() if ln.startswith("REL")).split()[1])
+    assert rel < 2e-3, rel  # fp16 rounding of the activations and outputs only
+
+
 def test_cuda_plan_decodes_experts_by_the_fp8_gemv():
     rows = mpsboost.plan(build("tiny"), fp8="rowwise", device="cuda:9.0", torch_version="2.11.0").rows_for(
         "fp8_weights"
