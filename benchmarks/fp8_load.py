@@ -40,6 +40,13 @@ forward for Qwen-Image.
     python benchmarks/fp8_load.py --device cuda --only qwen3_8b --layers 8 --out /tmp/r    # a quick look
     python benchmarks/fp8_load.py --device cuda --only qwen3.6 --layers 40 --out benchmarks/results
     python benchmarks/fp8_load.py --device cpu --only qwen3.6 --tiny --out /tmp/r           # CPU smoke test
+    python benchmarks/fp8_load.py --device cuda --only qwen3.6 --layers 40 --decode-rounds 8 --out benchmarks/results
+
+``--decode-rounds N`` (qwen3.6) adds the paired decode: in one process per decisions (native, then a Mac's on torch
+``--mac``, default 2.15.0, computed on this device), the bf16 model built on the device and patched, and the fp8 model
+loaded from the written file with ``load_fp8(..., requantize="rowwise")``; one token after a 128-token prefill, eager,
+timed in N alternating rounds (``mpsboost.bench.harness.measure_variants``); records ``fp8_decode_paired``.
+``--skip-load`` leaves out the load comparison.
 
 Records go to ``OUT/fp8_load.jsonl`` with the environment of the run. Files are written under
 ``--workdir`` (default: a temporary folder; needs about 40 GB free at the defaults) and removed after.
@@ -451,6 +458,110 @@ def phase(kind: str, name: str, layers: int, files: dict, device: str, tiny: boo
     return out
 
 
+# ------------------------------------------------------------------------------------------ paired decode
+
+
+def decode_phase(name: str, layers: int, files: dict, device: str, mac: str | None, rounds: int, tiny: bool) -> dict:
+    """Eager decode, fp8 against patched bf16 in alternating rounds (mpsboost.bench.harness.measure_variants), in
+    one process: the bf16 model built on the device (random weights) and patched, the fp8 model loaded from the
+    written file with ``requantize="rowwise"`` (the rowwise decode paths). ``mac``: the decisions of a Mac on that
+    torch build (``Env.simulate("mps", mac)``) for both models, computed on this device (load_fp8 with a simulated
+    Env reads into host memory; the loaded model is then moved here)."""
+    import mpsboost
+    from mpsboost.bench.harness import measure_variants
+    from mpsboost.gate import Env
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    cfg = _config(name, layers, tiny)
+    env = Env.simulate("mps", mac) if mac else None
+    with torch.device(device):
+        bf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    mpsboost.patch(bf, **({"device": env} if env else {}))
+    fp = _meta_model(name, cfg).eval()
+    t0 = time.perf_counter()
+    report = mpsboost.load_fp8(fp, files["fp8"], device=env or device, requantize="rowwise")
+    if env is not None:
+        fp.to(device)
+    _sync(device)
+    load_s = time.perf_counter() - t0
+    rows = [r for r in report.rows if r.recipe == "fp8_weights" and r.status == "applied"]
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, cfg.vocab_size, (1, 128), generator=g).to(device)
+    states = {}
+    with torch.no_grad():
+        for label, model in (("bf16 patched", bf), ("fp8", fp)):
+            cache = DynamicCache(config=model.config)
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            states[label] = {"model": model, "cache": cache, "tok": out.logits[:, -1:].argmax(-1)}
+
+    def step(label: str):
+        st = states[label]
+        with torch.no_grad():
+            out = st["model"](input_ids=st["tok"], past_key_values=st["cache"], use_cache=True)
+        st["tok"] = out.logits[:, -1:].argmax(-1)
+
+    m = measure_variants(
+        {label: (lambda label=label: step(label)) for label in states}, device=device, repeats=rounds, warmup=2
+    )
+    t_bf, t_fp = m.timings["bf16 patched"], m.timings["fp8"]
+    return {
+        "decisions": f"mac-{mac}" if mac else "native",
+        "bf16_ms": t_bf.median_s * 1e3,
+        "fp8_ms": t_fp.median_s * 1e3,
+        "bf16_samples_ms": [x * 1e3 for x in t_bf.samples_s],
+        "fp8_samples_ms": [x * 1e3 for x in t_fp.samples_s],
+        "speedup": m.ratio("fp8", "bf16 patched"),
+        "verdict": m.verdict("fp8", "bf16 patched"),
+        "measurement": m.extra("fp8", "bf16 patched"),
+        "fp8_load_s": load_s,
+        "fp8_backing": sorted({r.backing for r in rows}),
+    }
+
+
+def _decode_records(name: str, layers: int, files: dict, results: list[dict], device: str):
+    from mpsboost.bench import Record, RecordEnv, Throughput, Workload
+
+    env = RecordEnv.capture(device, torch.bfloat16)
+    recs = []
+    for r in results:
+        shape = {
+            "workload": name,
+            "layers": layers,
+            "weights": "random",
+            "decisions": r["decisions"],
+            "step": "one token after a 128-token prefill, eager, DynamicCache",
+            "fp8": "load_fp8(requantize='rowwise') of the written Qwen3.6-FP8-layout file",
+            "bf16": "built on the device from the config, mpsboost.patch(model)",
+        }
+        wl = Workload("fp8_decode_paired", shape)
+        recs.append(
+            Record(
+                wl,
+                "bf16 patched",
+                env,
+                throughput=Throughput(r["bf16_ms"], "ms"),
+                extra={"samples_ms": r["bf16_samples_ms"]},
+            )
+        )
+        recs.append(
+            Record(
+                wl,
+                "mpsboost fp8",
+                env,
+                throughput=Throughput(r["fp8_ms"], "ms"),
+                extra={
+                    "samples_ms": r["fp8_samples_ms"],
+                    "speedup_vs_bf16_patched": r["speedup"],
+                    "verdict_vs_bf16_patched": r["verdict"],
+                    "backing": r["fp8_backing"],
+                    "load_s": r["fp8_load_s"],
+                    **r["measurement"],
+                },
+            )
+        )
+    return recs
+
+
 # ------------------------------------------------------------------------------------------ driver
 
 
@@ -532,10 +643,35 @@ def main(argv=None) -> int:
     p.add_argument(
         "--tiny", action="store_true", help="qwen3.6 only: a small config of the same class (CPU smoke test)"
     )
-    p.add_argument("--phase", choices=("bf16", "fp8"), default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--decode-rounds",
+        type=int,
+        default=0,
+        help="qwen3.6: also time eager decode, fp8 (requantize='rowwise') against patched bf16, in this many "
+        "alternating rounds (>= 5), natively and with the decisions of --mac (default 0: not timed)",
+    )
+    p.add_argument("--mac", default="2.15.0", help="torch version of the simulated Mac of the paired decode")
+    p.add_argument("--skip-load", action="store_true", help="qwen3.6: only the paired decode (no load comparison)")
+    p.add_argument("--phase", choices=("bf16", "fp8", "decode"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--workload", default=None, help=argparse.SUPPRESS)
     p.add_argument("--files", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    from mpsboost.bench.harness import MIN_REPEATS
+
+    if args.decode_rounds and args.decode_rounds < MIN_REPEATS:
+        raise SystemExit(f"--decode-rounds {args.decode_rounds}: the harness takes at least {MIN_REPEATS} rounds")
+    if args.phase == "decode":
+        res = decode_phase(
+            args.workload,
+            args.layers,
+            json.loads(args.files),
+            args.device,
+            args.mac or None,
+            args.decode_rounds,
+            args.tiny,
+        )
+        print("RESULT " + json.dumps(res))
+        return 0
     if args.phase:
         res = phase(args.phase, args.workload, args.layers, json.loads(args.files), args.device, args.tiny)
         print("RESULT " + json.dumps(res))
@@ -560,8 +696,8 @@ def main(argv=None) -> int:
                 f"{files['fp8_bytes'] / 2**30:.2f} GiB in {files['write_s']:.0f} s",
                 flush=True,
             )
-            res = {}
-            for kind in ("bf16", "fp8"):
+
+            def run_phase(kind: str, *extra: str) -> dict:
                 proc = subprocess.run(
                     [
                         sys.executable,
@@ -576,6 +712,7 @@ def main(argv=None) -> int:
                         json.dumps(files),
                         "--device",
                         args.device,
+                        *extra,
                     ]
                     + (["--tiny"] if args.tiny else []),
                     capture_output=True,
@@ -586,7 +723,23 @@ def main(argv=None) -> int:
                 if proc.returncode != 0 or line is None:
                     print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
                     raise RuntimeError(f"{name} {kind} phase failed")
-                res[kind] = json.loads(line[len("RESULT ") :])
+                return json.loads(line[len("RESULT ") :])
+
+            if args.decode_rounds and name == "qwen3.6":
+                paired = []
+                for mac in ("", args.mac):  # native decisions, then a Mac's, each in its own process
+                    r = run_phase("decode", "--decode-rounds", str(args.decode_rounds), "--mac", mac)
+                    paired.append(r)
+                    print(
+                        f"  decode ({r['decisions']} decisions, {args.decode_rounds} alternating rounds): "
+                        f"bf16 patched {r['bf16_ms']:.2f} ms, fp8 {r['fp8_ms']:.2f} ms "
+                        f"({r['speedup']:.2f}x, {r['verdict']})",
+                        flush=True,
+                    )
+                all_recs += _decode_records(name, layers, files, paired, args.device)
+            if args.skip_load:
+                continue
+            res = {kind: run_phase(kind) for kind in ("bf16", "fp8")}
             recs, ratio, host_ratio = _records(name, layers, files, res["bf16"], res["fp8"], args.device)
             all_recs += recs
             a, b = res["bf16"], res["fp8"]

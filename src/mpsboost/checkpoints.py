@@ -459,8 +459,45 @@ def _load_plans(obj: Any, target: Path, roots) -> list:
     return plans
 
 
+REQUANTIZE = ("rowwise",)
+
+
+def _requantize_rowwise(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
+    """Block-scaled codes ``[..., N, K]`` -> rowwise codes (in place) and float32 scales ``[..., N, 1]``.
+
+    Each slice of whole block rows is dequantised exactly (code x block scale in float32) and quantised again
+    with one scale per output row (:func:`mpsboost.ops.fp8.quantize`): lossy. Every weight moves by at most
+    half an e4m3 step of its new code: ``2^-4`` of its magnitude in the normal range, and at most
+    ``row_scale * 2^-10`` in the subnormal range (``row_scale = row amax / 448``). Works on slices of at most
+    about 16M weights, so the float32 scratch stays small next to the layer."""
+    from .ops import fp8 as fp8_ops
+    from .ops.fp8_block import dequantize_block
+
+    bn = block[0]
+    n, k = codes.shape[-2:]
+    storage = "uint8" if codes.dtype == torch.uint8 else "float8"
+    c3 = codes.view(-1, n, k)
+    s3 = scale.reshape(-1, *scale.shape[-2:])
+    out = torch.empty(c3.shape[0], n, 1, dtype=torch.float32, device=codes.device)
+    rows = max(bn, ((1 << 24) // max(1, k)) // bn * bn)
+    for i in range(c3.shape[0]):
+        for r0 in range(0, n, rows):
+            r1 = min(n, r0 + rows)
+            w = dequantize_block(c3[i, r0:r1], s3[i, r0 // bn : -(-r1 // bn)], block, torch.float32)
+            q, sc = fp8_ops.quantize(w, "rowwise", storage)
+            c3[i, r0:r1].copy_(q)
+            out[i, r0:r1] = sc
+    return codes, out.view(*codes.shape[:-1], 1)
+
+
 def load_fp8(
-    obj: Any, path: Any, *, device: Any = None, dtype: torch.dtype | None = None, lossless_recipes: bool = True
+    obj: Any,
+    path: Any,
+    *,
+    device: Any = None,
+    dtype: torch.dtype | None = None,
+    lossless_recipes: bool = True,
+    requantize: str | None = None,
 ):
     """Load an fp8 checkpoint into ``obj`` and return the patch report: one call from a published file to a ready model.
 
@@ -477,7 +514,12 @@ def load_fp8(
     a simulated Env keeps tensors on the CPU); default: the model's device, or the best device for a
     meta model. ``dtype``: cast the non-fp8 floating tensors (and compute) to it; default: the file's
     dtypes, computing in the dtype most of the file's plain bytes have. ``lossless_recipes``: also
-    apply mpsboost's default lossless recipes (in the same transaction).
+    apply mpsboost's default lossless recipes (in the same transaction). ``requantize``: ``None`` (default:
+    every scale as in the file) or ``"rowwise"``: block-scaled tensors (e.g. Qwen3.6-FP8's 128x128
+    ``weight_scale_inv``) are dequantised exactly and quantised again with one scale per output row while they
+    are read. Lossy (each weight within half an e4m3 step of its new code: ``2^-4`` relative, see
+    docs/fp8-checkpoints.md for the measured error), and it unlocks the rowwise paths: on MPS 2.15 the
+    few-rows ``scaled_mm`` kernels at decode. The report row of each such layer says it was requantised.
 
     The loaded layers are the ``fp8_weights`` recipe's, built by it from its own decision
     (:meth:`~mpsboost.recipes.fp8.recipe.Fp8Weights.decide_loaded`): the same class, state and forward
@@ -492,6 +534,13 @@ def load_fp8(
     from . import api
     from .errors import PatchError
 
+    if requantize is not None and not isinstance(requantize, str):
+        raise TypeError(f"load_fp8(requantize=...) takes None or one of {REQUANTIZE}, got {requantize!r}")
+    if requantize is not None and requantize not in REQUANTIZE:
+        raise ValueError(
+            f"load_fp8(requantize={requantize!r}): accepted values are None (keep the file's scales) or "
+            f"{', '.join(repr(r) for r in REQUANTIZE)}"
+        )
     target = _as_path(path)
     roots = _roots(obj)
     if not target.exists():
@@ -542,7 +591,7 @@ def load_fp8(
         )
     env, dev = _target_env(obj, roots, device)
     # Every decision before any change: the fp8_weights recipe decides each loaded layer's path.
-    changes = [c for p in plans for c in _changes(p, env, dev, dtype)]
+    changes = [c for p in plans for c in _changes(p, env, dev, dtype, requantize)]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -572,7 +621,7 @@ def _tensor_step(mod: torch.nn.Module, path: str, read) -> "Any":
     return Adopted(_RECIPE, path, lambda: replace_tensors(mod, read(), explanation=_HINT, description=f"load {path}"))
 
 
-def _changes(plan, env, dev: torch.device, dtype) -> list:
+def _changes(plan, env, dev: torch.device, dtype, requantize: str | None = None) -> list:
     """The changes that load one checkpoint into ``plan.root``, in order, for :func:`mpsboost.api.adopt`:
     fp8 codes and scales, plain tensors, rebuilt and moved buffers (each read when its step runs, one at a
     time), then the fp8 layers the recipe builds on them. Every layer's decision is made here, before
@@ -601,8 +650,12 @@ def _changes(plan, env, dev: torch.device, dtype) -> list:
             kind, where = storage, dev
             by_module.setdefault(id(mod), []).append(qt)
 
-        def read(qt=qt, kind=kind, where=where) -> dict:
+        requant = requantize == "rowwise" and qt.scheme == "block" and not is_patched_by(mod, _RECIPE)
+
+        def read(qt=qt, kind=kind, where=where, requant=requant) -> dict:
             codes, scale = _assemble(qt, ckpt, kind, where)
+            if requant:
+                codes, scale = _requantize_rowwise(codes, scale, qt.block)
             return {qt.name: codes, qt.name + "_scale": scale}
 
         steps.append(_tensor_step(mod, qt.path, read))
@@ -658,17 +711,22 @@ def _changes(plan, env, dev: torch.device, dtype) -> list:
             raise Fp8MismatchError(
                 f"{path}: block-scaled and other fp8 tensors in one experts module ({schemes}); nothing was changed"
             )
-        nbytes = sum(math.prod(q.shape) + 4 * math.prod(q.scale_shape) for q in qts)
+        requant = requantize == "rowwise" and schemes == ["block"]
+        if requant:
+            nbytes = sum(math.prod(q.shape) + 4 * math.prod(q.shape[:-1]) for q in qts)
+        else:
+            nbytes = sum(math.prod(q.shape) + 4 * math.prod(q.scale_shape) for q in qts)
         layer = LoadedLayer(
             kind=qts[0].kind,
-            granularity="+".join(schemes),
+            granularity="rowwise" if requant else "+".join(schemes),
             shapes=tuple(q.shape for q in qts),
             compute_dtype=compute,
             nbytes=nbytes,
             source=where,
             loaded_from=str(ckpt.path),
             format=ckpt.format,
-            block=qts[0].block if schemes == ["block"] else None,
+            block=qts[0].block if schemes == ["block"] and not requant else None,
+            requantized_from=qts[0].block if requant else None,
         )
         decision = recipe.decide_loaded(mod, path, env, layer)
         steps.append(

@@ -25,6 +25,7 @@ SCRIPTS = {
     "qwen3_moe_chat": ["qwen3_moe_chat"],
     "fp8_any": ["fp8_any"],
     "fp8_checkpoint": ["fp8_checkpoint"],
+    "qwen36_fp8": ["qwen36_fp8"],
 }
 
 

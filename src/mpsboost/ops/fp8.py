@@ -25,8 +25,10 @@ input rows):
   Qwen-Image transformer it gave a relative error of 5.9e-2 against the file's exact dequantisation,
   and the step was slower than bf16 on the H200 (benchmarks/results/fp8_load-cuda-2026-11-30b.jsonl),
   so it is an opt-in;
-* ``mps_scaled_mm`` (MPS, only where the gate's ``fp8_gemv`` says the small-M kernel exists):
-  ``scaled_mm`` for M <= 4, otherwise dequantise then ``F.linear``;
+* ``mps_scaled_mm`` (MPS, where the gate's ``fp8_gemv`` says the few-rows kernels exist: torch 2.15's
+  ``scaled_mm_few_rows_{1..4}``, tensorwise or rowwise scales, K and N multiples of 16): for M <= 4 the
+  activation is quantised per row (:func:`quantize_rows_few`: five dispatches, once per input tensor) and
+  ``scaled_mm`` reads the weight once as its fp8 bytes; otherwise dequantise then ``F.linear``;
 * ``dequant`` (everything else): dequantise this one layer to the compute dtype, then ``F.linear``.
 
 The Triton kernels are registered operators (``torch.library.custom_op`` with ``register_fake``), so
@@ -43,6 +45,8 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,6 +70,11 @@ __all__ = [
     "choose_linear_path",
     "fp8_linear",
     "quantize_rows",
+    "quantize_rows_few",
+    "concat_rows",
+    "scaled_mm_few_rows",
+    "few_rows_ok",
+    "FEW_ROWS_MAX",
     "scaled_mm_rowwise",
     "scaled_mm_bias_supported",
     "fp8_gemv",
@@ -277,6 +286,104 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+# Smallest activation scale: a row of zeros quantises to zero codes instead of 0/0.
+_TINY_SCALE = 2.0**-120
+FEW_ROWS_MAX = 4  # rows at or below which MPS runs scaled_mm_few_rows_{1..4} (pytorch#197862, torch 2.15)
+FEW_ROWS_ALIGN = 16  # K and N of the MPS scaled_mm kernels must be multiples of this
+_FEW_ROWS_OUT = (torch.bfloat16, torch.float16, torch.float32)  # its output types besides float8
+
+
+class _LastQuantised(threading.local):
+    """The last few activations :func:`quantize_rows_few` quantised, per thread, each held weakly with its
+    version counter: q, k and v (or a shared expert's gate and up, and the routed experts after its down
+    projection) read the same input tensor, which is then quantised once. Eager only; traced code never reads
+    it (torch.compile merges the repeats itself). Holds no module and no input alive."""
+
+    def __init__(self) -> None:
+        self.entries: list = []  # (weakref to the input, its version, (codes, scales)), newest last
+
+
+_LAST = _LastQuantised()
+_LAST_KEPT = 3
+
+
+def quantize_rows_few(x: torch.Tensor, key: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rowwise fp8 quantisation of a 2-D activation of a few rows in 5 dispatches: (codes [M, K], scales [M, 1]).
+
+    One ``linalg_vector_norm(ord=inf)`` gives every row's amax in float32 (no ``abs`` copy), ``div_`` and
+    ``clamp_min_`` make it a scale (a zero row gets a tiny scale, so its codes are zeros, not NaN), then one
+    division and one cast. ``|x / scale| <= 448`` up to one rounding, which the cast keeps finite
+    (e4m3fn rounds values below 464 to 448). In eager mode the last input quantised is remembered (weakly,
+    with its version counter): the next linear layer reading the very same tensor reuses the codes. ``key`` is
+    the tensor to remember when ``x`` is a fresh 2-D view of it (the layer's own input)."""
+    key = x if key is None else key
+    # Inference tensors keep no version counter (torch.inference_mode): nothing is remembered for them.
+    eager = not torch.compiler.is_compiling() and type(key) is torch.Tensor and not key.is_inference()
+    if eager:
+        for ref, version, out in _LAST.entries:
+            if ref() is key and version == key._version:
+                return out
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+    xs = amax.div_(FP8_MAX).clamp_min_(_TINY_SCALE)
+    xq = (x / xs).to(FP8_DTYPE)
+    if eager:
+        _LAST.entries = [e for e in _LAST.entries[-(_LAST_KEPT - 1) :] if e[0]() is not None]
+        _LAST.entries.append((weakref.ref(key), key._version, (xq, xs)))
+    return xq, xs
+
+
+def concat_rows(parts: "list[tuple[torch.Tensor, torch.Tensor]]") -> tuple[torch.Tensor, torch.Tensor]:
+    """Linear layers of one input fused along their outputs: codes ``[N_i, K]`` and their rowwise (``[N_i, 1]``)
+    or tensorwise (``[]``) scales -> codes ``[sum N_i, K]`` and rowwise scales ``[sum N_i, 1]``, exactly (a tensor
+    scale is the scale of each of its rows). For a recipe that fuses projections (e.g. a Gated DeltaNet's
+    ``in_proj_*``): then one :func:`fp8_linear` quantises the input once and reads every code once. Block scales
+    are not accepted here (their rows join only at whole blocks)."""
+    if not parts:
+        raise ValueError("concat_rows needs at least one (codes, scale) pair")
+    codes, scales = [], []
+    for q, s in parts:
+        if q.dim() != 2 or q.dtype not in (FP8_DTYPE, torch.uint8):
+            raise TypeError(f"concat_rows takes 2-D float8_e4m3fn or uint8 codes, got {q.dtype} {tuple(q.shape)}")
+        n = q.shape[0]
+        if s.numel() == 1:
+            s = s.float().reshape(1, 1).expand(n, 1)
+        elif tuple(s.shape) in ((n, 1), (n,)):
+            s = s.float().reshape(n, 1)
+        else:
+            raise ValueError(f"concat_rows takes rowwise [N, 1] or tensorwise scales; got {tuple(s.shape)} for N={n}")
+        codes.append(q)
+        scales.append(s)
+    if len({(q.dtype, q.shape[1]) for q in codes}) != 1:
+        raise ValueError("concat_rows: every part must have the same code dtype and input size K")
+    return torch.cat(codes), torch.cat(scales).contiguous()
+
+
+def few_rows_ok(n: int, k: int, dtype: torch.dtype) -> bool:
+    """Static facts for the MPS few-rows ``scaled_mm``: K and N multiples of 16 and an output type it writes."""
+    return n % FEW_ROWS_ALIGN == 0 and k % FEW_ROWS_ALIGN == 0 and dtype in _FEW_ROWS_OUT
+
+
+def scaled_mm_few_rows(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    *,
+    bias_in_mm: bool = True,
+    key: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``x [M, K] @ (q [N, K] * scale).T + bias`` by ``scaled_mm`` with rowwise scales, in ``x.dtype``:
+    the activation quantised per row (:func:`quantize_rows_few`), the weight read once as its fp8 bytes.
+    On MPS (torch 2.15+) M <= 4 runs the few-rows kernels ``scaled_mm_few_rows_{1..4}``."""
+    n = q.shape[0]
+    xq, xs = quantize_rows_few(x, key)
+    ws = scale.view(1, n) if scale.numel() == n and scale.dim() > 0 else scale.reshape(1, 1).expand(1, n).contiguous()
+    if bias is not None and bias_in_mm and bias.dtype == x.dtype and x.dtype != torch.float32:
+        return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=x.dtype)
+    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype)
+    return y if bias is None else y + bias
+
+
 def fp8_gemv_reference(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
@@ -454,13 +561,22 @@ def choose_linear_path(
             )
         gv = check("fp8_gemv", env)
         sm = check("scaled_mm", env)
-        if gv.ok and sm.ok:
+        if gv.ok and sm.ok and few_rows_ok(n, k, dtype):
             return LinearPath(
                 "mps_scaled_mm",
-                "scaled_mm for M<=4; dequantize then linear above",
+                f"scaled_mm rowwise for M<={FEW_ROWS_MAX} (activations quantised per row; the weight read once as fp8, "
+                "1 byte per weight); dequantize then linear above",
                 f"{gv.reason}; {sm.reason}",
                 storage,
-                4,
+                FEW_ROWS_MAX,
+            )
+        if gv.ok and sm.ok:
+            return LinearPath(
+                "dequant",
+                "dequantize then linear",
+                f"scaled_mm needs K and N multiples of {FEW_ROWS_ALIGN} and a float32/bfloat16/float16 output; "
+                f"this layer is [{n}, {k}] in {str(dtype)[6:]}",
+                storage,
             )
         return LinearPath(
             "dequant",
@@ -551,9 +667,10 @@ def fp8_linear(
         else:
             return F.linear(x, dequantize(q, scale, compute_dtype), bias)
         return y.reshape(*x.shape[:-1], n)
-    if kind == "mps_scaled_mm" and _rows(x) <= gemv_max_m and q.dtype == FP8_DTYPE and x.dtype == torch.bfloat16:
+    if kind == "mps_scaled_mm" and q.dtype == FP8_DTYPE and 0 < _rows(x) <= gemv_max_m:
         n, k = q.shape
-        x2 = x.reshape(-1, k)
-        xq, xs = quantize_rows(x2)
-        return scaled_mm_rowwise(xq, q, xs, scale, bias, bias_in_mm=bias_in_mm).reshape(*x.shape[:-1], n)
+        if few_rows_ok(n, k, x.dtype):
+            x2 = x if x.dim() == 2 else x.reshape(-1, k)
+            y = scaled_mm_few_rows(x2, q, scale, bias, bias_in_mm=bias_in_mm, key=x)
+            return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
     return F.linear(x, dequantize(q, scale, compute_dtype), bias)

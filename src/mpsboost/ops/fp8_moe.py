@@ -11,6 +11,9 @@ histogram, :func:`~mpsboost.ops.moe.unroute`). Paths (:data:`PATHS`):
 * ``"scaled_grouped_mm"`` (CUDA with an fp8 grouped kernel, gate ``scaled_grouped_mm``): activations
   quantised per row, one ``torch._scaled_grouped_mm`` per projection reading the fp8 stack and the
   offsets on the device; no weight is ever dequantised.
+* decoding (at most 4 tokens) where scaled_mm has few-rows kernels (MPS, torch 2.15; the fp8 layer's state
+  says so): :func:`few_rows_experts`, the routed experts' codes gathered in fp8 and multiplied by ``scaled_mm``
+  (3 bytes per routed weight, no widened copy, no host sync);
 * ``"gather"`` (few routed pairs, e.g. decoding; every device): each pair's expert is gathered in fp8
   and dequantised (only the experts the tokens hit), then one ``bmm``. No host sync.
 * ``"stack"`` (many pairs under ``torch.compile``, no fp8 grouped kernel): this layer's whole stack is
@@ -33,14 +36,42 @@ from typing import Callable, Optional
 import torch
 
 from . import moe as moe_ops
-from .fp8 import FP8_DTYPE, dequantize, fused_quantize_rows, quantize_rows
+from .fp8 import (
+    FEW_ROWS_MAX,
+    FP8_DTYPE,
+    dequantize,
+    few_rows_ok,
+    fp8_gemv,
+    fused_quantize_rows,
+    quantize_rows,
+    quantize_rows_few,
+)
 
-__all__ = ["PATHS", "TRACEABLE", "BACKING", "Fp8Stack", "dequantize_experts", "fp8_routed_experts", "scaled_grouped_ok"]
+__all__ = [
+    "PATHS",
+    "TRACEABLE",
+    "BACKING",
+    "Fp8Stack",
+    "dequantize_experts",
+    "fp8_routed_experts",
+    "scaled_grouped_ok",
+    "few_rows_experts_ok",
+    "few_rows_experts",
+]
 
 PATHS = ("scaled_grouped_mm", "gather", "hit", "stack")
 # The paths torch.compile(fullgraph=True) can trace: "hit" reads the per-expert counts on the host, so a
 # compiled forward takes "stack" instead (no host sync; the whole stack of this one layer dequantised).
 TRACEABLE = ("scaled_grouped_mm", "gather", "stack")
+# Decoding (at most FEW_ROWS_MAX tokens) where scaled_mm has its few-rows kernels (MPS, torch 2.15+).
+FEW_ROWS_BACKING = {
+    "scaled_mm": f"decode (<= {FEW_ROWS_MAX} tokens): fp8 gather of the routed experts' codes, one scaled_mm for "
+    "every up projection and one per 4 pairs for the down projections (3 bytes per routed weight: gather read and "
+    "write, matmul read; no bf16 copy)",
+    "gemv": f"decode (<= {FEW_ROWS_MAX} tokens): fp8 gather of the routed experts' codes, one fp8 GEMV (triton) for "
+    "every up projection and one per 16 pairs for the down projections (3 bytes per routed weight: gather read and "
+    "write, GEMV read; no bf16 copy)",
+}
 BACKING = {
     "scaled_grouped_mm": "scaled_grouped_mm rowwise on the fp8 stack, offsets on device",
     "gather": "fp8 gather of the routed experts, dequantise, bmm",
@@ -104,6 +135,102 @@ def _scaled_grouped(x: torch.Tensor, stack: Fp8Stack, offsets: torch.Tensor) -> 
     return torch._scaled_grouped_mm(
         xq, stack.q.transpose(-2, -1), xs.reshape(-1), _scale_en(stack), offs=offsets, out_dtype=torch.bfloat16
     )
+
+
+def few_rows_experts_ok(up: Fp8Stack, down: Fp8Stack, dtype: torch.dtype, kernel: str = "scaled_mm") -> bool:
+    """Static facts for :func:`few_rows_experts`: float8 codes in the [E, out, in] layout; for ``scaled_mm``
+    16-aligned dims and an output type it writes; for ``gemv`` a float32, bfloat16 or float16 activation."""
+    if kernel == "gemv":
+        ok = lambda st: dtype in (torch.float32, torch.bfloat16, torch.float16)  # noqa: E731
+    else:
+        ok = lambda st: few_rows_ok(st.q.shape[1], st.q.shape[2], dtype)  # noqa: E731
+    return all(st.q.dtype == FP8_DTYPE and not st.transposed and ok(st) for st in (up, down))
+
+
+def _row_scales(stack: Fp8Stack, ids: torch.Tensor, rows: int) -> torch.Tensor:
+    """The gathered experts' scales as one row ``[1, P * out]`` (scaled_mm's rowwise ``scale_b``)."""
+    s = stack.scale.index_select(0, ids) if stack.scale.shape[0] != 1 else stack.scale.expand(ids.shape[0], -1, -1)
+    if s.shape[1] != stack.q.shape[1]:  # one scale per expert: one per output row of it
+        s = s.expand(-1, stack.q.shape[1], -1).contiguous()
+    return s.view(1, rows)
+
+
+FEW_ROWS_KERNELS = {"scaled_mm": FEW_ROWS_MAX, "gemv": 16}  # kernel -> rows one call takes
+
+
+def _few_rows_mm(kernel: str, x: torch.Tensor, w: torch.Tensor, s_row: torch.Tensor, key=None, weights=None):
+    """``x [M, K] @ (w [N, K] * s_row [1, N]).T`` in ``x.dtype`` by ``kernel``, each row scaled by ``weights [M, 1]``
+    (or not). ``scaled_mm``: the rows quantised per row (:func:`~mpsboost.ops.fp8.quantize_rows_few`), the routing
+    weight folded into their scales; ``gemv``: mpsboost's fp8 GEMV (Triton on CUDA; activations untouched)."""
+    if kernel == "scaled_mm":
+        xq, xs = quantize_rows_few(x, key)
+        if weights is not None:
+            xs = xs * weights
+        return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s_row, out_dtype=x.dtype)
+    y = fp8_gemv(x, w, s_row.reshape(-1), None)
+    return y if weights is None else y * weights.to(y.dtype)
+
+
+def few_rows_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    up: Fp8Stack,
+    down: Fp8Stack,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    key: Optional[torch.Tensor] = None,
+    kernel: str = "scaled_mm",
+) -> torch.Tensor:
+    """Routed experts for a few tokens (``T <= 4``) on fp8 stacks, reading the routed experts' fp8 codes only.
+
+    The routed experts' codes are gathered in fp8 (``index_select``: the only copy, 1 byte per weight read and
+    written), never widened. Up: one call of ``kernel`` with the ``T`` token rows against all ``T * k`` gathered
+    experts side by side (``[T * k * N, H]``), each token keeping its own experts' columns. Down: one call per
+    few pairs (4 for ``scaled_mm``, 16 for ``gemv``) against those pairs' gathered experts, each row keeping its
+    own expert's columns (the kernel streams the weight once for all its rows); the routing weight scales each
+    row. The sum over the k slots is in the output dtype, as transformers' experts forward sums. No host sync;
+    every branch is on shapes. ``kernel``: ``"scaled_mm"`` (MPS 2.15's few-rows kernels; activations quantised
+    per row) or ``"gemv"`` (:func:`mpsboost.ops.fp8.fp8_gemv`, the Triton GEMV on CUDA: the stored weights
+    exactly). ``hidden_states [T, H]``, ``top_k_* [T, k]``; returns ``[T, H]`` in ``hidden_states.dtype``."""
+    if kernel not in FEW_ROWS_KERNELS:
+        raise ValueError(f"few_rows_experts(kernel={kernel!r}): accepted kernels are {', '.join(FEW_ROWS_KERNELS)}")
+    rows = FEW_ROWS_KERNELS[kernel]
+    t, hdim = hidden_states.shape
+    k = top_k_index.shape[-1]
+    p = t * k
+    ids = top_k_index.reshape(p)
+    _, n_up, _ = up.q.shape
+    w_up = up.q.index_select(0, ids).view(p * n_up, hdim)
+    y = _few_rows_mm(kernel, hidden_states, w_up, _row_scales(up, ids, p * n_up), key)
+    if t == 1:
+        h = y.view(p, n_up)
+    else:  # token i keeps the columns of its own k experts: the diagonal of [T, T, k * N]
+        h = y.view(t, t, k * n_up).diagonal(0, 0, 1).t().reshape(p, n_up)
+    h = activation(h).to(hidden_states.dtype)
+    inter = h.shape[-1]
+    wts = top_k_weights.reshape(p, 1)
+    _, n_down, _ = down.q.shape
+    w_down = down.q.index_select(0, ids).view(p * n_down, inter)
+    s_down = _row_scales(down, ids, p * n_down)
+    if p <= rows:  # one call: no slicing
+        yc = _few_rows_mm(kernel, h, w_down, s_down, weights=wts)
+        out = yc if p == 1 else yc.view(p, p, n_down).diagonal(0, 0, 1).t()
+        return out.view(t, k, n_down).sum(dim=1)
+    outs = []
+    for c0 in range(0, p, rows):
+        r = min(p, c0 + rows) - c0
+        yc = _few_rows_mm(
+            kernel,
+            h[c0 : c0 + r],
+            w_down[c0 * n_down : (c0 + r) * n_down],
+            s_down[:, c0 * n_down : (c0 + r) * n_down],
+            weights=wts[c0 : c0 + r],
+        )
+        # row j keeps the columns of its own pair's expert: the diagonal of [r, r, H]
+        outs.append(yc if r == 1 else yc.view(r, r, n_down).diagonal(0, 0, 1).t())
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.view(t, k, n_down).sum(dim=1)
 
 
 def _mm_rows(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:

@@ -107,6 +107,9 @@ class Fp8State:
     gather_max: int = 0  # experts: routed pairs at or below which experts are gathered per pair
     native_grouped: bool = False
     histc_int: bool = False
+    # experts: decoding (<= 4 tokens) on the gathered fp8 codes by this kernel ("scaled_mm" on MPS 2.15+, "gemv" on
+    # CUDA; mpsboost.ops.fp8_moe.few_rows_experts), or "" (not)
+    few_rows: str = ""
     converted: bool = False
     backing: str = ""
 
@@ -128,6 +131,7 @@ class LoadedLayer:
     loaded_from: str
     format: str
     block: Optional[tuple[int, int]] = None
+    requantized_from: Optional[tuple[int, int]] = None  # load_fp8(requantize="rowwise") of these block scales
 
 
 def fp8_state(module: torch.nn.Module) -> Optional[Fp8State]:
@@ -214,6 +218,20 @@ def _experts_forward(state: Fp8State) -> Callable[..., Any]:
         up = fp8_moe.Fp8Stack(up_q, getattr(self, up_name + "_scale"), tr)
         down = fp8_moe.Fp8Stack(down_q, getattr(self, down_name + "_scale"), tr)
         post = self.post_expert_norm if getattr(self, "has_post_expert_norm", False) else None
+        if (
+            state.few_rows
+            and x.shape[0] <= fp8_ops.FEW_ROWS_MAX
+            and up_b is None
+            and down_b is None
+            and post is None
+            and x.dtype == state.compute_dtype
+            and fp8_moe.few_rows_experts_ok(up, down, x.dtype, state.few_rows)
+        ):
+            # Decoding: static facts (shapes, dtypes, layout), the same answer for every step of a decode.
+            out = fp8_moe.few_rows_experts(
+                x, idx, wts, up=up, down=down, activation=act, key=hidden_states, kernel=state.few_rows
+            )
+            return out.reshape(shape)
         # torch.compiler.is_compiling() is a constant while dynamo traces: a compiled forward takes the
         # traceable path decided at patch time, with no host read of the expert counts.
         compiling = torch.compiler.is_compiling()

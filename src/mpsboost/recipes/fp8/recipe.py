@@ -309,6 +309,7 @@ class Fp8Plan:
     native_grouped: bool = False
     histc_int: bool = False
     block: tuple[int, int] | None = None  # loaded block scales, applied as they are
+    few_rows: str = ""  # experts: decode on the gathered fp8 codes by this kernel ("scaled_mm" MPS, "gemv" CUDA)
 
     def report_details(self) -> dict:
         """Nothing of the plan itself: each decision names what its report row shows (sizes before and after,
@@ -346,6 +347,7 @@ def _state(plan: Fp8Plan, device: torch.device, backing: str) -> Fp8State:
         gather_max=plan.gather_max,
         native_grouped=plan.native_grouped,
         histc_int=plan.histc_int,
+        few_rows=plan.few_rows,
         backing=backing,
     )
 
@@ -369,7 +371,7 @@ class Fp8Weights(Recipe):
     name = NAME
     summary = (
         "float8_e4m3fn weights with per-row or per-tensor fp32 scales; "
-        "fused fp8 GEMV/scaled_mm on CUDA, per-layer dequantise elsewhere"
+        "fused fp8 GEMV/scaled_mm on CUDA, scaled_mm few-rows decode on MPS 2.15+, per-layer dequantise elsewhere"
     )
     targets = (
         "torch.nn.modules.linear.Linear",
@@ -535,6 +537,15 @@ class Fp8Weights(Recipe):
             why = f"{storage} storage, scales kept exactly as in {layer.source}"
             return Decision.apply(backing, why, plan=plan, **details)
         gran, dtype = layer.granularity, layer.compute_dtype
+        source = layer.source
+        if layer.requantized_from is not None:
+            bn, bk = layer.requantized_from
+            details["requantized_from"] = f"block {bn}x{bk}"
+            source = (
+                f"{source}, requantised at load from {bn}x{bk} block scales to rowwise "
+                "(lossy: each weight within half an e4m3 step)"
+            )
+        layer = dataclasses.replace(layer, source=source)
         if layer.kind == "linear":
             plan, backing, why = self._linear_plan(env, layer.shapes[0], dtype, gran, storage, opts)
             return Decision.apply(
@@ -588,6 +599,19 @@ class Fp8Weights(Recipe):
             why += "; compiled: the same path"
         if where and env.device_type == "cuda":
             why += f"; {where}"
+        few_rows = ""
+        if opts.moe_path == "auto" and storage == "float8" and not tr:
+            if (
+                env.device_type == "mps"
+                and check("fp8_gemv", env).ok
+                and check("scaled_mm", env).ok
+                and all(fp8_ops.few_rows_ok(w.shape[1], w.shape[2], ws[0].dtype) for w in ws)
+            ):
+                few_rows = "scaled_mm"
+            elif env.device_type == "cuda" and check("fp8_gemv", env).ok and check("scaled_mm", env).ok:
+                few_rows = "gemv"  # mpsboost's Triton fp8 GEMV: the weights read once as fp8, activations untouched
+        if few_rows:
+            backing = f"{fp8_moe.FEW_ROWS_BACKING[few_rows]}; {backing} above"
         plan = Fp8Plan(
             kind="experts",
             granularity=gran,
@@ -598,6 +622,7 @@ class Fp8Weights(Recipe):
             gather_max=gather,
             native_grouped=check("grouped_mm", env).ok,
             histc_int=check("histc_int", env).ok,
+            few_rows=few_rows,
         )
         return plan, backing, why
 
