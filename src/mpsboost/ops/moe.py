@@ -579,6 +579,18 @@ def grouped_mm_widths_ok(widths, dtype: torch.dtype, device_type: str) -> tuple[
     return True, ""
 
 
+# grouped_mm vs batched_mm at decode on MPS (torch >= 2.15; read in pytorch's source,
+# aten/src/ATen/native/mps/operations/GroupedMM.mm and kernels/GroupedMM.metal, pytorch#194917/#194933):
+# ``_grouped_mm_mps`` with a 2-D input and 3-D weights encodes ONE compute dispatch (``grouped_mm_rows`` or,
+# with Metal Performance Primitives, ``grouped_mm_rows_mpp``), the offsets bound as a device buffer and never
+# read on the host. Its grid is ceil(n / BN) x (ceil(m / BM) + groups) threadgroups; in each, one thread walks
+# the offsets to find its (group, rows) and padding tiles return before loading anything, so an expert with no
+# rows has no tile and its weights are never read; each routed expert's weights are read once per column tile
+# (BM = 16 rows at decode: one useful row in 16, compute is not the bound there). batched_mm instead gathers
+# one weight copy per (token, expert) pair (``weight[ids]``: read, write, then ``bmm`` reads the copy: three
+# times the routed experts' bytes) and dispatches more ops (repeat_interleave, two gathers, two bmm, the
+# weighting, the sum). So with the native kernel the decode path is grouped_mm from the first pair: the MPS
+# tuning file's batched_max_tokens = 0, and transformers' decode-time switch to batched_mm is held off on MPS.
 def choose_path(
     num_pairs: int,
     *,

@@ -203,3 +203,20 @@ def test_fp8_experts_still_match_stock_fp8():
     ids, mask = _inputs(m.config.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(_decode_logits(m, ids, mask), _decode_logits(stock, ids, mask), rtol=1e-4, atol=1e-4)
+
+
+def test_simulated_mac_decisions_on_another_gpu_keep_the_grouped_path(monkeypatch):
+    """The GPU proxy runs Mac decisions on CUDA tensors: where the simulated Mac has the grouped kernel, the
+    real GPU's kernel stands in (not the dense fallback over every expert)."""
+    from mpsboost.recipes import moe_experts
+
+    cuda = Env.simulate("cuda", "2.11.0", capability=(9, 0))
+    monkeypatch.setattr(moe_experts.Env, "detect", classmethod(lambda cls, device=None: cuda))
+    stand_in = moe_experts.MoeExperts._stand_in_pairs
+    dev = torch.device("cuda")
+    pairs = {("mps", torch.bfloat16), ("mps", torch.float32), ("cpu", torch.bfloat16)}
+    assert stand_in(dev, MPS215, pairs, {64, 32, 16}) == {("cuda", torch.bfloat16)}
+    assert stand_in(dev, MPS214, set(), {64, 32, 16}) == set()  # no kernel on the simulated Mac: nothing
+    old = Env.simulate("cuda", "2.7.0", capability=(9, 0))
+    monkeypatch.setattr(moe_experts.Env, "detect", classmethod(lambda cls, device=None: old))
+    assert stand_in(dev, MPS215, pairs, {64, 32, 16}) == set()  # the real GPU has no grouped kernel
