@@ -25,8 +25,9 @@ def _lm(family: str, **extra):
         m = gated_deltanet_lm("qwen3_5_moe")
     elif family == "qwen3_next":
         m = gated_deltanet_lm("qwen3_next")
-    elif family == "qwen3_moe":
-        m = t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**_LM_COMMON, head_dim=32, **moe, **extra))
+    elif family in ("qwen3_moe", "qwen3_moe_norm"):
+        cfg = t.Qwen3MoeConfig(**_LM_COMMON, head_dim=32, norm_topk_prob=family.endswith("norm"), **moe, **extra)
+        m = t.Qwen3MoeForCausalLM(cfg)
     elif family == "qwen2_moe":
         cfg = t.Qwen2MoeConfig(**_LM_COMMON, shared_expert_intermediate_size=32, **moe, **extra)
         m = t.Qwen2MoeForCausalLM(cfg)
@@ -46,7 +47,7 @@ def _lm(family: str, **extra):
     return m.eval()
 
 
-FAMILIES = ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral"]
+FAMILIES = ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen3_moe_norm", "qwen2_moe", "olmoe", "mixtral"]
 
 
 def _blocks(m):
@@ -68,23 +69,25 @@ def _decode_logits(m, ids, mask, steps=3):
     return torch.cat(logits, dim=1)
 
 
-def _inputs(vocab):
+def _inputs(vocab, batch=2):
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, vocab, (2, 6), generator=g)
+    ids = torch.randint(3, vocab, (batch, 6), generator=g)
     mask = torch.ones_like(ids)
-    mask[1, :2] = 0  # left padding of the second row
-    ids[1, :2] = 0
+    if batch > 1:
+        mask[1, :2] = 0  # left padding of the second row
+        ids[1, :2] = 0
     return ids, mask
 
 
+@pytest.mark.parametrize("batch", [1, 2], ids=["one-sequence", "batch2-left-padded"])
 @pytest.mark.parametrize("env", [MPS215, MPS214], ids=["mps-2.15.0", "mps-2.14.1"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_outputs_and_tokens_equal_stock(family, env):
+def test_outputs_and_tokens_equal_stock(family, env, batch):
     stock = _lm(family)
     m = copy.deepcopy(stock)
     report = mpsboost.patch(m, device=env)
     assert any(r.recipe == "moe_block" and r.status == "applied" for r in report.rows), report
-    ids, mask = _inputs(m.config.vocab_size)
+    ids, mask = _inputs(m.config.vocab_size, batch)
     with torch.no_grad():
         ref, got = _decode_logits(stock, ids, mask), _decode_logits(m, ids, mask)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -195,12 +198,15 @@ def test_decisions_per_environment():
     assert row(Env.simulate("cpu", "2.13.0")).status == "would apply"
 
 
-def test_fp8_experts_still_match_stock_fp8():
-    stock = _lm("qwen3_5_moe")
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+def test_fp8_experts_still_match_stock_fp8(family, batch):
+    """fp8 experts (and an fp8 shared expert) are run by their own modules: same output as fp8 without moe_block."""
+    stock = _lm(family)
     m = copy.deepcopy(stock)
     mpsboost.patch(stock, device=MPS215, fp8="rowwise", recipes=["fp8_weights"])
     mpsboost.patch(m, device=MPS215, fp8="rowwise")
-    ids, mask = _inputs(m.config.vocab_size)
+    ids, mask = _inputs(m.config.vocab_size, batch)
     with torch.no_grad():
         torch.testing.assert_close(_decode_logits(m, ids, mask), _decode_logits(stock, ids, mask), rtol=1e-4, atol=1e-4)
 
@@ -220,3 +226,25 @@ def test_simulated_mac_decisions_on_another_gpu_keep_the_grouped_path(monkeypatc
     old = Env.simulate("cuda", "2.7.0", capability=(9, 0))
     monkeypatch.setattr(moe_experts.Env, "detect", classmethod(lambda cls, device=None: old))
     assert stand_in(dev, MPS215, pairs, {64, 32, 16}) == set()  # the real GPU has no grouped kernel
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "mixtral"])
+def test_many_tokens_through_the_recipe_path_equal_stock(family):
+    """max_tokens above the prompt: prefill of a left-padded batch runs the recipe's many-token path too."""
+    stock = _lm(family)
+    m = copy.deepcopy(stock)
+    mpsboost.patch(m, device=MPS215, options={"moe_block": {"max_tokens": 64}})
+    ids, mask = _inputs(m.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(_decode_logits(m, ids, mask), _decode_logits(stock, ids, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_options_are_named():
+    m = _lm("qwen3_moe")
+    from mpsboost.errors import PatchError
+
+    with pytest.raises(PatchError, match="max_tokens=0: expected an int >= 1"):
+        mpsboost.patch(m, device=MPS215, options={"moe_block": {"max_tokens": 0}})
+    with pytest.raises(PatchError, match="path='dense'"):
+        mpsboost.patch(m, device=MPS215, options={"moe_block": {"path": "dense"}})
+    assert "forward" not in _blocks(m)[0].__dict__
