@@ -176,6 +176,8 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
         or gu.shape[2] != hidden
     ):
         return "experts are not transformers' fused [experts, 2*inter, hidden] gate/up layout without bias"
+    if gu.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"experts are stored in {gu.dtype} (e.g. fp8): the block's own forward runs their module"
     from transformers.integrations.moe import _default_apply_gate
 
     if getattr(type(experts), "_apply_gate", None) is not _default_apply_gate:

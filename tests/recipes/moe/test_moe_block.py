@@ -206,6 +206,9 @@ def test_fp8_experts_still_match_stock_fp8(family, batch):
     m = copy.deepcopy(stock)
     mpsboost.patch(stock, device=MPS215, fp8="rowwise", recipes=["fp8_weights"])
     mpsboost.patch(m, device=MPS215, fp8="rowwise")
+    # Experts already fp8 when deciding (e.g. after load_fp8): the recipe steps aside, saying why.
+    row = next(r for r in mpsboost.plan(stock, env=MPS215).rows if r.recipe == "moe_block")
+    assert row.status == "skipped" and "float8" in row.reason
     ids, mask = _inputs(m.config.vocab_size, batch)
     with torch.no_grad():
         torch.testing.assert_close(_decode_logits(m, ids, mask), _decode_logits(stock, ids, mask), rtol=1e-4, atol=1e-4)
