@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 # The three ways to run routed experts, and the words the patch report uses for them.
-PATHS = ("grouped_mm", "batched_mm", "fallback", "cpu_loop")
+PATHS = ("grouped_mm", "batched_mm", "fallback", "cpu_loop", "host_loop")
 BACKING = {
     "grouped_mm": "grouped_mm, offsets on device",
     "batched_mm": "batched_mm",
@@ -58,6 +58,12 @@ BACKING = {
     # CPU tensors only: reading offsets there is no device synchronisation, and one matmul per
     # expert beats the dense fallback by far (measured, benchmarks/results/moe-cpu-*.jsonl).
     "cpu_loop": "per-expert loop (CPU, offsets read on the host)",
+    # A device without a grouped kernel (MPS before 2.15), many tokens, eager: one host read of the offsets
+    # per projection, then one mm per expert that has rows. The dense fallback would do E/k times the routed
+    # FLOPs (32x for 256 experts top-8: the prefill regression seen under Mac 2.14.1 decisions, experts
+    # 35 -> 113 ms at 512 tokens on the GPU proxy); transformers' own grouped path on MPS <= 2.14 counts rows
+    # with histc (about 0.17 ms per bin there, pytorch#198304) and loops over every group on the host too.
+    "host_loop": "per-expert loop, offsets read on the host (no grouped kernel on this device)",
 }
 
 # Rows per chunk of the dense fallback: bounds its [E, rows, out] intermediate. A constant (not a
@@ -350,14 +356,15 @@ def grouped_linear(
                 "use path='batched_mm' or 'fallback'"
             )
         out = fn(x, _as_kn(weight, transposed), offs=offsets)
-    elif path == "cpu_loop":
-        if offsets is None or x.device.type != "cpu" or offsets.device.type != "cpu":
+    elif path in ("cpu_loop", "host_loop"):
+        if offsets is None or (path == "cpu_loop" and (x.device.type != "cpu" or offsets.device.type != "cpu")):
             raise ValueError(
                 "grouped_linear(path='cpu_loop') needs CPU tensors and offsets; on a device use 'fallback'"
             )
         w_kn = _as_kn(weight, transposed)
         pieces, start = [], 0
-        for e, end in enumerate(offsets.tolist()):  # host memory: no device to wait for
+        # cpu_loop: host memory, no device to wait for; host_loop: one device sync (eager only, many rows)
+        for e, end in enumerate(offsets.tolist()):
             if end > start:
                 pieces.append(x[start:end] @ w_kn[e])
             start = end
@@ -616,7 +623,9 @@ def choose_path(
         return "batched_mm"
     if native:
         return "grouped_mm"
-    return "cpu_loop" if device_type == "cpu" and not compiling else "fallback"
+    if not compiling and device_type in ("cpu", "mps"):
+        return "cpu_loop" if device_type == "cpu" else "host_loop"
+    return "fallback"
 
 
 # ----------------------------------------------------------------------------------------- a whole sparse MoE block

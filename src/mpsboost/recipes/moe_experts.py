@@ -34,7 +34,7 @@ Options (``mpsboost.patch(m, options={"moe_experts": {...}})``):
 ``batched_max_tokens`` (int >= 0): routed pairs at or below which batched_mm runs in eager mode;
 ``compiled_batched_max_tokens`` (int >= 0): the same while ``torch.compile`` traces;
 ``compiled_batched_form`` ("fused", "bmm"): the batched_mm formulation while ``torch.compile`` traces;
-``path`` ("auto", "grouped_mm", "batched_mm", "fallback", "cpu_loop"): force one path for every call
+``path`` ("auto", "grouped_mm", "batched_mm", "fallback", "cpu_loop", "host_loop"): force one path for every call
 (a forced path that cannot run on these tensors falls back to one that can).
 Defaults: the tuning files ``mpsboost/data/tuning/moe_thresholds_*.json`` (:func:`thresholds_for_env`).
 """
@@ -149,7 +149,7 @@ class _Choice:
             if self.forced == "grouped_mm" and not native:
                 # A forced native path that cannot run here must not crash.
                 return "cpu_loop" if on_cpu and not compiling else "fallback"
-            if self.forced == "cpu_loop" and (not on_cpu or compiling):
+            if (self.forced == "cpu_loop" and (not on_cpu or compiling)) or (self.forced == "host_loop" and compiling):
                 return "fallback"
             return self.forced
         return moe_ops.choose_path(
@@ -543,13 +543,15 @@ class MoeExperts(Recipe):
             )
         choice, why, limit = self._choice(match, env, options)
         native = (env.device_type, self._weights(match)[0].dtype) in choice.native
-        unforced = "grouped_mm" if native else ("cpu_loop" if env.device_type == "cpu" else "fallback")
+        unforced = "grouped_mm" if native else {"cpu": "cpu_loop", "mps": "host_loop"}.get(env.device_type, "fallback")
         large = choice.forced or unforced
         if choice.forced == "grouped_mm" and not native:
             large = unforced
         if choice.forced == "cpu_loop" and env.device_type != "cpu":
             large = "fallback"
         backing = moe_ops.BACKING[large]
+        if large == "host_loop":
+            backing += "; the sync-free fallback while torch.compile traces"
         if choice.forced is None and choice.batched_max_tokens > 0:
             backing += f" (batched_mm at <= {choice.batched_max_tokens} routed tokens)"
         reason = ("forced by option path; " if choice.forced else "") + why + limit
