@@ -220,3 +220,20 @@ def test_unroute_runs_fewer_kernels_than_multiply_then_sum(rng_seed):
     assert heavy == ["aten.index_copy_", "aten.bmm"], c.ops
     ref = (rows[torch.argsort(routing.perm)].view(n, k, h) * w.unsqueeze(-1)).sum(1)
     assert (out - ref).norm() / ref.norm() < 1e-6
+
+
+def test_host_loop_for_many_tokens_without_a_grouped_kernel(rng_seed):
+    """MPS before 2.15 (no grouped kernel), eager, many routed tokens: a per-expert loop with the offsets read on
+    the host, not the dense fallback (E/k times the routed FLOPs); the same result as the dense path."""
+    assert moe.choose_path(4096, native=False, batched_max_tokens=32, compiling=False, device_type="mps") == "host_loop"
+    assert moe.choose_path(4096, native=False, batched_max_tokens=32, compiling=True, device_type="mps") == "fallback"
+    assert moe.choose_path(8, native=False, batched_max_tokens=32, compiling=False, device_type="mps") == "batched_mm"
+    e, h, i = 8, 16, 8
+    up, down = torch.randn(e, 2 * i, h), torch.randn(e, h, i)
+    act = lambda t: torch.nn.functional.silu(t[..., :i]) * t[..., i:]  # noqa: E731
+    idx, w = _routing(37, e, 2)
+    x = torch.randn(37, h)
+    kw = dict(up_weight=up, down_weight=down, activation=act)
+    ref = moe.routed_experts(x, idx, w, path="fallback", **kw)
+    got = moe.routed_experts(x, idx, w, path="host_loop", **kw)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

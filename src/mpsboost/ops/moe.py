@@ -44,10 +44,13 @@ __all__ = [
     "combine_slots",
     "grouped_mm_widths_ok",
     "choose_path",
+    "route_softmax_topk",
+    "BlockWeights",
+    "sparse_moe_block",
 ]
 
 # The three ways to run routed experts, and the words the patch report uses for them.
-PATHS = ("grouped_mm", "batched_mm", "fallback", "cpu_loop")
+PATHS = ("grouped_mm", "batched_mm", "fallback", "cpu_loop", "host_loop")
 BACKING = {
     "grouped_mm": "grouped_mm, offsets on device",
     "batched_mm": "batched_mm",
@@ -55,6 +58,12 @@ BACKING = {
     # CPU tensors only: reading offsets there is no device synchronisation, and one matmul per
     # expert beats the dense fallback by far (measured, benchmarks/results/moe-cpu-*.jsonl).
     "cpu_loop": "per-expert loop (CPU, offsets read on the host)",
+    # A device without a grouped kernel (MPS before 2.15), many tokens, eager: one host read of the offsets
+    # per projection, then one mm per expert that has rows. The dense fallback would do E/k times the routed
+    # FLOPs (32x for 256 experts top-8: the prefill regression seen under Mac 2.14.1 decisions, experts
+    # 35 -> 113 ms at 512 tokens on the GPU proxy); transformers' own grouped path on MPS <= 2.14 counts rows
+    # with histc (about 0.17 ms per bin there, pytorch#198304) and loops over every group on the host too.
+    "host_loop": "per-expert loop, offsets read on the host (no grouped kernel on this device)",
 }
 
 # Rows per chunk of the dense fallback: bounds its [E, rows, out] intermediate. A constant (not a
@@ -347,14 +356,15 @@ def grouped_linear(
                 "use path='batched_mm' or 'fallback'"
             )
         out = fn(x, _as_kn(weight, transposed), offs=offsets)
-    elif path == "cpu_loop":
-        if offsets is None or x.device.type != "cpu" or offsets.device.type != "cpu":
+    elif path in ("cpu_loop", "host_loop"):
+        if offsets is None or (path == "cpu_loop" and (x.device.type != "cpu" or offsets.device.type != "cpu")):
             raise ValueError(
                 "grouped_linear(path='cpu_loop') needs CPU tensors and offsets; on a device use 'fallback'"
             )
         w_kn = _as_kn(weight, transposed)
         pieces, start = [], 0
-        for e, end in enumerate(offsets.tolist()):  # host memory: no device to wait for
+        # cpu_loop: host memory, no device to wait for; host_loop: one device sync (eager only, many rows)
+        for e, end in enumerate(offsets.tolist()):
             if end > start:
                 pieces.append(x[start:end] @ w_kn[e])
             start = end
@@ -576,6 +586,18 @@ def grouped_mm_widths_ok(widths, dtype: torch.dtype, device_type: str) -> tuple[
     return True, ""
 
 
+# grouped_mm vs batched_mm at decode on MPS (torch >= 2.15; read in pytorch's source,
+# aten/src/ATen/native/mps/operations/GroupedMM.mm and kernels/GroupedMM.metal, pytorch#194917/#194933):
+# ``_grouped_mm_mps`` with a 2-D input and 3-D weights encodes ONE compute dispatch (``grouped_mm_rows`` or,
+# with Metal Performance Primitives, ``grouped_mm_rows_mpp``), the offsets bound as a device buffer and never
+# read on the host. Its grid is ceil(n / BN) x (ceil(m / BM) + groups) threadgroups; in each, one thread walks
+# the offsets to find its (group, rows) and padding tiles return before loading anything, so an expert with no
+# rows has no tile and its weights are never read; each routed expert's weights are read once per column tile
+# (BM = 16 rows at decode: one useful row in 16, compute is not the bound there). batched_mm instead gathers
+# one weight copy per (token, expert) pair (``weight[ids]``: read, write, then ``bmm`` reads the copy: three
+# times the routed experts' bytes) and dispatches more ops (repeat_interleave, two gathers, two bmm, the
+# weighting, the sum). So with the native kernel the decode path is grouped_mm from the first pair: the MPS
+# tuning file's batched_max_tokens = 0, and transformers' decode-time switch to batched_mm is held off on MPS.
 def choose_path(
     num_pairs: int,
     *,
@@ -601,4 +623,143 @@ def choose_path(
         return "batched_mm"
     if native:
         return "grouped_mm"
-    return "cpu_loop" if device_type == "cpu" and not compiling else "fallback"
+    if not compiling and device_type in ("cpu", "mps"):
+        return "cpu_loop" if device_type == "cpu" else "host_loop"
+    return "fallback"
+
+
+# ----------------------------------------------------------------------------------------- a whole sparse MoE block
+
+
+def route_softmax_topk(logits: torch.Tensor, top_k: int, *, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' softmax top-k router on ``logits`` ``[N, E]``: (float32 weights ``[N, k]``, ids ``[N, k]``).
+
+    ``norm=True`` (renormalised top-k): softmax is monotonic, so the top-k of the probabilities are the
+    top-k of the logits, and the renormalised weights are the softmax over those k logits alone
+    (``exp(l_i) / sum_topk exp(l_j)``): two kernels instead of softmax, top-k, sum and divide.
+    """
+    if norm:
+        vals, ids = torch.topk(logits, top_k, dim=-1)
+        return torch.softmax(vals, dim=-1, dtype=torch.float32), ids
+    return torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+
+
+@dataclass(frozen=True)
+class BlockWeights:
+    """What :func:`sparse_moe_block` reads, in the layouts it multiplies (views; no copy).
+
+    ``fused_t`` ``[H, E + g + 2 I_s]``: the router rows, then (with a shared expert) its gate's row and the
+    shared expert's gate and up rows, transposed. ``gate_up_kn`` ``[E, H, 2I]`` and ``down_kn`` ``[E, I, H]``:
+    the routed experts as ``[E, in, out]``. ``gate_up`` / ``down``: the same as stored (``[E, out, in]``),
+    row-gathered by the path without a grouped kernel. ``bounds`` ``[1, E]``: ``arange(E)`` (searchsorted
+    bounds of the offsets), ``zeros`` ``[k]``: the row index of the one token of a single-token step.
+    """
+
+    fused_t: torch.Tensor
+    splits: tuple[int, ...]
+    gate_up_kn: torch.Tensor | None
+    down_kn: torch.Tensor | None
+    gate_up: torch.Tensor | None
+    down: torch.Tensor | None
+    shared_down_t: torch.Tensor | None
+    bounds: torch.Tensor
+    zeros: torch.Tensor
+
+
+def sparse_moe_block(
+    x: torch.Tensor,
+    w: BlockWeights,
+    *,
+    top_k: int,
+    norm: bool,
+    cast_weights: bool,
+    act_fn: Callable[[torch.Tensor], torch.Tensor],
+    shared_act: Callable[[torch.Tensor], torch.Tensor] | None,
+    path: str,
+    experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """One softmax-routed sparse MoE block on ``x`` ``[N, H]`` (few tokens: decode): ``[N, H]``.
+
+    ``out = sum_j w_j * expert_{e_j}(x) (+ sigmoid(x . g) * shared(x))``, the math of transformers'
+    Qwen2/3/3.5-MoE, Qwen3-Next, Mixtral and OLMoE blocks, in few kernels:
+
+    * one matmul for the router logits, the shared expert's gate and its gate/up projections
+      (``w.fused_t``), split by one op;
+    * routing by :func:`route_softmax_topk`; for one token the k ids are sorted and the weights follow them
+      (no unsort later);
+    * the routed experts (``path``): ``"grouped_mm"``, two native grouped matmuls over the k rows sorted by
+      expert, offsets by one ``searchsorted`` on the device: each routed expert's weights are read once, the
+      others not at all (MPS's kernel, pytorch#194917/#194933, reads the offsets on the device and its row
+      tiles of empty groups exit); ``"gather"``, where no grouped kernel exists: the routed experts' weights
+      gathered, then ``bmm`` (one copy of each routed expert); ``"module"``: ``experts(x, ids, weights)``,
+      the experts module's own call (fp8 experts, an implementation the user chose);
+    * the weighted sum over the k slots and the shared expert's gated output in one ``addmm``/``baddbmm``.
+
+    ``cast_weights``: the routing weights are cast to the model dtype before the sum (all but Mixtral,
+    whose weights stay float32 and whose sum runs in float32 as transformers' does).
+    """
+    if path not in ("grouped_mm", "gather", "module") or (path == "module" and experts is None):
+        raise ValueError(f"sparse_moe_block(path={path!r}): accepted 'grouped_mm', 'gather', 'module' (with experts)")
+
+    def glu(h: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=dim)
+        return act_fn(gate) * up
+
+    n, hdim = x.shape
+    y = torch.mm(x, w.fused_t)
+    parts = torch.split(y, w.splits, dim=-1)
+    logits = parts[0]
+    shared = None
+    if shared_act is not None:
+        _, g, sg, su = parts
+        shared = torch.mm(shared_act(sg) * su, w.shared_down_t) * torch.sigmoid(g)
+    one = n == 1 and path != "module"  # one token: combine by one addmm, in the order of ``ids``
+    if one and path == "grouped_mm":  # its k ids sorted (grouped rows), its weights in that order
+        if norm:
+            vals, ids = torch.topk(logits, top_k, dim=-1)
+        else:
+            vals, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
+        ids, perm = torch.sort(ids, dim=-1)
+        vals = vals.gather(-1, perm)
+        weights = torch.softmax(vals, dim=-1, dtype=torch.float32) if norm else vals
+    else:
+        weights, ids = route_softmax_topk(logits, top_k, norm=norm)
+    wdt = x.dtype if cast_weights else torch.float32
+    weights = weights.to(wdt)
+    if path == "module":
+        routed = experts(x, ids, weights)
+        return routed if shared is None else routed + shared
+    k = top_k
+    if path == "grouped_mm":
+        fn = _grouped_mm_fn()
+        if one:
+            offs = torch.searchsorted(ids, w.bounds, right=True, out_int32=True).view(-1)
+            rows = x.index_select(0, w.zeros)
+        else:
+            sids, perm = torch.sort(ids.view(-1))
+            offs = torch.searchsorted(sids, w.bounds.view(-1), right=True, out_int32=True)
+            rows = x.index_select(0, torch.div(perm, k, rounding_mode="floor"))
+        h = glu(fn(rows, w.gate_up_kn, offs=offs))
+        pair = fn(h, w.down_kn, offs=offs)  # [S, H], sorted by expert
+        if not one:
+            pair = torch.empty_like(pair).index_copy_(0, perm, pair)  # back to (token, slot) order
+    else:  # gather: one copy of each routed expert's weights, then bmm
+        flat = ids.view(-1)
+        if one:
+            rows = x.view(1, hdim, 1).expand(k, hdim, 1)
+        else:
+            rows = x.view(n, 1, hdim, 1).expand(n, k, hdim, 1).reshape(n * k, hdim, 1)
+        h = glu(torch.bmm(w.gate_up.index_select(0, flat), rows), dim=-2)
+        pair = torch.bmm(w.down.index_select(0, flat), h).view(n * k, hdim)
+    if one:
+        if not cast_weights and x.dtype != torch.float32:
+            out = torch.mm(weights, pair.float())
+            return (out if shared is None else out + shared).to(x.dtype)
+        return torch.mm(weights, pair) if shared is None else torch.addmm(shared, weights, pair)
+    if not cast_weights and x.dtype != torch.float32:
+        pair = pair.float()
+        out = torch.bmm(weights.view(n, 1, k), pair.view(n, k, hdim)).view(n, hdim)
+        return (out if shared is None else out + shared).to(x.dtype)
+    if shared is None:
+        return torch.bmm(weights.view(n, 1, k), pair.view(n, k, hdim)).view(n, hdim)
+    return torch.baddbmm(shared.view(n, 1, hdim), weights.view(n, 1, k), pair.view(n, k, hdim)).view(n, hdim)

@@ -292,7 +292,7 @@ def test_greedy_tokens_identical_fp32_over_32_steps(rng_seed):
 @pytest.mark.parametrize(
     "device,version,expected",
     [
-        (("mps", "2.14.1"), None, "sync-free fallback"),
+        (("mps", "2.14.1"), None, "per-expert loop, offsets read on the host"),
         (("mps", "2.15.0"), None, "grouped_mm, offsets on device"),
         (("mps", "2.16.0.dev20261201"), None, "grouped_mm, offsets on device"),
         (("cpu", "2.9.0"), None, "per-expert loop (CPU"),
@@ -351,7 +351,7 @@ def test_option_errors_name_what_is_accepted():
     with pytest.raises(mpsboost.PatchError, match="batched_max_tokens=-1"):
         mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"batched_max_tokens": -1}})
     with pytest.raises(
-        mpsboost.PatchError, match="expected 'auto' or one of grouped_mm, batched_mm, fallback, cpu_loop"
+        mpsboost.PatchError, match="expected 'auto' or one of grouped_mm, batched_mm, fallback, cpu_loop, host_loop"
     ):
         mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"path": "loop"}})
     with pytest.raises(mpsboost.PatchError, match="unknown moe_experts option"):

@@ -1,0 +1,416 @@
+"""moe_block: transformers' softmax-routed sparse MoE blocks in few ops per decode step.
+
+A Qwen3.5/3.6-MoE block dispatches 45 aten ops for one token even with the experts recipe (router
+linear, softmax, top-k, renormalisation, sort, offsets, index, two grouped matmuls, unsort, combine,
+the shared expert's three linears, its gate): host time on a Mac, where eager decode pays per op.
+For few tokens (``max_tokens``, default 4: decode) the recipe's forward runs the block in about 22
+(:func:`mpsboost.ops.moe.sparse_moe_block`):
+
+- the router, the shared expert's gate and its gate/up projections are one matmul: at patch time
+  their Parameters become views of one fused storage (same Parameter objects, values and
+  ``state_dict``; memory does not double; undo gives each its own storage back; moved weights are
+  fused again by the next eager call);
+- the renormalised top-k softmax is top-k then softmax over the k logits (softmax is monotonic);
+- one token's k experts are sorted by id, the offsets come from one ``searchsorted`` on the device
+  and two grouped matmuls read each routed expert once (MPS: torch >= 2.15, the gate's
+  ``grouped_mm``); without a grouped kernel (MPS <= 2.14) the routed experts' weights are gathered
+  (one copy each) and multiplied by ``bmm``;
+- the weighted sum over the k experts and the shared expert's gated output are one ``addmm``.
+
+Everything else runs the block's own forward, which calls the experts module (so the moe_experts
+recipe's paths, fp8 experts and the user's ``set_experts_implementation`` apply): prefill (more than
+``max_tokens`` tokens), autograd, ``torch.compile`` tracing (inductor fuses the small ops itself), and
+weights another recipe converted (an fp8 shared expert or router). Experts that are not plain
+floating tensors (fp8), or whose config names another implementation than transformers' default
+(an explicit choice, or ``generate()``'s decode switch where it runs), are called as a module with
+the same routing.
+
+Families (router class -> normalisation, dtype of the routing weights): Qwen3.5/3.6-MoE (always
+renormalised), Qwen3-MoE, Qwen2-MoE, Qwen3-Next, OLMoE (``norm_topk_prob``), Mixtral (always
+renormalised, weights kept in float32). Sigmoid-routed families with group-limited top-k and bias
+correction (DeepSeek-V3, GLM-4-MoE, ERNIE-4.5) and gpt-oss (biased router, transposed experts) keep
+their own blocks (the experts recipe still covers their experts).
+
+Exactness: float32 within 1e-6 of stock (only the summation order differs); bfloat16 rounds the
+combine once where stock rounds twice.
+
+Options (``options={"moe_block": {...}}``): ``max_tokens`` (int >= 1): tokens per call at or below
+which the recipe's path runs; ``path`` ("auto", "grouped_mm", "gather"): force the routed experts' path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..gate import Env, check
+from ..ops import moe as moe_ops
+from ..registry import Decision, Match, Recipe, class_path, register
+from ..patching import Changes, Patch, bind_forward, call_original, fuse_params, fuse_storage, set_instance_attr
+
+NAME = "moe_block"
+_STATE = "_mpsboost_moe_block"
+_TM = "transformers.models."
+_DEFAULT_IMPL = "grouped_mm"
+
+# block class -> (router class, norm: "attr" reads router.norm_topk_prob, True always; weights cast to the
+# model dtype (transformers' ``.to(router_logits.dtype)``), shared expert)
+_FAMILIES: dict[str, tuple[str, Any, bool, bool]] = {
+    _TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeSparseMoeBlock": (
+        _TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeTopKRouter",
+        True,
+        True,
+        True,
+    ),
+    _TM + "qwen3_next.modeling_qwen3_next.Qwen3NextSparseMoeBlock": (
+        _TM + "qwen3_next.modeling_qwen3_next.Qwen3NextTopKRouter",
+        "attr",
+        True,
+        True,
+    ),
+    _TM + "qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock": (
+        _TM + "qwen2_moe.modeling_qwen2_moe.Qwen2MoeTopKRouter",
+        "attr",
+        True,
+        True,
+    ),
+    _TM + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock": (
+        _TM + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter",
+        "attr",
+        True,
+        False,
+    ),
+    _TM + "olmoe.modeling_olmoe.OlmoeSparseMoeBlock": (
+        _TM + "olmoe.modeling_olmoe.OlmoeTopKRouter",
+        "attr",
+        True,
+        False,
+    ),
+    _TM + "mixtral.modeling_mixtral.MixtralSparseMoeBlock": (
+        _TM + "mixtral.modeling_mixtral.MixtralTopKRouter",
+        True,
+        False,
+        False,
+    ),
+}
+_PATHS = ("auto", "grouped_mm", "gather")
+
+
+@dataclass(frozen=True)
+class MoeBlockOptions:
+    """``options={"moe_block": {...}}`` (see the module docstring)."""
+
+    max_tokens: int = 4
+    path: str = "auto"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the block is made of (checked structurally at decide time and again before each fusion)."""
+
+    family: str
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    shared_inter: int  # 0: no shared expert
+    norm: bool
+    cast: bool
+
+
+@dataclass(frozen=True)
+class MoeBlockPlan:
+    """The routed experts' path for few tokens (``"grouped_mm"`` or ``"gather"``) and the token bound."""
+
+    path: str
+    max_tokens: int
+
+
+def _is_plain_linear(m: Any, n_in: int, n_out: int) -> bool:
+    return (
+        isinstance(m, torch.nn.Linear)
+        and type(m).forward is torch.nn.Linear.forward
+        and m.bias is None
+        and isinstance(m.weight, torch.nn.Parameter)
+        and m.weight.is_floating_point()
+        and tuple(m.weight.shape) == (n_out, n_in)
+    )
+
+
+def _is_plain_mlp(m: Any, hidden: int) -> int:
+    """The intermediate width of a plain gated MLP (gate/up/down nn.Linear, no bias), or 0."""
+    gp, up, dp = (getattr(m, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+    if not isinstance(gp, torch.nn.Linear) or not hasattr(m, "act_fn"):
+        return 0
+    inter = gp.out_features
+    ok = _is_plain_linear(gp, hidden, inter) and _is_plain_linear(up, hidden, inter)
+    return inter if ok and _is_plain_linear(dp, inter, hidden) else 0
+
+
+def _layout(mod: torch.nn.Module) -> _Layout | str:
+    """The block's layout, or why the recipe's path does not fit it."""
+    fam = next((class_path(c) for c in type(mod).__mro__ if class_path(c) in _FAMILIES), None)
+    if fam is None:
+        return f"{type(mod).__name__} is not a known sparse MoE block"
+    router_path, norm, cast, has_shared = _FAMILIES[fam]
+    router, experts = getattr(mod, "gate", None), getattr(mod, "experts", None)
+    if router is None or class_path(type(router)) != router_path:
+        return f"router {type(router).__name__} is not {router_path.rsplit('.', 1)[-1]}"
+    if type(mod).forward is not _class_forward(fam, mod):
+        return "the block's forward was changed"
+    w = getattr(router, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
+        return "router weight is not a floating [experts, hidden] tensor"
+    e, hidden = w.shape
+    gu = getattr(experts, "gate_up_proj", None)
+    if (
+        not isinstance(gu, torch.Tensor)
+        or not getattr(experts, "has_gate", False)
+        or getattr(experts, "is_transposed", True)
+        or getattr(experts, "has_bias", True)
+        or getattr(experts, "has_post_expert_norm", False)
+        or gu.dim() != 3
+        or gu.shape[0] != e
+        or gu.shape[2] != hidden
+    ):
+        return "experts are not transformers' fused [experts, 2*inter, hidden] gate/up layout without bias"
+    if gu.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"experts are stored in {gu.dtype} (e.g. fp8): the block's own forward runs their module"
+    from transformers.integrations.moe import _default_apply_gate
+
+    if getattr(type(experts), "_apply_gate", None) is not _default_apply_gate:
+        return "experts use their own gate function"
+    shared_inter = 0
+    if has_shared:
+        shared_inter = _is_plain_mlp(getattr(mod, "shared_expert", None), hidden)
+        if not shared_inter or not _is_plain_linear(getattr(mod, "shared_expert_gate", None), hidden, 1):
+            return "shared expert or its gate is not plain nn.Linear layers without bias"
+    return _Layout(
+        family=fam,
+        experts=e,
+        top_k=int(router.top_k),
+        hidden=hidden,
+        inter=gu.shape[1] // 2,
+        shared_inter=shared_inter,
+        norm=bool(router.norm_topk_prob) if norm == "attr" else bool(norm),
+        cast=cast,
+    )
+
+
+def _class_forward(fam: str, mod: torch.nn.Module):
+    cls = next(c for c in type(mod).__mro__ if class_path(c) == fam)
+    return cls.forward
+
+
+def _fused_params(mod: torch.nn.Module, lay: _Layout) -> list[torch.nn.Parameter]:
+    ps = [mod.gate.weight]
+    if lay.shared_inter:
+        s = mod.shared_expert
+        ps += [mod.shared_expert_gate.weight, s.gate_proj.weight, s.up_proj.weight]
+    return ps
+
+
+class _State:
+    """The fused storage and the per-device constants of the eager path (rebuilt when weights move)."""
+
+    def __init__(self, layout: _Layout, plan: MoeBlockPlan, fused: torch.Tensor | None):
+        self.layout, self.plan, self.fused = layout, plan, fused
+        self.key: tuple | None = None
+        self.weights: moe_ops.BlockWeights | None = None
+        self.experts_ok = False
+
+
+def _fused_views(params: list[torch.nn.Parameter], fused: torch.Tensor | None) -> bool:
+    if fused is None:
+        return False
+    start, step = fused.data_ptr(), fused.shape[1] * fused.element_size()
+    for p in params:
+        if p.dtype != fused.dtype or p.device != fused.device or p.data_ptr() != start or not p.is_contiguous():
+            return False
+        start += p.shape[0] * step
+    return True
+
+
+def _tensor_key(t: Any) -> tuple | None:
+    return (t.data_ptr(), t.dtype, t.device, tuple(t.shape)) if isinstance(t, torch.Tensor) else None
+
+
+def _key(mod: torch.nn.Module, lay: _Layout) -> tuple:
+    ex = mod.experts
+    ts = [*(p for p in _fused_params(mod, lay)), getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)]
+    if lay.shared_inter:
+        ts.append(mod.shared_expert.down_proj.weight)
+    return tuple(_tensor_key(t) for t in ts)
+
+
+def _plain_now(mod: torch.nn.Module, lay: _Layout) -> bool:
+    """The fused Parameters are still plain floating tensors of one dtype and device (no other recipe
+    converted them)."""
+    if not isinstance(mod.gate.weight, torch.nn.Parameter) or not mod.gate.weight.is_floating_point():
+        return False
+    if lay.shared_inter and (
+        _is_plain_mlp(mod.shared_expert, lay.hidden) != lay.shared_inter
+        or not _is_plain_linear(mod.shared_expert_gate, lay.hidden, 1)
+    ):
+        return False
+    ps = _fused_params(mod, lay)
+    if lay.shared_inter:
+        ps = [*ps, mod.shared_expert.down_proj.weight]
+    return len({(p.dtype, p.device) for p in ps}) == 1
+
+
+def _eager_weights(mod: torch.nn.Module, state: _State) -> moe_ops.BlockWeights | None:
+    lay = state.layout
+    key = _key(mod, lay)
+    if key == state.key and state.weights is not None:
+        return state.weights
+    if not _plain_now(mod, lay):
+        state.fused = state.weights = state.key = None
+        return None
+    params = _fused_params(mod, lay)
+    if len(params) > 1 and not _fused_views(params, state.fused):
+        state.fused = fuse_storage(params)
+        key = _key(mod, lay)
+    fused = state.fused if len(params) > 1 else params[0].detach()
+    ex = mod.experts
+    gu, dn = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
+    dt, dev = fused.dtype, fused.device
+    state.experts_ok = (
+        isinstance(gu, torch.Tensor)
+        and isinstance(dn, torch.Tensor)
+        and gu.dtype == dt
+        and dn.dtype == dt
+        and gu.device == dev
+        and tuple(gu.shape) == (lay.experts, 2 * lay.inter, lay.hidden)
+        and tuple(dn.shape) == (lay.experts, lay.hidden, lay.inter)
+    )
+    w = lay.shared_inter
+    with torch.no_grad():
+        state.weights = moe_ops.BlockWeights(
+            fused_t=fused.detach().t(),
+            splits=(lay.experts, 1, w, w) if w else (lay.experts,),
+            gate_up_kn=gu.detach().transpose(-2, -1) if state.experts_ok else None,
+            down_kn=dn.detach().transpose(-2, -1) if state.experts_ok else None,
+            gate_up=gu.detach() if state.experts_ok else None,
+            down=dn.detach() if state.experts_ok else None,
+            shared_down_t=mod.shared_expert.down_proj.weight.detach().t() if w else None,
+            bounds=torch.arange(lay.experts, device=dev).view(1, -1),
+            zeros=torch.zeros(lay.top_k, dtype=torch.long, device=dev),
+        )
+    state.key = key
+    return state.weights
+
+
+def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    state: _State = self.__dict__[_STATE]
+    lay, plan = state.layout, state.plan
+    shape = hidden_states.shape
+    n = hidden_states.numel() // shape[-1] if hidden_states.dim() else 0
+    if (
+        args
+        or kwargs
+        or torch.compiler.is_compiling()  # a trace-time constant: inductor fuses the block's own small ops
+        or n == 0
+        or n > plan.max_tokens
+        or (self.training and getattr(self, "jitter_noise", 0) > 0)
+        or (torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
+    ):
+        return call_original(self, NAME, hidden_states, *args, **kwargs)
+    w = _eager_weights(self, state)
+    if w is None or hidden_states.dtype != w.fused_t.dtype or hidden_states.device != w.fused_t.device:
+        return call_original(self, NAME, hidden_states, *args, **kwargs)
+    ex = self.experts
+    impl = getattr(getattr(ex, "config", None), "_experts_implementation", _DEFAULT_IMPL)
+    path = plan.path
+    if not state.experts_ok or impl != _DEFAULT_IMPL:
+        # fp8 (or otherwise converted) experts, or an implementation chosen explicitly: the module runs them.
+        path = "module"
+    elif path == "grouped_mm" and not moe_ops.native_grouped_mm_ok(hidden_states, w.gate_up_kn):
+        path = "gather"  # e.g. a simulated environment on a device whose kernel does not take this dtype
+    x = hidden_states.reshape(n, shape[-1])
+    out = moe_ops.sparse_moe_block(
+        x,
+        w,
+        top_k=lay.top_k,
+        norm=lay.norm,
+        cast_weights=lay.cast,
+        act_fn=ex.act_fn,
+        shared_act=self.shared_expert.act_fn if lay.shared_inter else None,
+        path=path,
+        experts=ex if path == "module" else None,
+    )
+    return out.view(shape)
+
+
+@register
+class MoeBlock(Recipe):
+    name = NAME
+    summary = (
+        "softmax-routed sparse MoE blocks at decode: router and shared expert in one matmul, "
+        "top-k and combine in few ops, routed experts read once"
+    )
+    targets = tuple(_FAMILIES)
+    lossless = True
+    reversible = True
+    requires = ()
+    order = 100
+    Options = MoeBlockOptions
+
+    def decide(self, match: Match, env: Env, options: MoeBlockOptions) -> Decision:
+        if not isinstance(options.max_tokens, int) or options.max_tokens < 1:
+            raise ValueError(f"{NAME} option max_tokens={options.max_tokens!r}: expected an int >= 1 (tokens per call)")
+        if options.path not in _PATHS:
+            raise ValueError(f"{NAME} option path={options.path!r}: expected one of {', '.join(_PATHS)}")
+        lay = _layout(match.module)
+        if isinstance(lay, str):
+            return Decision.skip(lay)
+        if env.device_type == "cuda":
+            return Decision.skip(
+                "eager decode on CUDA: no measurement of the recipe's path against stock's kernels there "
+                "(the Mac path is measured on a GPU under simulated Mac decisions)"
+            )
+        native = check("grouped_mm", env)
+        dtype = match.module.experts.gate_up_proj.dtype
+        widths = {lay.hidden, 2 * lay.inter, lay.inter}
+        fits, why_not = moe_ops.grouped_mm_widths_ok(widths, dtype, env.device_type)
+        path = options.path
+        if path == "auto":
+            path = "grouped_mm" if native.ok and fits else "gather"
+        if path == "grouped_mm":
+            reason = (
+                f"{native.reason}: two grouped matmuls read each routed expert once, offsets by searchsorted on the "
+                "device"
+            )
+        else:
+            reason = (
+                (native.reason if not native.ok else why_not) if options.path == "auto" else "forced by option path"
+            ) + ": the routed experts' weights gathered (one copy each), then bmm"
+        backing = "router+shared in one matmul, " + ("grouped_mm" if path == "grouped_mm" else "gathered bmm")
+        return Decision.apply(
+            backing + f" (<= {options.max_tokens} tokens)",
+            f"decode in about 22 aten ops per block (stock 46); {reason}; prefill: the block's own forward",
+            plan=MoeBlockPlan(path=path, max_tokens=options.max_tokens),
+        )
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: MoeBlockOptions) -> Patch:
+        mod = match.module
+        lay = _layout(mod)
+        if isinstance(lay, str):
+            raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
+        with Changes() as ch:
+            state = _State(lay, decision.plan, None)
+            params = _fused_params(mod, lay)
+            if len(params) > 1:
+                fused, undo_fuse = fuse_params(
+                    params,
+                    current=lambda: state.fused,
+                    description=f"{NAME}: router and shared expert weights back to their own storage",
+                )
+                ch.add(undo_fuse)
+                state.fused = fused
+            ch.add(set_instance_attr(mod, NAME, _STATE, state))
+            ch.add(bind_forward(mod, NAME, _forward))
+            _eager_weights(mod, state)
+        return ch.patch(description=f"{NAME}: restore forward and router/shared expert storage")

@@ -1,0 +1,253 @@
+"""moe_block: sparse MoE blocks at decode in few ops, equal to stock, reversible, compile-transparent."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mpsboost
+from mpsboost.gate import Env
+
+from tiny_models import _LM_COMMON, gated_deltanet_lm
+
+MPS215 = Env.simulate("mps", "2.15.0")
+MPS214 = Env.simulate("mps", "2.14.1")
+
+
+def _lm(family: str, **extra):
+    import transformers as t
+
+    moe = dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+    if family == "qwen3_5_moe":
+        m = gated_deltanet_lm("qwen3_5_moe")
+    elif family == "qwen3_next":
+        m = gated_deltanet_lm("qwen3_next")
+    elif family in ("qwen3_moe", "qwen3_moe_norm"):
+        cfg = t.Qwen3MoeConfig(**_LM_COMMON, head_dim=32, norm_topk_prob=family.endswith("norm"), **moe, **extra)
+        m = t.Qwen3MoeForCausalLM(cfg)
+    elif family == "qwen2_moe":
+        cfg = t.Qwen2MoeConfig(**_LM_COMMON, shared_expert_intermediate_size=32, **moe, **extra)
+        m = t.Qwen2MoeForCausalLM(cfg)
+    elif family == "olmoe":
+        m = t.OlmoeForCausalLM(t.OlmoeConfig(**_LM_COMMON, intermediate_size=16, num_experts=8, num_experts_per_tok=2))
+    elif family == "mixtral":
+        cfg = t.MixtralConfig(
+            **_LM_COMMON, head_dim=32, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2
+        )
+        m = t.MixtralForCausalLM(cfg)
+    else:
+        raise KeyError(family)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.2)
+    return m.eval()
+
+
+FAMILIES = ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen3_moe_norm", "qwen2_moe", "olmoe", "mixtral"]
+
+
+def _blocks(m):
+    return [mod for name, mod in m.named_modules() if name.endswith("mlp") and hasattr(mod, "experts")]
+
+
+def _decode_logits(m, ids, mask, steps=3):
+    """Prefill with left padding and a mask, then teacher-forced one-token steps."""
+    out = m(input_ids=ids, attention_mask=mask, use_cache=True)
+    logits = [out.logits]
+    past = out.past_key_values
+    g = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        nxt = torch.randint(3, m.config.vocab_size, (ids.shape[0], 1), generator=g)
+        mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+        out = m(input_ids=nxt, attention_mask=mask, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits.append(out.logits)
+    return torch.cat(logits, dim=1)
+
+
+def _inputs(vocab, batch=2):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (batch, 6), generator=g)
+    mask = torch.ones_like(ids)
+    if batch > 1:
+        mask[1, :2] = 0  # left padding of the second row
+        ids[1, :2] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("batch", [1, 2], ids=["one-sequence", "batch2-left-padded"])
+@pytest.mark.parametrize("env", [MPS215, MPS214], ids=["mps-2.15.0", "mps-2.14.1"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_outputs_and_tokens_equal_stock(family, env, batch):
+    stock = _lm(family)
+    m = copy.deepcopy(stock)
+    report = mpsboost.patch(m, device=env)
+    assert any(r.recipe == "moe_block" and r.status == "applied" for r in report.rows), report
+    ids, mask = _inputs(m.config.vocab_size, batch)
+    with torch.no_grad():
+        ref, got = _decode_logits(stock, ids, mask), _decode_logits(m, ids, mask)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        ref_nc = stock(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(
+            m(input_ids=ids, attention_mask=mask, use_cache=False).logits, ref_nc, rtol=1e-5, atol=1e-5
+        )
+        kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        for _ in range(2):  # a second generate() call
+            assert torch.equal(m.generate(ids, **kw), stock.generate(ids, **kw))
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _block_ops(block, hidden):
+    x = torch.randn(1, 1, hidden)
+    with torch.no_grad(), _Count() as c:
+        block(x)
+    return c.n
+
+
+@pytest.mark.parametrize("env", [MPS215, MPS214], ids=["mps-2.15.0", "mps-2.14.1"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_ops_at_most_25(family, env):
+    m = _lm(family)
+    mpsboost.patch(m, device=env)
+    block = _blocks(m)[0]
+    assert _block_ops(block, m.config.hidden_size) <= 25
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "mixtral"])
+def test_one_token_block_equals_stock_bf16_within_noise(family):
+    stock = _lm(family).to(torch.bfloat16)
+    m = copy.deepcopy(stock)
+    mpsboost.patch(m, device=MPS215)
+    b_ref, b = _blocks(stock)[0], _blocks(m)[0]
+    x = torch.randn(1, 1, m.config.hidden_size, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref32 = _blocks(_lm(family))[0](x.float())
+        err = (b(x).float() - ref32).abs().max()
+        err_stock = (b_ref(x).float() - ref32).abs().max()
+    assert err <= 2 * err_stock + 1e-2
+
+
+def test_unpatch_restores_forward_and_storage():
+    m = _lm("qwen3_5_moe")
+    block = _blocks(m)[0]
+    before = {n: p.detach().clone() for n, p in block.named_parameters()}
+    ptrs = {n: p.data_ptr() for n, p in block.named_parameters()}
+    params = dict(block.named_parameters())
+    mpsboost.patch(m, device=MPS215)
+    assert "forward" in block.__dict__
+    assert (
+        block.gate.weight.untyped_storage().data_ptr()
+        == block.shared_expert.up_proj.weight.untyped_storage().data_ptr()
+    )
+    mpsboost.unpatch(m)
+    assert "forward" not in block.__dict__
+    for n, p in block.named_parameters():
+        assert p is params[n] and torch.equal(p, before[n])
+    storages = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    assert len(storages) == len(ptrs)
+
+
+def test_user_choice_after_patching_runs_the_experts_module():
+    m = _lm("qwen3_moe")
+    mpsboost.patch(m, device=MPS215)
+    m.set_experts_implementation("eager")
+    calls = []
+    block = _blocks(m)[0]
+    h = block.experts.register_forward_hook(lambda *a: calls.append(1))
+    with torch.no_grad():
+        block(torch.randn(1, 1, m.config.hidden_size))
+    h.remove()
+    assert calls == [1]
+
+
+def test_fullgraph_compile_of_decode_step():
+    m = _lm("qwen3_5_moe")
+    mpsboost.patch(m, device=MPS215)
+    block = _blocks(m)[0]
+    x = torch.randn(1, 1, m.config.hidden_size)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = block(x)
+        got = torch.compile(block, fullgraph=True, backend="eager")(x)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_decisions_per_environment():
+    m = _lm("qwen3_5_moe")
+
+    def row(env):
+        rep = mpsboost.plan(m, env=env)
+        return next(r for r in rep.rows if r.recipe == "moe_block")
+
+    assert "grouped_mm" in row(MPS215).backing
+    assert "gathered" in row(MPS214).backing
+    assert row(Env.simulate("cuda", "2.11.0", capability=(9, 0))).status == "skipped"
+    assert row(Env.simulate("cpu", "2.13.0")).status == "would apply"
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
+def test_fp8_experts_still_match_stock_fp8(family, batch):
+    """fp8 experts (and an fp8 shared expert) are run by their own modules: same output as fp8 without moe_block."""
+    stock = _lm(family)
+    m = copy.deepcopy(stock)
+    mpsboost.patch(stock, device=MPS215, fp8="rowwise", recipes=["fp8_weights"])
+    mpsboost.patch(m, device=MPS215, fp8="rowwise")
+    # Experts already fp8 when deciding (e.g. after load_fp8): the recipe steps aside, saying why.
+    row = next(r for r in mpsboost.plan(stock, env=MPS215).rows if r.recipe == "moe_block")
+    assert row.status == "skipped" and "float8" in row.reason
+    ids, mask = _inputs(m.config.vocab_size, batch)
+    with torch.no_grad():
+        torch.testing.assert_close(_decode_logits(m, ids, mask), _decode_logits(stock, ids, mask), rtol=1e-4, atol=1e-4)
+
+
+def test_simulated_mac_decisions_on_another_gpu_keep_the_grouped_path(monkeypatch):
+    """The GPU proxy runs Mac decisions on CUDA tensors: where the simulated Mac has the grouped kernel, the
+    real GPU's kernel stands in (not the dense fallback over every expert)."""
+    from mpsboost.recipes import moe_experts
+
+    cuda = Env.simulate("cuda", "2.11.0", capability=(9, 0))
+    monkeypatch.setattr(moe_experts.Env, "detect", classmethod(lambda cls, device=None: cuda))
+    stand_in = moe_experts.MoeExperts._stand_in_pairs
+    dev = torch.device("cuda")
+    pairs = {("mps", torch.bfloat16), ("mps", torch.float32), ("cpu", torch.bfloat16)}
+    assert stand_in(dev, MPS215, pairs, {64, 32, 16}) == {("cuda", torch.bfloat16)}
+    assert stand_in(dev, MPS214, set(), {64, 32, 16}) == set()  # no kernel on the simulated Mac: nothing
+    old = Env.simulate("cuda", "2.7.0", capability=(9, 0))
+    monkeypatch.setattr(moe_experts.Env, "detect", classmethod(lambda cls, device=None: old))
+    assert stand_in(dev, MPS215, pairs, {64, 32, 16}) == set()  # the real GPU has no grouped kernel
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe", "mixtral"])
+def test_many_tokens_through_the_recipe_path_equal_stock(family):
+    """max_tokens above the prompt: prefill of a left-padded batch runs the recipe's many-token path too."""
+    stock = _lm(family)
+    m = copy.deepcopy(stock)
+    mpsboost.patch(m, device=MPS215, options={"moe_block": {"max_tokens": 64}})
+    ids, mask = _inputs(m.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(_decode_logits(m, ids, mask), _decode_logits(stock, ids, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_options_are_named():
+    m = _lm("qwen3_moe")
+    from mpsboost.errors import PatchError
+
+    with pytest.raises(PatchError, match="max_tokens=0: expected an int >= 1"):
+        mpsboost.patch(m, device=MPS215, options={"moe_block": {"max_tokens": 0}})
+    with pytest.raises(PatchError, match="path='dense'"):
+        mpsboost.patch(m, device=MPS215, options={"moe_block": {"path": "dense"}})
+    assert "forward" not in _blocks(m)[0].__dict__
