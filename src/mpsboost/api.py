@@ -44,7 +44,18 @@ from .registry import (
 from .patching import Patch, is_patched_by
 from .report import ALREADY_PATCHED, APPLIED, NOT_APPLICABLE, SKIPPED, WOULD_APPLY, PatchReport, Row
 
-__all__ = ["patch", "unpatch", "patched", "plan", "last_report", "adopt", "Adopted", "targets", "env_for"]
+__all__ = [
+    "patch",
+    "unpatch",
+    "patched",
+    "plan",
+    "last_report",
+    "adopt",
+    "Adopted",
+    "targets",
+    "env_for",
+    "device_env",
+]
 
 log = logging.getLogger("mpsboost")
 
@@ -214,23 +225,43 @@ def _env_for(obj: Any, targets, device: Any) -> Env:
         if dev is None or dev.type == "meta":
             return Env.detect("cpu")
         return Env.detect(dev)
+    return device_env(device, absent="simulate", stacklevel=4)
+
+
+def device_env(device: Any, *, absent: str = "simulate", stacklevel: int = 2) -> Env:
+    """The :class:`Env` for a ``device=`` argument: an Env as it is, or a device name or torch.device.
+
+    The one place that reads ``device=`` for patch(), plan() and load_fp8(). A device type mpsboost does
+    not know raises :class:`GateError` in one line. A known device that torch does not see here is
+    ``absent="simulate"`` (patch, plan): the decisions are made for it, with a warning, and the model
+    stays where it is; or ``absent="raise"`` (load_fp8, which must put tensors on it): the same sentence
+    as a one-line :class:`GateError`.
+    """
     if isinstance(device, Env):
         return device
-    if isinstance(device, (str, torch.device)):
-        dev = _device_type(device)
-        if not _present(dev.type):
-            # Tests and dry runs ask for a device that is not here: the decisions are made for it,
-            # marked simulated in the report, and the user is told (the model itself stays where it is).
-            warnings.warn(
-                f"mpsboost: device={str(device)!r} but torch sees no {dev.type} device here; the decisions are "
-                f"simulated for {dev.type} (the report says so) and the model computes where its weights are",
-                stacklevel=3,
-            )
-            return Env.simulate(dev.type)
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            "device must be None, an mpsboost.Env, a str such as 'mps', or a torch.device; "
+            f"got {type(device).__name__}: {device!r}"
+        )
+    if absent not in ("simulate", "raise"):
+        raise ValueError(f"absent must be 'simulate' or 'raise', got {absent!r}")
+    dev = _device_type(device)
+    if _present(dev.type):
         return Env.detect(dev)
-    raise TypeError(
-        f"device must be None, a str such as 'mps', or a torch.device; got {type(device).__name__}: {device!r}"
+    if absent == "raise":
+        raise GateError(
+            f"device={str(device)!r} but torch sees no {dev.type} device here; pass device="
+            f"mpsboost.Env.simulate({dev.type!r}) to make the {dev.type} decisions with the tensors on the CPU"
+        )
+    # Tests and dry runs ask for a device that is not here: the decisions are made for it, marked
+    # simulated in the report, and the user is told (the model itself stays where it is).
+    warnings.warn(
+        f"mpsboost: device={str(device)!r} but torch sees no {dev.type} device here; the decisions are "
+        f"simulated for {dev.type} (the report says so) and the model computes where its weights are",
+        stacklevel=stacklevel,
     )
+    return Env.simulate(dev.type)
 
 
 def env_for(obj: Any, device: Any = None) -> Env:
@@ -325,6 +356,26 @@ def _check_options(options: Mapping[str, Mapping[str, Any]] | None) -> None:
         make_options(recipe, given)  # unknown keys and wrong types, also for a recipe not selected
 
 
+def _check_selected(options: Mapping[str, Mapping[str, Any]] | None, chosen: Sequence[Recipe]) -> None:
+    """Options given for a recipe this call does not select would be ignored silently: refuse them."""
+    if not options:
+        return
+    selected = {r.name for r in chosen}
+    for name in options:
+        recipe = get_recipe(name)
+        if recipe.name in selected:
+            continue
+        if recipe.keyword is not None:
+            how = f"select it with {recipe.keyword}=... (or recipes=[..., {recipe.name!r}])"
+        else:
+            how = "select it (name it in recipes=[...], leave it out of exclude)"
+        raise RecipeOptionError(
+            f"options name {recipe.name}, which this call does not select "
+            f"(selected: {', '.join(sorted(selected)) or 'none'}); {how}, or drop its options",
+            recipe=recipe.name,
+        )
+
+
 def _options(recipe: Recipe, keywords: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]] | None) -> Any:
     """``recipe``'s typed options: the user's dict for it checked against ``recipe.Options``, with the
     public keyword it declares (``Recipe.keyword``) filled in as its option field (``Recipe.keyword_field``)."""
@@ -350,6 +401,7 @@ def _plan_rows(
     rows: list[Row] = []
     actions: list[tuple[Recipe, Match, Decision, Any]] = []
     _check_options(options)
+    _check_selected(options, chosen)
     for recipe in chosen:
         opts = _options(recipe, keywords, options)
         seen: set[int] = set()
@@ -446,7 +498,7 @@ def _full_path(match_path: str, name: str) -> str:
 def plan(
     obj: Any,
     *,
-    device: str | None = None,
+    device: str | torch.device | Env | None = None,
     torch_version: str | None = None,
     capability: tuple[int, int] | None = None,
     env: Env | None = None,
@@ -461,10 +513,20 @@ def plan(
     meta device from a pipeline folder's configs).
 
     ``plan(pipe, device="mps", torch_version="2.14.1")`` simulates an Apple machine on torch 2.14.1;
-    ``device="cuda:8.0"`` (or ``capability=(8, 0)``) a CUDA GPU of that compute capability. Works on
+    ``device="cuda:8.0"`` (or ``capability=(8, 0)``) a CUDA GPU of that compute capability. ``device``
+    also takes an :class:`Env` (``device=Env.simulate("mps", "2.15.0")``), as patch() does. Works on
     models on the meta device.
     """
     targets = _targets(obj, allow_mapping=True, action="plan for")
+    if isinstance(device, Env):  # what patch(device=Env) takes, plan takes too
+        if env is not None or torch_version is not None or capability is not None:
+            raise TypeError(
+                "device is an mpsboost.Env already: pass torch_version, capability and env only with a device "
+                "name, or put them in the Env (Env.simulate(device, torch_version, capability=...))"
+            )
+        env, device = device, None
+    elif isinstance(device, torch.device):
+        device = str(device)
     if env is None:
         if device is not None or torch_version is not None or capability is not None:
             if device is None:

@@ -668,3 +668,60 @@ def test_inner_then_outer_computes_like_stock():
     mpsboost.patch(model, device=mac)
     for seed in (1, 2):
         assert tm.relative_error(tm.run("qwen3_5_moe", model, seed), tm.run("qwen3_5_moe", stock, seed)) < 1e-4
+
+
+# ------------------------------------------------------------------ device= and options= read the same everywhere
+
+
+def test_plan_takes_an_env_as_device_like_patch(recipes):
+    from mpsboost.gate import Env
+
+    mac = Env.simulate("mps", "2.14.1")
+    m = _model()
+    by_device = mpsboost.plan(m, recipes=["t_gated"], device=mac)
+    by_env = mpsboost.plan(m, recipes=["t_gated"], env=mac)
+    assert by_device.env == mac and by_device.to_json() == by_env.to_json()
+    patched_report = mpsboost.patch(m, recipes=["t_gated"], device=mac)
+    assert [r.status for r in patched_report.rows] == [r.status for r in by_device.rows]
+    with pytest.raises(TypeError, match="an mpsboost.Env already"):
+        mpsboost.plan(m, device=mac, torch_version="2.15.0")
+    # a torch.device works too (simulated, as a name does in plan)
+    assert mpsboost.plan(m, recipes=["t_gated"], device=torch.device("mps")).env.device_type == "mps"
+
+
+def test_an_absent_device_is_one_line_for_load_fp8_as_for_patch(tmp_path, monkeypatch):
+    """patch(device="mps") without MPS simulates and warns; load_fp8, which must put tensors there, raises
+    the same sentence as one GateError line (not a file error)."""
+    pytest.importorskip("transformers")
+    import tiny_models as tm
+    from mpsboost.errors import GateError
+
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    src = tm.build("qwen3_moe", dtype="bfloat16")
+    with pytest.warns(UserWarning, match="torch sees no mps device here") as seen:
+        mpsboost.patch(src, fp8="rowwise", device="mps")
+    sentence = "device='mps' but torch sees no mps device here"
+    assert sentence in str(seen[0].message)
+    mpsboost.save_fp8(src, tmp_path / "ck")
+    target = tm.build("qwen3_moe", dtype="bfloat16", seed=1)
+    with pytest.raises(GateError) as info:
+        mpsboost.load_fp8(target, tmp_path / "ck", device="mps")
+    assert sentence in str(info.value) and "\n" not in str(info.value) and len(str(info.value)) < 300
+    with pytest.raises(GateError, match="not one mpsboost knows"):
+        mpsboost.load_fp8(target, tmp_path / "ck", device="tpu")
+
+
+def test_options_for_a_recipe_not_selected_raise(recipes):
+    from mpsboost.errors import RecipeOptionError
+
+    m = _model()
+    with pytest.raises(RecipeOptionError, match=r"options name softmax, which this call does not select"):
+        mpsboost.patch(m, recipes=["t_scale"], options={"softmax": {"path": "logits"}})
+    with pytest.raises(RecipeOptionError, match=r"does not select .*select it"):
+        mpsboost.plan(m, exclude=["softmax"], options={"softmax": {"path": "logits"}})
+    with pytest.raises(RecipeOptionError, match=r"select it with fp8="):
+        mpsboost.patch(m, options={"fp8_weights": {"include": ["x"]}})
+    assert not mpsboost.api.is_patched(m)
+    # selected: accepted (softmax finds no target in this model: the row says so)
+    report = mpsboost.plan(m, recipes=["t_scale", "softmax"], options={"softmax": {"path": "logits"}})
+    assert report.rows_for("softmax")
