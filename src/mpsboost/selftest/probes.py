@@ -659,12 +659,13 @@ def run_probes(
     deadline: float | None = None,
     only: tuple[str, ...] = (),
     echo: Callable[[str], None] = print,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[dict]:
     out = []
     for probe in PROBES.values():
         if only and probe.name not in only:
             continue
-        if deadline is not None and time.perf_counter() > deadline:
+        if deadline is not None and clock() > deadline:
             rec = {
                 "kind": "probe",
                 "name": probe.name,

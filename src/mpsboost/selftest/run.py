@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .report import SCHEMA, SelftestFormatError, markdown, validate
+from .report import NOT_EVIDENCE, SCHEMA, SelftestFormatError, markdown, validate
 
 __all__ = ["BUDGET_S", "PROCESSES", "DeviceAbsentError", "build_parser", "main", "run_selftest"]
 
@@ -132,18 +132,21 @@ def run_selftest(
     dtype: str = "float32",
     command: str = "mpsboost selftest",
     echo: Callable[[str], None] = print,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[list[dict], Path, Path]:
     """Run the selftest; returns its lines and the paths of the JSONL and markdown files.
 
     ``probes`` / ``workloads`` / ``recipes``: only these (an empty list: none of that section; None: all).
-    Raises :class:`DeviceAbsentError` (nothing written) when ``device`` is not present.
+    Raises :class:`DeviceAbsentError` (nothing written) when ``device`` is not present. The budget is
+    checked on ``clock`` before each probe, each step of a workload, each fresh process and each recipe
+    check; what does not fit is recorded as skipped.
     """
     import torch
 
     from .machine import device_absent, facts, scrub_all
     from .probes import PROBES, gemm_sample, gemm_verdict, run_probes
     from .recipes import DTYPES
-    from .workloads import SEED_WORKLOADS, SIZES, run_workload
+    from .workloads import SEED_WORKLOADS, SIZES, BudgetSpent, run_workload
 
     if size not in SIZES:
         raise ValueError(f"size {size!r} is not accepted; pass one of {', '.join(SIZES)}")
@@ -174,27 +177,32 @@ def run_selftest(
             f"processes ({processes}) and repeats ({repeats}) must be at least 1 and the budget ({budget_s}) positive"
         )
     small = size == "test" or device == "cpu"
-    t0 = time.perf_counter()
+    t0 = clock()
     deadline = t0 + budget_s
     echo(f"mpsboost selftest on {device} (size {size}, {processes} process(es), budget {budget_s:.0f} s)")
+    if device != "mps":
+        echo(NOT_EVIDENCE.format(device=device))
     lines: list[dict] = _gate_lines(device)
     chosen_probes = tuple(PROBES) if probes is None else tuple(probes)
-    probe_lines = run_probes(device, small, deadline=deadline, only=chosen_probes, echo=echo) if chosen_probes else []
+    probe_lines = (
+        run_probes(device, small, deadline=deadline, only=chosen_probes, echo=echo, clock=clock)
+        if chosen_probes
+        else []
+    )
     names = list(SEED_WORKLOADS) if workloads is None else list(workloads)
     wl_lines = []
     for name in names:
-        if time.perf_counter() > deadline:
-            rec = {
-                "kind": "workload",
-                "name": name,
-                "what": SEED_WORKLOADS[name].what,
-                "size": size,
-                "status": "skipped",
-                "reason": "time budget spent",
-            }
+        skipped = {"kind": "workload", "name": name, "what": SEED_WORKLOADS[name].what, "size": size}
+        if clock() > deadline:
+            rec = dict(skipped, status="skipped", reason="time budget spent")
         else:
+            echo(f"  workload {name}: started ({clock() - t0:.0f} s of {budget_s:.0f} s)")
             try:
-                rec = run_workload(SEED_WORKLOADS[name], device, size, repeats)
+                rec = run_workload(
+                    SEED_WORKLOADS[name], device, size, repeats, deadline=deadline, clock=clock, progress=echo
+                )
+            except BudgetSpent as e:
+                rec = dict(skipped, status="skipped", reason=str(e))
             except Exception as e:  # noqa: BLE001 - one workload's failure is a finding, not the end of the run
                 first = (str(e).strip().splitlines() or [""])[0][:300]
                 rec = {
@@ -212,7 +220,7 @@ def run_selftest(
     ran = [w["name"] for w in wl_lines if w["status"] in ("pass", "fail")]
     child_notes = []
     for i in range(1, processes):
-        left = deadline - time.perf_counter()
+        left = deadline - clock()
         if left <= 5:
             child_notes.append(f"process {i + 1}: not started (time budget spent)")
             continue
@@ -241,7 +249,7 @@ def run_selftest(
                 p.update(gemm_verdict(gemm, device))
     lines += probe_lines + wl_lines
     if recipes is None or recipes:
-        lines += _recipe_lines(device, dtype, recipes, repeats, deadline, echo)
+        lines += _recipe_lines(device, dtype, recipes, repeats, deadline, echo, clock)
     head = {
         "kind": "selftest",
         "schema": SCHEMA,
@@ -250,7 +258,8 @@ def run_selftest(
         "processes": processes,
         "repeats": repeats,
         "budget_s": budget_s,
-        "duration_s": round(time.perf_counter() - t0, 1),
+        "duration_s": round(clock() - t0, 1),
+        "evidence": device == "mps",
         "date": _dt.date.today().isoformat(),
         "command": command,
         "process_notes": child_notes,
@@ -268,7 +277,13 @@ def run_selftest(
 
 
 def _recipe_lines(
-    device: str, dtype: str, names: Sequence[str] | None, repeats: int, deadline: float, echo: Callable[[str], None]
+    device: str,
+    dtype: str,
+    names: Sequence[str] | None,
+    repeats: int,
+    deadline: float,
+    echo: Callable[[str], None],
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[dict]:
     from ..bench import Record, RecordEnv
     from ..bench import Workload as BenchWorkload
@@ -282,8 +297,8 @@ def _recipe_lines(
     record_env = RecordEnv.capture(device, {"float32": "float32"}.get(dtype, dtype))
     out = []
     for recipe in chosen:
-        t0 = time.perf_counter()
-        if time.perf_counter() > deadline:
+        t0 = clock()
+        if clock() > deadline:
             res = RecipeResult(recipe.name, "error", "not run: time budget spent")
         else:
             try:
@@ -297,7 +312,7 @@ def _recipe_lines(
                     extra={KIND: {"recipe": recipe.name, "status": "error", "reason": why}},
                 )
                 res = RecipeResult(recipe.name, "error", why, records=[rec])
-        echo(f"  recipe {recipe.name}: {res.status} ({time.perf_counter() - t0:.1f} s)")
+        echo(f"  recipe {recipe.name}: {res.status} ({clock() - t0:.1f} s)")
         out.append(
             {
                 "kind": "recipe",
@@ -392,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.validate:
-        summary = validate(args.validate)
+        summary = validate(args.validate, require_mps=True)
         print(json.dumps(summary, indent=2, default=str))
         return 0
     if args.child:
