@@ -672,3 +672,23 @@ def test_float32_tolerance_rises_to_tf32_only_on_cuda(monkeypatch):
     assert fp32_tolerance("cuda:0", "float32", 5e-3) == 5e-3
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     assert fp32_tolerance("cuda", "float32", 1e-4) == 1e-4
+
+
+def test_on_the_cpu_the_quick_run_uses_the_test_sizes(tmp_path):
+    """On the CPU the file is no evidence and the quick sizes would take many minutes on two cores: the
+    workloads run at their test size in one process (fresh processes are for MPS's per-process GEMM
+    kernel choice), and the run says so."""
+    printed: list[str] = []
+    lines, jsonl, _ = selftest.run_selftest(
+        "cpu",
+        size="quick",
+        out_dir=tmp_path,
+        probes=[],
+        workloads=["fp8_linear_m1"],
+        recipes=[],
+        echo=printed.append,
+    )
+    assert lines[0]["size"] == "quick" and lines[0]["workload_size"] == "test" and lines[0]["processes"] == 1
+    assert [x["size"] for x in lines if x["kind"] == "workload"] == ["test"]
+    assert any("run at their test size" in ln for ln in printed), printed
+    assert validate(jsonl)["workloads"] == {"fp8_linear_m1": "pass"}
