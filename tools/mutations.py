@@ -123,6 +123,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/bench/test_e2e_bench.py", "-k", "not_timed"),
     ),
     Mutation(
+        name="selftest-budget-between-workloads-only",
+        why="the selftest checks its budget only between workloads, not before each step of one",
+        edits=(
+            Edit(
+                "src/mpsboost/selftest/workloads.py",
+                "        if deadline is not None and clock() > deadline:\n            raise BudgetSpent(what)\n",
+                "        pass\n",
+            ),
+        ),
+        tests=("tests/integration/test_selftest.py", "-k", "budget_is_checked"),
+    ),
+    Mutation(
         name="harness-imports-matplotlib",
         why="import mpsboost.bench imports matplotlib itself",
         edits=(Edit("src/mpsboost/bench/__init__.py", "", "\nimport matplotlib  # noqa: E402,F401\n"),),

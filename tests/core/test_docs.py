@@ -28,7 +28,7 @@ README = ROOT / "README.md"
 PAGES = [
     README,
     *sorted((ROOT / "docs").glob("*.md")),
-    ROOT / "examples" / "README.md",
+    ROOT / "recipes" / "README.md",
     ROOT / "benchmarks" / "README.md",
     ROOT / "src" / "mpsboost" / "recipes" / "README.md",
 ]
@@ -213,7 +213,7 @@ def test_no_deprecated_torch_dtype(page):
 
 
 def test_cookbook_scripts_use_dtype():
-    offenders = [p.name for p in (ROOT / "examples").glob("*.py") if "torch_dtype=" in p.read_text()]
+    offenders = [p.name for p in (ROOT / "recipes").glob("*.py") if "torch_dtype=" in p.read_text()]
     assert not offenders, offenders
 
 
@@ -312,7 +312,6 @@ def _sources() -> list[Path]:
         *sorted((ROOT / "src" / "mpsboost" / "data").glob("*.json")),
         *sorted((ROOT / "benchmarks").glob("*.py")),
         *sorted((ROOT / "recipes").glob("*.py")),
-        *sorted((ROOT / "examples").glob("*.py")),
     ]
     return pages + code
 

@@ -169,7 +169,7 @@ def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_proper
     # nothing else is.
     source = {p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src" / "mpsboost").rglob("*.py")}
     assert source == {n for n in names if n.endswith(".py")}
-    assert not any(n.startswith(("tests/", "examples/", "benchmarks/")) for n in names), (
+    assert not any(n.startswith(("tests/", "recipes/", "benchmarks/")) for n in names), (
         "test or cookbook files in the wheel"
     )
 

@@ -33,7 +33,9 @@ def plot(records: Iterable[Record], path: str | os.PathLike, *, title: str | Non
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise BenchError("plot() needs matplotlib: pip install -e '.[bench]' in the mpsboost checkout (or pip install matplotlib)") from exc
+        raise BenchError(
+            "plot() needs matplotlib: pip install -e '.[bench]' in the mpsboost checkout (or pip install matplotlib)"
+        ) from exc
     if not groups:
         raise RecordError("plot() got no records")
     path = Path(path)
