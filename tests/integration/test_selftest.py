@@ -30,7 +30,13 @@ def run(tmp_path_factory):
     torch.set_num_threads(1)  # tiny models on a shared CPU: thread hand-offs would cost more than the work
     try:
         lines, jsonl, md = selftest.run_selftest(
-            "cpu", size="test", processes=1, out_dir=out, recipes=CHECKED_RECIPES, echo=printed.append
+            "cpu",
+            size="test",
+            processes=1,
+            budget_s=selftest.BUDGET_S["test"],  # not the CPU's default: every workload must run here
+            out_dir=out,
+            recipes=CHECKED_RECIPES,
+            echo=printed.append,
         )
     finally:
         torch.set_num_threads(threads)
@@ -55,10 +61,11 @@ def test_cpu_selftest_writes_a_file_that_validates(run):
 
 def test_a_run_without_mps_says_in_one_line_that_its_file_is_not_evidence(run, capsys):
     lines, jsonl, md, printed = run
-    notes = [ln for ln in printed.splitlines() if "not evidence" in ln]
+    notes = [ln for ln in printed.splitlines() if ln.startswith("note:")]
     assert len(notes) == 1 and "not an MPS device (cpu)" in notes[0], notes
     assert printed.splitlines()[1] == notes[0]  # right after the first line, before any probe
     assert notes[0] in md.read_text() and "Send it:" not in md.read_text()
+    assert printed.splitlines()[-1].endswith("not evidence: do not send them")
     assert lines[0]["evidence"] is False
     # `mpsboost selftest --validate` (what a user runs before sending) refuses it, in one line
     assert cli_main(["selftest", "--validate", str(jsonl)]) == 2
@@ -479,8 +486,10 @@ def test_cli_repeats_in_fresh_processes_and_reports_the_spread(tmp_path, capsys)
     (g,) = [x for x in lines if x["kind"] == "probe"]
     assert len(g["measured"]["samples_s"]) == 2 and g["verdict"] == "not applicable"  # MPS-only, measured here
     assert lines[0]["command"].startswith("mpsboost selftest --device cpu") and str(tmp_path) not in lines[0]["command"]
-    assert cli_main(["selftest", "--validate", str(jsonl)]) == 0
-    assert '"fp8_linear_m1": "pass"' in capsys.readouterr().out
+    assert validate(jsonl)["workloads"] == {"fp8_linear_m1": "pass"}
+    capsys.readouterr()
+    assert cli_main(["selftest", "--validate", str(jsonl)]) == 2  # a well-formed CPU file, but no evidence
+    assert "not on MPS: not evidence" in capsys.readouterr().err
 
 
 def test_unknown_names_are_refused(tmp_path, capsys):
@@ -690,5 +699,7 @@ def test_on_the_cpu_the_quick_run_uses_the_test_sizes(tmp_path):
     )
     assert lines[0]["size"] == "quick" and lines[0]["workload_size"] == "test" and lines[0]["processes"] == 1
     assert [x["size"] for x in lines if x["kind"] == "workload"] == ["test"]
+    assert lines[0]["repeats"] == 1 and lines[0]["budget_s"] == selftest.run.CPU_BUDGET_S < selftest.BUDGET_S["quick"]
     assert any("run at their test size" in ln for ln in printed), printed
+    assert printed[-1].endswith("not evidence: do not send them"), printed[-1]
     assert validate(jsonl)["workloads"] == {"fp8_linear_m1": "pass"}

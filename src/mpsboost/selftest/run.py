@@ -26,6 +26,7 @@ REPEATS = {"test": 1, "quick": 3, "full": 5}
 # Seconds, checked before each probe, each step of a workload and each recipe check (what does not fit is
 # skipped, saying so). No Mac run has been timed yet.
 BUDGET_S = {"test": 600.0, "quick": 480.0, "full": 1800.0}
+CPU_BUDGET_S = 200.0
 _CHILD_MARK = "MPSBOOST-SELFTEST-CHILD "
 
 
@@ -172,8 +173,12 @@ def run_selftest(
         raise ValueError(f"unknown recipe(s) {unknown}; known: {', '.join(sorted(known_recipes))}")
     # Fresh processes show MPS's per-process GEMM kernel choice (pytorch#182815); on the CPU one is enough.
     processes = (1 if device == "cpu" else PROCESSES[size]) if processes is None else processes
-    repeats = REPEATS[size] if repeats is None else repeats
-    budget_s = BUDGET_S[size] if budget_s is None else budget_s
+    # On the CPU the run is no evidence (tiny models, one process): one timed repeat, and a budget that
+    # ends it within four minutes on two busy cores.
+    repeats = (1 if device == "cpu" else REPEATS[size]) if repeats is None else repeats
+    budget_s = (
+        (min(BUDGET_S[size], CPU_BUDGET_S) if device == "cpu" else BUDGET_S[size]) if budget_s is None else budget_s
+    )
     if processes < 1 or repeats < 1 or budget_s <= 0:
         raise ValueError(
             f"processes ({processes}) and repeats ({repeats}) must be at least 1 and the budget ({budget_s}) positive"
@@ -280,7 +285,8 @@ def run_selftest(
     jsonl, md = out / f"{stem}.jsonl", out / f"{stem}.md"
     jsonl.write_text("".join(json.dumps(x, default=str) + "\n" for x in lines), encoding="utf-8")
     md.write_text(markdown(lines, jsonl.name), encoding="utf-8")
-    echo(f"\nwrote {jsonl.name} and {md.name} in {out}; paste the .md into an issue and attach the .jsonl")
+    send = "paste the .md into an issue and attach the .jsonl" if device == "mps" else "not evidence: do not send them"
+    echo(f"\nwrote {jsonl.name} and {md.name} in {out}; {send}")
     return lines, jsonl, md
 
 
@@ -379,7 +385,9 @@ def build_parser(prog: str = "mpsboost selftest") -> argparse.ArgumentParser:
     )
     p.add_argument("--repeats", type=int, help="timed repeats per variant in each process")
     p.add_argument(
-        "--budget", type=float, help="seconds; what does not fit is recorded as skipped (default: quick 480, full 1800)"
+        "--budget",
+        type=float,
+        help="seconds; what does not fit is recorded as skipped (default: quick 480, full 1800; 200 on the cpu)",
     )
     p.add_argument("--probes", help="comma-separated probe names (default all; '-' for none)")
     p.add_argument("--workloads", help="comma-separated workload names (default all; '-' for none)")
