@@ -268,34 +268,32 @@ def test_decode_step_ops_per_layer(family, ratio, dtype, env_name):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("ratio", RATIOS)
 def test_decode_step_compiles_fullgraph(family, ratio):
-    torch._dynamo.reset()
     stock = _model(family, ratio, seed=7)
     patched = copy.deepcopy(stock)
     _patch(patched, Env.simulate("mps", "2.15.0"))
-    _decode_step_compiles(patched)
+    _decode_step_compiles(stock, patched)
 
 
 def test_decode_step_compiles_fullgraph_cpu_recipe_option():
-    torch._dynamo.reset()
-    patched = _model(seed=7)
+    stock = _model(seed=7)
+    patched = copy.deepcopy(stock)
     _patch(patched, Env.detect("cpu"), compiled="recipe")
-    _decode_step_compiles(patched)
+    _decode_step_compiles(stock, patched)
 
 
-def _decode_step_compiles(patched):
-    layer = _deltanets(patched)[0]
+def _decode_step_compiles(stock, patched, backend="aot_eager"):
+    """One DeltaNet layer's decode step under torch.compile(fullgraph=True): output and cache updates equal
+    the stock layer's on a copy of the same cache."""
+    torch._dynamo.reset()
+    layer, ref_layer = _deltanets(patched)[0], _deltanets(stock)[0]
     ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         cache = patched(ids[:, :8], use_cache=True).past_key_values
         twin = copy.deepcopy(cache)
         x = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(9))
-
-        def step(h, c):
-            return layer(h, cache=c)
-
-        compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+        compiled = torch.compile(lambda h, c: layer(h, cache=c), fullgraph=True, backend=backend)
         got = compiled(x, cache)
-        ref = step(x, twin)
+        ref = ref_layer(x, cache=twin)
     torch._dynamo.reset()
     assert tm.relative_error(got, ref) <= FP32_TOL
     assert tm.relative_error(cache.layers[0].recurrent_states[0], twin.layers[0].recurrent_states[0]) <= FP32_TOL
