@@ -453,6 +453,23 @@ def test_decisions_per_device():
         assert row.details["prefill"] == ("stock" if verdict.ok else "matmul")
 
 
+@pytest.mark.parametrize("ok", [True, False])
+def test_prefill_decision_follows_the_verdict_and_names_it(monkeypatch, ok):
+    """Whatever the gate concludes for a build, the plan carries it: stock prefill with the verdict's
+    reason (the kernel it found) where solve_triangular is fast, the matmul inverse where not."""
+    from mpsboost.gate import Verdict
+
+    reason = "triangular_solve_small_{16,32,64} kernels in the 2.15.0 macOS wheel (test verdict)"
+    real = la.check
+    monkeypatch.setattr(
+        la, "check", lambda f, env: Verdict(ok, reason) if f == "solve_triangular_fast" else real(f, env)
+    )
+    report = mpsboost.plan(_model(), recipes=["linear_attention"], env=Env.simulate("mps", "2.15.0"))
+    (row,) = [r for r in report.rows if r.recipe == "linear_attention"]
+    assert ("prefill stock" in row.backing) is ok and ("matmul triangular inverse" in row.backing) is not ok
+    assert row.details["prefill"] == ("stock" if ok else "matmul") and reason in row.reason
+
+
 def test_steps_aside_for_cuda_kernels_and_odd_layers(monkeypatch):
     model = _model()
     monkeypatch.setattr(la, "_fast_path_packages", lambda: ["fla"])
