@@ -171,7 +171,9 @@ class _State:
         return {k: v for k, v in self.__dict__.items() if k not in ("lock", "work")}
 
     def __setstate__(self, st: dict[str, Any]) -> None:
-        self.__dict__.update(st, lock=threading.Lock(), work=None)
+        for k, v in st.items():
+            setattr(self, k, v)
+        self.lock, self.work = threading.Lock(), None
 
 
 # ---------------------------------------------------------------------------- structure
