@@ -566,3 +566,26 @@ def test_weights_converted_after_patch_fall_back_to_stock_and_free_what_was_deri
     _steps(patched, ids, 5, outputs=got)
     assert len(got) == 3 and all(tm.relative_error(g, r) <= FP32_TOL for g, r in zip(got, ref))
     assert state.derived is None and state.work is None
+
+
+@pytest.mark.parametrize("env_name", ["mps-2.15.0", "mps-2.14.1"])
+@pytest.mark.parametrize("ratio", RATIOS)
+def test_composes_with_fp8_layers(env_name, ratio):
+    """With ``patch(fp8="rowwise")`` the DeltaNet layers stay patched: each fp8 projection runs its own
+    forward (its codes and scales where the fp8 recipe keeps them) and the rest of the step is the recipe's.
+    Against the same model with fp8 layers alone: float32 layer outputs within FP32_TOL (the recipe adds
+    no error to the fp8 layers'), and so no further from the float32 model than that model."""
+    ref = _model("qwen3_5", ratio, seed=50)
+    stock = copy.deepcopy(ref)
+    patched = copy.deepcopy(ref)
+    env = ENVS[env_name]()
+    mpsboost.patch(stock, recipes=["fp8_weights"], fp8="rowwise", device=env)
+    report = mpsboost.patch(patched, recipes=["fp8_weights", "linear_attention"], fp8="rowwise", device=env)
+    assert [r.status for r in report.rows if r.recipe == "linear_attention"] == ["applied"]
+    ids = torch.randint(3, 128, (2, 10), generator=torch.Generator().manual_seed(51))
+    _assert_layers_match(stock, patched, ids, 7, f"fp8 rowwise r={ratio} {env_name}")
+    layer = _deltanets(patched)[0]
+    assert layer.in_proj_qkv.weight.dtype in (torch.float8_e4m3fn, torch.uint8)  # the fp8 layers are there
+    assert layer.__dict__[la._STATE].derived["proj_mods"] is not None  # and the recipe's step used them
+    r, s, p = [torch.cat([x.flatten() for x in _steps(m, ids, 7)]) for m in (ref, stock, patched)]
+    assert tm.relative_error(p, r) <= tm.relative_error(s, r) + FP32_TOL

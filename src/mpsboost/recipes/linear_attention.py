@@ -197,6 +197,25 @@ def _plain_linear(m: Any, n_in: int, n_out: int) -> str | None:
     return None
 
 
+def _stored_linear(m: Any, n_in: int, n_out: int) -> bool:
+    """A bias-free ``nn.Linear`` of the right shape whose weight another recipe stores in its own format
+    (mpsboost's fp8 layers: codes and scales as buffers): the recipe calls the layer's own forward for it."""
+    return (
+        isinstance(m, torch.nn.Linear)
+        and getattr(m, "bias", None) is None
+        and (m.in_features, m.out_features) == (n_in, n_out)
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and not isinstance(m.weight, torch.nn.Parameter)
+        and tuple(m.weight.shape) == (n_out, n_in)
+    )
+
+
+def _linear_kind(m: Any, n_in: int, n_out: int) -> str:
+    """ "plain", "stored" (see :func:`_stored_linear`) or why the recipe cannot use the layer."""
+    why = _plain_linear(m, n_in, n_out)
+    return "plain" if why is None else "stored" if _stored_linear(m, n_in, n_out) else why
+
+
 def _layout(mod: torch.nn.Module) -> _Layout | str:
     """The layer's layout, or why the recipe cannot rely on it."""
     fam = _family(mod)
@@ -245,14 +264,15 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
         return f"conv1d is not a depthwise causal Conv1d over {c} channels with kernel {width}"
     params = []
     for name, rows in zip(_PROJ[fam], layout.widths):
-        why = _plain_linear(getattr(mod, name, None), hidden, rows)
-        if why:
-            return f"{name}: {why}"
-        params.append(getattr(mod, name).weight)
-    why = _plain_linear(getattr(mod, _OUT[fam], None), hv * dv, hidden)
-    if why:
-        return f"{_OUT[fam]}: {why}"
-    if len({(p.dtype, p.device) for p in params}) != 1 or len({id(p) for p in params}) != len(params):
+        kind = _linear_kind(getattr(mod, name, None), hidden, rows)
+        if kind not in ("plain", "stored"):
+            return f"{name}: {kind}"
+        if kind == "plain":
+            params.append(getattr(mod, name).weight)
+    kind = _linear_kind(getattr(mod, _OUT[fam], None), hv * dv, hidden)
+    if kind not in ("plain", "stored"):
+        return f"{_OUT[fam]}: {kind}"
+    if len({(p.dtype, p.device) for p in params}) > 1 or len({id(p) for p in params}) != len(params):
         return "input projections differ in dtype or device, or share a weight"
     for pname in ("A_log", "dt_bias"):
         p = getattr(mod, pname, None)
@@ -308,8 +328,13 @@ def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
     alf = a_log.detach().to(f32) if eager else a_log.to(f32)
     conv = mod.conv1d
     cw = conv.weight.view(lay.conv_dim, lay.width).to(f32)
-    weights = _proj_params(mod, lay)
-    if eager:
+    mods = [getattr(mod, n) for n in _PROJ[lay.family]]
+    out_mod = getattr(mod, _OUT[lay.family])
+    # A projection stored by another recipe (fp8 codes and scales) runs its own forward: its codes stay where
+    # that recipe put them (concatenating them would copy them, sharing one storage would read as a tie).
+    stored = any(_stored_linear(m, lay.hidden, w) for m, w in zip(mods, lay.widths))
+    weights = [] if stored else _proj_params(mod, lay)
+    if eager and not stored:
         weights = [w.detach() for w in weights]
         if lay.family != "qkvz":  # b and a: one [2 * Hv, hidden] copy (a few KiB), one product
             weights[-2:] = [torch.cat(weights[-2:])]
@@ -327,8 +352,10 @@ def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
         # accumulates unrounded products in any model dtype (no cast op).
         "conv_w": torch.cat((torch.zeros_like(cw[:, :1]), cw), dim=1),
         "conv_b": None if conv.bias is None else conv.bias.to(f32),
-        "out_w": getattr(mod, _OUT[lay.family]).weight,
+        "out_w": None if _stored_linear(out_mod, lay.hv * lay.dv, lay.hidden) else out_mod.weight,
+        "out_mod": out_mod,
         "proj": weights,
+        "proj_mods": mods if stored else None,
         "perm": _qkvz_perm(lay, dev) if lay.family == "qkvz" else None,
     }
     if eager:
@@ -336,8 +363,8 @@ def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
             d[k] = None if d[k] is None else d[k].detach()
         d["proj_t"] = [w.t() for w in weights]  # [hidden, n]: mm operands
         d["proj_t3"] = [w.unsqueeze(0) for w in d["proj_t"]]  # [1, hidden, n]: bmm operands (one sequence)
-        d["out_t"] = d["out_w"].t()
-        d["out_t3"] = d["out_t"].unsqueeze(0)
+        d["out_t"] = None if d["out_w"] is None else d["out_w"].t()
+        d["out_t3"] = None if d["out_t"] is None else d["out_t"].unsqueeze(0)
     return d
 
 
@@ -359,8 +386,10 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
         return state.derived
     linears = [(getattr(mod, name, None), lay.hidden, rows) for name, rows in zip(_PROJ[lay.family], lay.widths)]
     linears.append((getattr(mod, _OUT[lay.family], None), lay.hv * lay.dv, lay.hidden))
-    if any(_plain_linear(*x) for x in linears) or len({(m.weight.dtype, m.weight.device) for m, _, _ in linears}) != 1:
-        state.forget()  # e.g. weights converted by another recipe
+    kinds = [_linear_kind(*x) for x in linears]
+    plain = [m.weight for (m, _, _), k in zip(linears, kinds) if k == "plain"]
+    if any(k not in ("plain", "stored") for k in kinds) or len({(w.dtype, w.device) for w in plain}) > 1:
+        state.forget()  # e.g. weights replaced by something that is no linear any more
         return None
     with torch.no_grad():
         derived = _derive(mod, lay, eager=True)
@@ -427,7 +456,7 @@ class _Work:
             }
             if b > 1:
                 bufs["u"] = e(b * hv, 1, dv, dtype=f32)
-            raw = e(b, sum(w.shape[0] for w in d["proj"]), dtype=dtype) if d["perm"] is not None else bufs["y"]
+            raw = e(b, sum(lay.widths), dtype=dtype) if d["perm"] is not None else bufs["y"]
             self.raw = raw if d["perm"] is not None else None
             slots, start = [], 0
             for w in d["proj"]:  # each projection's product lands in its columns of y (or of the raw product)
@@ -435,6 +464,7 @@ class _Work:
                 slots.append(raw[:, start : start + rows].unsqueeze(1) if b == 1 else raw[:, start : start + rows])
                 start += rows
             self.slots = slots
+            self.y2 = raw if b > 1 else raw.view(1, 1, raw.shape[-1])  # cat's target: the shape of its pieces
             self.bufs = bufs
             self.views = {name: _view(spec, bufs[spec[0]]) for name, spec in _specs(lay, b).items()}
 
@@ -455,8 +485,11 @@ def _decode(
     if work is not None:
         bufs, views = work.bufs, work.views
         x = hs if b == 1 else hs.view(b, lay.hidden)
-        for wt, slot in zip(d["proj_t3"] if b == 1 else d["proj_t"], work.slots):
-            (torch.bmm if b == 1 else torch.mm)(x, wt, out=slot)
+        if d["proj_mods"] is not None:  # stored projections: each layer's own forward, side by side
+            torch.cat([m(x) for m in d["proj_mods"]], dim=-1, out=work.raw if d["perm"] is not None else work.y2)
+        else:
+            for wt, slot in zip(d["proj_t3"] if b == 1 else d["proj_t"], work.slots):
+                (torch.bmm if b == 1 else torch.mm)(x, wt, out=slot)
         y = bufs["y"]
         if d["perm"] is not None:
             torch.index_select(work.raw, -1, d["perm"], out=y)
@@ -494,6 +527,8 @@ def _decode(
     out = gd.gated_rms_norm(v("o4", o), v("z", y), d["norm_w"], d["norm_eps"], out=bufs.get("out"))
     if work is None:
         out = out.to(hs.dtype)
+    if d["out_w"] is None:  # stored output projection: its own forward
+        return d["out_mod"](v("out_in", out)).view(b, 1, lay.hidden)
     if b == 1:
         return torch.bmm(v("out_in", out), d["out_t3"] if work is not None else d["out_w"].t().unsqueeze(0))
     return torch.mm(v("out_in", out), d["out_t"] if work is not None else d["out_w"].t()).view(b, 1, lay.hidden)
@@ -539,7 +574,10 @@ def _prepare_decode(mod: torch.nn.Module, state: _State, hs: torch.Tensor, cache
 
 def _project(lay: _Layout, d: dict[str, Any], x2: torch.Tensor) -> torch.Tensor:
     """[M, hidden] -> [M, N] in the canonical column order [q | k | v | z | b | a], one product per weight."""
-    y = torch.cat([F.linear(x2, w) for w in d["proj"]], dim=-1)
+    if d["proj_mods"] is not None:
+        y = torch.cat([m(x2) for m in d["proj_mods"]], dim=-1)
+    else:
+        y = torch.cat([F.linear(x2, w) for w in d["proj"]], dim=-1)
     return y if d["perm"] is None else y.index_select(-1, d["perm"])
 
 
