@@ -589,3 +589,32 @@ def test_composes_with_fp8_layers(env_name, ratio):
     assert layer.__dict__[la._STATE].derived["proj_mods"] is not None  # and the recipe's step used them
     r, s, p = [torch.cat([x.flatten() for x in _steps(m, ids, 7)]) for m in (ref, stock, patched)]
     assert tm.relative_error(p, r) <= tm.relative_error(s, r) + FP32_TOL
+
+
+@pytest.mark.parametrize("env_name", ["mps-2.15.0", "mps-2.14.1"])
+def test_applies_after_load_fp8_of_the_qwen36_fp8_layout(tmp_path, env_name):
+    """After ``load_fp8`` of a folder in Qwen3.6-35B-A3B-FP8's layout (128x128 block scales; in_proj_qkv,
+    in_proj_z and out_proj fp8, in_proj_b/a bf16) the DeltaNet layers are patched in the same transaction
+    and keep the block-scaled layers' own forwards (dequantised per layer: the exact path). Against the
+    file's exact dequantisation in float32, the bf16 layer outputs are no further than the fp8 layers alone
+    give (BF16_FACTOR, as for bf16 models)."""
+    from recipes.fp8.test_fp8_qwen36 import _meta_model, _reference, write_qwen36_fp8
+
+    ref_state = write_qwen36_fp8(tmp_path / "qwen36")
+    env = ENVS[env_name]()
+    patched, stock = _meta_model(), _meta_model()
+    report = mpsboost.load_fp8(patched, tmp_path / "qwen36", device=env)
+    mpsboost.load_fp8(stock, tmp_path / "qwen36", device=env, lossless_recipes=False)
+    rows = [r for r in report.rows if r.recipe == "linear_attention"]
+    assert rows and all(r.status == "applied" for r in rows), [(r.target, r.status, r.reason) for r in rows]
+    ref = _reference(ref_state).float()
+    ids = torch.randint(0, 250, (2, 10), generator=torch.Generator().manual_seed(60))
+    outs = []
+    for m in (ref, stock, patched):
+        outs.append([])
+        _steps(m, ids, 7, outputs=outs[-1])
+    flat = [torch.cat([t.flatten().float() for t in ts]) for ts in outs]
+    e_stock, e_patched = tm.relative_error(flat[1], flat[0]), tm.relative_error(flat[2], flat[0])
+    assert 0 < e_stock < 0.1
+    assert e_patched <= BF16_FACTOR * e_stock, (e_patched, e_stock)
+    assert all(m.__dict__[la._STATE].derived["proj_mods"] is not None for m in _deltanets(patched))
