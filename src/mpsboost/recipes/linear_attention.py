@@ -484,7 +484,7 @@ def _decode(
     specs = _specs(lay, b)
     if work is not None:
         bufs, views = work.bufs, work.views
-        x = hs if b == 1 else hs.view(b, lay.hidden)
+        x = hs if b == 1 else hs.reshape(b, lay.hidden)
         if d["proj_mods"] is not None:  # stored projections: each layer's own forward, side by side
             torch.cat([m(x) for m in d["proj_mods"]], dim=-1, out=work.raw if d["perm"] is not None else work.y2)
         else:
