@@ -549,22 +549,25 @@ def test_mac_compile_static_cache_generates_the_eager_tokens():
     torch._dynamo.reset()
 
 
-def test_weights_converted_after_patch_fall_back_to_stock_and_free_what_was_derived():
+def test_weights_changed_after_patch_are_followed_or_left_to_stock():
+    """A weight another recipe stores in its own format after patching (here: the Parameter leaves, a buffer
+    takes its name, as fp8_weights does at commit) is used through the layer's own forward; a projection
+    that stops being a bias-free linear sends the layer back to stock, its constants and buffers freed."""
     stock = _model(seed=16)
     patched = copy.deepcopy(stock)
     _patch(patched, Env.simulate("mps", "2.15.0"))
     layer = _deltanets(patched)[0]
     state = layer.__dict__[la._STATE]
     assert state.derived is not None
-    # What a weight-converting recipe does at commit: the Parameter leaves, a buffer takes its name.
     w = layer.out_proj.weight.detach().clone()
     del layer.out_proj.weight
     layer.out_proj.register_buffer("weight", w)
     ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(17))
-    ref, got = [], []
-    _steps(stock, ids, 5, outputs=ref)
-    _steps(patched, ids, 5, outputs=got)
-    assert len(got) == 3 and all(tm.relative_error(g, r) <= FP32_TOL for g, r in zip(got, ref))
+    _assert_layers_match(stock, patched, ids, 5, "out_proj weight now a buffer")
+    assert state.derived is not None and state.derived["out_w"] is None and state.work is not None
+    for m in (stock, patched):  # a zero bias: stock's outputs unchanged, no bias-free linear any more
+        _deltanets(m)[0].in_proj_z.bias = torch.nn.Parameter(torch.zeros(_deltanets(m)[0].in_proj_z.out_features))
+    _assert_layers_match(stock, patched, ids, 5, "in_proj_z with a bias")
     assert state.derived is None and state.work is None
 
 

@@ -372,9 +372,12 @@ def _key(mod: torch.nn.Module, lay: _Layout) -> tuple:
     """Where and at which version every tensor the decode constants come from is: host-side metadata only
     (no aten op, no device sync); eager mode alone calls it."""
     names = (*_PROJ[lay.family], "conv1d", _OUT[lay.family], _NORM[lay.family])
-    ts = [getattr(getattr(mod, n, None), "weight", None) for n in names]
-    ts += [mod.A_log, mod.dt_bias, getattr(mod.conv1d, "bias", None)]
-    return tuple((t.data_ptr(), t._version, t.dtype) if isinstance(t, torch.Tensor) else None for t in ts)
+    mods = [getattr(mod, n, None) for n in names]
+    ts = [getattr(m, "weight", None) for m in mods] + [getattr(m, "bias", None) for m in mods]
+    ts += [mod.A_log, mod.dt_bias]
+    return tuple(type(m) for m in mods) + tuple(
+        (t.data_ptr(), t._version, t.dtype) if isinstance(t, torch.Tensor) else None for t in ts
+    )
 
 
 def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None:
