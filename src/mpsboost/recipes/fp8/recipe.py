@@ -321,11 +321,12 @@ def _state(plan: Fp8Plan, device: torch.device, backing: str) -> Fp8State:
     """The layer state of ``plan`` for codes on ``device``."""
     compute_dtype = plan.compute_dtype
     if plan.kind == "linear":
-        # Patch-time probe (never in a forward): can _scaled_mm take the bias with rowwise scales here?
+        # Patch-time probe (never in a forward): can the fp8 matmul this path calls take the bias with rowwise
+        # scales here? The MPS path calls F.scaled_mm (aten::_scaled_mm_v2), CUDA's torch._scaled_mm.
         bias_in_mm = (
             plan.path in ("fused", "mps_scaled_mm")
             and plan.storage == "float8"
-            and fp8_ops.scaled_mm_bias_supported(str(device))
+            and fp8_ops.scaled_mm_bias_supported(str(device), "v2" if plan.path == "mps_scaled_mm" else "v1")
         )
         return Fp8State(
             kind=plan.path,
