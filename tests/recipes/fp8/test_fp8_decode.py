@@ -69,6 +69,17 @@ def test_mac_decode_step_calls_scaled_mm_v2_never_torch_scaled_mm(rng_seed):
     assert "_scaled_mm" not in seen.names
 
 
+def test_shared_expert_gate_stays_in_bf16():
+    # One output row: no fp8 matmul takes it (N % 16), so in fp8 it would be dequantised at every call (2 more
+    # dispatches per layer, 5 bytes per weight at decode) to save H bytes. The published Qwen3.6-FP8 keeps it too.
+    m = build("tiny")
+    report = mpsboost.patch(m, device=MAC, fp8="rowwise")
+    gates = [r for r in report.rows_for("fp8_weights") if r.target.endswith("mlp.shared_expert_gate")]
+    assert len(gates) == 4 and all(r.status == "skipped" and "shared-expert gate" in r.reason for r in gates)
+    assert all(type(layer.mlp.shared_expert_gate) is torch.nn.Linear for layer in m.model.layers)
+    assert all(layer.mlp.shared_expert_gate.weight.dtype == torch.float32 for layer in m.model.layers)
+
+
 def test_few_rows_path_only_for_16_aligned_layers_and_named_in_the_plan():
     lp = fp8_ops.choose_linear_path(MAC, n=64, k=128, dtype=torch.bfloat16)
     assert lp.kind == "mps_scaled_mm" and lp.gemv_max_m == 4 and lp.backing.startswith("scaled_mm rowwise for M<=4")
@@ -292,8 +303,9 @@ def test_tiny_decode_step_quantises_each_activation_once():
 def test_medium_decode_step_moves_fp8_bytes():
     c = _costs("medium")
     # Dense layers read their fp8 bytes once (scaled_mm few rows): half of bf16.
-    assert _ratio(c, "bytes", ("self_attn",)) <= 0.55, c
+    assert _ratio(c, "bytes", ("self_attn",)) <= 0.52, c  # measured 0.51 (26.7 / 52.8 MiB)
     # Routed experts: gather (1 byte read + 1 written per routed weight) + scaled_mm (1 read) = 3 bytes per
     # weight against bf16 grouped_mm's 2; the shared expert at 1. No bf16 copy of an expert.
-    assert _ratio(c, "bytes", ("mlp",)) <= 1.45, c
-    assert _ratio(c, "bytes") <= 1.1, c
+    assert _ratio(c, "bytes", ("mlp",)) <= 1.42, c  # measured 1.39 (303.3 / 218.2 MiB)
+    # Measured 1.03 (524.3 / 506.9 MiB): linear_attn runs transformers' path on fp8 projections (0.82x of bf16's).
+    assert _ratio(c, "bytes") <= 1.06, c

@@ -161,6 +161,13 @@ class _Context:
         last = name.rsplit(".", 1)[-1]
         if parent is not None and last in _ROUTER_NAMES and hasattr(parent, "experts"):
             return "MoE router: kept in the compute dtype (expert selection is sensitive to rounding)"
+        if parent is not None and last == "shared_expert_gate" and hasattr(parent, "experts"):
+            # [1, H]: no fp8 matmul takes one output row (scaled_mm needs N % 16 == 0), so in fp8 it would be
+            # dequantised per call (2 more dispatches and 5 bytes per weight instead of 2 at decode) to save H bytes.
+            return (
+                "shared-expert gate (one output): kept in the compute dtype, as the published Qwen3.6-FP8 checkpoint "
+                "keeps it (its bytes are few; in fp8 it would be dequantised at every call)"
+            )
         return None
 
 
