@@ -175,7 +175,7 @@ def _own_columns(y: torch.Tensor, r: int, n: int) -> torch.Tensor:
     """Row ``j`` of ``y [r, r * n]`` keeps its own ``n`` columns (block ``j``): ``[r, n]`` as one strided view."""
     if r == 1:
         return y
-    return y.as_strided((r, n), (r * n + n, 1), y.storage_offset())
+    return y.as_strided((r, n), (r * n + n, 1))  # storage offset: that of y
 
 
 def few_rows_experts(
@@ -221,7 +221,7 @@ def few_rows_experts(
     if t == 1:
         h = y.view(p, n_up)
     else:  # token i keeps the columns of its own k experts: block i of row i, [k, N] each, copied into [P, N]
-        h = y.as_strided((t, k, n_up), ((t + 1) * k * n_up, n_up, 1), y.storage_offset()).reshape(p, n_up)
+        h = y.as_strided((t, k, n_up), ((t + 1) * k * n_up, n_up, 1)).reshape(p, n_up)
     h = activation(h)
     if h.dtype != dtype:
         h = h.to(dtype)

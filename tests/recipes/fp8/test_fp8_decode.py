@@ -309,3 +309,28 @@ def test_medium_decode_step_moves_fp8_bytes():
     assert _ratio(c, "bytes", ("mlp",)) <= 1.42, c  # measured 1.39 (303.3 / 218.2 MiB)
     # Measured 1.03 (524.3 / 506.9 MiB): linear_attn runs transformers' path on fp8 projections (0.82x of bf16's).
     assert _ratio(c, "bytes") <= 1.06, c
+
+
+@pytest.mark.parametrize("t, k", [(1, 8), (2, 3)])
+def test_mac_decode_paths_trace_with_fullgraph(t, k, rng_seed):
+    # Compile-transparent: the few-rows linear and experts trace whole (no host reads such as storage_offset() or
+    # .item()), and the compiled call gives the eager numbers. aot_eager: the traced graph, run by torch's kernels.
+    q, s = fp8_ops.quantize(torch.randn(64, 128) * 0.05, "rowwise", "float8")
+    b = torch.randn(64, dtype=torch.bfloat16)
+
+    def lin(x):
+        return fp8_ops.fp8_linear(x, q, s, b, kind="mps_scaled_mm", compute_dtype=torch.bfloat16, gemv_max_m=4)
+
+    x = torch.randn(t, 1, 128, dtype=torch.bfloat16)
+    torch.testing.assert_close(torch.compile(lin, fullgraph=True, backend="aot_eager")(x), lin(x), rtol=0, atol=0)
+    e, h, inter = 12, 64, 32
+    up, down = _stacks(e, 2 * inter, h, inter, "rowwise", torch.bfloat16)
+    xx = torch.randn(t, h, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    wts = torch.softmax(torch.randn(t, k), -1).to(torch.bfloat16)
+
+    def experts(xx, idx, wts):
+        return fp8_moe.few_rows_experts(xx, idx, wts, up=up, down=down, activation=_act)
+
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(xx, idx, wts), experts(xx, idx, wts), rtol=0, atol=0)
