@@ -28,7 +28,8 @@ input rows):
 * ``mps_scaled_mm`` (MPS, where the gate's ``fp8_gemv`` says the few-rows kernels exist: torch 2.15's
   ``scaled_mm_few_rows_{1..4}``, tensorwise or rowwise scales, K and N multiples of 16): for M <= 4 the
   activation is quantised per row (:func:`quantize_rows_few`: five dispatches, once per input tensor) and
-  ``scaled_mm`` reads the weight once as its fp8 bytes; otherwise dequantise then ``F.linear``;
+  ``torch.nn.functional.scaled_mm`` (``aten::_scaled_mm_v2``, the one fp8 matmul with an MPS kernel in the 2.15.0
+  wheel: see :func:`scaled_mm_v2`) reads the weight once as its fp8 bytes; otherwise dequantise then ``F.linear``;
 * ``dequant`` (everything else): dequantise this one layer to the compute dtype, then ``F.linear``.
 
 The Triton kernels are registered operators (``torch.library.custom_op`` with ``register_fake``), so
@@ -73,6 +74,7 @@ __all__ = [
     "quantize_rows_few",
     "concat_rows",
     "scaled_mm_few_rows",
+    "scaled_mm_v2",
     "few_rows_ok",
     "FEW_ROWS_MAX",
     "scaled_mm_rowwise",
@@ -308,14 +310,16 @@ _LAST_KEPT = 3
 
 
 def quantize_rows_few(x: torch.Tensor, key: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rowwise fp8 quantisation of a 2-D activation of a few rows in 5 dispatches: (codes [M, K], scales [M, 1]).
+    """Rowwise fp8 quantisation of the rows of an activation (any number of leading dims) in 5 dispatches:
+    (codes [M, K], scales [M, 1]).
 
     One ``linalg_vector_norm(ord=inf)`` gives every row's amax in float32 (no ``abs`` copy), ``div_`` and
     ``clamp_min_`` make it a scale (a zero row gets a tiny scale, so its codes are zeros, not NaN), then one
     division and one cast. ``|x / scale| <= 448`` up to one rounding, which the cast keeps finite
-    (e4m3fn rounds values below 464 to 448). In eager mode the last input quantised is remembered (weakly,
-    with its version counter): the next linear layer reading the very same tensor reuses the codes. ``key`` is
-    the tensor to remember when ``x`` is a fresh 2-D view of it (the layer's own input)."""
+    (e4m3fn rounds values below 464 to 448). In eager mode the last inputs quantised are remembered (weakly,
+    with their version counters): the next linear layer reading the very same tensor reuses the codes without a
+    single dispatch (the lookup comes before the reshape to 2-D). ``key`` is the tensor to remember when ``x`` is
+    a fresh view of it."""
     key = x if key is None else key
     # Inference tensors keep no version counter (torch.inference_mode): nothing is remembered for them.
     eager = not torch.compiler.is_compiling() and type(key) is torch.Tensor and not key.is_inference()
@@ -323,9 +327,10 @@ def quantize_rows_few(x: torch.Tensor, key: Optional[torch.Tensor] = None) -> tu
         for ref, version, out in _LAST.entries:
             if ref() is key and version == key._version:
                 return out
-    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    amax = torch.linalg.vector_norm(x2, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
     xs = amax.div_(FP8_MAX).clamp_min_(_TINY_SCALE)
-    xq = (x / xs).to(FP8_DTYPE)
+    xq = (x2 / xs).to(FP8_DTYPE)
     if eager:
         _LAST.entries = [e for e in _LAST.entries[-(_LAST_KEPT - 1) :] if e[0]() is not None]
         _LAST.entries.append((weakref.ref(key), key._version, (xq, xs)))
@@ -363,6 +368,34 @@ def few_rows_ok(n: int, k: int, dtype: torch.dtype) -> bool:
     return n % FEW_ROWS_ALIGN == 0 and k % FEW_ROWS_ALIGN == 0 and dtype in _FEW_ROWS_OUT
 
 
+def scaled_mm_v2(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b) + bias`` with rowwise scales (``[M, 1]`` and ``[1, N]``) through
+    ``torch.nn.functional.scaled_mm``, i.e. ``aten::_scaled_mm_v2``: the only fp8 matmul MPS has.
+
+    The released torch 2.15.0 macOS wheel registers ``aten::_scaled_mm`` (``torch._scaled_mm``) for CPU only; on MPS
+    only ``aten::_scaled_mm_v2`` has a kernel (``wrapper_MPS__scaled_mm_v2`` in ``torch/lib/libtorch_cpu.dylib``, no
+    ``wrapper_MPS___scaled_mm``; its errors read "MPS _scaled_mm_v2 only supports TensorWise or RowWise scaling with
+    one Float scale per operand" and "supports Float, Half, BFloat16 and Float8_e4m3fn outputs"; the wheel's facts
+    are in ``mpsboost/data/mps_wheels.json``). So every MPS call goes through here, never ``torch._scaled_mm``. CPU
+    runs the same operator (how the tests exercise it); CUDA keeps ``torch._scaled_mm`` and the Triton kernels."""
+    rw = F.ScalingType.RowWise
+    return F.scaled_mm(a, b, scale_a, rw, scale_b, rw, bias=bias, output_dtype=out_dtype)
+
+
+def _scale_row(scale: torch.Tensor, n: int) -> torch.Tensor:
+    """A weight's scale (rowwise ``[N, 1]`` or tensorwise ``[]``) as scaled_mm's rowwise ``scale_b [1, N]``."""
+    if scale.numel() == n and scale.dim() > 0:
+        return scale.view(1, n)
+    return scale.reshape(1, 1).expand(1, n).contiguous()
+
+
 def scaled_mm_few_rows(
     x: torch.Tensor,
     q: torch.Tensor,
@@ -372,16 +405,19 @@ def scaled_mm_few_rows(
     bias_in_mm: bool = True,
     key: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``x [M, K] @ (q [N, K] * scale).T + bias`` by ``scaled_mm`` with rowwise scales, in ``x.dtype``:
-    the activation quantised per row (:func:`quantize_rows_few`), the weight read once as its fp8 bytes.
-    On MPS (torch 2.15+) M <= 4 runs the few-rows kernels ``scaled_mm_few_rows_{1..4}``."""
+    """``x [..., K] @ (q [N, K] * scale).T + bias`` by :func:`scaled_mm_v2` with rowwise scales, in ``x.dtype``,
+    shaped ``[..., N]``: the activation quantised per row (:func:`quantize_rows_few`, or its remembered codes), the
+    weight read once as its fp8 bytes. On MPS (torch 2.15+) M <= 4 runs the few-rows kernels
+    ``scaled_mm_few_rows_{1..4}``. Dispatches: 5 for a new input (3 when its codes are remembered), plus the
+    quantisation's 5 (6 with a reshape) for a new one."""
     n = q.shape[0]
     xq, xs = quantize_rows_few(x, key)
-    ws = scale.view(1, n) if scale.numel() == n and scale.dim() > 0 else scale.reshape(1, 1).expand(1, n).contiguous()
-    if bias is not None and bias_in_mm and bias.dtype == x.dtype and x.dtype != torch.float32:
-        return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, bias=bias, out_dtype=x.dtype)
-    y = torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype)
-    return y if bias is None else y + bias
+    ws = _scale_row(scale, n)
+    in_mm = bias is not None and bias_in_mm and bias.dtype == x.dtype and x.dtype != torch.float32
+    y = scaled_mm_v2(xq, q.t(), xs, ws, bias if in_mm else None, x.dtype)
+    if bias is not None and not in_mm:
+        y = y + bias
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
 def fp8_gemv_reference(
@@ -593,10 +629,14 @@ def choose_linear_path(
 
 
 @functools.lru_cache(maxsize=None)
-def scaled_mm_bias_supported(device: str) -> bool:
-    """Patch-time probe: does this torch build take a bias together with rowwise scales in ``_scaled_mm``
-    on ``device`` (a device string such as ``"cuda:0"``)? Some builds refuse it; the bias is then added
-    after the product. One tiny call per device and process, never inside a forward."""
+def scaled_mm_bias_supported(device: str, api: str = "v1") -> bool:
+    """Patch-time probe: does this torch build take a bias together with rowwise scales in its fp8 matmul on
+    ``device`` (a device string such as ``"cuda:0"``)? ``api`` is the function the layer's forward calls:
+    ``"v1"`` ``torch._scaled_mm`` (CUDA), ``"v2"`` :func:`scaled_mm_v2` (``F.scaled_mm``, the MPS path). Some builds
+    refuse the bias; it is then added after the product. One tiny call per device, api and process, never inside a
+    forward."""
+    if api not in ("v1", "v2"):
+        raise ValueError(f"scaled_mm_bias_supported(api={api!r}): accepted are 'v1' and 'v2'")
     dev = torch.device(device)
     a = torch.zeros(16, 16, device=dev).to(FP8_DTYPE)
     b = torch.zeros(16, 16, device=dev).to(FP8_DTYPE)
@@ -604,7 +644,10 @@ def scaled_mm_bias_supported(device: str) -> bool:
     ones_b = torch.ones(1, 16, device=dev)
     bias = torch.zeros(16, device=dev, dtype=torch.bfloat16)
     try:
-        torch._scaled_mm(a, b.t(), scale_a=ones_a, scale_b=ones_b, bias=bias, out_dtype=torch.bfloat16)
+        if api == "v2":
+            scaled_mm_v2(a, b.t(), ones_a, ones_b, bias, torch.bfloat16)
+        else:
+            torch._scaled_mm(a, b.t(), scale_a=ones_a, scale_b=ones_b, bias=bias, out_dtype=torch.bfloat16)
     except RuntimeError:
         return False
     return True
@@ -670,7 +713,5 @@ def fp8_linear(
     if kind == "mps_scaled_mm" and q.dtype == FP8_DTYPE and 0 < _rows(x) <= gemv_max_m:
         n, k = q.shape
         if few_rows_ok(n, k, x.dtype):
-            x2 = x if x.dim() == 2 else x.reshape(-1, k)
-            y = scaled_mm_few_rows(x2, q, scale, bias, bias_in_mm=bias_in_mm, key=x)
-            return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+            return scaled_mm_few_rows(x, q, scale, bias, bias_in_mm=bias_in_mm)
     return F.linear(x, dequantize(q, scale, compute_dtype), bias)

@@ -45,6 +45,7 @@ from .fp8 import (
     fused_quantize_rows,
     quantize_rows,
     quantize_rows_few,
+    scaled_mm_v2,
 )
 
 __all__ = [
@@ -65,7 +66,7 @@ PATHS = ("scaled_grouped_mm", "gather", "hit", "stack")
 TRACEABLE = ("scaled_grouped_mm", "gather", "stack")
 # Decoding (at most FEW_ROWS_MAX tokens) where scaled_mm has its few-rows kernels (MPS, torch 2.15+).
 FEW_ROWS_BACKING = {
-    "scaled_mm": f"decode (<= {FEW_ROWS_MAX} tokens): fp8 gather of the routed experts' codes, one scaled_mm for "
+    "scaled_mm": f"decode (<= {FEW_ROWS_MAX} tokens): fp8 gather of the routed experts' codes, one F.scaled_mm for "
     "every up projection and one per 4 pairs for the down projections (3 bytes per routed weight: gather read and "
     "write, matmul read; no bf16 copy)",
     "gemv": f"decode (<= {FEW_ROWS_MAX} tokens): fp8 gather of the routed experts' codes, one fp8 GEMV (triton) for "
@@ -158,17 +159,23 @@ def _row_scales(stack: Fp8Stack, ids: torch.Tensor, rows: int) -> torch.Tensor:
 FEW_ROWS_KERNELS = {"scaled_mm": FEW_ROWS_MAX, "gemv": 16}  # kernel -> rows one call takes
 
 
-def _few_rows_mm(kernel: str, x: torch.Tensor, w: torch.Tensor, s_row: torch.Tensor, key=None, weights=None):
-    """``x [M, K] @ (w [N, K] * s_row [1, N]).T`` in ``x.dtype`` by ``kernel``, each row scaled by ``weights [M, 1]``
-    (or not). ``scaled_mm``: the rows quantised per row (:func:`~mpsboost.ops.fp8.quantize_rows_few`), the routing
-    weight folded into their scales; ``gemv``: mpsboost's fp8 GEMV (Triton on CUDA; activations untouched)."""
+def _few_rows_mm(
+    kernel: str, xq: torch.Tensor, xs: Optional[torch.Tensor], w: torch.Tensor, s_row: torch.Tensor, out_dtype
+) -> torch.Tensor:
+    """``x [M, K] @ (w [N, K] * s_row [1, N]).T`` by ``kernel``. ``scaled_mm``: ``xq``/``xs`` are the rows' fp8
+    codes and scales (:func:`~mpsboost.ops.fp8.quantize_rows_few`), through :func:`~mpsboost.ops.fp8.scaled_mm_v2`
+    (``F.scaled_mm``: the MPS kernel), output in ``out_dtype``; ``gemv``: ``xq`` is the
+    activation itself, mpsboost's fp8 GEMV (Triton on CUDA; activations untouched)."""
     if kernel == "scaled_mm":
-        xq, xs = quantize_rows_few(x, key)
-        if weights is not None:
-            xs = xs * weights
-        return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=s_row, out_dtype=x.dtype)
-    y = fp8_gemv(x, w, s_row.reshape(-1), None)
-    return y if weights is None else y * weights.to(y.dtype)
+        return scaled_mm_v2(xq, w.t(), xs, s_row, None, out_dtype)
+    return fp8_gemv(xq, w, s_row.reshape(-1), None)
+
+
+def _own_columns(y: torch.Tensor, r: int, n: int) -> torch.Tensor:
+    """Row ``j`` of ``y [r, r * n]`` keeps its own ``n`` columns (block ``j``): ``[r, n]`` as one strided view."""
+    if r == 1:
+        return y
+    return y.as_strided((r, n), (r * n + n, 1))  # storage offset: that of y
 
 
 def few_rows_experts(
@@ -185,52 +192,65 @@ def few_rows_experts(
     """Routed experts for a few tokens (``T <= 4``) on fp8 stacks, reading the routed experts' fp8 codes only.
 
     The routed experts' codes are gathered in fp8 (``index_select``: the only copy, 1 byte per weight read and
-    written), never widened. Up: one call of ``kernel`` with the ``T`` token rows against all ``T * k`` gathered
-    experts side by side (``[T * k * N, H]``), each token keeping its own experts' columns. Down: one call per
-    few pairs (4 for ``scaled_mm``, 16 for ``gemv``) against those pairs' gathered experts, each row keeping its
-    own expert's columns (the kernel streams the weight once for all its rows); the routing weight scales each
-    row. The sum over the k slots is in the output dtype, as transformers' experts forward sums. No host sync;
-    every branch is on shapes. ``kernel``: ``"scaled_mm"`` (MPS 2.15's few-rows kernels; activations quantised
-    per row) or ``"gemv"`` (:func:`mpsboost.ops.fp8.fp8_gemv`, the Triton GEMV on CUDA: the stored weights
-    exactly). ``hidden_states [T, H]``, ``top_k_* [T, k]``; returns ``[T, H]`` in ``hidden_states.dtype``."""
+    written), never widened: 3 bytes per routed weight in all with the matmul's read (no MPS 2.15 kernel reads an
+    fp8 stack in place: ``_scaled_grouped_mm`` is CUDA only, the wheel's ``grouped_mm_few_rows`` kernels are bf16).
+    Up: one call of ``kernel`` with the ``T`` token rows against all ``T * k`` gathered experts side by side
+    (``[T * k * N, H]``), each token keeping its own experts' columns. Down: the ``P = T * k`` pair rows quantised
+    once, then one call per few pairs (4 for ``scaled_mm``, 16 for ``gemv``) against those pairs' gathered experts,
+    each row keeping its own expert's columns (one strided view; the kernel streams the weight once for all its
+    rows); one ``mm`` (``bmm`` for ``T > 1``) then weights each pair by its routing weight and sums a token's ``k``
+    pairs (fp32 accumulation, one rounding). No host sync; every branch is on shapes. ``kernel``: ``"scaled_mm"``
+    (MPS 2.15's few-rows kernels behind ``F.scaled_mm``; activations quantised per row) or ``"gemv"``
+    (:func:`mpsboost.ops.fp8.fp8_gemv`, the Triton GEMV on CUDA: the stored weights exactly).
+    ``hidden_states [T, H]``, ``top_k_* [T, k]``; returns ``[T, H]`` in ``hidden_states.dtype``."""
     if kernel not in FEW_ROWS_KERNELS:
         raise ValueError(f"few_rows_experts(kernel={kernel!r}): accepted kernels are {', '.join(FEW_ROWS_KERNELS)}")
     rows = FEW_ROWS_KERNELS[kernel]
+    dtype = hidden_states.dtype
     t, hdim = hidden_states.shape
     k = top_k_index.shape[-1]
     p = t * k
     ids = top_k_index.reshape(p)
     _, n_up, _ = up.q.shape
     w_up = up.q.index_select(0, ids).view(p * n_up, hdim)
-    y = _few_rows_mm(kernel, hidden_states, w_up, _row_scales(up, ids, p * n_up), key)
+    if kernel == "scaled_mm":
+        xq, xs = quantize_rows_few(hidden_states, key)
+    else:
+        xq, xs = hidden_states, None
+    y = _few_rows_mm(kernel, xq, xs, w_up, _row_scales(up, ids, p * n_up), dtype)
     if t == 1:
         h = y.view(p, n_up)
-    else:  # token i keeps the columns of its own k experts: the diagonal of [T, T, k * N]
-        h = y.view(t, t, k * n_up).diagonal(0, 0, 1).t().reshape(p, n_up)
-    h = activation(h).to(hidden_states.dtype)
+    else:  # token i keeps the columns of its own k experts: block i of row i, [k, N] each, copied into [P, N]
+        h = y.as_strided((t, k, n_up), ((t + 1) * k * n_up, n_up, 1)).reshape(p, n_up)
+    h = activation(h)
+    if h.dtype != dtype:
+        h = h.to(dtype)
     inter = h.shape[-1]
-    wts = top_k_weights.reshape(p, 1)
     _, n_down, _ = down.q.shape
     w_down = down.q.index_select(0, ids).view(p * n_down, inter)
     s_down = _row_scales(down, ids, p * n_down)
+    # Rowwise quantisation treats each row alone: once for all P rows is the same as once per call's rows.
+    hq, hs = quantize_rows_few(h) if kernel == "scaled_mm" else (h, None)
     if p <= rows:  # one call: no slicing
-        yc = _few_rows_mm(kernel, h, w_down, s_down, weights=wts)
-        out = yc if p == 1 else yc.view(p, p, n_down).diagonal(0, 0, 1).t()
-        return out.view(t, k, n_down).sum(dim=1)
-    outs = []
-    for c0 in range(0, p, rows):
-        r = min(p, c0 + rows) - c0
-        yc = _few_rows_mm(
-            kernel,
-            h[c0 : c0 + r],
-            w_down[c0 * n_down : (c0 + r) * n_down],
-            s_down[:, c0 * n_down : (c0 + r) * n_down],
-            weights=wts[c0 : c0 + r],
-        )
-        # row j keeps the columns of its own pair's expert: the diagonal of [r, r, H]
-        outs.append(yc if r == 1 else yc.view(r, r, n_down).diagonal(0, 0, 1).t())
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.view(t, k, n_down).sum(dim=1)
+        diag = _own_columns(_few_rows_mm(kernel, hq, hs, w_down, s_down, dtype), p, n_down)
+    else:
+        parts = []
+        for c0 in range(0, p, rows):
+            r = min(p, c0 + rows) - c0
+            yc = _few_rows_mm(
+                kernel,
+                hq[c0 : c0 + r],
+                None if hs is None else hs[c0 : c0 + r],
+                w_down[c0 * n_down : (c0 + r) * n_down],
+                s_down[:, c0 * n_down : (c0 + r) * n_down],
+                dtype,
+            )
+            parts.append(_own_columns(yc, r, n_down))
+        diag = torch.cat(parts)
+    wts = top_k_weights if top_k_weights.dtype == diag.dtype else top_k_weights.to(diag.dtype)
+    if t == 1:  # [1, k] @ [k, H]: the routing weights applied and the k pairs summed in one op
+        return torch.mm(wts, diag)
+    return torch.bmm(wts.view(t, 1, k), diag.view(t, k, n_down)).view(t, n_down)
 
 
 def _mm_rows(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:

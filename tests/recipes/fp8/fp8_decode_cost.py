@@ -111,3 +111,16 @@ def decode_cost(model: torch.nn.Module) -> dict[str, dict[str, int]]:
         for h in hooks:
             h.remove()
     return {"ops": ops, "bytes": moved}
+
+
+class AtenOps(TorchDispatchMode):
+    """Records the name of every aten op dispatched inside it (``_scaled_mm``, ``_scaled_mm_v2``, ...): how a test
+    sees which fp8 matmul a path calls. The torch 2.15.0 macOS wheel has an MPS kernel for ``_scaled_mm_v2`` only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))

@@ -259,14 +259,14 @@ def test_layer_quality_meets_the_issue_bound_on_random_normal_weights(rng_seed):
 
 
 def test_mps_scaled_mm_path_runs_small_m_through_scaled_mm_and_large_m_dequantised(rng_seed):
-    # The path MPS gets once the gate's fp8_gemv passes there (pytorch#197862); CPU has a reference
-    # _scaled_mm kernel, so the same code runs here.
+    # The path MPS gets once the gate's fp8_gemv passes there (pytorch#197862): F.scaled_mm (aten::_scaled_mm_v2,
+    # the one fp8 matmul with an MPS kernel in the 2.15.0 wheel); CPU has a reference kernel, so the same code runs.
     w = torch.randn(64, 128, dtype=torch.bfloat16) * 0.05
     b = torch.randn(64, dtype=torch.bfloat16)
     q, s = fp8_ops.quantize(w, "rowwise", "float8")
     for m in (1, 4, 9):
         x = torch.randn(m, 128, dtype=torch.bfloat16)
-        with mock.patch.object(torch, "_scaled_mm", wraps=torch._scaled_mm) as spy:
+        with mock.patch.object(torch, "_scaled_mm_v2", wraps=torch._scaled_mm_v2) as spy:
             y = fp8_ops.fp8_linear(x, q, s, b, kind="mps_scaled_mm", compute_dtype=torch.bfloat16, gemv_max_m=4)
         assert spy.call_count == (1 if m <= 4 else 0)
         assert fp8_ops.sqnr_db(y, F.linear(x.double(), w.double(), b.double())) >= 25.0

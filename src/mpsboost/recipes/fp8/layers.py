@@ -178,6 +178,11 @@ def _linear_forward(state: Fp8State) -> Callable[..., Any]:
     return forward
 
 
+def _rows_of(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` as ``[n, -1]``, without a dispatch when it is that already."""
+    return t if t.dim() == 2 and t.shape[0] == n else t.reshape(n, -1)
+
+
 def _experts_forward(state: Fp8State) -> Callable[..., Any]:
     def forward(self, hidden_states, *args, **kwargs):
         if not state.converted:
@@ -192,9 +197,10 @@ def _experts_forward(state: Fp8State) -> Callable[..., Any]:
             if t.dtype not in _CODES:
                 raise _cast_error(self, n_, t)
         shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        idx = top_k_index.reshape(x.shape[0], -1)
-        wts = top_k_weights.reshape(x.shape[0], -1)
+        # Reshapes only where they change a shape: on a Mac every dispatch (views too) is host time per layer.
+        x = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, shape[-1])
+        idx = _rows_of(top_k_index, x.shape[0])
+        wts = _rows_of(top_k_weights, x.shape[0])
         has_bias = bool(getattr(self, "has_bias", False))
         up_b = getattr(self, up_name + "_bias", None) if has_bias else None
         down_b = getattr(self, "down_proj_bias", None) if has_bias else None
@@ -231,7 +237,7 @@ def _experts_forward(state: Fp8State) -> Callable[..., Any]:
             out = fp8_moe.few_rows_experts(
                 x, idx, wts, up=up, down=down, activation=act, key=hidden_states, kernel=state.few_rows
             )
-            return out.reshape(shape)
+            return out if out.shape == shape else out.reshape(shape)
         # torch.compiler.is_compiling() is a constant while dynamo traces: a compiled forward takes the
         # traceable path decided at patch time, with no host read of the expert counts.
         compiling = torch.compiler.is_compiling()

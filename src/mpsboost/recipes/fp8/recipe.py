@@ -161,6 +161,13 @@ class _Context:
         last = name.rsplit(".", 1)[-1]
         if parent is not None and last in _ROUTER_NAMES and hasattr(parent, "experts"):
             return "MoE router: kept in the compute dtype (expert selection is sensitive to rounding)"
+        if parent is not None and last == "shared_expert_gate" and hasattr(parent, "experts"):
+            # [1, H]: no fp8 matmul takes one output row (scaled_mm needs N % 16 == 0), so in fp8 it would be
+            # dequantised per call (2 more dispatches and 5 bytes per weight instead of 2 at decode) to save H bytes.
+            return (
+                "shared-expert gate (one output): kept in the compute dtype, as the published Qwen3.6-FP8 checkpoint "
+                "keeps it (its bytes are few; in fp8 it would be dequantised at every call)"
+            )
         return None
 
 
@@ -321,11 +328,12 @@ def _state(plan: Fp8Plan, device: torch.device, backing: str) -> Fp8State:
     """The layer state of ``plan`` for codes on ``device``."""
     compute_dtype = plan.compute_dtype
     if plan.kind == "linear":
-        # Patch-time probe (never in a forward): can _scaled_mm take the bias with rowwise scales here?
+        # Patch-time probe (never in a forward): can the fp8 matmul this path calls take the bias with rowwise
+        # scales here? The MPS path calls F.scaled_mm (aten::_scaled_mm_v2), CUDA's torch._scaled_mm.
         bias_in_mm = (
             plan.path in ("fused", "mps_scaled_mm")
             and plan.storage == "float8"
-            and fp8_ops.scaled_mm_bias_supported(str(device))
+            and fp8_ops.scaled_mm_bias_supported(str(device), "v2" if plan.path == "mps_scaled_mm" else "v1")
         )
         return Fp8State(
             kind=plan.path,
