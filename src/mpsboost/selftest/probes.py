@@ -192,9 +192,16 @@ def _fp8_cast(ctx: Ctx) -> dict:
 def _scaled_mm(ctx: Ctx) -> dict:
     import torch
 
-    fn = getattr(torch, "_scaled_mm", None)
-    if fn is None or not hasattr(torch, "float8_e4m3fn"):
-        return _mps_only(ctx, _out("has the bug", "this torch build has no torch._scaled_mm / float8"))
+    # F.scaled_mm (aten::_scaled_mm_v2): the 2.15.0 macOS wheel registers an MPS kernel for it alone; its
+    # torch._scaled_mm (v1) is CPU only there (data/mps_wheels.json), so probing v1 would report a false miss.
+    F = torch.nn.functional
+    if getattr(F, "scaled_mm", None) is None or not hasattr(torch, "float8_e4m3fn"):
+        return _mps_only(ctx, _out("has the bug", "this torch build has no torch.nn.functional.scaled_mm / float8"))
+    rw = F.ScalingType.RowWise
+
+    def fn(a, b, *, scale_a, scale_b, out_dtype):
+        return F.scaled_mm(a, b, scale_a, rw, scale_b, rw, output_dtype=out_dtype)
+
     m, k, n = (16, 64, 64) if ctx.small else (1024, 2048, 2048)  # M >= 512: the slow general kernel of #196916
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
@@ -212,14 +219,14 @@ def _scaled_mm(ctx: Ctx) -> dict:
         got = fn(*args, **kw)
     except (NotImplementedError, RuntimeError, TypeError) as e:
         first = str(e).strip().splitlines()[0][:200]
-        return _mps_only(ctx, _out("has the bug", f"rowwise _scaled_mm on {d}: {type(e).__name__}: {first}"))
+        return _mps_only(ctx, _out("has the bug", f"rowwise F.scaled_mm on {d}: {type(e).__name__}: {first}"))
     err = _rel(got, ref)
     t_fp8 = _time(ctx, lambda: fn(*args, **kw))
     xb, wb = ctx.to(x).to(torch.bfloat16), ctx.to(w).to(torch.bfloat16)
     t_bf16 = _time(ctx, lambda: xb @ wb.t())
     speed = t_bf16 / t_fp8 if t_fp8 > 0 else None
     detail = (
-        f"rowwise _scaled_mm at M={m}, K={k}, N={n}: rel. error {err:.1e} vs CPU; {speed:.2f}x the speed of bf16 "
+        f"rowwise F.scaled_mm at M={m}, K={k}, N={n}: rel. error {err:.1e} vs CPU; {speed:.2f}x the speed of bf16 "
         "(pytorch#196916: 0.12-0.25x for M >= 512, a storage format only)"
     )
     return _mps_only(
