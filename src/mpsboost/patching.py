@@ -566,8 +566,13 @@ def fuse_storage(params: "Iterable[torch.nn.Parameter]") -> torch.Tensor:
     """Put the rows of ``params`` (same dtype, device and trailing shape) into one new storage, concatenated
     along dim 0, and make each Parameter a view of its slice: the same objects with the same values (and
     the same ``state_dict``), one matmul can read them all. Their old storages are freed once nothing else
-    holds them, so memory does not double. Returns the fused tensor. A recipe calls it at apply time
-    through :func:`fuse_params`, and may call it again later (weights moved) from its eager path."""
+    holds them, so memory does not double. Returns the fused tensor.
+
+    Not for Parameters the model's owner can see (a model's own weights): their shared storage reads as a
+    tie the model does not declare to everything that compares storages (transformers' ``id_tensor_storage``
+    in its tied-weight checks and ``save_pretrained``, accelerate's tied-parameter logic, offload). No recipe
+    uses it for those; write the products side by side into one buffer instead (``mm(..., out=)`` into a
+    one-row buffer's column ranges). Kept for tensors a recipe owns."""
     params = list(params)
     with torch.no_grad(), torch.inference_mode(False):
         fused = torch.cat([p.detach() for p in params], dim=0)
@@ -597,7 +602,7 @@ def fuse_params(
 ) -> "tuple[torch.Tensor, Patch]":
     """:func:`fuse_storage` as a reversible change: the fused tensor and the Patch whose undo gives each
     Parameter its own storage again (the storage fused here, or ``current()`` where the recipe fused
-    again later)."""
+    again later). The same caveat: not for Parameters the model's owner can see."""
     params = list(params)
     fused = fuse_storage(params)
 

@@ -52,6 +52,7 @@ and CPU the stock forward (inductor fuses it; no compiled measurement of the rec
 
 from __future__ import annotations
 
+import copy
 import inspect
 import threading
 from dataclasses import dataclass
@@ -259,12 +260,16 @@ class _State:
             self.work = (key, buf, buf[:, :wq], buf[:, wq:])
         return self.work
 
-    def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy / pickle of a patched model: no lock, no buffer
-        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "work")}
-
-    def __setstate__(self, st: dict[str, Any]) -> None:
-        self.__dict__.update(st)
-        self.lock, self.work = threading.Lock(), None
+    def __deepcopy__(self, memo: dict) -> _State:
+        """A copy of a patched model: its own lock and buffer (made on its first step); transformers' output
+        collector (a process-wide object holding a ContextVar) shared, not copied."""
+        new = _State.__new__(_State)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k not in ("lock", "work", "collector"):
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        new.collector, new.lock, new.work = self.collector, threading.Lock(), None
+        return new
 
 
 def _norm_weight(mod: torch.nn.Module, lay: _Layout, detach: bool) -> torch.Tensor | None:

@@ -522,3 +522,27 @@ def test_fp8_weights_converted_after_patch_run_stock_and_drop_the_constants():
     ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(29))
     _compare(ref_model, base, ids, 5, what="fp8 after patch")
     assert all(st.derived is None for st in states)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_busy_buffer_and_a_copy_of_the_patched_model_decode_as_stock(family):
+    """A step that finds the layer's one-row q/k buffer held (another thread's step) computes into fresh
+    results; a deep copy of a patched model gets its own lock and buffer (none shared with the original)."""
+    stock = _model(family, "sdpa", seed=31)
+    patched = copy.deepcopy(stock)
+    _patch(patched, ENVS["mps-2.15.0"](), recipes=[ad.NAME])
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(32))
+    states = [m.__dict__[ad._STATE] for m in _attentions(patched)]
+    for st in states:
+        st.lock.acquire()
+    try:
+        _compare(stock, patched, ids, 5, what="buffer busy")
+        assert all(st.work is not None for st in states)  # made at patch time, left alone by the busy steps
+    finally:
+        for st in states:
+            st.lock.release()
+    twin = copy.deepcopy(patched)
+    _compare(stock, twin, ids, 5, what="deep copy")
+    _compare(stock, patched, ids, 5, what="original after the copy")
+    for a, b in zip(states, (m.__dict__[ad._STATE] for m in _attentions(twin))):
+        assert a.lock is not b.lock and a.work[1].data_ptr() != b.work[1].data_ptr()
