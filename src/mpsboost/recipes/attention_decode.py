@@ -52,7 +52,6 @@ and CPU the stock forward (inductor fuses it; no compiled measurement of the rec
 
 from __future__ import annotations
 
-import copy
 import inspect
 import threading
 from dataclasses import dataclass
@@ -261,14 +260,11 @@ class _State:
         return self.work
 
     def __deepcopy__(self, memo: dict) -> _State:
-        """A copy of a patched model: its own lock and buffer (made on its first step); transformers' output
-        collector (a process-wide object holding a ContextVar) shared, not copied."""
-        new = _State.__new__(_State)
+        """A copy of a patched model: the same decisions, its own lock, constants and buffer (rebuilt from the
+        copy's weights on its first step); transformers' output collector (a process-wide object holding a
+        ContextVar) shared, not copied."""
+        new = _State(self.layout, self.gqa, self.compiled, self.collector, self.cache_arg)
         memo[id(self)] = new
-        for k, v in self.__dict__.items():
-            if k not in ("lock", "work", "collector"):
-                new.__dict__[k] = copy.deepcopy(v, memo)
-        new.collector, new.lock, new.work = self.collector, threading.Lock(), None
         return new
 
 
