@@ -3,8 +3,8 @@
 A Mac runs transformers eagerly, where every aten op costs host time. One decode step of Qwen3.5/3.6's
 gated attention layer dispatches 70 aten ops on transformers 5.24 with sdpa (90 with eager: three
 ``nn.Linear`` of four ops each, two RMS norms, a partial rotary built from slices, negations and
-concatenations, the cache, the attention function, the output gate); this recipe's step takes 32 (one
-sequence, fp32, DynamicCache; 34 in bf16; 38 with a StaticCache, whose update is 5 ops; counted on the CPU,
+concatenations, the cache, the attention function, the output gate); this recipe's step takes 31 (one
+sequence, fp32, DynamicCache; 33 in bf16; 37 with a StaticCache, whose update is 5 ops; counted on the CPU,
 where ``F.rms_norm`` is 6 ops: on MPS it is one kernel).
 
 Targets, matched by class path and then checked structurally (projection shapes, norms, no accelerate hook,
@@ -17,15 +17,17 @@ a forward of its own set by no one else):
 
 The one-token step (a cache given, eager or sdpa attention, no attention weights wanted):
 
-- q/k/v (and the gate) are three matmuls on the model's own Parameters, each left in its own storage, whose
-  products land side by side in one fresh ``[1, N]`` result (``mm``/``addmm`` with ``out=`` a slice of it:
-  contiguous for one row); a batch concatenates the three products. Why not one matmul over a fused weight:
-  making the Parameters views of one storage reads, to everything that compares storages (transformers'
-  tied-weight checks, ``save_pretrained``, accelerate's tied-parameter logic, offload), as a tie the model
-  does not declare; a fused copy held by the recipe doubles those weights (Qwen3.6-35B-A3B, bf16: 10 full-
-  attention layers x (8192 + 512 + 512) x 2048 x 2 B = 360 MiB, Qwen3-32B 64 x 10240 x 5120 x 2 B = 6.25 GiB)
-  for two host ops a step. The weights are read once either way (same bytes moved); the step takes 32 ops
-  instead of 29 (one ``empty`` and two more matmuls);
+- q/k/v (and the gate) are three matmuls on the model's own Parameters, each left in its own storage. For
+  one sequence the q (and gate) and k products land side by side in the layer's one-row buffer (``mm`` with
+  ``out=`` a column range of it, contiguous for one row; buffer and views made once, the step holds a lock
+  and a concurrent step allocates instead), so one norm and one rotary cover both; v is a fresh result (it
+  goes to the cache, which may keep it). A batch, and traced code (no ``out=`` in a graph), concatenate.
+  Why not one matmul over a fused weight: making the Parameters views of one storage reads, to everything
+  that compares storages (transformers' tied-weight checks, ``save_pretrained``, accelerate's tied-parameter
+  logic, offload), as a tie the model does not declare; a fused copy held by the recipe doubles those
+  weights (Qwen3.6-35B-A3B, bf16: 10 full-attention layers x (8192 + 512 + 512) x 2048 x 2 B = 360 MiB;
+  Qwen3-32B: 64 x 10240 x 5120 x 2 B = 6.25 GiB) to save two host ops a step. The weights are read once
+  either way (same bytes moved); the step takes 31 ops instead of 29 (two more matmuls);
 - the q and k heads are normalised by one ``F.rms_norm`` and one multiply (per-row weights prepared once);
 - the rotary is one ``index_select`` (the rotate-half permutation) and a multiply-add with the sign folded
   into ``sin``; a partial rotary writes its slice in place;
