@@ -913,11 +913,14 @@ def llm_breakdown(ctx: LlmContext, variants: list[str]) -> None:
         if ctx.reports.get(name) is not None:
             extra["patch"] = patch_summary(ctx.reports[name])
         if name != "stock":
+            # A module kind that one variant never calls on its own (moe_block runs the experts inline, so
+            # their hook reads 0) has no ratio: it is left out rather than divided by zero.
             extra["paired_rounds"] = {
                 kind: round_ratios(per_kind_stock, per_kind_var).to_dict()
                 for kind, per_kind_stock, per_kind_var in (
                     (k, [p["decode_ms_per_token"][k] for p in passes["stock"]], v) for k, v in per_kind.items()
                 )
+                if min(per_kind_stock) > 0 and min(per_kind_var) > 0
             }
         run.log(
             f"{ctx.workload} hooked: {name} decode per token (medians): "

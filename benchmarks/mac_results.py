@@ -102,8 +102,10 @@ def _how_to() -> list[str]:
         "## How to add a row",
         "",
         (
-            '1. On an Apple-silicon Mac: `pip install "mpsboost[diffusers,transformers]"`, then `mpsboost selftest` '
-            "(about 8 minutes; `--full` for the upstream sizes). "
+            "1. On an Apple-silicon Mac, in a checkout of the repository: "
+            '`python -m pip install -e ".[diffusers,transformers]"`, then `mpsboost selftest` '
+            "(it stops at its 480 s budget; `--full` for the upstream sizes, 1800 s), then "
+            "`mpsboost selftest --validate FILE`. "
             "It writes `mpsboost-selftest-mps-<torch>.jsonl` and a `.md` report."
         ),
         (

@@ -887,7 +887,12 @@ def block_e2e_breakdown(results: Path | None = None) -> str:
                     xs = sorted(b.get("decode_ms_per_token_rounds", {}).get(kind) or [ms])
                     spread = f" ({xs[0]:.2f} .. {xs[-1]:.2f}, {len(xs)} rounds)" if len(xs) > 1 else ""
                     pr = (rec.extra.get("paired_rounds") or {}).get(kind)
-                    ratio = "-" if v == "stock" else f"{base['decode_ms_per_token'][kind] / ms:.2f}x"
+                    if v == "stock":
+                        ratio = "-"
+                    elif ms > 0:
+                        ratio = f"{base['decode_ms_per_token'][kind] / ms:.2f}x"
+                    else:  # the variant never calls this kind on its own (experts inside moe_block)
+                        ratio = "not called on its own"
                     if pr:
                         ratio = (
                             f"{pr['median']:.2f}x median of {pr['n']} rounds ({pr['min']:.2f}x .. {pr['max']:.2f}x): "

@@ -324,10 +324,10 @@ _GDN = dict(
 _GDN_MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
 
 
-def gated_deltanet_lm(family: str = "qwen3_5_moe"):
+def gated_deltanet_lm(family: str = "qwen3_5_moe", **overrides: Any):
     """A tiny transformers LM with a Gated DeltaNet layer: ``qwen3_5_moe`` (Qwen3.6-35B-A3B's classes),
     ``qwen3_5`` (dense), ``qwen3_next`` (fused qkvz/ba projections) or ``olmo_hybrid`` (separate
-    projections, beta in [0, 2])."""
+    projections, beta in [0, 2]). ``overrides`` replace config fields (e.g. ``linear_num_key_heads``)."""
     import transformers as t
 
     cfg, cls, extra = {
@@ -340,7 +340,7 @@ def gated_deltanet_lm(family: str = "qwen3_5_moe"):
             dict(intermediate_size=64, linear_allow_neg_eigval=True),
         ),
     }[family]
-    return getattr(t, cls)(getattr(t, cfg)(**_LM_COMMON, **_GDN, **extra))
+    return getattr(t, cls)(getattr(t, cfg)(**(_LM_COMMON | _GDN | extra | overrides)))
 
 
 def _run_lm(

@@ -10,6 +10,7 @@ the same transaction and the same records, so that reports and ``unpatch`` treat
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import warnings
@@ -43,7 +44,18 @@ from .registry import (
 from .patching import Patch, is_patched_by
 from .report import ALREADY_PATCHED, APPLIED, NOT_APPLICABLE, SKIPPED, WOULD_APPLY, PatchReport, Row
 
-__all__ = ["patch", "unpatch", "patched", "plan", "last_report", "adopt", "Adopted", "targets", "env_for"]
+__all__ = [
+    "patch",
+    "unpatch",
+    "patched",
+    "plan",
+    "last_report",
+    "adopt",
+    "Adopted",
+    "targets",
+    "env_for",
+    "device_env",
+]
 
 log = logging.getLogger("mpsboost")
 
@@ -62,10 +74,16 @@ class _Applied:
     undo: Patch
 
 
+# Each patch() call's record gets the next number: unpatch() of an object undoes the calls made on it and
+# on the modules inside it (a nested model patched on its own) newest first, whichever object holds them.
+_SEQUENCE = itertools.count()
+
+
 @dataclass
 class _Record:
     report: PatchReport
     applied: list[_Applied] = field(default_factory=list)
+    seq: int = field(default_factory=lambda: next(_SEQUENCE))
 
 
 # The records of a patched object live on the object itself (one attribute), so they are freed with it:
@@ -207,23 +225,43 @@ def _env_for(obj: Any, targets, device: Any) -> Env:
         if dev is None or dev.type == "meta":
             return Env.detect("cpu")
         return Env.detect(dev)
+    return device_env(device, absent="simulate", stacklevel=4)
+
+
+def device_env(device: Any, *, absent: str = "simulate", stacklevel: int = 2) -> Env:
+    """The :class:`Env` for a ``device=`` argument: an Env as it is, or a device name or torch.device.
+
+    The one place that reads ``device=`` for patch(), plan() and load_fp8(). A device type mpsboost does
+    not know raises :class:`GateError` in one line. A known device that torch does not see here is
+    ``absent="simulate"`` (patch, plan): the decisions are made for it, with a warning, and the model
+    stays where it is; or ``absent="raise"`` (load_fp8, which must put tensors on it): the same sentence
+    as a one-line :class:`GateError`.
+    """
     if isinstance(device, Env):
         return device
-    if isinstance(device, (str, torch.device)):
-        dev = _device_type(device)
-        if not _present(dev.type):
-            # Tests and dry runs ask for a device that is not here: the decisions are made for it,
-            # marked simulated in the report, and the user is told (the model itself stays where it is).
-            warnings.warn(
-                f"mpsboost: device={str(device)!r} but torch sees no {dev.type} device here; the decisions are "
-                f"simulated for {dev.type} (the report says so) and the model computes where its weights are",
-                stacklevel=3,
-            )
-            return Env.simulate(dev.type)
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            "device must be None, an mpsboost.Env, a str such as 'mps', or a torch.device; "
+            f"got {type(device).__name__}: {device!r}"
+        )
+    if absent not in ("simulate", "raise"):
+        raise ValueError(f"absent must be 'simulate' or 'raise', got {absent!r}")
+    dev = _device_type(device)
+    if _present(dev.type):
         return Env.detect(dev)
-    raise TypeError(
-        f"device must be None, a str such as 'mps', or a torch.device; got {type(device).__name__}: {device!r}"
+    if absent == "raise":
+        raise GateError(
+            f"device={str(device)!r} but torch sees no {dev.type} device here; pass device="
+            f"mpsboost.Env.simulate({dev.type!r}) to make the {dev.type} decisions with the tensors on the CPU"
+        )
+    # Tests and dry runs ask for a device that is not here: the decisions are made for it, marked
+    # simulated in the report, and the user is told (the model itself stays where it is).
+    warnings.warn(
+        f"mpsboost: device={str(device)!r} but torch sees no {dev.type} device here; the decisions are "
+        f"simulated for {dev.type} (the report says so) and the model computes where its weights are",
+        stacklevel=stacklevel,
     )
+    return Env.simulate(dev.type)
 
 
 def env_for(obj: Any, device: Any = None) -> Env:
@@ -318,6 +356,26 @@ def _check_options(options: Mapping[str, Mapping[str, Any]] | None) -> None:
         make_options(recipe, given)  # unknown keys and wrong types, also for a recipe not selected
 
 
+def _check_selected(options: Mapping[str, Mapping[str, Any]] | None, chosen: Sequence[Recipe]) -> None:
+    """Options given for a recipe this call does not select would be ignored silently: refuse them."""
+    if not options:
+        return
+    selected = {r.name for r in chosen}
+    for name in options:
+        recipe = get_recipe(name)
+        if recipe.name in selected:
+            continue
+        if recipe.keyword is not None:
+            how = f"select it with {recipe.keyword}=... (or recipes=[..., {recipe.name!r}])"
+        else:
+            how = "select it (name it in recipes=[...], leave it out of exclude)"
+        raise RecipeOptionError(
+            f"options name {recipe.name}, which this call does not select "
+            f"(selected: {', '.join(sorted(selected)) or 'none'}); {how}, or drop its options",
+            recipe=recipe.name,
+        )
+
+
 def _options(recipe: Recipe, keywords: Mapping[str, Any], options: Mapping[str, Mapping[str, Any]] | None) -> Any:
     """``recipe``'s typed options: the user's dict for it checked against ``recipe.Options``, with the
     public keyword it declares (``Recipe.keyword``) filled in as its option field (``Recipe.keyword_field``)."""
@@ -343,50 +401,69 @@ def _plan_rows(
     rows: list[Row] = []
     actions: list[tuple[Recipe, Match, Decision, Any]] = []
     _check_options(options)
+    _check_selected(options, chosen)
     for recipe in chosen:
         opts = _options(recipe, keywords, options)
         seen: set[int] = set()
-        found = False
+        matches: list[Match] = []
         for prefix, root in targets:
             for match in recipe.find(root, prefix):
-                if id(match.module) in seen:
-                    continue
-                seen.add(id(match.module))
-                found = True
-                if is_patched_by(match.module, recipe.name):
-                    # A recipe may refuse a repeat that asks for something else (fp8_weights: another granularity).
-                    repeat = getattr(recipe, "repeat_request", None)
-                    why = repeat(match, opts) if repeat is not None else None
-                    rows.append(
-                        Row(recipe.name, match.path, ALREADY_PATCHED, reason=why or "patched by an earlier call")
+                if id(match.module) not in seen:
+                    seen.add(id(match.module))
+                    matches.append(match)
+        found = bool(matches)
+        for match in matches:
+            if is_patched_by(match.module, recipe.name):
+                # A recipe may refuse a repeat that asks for something else (fp8_weights: another granularity).
+                repeat = getattr(recipe, "repeat_request", None)
+                why = repeat(match, opts) if repeat is not None else None
+                rows.append(Row(recipe.name, match.path, ALREADY_PATCHED, reason=why or "patched by an earlier call"))
+                continue
+            inside = _patched_inside(match.module, recipe.name, seen)
+            if inside:
+                # An earlier patch() of a model nested in this one (or of a model this one is nested in)
+                # changed modules this match covers: applying again would change them twice. They stay
+                # as that call left them; unpatch() of the outer object undoes both calls.
+                more = f" and {len(inside) - 1} more" if len(inside) > 1 else ""
+                rows.append(
+                    Row(
+                        recipe.name,
+                        match.path,
+                        ALREADY_PATCHED,
+                        reason=(
+                            "patched by an earlier patch() of a nested or enclosing model "
+                            f"({_full_path(match.path, inside[0])}{more})"
+                        ),
+                        details={"patched_modules": len(inside)},
                     )
-                    continue
-                try:
-                    # The declared requirements first (Recipe.requires): a recipe never decides on a build
-                    # that lacks a feature every one of its paths needs.
-                    decision = recipe.gate(env) or recipe.decide(match, env, opts)
-                except Exception as exc:
-                    raise PatchError(
-                        f"recipe {recipe.name} could not decide for {match.path}: {exc}",
-                        recipe=recipe.name,
-                        target=match.path,
-                    ) from exc
-                if decision.applicable:
-                    rows.append(
-                        Row(
-                            recipe.name,
-                            match.path,
-                            APPLIED if mode == "patch" else WOULD_APPLY,
-                            decision.backing,
-                            decision.reason,
-                            dict(decision.details),
-                        )
+                )
+                continue
+            try:
+                # The declared requirements first (Recipe.requires): a recipe never decides on a build
+                # that lacks a feature every one of its paths needs.
+                decision = recipe.gate(env) or recipe.decide(match, env, opts)
+            except Exception as exc:
+                raise PatchError(
+                    f"recipe {recipe.name} could not decide for {match.path}: {exc}",
+                    recipe=recipe.name,
+                    target=match.path,
+                ) from exc
+            if decision.applicable:
+                rows.append(
+                    Row(
+                        recipe.name,
+                        match.path,
+                        APPLIED if mode == "patch" else WOULD_APPLY,
+                        decision.backing,
+                        decision.reason,
+                        dict(decision.details),
                     )
-                    actions.append((recipe, match, decision, opts))
-                else:
-                    rows.append(
-                        Row(recipe.name, match.path, SKIPPED, reason=decision.reason, details=dict(decision.details))
-                    )
+                )
+                actions.append((recipe, match, decision, opts))
+            else:
+                rows.append(
+                    Row(recipe.name, match.path, SKIPPED, reason=decision.reason, details=dict(decision.details))
+                )
         if not found:
             # At most two class names in the text; every one in the row's details (to_json()).
             names = [t.rsplit(".", 1)[-1] for t in recipe.targets]
@@ -402,10 +479,26 @@ def _plan_rows(
     return rows, actions
 
 
+def _patched_inside(module: torch.nn.Module, recipe: str, matches: set[int]) -> list[str]:
+    """Paths (below ``module``) of the modules ``recipe`` changed that are not matches of this call: what an
+    earlier patch() of a nested or enclosing model changed through a match this call does not see (e.g.
+    ``patch(lm.model)`` then ``patch(lm)``: attention_split's match is the outer model, the earlier one
+    was the inner model, and both would change the same attention modules)."""
+    return [
+        name
+        for name, sub in module.named_modules()
+        if sub is not module and id(sub) not in matches and is_patched_by(sub, recipe)
+    ]
+
+
+def _full_path(match_path: str, name: str) -> str:
+    return ".".join(p for p in (match_path if match_path != "<root>" else "", name) if p)
+
+
 def plan(
     obj: Any,
     *,
-    device: str | None = None,
+    device: str | torch.device | Env | None = None,
     torch_version: str | None = None,
     capability: tuple[int, int] | None = None,
     env: Env | None = None,
@@ -420,10 +513,20 @@ def plan(
     meta device from a pipeline folder's configs).
 
     ``plan(pipe, device="mps", torch_version="2.14.1")`` simulates an Apple machine on torch 2.14.1;
-    ``device="cuda:8.0"`` (or ``capability=(8, 0)``) a CUDA GPU of that compute capability. Works on
+    ``device="cuda:8.0"`` (or ``capability=(8, 0)``) a CUDA GPU of that compute capability. ``device``
+    also takes an :class:`Env` (``device=Env.simulate("mps", "2.15.0")``), as patch() does. Works on
     models on the meta device.
     """
     targets = _targets(obj, allow_mapping=True, action="plan for")
+    if isinstance(device, Env):  # what patch(device=Env) takes, plan takes too
+        if env is not None or torch_version is not None or capability is not None:
+            raise TypeError(
+                "device is an mpsboost.Env already: pass torch_version, capability and env only with a device "
+                "name, or put them in the Env (Env.simulate(device, torch_version, capability=...))"
+            )
+        env, device = device, None
+    elif isinstance(device, torch.device):
+        device = str(device)
     if env is None:
         if device is not None or torch_version is not None or capability is not None:
             if device is None:
@@ -638,34 +741,53 @@ def _rollback(applied: list[_Applied]) -> list[str]:
 def unpatch(obj: Any) -> None:
     """Undo every patch mpsboost applied to ``obj``; the original forwards are the very same objects again.
 
-    After a ``patch()`` that applied nothing (every recipe skipped here) it is a quiet no-op. Raises
-    :class:`NotPatchedError` if ``obj`` was never passed to ``patch()`` (or was unpatched already), and
-    :class:`IrreversiblePatchError` (changing nothing) if a recipe that converted weights in place was applied.
+    That is every ``patch()`` call made on ``obj`` and on any model inside it (``patch(lm.model)`` then
+    ``patch(lm)``: ``unpatch(lm)`` undoes both, newest first). Patches that a ``patch()`` of an enclosing
+    object made stay until that object is unpatched: ``unpatch(lm.model)`` after ``patch(lm)`` says so.
+
+    After a ``patch()`` that applied nothing (every recipe skipped here, or already patched) it is a quiet
+    no-op. Raises :class:`NotPatchedError` if ``obj`` was never passed to ``patch()`` (or was unpatched
+    already), and :class:`IrreversiblePatchError` (changing nothing) if a recipe that converted weights in
+    place was applied.
     """
     targets = _targets(obj, action="unpatch")
     with _LOCK:
         recs = _records(obj)
-        if recs and not any(r.applied for r in recs):
+        nested = _nested_records(obj, targets)
+        if recs and not any(r.applied for r in recs) and not nested:
             # patch() was called and changed nothing (every row skipped, not applicable or already
-            # patched by a call that was undone since): there is nothing to undo, and saying "not
-            # patched" would be untrue; `try: patch(m) ... finally: unpatch(m)` must work anywhere.
+            # patched by a call that was undone since, or by a call on an enclosing object): there is
+            # nothing to undo here, and saying "not patched" would be untrue; `try: patch(m) ...
+            # finally: unpatch(m)` must work anywhere.
             _drop_records(obj)
             return
-        if not recs:
+        if not recs and not nested:
             copied = _patched_modules(targets)
             if copied:
                 raise PatchedCopyError(
                     f"this {type(obj).__name__} carries mpsboost patches "
                     f"({copied[0]} and {len(copied) - 1} more module(s)) "
-                    "that were not made on it: it is a copy (copy.deepcopy) of a patched object, and the undo of each "
-                    "patch belongs to the original. Nothing was changed. Unpatch the original and copy it again "
-                    "(or reload the model); to copy a patched model and keep both, "
+                    "that no patch() of it made. Either a patch() of an enclosing model or pipeline made them "
+                    "(unpatch that object), or it is a copy (copy.deepcopy) of a patched object, and the undo of "
+                    "each patch belongs to the original. Nothing was changed. For a copy: unpatch the original "
+                    "and copy it again (or reload the model); to copy a patched model and keep both, "
                     "copy it before patching and patch each."
                 )
             raise NotPatchedError(
                 f"this {type(obj).__name__} was not patched by mpsboost (or was already unpatched); nothing to undo"
             )
-        _unpatch_records(obj, list(recs))
+        _unpatch_records(obj, [(obj, r) for r in recs or ()] + nested)
+
+
+def _nested_records(obj: Any, targets) -> list[tuple[Any, _Record]]:
+    """(holder, record) of every patch() call made on a module inside ``obj`` (a pipeline's components
+    included), other than on ``obj`` itself."""
+    found = []
+    for _, root in targets:
+        for mod in root.modules():
+            if mod is not obj:
+                found += [(mod, r) for r in _records(mod) or ()]
+    return found
 
 
 def _patched_modules(targets) -> list[str]:
@@ -680,8 +802,10 @@ def _patched_modules(targets) -> list[str]:
     ]
 
 
-def _unpatch_records(obj: Any, recs: list[_Record]) -> None:
-    irreversible = [a for r in recs for a in r.applied if not a.undo.reversible]
+def _unpatch_records(obj: Any, held: list[tuple[Any, _Record]]) -> None:
+    """Undo the records ``held`` ((holder, record) pairs), newest call first, and drop them from their holders."""
+    held = sorted(held, key=lambda hr: hr[1].seq, reverse=True)
+    irreversible = [a for _, r in held for a in r.applied if not a.undo.reversible]
     if irreversible:
         names = sorted({a.recipe.name for a in irreversible})
         paths = [a.match.path for a in irreversible]
@@ -692,15 +816,15 @@ def _unpatch_records(obj: Any, recs: list[_Record]) -> None:
             f"({shown}); the original values are gone. Nothing was changed. To get the original model: {hints}."
         )
     errors = []
-    for rec in reversed(recs):
+    for _, rec in held:
         errors += _rollback(rec.applied)
-    all_recs = _records(obj)
-    if all_recs is not None:
-        for rec in recs:
+    for holder, rec in held:
+        all_recs = _records(holder)
+        if all_recs is not None:
             if rec in all_recs:
                 all_recs.remove(rec)
-        if not all_recs:
-            _drop_records(obj)
+            if not all_recs:
+                _drop_records(holder)
     if errors:
         raise PatchError("unpatch could not restore everything: " + "; ".join(errors))
 
@@ -719,7 +843,7 @@ def patched(obj: Any, **kw: Any) -> Iterator[PatchReport]:
     finally:
         with _LOCK:
             if mine and mine[0].applied:
-                _unpatch_records(obj, mine)
+                _unpatch_records(obj, [(obj, r) for r in mine])
             elif mine:
                 recs.remove(mine[0])
 

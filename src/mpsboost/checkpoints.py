@@ -329,13 +329,11 @@ def _write_safetensors(target: Path, tensors: list[tuple[str, torch.Tensor, str]
 
 def _target_env(obj: Any, roots, device: Any):
     """(Env, torch.device the tensors go to). A simulated Env keeps tensors on the CPU."""
-    from .api import env_for
+    from .api import device_env, env_for
     from .gate import Env
 
-    if isinstance(device, Env):
-        env = device
-    elif device is not None:
-        env = Env.detect(device)
+    if device is not None:
+        env = device_env(device, absent="raise")  # patch()'s reading of device=; an absent device: one line
     else:
         on_meta = any(t.device.type == "meta" for _, r in roots for t in list(r.parameters())[:1])
         env = Env.detect() if on_meta else env_for(obj)

@@ -1,7 +1,7 @@
 """How to install mpsboost and its extras: the one place every hint (demo, plan, errors) takes it from.
 
 The package index's project named ``mpsboost`` is another project (gradient boosting); this one is
-installed from its repository: a checkout, a wheel built from it, or a VCS URL. ``pip install
+installed from its repository: a checkout (a clone), or a wheel built from it. ``pip install
 mpsboost[...]`` would fetch the other project, so no message here ever suggests it.
 """
 
@@ -14,9 +14,8 @@ __all__ = ["NOT_ON_INDEX", "INSTALL", "EXTRAS", "checkout", "extra_hint"]
 NOT_ON_INDEX = "the package index's 'mpsboost' is another project; install this one from its repository"
 
 INSTALL = (
-    "from a checkout: pip install -e '.[diffusers,transformers]'; from a wheel built there: "
-    "pip install 'mpsboost[diffusers] @ file:///path/to/mpsboost-0.1.0-py3-none-any.whl'; from git: "
-    "pip install 'mpsboost[diffusers] @ git+URL_OF_THE_REPOSITORY'"
+    "from a checkout (git clone the repository, cd into it): pip install -e '.[diffusers,transformers]'; "
+    "from a wheel built there: pip install 'mpsboost[diffusers] @ file:///path/to/mpsboost-0.1.0-py3-none-any.whl'"
 )
 
 # extra -> the packages it adds (kept in step with pyproject.toml by tests/core/test_packaging.py)

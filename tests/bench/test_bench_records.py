@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -171,12 +170,21 @@ def test_time_fn_counts_calls_and_orders_its_statistics():
     assert t.iqr_s == pytest.approx(t.q3_s - t.q1_s)
 
 
-def test_time_fn_measures_wall_time_and_converts_to_sections():
-    t = time_fn(lambda: time.sleep(0.01), device="cpu", warmup=0, repeats=3)
-    # Seconds, not milliseconds: at least the sleep; the upper bound only rules out a unit error (10 ms read
-    # as 10 s), so it is set far above what a loaded machine adds to a 10 ms sleep (a busy 2-core machine
-    # delays a waking thread by tens of ms, not seconds).
-    assert 0.009 <= t.median_s < 5.0
+def test_time_fn_measures_wall_time_and_converts_to_sections(monkeypatch):
+    # An injected clock that only the timed function moves (10 ms a call): the median is exactly that, in
+    # seconds (not milliseconds), whatever the machine's load.
+    import types
+
+    from mpsboost.bench import timing
+
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def work():
+        now[0] += 0.01
+
+    t = time_fn(work, device="cpu", warmup=0, repeats=3)
+    assert t.median_s == pytest.approx(0.01) and t.samples_s == pytest.approx([0.01] * 3)
     op = t.op_time()
     assert op.median_us == pytest.approx(t.median_s * 1e6) and op.method == "perf_counter"
     thr = t.throughput(items_per_call=8, unit="tokens/s")
@@ -207,7 +215,10 @@ def test_cuda_events_and_graph_replay():
     ev = time_fn(lambda: torch.nn.functional.linear(x, a), device="cuda", repeats=20)
     gr = time_fn(lambda: torch.nn.functional.linear(x, a), device="cuda", repeats=20, cuda_graph=True, calls=10)
     assert ev.method == "cuda_events" and gr.method == "cuda_graph" and gr.calls == 10
-    assert 0 < gr.median_s < 1e-3 and 0 < ev.median_s < 1e-2
+    # Both are seconds per call of the same kernel: within a factor of 100 of each other (graph replay saves
+    # the launch overhead, a few microseconds a call; a unit error would be a factor of 1000).
+    assert gr.median_s > 0 and ev.median_s > 0
+    assert 1 / 100 < gr.median_s / ev.median_s < 100, (gr.median_s, ev.median_s)
     # A host sync inside cannot be captured: a clear error, or a fallback with a note on 'auto'.
     with pytest.raises(CudaGraphCaptureError, match="could not capture"):
         time_fn(lambda: (a @ a).sum().item(), device="cuda", repeats=2, cuda_graph=True)
@@ -223,17 +234,40 @@ def test_mps_timing_synchronises():
     assert t.method == "mps_synchronize" and t.median_s > 0
 
 
-def test_importing_the_harness_stays_light():
+# What `import mpsboost.bench` (and the demo and bench CLI) may add to what `import torch` loaded already:
+# mpsboost itself, the standard library and packaging. torch imports some optional packages by itself when
+# they are installed (pynvml from nvidia-ml-py, which the `bench` extra brings): those are torch's imports,
+# present before mpsboost is imported, and not counted against it.
+_HARNESS_IMPORT_PROBE = (
+    "import sys, json, torch; before = set(sys.modules); "
+    "import mpsboost.bench, mpsboost.bench.cli, mpsboost.demo; "
+    "new = sorted({m.split('.')[0] for m in set(sys.modules) - before}); "
+    "print(json.dumps({'third_party': [n for n in new if n not in sys.stdlib_module_names], "
+    "'with_torch': sorted(m for m in ('pynvml', 'matplotlib', 'tqdm') if m in before)}))"
+)
+
+
+@pytest.mark.parametrize("torch_extras", ["as installed", "pynvml importable"])
+def test_importing_the_harness_stays_light(torch_extras, tmp_path):
+    """Importing the harness imports no heavy package (matplotlib, tqdm, pynvml, diffusers, transformers)
+    of its own, whatever else is installed: with "pynvml importable" a stand-in ``pynvml`` module lies on
+    the path, as after `pip install -e ".[bench]"`, and torch imports it by itself."""
+    import os
     import subprocess
     import sys
 
-    code = (
-        "import sys, mpsboost.bench, mpsboost.bench.cli, mpsboost.demo; "
-        "print(sorted(m for m in ('matplotlib', 'pynvml', 'diffusers', 'transformers') if m in sys.modules))"
+    env = dict(os.environ)
+    if torch_extras == "pynvml importable":
+        (tmp_path / "pynvml.py").write_text("# stand-in for nvidia-ml-py\n", encoding="utf-8")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
+    out = subprocess.run(
+        [sys.executable, "-c", _HARNESS_IMPORT_PROBE], capture_output=True, text=True, timeout=300, env=env
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    probe = json.loads(out.stdout)
+    assert set(probe["third_party"]) <= {"mpsboost", "packaging"}, probe
+    if torch_extras == "pynvml importable":
+        assert "pynvml" in probe["with_torch"], probe  # the case this parameter is for did happen
 
 
 def test_progress_bar_counts_timed_samples_only_when_enabled(monkeypatch):

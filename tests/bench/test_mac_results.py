@@ -129,7 +129,8 @@ def test_a_synthetic_mac_file_renders_the_tables(mac_results, tmp_path, capsys):
     _write(folder / "mpsboost-selftest-mps-2.15.0.jsonl", _machine())
     _write(folder / "mpsboost-selftest-mps-2.15.0-fake.jsonl", _machine(os="Linux", arch="x86_64"))  # rejected
     _write(
-        folder / "mpsboost-selftest-cpu-2.15.0.jsonl", _machine(device="cpu", os="Linux", arch="x86_64")
+        folder / "mpsboost-selftest-cpu-2.15.0.jsonl",
+        _machine(device="cpu", os="Linux", arch="x86_64", macos=None, chip="x86_64", device_name="cpu"),
     )  # valid, not a Mac run
     out = tmp_path / "docs" / "mac-results.md"
     assert mac_results.main(["--folder", str(folder), "--out", str(out)]) == 0

@@ -567,3 +567,161 @@ def test_plan_details_takes_a_plan_own_report_and_refuses_what_is_not_a_plan():
         Decision.apply("x", "y", plan={"factor": 3})
     with pytest.raises(TypeError, match="got type"):
         Decision.apply("x", "y", plan=Custom)  # the class, not an instance
+
+
+# ------------------------------------------------------------------ nested models: an inner and its outer model
+
+
+def _nested_cases():
+    return [
+        pytest.param("qwen3_5_moe", lambda m: m.model, id="qwen3_5_moe-lm.model"),
+        pytest.param("llama_eager", lambda m: m.model, id="llama_eager-lm.model"),
+        pytest.param("wan22_ti2v_pipeline", lambda p: p.transformer, id="wan22_pipeline-transformer"),
+    ]
+
+
+def _marks(obj) -> set:
+    import tiny_models as tm
+
+    return {
+        (prefix, name, key)
+        for prefix, root in tm.modules_of(obj)
+        for name, mod in root.named_modules()
+        for key in mod.__dict__.get(patching.ATTR, {})
+    }
+
+
+@pytest.mark.parametrize("model,inner", _nested_cases())
+@pytest.mark.parametrize("version", ["2.14.1", "2.15.0"])
+def test_patching_an_inner_model_then_its_outer_model(model, inner, version):
+    """patch(lm.model) then patch(lm): the second call reports what the first changed as already patched and
+    patches the rest (no module gets one recipe twice); unpatch(lm.model) undoes the first call only,
+    unpatch(lm) every call made on lm and inside it; the model is then exactly as built."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("diffusers")
+    import tiny_models as tm
+    from mpsboost.gate import Env
+
+    mac = Env.simulate("mps", version)
+    obj = tm.build(model)
+    before = tm.snapshot(obj)
+    first = mpsboost.patch(inner(obj), device=mac)
+    second = mpsboost.patch(obj, device=mac)
+    assert first.applied, first
+    assert second.by_status("already patched"), second
+    # every module change the inner call made is still there, once
+    inner_marks = {(n, k) for _, n, k in _marks(inner(obj))}
+    assert inner_marks
+    mpsboost.unpatch(inner(obj))  # the inner call's changes only
+    assert not ({(n, k) for _, n, k in _marks(inner(obj))} & inner_marks)
+    mpsboost.unpatch(obj)
+    assert tm.diff_snapshot(before, tm.snapshot(obj)) == []
+    # the same again, then unpatch the outer object alone: it undoes the inner call too (newest first)
+    mpsboost.patch(inner(obj), device=mac)
+    mpsboost.patch(obj, device=mac)
+    mpsboost.unpatch(obj)
+    assert tm.diff_snapshot(before, tm.snapshot(obj)) == []
+    assert not _marks(obj)
+    with pytest.raises(NotPatchedError):
+        mpsboost.unpatch(inner(obj))
+
+
+@pytest.mark.parametrize("model,inner", _nested_cases())
+@pytest.mark.parametrize("version", ["2.14.1", "2.15.0"])
+def test_patching_an_outer_model_then_an_inner_one(model, inner, version):
+    """patch(lm) then patch(lm.model): a no-op reported as already patched; the marks are those of one
+    patch(lm); unpatch(lm.model) is a quiet no-op that leaves lm patched, unpatch(lm) restores everything.
+    A module inside a patched model that no patch() was called on: unpatch names the enclosing object."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("diffusers")
+    import tiny_models as tm
+    from mpsboost.errors import PatchedCopyError
+    from mpsboost.gate import Env
+
+    mac = Env.simulate("mps", version)
+    obj = tm.build(model)
+    before = tm.snapshot(obj)
+    mpsboost.patch(obj, device=mac)
+    marks = _marks(obj)
+    with pytest.raises(PatchedCopyError, match="enclosing model or pipeline"):
+        mpsboost.unpatch(inner(obj))
+    again = mpsboost.patch(inner(obj), device=mac)
+    assert again.noop and again.by_status("already patched"), again
+    assert _marks(obj) == marks
+    mpsboost.unpatch(inner(obj))  # nothing of it was this call's
+    assert _marks(obj) == marks and mpsboost.api.is_patched(obj)
+    mpsboost.unpatch(obj)
+    assert tm.diff_snapshot(before, tm.snapshot(obj)) == []
+
+
+def test_inner_then_outer_computes_like_stock():
+    """The nested patches together compute what the stock model computes (fresh inputs, Mac 2.14.1
+    decisions run on the CPU; fp32, 1e-4 relative)."""
+    pytest.importorskip("transformers")
+    import tiny_models as tm
+    from mpsboost.gate import Env
+
+    mac = Env.simulate("mps", "2.14.1")
+    stock = tm.build("qwen3_5_moe")
+    model = tm.clone(stock)
+    mpsboost.patch(model.model, device=mac)
+    mpsboost.patch(model, device=mac)
+    for seed in (1, 2):
+        assert tm.relative_error(tm.run("qwen3_5_moe", model, seed), tm.run("qwen3_5_moe", stock, seed)) < 1e-4
+
+
+# ------------------------------------------------------------------ device= and options= read the same everywhere
+
+
+def test_plan_takes_an_env_as_device_like_patch(recipes):
+    from mpsboost.gate import Env
+
+    mac = Env.simulate("mps", "2.14.1")
+    m = _model()
+    by_device = mpsboost.plan(m, recipes=["t_gated"], device=mac)
+    by_env = mpsboost.plan(m, recipes=["t_gated"], env=mac)
+    assert by_device.env == mac and by_device.to_json() == by_env.to_json()
+    patched_report = mpsboost.patch(m, recipes=["t_gated"], device=mac)
+    assert [r.status for r in patched_report.rows] == [r.status for r in by_device.rows]
+    with pytest.raises(TypeError, match="an mpsboost.Env already"):
+        mpsboost.plan(m, device=mac, torch_version="2.15.0")
+    # a torch.device works too (simulated, as a name does in plan)
+    assert mpsboost.plan(m, recipes=["t_gated"], device=torch.device("mps")).env.device_type == "mps"
+
+
+def test_an_absent_device_is_one_line_for_load_fp8_as_for_patch(tmp_path, monkeypatch):
+    """patch(device="mps") without MPS simulates and warns; load_fp8, which must put tensors there, raises
+    the same sentence as one GateError line (not a file error)."""
+    pytest.importorskip("transformers")
+    import tiny_models as tm
+    from mpsboost.errors import GateError
+
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    src = tm.build("qwen3_moe", dtype="bfloat16")
+    with pytest.warns(UserWarning, match="torch sees no mps device here") as seen:
+        mpsboost.patch(src, fp8="rowwise", device="mps")
+    sentence = "device='mps' but torch sees no mps device here"
+    assert sentence in str(seen[0].message)
+    mpsboost.save_fp8(src, tmp_path / "ck")
+    target = tm.build("qwen3_moe", dtype="bfloat16", seed=1)
+    with pytest.raises(GateError) as info:
+        mpsboost.load_fp8(target, tmp_path / "ck", device="mps")
+    assert sentence in str(info.value) and "\n" not in str(info.value) and len(str(info.value)) < 300
+    with pytest.raises(GateError, match="not one mpsboost knows"):
+        mpsboost.load_fp8(target, tmp_path / "ck", device="tpu")
+
+
+def test_options_for_a_recipe_not_selected_raise(recipes):
+    from mpsboost.errors import RecipeOptionError
+
+    m = _model()
+    with pytest.raises(RecipeOptionError, match=r"options name softmax, which this call does not select"):
+        mpsboost.patch(m, recipes=["t_scale"], options={"softmax": {"path": "logits"}})
+    with pytest.raises(RecipeOptionError, match=r"does not select .*select it"):
+        mpsboost.plan(m, exclude=["softmax"], options={"softmax": {"path": "logits"}})
+    with pytest.raises(RecipeOptionError, match=r"select it with fp8="):
+        mpsboost.patch(m, options={"fp8_weights": {"include": ["x"]}})
+    assert not mpsboost.api.is_patched(m)
+    # selected: accepted (softmax finds no target in this model: the row says so)
+    report = mpsboost.plan(m, recipes=["t_scale", "softmax"], options={"softmax": {"path": "logits"}})
+    assert report.rows_for("softmax")

@@ -28,7 +28,7 @@ README = ROOT / "README.md"
 PAGES = [
     README,
     *sorted((ROOT / "docs").glob("*.md")),
-    ROOT / "examples" / "README.md",
+    ROOT / "recipes" / "README.md",
     ROOT / "benchmarks" / "README.md",
     ROOT / "src" / "mpsboost" / "recipes" / "README.md",
 ]
@@ -213,7 +213,7 @@ def test_no_deprecated_torch_dtype(page):
 
 
 def test_cookbook_scripts_use_dtype():
-    offenders = [p.name for p in (ROOT / "examples").glob("*.py") if "torch_dtype=" in p.read_text()]
+    offenders = [p.name for p in (ROOT / "recipes").glob("*.py") if "torch_dtype=" in p.read_text()]
     assert not offenders, offenders
 
 
@@ -301,3 +301,72 @@ def test_gate_table_is_the_gate():
     assert rows["solve_triangular_fast"][4] == "triangular_solve_small_16 from the 2.15.0 macOS wheel"
     assert rows["sdpa_metal_gqa"][4].startswith("behavioural")
     assert "gate-mps" in (ROOT / "docs" / "support.md").read_text()
+
+
+# ------------------------------------------------------------------------------------ the front door
+
+
+def _sources() -> list[Path]:
+    """Every text a user may read or be told: the pages, the docs' and reports' templates in the package,
+    its data, the benchmark scripts and the recipe scripts. docs/mac-results.md is generated from
+    benchmarks/mac_results.py (checked here instead); benchmarks/results/ holds past runs' own words."""
+    pages = [p for p in PAGES if p.is_file() and p.name != "mac-results.md"]
+    code = [
+        *sorted((ROOT / "src" / "mpsboost").rglob("*.py")),
+        *sorted((ROOT / "src" / "mpsboost" / "data").glob("*.json")),
+        *sorted((ROOT / "benchmarks").glob("*.py")),
+        *sorted((ROOT / "recipes").glob("*.py")),
+    ]
+    return pages + code
+
+
+def test_no_placeholder_url_is_left():
+    found = [
+        f"{p.relative_to(ROOT)}: {m.group(0)!r}"
+        for p in _sources()
+        for m in re.finditer(r"URL_OF_[A-Z_]+|URL to be published|to be published\)", p.read_text(encoding="utf-8"))
+    ]
+    assert not found, found
+
+
+def test_nothing_says_to_install_from_the_index_under_its_other_projects_name():
+    """The index's `mpsboost` is another project (gradient boosting): no text tells anyone to
+    `pip install mpsboost` or `pip install "mpsboost[...]"`, except to warn against it. A wheel or a
+    checkout named with `mpsboost[extra] @ file:///...` is fine."""
+    bad = []
+    for p in _sources():
+        text = p.read_text(encoding="utf-8")
+        for m in re.finditer(r"pip install\s+[\"'`]?mpsboost(\[[^\]]*\])?", text):
+            after = text[m.end() : m.end() + 160].replace("\n", " ")
+            before = text[max(0, m.start() - 12) : m.start()]
+            if after.lstrip("\"'` ").startswith("@"):
+                continue  # mpsboost[extra] @ file:///... (a wheel built from the checkout)
+            if re.search(r"another project|different project|other project", after) or "Not '" in before:
+                continue  # the warning itself
+            bad.append(f"{p.relative_to(ROOT)}: {text[m.start() : m.end() + 40]!r}")
+    assert not bad, bad
+
+
+def test_the_readme_says_first_what_was_measured_where_and_how_to_send_evidence():
+    top = "\n".join(README.read_text(encoding="utf-8").splitlines()[:30])
+    assert "Nothing in this repository has been measured on a Mac yet" in top
+    assert "CPU" in top and "H200" in top and "docs/figures.md" in top
+    assert "What a Mac user can expect" in top and "mpsboost selftest --validate" in top
+
+
+def test_one_selftest_duration_everywhere():
+    """The selftest's duration is stated once per page, the same everywhere: its default budget (from the
+    code) and the one measured run (`--size test` on a 2-core Linux CPU); no other figure for it."""
+    from mpsboost.selftest import BUDGET_S
+
+    pages = [README, ROOT / "docs" / "support.md", ROOT / "src" / "mpsboost" / "selftest" / "__init__.py"]
+    measured = set()
+    for p in pages:
+        text = " ".join(p.read_text(encoding="utf-8").split())
+        assert f"{BUDGET_S['quick']:.0f} s budget" in text, p
+        measured |= set(re.findall(r"--size test`{0,2} took (\d+) s", text))
+        for stale in ("8 minutes", "minute or so", "minutes on a Mac"):
+            assert stale not in text, (p, stale)
+    assert len(measured) == 1, measured
+    mac = (ROOT / "benchmarks" / "mac_results.py").read_text(encoding="utf-8")
+    assert f"{BUDGET_S['quick']:.0f} s budget" in mac and "8 minutes" not in mac

@@ -1,13 +1,16 @@
-"""Nothing mpsboost keeps holds a patched object: a model the user drops is freed.
+"""Nothing mpsboost keeps holds a patched object: a model the user drops is freed, and every part of it.
 
 For every registered recipe, on every candidate environment where it applies to a tiny real model
 (:func:`tiny_models.applying_env` picks the models, the environments are the runnable ones of
 :func:`tiny_models.candidate_envs`), the model is patched, run once on fresh inputs, dropped, and a weak
-reference to it must be dead after ``gc.collect()``; likewise for ``fp8="rowwise"`` with Mac decisions, a
-tiny diffusers pipeline (its pipeline object and each component), and a model filled by ``load_fp8``.
-A module-level table that held a patched module, one of its tensors or a method bound to it would fail
-these (the moe_experts decode switch once did: a ``WeakKeyDictionary`` whose value was a method bound
-to its own key).
+reference to every part of it must be dead after ``gc.collect()``: the object passed to patch(), every
+module of its tree (each module the report names among them), and every parameter and buffer. A
+submodule does not keep its parent alive, so a weak reference to the root alone would miss a patched
+layer kept in some module-level table; these catch it (``python tools/mutations.py leak`` appends each
+patched layer of two recipes to a module-level list, and these tests go red). Likewise for
+``fp8="rowwise"`` with Mac decisions, a tiny diffusers pipeline (its pipeline object and each
+component), and a model filled by ``load_fp8``. (The moe_experts decode switch once leaked: a
+``WeakKeyDictionary`` whose value was a method bound to its own key.)
 
 The slow group checks resident memory over 20 build + patch + run + del cycles of a small MoE model.
 """
@@ -30,14 +33,36 @@ pytest.importorskip("transformers")
 pytest.importorskip("diffusers")
 
 
-def _models_of(obj) -> list:
-    return [obj] + [m for _, m in tm.modules_of(obj) if m is not obj]
+def _parts(obj) -> dict:
+    """{path: part} of everything a dropped ``obj`` must free: itself, every module of its tree (a
+    pipeline: of each component; path ``component.sub.module``), every parameter and buffer."""
+    parts = {"<object>": obj}
+    for prefix, root in tm.modules_of(obj):
+        for name, mod in root.named_modules():
+            path = ".".join(p for p in (prefix, name) if p) or "<root>"
+            parts[path] = mod
+            for tname, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+                if t is not None:
+                    parts[f"{path}:{tname}"] = t
+    return parts
 
 
-def _assert_freed(refs: list[weakref.ref], what: str) -> None:
+def _refs(obj, report=None) -> list[tuple[str, weakref.ref]]:
+    """Weak references to every part of ``obj`` (see :func:`_parts`); each module ``report`` names as
+    applied must be one of them (the report's paths are the tree's)."""
+    parts = _parts(obj)
+    if report is not None:
+        named = {r.target for r in report.rows if r.status == "applied"}
+        assert named, str(report)
+        missing = sorted(p for p in named if p not in parts)
+        assert not missing, f"the report names modules that are not in the tree: {missing}"
+    return [(path, weakref.ref(part)) for path, part in parts.items()]
+
+
+def _assert_freed(refs: list[tuple[str, weakref.ref]], what: str) -> None:
     gc.collect()
-    alive = [type(r()).__name__ for r in refs if r() is not None]
-    assert not alive, f"{what}: still alive after del + gc.collect(): {alive}"
+    alive = [f"{path} ({type(r()).__name__})" for path, r in refs if r() is not None]
+    assert not alive, f"{what}: {len(alive)} of {len(refs)} parts still alive after del + gc.collect(): {alive[:8]}"
 
 
 def _cases() -> list[tuple[str, str, str]]:
@@ -82,7 +107,7 @@ def test_a_dropped_patched_model_is_freed(recipe, model, label):
     report = mpsboost.patch(obj, recipes=[recipe], device=_ENVS[label], fp8=fp8)
     assert report.recipes("applied") == [recipe], str(report)
     tm.run(model, obj, 0)
-    refs = [weakref.ref(m) for m in _models_of(obj)]
+    refs = _refs(obj, report)
     del obj, report
     _assert_freed(refs, f"{recipe} on {model} ({label})")
 
@@ -102,9 +127,9 @@ def test_default_patch_and_fp8_with_mac_decisions_free_the_model(model, tv):
         report = mpsboost.patch(obj, device=Env.simulate("mps", tv), fp8=fp8)
         assert "moe_experts" in report.recipes("applied"), str(report)
         tm.generate(obj, 0, new_tokens=2)  # generate() takes the decode switch the recipe binds
-        ref = weakref.ref(obj)
+        refs = _refs(obj, report)
         del obj, report
-        _assert_freed([ref], f"{model} fp8={fp8} on mps {tv}")
+        _assert_freed(refs, f"{model} fp8={fp8} on mps {tv}")
 
 
 def test_a_dropped_patched_pipeline_is_freed():
@@ -112,7 +137,7 @@ def test_a_dropped_patched_pipeline_is_freed():
     report = mpsboost.patch(pipe, device=Env.simulate("mps", "2.14.1"))
     assert len(report.recipes("applied")) >= 2, str(report)
     tm.run("wan22_a14b_pipeline", pipe, 0, steps=1)
-    refs = [weakref.ref(m) for m in _models_of(pipe)]
+    refs = _refs(pipe, report)
     del pipe, report
     _assert_freed(refs, "wan22_a14b_pipeline")
 
@@ -126,9 +151,9 @@ def test_a_model_filled_by_load_fp8_is_freed(tmp_path):
     report = mpsboost.load_fp8(fresh, tmp_path / "ckpt", device=Env.simulate("mps", "2.15.0"))
     assert report.recipes("applied"), str(report)
     tm.run("qwen3_moe", fresh, 0)
-    ref = weakref.ref(fresh)
+    refs = _refs(fresh, report)
     del fresh, report
-    _assert_freed([ref], "qwen3_moe after load_fp8")
+    _assert_freed(refs, "qwen3_moe after load_fp8")
 
 
 def test_unpatched_and_noop_patched_models_are_freed():
@@ -137,7 +162,7 @@ def test_unpatched_and_noop_patched_models_are_freed():
     mpsboost.unpatch(obj)
     dense = tm.build("qwen3")
     mpsboost.patch(dense, device=Env.simulate("cuda:9.0"), exclude=["rms_norm"])  # applies nothing; report stays
-    refs = [weakref.ref(obj), weakref.ref(dense)]
+    refs = _refs(obj) + _refs(dense)
     del obj, dense
     _assert_freed(refs, "unpatched / no-op")
 
@@ -182,15 +207,16 @@ def test_resident_memory_stays_flat_over_20_cycles():
         report = mpsboost.patch(model, device=Env.simulate("mps", "2.15.0"))
         assert "moe_experts" in report.recipes("applied")
         tm._run_lm(model, 0, batch=1, prompt=4, steps=1)
-        ref = weakref.ref(model)
+        refs = _refs(model, report)
         del model, report
         gc.collect()
-        return ref
+        return refs
 
     for _ in range(3):
-        assert cycle()() is None
+        _assert_freed(cycle(), "warm-up cycle")
     base = _rss_mib()
     refs = [cycle() for _ in range(20)]
     grown = _rss_mib() - base
-    assert all(r() is None for r in refs)
+    for i, cycle_refs in enumerate(refs):
+        _assert_freed(cycle_refs, f"cycle {i}")
     assert grown < 60, f"resident memory grew by {grown:.0f} MiB over 20 cycles"

@@ -50,13 +50,16 @@ PUBLIC = (
 IMPORT_PROBE = """
 import json, sys, time
 t0 = time.perf_counter(); import torch; t1 = time.perf_counter()
-c1 = time.process_time(); import mpsboost; t2 = time.perf_counter(); c2 = time.process_time()
+c1 = time.process_time(); before = set(sys.modules)
+import mpsboost; t2 = time.perf_counter(); c2 = time.process_time()
+added = sorted({{m.split('.')[0] for m in set(sys.modules) - before}})
 names = mpsboost.recipe_names()
 missing = [n for n in {public!r} if not hasattr(mpsboost, n)]
 heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('diffusers', 'transformers', 'accelerate'))
 print(json.dumps({{"torch_s": t1 - t0, "mpsboost_s": t2 - t1, "mpsboost_cpu_s": c2 - c1,
                   "version": mpsboost.__version__, "recipes": names,
-                  "missing": missing, "heavy": heavy, "file": mpsboost.__file__}}))
+                  "missing": missing, "heavy": heavy, "file": mpsboost.__file__,
+                  "third_party": [m for m in added if m not in sys.stdlib_module_names]}}))
 """
 
 
@@ -166,7 +169,7 @@ def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_proper
     # nothing else is.
     source = {p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src" / "mpsboost").rglob("*.py")}
     assert source == {n for n in names if n.endswith(".py")}
-    assert not any(n.startswith(("tests/", "examples/", "benchmarks/")) for n in names), (
+    assert not any(n.startswith(("tests/", "recipes/", "benchmarks/")) for n in names), (
         "test or cookbook files in the wheel"
     )
 
@@ -234,9 +237,7 @@ def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_proper
     )
     print("fresh-venv import times: " + line)
     record_property("import_times", line)
-    # `import mpsboost` after torch stays light: no diffusers/transformers, well under a second. The bound
-    # is on the CPU time of this process, not the wall time: on a loaded 2-core machine (the README's test
-    # command in a fresh clone, next to other jobs) the wall time of the first import of a fresh venv was
-    # seen at 10x its CPU time (0.36 s wall for 0.04 s CPU, load average 14), and a wall-time bound failed
-    # there once while passing on the next run. CPU time does not grow with other processes' load.
-    assert probe["mpsboost_cpu_s"] < 1.0, line
+    # `import mpsboost` after torch stays light: it adds no third-party package but packaging (no diffusers,
+    # transformers, matplotlib...). A count, not a time: the import times above are printed for the
+    # record only (on a loaded 2-core machine a bound on them failed once and passed on the next run).
+    assert set(probe["third_party"]) <= {"mpsboost", "packaging"}, (probe["third_party"], line)

@@ -1,4 +1,4 @@
-"""The cookbook (examples/*.py) in its tiny offline mode, as a user runs it: subprocesses, real output.
+"""The recipe scripts (recipes/*.py, the cookbook) in their tiny offline mode, as a user runs them: subprocesses.
 
 Each script builds its real architecture from the shipped tiny config with random weights, runs the
 job stock and patched, prints the patch report and the records, and writes them as JSON Lines; the
@@ -18,7 +18,7 @@ import pytest
 from mpsboost.bench import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = ROOT / "examples"
+RECIPES = ROOT / "recipes"
 SCRIPTS = {
     "wan22_video": ["wan22_video"],
     "qwen_image": ["qwen_image_vae_roundtrip", "qwen_image_generate"],
@@ -135,3 +135,46 @@ def test_missing_local_model_fails_with_a_clear_message(tmp_path):
 def test_model_and_random_weights_exclude_each_other():
     proc = _run("wan22_video", "--model", "x", "--random-weights", "tiny", timeout=QUICK_TIMEOUT)
     assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+
+
+#: Each script's recipe-level benchmark (`mpsboost bench NAME`, run by its --bench).
+BENCHMARKS = {
+    "wan22_video": "wan_vae_pad",
+    "qwen_image": "qwen_image_vae",
+    "qwen3_moe_chat": "moe_experts",
+    "fp8_any": "fp8_weights",
+    "fp8_checkpoint": "fp8_load",
+    "qwen36_fp8": "fp8_load",
+}
+
+
+def test_the_recipe_scripts_live_in_the_top_level_recipes_folder():
+    """The design's layout: src/mpsboost/, recipes/, tests/, benchmarks/ at the top level; the recipe
+    scripts in recipes/ (examples/ is gone)."""
+    assert RECIPES == ROOT / "recipes" and RECIPES.is_dir() and (RECIPES / "README.md").is_file()
+    assert not (ROOT / "examples").exists()
+    assert set(BENCHMARKS) == set(SCRIPTS)
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_every_script_has_help_random_weights_and_its_benchmark(script):
+    from mpsboost.bench.cli import catalogue
+
+    proc = _run(script, "--help", timeout=QUICK_TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = " ".join(proc.stdout.split())
+    assert "--random-weights" in text and "--bench" in text
+    name = BENCHMARKS[script]
+    assert f"'mpsboost bench {name}'" in text, text
+    assert name in {n for n, _, path in catalogue(None) if path is not None}  # a benchmark of this checkout
+
+
+@pytest.mark.slow
+def test_bench_runs_the_recipe_level_benchmark_after_the_job(tmp_path):
+    proc = _run("qwen3_moe_chat", "--random-weights", "tiny", "--device", "cpu", "--repeats", "1", "--warmup", "0",
+                "--out", str(tmp_path), "--bench")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "recipe-level benchmark: mpsboost bench moe_experts --device cpu --size tiny" in proc.stdout
+    assert read_jsonl(tmp_path / "qwen3_moe_chat.jsonl")  # the job's own records
+    bench = read_jsonl(tmp_path / "moe.jsonl")  # the benchmark's, beside them
+    assert bench and {r.env.device_type for r in bench} == {"cpu"} and "mpsboost" in {r.variant for r in bench}

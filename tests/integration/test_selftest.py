@@ -30,7 +30,13 @@ def run(tmp_path_factory):
     torch.set_num_threads(1)  # tiny models on a shared CPU: thread hand-offs would cost more than the work
     try:
         lines, jsonl, md = selftest.run_selftest(
-            "cpu", size="test", processes=1, out_dir=out, recipes=CHECKED_RECIPES, echo=printed.append
+            "cpu",
+            size="test",
+            processes=1,
+            budget_s=selftest.BUDGET_S["test"],  # not the CPU's default: every workload must run here
+            out_dir=out,
+            recipes=CHECKED_RECIPES,
+            echo=printed.append,
         )
     finally:
         torch.set_num_threads(threads)
@@ -50,8 +56,21 @@ def test_cpu_selftest_writes_a_file_that_validates(run):
     assert set(summary["probes"]) == set(PROBES) and set(summary["workloads"]) == set(SEED_WORKLOADS)
     assert summary["recipes"] == {"wan_vae_pad": "pass", "metal_attention": "not applicable", "fp8_weights": "pass"}
     assert set(summary["gate"]) == set(gate.FEATURES)
-    assert cli_main(["selftest", "--validate", str(jsonl)]) == 0
     assert "probe pad_rank5_65536" in printed and "workload qwen36_decode" in printed
+
+
+def test_a_run_without_mps_says_in_one_line_that_its_file_is_not_evidence(run, capsys):
+    lines, jsonl, md, printed = run
+    notes = [ln for ln in printed.splitlines() if ln.startswith("note:")]
+    assert len(notes) == 1 and "not an MPS device (cpu)" in notes[0], notes
+    assert printed.splitlines()[1] == notes[0]  # right after the first line, before any probe
+    assert notes[0] in md.read_text() and "Send it:" not in md.read_text()
+    assert printed.splitlines()[-1].endswith("not evidence: do not send them")
+    assert lines[0]["evidence"] is False
+    # `mpsboost selftest --validate` (what a user runs before sending) refuses it, in one line
+    assert cli_main(["selftest", "--validate", str(jsonl)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "a selftest on cpu, not on MPS: not evidence" in err and len(err.splitlines()) == 1, err
 
 
 def test_every_probe_names_its_upstream_number_and_a_known_feature(run):
@@ -134,12 +153,16 @@ def test_scrub_removes_home_user_host_and_the_output_folder(tmp_path):
         assert scrub(f"latest {user}x") == f"latest {user}x"  # whole names only
 
 
-def test_markdown_says_what_it_holds_and_where_to_send_it(run):
+def test_markdown_says_what_it_holds_and_where_to_send_it(run, tmp_path):
     _, jsonl, md, _ = run
     text = md.read_text()
-    assert selftest.issue_tracker() in text and jsonl.name in text
+    # a CPU run: the report says not to send it, and names no place to send it to
+    assert "not evidence" in text and selftest.issue_tracker() not in text
     assert "What the file contains" in text and "pytorch#194922" in text and "qwen36_decode" in text
     assert "Decisions to revisit" in text
+    mac = [json.loads(x) for x in _rewrite(jsonl, tmp_path / "mac.jsonl", _as_mac()).read_text().splitlines()]
+    mac_text = selftest.markdown(mac, jsonl.name)
+    assert selftest.issue_tracker() in mac_text and jsonl.name in mac_text and "not evidence" not in mac_text
 
 
 def test_the_tracker_url_lives_in_one_place():
@@ -189,6 +212,35 @@ def _all_error(recs):
 def _machine(**kw):
     def edit(recs):
         return [dict(recs[0], machine=dict(recs[0]["machine"], **kw))] + recs[1:]
+
+    return edit
+
+
+def _as_mac(chip="Apple M3 Max", **kw):
+    """The lines as an Apple-silicon Mac would have written them: the machine facts and the environment of
+    every record they carry agree (device mps, Darwin, the chip in the device name); ``kw`` then edits
+    the machine facts alone."""
+    facts = dict(
+        device="mps",
+        os="Darwin",
+        arch="arm64",
+        macos="15.1",
+        mps_available=True,
+        mps_built=True,
+        chip=chip,
+        device_name=f"Apple MPS ({chip})",
+    )
+
+    def env(e):
+        return dict(e, device_type="mps", device_name=f"Apple MPS ({chip})", os="Darwin 24.1.0")
+
+    def edit(recs):
+        out = [dict(recs[0], machine={**recs[0]["machine"], **facts, **kw})]
+        for r in recs[1:]:
+            if r.get("records"):
+                r = dict(r, records=[dict(x, env=env(x["env"])) for x in r["records"]])
+            out.append(r)
+        return out
 
     return edit
 
@@ -254,9 +306,83 @@ def test_validator_rejects(run, tmp_path, what, edit, message):
 def test_a_real_mac_file_is_accepted(run, tmp_path):
     """The same lines with the machine facts of an Apple-silicon Mac pass (the check is on the facts)."""
     _, jsonl, _, _ = run
-    mac = _machine(device="mps", os="Darwin", arch="arm64", macos="15.1", mps_available=True, chip="Apple M3 Max")
-    good = _rewrite(jsonl, tmp_path / "mac.jsonl", mac)
+    good = _rewrite(jsonl, tmp_path / "mac.jsonl", _as_mac())
     assert validate(good)["machine"]["chip"] == "Apple M3 Max"
+    assert validate(good, require_mps=True)["machine"]["device"] == "mps"
+    assert cli_main(["selftest", "--validate", str(good)]) == 0
+
+
+@pytest.mark.parametrize(
+    "what, edit, message",
+    [
+        (
+            "a CPU file hand-edited to name an Apple chip",
+            _machine(chip="Apple M4 Max", device_name="Apple M4 Max"),
+            "chip 'Apple M4 Max' and device_name 'Apple M4 Max' on os 'Linux'",
+        ),
+        ("a Mac file from a CUDA torch build", _as_mac(torch_build="cuda 13.0, git 0123456789, release"), "CUDA"),
+        (
+            "a device name that is not the chip's",
+            _as_mac(chip="Apple M4 Max", device_name="Apple MPS (Apple M1)"),
+            "does not name the chip",
+        ),
+        (
+            "an MPS device name on the CPU",
+            _machine(device_name="Apple MPS (Apple M3 Max)"),
+            "device 'cpu' with device_name",
+        ),
+        (
+            "a Mac header on records measured on the CPU",
+            _machine(
+                device="mps",
+                os="Darwin",
+                arch="arm64",
+                macos="15.1",
+                mps_available=True,
+                mps_built=True,
+                chip="Apple M3 Max",
+                device_name="Apple MPS (Apple M3 Max)",
+            ),
+            "measured elsewhere than the header says: device 'cpu'",
+        ),
+    ],
+)
+def test_validator_rejects_facts_that_contradict_each_other(run, tmp_path, what, edit, message):
+    _, jsonl, _, _ = run
+    bad = _rewrite(jsonl, tmp_path / "bad.jsonl", edit)
+    with pytest.raises(SelftestFormatError, match=message):
+        validate(bad)
+    assert cli_main(["selftest", "--validate", str(bad)]) == 2
+
+
+def test_the_budget_is_checked_inside_a_workload_with_progress(tmp_path):
+    """The budget runs out while a workload runs (an injected clock jumps past it once the stock run has
+    started): the workload stops before its next step and says which; every step started was printed."""
+    now = [0.0]
+    printed: list[str] = []
+
+    def echo(line: str) -> None:
+        printed.append(line)
+        if "fp8_linear_m1: stock run" in line:
+            now[0] = 1e9  # the stock run "took" longer than the whole budget
+
+    lines, _, _ = selftest.run_selftest(
+        "cpu",
+        size="test",
+        processes=2,
+        budget_s=100.0,
+        out_dir=tmp_path,
+        probes=[],
+        workloads=["fp8_linear_m1"],
+        recipes=[],
+        echo=echo,
+        clock=lambda: now[0],
+    )
+    (w,) = [x for x in lines if x["kind"] == "workload"]
+    assert w["status"] == "skipped" and w["reason"] == "time budget spent before stock timing", w
+    steps = [ln.split(": ", 1)[1].split(" (")[0] for ln in printed if ln.startswith("    fp8_linear_m1: ")]
+    assert steps == ["build", "stock run"], printed
+    assert lines[0]["process_notes"] == ["process 2: not started (time budget spent)"]
 
 
 def test_validator_names_file_and_line(run, tmp_path):
@@ -360,8 +486,10 @@ def test_cli_repeats_in_fresh_processes_and_reports_the_spread(tmp_path, capsys)
     (g,) = [x for x in lines if x["kind"] == "probe"]
     assert len(g["measured"]["samples_s"]) == 2 and g["verdict"] == "not applicable"  # MPS-only, measured here
     assert lines[0]["command"].startswith("mpsboost selftest --device cpu") and str(tmp_path) not in lines[0]["command"]
-    assert cli_main(["selftest", "--validate", str(jsonl)]) == 0
-    assert '"fp8_linear_m1": "pass"' in capsys.readouterr().out
+    assert validate(jsonl)["workloads"] == {"fp8_linear_m1": "pass"}
+    capsys.readouterr()
+    assert cli_main(["selftest", "--validate", str(jsonl)]) == 2  # a well-formed CPU file, but no evidence
+    assert "not on MPS: not evidence" in capsys.readouterr().err
 
 
 def test_unknown_names_are_refused(tmp_path, capsys):
@@ -553,3 +681,25 @@ def test_float32_tolerance_rises_to_tf32_only_on_cuda(monkeypatch):
     assert fp32_tolerance("cuda:0", "float32", 5e-3) == 5e-3
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     assert fp32_tolerance("cuda", "float32", 1e-4) == 1e-4
+
+
+def test_on_the_cpu_the_quick_run_uses_the_test_sizes(tmp_path):
+    """On the CPU the file is no evidence and the quick sizes would take many minutes on two cores: the
+    workloads run at their test size in one process (fresh processes are for MPS's per-process GEMM
+    kernel choice), and the run says so."""
+    printed: list[str] = []
+    lines, jsonl, _ = selftest.run_selftest(
+        "cpu",
+        size="quick",
+        out_dir=tmp_path,
+        probes=[],
+        workloads=["fp8_linear_m1"],
+        recipes=[],
+        echo=printed.append,
+    )
+    assert lines[0]["size"] == "quick" and lines[0]["workload_size"] == "test" and lines[0]["processes"] == 1
+    assert [x["size"] for x in lines if x["kind"] == "workload"] == ["test"]
+    assert lines[0]["repeats"] == 1 and lines[0]["budget_s"] == selftest.run.CPU_BUDGET_S < selftest.BUDGET_S["quick"]
+    assert any("run at their test size" in ln for ln in printed), printed
+    assert printed[-1].endswith("not evidence: do not send them"), printed[-1]
+    assert validate(jsonl)["workloads"] == {"fp8_linear_m1": "pass"}

@@ -1,6 +1,6 @@
 """THE measure loop of mpsboost, and the parts every measurement shares.
 
-Everything that times a job (``mpsboost demo``, ``mpsboost selftest``, the cookbook in ``examples/`` and
+Everything that times a job (``mpsboost demo``, ``mpsboost selftest``, the recipe scripts in ``recipes/`` and
 the scripts in ``benchmarks/``) measures through this module, so that warm-up, repeats, device
 synchronisation, median and spread, the busy-machine check and the memory pass mean the same everywhere.
 

@@ -4,7 +4,7 @@ Two kinds of config, one table:
 
 * the shipped JSON files under ``configs/<family>/<size>/<file>.json`` (``real``: the published config of
   Wan2.2-TI2V-5B, Qwen-Image, Qwen3-30B-A3B, Qwen3-8B, Qwen3.6-35B-A3B, each naming its source; ``tiny``:
-  the same structure at toy width), read by :func:`config`. The cookbook (``examples/``), the end-to-end
+  the same structure at toy width), read by :func:`config`. The recipe scripts (``recipes/``), the end-to-end
   benchmark and the fp8 load benchmark build from them;
 * the reduced configs of the demo, the selftest and the recipe benchmarks, each written once in
   :data:`MODELS` as a row: family, the classes, and the config (a shipped file with fields changed, or

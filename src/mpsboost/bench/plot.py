@@ -24,7 +24,7 @@ MAX_DETAILED_GROUPS = 8
 def plot(records: Iterable[Record], path: str | os.PathLike, *, title: str | None = None) -> Path:
     """Save a PNG chart of ``records``: per workload, speedup vs stock, memory peaks and correctness.
 
-    Needs matplotlib (``pip install mpsboost[bench]``). Returns the path written.
+    Needs matplotlib (``pip install -e ".[bench]"`` in the checkout). Returns the path written.
     """
     groups = group_records(records)
     try:
@@ -33,7 +33,9 @@ def plot(records: Iterable[Record], path: str | os.PathLike, *, title: str | Non
         matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise BenchError("plot() needs matplotlib: pip install 'mpsboost[bench]' (or pip install matplotlib)") from exc
+        raise BenchError(
+            "plot() needs matplotlib: pip install -e '.[bench]' in the mpsboost checkout (or pip install matplotlib)"
+        ) from exc
     if not groups:
         raise RecordError("plot() got no records")
     path = Path(path)

@@ -1,6 +1,6 @@
 """Writers of fp8 checkpoints in the published layouts, from a model with any weights.
 
-The cookbook's ``examples/fp8_checkpoint.py`` (offline mode) and ``benchmarks/fp8_load.py`` write files in the
+The cookbook's ``recipes/fp8_checkpoint.py`` (offline mode) and ``benchmarks/fp8_load.py`` write files in the
 layouts that published fp8 checkpoints use, then load them with ``mpsboost.load_fp8``; both need the same
 writer, so it lives here and each imports it.
 

@@ -17,45 +17,65 @@ import torch
 
 __all__ = [
     "chunk_gated_delta_rule",
-    "conv_step",
+    "conv_roll",
+    "delta_rule_step",
     "gated_rms_norm",
     "gates",
-    "qk_normalize",
-    "recurrent_step",
+    "l2_normalize",
     "unit_lower_inverse",
     "unit_lower_solve",
 ]
 
+# Every decode function below takes optional ``out=`` tensors (and views of them): a caller that runs the
+# step eagerly many times keeps those buffers and their views, so that a step dispatches its arithmetic and
+# nothing else (no allocation, no view op). Without them each function allocates, as plain torch code does.
 
-def conv_step(
-    conv_state: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+
+def conv_roll(
+    conv_state: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    window: torch.Tensor | None = None,
+    tail: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token of a depthwise causal conv with its rolling state, updated in place.
+    """One token of a depthwise causal conv with its rolling state (updated in place), then ``silu``.
 
     ``conv_state`` ``[B, C, W]`` (the cache's own tensor, oldest column first), ``x`` ``[B, C, 1]`` the new
-    column, ``weight`` ``[C, W]``. Returns the pre-activation output ``[B, C]``. The roll is a copy of the
-    shifted window (no ``conv1d`` and no slice of its padded output); the conv a multiply-sum.
+    column, ``weight`` float32 ``[C, W + 1]`` whose first column is zero (it meets the column that leaves
+    the state). ``window`` (``[B, C, W + 1]``, the state's dtype) and ``tail`` (its view ``[..., 1:]``) and
+    ``out`` (float32 ``[B, C]``) are optional buffers. Returns float32 ``silu(conv)`` ``[B, C]``: the window
+    is the state and the new column side by side (one ``cat``), the new state its last ``W`` columns (one
+    copy), the conv a multiply-sum in float32 (no ``conv1d``, no slice of a padded output).
     """
-    window = torch.cat((conv_state[..., 1:], x), dim=-1)
-    conv_state.copy_(window)
-    out = (window * weight).sum(-1)
-    return out if bias is None else out + bias
+    window = torch.cat((conv_state, x), dim=-1, out=window)
+    conv_state.copy_(tail if tail is not None else window[..., 1:])
+    y = torch.sum(window * weight, dim=-1, out=out)
+    if bias is not None:
+        y.add_(bias)
+    return torch.nn.functional.silu(y, inplace=True)
 
 
-def qk_normalize(qk: torch.Tensor, eps_rep: torch.Tensor) -> torch.Tensor:
-    """L2-normalise query and key rows in float32 and repeat them for grouped value heads, in one product.
-
-    ``qk`` ``[B, Hk, 1, 2, d]`` (row 0 query, row 1 key; any float dtype), ``eps_rep`` float32 ``[r, 1, 1]``
-    filled with the norm's epsilon (its leading dim repeats each key head for ``r`` value heads). Returns
-    float32 ``[B, Hk, r, 2, d]``: ``x * rsqrt(sum(x^2) + eps)`` as transformers' ``l2norm`` computes it. The
-    query's ``d ** -0.5`` scale is left out: the output norm absorbs it (see :func:`gated_rms_norm`).
+def l2_normalize(x: torch.Tensor, eps_root: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim in float32 (transformers' ``l2norm``: ``x * rsqrt(...)``),
+    broadcast against ``eps_root`` = ``sqrt(eps)`` (float32; its shape may repeat rows, e.g. each key head
+    for the value heads it serves). Three ops: ``vector_norm``, ``hypot``, ``div``. With ``out`` the result is
+    written there (its layout is the caller's: a strided input never decides it).
     """
-    n = torch.linalg.vector_norm(qk, dim=-1, keepdim=True, dtype=torch.float32)
-    return qk * torch.rsqrt(torch.addcmul(eps_rep, n, n))
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    return torch.div(x, torch.hypot(n, eps_root), out=out)
 
 
 def gates(
-    ba: torch.Tensor, z_bias: torch.Tensor, z_sign: torch.Tensor, e_add: torch.Tensor, e_mult: torch.Tensor
+    ba: torch.Tensor,
+    z_bias: torch.Tensor,
+    z_sign: torch.Tensor,
+    e_add: torch.Tensor,
+    e_mult: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``beta`` and the decay ``exp(g)`` of every value head in four elementwise ops, in float32.
 
@@ -64,53 +84,69 @@ def gates(
     ``[log c, 0]`` and exponentiated, it is ``[c * sigmoid(b), exp(-exp(A_log) * softplus(x))]``: the
     reference's ``beta`` (``c`` = 2 where a model allows negative eigenvalues, else 1) and ``exp(g)``.
     ``z_bias`` = ``[0, -dt_bias]``, ``z_sign`` = ``[1, -1]``, ``e_add`` = ``[log c, 0]``,
-    ``e_mult`` = ``[1, exp(A_log)]``, float32, broadcast against ``ba``.
+    ``e_mult`` = ``[1, exp(A_log)]``, float32, broadcast against ``ba``. The log domain keeps the decay exact
+    for any ``x`` (``sigmoid(-x) ** A`` would underflow to 0 beyond ``x`` of about 88).
     """
     log_s = torch.nn.functional.logsigmoid(torch.addcmul(z_bias, ba, z_sign))
-    return torch.exp(torch.addcmul(e_add, log_s, e_mult))
+    return torch.exp(torch.addcmul(e_add, log_s, e_mult), out=out)
 
 
-def recurrent_step(
-    state: torch.Tensor, kq: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor
+def delta_rule_step(
+    state: torch.Tensor,
+    state3: torch.Tensor,
+    k_row: torch.Tensor,
+    k_col: torch.Tensor,
+    q_row: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    decay: torch.Tensor,
+    *,
+    u: torch.Tensor | None = None,
+    u4: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token of the gated delta rule; ``state`` (float32 ``[B, H, dk, dv]``, contiguous: the cache's
-    own tensor) is updated in place.
+    """One token of the gated delta rule, in the reference's order; ``state`` (float32 ``[B, H, dk, dv]``,
+    the cache's own tensor) is updated in place and ``state3`` is its view ``[B * H, dk, dv]``:
 
-    ``kq`` float32 ``[B, H, 2, dk]``, contiguous with storage offset 0 (a fresh result; row 0 the query, row 1
-    the key, both normalised). ``v``,
-    ``beta`` and ``decay`` are ``[B, H, 1, dv]``, ``[B, H, 1, 1]``, or, for one sequence (B = 1), ``[H, 1, dv]``
-    and ``[H, 1, 1]`` (the batch merged with the heads: two views fewer). Returns ``o = S_t^T q`` as
-    ``[B * H, 1, dv]`` float32. Two reads of the state by ``bmm``, the decay and the rank-one delta update
-    in place: no per-head Python loop, no copy of the state.
+        S = exp(g) S;   d = beta (v - S^T k);   S += k d^T;   o = S^T q
+
+    ``k_row``/``q_row`` ``[B * H, 1, dk]``, ``k_col`` ``[B, H, dk, 1]`` (the normalised key and query, float32),
+    ``decay`` ``[B, H, 1, 1]``. ``v`` and ``beta``: ``[B * H, 1, dv]`` and ``[B * H, 1, 1]`` where the batch
+    and head dims of ``v`` merge (one sequence: ``d`` is one ``baddbmm``), otherwise ``[B, H, 1, dv]`` and
+    ``[B, H, 1, 1]`` (``S^T k`` by ``bmm`` into ``u`` ``[B * H, 1, dv]``, ``u4`` its 4-D view, then a
+    subtraction). Returns ``o`` ``[B * H, 1, dv]`` float32 (into ``out`` if given): two reads of the state by
+    ``bmm``, the decay and the rank-one update in place; no per-head loop, no copy of the state.
     """
-    b, h, dk, dv = state.shape
-    s3 = state.view(b * h, dk, dv)
-    k_row = kq.as_strided((b * h, 1, dk), (2 * dk, dk, 1), dk)
-    u = torch.bmm(k_row, s3)  # S^T k of the old state: [B*H, 1, dv]
-    if v.dim() == 4:
-        u = u.view(b, h, 1, dv)
-        k_col = kq.as_strided((b, h, dk, 1), (h * 2 * dk, 2 * dk, 1, 1), dk)
-    else:
-        k_col = kq.as_strided((h, dk, 1), (2 * dk, 1, 1), dk)
-    delta = torch.addcmul(v, u, decay, value=-1.0) * beta  # beta (v - a S^T k)
     state.mul_(decay)
-    state.addcmul_(k_col, delta)
-    q_row = kq.as_strided((b * h, 1, dk), (2 * dk, dk, 1), 0)
-    return torch.bmm(q_row, s3)
+    if v.dim() == 3:
+        d = torch.baddbmm(v, k_row, state3, alpha=-1.0)
+    else:
+        u = torch.bmm(k_row, state3, out=u)
+        d = torch.sub(v, u4 if u4 is not None else u.view(v.shape))
+    d.mul_(beta)
+    state.addcmul_(k_col, d)
+    return torch.bmm(q_row, state3, out=out)
 
 
 def gated_rms_norm(
-    o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, dim: int
+    o: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps_root: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``weight * o * rsqrt(mean(o^2) + eps) * silu(gate)`` over the last dim (size ``dim``), float32.
+    """``w * o * rsqrt(mean(o^2) + eps) * silu(gate)`` over the last dim (size ``n``), in float32.
 
-    ``eps`` is a float32 tensor broadcastable to ``o[..., :1]``. The mean of squares comes from one
-    ``vector_norm`` (``mean = n^2 / dim``) folded with the epsilon into one ``addcmul``. For ``o = s * o'``
-    (a scale the caller left out) pass ``eps / s^2``: ``s o' rsqrt(s^2 m' + eps) = o' rsqrt(m' + eps / s^2)``.
+    Pass ``weight`` = ``w * sqrt(n)`` and ``eps_root`` = ``sqrt(n * eps)`` (float32): ``rsqrt(|o|^2 / n + eps)``
+    is ``sqrt(n) / hypot(|o|, sqrt(n * eps))``, so the norm is ``vector_norm``, ``hypot`` and ``div``. For
+    ``o = s * o'`` (a scale the caller left out) pass ``eps / s^2`` for ``eps``. ``gate`` of another dtype is
+    widened first (``silu`` in float32, as the reference computes it). ``out`` may have another float dtype
+    (the model's): the last multiply rounds into it.
     """
     n = torch.linalg.vector_norm(o, dim=-1, keepdim=True)
-    r = torch.rsqrt(torch.addcmul(eps, n, n, value=1.0 / dim))
-    return (o * r) * (weight * torch.nn.functional.silu(gate.to(torch.float32)))
+    g = torch.nn.functional.silu(gate if gate.dtype == torch.float32 else gate.float())
+    return torch.mul(o / torch.hypot(n, eps_root), g * weight, out=out)
 
 
 def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:

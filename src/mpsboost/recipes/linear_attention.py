@@ -8,21 +8,31 @@ the reason. Without flash-linear-attention and causal-conv1d (CUDA/Triton only: 
 runs its torch reference: one layer's decode step dispatches 103 aten ops (one H200: 1.55 ms wall for
 0.085 ms of kernels), host time that dominates on MPS.
 
-Decode (one token with a cache), eager: 43 aten ops per layer instead of 103 (one sequence; 45 for a batch):
+Decode (one token with a cache), eager: 28 aten ops per layer instead of 103 for one sequence of
+Qwen3.5/3.6 (31 for a batch; OLMo-Hybrid's six projections two more; counted on tiny models, fp32 and bf16):
 
-- the input projections are one matmul: at patch time their Parameters become views of one fused
-  storage (same Parameter objects, same values, same state_dict; memory does not double), and undo gives
-  each its own storage back. If something later moves them (``model.to(...)``), the next eager call
-  fuses them again; while autograd needs them the stock forward runs;
-- the conv state rolls by one copy and the depthwise conv is a multiply-sum (no ``cat``+``conv1d``+slice);
+- the input projections stay the model's own Parameters, each in its own storage (nothing that compares
+  storages, such as transformers' tied-weight checks, save_pretrained or accelerate, sees a tie); their
+  products are written side by side into one buffer, the two tiny ``b``/``a`` projections (``2 * Hv``
+  rows) fused by a copy;
+- every intermediate of the step goes into buffers the layer keeps for the current batch size and dtype
+  (made after the prefill), with every view into them made once: a step dispatches arithmetic only, and
+  no result's memory layout is ever assumed (the views address buffers the recipe laid out). A step that
+  finds the buffers busy (another thread) and traced code allocate instead, as plain torch does;
+- the conv state rolls by one ``cat`` and one copy, the depthwise conv is one multiply-sum over the state
+  and the new column (no ``conv1d`` and slice);
 - ``beta`` and the decay ``exp(g)`` come from four elementwise ops (:func:`mpsboost.ops.gated_delta.gates`);
-- q/k are L2-normalised, scaled and repeated for the value heads by one product;
+- q/k are L2-normalised and repeated for the value heads by ``vector_norm``, ``hypot`` and one division;
 - the recurrent state stays float32 in the model's own cache tensor, where stock keeps it, updated in
-  place (two ``bmm`` reads, the decay and a rank-one update): stock and patched layers mix.
+  place in the reference's order (decay, ``baddbmm`` for ``v - S^T k``, a rank-one update, one ``bmm``
+  read for the output): stock and patched layers mix;
+- the gated output norm is ``vector_norm``, ``hypot``, a division and the gate's products, the query's
+  ``dk ** -0.5`` folded into its epsilon.
 
-Prefill: on MPS the chunked rule with the unit lower-triangular solves done by matmuls (block
-doubling of the inverse, 6 levels per 64-token chunk; ``solve_triangular`` costs about 15 ms per
-call there, gate feature ``solve_triangular_fast``); elsewhere the stock forward.
+Prefill: where the gate's ``solve_triangular_fast`` says the build solves small triangular systems at
+matmul speed (its verdict names the evidence), the stock forward; before that on MPS (about 15 ms per
+``solve_triangular`` call), the chunked rule with the unit lower-triangular solves done by matmuls (block
+doubling of the inverse, 6 levels per 64-token chunk). Elsewhere the stock forward.
 
 Exactness (tested): float32 layer outputs within 1e-5 relative of stock, prefill and decode; bfloat16
 relative error against a float32 reference no worse than 1.5x stock's (it is lower: the recipe keeps
@@ -48,7 +58,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import threading
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -62,8 +74,6 @@ from ..patching import (
     Patch,
     bind_forward,
     call_original,
-    fuse_params,
-    fuse_storage,
     set_attr,
     set_instance_attr,
 )
@@ -137,25 +147,33 @@ class _Layout:
 
 
 class _State:
-    """What the recipe keeps on one patched layer (an instance attribute, never module-level)."""
+    """What the recipe keeps on one patched layer (an instance attribute, never module-level): the layout,
+    the decisions, the eager decode constants (rebuilt when a weight moves or changes) and the eager decode
+    step's buffers (one batch size and dtype at a time)."""
 
-    def __init__(self, layout: _Layout, prefill: str, compiled: str, fused: torch.Tensor):
+    def __init__(self, layout: _Layout, prefill: str, compiled: str):
         self.layout = layout
         self.prefill = prefill  # "matmul" or "stock"
         self.compiled = compiled  # "recipe" or "stock"
-        self.fused = fused  # [N, hidden]: the storage the projection Parameters are views of
         self.key: tuple | None = None
         self.derived: dict[str, Any] | None = None
-
-    def set_fused(self, fused: torch.Tensor | None) -> None:
-        self.fused = fused
+        self.work: _Work | None = None
+        self.lock = threading.Lock()  # the buffers serve one step at a time; a concurrent step allocates its own
 
     def remember(self, derived: dict[str, Any], key: tuple) -> None:
-        self.derived, self.key = derived, key
+        self.derived, self.key, self.work = derived, key, None
 
     def forget(self) -> None:
-        """Drop the fused storage and the decode constants (the layer runs the stock forward until fused again)."""
-        self.fused = self.derived = self.key = None
+        """Drop the decode constants and buffers (the layer runs the stock forward until they can be rebuilt)."""
+        self.derived = self.key = self.work = None
+
+    def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy / pickle of a patched model: no lock, no buffers
+        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "work")}
+
+    def __setstate__(self, st: dict[str, Any]) -> None:
+        for k, v in st.items():
+            setattr(self, k, v)
+        self.lock, self.work = threading.Lock(), None
 
 
 # ---------------------------------------------------------------------------- structure
@@ -177,6 +195,25 @@ def _plain_linear(m: Any, n_in: int, n_out: int) -> str | None:
             f"expected floating ({n_out}, {n_in})"
         )
     return None
+
+
+def _stored_linear(m: Any, n_in: int, n_out: int) -> bool:
+    """A bias-free ``nn.Linear`` of the right shape whose weight another recipe stores in its own format
+    (mpsboost's fp8 layers: codes and scales as buffers): the recipe calls the layer's own forward for it."""
+    return (
+        isinstance(m, torch.nn.Linear)
+        and getattr(m, "bias", None) is None
+        and (m.in_features, m.out_features) == (n_in, n_out)
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and not isinstance(m.weight, torch.nn.Parameter)
+        and tuple(m.weight.shape) == (n_out, n_in)
+    )
+
+
+def _linear_kind(m: Any, n_in: int, n_out: int) -> str:
+    """ "plain", "stored" (see :func:`_stored_linear`) or why the recipe cannot use the layer."""
+    why = _plain_linear(m, n_in, n_out)
+    return "plain" if why is None else "stored" if _stored_linear(m, n_in, n_out) else why
 
 
 def _layout(mod: torch.nn.Module) -> _Layout | str:
@@ -227,14 +264,15 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
         return f"conv1d is not a depthwise causal Conv1d over {c} channels with kernel {width}"
     params = []
     for name, rows in zip(_PROJ[fam], layout.widths):
-        why = _plain_linear(getattr(mod, name, None), hidden, rows)
-        if why:
-            return f"{name}: {why}"
-        params.append(getattr(mod, name).weight)
-    why = _plain_linear(getattr(mod, _OUT[fam], None), hv * dv, hidden)
-    if why:
-        return f"{_OUT[fam]}: {why}"
-    if len({(p.dtype, p.device) for p in params}) != 1 or len({id(p) for p in params}) != len(params):
+        kind = _linear_kind(getattr(mod, name, None), hidden, rows)
+        if kind not in ("plain", "stored"):
+            return f"{name}: {kind}"
+        if kind == "plain":
+            params.append(getattr(mod, name).weight)
+    kind = _linear_kind(getattr(mod, _OUT[fam], None), hv * dv, hidden)
+    if kind not in ("plain", "stored"):
+        return f"{_OUT[fam]}: {kind}"
+    if len({(p.dtype, p.device) for p in params}) > 1 or len({id(p) for p in params}) != len(params):
         return "input projections differ in dtype or device, or share a weight"
     for pname in ("A_log", "dt_bias"):
         p = getattr(mod, pname, None)
@@ -256,20 +294,6 @@ def _proj_params(mod: torch.nn.Module, layout: _Layout) -> list[torch.nn.Paramet
     return [getattr(mod, n).weight for n in _PROJ[layout.family]]
 
 
-# ---------------------------------------------------------------------------- fused storage
-
-
-def _fused_views(params: list[torch.nn.Parameter], fused: torch.Tensor | None) -> bool:
-    if fused is None:
-        return False
-    start, step = fused.data_ptr(), fused.shape[1] * fused.element_size()
-    for p in params:
-        if p.dtype != fused.dtype or p.device != fused.device or p.data_ptr() != start or not p.is_contiguous():
-            return False
-        start += p.shape[0] * step
-    return True
-
-
 # ---------------------------------------------------------------------------- derived tensors
 
 
@@ -288,35 +312,59 @@ def _qkvz_perm(lay: _Layout, device: torch.device) -> torch.Tensor:
     return torch.cat((q, k, v, z, b, a)).to(device)
 
 
-def _derive(mod: torch.nn.Module, lay: _Layout, state: _State | None) -> dict[str, Any]:
-    """The constants of the decode step, from the layer's current Parameters. Eager mode keeps them until a
-    Parameter changes; traced code builds them inside the graph (no state read)."""
+def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
+    """The constants of the decode step, from the layer's current weights. Eager mode keeps them until a
+    weight changes; traced code builds them inside the graph (no state read).
+
+    The input projections stay the model's own Parameters (each its own storage: nothing that compares
+    storages, such as transformers' tied-weight checks or safetensors, sees a tie). Eager decoding writes
+    their products side by side into one buffer; only the two tiny ``b``/``a`` projections (``2 * Hv`` rows)
+    are fused, by a copy, where the model keeps them apart."""
     hk, r = lay.hk, lay.r
     a_log, dt = mod.A_log, mod.dt_bias
     dev = a_log.device
     f32 = torch.float32
-    dtf = dt.detach().to(f32) if state is not None else dt.to(f32)
-    alf = a_log.detach().to(f32) if state is not None else a_log.to(f32)
+    dtf = dt.detach().to(f32) if eager else dt.to(f32)
+    alf = a_log.detach().to(f32) if eager else a_log.to(f32)
     conv = mod.conv1d
+    cw = conv.weight.view(lay.conv_dim, lay.width).to(f32)
+    mods = [getattr(mod, n) for n in _PROJ[lay.family]]
+    out_mod = getattr(mod, _OUT[lay.family])
+    # A projection stored by another recipe (fp8 codes and scales) runs its own forward: its codes stay where
+    # that recipe put them (concatenating them would copy them, sharing one storage would read as a tie).
+    stored = any(_stored_linear(m, lay.hidden, w) for m, w in zip(mods, lay.widths))
+    weights = [] if stored else _proj_params(mod, lay)
+    if eager and not stored:
+        weights = [w.detach() for w in weights]
+        if lay.family != "qkvz":  # b and a: one [2 * Hv, hidden] copy (a few KiB), one product
+            weights[-2:] = [torch.cat(weights[-2:])]
     d: dict[str, Any] = {
         "z_bias": torch.stack((torch.zeros_like(dtf), -dtf), dim=-1).view(hk, r, 2),
         "z_sign": torch.tensor([1.0, -1.0], dtype=f32, device=dev),
         "e_add": torch.tensor([math.log(lay.beta_scale), 0.0], dtype=f32, device=dev),
         "e_mult": torch.stack((torch.ones_like(alf), torch.exp(alf)), dim=-1).view(hk, r, 2),
-        "eps_rep": torch.full((r, 1, 1), _QK_EPS, dtype=f32, device=dev),
+        # sqrt(eps) of transformers' l2norm, one row per value head: normalising repeats the key heads
+        "qk_eps": torch.full((r, 1, 1), math.sqrt(_QK_EPS), dtype=f32, device=dev),
         # The query's dk ** -0.5 is folded into the output norm's epsilon (gd.gated_rms_norm).
-        "eps_norm": torch.tensor(lay.norm_eps * lay.dk, dtype=f32, device=dev),
-        # float32: the multiply-sum then accumulates unrounded products in any model dtype (no cast op).
-        "conv_w": conv.weight.view(lay.conv_dim, lay.width).to(f32),
+        "norm_eps": torch.tensor(math.sqrt(lay.norm_eps * lay.dk * lay.dv), dtype=f32, device=dev),
+        "norm_w": getattr(mod, _NORM[lay.family]).weight.to(f32) * math.sqrt(lay.dv),
+        # float32 with a zero first tap: the multiply-sum runs over the state and the new column at once and
+        # accumulates unrounded products in any model dtype (no cast op).
+        "conv_w": torch.cat((torch.zeros_like(cw[:, :1]), cw), dim=1),
         "conv_b": None if conv.bias is None else conv.bias.to(f32),
-        "norm_w": getattr(mod, _NORM[lay.family]).weight,
-        "out_wt": getattr(mod, _OUT[lay.family]).weight.t(),
+        "out_w": None if _stored_linear(out_mod, lay.hv * lay.dv, lay.hidden) else out_mod.weight,
+        "out_mod": out_mod,
+        "proj": weights,
+        "proj_mods": mods if stored else None,
         "perm": _qkvz_perm(lay, dev) if lay.family == "qkvz" else None,
-        "wt": None,
     }
-    if state is not None:
-        d["conv_w"], d["out_wt"], d["norm_w"] = d["conv_w"].detach(), d["out_wt"].detach(), d["norm_w"].detach()
-        d["wt"] = state.fused.t()
+    if eager:
+        for k in ("norm_w", "conv_w", "conv_b", "out_w"):
+            d[k] = None if d[k] is None else d[k].detach()
+        d["proj_t"] = [w.t() for w in weights]  # [hidden, n]: mm operands
+        d["proj_t3"] = [w.unsqueeze(0) for w in d["proj_t"]]  # [1, hidden, n]: bmm operands (one sequence)
+        d["out_t"] = None if d["out_w"] is None else d["out_w"].t()
+        d["out_t3"] = None if d["out_t"] is None else d["out_t"].unsqueeze(0)
     return d
 
 
@@ -324,74 +372,216 @@ def _key(mod: torch.nn.Module, lay: _Layout) -> tuple:
     """Where and at which version every tensor the decode constants come from is: host-side metadata only
     (no aten op, no device sync); eager mode alone calls it."""
     names = (*_PROJ[lay.family], "conv1d", _OUT[lay.family], _NORM[lay.family])
-    ts = [getattr(getattr(mod, n, None), "weight", None) for n in names]
-    ts += [mod.A_log, mod.dt_bias, getattr(mod.conv1d, "bias", None)]
-    return tuple((t.data_ptr(), t._version, t.dtype) if isinstance(t, torch.Tensor) else None for t in ts)
+    mods = [getattr(mod, n, None) for n in names]
+    ts = [getattr(m, "weight", None) for m in mods] + [getattr(m, "bias", None) for m in mods]
+    ts += [mod.A_log, mod.dt_bias]
+    return tuple(type(m) for m in mods) + tuple(
+        (t.data_ptr(), t._version, t.dtype) if isinstance(t, torch.Tensor) else None for t in ts
+    )
 
 
 def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None:
-    """The eager decode constants, rebuilt (and the projections fused again) when a Parameter moved or was
-    written to since; None when the projections can no longer be fused (stock forward then)."""
+    """The eager decode constants, rebuilt when a weight moved or was written to since; None when the
+    projections are no longer plain linears of one dtype and device (stock forward then)."""
     lay = state.layout
     key = _key(mod, lay)
     if key == state.key and state.derived is not None:
         return state.derived
     linears = [(getattr(mod, name, None), lay.hidden, rows) for name, rows in zip(_PROJ[lay.family], lay.widths)]
     linears.append((getattr(mod, _OUT[lay.family], None), lay.hv * lay.dv, lay.hidden))
-    if any(_plain_linear(*x) for x in linears) or len({(m.weight.dtype, m.weight.device) for m, _, _ in linears}) != 1:
-        state.forget()  # e.g. weights converted by another recipe: free the old storage
+    kinds = [_linear_kind(*x) for x in linears]
+    plain = [m.weight for (m, _, _), k in zip(linears, kinds) if k == "plain"]
+    if any(k not in ("plain", "stored") for k in kinds) or len({(w.dtype, w.device) for w in plain}) > 1:
+        state.forget()  # e.g. weights replaced by something that is no linear any more
         return None
-    params = _proj_params(mod, lay)
-    if not _fused_views(params, state.fused):
-        state.set_fused(fuse_storage(params))
-        key = _key(mod, lay)
     with torch.no_grad():
-        derived = _derive(mod, lay, state)
+        derived = _derive(mod, lay, eager=True)
     state.remember(derived, key)
     return state.derived
 
 
-# ---------------------------------------------------------------------------- the forward
+# ---------------------------------------------------------------------------- the decode step
 
 
-def _project(mod: torch.nn.Module, lay: _Layout, d: dict[str, Any], x2: torch.Tensor) -> torch.Tensor:
-    """[M, hidden] -> [M, N] in the canonical column order [q | k | v | z | b | a]."""
-    if d["wt"] is not None:
-        y = torch.mm(x2, d["wt"])
-    else:  # traced: read the Parameters (inductor sees the same matmuls as stock)
-        y = torch.cat([F.linear(x2, p) for p in _proj_params(mod, lay)], dim=-1)
-    return y if d["perm"] is None else y.index_select(-1, d["perm"])
+def _specs(lay: _Layout, b: int) -> dict[str, tuple[str, tuple[int, ...], tuple[int, ...], int]]:
+    """Every view the decode step reads: name -> (the tensor it views, size, stride, storage offset). All
+    of them address fresh contiguous results (or the buffers that stand for them) in the canonical order."""
+    hk, hv, r, dk, dv, c, n, w = lay.hk, lay.hv, lay.r, lay.dk, lay.dv, lay.conv_dim, lay.n, lay.width
+    kd, vd, bh = hk * dk, hv * dv, b * hv
+    one = b == 1  # one sequence: batch and heads merge (v, beta and the output norm read [B*H, ...])
+    specs = {
+        "x": ("y", (b, c, 1), (n, 1, 1), 0),
+        "ba": ("y", (b, hk, r, 2), (n, r, 1, hv), 2 * kd + 2 * vd),
+        "z": ("y", (b, hv, 1, dv), (n, dv, dv, 1), 2 * kd + vd),
+        "tail": ("win", (b, c, w), (c * (w + 1), w + 1, 1), 1),
+        "qk": ("qkv", (b, hk, 1, 2, dk), (c, dk, dk, kd, 1), 0),
+        "v": ("qkv", (bh, 1, dv) if one else (b, hv, 1, dv), (dv, dv, 1) if one else (c, dv, dv, 1), 2 * kd),
+        "k_row": ("kq", (bh, 1, dk), (2 * dk, dk, 1), dk),
+        "q_row": ("kq", (bh, 1, dk), (2 * dk, dk, 1), 0),
+        "k_col": ("kq", (b, hv, dk, 1), (hv * 2 * dk, 2 * dk, 1, 1), dk),
+        "beta": ("e", (bh, 1, 1) if one else (b, hv, 1, 1), (2, 1, 1) if one else (2 * hv, 2, 1, 1), 0),
+        "decay": ("e", (b, hv, 1, 1), (2 * hv, 2, 1, 1), 1),
+        "o4": ("o", (b, hv, 1, dv), (hv * dv, dv, dv, 1), 0),
+        "out_in": ("out", (1, 1, vd) if one else (b, vd), (vd, vd, 1) if one else (vd, 1), 0),
+    }
+    if not one:
+        specs["u4"] = ("u", (b, hv, 1, dv), (hv * dv, dv, dv, 1), 0)
+    return specs
+
+
+def _view(spec: tuple[str, tuple[int, ...], tuple[int, ...], int], t: torch.Tensor) -> torch.Tensor:
+    _, size, stride, offset = spec
+    t = t.contiguous()  # a no-op on the fresh results it is given; never reads a strided result as contiguous
+    if not torch.compiler.is_compiling():  # traced: fresh results start their storage (dynamo has no offsets)
+        offset += t.storage_offset()
+    return t.as_strided(size, stride, offset)
+
+
+class _Work:
+    """The eager decode step's buffers for one batch size and dtype, and every view into them, made once:
+    a step then dispatches its arithmetic only (no allocation, no view op besides the state's own)."""
+
+    def __init__(self, lay: _Layout, d: dict[str, Any], b: int, dtype: torch.dtype, conv_dtype: torch.dtype):
+        dev = d["conv_w"].device
+        f32 = torch.float32
+        hv, dv, c = lay.hv, lay.dv, lay.conv_dim
+        self.key = (b, dtype, conv_dtype)
+        with torch.inference_mode(False):  # usable inside and outside inference mode
+            e = partial(torch.empty, device=dev)
+            bufs = {
+                "y": e(b, lay.n, dtype=dtype),
+                "win": e(b, c, lay.width + 1, dtype=conv_dtype),
+                "qkv": e(b, c, dtype=f32),
+                "kq": e(b, lay.hk, lay.r, 2, lay.dk, dtype=f32),
+                "e": e(b, lay.hk, lay.r, 2, dtype=f32),
+                "o": e(b * hv, 1, dv, dtype=f32),
+                "out": e(b, hv, 1, dv, dtype=dtype),
+            }
+            if b > 1:
+                bufs["u"] = e(b * hv, 1, dv, dtype=f32)
+            raw = e(b, sum(lay.widths), dtype=dtype) if d["perm"] is not None else bufs["y"]
+            self.raw = raw if d["perm"] is not None else None
+            slots, start = [], 0
+            for w in d["proj"]:  # each projection's product lands in its columns of y (or of the raw product)
+                rows = w.shape[0]
+                slots.append(raw[:, start : start + rows].unsqueeze(1) if b == 1 else raw[:, start : start + rows])
+                start += rows
+            self.slots = slots
+            self.y2 = raw if b > 1 else raw.view(1, 1, raw.shape[-1])  # cat's target: the shape of its pieces
+            self.bufs = bufs
+            self.views = {name: _view(spec, bufs[spec[0]]) for name, spec in _specs(lay, b).items()}
 
 
 def _decode(
-    mod: torch.nn.Module, lay: _Layout, d: dict[str, Any], hs: torch.Tensor, conv_state: torch.Tensor, rec: torch.Tensor
+    mod: torch.nn.Module,
+    lay: _Layout,
+    d: dict[str, Any],
+    hs: torch.Tensor,
+    conv_state: torch.Tensor,
+    rec: torch.Tensor,
+    work: _Work | None,
 ) -> torch.Tensor:
+    """One token. With ``work`` (eager) every intermediate goes into its buffers and every view is ready;
+    without (traced, or a concurrent step) the same ops allocate and the views are taken of their results."""
     b = hs.shape[0]
-    hk, hv, r, dk, dv, c, n = lay.hk, lay.hv, lay.r, lay.dk, lay.dv, lay.conv_dim, lay.n
-    kd, vd = hk * dk, hv * dv
-    y = _project(mod, lay, d, hs.reshape(b, lay.hidden))
-    o0 = 0  # y and qkv are fresh results (storage offset 0): as_strided views address them directly
-    qkv = F.silu(gd.conv_step(conv_state, y.as_strided((b, c, 1), (n, 1, 1), o0), d["conv_w"], d["conv_b"]))
-    q0 = 0
-    kq = gd.qk_normalize(qkv.as_strided((b, hk, 1, 2, dk), (c, dk, dk, kd, 1), q0), d["eps_rep"])
-    e = gd.gates(
-        y.as_strided((b, hk, r, 2), (n, r, 1, hv), o0 + 2 * kd + 2 * vd),
-        d["z_bias"],
-        d["z_sign"],
-        d["e_add"],
-        d["e_mult"],
+    specs = _specs(lay, b)
+    if work is not None:
+        bufs, views = work.bufs, work.views
+        x = hs if b == 1 else hs.reshape(b, lay.hidden)
+        if d["proj_mods"] is not None:  # stored projections: each layer's own forward, side by side
+            torch.cat([m(x) for m in d["proj_mods"]], dim=-1, out=work.raw if d["perm"] is not None else work.y2)
+        else:
+            for wt, slot in zip(d["proj_t3"] if b == 1 else d["proj_t"], work.slots):
+                (torch.bmm if b == 1 else torch.mm)(x, wt, out=slot)
+        y = bufs["y"]
+        if d["perm"] is not None:
+            torch.index_select(work.raw, -1, d["perm"], out=y)
+    else:
+        bufs, views = {}, {}
+        y = _project(lay, d, hs.reshape(b, lay.hidden))
+
+    def v(name: str, t: torch.Tensor) -> torch.Tensor:
+        return views[name] if work is not None else _view(specs[name], t)
+
+    qkv = gd.conv_roll(
+        conv_state,
+        v("x", y),
+        d["conv_w"],
+        d["conv_b"],
+        window=bufs.get("win"),
+        tail=views.get("tail"),
+        out=bufs.get("qkv"),
     )
-    # One sequence (the usual decode): batch and heads merge into one dim, which saves two views.
-    lead = (hv,) if b == 1 else (b, hv)
-    ls = (dv,) if b == 1 else (c, dv)
-    es = (2,) if b == 1 else (2 * hv, 2)
-    v = qkv.as_strided((*lead, 1, dv), (*ls, dv, 1), q0 + 2 * kd)
-    o = gd.recurrent_step(
-        rec, kq, v, e.as_strided((*lead, 1, 1), (*es, 1, 1), 0), e.as_strided((*lead, 1, 1), (*es, 1, 1), 1)
+    kq = gd.l2_normalize(v("qk", qkv), d["qk_eps"], out=bufs.get("kq"))
+    e = gd.gates(v("ba", y), d["z_bias"], d["z_sign"], d["e_add"], d["e_mult"], out=bufs.get("e"))
+    o = gd.delta_rule_step(
+        rec,
+        rec.view(b * lay.hv, lay.dk, lay.dv),
+        v("k_row", kq),
+        v("k_col", kq),
+        v("q_row", kq),
+        v("v", qkv),
+        v("beta", e),
+        v("decay", e),
+        u=bufs.get("u"),
+        u4=views.get("u4"),
+        out=bufs.get("o"),
     )
-    z = y.as_strided((*lead, 1, dv), ((dv,) if b == 1 else (n, dv)) + (dv, 1), o0 + 2 * kd + vd)
-    out = gd.gated_rms_norm(o if b == 1 else o.view(b, hv, 1, dv), z, d["norm_w"], d["eps_norm"], dv)
-    return torch.mm(out.view(b, vd).to(hs.dtype), d["out_wt"]).view(b, 1, lay.hidden)
+    out = gd.gated_rms_norm(v("o4", o), v("z", y), d["norm_w"], d["norm_eps"], out=bufs.get("out"))
+    if work is None:
+        out = out.to(hs.dtype)
+    if d["out_w"] is None:  # stored output projection: its own forward
+        return d["out_mod"](v("out_in", out)).view(b, 1, lay.hidden)
+    if b == 1:
+        return torch.bmm(v("out_in", out), d["out_t3"] if work is not None else d["out_w"].t().unsqueeze(0))
+    return torch.mm(v("out_in", out), d["out_t"] if work is not None else d["out_w"].t()).view(b, 1, lay.hidden)
+
+
+def _eager_decode(
+    mod: torch.nn.Module,
+    state: _State,
+    d: dict[str, Any],
+    hs: torch.Tensor,
+    conv_state: torch.Tensor,
+    rec: torch.Tensor,
+) -> torch.Tensor:
+    """The eager decode step on the layer's buffers (made on the first step of a batch size and dtype). One
+    step at a time uses them: a step that finds them busy (another thread) allocates its own."""
+    if not state.lock.acquire(blocking=False):
+        return _decode(mod, state.layout, d, hs, conv_state, rec, None)
+    try:
+        work = state.work
+        if work is None or work.key != (hs.shape[0], hs.dtype, conv_state.dtype):
+            work = state.work = _Work(state.layout, d, hs.shape[0], hs.dtype, conv_state.dtype)
+        return _decode(mod, state.layout, d, hs, conv_state, rec, work)
+    finally:
+        state.lock.release()
+
+
+def _prepare_decode(mod: torch.nn.Module, state: _State, hs: torch.Tensor, cache: Any) -> None:
+    """After an eager prefill with a cache: make the decode buffers for this batch size and dtype now, so that
+    the decode steps that follow only compute (host-side checks only when they exist already)."""
+    conv_state = cache.get_conv_state(mod.layer_idx, state_idx=0)
+    if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3:
+        return
+    d = _eager_derived(mod, state)
+    work = state.work
+    if d is None or (work is not None and work.key == (hs.shape[0], hs.dtype, conv_state.dtype)):
+        return
+    if state.lock.acquire(blocking=False):
+        try:
+            state.work = _Work(state.layout, d, hs.shape[0], hs.dtype, conv_state.dtype)
+        finally:
+            state.lock.release()
+
+
+def _project(lay: _Layout, d: dict[str, Any], x2: torch.Tensor) -> torch.Tensor:
+    """[M, hidden] -> [M, N] in the canonical column order [q | k | v | z | b | a], one product per weight."""
+    if d["proj_mods"] is not None:
+        y = torch.cat([m(x2) for m in d["proj_mods"]], dim=-1)
+    else:
+        y = torch.cat([F.linear(x2, w) for w in d["proj"]], dim=-1)
+    return y if d["perm"] is None else y.index_select(-1, d["perm"])
 
 
 def _prefill(
@@ -407,7 +597,7 @@ def _prefill(
     b, s, _ = hs.shape
     hk, hv, dk, dv = lay.hk, lay.hv, lay.dk, lay.dv
     kd, vd, c = hk * dk, hv * dv, lay.conv_dim
-    y = _project(mod, lay, d, hs.reshape(b * s, lay.hidden)).view(b, s, lay.n)
+    y = _project(lay, d, hs.reshape(b * s, lay.hidden)).view(b, s, lay.n)
     qkv = y[..., :c].transpose(1, 2)
     if cache is not None:
         qkv = cache.update_conv_state(qkv, mod.layer_idx, conv_kernel_size=lay.width)
@@ -467,18 +657,23 @@ def _forward(
         and rec.is_contiguous()
         and conv_state.is_contiguous()
     )
-    if not stock and not decode and state.prefill == "stock":
-        stock = True
+    prefill_stock = not stock and not decode and state.prefill == "stock"
     d = None
-    if not stock:
-        d = _derive(self, lay, None) if compiling else _eager_derived(self, state)
+    if not stock and not prefill_stock:
+        d = _derive(self, lay, eager=False) if compiling else _eager_derived(self, state)
     if d is None:
-        return call_original(self, NAME, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
-    if attention_mask is not None:  # transformers' apply_mask_to_padding_states
-        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
-    if decode:
-        return _decode(self, lay, d, hidden_states, conv_state, rec)
-    return _prefill(self, lay, d, hidden_states, cache, rec, state.prefill)
+        out = call_original(self, NAME, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+    else:
+        if attention_mask is not None:  # transformers' apply_mask_to_padding_states
+            hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        if decode:
+            if compiling or (torch.is_grad_enabled() and hidden_states.requires_grad):
+                return _decode(self, lay, d, hidden_states, conv_state, rec, None)
+            return _eager_decode(self, state, d, hidden_states, conv_state, rec)
+        out = _prefill(self, lay, d, hidden_states, cache, rec, state.prefill)
+    if cache is not None and not compiling and (prefill_stock or d is not None):
+        _prepare_decode(self, state, hidden_states, cache)  # the decode buffers of this batch, before its first step
+    return out
 
 
 # ---------------------------------------------------------------------------- the recipe
@@ -504,7 +699,7 @@ class LinearAttentionPlan:
 class LinearAttention(Recipe):
     name = NAME
     summary = (
-        "Gated DeltaNet layers: fused projections and a few-op recurrent step at decode; "
+        "Gated DeltaNet layers: a few-op decode step on per-layer buffers; "
         "matmul triangular solves in prefill where solve_triangular is slow"
     )
     targets = tuple(_FAMILIES)
@@ -534,7 +729,7 @@ class LinearAttention(Recipe):
         compiled = (
             options.compiled if options.compiled != "auto" else ("recipe" if env.device_type == "mps" else "stock")
         )
-        backing = "fused projections, recurrent step in fp32"
+        backing = "projections into one buffer, recurrent step in fp32"
         backing += (
             "; prefill chunked, matmul triangular inverse"
             if prefill == "matmul"
@@ -542,7 +737,7 @@ class LinearAttention(Recipe):
         )
         why = [
             (
-                "eager decode: fused projections, conv roll, gates and state update in few ops "
+                "eager decode: projections, conv roll, gates and state update in few ops on per-layer buffers "
                 "(stock: 103 aten ops per step); "
                 f"prefill: {'forced by options' if options.prefill != 'auto' else solve.reason}"
             )
@@ -550,7 +745,11 @@ class LinearAttention(Recipe):
         if compiled == "recipe":
             why.append(
                 "compiled: the recipe's forward, traced (weights read from the Parameters)"
-                + ("; on MPS solve_triangular stays slow under compile too" if env.device_type == "mps" else "")
+                + (
+                    "; solve_triangular is slow on this build under compile too"
+                    if env.device_type == "mps" and prefill == "matmul"
+                    else ""
+                )
             )
         else:
             why.append("compiled: stock forward (inductor fuses it; no compiled measurement of the recipe's path yet)")
@@ -565,18 +764,11 @@ class LinearAttention(Recipe):
             raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
         with Changes() as ch:
             plan: LinearAttentionPlan = decision.plan
-            state = _State(lay, plan.prefill, plan.compiled, None)  # type: ignore[arg-type]
-            fused, undo_fuse = fuse_params(
-                _proj_params(mod, lay),
-                current=lambda: state.fused,
-                description=f"{NAME}: projection weights back to their own storage",
-            )
-            ch.add(undo_fuse)
-            state.set_fused(fused)
+            state = _State(lay, plan.prefill, plan.compiled)
             ch.add(set_instance_attr(mod, NAME, _STATE, state))
             ch.add(bind_forward(mod, NAME, _forward))
             _eager_derived(mod, state)  # now, not inside the first decode step
-        return ch.patch(description=f"{NAME}: restore forward and projection storage")
+        return ch.patch(description=f"{NAME}: restore forward")
 
 
 # ---------------------------------------------------------------------------- compiled decoding on a Mac

@@ -17,8 +17,10 @@
    send it. ``--validate`` checks a file; ``benchmarks/mac_results.py`` turns contributed files into
    the published table.
 
-Sizes: ``--quick`` (default, about 8 minutes on a Mac), ``--full`` (upstream sizes), ``--size test``
-(tiny models: CI on a CPU, seconds).
+Sizes: ``--quick`` (default; stops at its 480 s budget, checked before each step of a workload),
+``--full`` (upstream sizes, 1800 s), ``--size test`` (tiny models: ``--size test`` took 110 s on a busy
+2-core Linux CPU). No run on a Mac has been timed yet. On the CPU the workloads always run at the test
+size, in one process, within 200 s (the default run took 159 s there).
 """
 
 from __future__ import annotations

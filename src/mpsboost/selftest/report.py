@@ -25,6 +25,11 @@ from .machine import REQUIRED_FACTS
 __all__ = ["SCHEMA", "SelftestFormatError", "fmt_ratio", "issue_tracker", "markdown", "revisit", "validate"]
 
 SCHEMA = 2
+# The one line a run on a machine without MPS prints first; its report and --validate repeat it.
+NOT_EVIDENCE = (
+    "note: this is not an MPS device ({device}): the run checks mpsboost here, but its file is not evidence "
+    "for the Mac results (only a run on an Apple-silicon Mac is); please do not send it"
+)
 KINDS = ("selftest", "gate", "probe", "workload", "recipe")
 
 
@@ -88,10 +93,15 @@ def markdown(lines: Sequence[dict], jsonl_name: str) -> str:
     recipes = [x for x in lines if x["kind"] == "recipe"]
     gates = [x for x in lines if x["kind"] == "gate"]
     mac = f"macOS {m['macos']}" if m.get("macos") else m["os"]
+    send = (
+        f"Send it: open an issue at {issue_tracker()}, paste this report and attach `{jsonl_name}`."
+        if m["device"] == "mps"
+        else f"**{NOT_EVIDENCE.format(device=m['device'])}**"
+    )
     out = [
         f"## mpsboost selftest: {m['chip']}, {mac}, torch {m['torch']} on {m['device']}",
         "",
-        f"Send it: open an issue at {issue_tracker()}, paste this report and attach `{jsonl_name}`.",
+        send,
         "",
         (
             "**What the file contains**: the machine facts below (chip, OS version, memory size, torch build, Python, "
@@ -339,15 +349,56 @@ def read_lines(path: str | Path) -> list[dict]:
     return out
 
 
-def validate(path: str | Path) -> dict:
+def _contradictions(m: dict) -> list[str]:
+    """What the machine facts say against each other (a hand-edited or mixed-up file)."""
+    out = []
+    apple = [f"{k} {m[k]!r}" for k in ("chip", "device_name") if "apple" in str(m.get(k, "")).lower()]
+    if apple and m["os"] != "Darwin":
+        out.append(f"{' and '.join(apple)} on os {m['os']!r} (Apple silicon runs macOS)")
+    if m["device"] == "mps":
+        if str(m.get("torch_build", "")).startswith(("cuda ", "rocm ")):
+            out.append(f"torch build {m['torch_build']!r} is a CUDA/ROCm build, which has no MPS")
+        if m.get("mps_built") is not True:
+            out.append("mps_built is not true")
+        if m.get("device_name") != f"Apple MPS ({m['chip']})":
+            out.append(f"device_name {m.get('device_name')!r} does not name the chip {m['chip']!r}")
+    elif str(m.get("device_name", "")).startswith("Apple MPS"):
+        out.append(f"device {m['device']!r} with device_name {m['device_name']!r}")
+    return out
+
+
+def _check_record_envs(where: str, rec: dict, m: dict) -> None:
+    """Every bench record a line carries was measured in the environment the header describes."""
+    for r in rec.get("records") or ():
+        env = r.get("env") if isinstance(r, dict) else None
+        if not isinstance(env, dict):
+            continue
+        theirs = {
+            "device": env.get("device_type"),
+            "torch": env.get("torch_version"),
+            "torch_build": env.get("torch_build"),
+            "os": str(env.get("os", "")).split(" ")[0] or None,
+            "mpsboost": env.get("mpsboost_version"),
+        }
+        wrong = [f"{k} {v!r} (header: {m.get(k)!r})" for k, v in theirs.items() if v is not None and v != m.get(k)]
+        if wrong:
+            raise SelftestFormatError(
+                f"{where}: a record of this line was measured elsewhere than the header says: {', '.join(wrong)}"
+            )
+
+
+def validate(path: str | Path, *, require_mps: bool = False) -> dict:
     """Check a selftest file; returns ``{"machine", "probes", "workloads", "recipes", "gate"}``
     (name -> verdict/status).
 
     Rejects (:class:`SelftestFormatError`, naming file and line): a line that is not JSON or of no
     known kind; a first line without the machine facts; a simulated run; a file that claims MPS but
-    whose machine facts are not an Apple-silicon Mac with MPS available; a probe without its upstream
+    whose machine facts are not an Apple-silicon Mac with MPS available; machine facts that contradict
+    each other (an Apple chip on Linux, a CUDA torch build on MPS, a device name that is not the
+    chip's); a record measured in another environment than the header's; a probe without its upstream
     number; a workload or recipe that ran without its measurements; and a file with no successful
-    case (every probe, workload and recipe errored, skipped or not applicable).
+    case (every probe, workload and recipe errored, skipped or not applicable). ``require_mps``
+    (``mpsboost selftest --validate``): a run on another device is rejected too, as no evidence.
     """
     p = Path(path)
     lines = read_lines(p)
@@ -363,11 +414,20 @@ def validate(path: str | Path) -> dict:
             "(run `mpsboost selftest` again with this version)"
         )
     machine = _check_machine(where, head)
+    wrong = _contradictions(machine)
+    if wrong:
+        raise SelftestFormatError(f"{where}: the machine facts contradict each other: {'; '.join(wrong)}")
+    if require_mps and machine["device"] != "mps":
+        raise SelftestFormatError(
+            f"{where}: a selftest on {machine['device']}, not on MPS: not evidence for the Mac results "
+            "(only a run on an Apple-silicon Mac is)"
+        )
     seen: dict[str, dict] = {}
     for rec in lines[1:]:
         w = f"{p}:{rec['_line']}"
         if rec["kind"] == "selftest":
             raise SelftestFormatError(f"{w}: a second header; one selftest run per file")
+        _check_record_envs(w, rec, machine)
         _check_line(w, rec, seen)
     from .probes import EVIDENCE
 

@@ -28,7 +28,7 @@ from typing import Any
 from .machine import fp32_tolerance
 from ..bench.harness import release as _release
 
-__all__ = ["SEED_WORKLOADS", "SIZES", "SeedWorkload", "run_workload", "time_workload"]
+__all__ = ["SEED_WORKLOADS", "SIZES", "BudgetSpent", "SeedWorkload", "run_workload", "time_workload"]
 
 SIZES = ("test", "quick", "full")
 # "stock fails": stock torch raised on this build and the patched model ran (e.g. a missing MPS kernel
@@ -343,32 +343,66 @@ def _memory_dict(mem) -> dict:
     }
 
 
-def run_workload(wl: SeedWorkload, device: str, size: str, repeats: int) -> dict:
-    """The full measurement of one workload in this process: outputs, memory, time, quality."""
+class BudgetSpent(Exception):
+    """The selftest's time budget ran out inside a workload, before ``step``."""
+
+    def __init__(self, step: str):
+        super().__init__(f"time budget spent before {step}")
+        self.step = step
+
+
+def run_workload(
+    wl: SeedWorkload,
+    device: str,
+    size: str,
+    repeats: int,
+    *,
+    deadline: float | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """The full measurement of one workload in this process: outputs, memory, time, quality.
+
+    Before each step (build, stock run and timing, CPU reference, patch, patched run and timing) the
+    budget is checked against ``deadline`` (on ``clock``): once it is spent, :class:`BudgetSpent`
+    names the step not started. ``progress`` gets one line per step as it starts.
+    """
     import torch
 
     from ..bench import measure_memory
 
-    t0 = time.perf_counter()
+    t0 = clock()
+
+    def step(what: str) -> None:
+        if deadline is not None and clock() > deadline:
+            raise BudgetSpent(what)
+        if progress is not None:
+            progress(f"    {wl.name}: {what} ({clock() - t0:.0f} s)")
+
     rec: dict[str, Any] = {"kind": "workload", "name": wl.name, "what": wl.what, "size": size}
+    step("build")
     built = wl.build(size, device)
     model, run = built.model, built.run
     rec.update(shape=built.shape, dtype=built.dtype)
+    step("stock run")
     try:
         with measure_memory(device) as probe:
             stock_out = run(model).detach()
     except (RuntimeError, NotImplementedError, TypeError) as e:
-        return _stock_fails(rec, wl, model, run, device, repeats, e, t0)
+        return _stock_fails(rec, wl, model, run, device, repeats, e, t0, clock)
+    step("stock timing")
     stock = {"seconds": [_time(run, model, device, repeats)], "memory": _memory_dict(probe.peaks())}
     ref = None
     if size in wl.cpu_reference:
         if device == "cpu" and built.dtype == "float32":
             ref = stock_out.float()
         else:
+            step("CPU reference")
             ref_model = copy.deepcopy(model).to("cpu", torch.float32)
             ref = run(ref_model).detach().float()
             del ref_model
         stock["vs_cpu"] = _quality(stock_out.float().cpu(), ref, wl.metric)
+    step("patch")
     report = _patch(model, wl)
     applied = sorted({r.recipe for r in report.rows if r.status == "applied"})
     rec["recipes"] = applied
@@ -381,8 +415,10 @@ def run_workload(wl: SeedWorkload, device: str, size: str, repeats: int) -> dict
         rec.update(status="not applicable", reason=f"patch() applied nothing here ({why})")
     else:
         _release(device)
+        step("patched run")
         with measure_memory(device) as probe:
             patched_out = run(model).detach()
+        step("patched timing")
         patched = {"seconds": [_time(run, model, device, repeats)], "memory": _memory_dict(probe.peaks())}
         if ref is not None:
             patched["vs_cpu"] = _quality(patched_out.float().cpu(), ref, wl.metric)
@@ -413,14 +449,22 @@ def run_workload(wl: SeedWorkload, device: str, size: str, repeats: int) -> dict
             tolerance=tol,
             ratio_here=stock["seconds"][0] / patched["seconds"][0] if patched["seconds"][0] > 0 else None,
         )
-    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    rec["seconds"] = round(clock() - t0, 2)
     del model, built
     _release(device)
     return rec
 
 
 def _stock_fails(
-    rec: dict, wl: SeedWorkload, model, run, device: str, repeats: int, error: Exception, t0: float
+    rec: dict,
+    wl: SeedWorkload,
+    model,
+    run,
+    device: str,
+    repeats: int,
+    error: Exception,
+    t0: float,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict:
     """Stock raised: patch and run anyway; the record says what stock raised and whether patched ran."""
     first = (str(error).strip().splitlines() or [""])[0][:300]
@@ -445,7 +489,7 @@ def _stock_fails(
             reason=f"stock raised {rec['stock']['error']}; patched ran"
             + ("" if finite else " but its output is not finite"),
         )
-    rec["seconds"] = round(time.perf_counter() - t0, 2)
+    rec["seconds"] = round(clock() - t0, 2)
     _release(device)
     return rec
 

@@ -851,7 +851,7 @@ def test_cookbook_script_writes_and_loads_each_format(tmp_path, fmt):
     proc = subprocess.run(
         [
             sys.executable,
-            str(root / "examples" / "fp8_checkpoint.py"),
+            str(root / "recipes" / "fp8_checkpoint.py"),
             "--random-weights",
             "tiny",
             "--write-format",

@@ -4,16 +4,16 @@
 A published checkpoint (network or a local copy; the model is built from its own config.json on
 the meta device, then every tensor is read from the files straight into its final storage):
 
-    python examples/fp8_checkpoint.py --model Qwen/Qwen3-8B-FP8 --device mps          # transformers' fine-grained FP8
-    python examples/fp8_checkpoint.py --model RedHatAI/Qwen3-8B-FP8-dynamic --device mps  # compressed-tensors
-    python examples/fp8_checkpoint.py --model ./wan2.1_t2v_14B_fp8_scaled.safetensors \\
+    python recipes/fp8_checkpoint.py --model Qwen/Qwen3-8B-FP8 --device mps          # transformers' fine-grained FP8
+    python recipes/fp8_checkpoint.py --model RedHatAI/Qwen3-8B-FP8-dynamic --device mps  # compressed-tensors
+    python recipes/fp8_checkpoint.py --model ./wan2.1_t2v_14B_fp8_scaled.safetensors \\
         --diffusers-config Wan-AI/Wan2.1-T2V-14B-Diffusers --device mps           # a scaled_fp8 single file
 
 Offline, with a file this script writes in each format from a real architecture with random weights:
 
-    python examples/fp8_checkpoint.py --random-weights tiny --write-format transformers        # what CI runs
-    python examples/fp8_checkpoint.py --random-weights tiny --write-format compressed-tensors
-    python examples/fp8_checkpoint.py --random-weights tiny --write-format scaled_fp8
+    python recipes/fp8_checkpoint.py --random-weights tiny --write-format transformers        # what CI runs
+    python recipes/fp8_checkpoint.py --random-weights tiny --write-format compressed-tensors
+    python recipes/fp8_checkpoint.py --random-weights tiny --write-format scaled_fp8
 
 What the offline mode does: writes the checkpoint (layouts below), prints what
 ``mpsboost.recipes.fp8.formats.describe_checkpoint`` says about it for this machine, builds the model on
@@ -130,7 +130,7 @@ def _published_model(args, device: str):
 
 
 def main(argv=None) -> int:
-    p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen3-8B-FP8")
+    p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen3-8B-FP8", benchmarks=("fp8_load",))
     p.add_argument(
         "--write-format",
         choices=FORMATS,

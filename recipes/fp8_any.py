@@ -3,14 +3,14 @@
 
 With weights (network or a local copy):
 
-    python examples/fp8_any.py --model Qwen/Qwen3-30B-A3B --device mps --granularity rowwise \
+    python recipes/fp8_any.py --model Qwen/Qwen3-30B-A3B --device mps --granularity rowwise \
         --save qwen3-fp8.safetensors
-    python examples/fp8_any.py --model Wan-AI/Wan2.2-TI2V-5B-Diffusers --subfolder transformer --device mps
+    python recipes/fp8_any.py --model Wan-AI/Wan2.2-TI2V-5B-Diffusers --subfolder transformer --device mps
 
 Offline, real architecture with random weights (configs shipped with mpsboost, mpsboost.bench.models):
 
-    python examples/fp8_any.py --random-weights tiny --arch qwen3_moe     # seconds on a CPU (what CI runs)
-    python examples/fp8_any.py --random-weights real --arch wan_transformer --device mps
+    python recipes/fp8_any.py --random-weights tiny --arch qwen3_moe     # seconds on a CPU (what CI runs)
+    python recipes/fp8_any.py --random-weights real --arch wan_transformer --device mps
 
 What it does: one forward of the stock model (the reference), ``mpsboost.patch(model, fp8=...)``
 (float8_e4m3fn weights with fp32 per-row or per-tensor scales; lossy and irreversible, so it is opt-in),
@@ -127,7 +127,7 @@ def weight_bytes(model) -> int:
 
 
 def main(argv=None) -> int:
-    p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen3-30B-A3B")
+    p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen3-30B-A3B", benchmarks=("fp8_weights",))
     p.add_argument(
         "--subfolder", default=None, help="with --model: the model's folder in a pipeline repo, e.g. transformer"
     )

@@ -3,8 +3,8 @@
 
 The published checkpoint (about 35 GB; in bf16 the model is about 70 GB, more than a 64 GB Mac holds):
 
-    python examples/qwen36_fp8.py --model Qwen/Qwen3.6-35B-A3B-FP8 --device mps --prompt "The capital of France is"
-    python examples/qwen36_fp8.py --model ./Qwen3.6-35B-A3B-FP8 --device mps --requantize rowwise
+    python recipes/qwen36_fp8.py --model Qwen/Qwen3.6-35B-A3B-FP8 --device mps --prompt "The capital of France is"
+    python recipes/qwen36_fp8.py --model ./Qwen3.6-35B-A3B-FP8 --device mps --requantize rowwise
 
 The text model (``Qwen3_5MoeForCausalLM``) is built on the meta device from the folder's config and
 ``mpsboost.load_fp8`` reads every tensor straight into its final storage: the fp8 layers never exist in bf16
@@ -17,8 +17,8 @@ Offline, with a folder this script writes first in the published layout (the mul
 ``model.language_model.*`` keys, BF16 ``weight_scale_inv`` per 128x128 block, experts one Linear per expert, the
 published ``modules_to_not_convert`` in bf16), from the real architecture at toy width with random weights:
 
-    python examples/qwen36_fp8.py --random-weights tiny                     # what CI runs
-    python examples/qwen36_fp8.py --random-weights tiny --write ./qwen36-tiny-fp8   # keep the folder
+    python recipes/qwen36_fp8.py --random-weights tiny                     # what CI runs
+    python recipes/qwen36_fp8.py --random-weights tiny --write ./qwen36-tiny-fp8   # keep the folder
 
 Offline, the generation is timed against the stock model holding the file's exact dequantisation (codes x
 scales in float32, rounded once): four records (throughput, operator time, correctness, memory).
@@ -136,7 +136,7 @@ def _logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv=None) -> int:
-    p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen3.6-35B-A3B-FP8")
+    p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen3.6-35B-A3B-FP8", benchmarks=("fp8_load",))
     p.add_argument("--prompt", default="The capital of France is", help="--model: the prompt (needs the tokenizer)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens to generate (default 16)")
     p.add_argument(

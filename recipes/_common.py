@@ -45,9 +45,12 @@ class _EmptyFp32ListFilter(logging.Filter):
 logging.getLogger("diffusers.models.modeling_utils").addFilter(_EmptyFp32ListFilter())
 
 
-def parser(description: str, *, default_model: str) -> argparse.ArgumentParser:
+def parser(description: str, *, default_model: str, benchmarks: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+    """The options every recipe script takes. ``benchmarks``: the recipe-level benchmarks of this job
+    (names of ``mpsboost bench``), run after it by ``--bench``."""
     # Each default is said once, in its help text (ArgumentDefaultsHelpFormatter would add a second).
     p = argparse.ArgumentParser(description=description)
+    p.set_defaults(benchmarks=benchmarks)
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--model",
@@ -88,7 +91,36 @@ def parser(description: str, *, default_model: str) -> argparse.ArgumentParser:
         metavar="DEVICE:TORCH",
         help="also print what patch() would do on another machine, e.g. mps:2.14.1 or cuda:9.0:2.11.0",
     )
+    if benchmarks:
+        names = ", ".join(f"'mpsboost bench {b}'" for b in benchmarks)
+        p.add_argument(
+            "--bench",
+            action="store_true",
+            help=f"then run this job's recipe-level benchmark ({names}: stock against mpsboost and peers, four "
+            "records each) on the same device, at the size of --random-weights (tiny; small with --model); "
+            "its records and table go to --out (default ./bench-out)",
+        )
     return p
+
+
+def bench_size(args: argparse.Namespace) -> str:
+    """The ``mpsboost bench --size`` that matches this run: tiny or real random weights, small with --model."""
+    if args.random_weights is not None:
+        return args.random_weights
+    return "small" if args.model is not None else "tiny"
+
+
+def run_benchmarks(args: argparse.Namespace, device: str) -> int:
+    """``--bench``: each recipe-level benchmark of this job through ``mpsboost bench``; the first failure's status."""
+    from mpsboost.bench.cli import main as bench_main
+
+    out = str(args.out if args.out is not None else Path("bench-out"))
+    for name in args.benchmarks:
+        print(f"\nrecipe-level benchmark: mpsboost bench {name} --device {device} --size {bench_size(args)}")
+        rc = bench_main([name, "--device", device, "--size", bench_size(args), "--out", out, "--no-plot"])
+        if rc:
+            return rc
+    return 0
 
 
 def print_plans(obj: Any, plans: list[str], fp8: str | None = None) -> None:
@@ -239,6 +271,9 @@ def finish(name: str, args: argparse.Namespace, report: Any, recs: list) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         path = write_jsonl(args.out / f"{name}.jsonl", recs)
         print(f"\nrecords written to {path}")
+    if getattr(args, "bench", False):
+        device = recs[0].env.device_type if recs else (args.device or best_device())
+        return run_benchmarks(args, device)
     return 0
 
 

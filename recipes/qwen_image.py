@@ -3,13 +3,13 @@
 
 With weights (network or a local copy):
 
-    python examples/qwen_image.py --model Qwen/Qwen-Image --device mps --dtype bfloat16 \\
+    python recipes/qwen_image.py --model Qwen/Qwen-Image --device mps --dtype bfloat16 \\
         --prompt "a coffee shop sign that says 'MPS'" --height 1024 --width 1024
 
 Offline, real architecture with random weights (the qwen_image configs shipped with mpsboost):
 
-    python examples/qwen_image.py --random-weights tiny             # seconds on a CPU (what CI runs)
-    python examples/qwen_image.py --random-weights real --vae-only --device mps   # the 127M VAE at 1024x1024
+    python recipes/qwen_image.py --random-weights tiny             # seconds on a CPU (what CI runs)
+    python recipes/qwen_image.py --random-weights real --vae-only --device mps   # the 127M VAE at 1024x1024
 
 Two workloads, each stock vs patched:
 1. ``qwen_image_generate``: the whole pipeline call (skipped with ``--vae-only``: the real transformer
@@ -104,7 +104,7 @@ def prompt_kwargs(args, pipe, run: dict, device: str, dtype: torch.dtype) -> dic
 
 
 def main(argv=None) -> int:
-    p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen-Image")
+    p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen-Image", benchmarks=("qwen_image_vae",))
     p.add_argument("--prompt", default="A coffee shop entrance with a chalkboard sign that reads 'MPS boost'")
     p.add_argument("--negative-prompt", default=" ")
     p.add_argument("--height", type=int, default=None)

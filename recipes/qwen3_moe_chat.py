@@ -3,13 +3,13 @@
 
 With weights (network or a local copy):
 
-    python examples/qwen3_moe_chat.py --model Qwen/Qwen3-30B-A3B --device mps --dtype bfloat16 \\
+    python recipes/qwen3_moe_chat.py --model Qwen/Qwen3-30B-A3B --device mps --dtype bfloat16 \\
         --prompt "Explain grouped matrix multiplication in two sentences." --new-tokens 64
 
 Offline, real architecture with random weights (the qwen3_moe configs shipped with mpsboost):
 
-    python examples/qwen3_moe_chat.py --random-weights tiny            # seconds on a CPU (what CI runs)
-    python examples/qwen3_moe_chat.py --random-weights real --layers 8 --device mps   # Qwen3-30B-A3B shape,
+    python recipes/qwen3_moe_chat.py --random-weights tiny            # seconds on a CPU (what CI runs)
+    python recipes/qwen3_moe_chat.py --random-weights real --layers 8 --device mps   # Qwen3-30B-A3B shape,
                                                                                       # 8 of 48 layers
 
 The job is ``generate()`` (greedy, or ``--sample``): prefill of the prompt, then one token at a time.
@@ -69,7 +69,7 @@ def prompt_ids(args, tokenizer, run: dict, vocab: int, device: str) -> torch.Ten
 
 
 def main(argv=None) -> int:
-    p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen3-30B-A3B")
+    p = C.parser(__doc__.splitlines()[0], default_model="Qwen/Qwen3-30B-A3B", benchmarks=("moe_experts",))
     p.add_argument(
         "--prompt",
         default="Explain in two sentences why grouped matrix multiplication helps mixture-of-experts models.",

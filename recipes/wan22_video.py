@@ -3,13 +3,13 @@
 
 With weights (network or a local copy):
 
-    python examples/wan22_video.py --model Wan-AI/Wan2.2-TI2V-5B-Diffusers --device mps --dtype bfloat16 \\
+    python recipes/wan22_video.py --model Wan-AI/Wan2.2-TI2V-5B-Diffusers --device mps --dtype bfloat16 \\
         --prompt "a cat surfing a wave at sunset" --height 704 --width 1280 --frames 121
 
 Offline, real architecture with random weights (the wan22_ti2v configs shipped with mpsboost):
 
-    python examples/wan22_video.py --random-weights tiny            # seconds on a CPU (what CI runs)
-    python examples/wan22_video.py --random-weights real --device mps --frames 21 --steps 2
+    python recipes/wan22_video.py --random-weights tiny            # seconds on a CPU (what CI runs)
+    python recipes/wan22_video.py --random-weights real --device mps --frames 21 --steps 2
 
 The job is the whole pipeline call (denoising steps and the VAE decode). The VAE decode of one latent
 video is also timed alone: it is what the VAE recipes (wan_vae_pad, mps_streams) change. Random
@@ -83,7 +83,7 @@ def prompt_kwargs(args, pipe, run: dict, device: str, dtype: torch.dtype) -> dic
 
 
 def main(argv=None) -> int:
-    p = C.parser(__doc__.splitlines()[0], default_model="Wan-AI/Wan2.2-TI2V-5B-Diffusers")
+    p = C.parser(__doc__.splitlines()[0], default_model="Wan-AI/Wan2.2-TI2V-5B-Diffusers", benchmarks=("wan_vae_pad",))
     p.add_argument("--prompt", default="A cat surfing a wave at sunset, cinematic")
     p.add_argument("--negative-prompt", default="blurry, low quality")
     p.add_argument("--height", type=int, default=None)

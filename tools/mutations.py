@@ -1,0 +1,235 @@
+"""The mutation check: break what a test guards, on purpose, and see that test go red.
+
+Each mutation below names a file of the tree, an exact piece of its text and what to put instead, and the
+tests that must fail once it is applied. For each one asked for, this script copies the tree (the files
+git tracks, plus untracked ones it does not ignore) into a temporary folder, applies the mutation there
+(the checkout itself is never touched), runs those tests with that copy's ``src/`` first on the path,
+and expects them to fail. A mutation whose text is no longer in its file is reported as stale (the code
+moved: update the mutation). Exit status 0 when every mutation run was caught, 1 when one survived or
+is stale, 2 for a usage error.
+
+    python tools/mutations.py              # every mutation
+    python tools/mutations.py leak         # those whose name contains "leak"
+    python tools/mutations.py --list       # names, files and tests, nothing run
+
+It runs pytest in the current Python environment (the one the README's test command sets up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: str  # relative to the repository root
+    old: str  # exact text, found exactly once
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    why: str  # what the mutation breaks, in words
+    edits: tuple[Edit, ...]
+    tests: tuple[str, ...]  # pytest arguments (paths, -k expressions)
+
+
+# A module-level list that keeps every patched layer alive: the leak the leak tests exist for. The list
+# is defined at the end of the module; apply() looks it up when it runs.
+_LEAK_LIST = "\n\n_MPSBOOST_MUTANT_KEEP: list = []  # mutation: a module-level list holding patched layers\n"
+
+
+def _leak(recipe: str, signature: str) -> Mutation:
+    path = f"src/mpsboost/recipes/{recipe}.py"
+    body = f"{signature}\n        _MPSBOOST_MUTANT_KEEP.append(match.module)\n"
+    return Mutation(
+        name=f"leak-append-{recipe.replace('_', '-')}",
+        why=f"{recipe}.apply appends each patched layer to a module-level list (a dropped model's layers stay alive)",
+        edits=(Edit(path, f"{signature}\n", body), Edit(path, "", _LEAK_LIST)),
+        tests=("tests/core/test_leaks.py", "-m", "not slow", "-k", recipe),
+    )
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    _leak(
+        "linear_attention",
+        "    def apply(self, match: Match, decision: Decision, env: Env, options: LinearAttentionOptions) -> Patch:",
+    ),
+    _leak(
+        "moe_experts",
+        "    def apply(self, match: Match, decision: Decision, env: Env, options: MoeExpertsOptions) -> Patch:",
+    ),
+    Mutation(
+        name="mask-multiply-pass-linear-attention",
+        why="the patched Gated DeltaNet forward no longer zeroes padded positions (attention mask ignored)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/linear_attention.py",
+                "        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)\n",
+                "        pass\n",
+            ),
+        ),
+        tests=("tests/recipes/test_linear_attention.py",),
+    ),
+    Mutation(
+        name="nested-patch-overlap-ignored",
+        why="patch() no longer sees what an earlier patch() of a nested or enclosing model changed",
+        edits=(
+            Edit(
+                "src/mpsboost/api.py",
+                "            inside = _patched_inside(match.module, recipe.name, seen)\n",
+                "            inside = []\n",
+            ),
+        ),
+        tests=("tests/core/test_api.py", "-k", "inner or outer"),
+    ),
+    Mutation(
+        name="unpatch-skips-nested-records",
+        why="unpatch(outer) leaves the patches of a patch() made on a model inside it",
+        edits=(
+            Edit(
+                "src/mpsboost/api.py",
+                "        nested = _nested_records(obj, targets)\n",
+                "        nested = []\n",
+            ),
+        ),
+        tests=("tests/core/test_api.py", "-k", "inner or outer"),
+    ),
+    Mutation(
+        name="patch-inside-timed-region-e2e",
+        why="the end-to-end benchmark re-patches inside the timed generate() call",
+        edits=(
+            Edit(
+                "benchmarks/e2e.py",
+                "        t0 = time.perf_counter()\n        out = generate(name, first)\n",
+                "        t0 = time.perf_counter()\n"
+                "        if name == 'mpsboost':\n"
+                "            mpsboost.unpatch(models[name])\n"
+                "            mpsboost.patch(models[name])\n"
+                "        out = generate(name, first)\n",
+            ),
+        ),
+        tests=("tests/bench/test_e2e_bench.py", "-k", "not_timed"),
+    ),
+    Mutation(
+        name="selftest-budget-between-workloads-only",
+        why="the selftest checks its budget only between workloads, not before each step of one",
+        edits=(
+            Edit(
+                "src/mpsboost/selftest/workloads.py",
+                "        if deadline is not None and clock() > deadline:\n            raise BudgetSpent(what)\n",
+                "        pass\n",
+            ),
+        ),
+        tests=("tests/integration/test_selftest.py", "-k", "budget_is_checked"),
+    ),
+    Mutation(
+        name="harness-imports-matplotlib",
+        why="import mpsboost.bench imports matplotlib itself",
+        edits=(Edit("src/mpsboost/bench/__init__.py", "", "\nimport matplotlib  # noqa: E402,F401\n"),),
+        tests=("tests/bench/test_bench_records.py", "-k", "stays_light"),
+    ),
+)
+
+
+def _tree_files() -> list[str]:
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return [line for line in out.stdout.splitlines() if line and (ROOT / line).is_file()]
+
+
+def _copy_tree(dest: Path) -> None:
+    for rel in _tree_files():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, target)
+
+
+def _apply(dest: Path, m: Mutation) -> str | None:
+    """Apply ``m`` in ``dest``; the reason it cannot be applied (stale), or None."""
+    for e in m.edits:
+        f = dest / e.path
+        if not f.is_file():
+            return f"{e.path} does not exist"
+        text = f.read_text(encoding="utf-8")
+        if e.old == "":  # append
+            text = text + e.new
+        else:
+            n = text.count(e.old)
+            if n != 1:
+                return f"{e.path}: the text to replace occurs {n} times (expected once): {e.old.strip()[:80]!r}"
+            text = text.replace(e.old, e.new)
+        f.write_text(text, encoding="utf-8")
+    return None
+
+
+def run(m: Mutation, *, verbose: bool) -> tuple[str, str]:
+    """('caught' | 'SURVIVED' | 'STALE' | 'ERROR', detail)."""
+    with tempfile.TemporaryDirectory(prefix="mpsboost-mutant-") as tmp:
+        dest = Path(tmp)
+        _copy_tree(dest)
+        stale = _apply(dest, m)
+        if stale:
+            return "STALE", stale
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env["PYTHONPATH"] = os.pathsep.join([str(dest / "src"), str(dest / "tests")])
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True)
+        took = time.monotonic() - t0
+        tail = (proc.stdout + proc.stderr).strip().splitlines()
+        last = tail[-1] if tail else ""
+        if verbose:
+            print("\n".join(tail[-30:]))
+        # pytest: 1 = some tests failed (the mutant is caught); 0 = all passed; anything else: the run
+        # itself went wrong (collection error, no test selected), which proves nothing.
+        if proc.returncode == 1:
+            return "caught", f"{last} ({took:.0f} s)"
+        if proc.returncode == 0:
+            return "SURVIVED", f"{last} ({took:.0f} s)"
+        return "ERROR", f"pytest exit {proc.returncode}: {last}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("names", nargs="*", help="run the mutations whose name contains one of these (default: all)")
+    ap.add_argument("--list", action="store_true", help="list the mutations and their tests, run nothing")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print the end of each pytest run")
+    args = ap.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.names or any(n in m.name for n in args.names)]
+    if not chosen:
+        print(f"no mutation matches {args.names}; known: {', '.join(m.name for m in MUTATIONS)}", file=sys.stderr)
+        return 2
+    if args.list:
+        for m in chosen:
+            files = ", ".join(sorted({e.path for e in m.edits}))
+            print(f"{m.name}: {m.why}\n    edits {files}; expects red: pytest {' '.join(m.tests)}")
+        return 0
+    bad = 0
+    for m in chosen:
+        status, detail = run(m, verbose=args.verbose)
+        bad += status != "caught"
+        print(f"{status:9s} {m.name}: {detail}", flush=True)
+    print(f"{len(chosen) - bad} of {len(chosen)} mutations caught")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
