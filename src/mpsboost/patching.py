@@ -52,9 +52,6 @@ __all__ = [
     "register_in_interface",
     "relayout_param",
     "replace_at_commit",
-    "fuse_storage",
-    "separate_storage",
-    "fuse_params",
     "at_commit",
     "no_change",
 ]
@@ -560,54 +557,6 @@ def relayout_param(param: torch.nn.Parameter, memory_format: torch.memory_format
             param.data = param.data.contiguous()
 
     return Patch(undo, description="weight back to the contiguous layout")
-
-
-def fuse_storage(params: "Iterable[torch.nn.Parameter]") -> torch.Tensor:
-    """Put the rows of ``params`` (same dtype, device and trailing shape) into one new storage, concatenated
-    along dim 0, and make each Parameter a view of its slice: the same objects with the same values (and
-    the same ``state_dict``), one matmul can read them all. Their old storages are freed once nothing else
-    holds them, so memory does not double. Returns the fused tensor. A recipe calls it at apply time
-    through :func:`fuse_params`, and may call it again later (weights moved) from its eager path."""
-    params = list(params)
-    with torch.no_grad(), torch.inference_mode(False):
-        fused = torch.cat([p.detach() for p in params], dim=0)
-        start = 0
-        for p in params:
-            p.data = fused[start : start + p.shape[0]]
-            start += p.shape[0]
-    return fused
-
-
-def separate_storage(params: "Iterable[torch.nn.Parameter]", fused: torch.Tensor | None) -> None:
-    """Give every Parameter of ``params`` that is still a view of ``fused``'s storage its own storage again."""
-    if fused is None:
-        return
-    base = fused.untyped_storage().data_ptr()
-    with torch.no_grad():
-        for p in params:
-            if p.untyped_storage().data_ptr() == base:
-                p.data = p.data.clone()
-
-
-def fuse_params(
-    params: "Iterable[torch.nn.Parameter]",
-    *,
-    current: Callable[[], torch.Tensor | None] | None = None,
-    description: str = "",
-) -> "tuple[torch.Tensor, Patch]":
-    """:func:`fuse_storage` as a reversible change: the fused tensor and the Patch whose undo gives each
-    Parameter its own storage again (the storage fused here, or ``current()`` where the recipe fused
-    again later)."""
-    params = list(params)
-    fused = fuse_storage(params)
-
-    def undo() -> None:
-        latest = current() if current is not None else None
-        separate_storage(params, latest if latest is not None else fused)
-        if latest is not None and latest is not fused:
-            separate_storage(params, fused)
-
-    return fused, Patch(undo, description=description or "weights back to their own storage")
 
 
 def replace_at_commit(

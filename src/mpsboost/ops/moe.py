@@ -648,15 +648,16 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, *, norm: bool) -> tuple
 class BlockWeights:
     """What :func:`sparse_moe_block` reads, in the layouts it multiplies (views; no copy).
 
-    ``fused_t`` ``[H, E + g + 2 I_s]``: the router rows, then (with a shared expert) its gate's row and the
-    shared expert's gate and up rows, transposed. ``gate_up_kn`` ``[E, H, 2I]`` and ``down_kn`` ``[E, I, H]``:
+    ``router_t`` ``[H, E]``: the router's weight transposed; ``shared_t`` (with a shared expert): its gate's
+    ``[H, 1]``, gate projection's and up projection's ``[H, I_s]``, transposed (each the model's own weight,
+    in its own storage). ``gate_up_kn`` ``[E, H, 2I]`` and ``down_kn`` ``[E, I, H]``:
     the routed experts as ``[E, in, out]``. ``gate_up`` / ``down``: the same as stored (``[E, out, in]``),
     row-gathered by the path without a grouped kernel. ``bounds`` ``[1, E]``: ``arange(E)`` (searchsorted
     bounds of the offsets), ``zeros`` ``[k]``: the row index of the one token of a single-token step.
     """
 
-    fused_t: torch.Tensor
-    splits: tuple[int, ...]
+    router_t: torch.Tensor
+    shared_t: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     gate_up_kn: torch.Tensor | None
     down_kn: torch.Tensor | None
     gate_up: torch.Tensor | None
@@ -683,8 +684,7 @@ def sparse_moe_block(
     ``out = sum_j w_j * expert_{e_j}(x) (+ sigmoid(x . g) * shared(x))``, the math of transformers'
     Qwen2/3/3.5-MoE, Qwen3-Next, Mixtral and OLMoE blocks, in few kernels:
 
-    * one matmul for the router logits, the shared expert's gate and its gate/up projections
-      (``w.fused_t``), split by one op;
+    * one matmul each for the router logits, the shared expert's gate and its gate/up projections;
     * routing by :func:`route_softmax_topk`; for one token the k ids are sorted and the weights follow them
       (no unsort later);
     * the routed experts (``path``): ``"grouped_mm"``, two native grouped matmuls over the k rows sorted by
@@ -706,12 +706,11 @@ def sparse_moe_block(
         return act_fn(gate) * up
 
     n, hdim = x.shape
-    y = torch.mm(x, w.fused_t)
-    parts = torch.split(y, w.splits, dim=-1)
-    logits = parts[0]
+    logits = torch.mm(x, w.router_t)
     shared = None
     if shared_act is not None:
-        _, g, sg, su = parts
+        g_t, sg_t, su_t = w.shared_t
+        g, sg, su = torch.mm(x, g_t), torch.mm(x, sg_t), torch.mm(x, su_t)
         shared = torch.mm(shared_act(sg) * su, w.shared_down_t) * torch.sigmoid(g)
     one = n == 1 and path != "module"  # one token: combine by one addmm, in the order of ``ids``
     if one and path == "grouped_mm":  # its k ids sorted (grouped rows), its weights in that order

@@ -3,8 +3,8 @@
 A Mac runs transformers eagerly, where every aten op costs host time. One decode step of Qwen3.5/3.6's
 gated attention layer dispatches 70 aten ops on transformers 5.24 with sdpa (90 with eager: three
 ``nn.Linear`` of four ops each, two RMS norms, a partial rotary built from slices, negations and
-concatenations, the cache, the attention function, the output gate); this recipe's step takes 29 (one
-sequence, fp32, DynamicCache; 31 in bf16; 35 with a StaticCache, whose update is 5 ops; counted on the CPU,
+concatenations, the cache, the attention function, the output gate); this recipe's step takes 31 (one
+sequence, fp32, DynamicCache; 33 in bf16; 37 with a StaticCache, whose update is 5 ops; counted on the CPU,
 where ``F.rms_norm`` is 6 ops: on MPS it is one kernel).
 
 Targets, matched by class path and then checked structurally (projection shapes, norms, no accelerate hook,
@@ -17,9 +17,17 @@ a forward of its own set by no one else):
 
 The one-token step (a cache given, eager or sdpa attention, no attention weights wanted):
 
-- q/k/v (and the gate) come from one matmul: at patch time the three projection Parameters become views of
-  one fused storage (same Parameter objects, values and state_dict; memory does not double), undone on
-  unpatch; moved weights are fused again on the next eager call;
+- q/k/v (and the gate) are three matmuls on the model's own Parameters, each left in its own storage. For
+  one sequence the q (and gate) and k products land side by side in the layer's one-row buffer (``mm`` with
+  ``out=`` a column range of it, contiguous for one row; buffer and views made once, the step holds a lock
+  and a concurrent step allocates instead), so one norm and one rotary cover both; v is a fresh result (it
+  goes to the cache, which may keep it). A batch, and traced code (no ``out=`` in a graph), concatenate.
+  Why not one matmul over a fused weight: making the Parameters views of one storage reads, to everything
+  that compares storages (transformers' tied-weight checks, ``save_pretrained``, accelerate's tied-parameter
+  logic, offload), as a tie the model does not declare; a fused copy held by the recipe doubles those
+  weights (Qwen3.6-35B-A3B, bf16: 10 full-attention layers x (8192 + 512 + 512) x 2048 x 2 B = 360 MiB;
+  Qwen3-32B: 64 x 10240 x 5120 x 2 B = 6.25 GiB) to save two host ops a step. The weights are read once
+  either way (same bytes moved); the step takes 31 ops instead of 29 (two more matmuls);
 - the q and k heads are normalised by one ``F.rms_norm`` and one multiply (per-row weights prepared once);
 - the rotary is one ``index_select`` (the rotate-half permutation) and a multiply-add with the sign folded
   into ``sin``; a partial rotary writes its slice in place;
@@ -47,6 +55,7 @@ and CPU the stock forward (inductor fuses it; no compiled measurement of the rec
 from __future__ import annotations
 
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +69,6 @@ from ..patching import (
     Patch,
     bind_forward,
     call_original,
-    fuse_params,
-    fuse_storage,
     is_patched_by,
     set_instance_attr,
 )
@@ -235,30 +242,32 @@ class _State:
         self.gqa = gqa
         self.compiled = compiled
         self.collector = collector
-        self.fused: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (weights [N, hidden], biases [N])
         self.key: tuple | None = None
         self.derived: dict[str, Any] | None = None
 
+        self.work: tuple | None = None  # ((dtype, device), [1, q+k] buffer, its q and k column views)
+        self.lock = threading.Lock()  # the buffer serves one step at a time; a concurrent step allocates
+
     def forget(self) -> None:
-        self.fused = self.derived = self.key = None
+        self.derived = self.key = self.work = None
 
+    def buffer(self, like: torch.Tensor, lay: _Layout) -> tuple:
+        """The one-row q/k buffer and its column views, for ``like``'s dtype and device (made once; taken with
+        the lock held)."""
+        key = (like.dtype, like.device)
+        if self.work is None or self.work[0] != key:
+            wq, wk = lay.widths[0], lay.widths[1]
+            buf = torch.empty((1, wq + wk), dtype=like.dtype, device=like.device)
+            self.work = (key, buf, buf[:, :wq], buf[:, wq:])
+        return self.work
 
-def _fuse(mod: torch.nn.Module, lay: _Layout) -> tuple[torch.Tensor, torch.Tensor | None]:
-    ps = _proj_params(mod, lay)
-    w = fuse_storage(ps[:3])
-    return w, (fuse_storage(ps[3:]) if lay.bias else None)
-
-
-def _is_view_of(params: list[torch.nn.Parameter], fused: torch.Tensor | None) -> bool:
-    if fused is None:
-        return False
-    start = fused.data_ptr()
-    step = (fused.shape[1] if fused.dim() == 2 else 1) * fused.element_size()
-    for p in params:
-        if p.dtype != fused.dtype or p.device != fused.device or p.data_ptr() != start or not p.is_contiguous():
-            return False
-        start += p.shape[0] * step
-    return True
+    def __deepcopy__(self, memo: dict) -> _State:
+        """A copy of a patched model: the same decisions, its own lock, constants and buffer (rebuilt from the
+        copy's weights on its first step); transformers' output collector (a process-wide object holding a
+        ContextVar) shared, not copied."""
+        new = _State(self.layout, self.gqa, self.compiled, self.collector, self.cache_arg)
+        memo[id(self)] = new
+        return new
 
 
 def _norm_weight(mod: torch.nn.Module, lay: _Layout, detach: bool) -> torch.Tensor | None:
@@ -293,8 +302,11 @@ def _derive(mod: torch.nn.Module, lay: _Layout, state: _State | None) -> dict[st
     if lay.family != "plain":
         d["ones"] = torch.ones(lay.d, dtype=torch.float32, device=o.weight.device)
     if state is not None:
-        w, b = state.fused
-        d["wt"], d["b"] = w.t(), b
+        ps = [p.detach() for p in _proj_params(mod, lay)]
+        w = ps[0]
+        # each projection's weight transposed (a view: nothing copied) and its column range in the product
+        d["wt"] = tuple(p.t() for p in ps[:3])
+        d["b"] = tuple(ps[3:]) if lay.bias else None
         # the rotary constants of the configured rotary width, now rather than inside the first step
         rd = _configured_rotary_dim(mod, lay)
         if rd is not None:
@@ -323,8 +335,8 @@ def _key(mod: torch.nn.Module, lay: _Layout) -> tuple:
 
 
 def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None:
-    """The eager constants, rebuilt (and the projections fused again) when a Parameter moved or was written to
-    since; None when the layout no longer holds (then the stock forward runs)."""
+    """The eager constants, rebuilt when a Parameter moved or was written to since; None when the layout no
+    longer holds (then the stock forward runs)."""
     lay = state.layout
     key = _key(mod, lay)
     if key == state.key and state.derived is not None:
@@ -335,13 +347,9 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
     if any(_linear(*x) for x in linears) or len({(m.weight.dtype, m.weight.device) for m, *_ in linears}) != 1:
         state.forget()
         return None
-    ps = _proj_params(mod, lay)
-    fused = state.fused
-    if fused is None or not _is_view_of(ps[:3], fused[0]) or (lay.bias and not _is_view_of(ps[3:], fused[1])):
-        state.fused = _fuse(mod, lay)
-        key = _key(mod, lay)
     with torch.no_grad():
         state.derived = _derive(mod, lay, state)
+        state.buffer(mod.q_proj.weight, lay)  # now rather than inside the first step
     state.key = key
     return state.derived
 
@@ -359,11 +367,31 @@ def _rope_consts(d: dict[str, Any], rd: int, like: torch.Tensor) -> tuple[torch.
     return found
 
 
-def _project(mod: torch.nn.Module, d: dict[str, Any], x2: torch.Tensor) -> torch.Tensor:
-    if d["wt"] is not None:
-        return torch.mm(x2, d["wt"]) if d["b"] is None else torch.addmm(d["b"], x2, d["wt"])
-    # traced: read the Parameters (inductor sees the stock matmuls)
-    return torch.cat([F.linear(x2, getattr(mod, n).weight, getattr(mod, n).bias) for n in _PROJ], dim=-1)
+def _project(
+    mod: torch.nn.Module, d: dict[str, Any], x2: torch.Tensor, work: tuple | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, Nq + Nk], [B, Nv])``: the q (and gate) and k products side by side (the norm and the rotary run
+    over both at once), and the v product, from the Parameters as they are (each in its own storage). Eager,
+    one row (``work``: the layer's one-row buffer and its column views, the lock held): q and k write their
+    columns of it (a column range of one row is contiguous). v is always a fresh result: it goes to the
+    cache, which may keep it. A batch, a concurrent step and traced code (no ``out=`` in a graph): q and k
+    concatenated."""
+    wts, bs = d["wt"], d["b"]
+    if wts is None:  # traced: read the Parameters (inductor sees the stock matmuls)
+        lin = [F.linear(x2, getattr(mod, p).weight, getattr(mod, p).bias) for p in _PROJ]
+        return torch.cat(lin[:2], dim=-1), lin[2]
+
+    def mm(i: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if bs is None:
+            return torch.mm(x2, wts[i], out=out)
+        return torch.addmm(bs[i], x2, wts[i], out=out)
+
+    if work is None:
+        return torch.cat((mm(0), mm(1)), dim=-1), mm(2)
+    _, buf, q, k = work
+    mm(0, q)
+    mm(1, k)
+    return buf, mm(2)
 
 
 def _decode(
@@ -376,12 +404,17 @@ def _decode(
     mask: torch.Tensor | None,
     cache: Any,
     kwargs: dict,
+    own: bool,
 ) -> torch.Tensor:
+    """One token. ``own``: this step holds the layer's lock and may write its one-row q/k buffer."""
     lay = st.layout
-    b, hq, hkv, dh, n = hs.shape[0], lay.hq, lay.hkv, lay.d, lay.n
-    y = _project(mod, d, hs.reshape(b, lay.hidden))  # [B, N], a fresh result: as_strided views address it
+    b, hq, hkv, dh = hs.shape[0], lay.hq, lay.hkv, lay.d
+    work = st.buffer(hs, lay) if own and b == 1 and d["wt"] is not None else None
+    # [B, Nqk] (the buffer, or a fresh result: as_strided views address it) and [B, Nv]
+    y, yv = _project(mod, d, hs.reshape(b, lay.hidden), work)
+    nqk = lay.widths[0] + lay.widths[1]
     rows = lay.q_rows
-    qk = y.as_strided((b, rows, dh), (n, dh, 1), 0)
+    qk = y.as_strided((b, rows, dh), (nqk, dh, 1), 0)
     fresh = d["norm_w"] is not None
     if fresh:
         dtype = qk.dtype
@@ -402,14 +435,14 @@ def _decode(
     else:
         q = qk.as_strided((b, hq, 1, dh), (rs, lay.q_stride, dh, 1), 0)
     k = qk.as_strided((b, hkv, 1, dh), (rs, dh, dh, 1), (rows - hkv) * dh)
-    v = y.as_strided((b, hkv, 1, dh), (n, dh, dh, 1), lay.widths[0] + lay.widths[1])
+    v = yv.view(b, hkv, 1, dh)
     if st.cache_arg == "cache":  # as the class forward calls it
         k, v = cache.update(k, v, mod.layer_idx, kwargs=kwargs)
     else:
         k, v = cache.update(k, v, mod.layer_idx)
     out = sdpa(q, k, v, mask, scale=mod.scaling)  # [B, H, 1, D] or [B, Hkv, r, D]: both [B, H * D] in memory
     if lay.family == "gated":
-        gate = y.as_strided((b, hq, dh), (n, 2 * dh, 1), dh)
+        gate = y.as_strided((b, hq, dh), (nqk, 2 * dh, 1), dh)
         out = out.reshape(b, hq, dh) * torch.sigmoid(gate)
     o = out.reshape(b, hq * dh)  # a view where SDPA's output is dense in [B, H, D] order
     o = torch.mm(o, d["o_wt"]) if d["o_b"] is None else torch.addmm(d["o_b"], o, d["o_wt"])
@@ -489,8 +522,12 @@ def _forward(
             **kwargs,
         )
     cos, sin = position_embeddings
-    out = _decode(self, st, d, hidden_states, cos, sin, attention_mask, cache, kwargs)
-    return out, None
+    if compiling or not st.lock.acquire(blocking=False):  # traced, or another thread's step holds the buffer
+        return _decode(self, st, d, hidden_states, cos, sin, attention_mask, cache, kwargs, own=False), None
+    try:
+        return _decode(self, st, d, hidden_states, cos, sin, attention_mask, cache, kwargs, own=True), None
+    finally:
+        st.lock.release()
 
 
 @dataclass(frozen=True)
@@ -508,7 +545,8 @@ class AttentionDecodePlan:
 class AttentionDecode(Recipe):
     name = NAME
     summary = (
-        "full-attention decode step in few ops: fused q/k/v(/gate) matmul, one norm for q and k, "
+        "full-attention decode step in few ops: q/k/v(/gate) products side by side in one result, "
+        "one norm for q and k, "
         "rotary by one permutation, cache update, one SDPA, gate and o_proj"
     )
     targets = tuple(_FAMILIES)
@@ -549,7 +587,7 @@ class AttentionDecode(Recipe):
         compiled = (
             options.compiled if options.compiled != "auto" else ("recipe" if env.device_type == "mps" else "stock")
         )
-        backing = f"fused projections, one norm, rotary by permutation, SDPA ({gqa})"
+        backing = f"projections side by side, one norm, rotary by permutation, SDPA ({gqa})"
         why = (
             f"eager decode in few ops ({lay.family} attention; stock: 70 aten ops per step for Qwen3.5/3.6); "
             f"{why_gqa}; prefill and other calls: the module's own forward; compiled: "
@@ -565,23 +603,7 @@ class AttentionDecode(Recipe):
         plan: AttentionDecodePlan = decision.plan
         with Changes() as ch:
             st = _State(lay, plan.gqa, plan.compiled, _hf.attention_collector(), _cache_arg(mod) or "cache")
-            ps = _proj_params(mod, lay)
-            w, undo_w = fuse_params(
-                ps[:3],
-                current=lambda: st.fused[0] if st.fused else None,
-                description=f"{NAME}: projection weights back to their own storage",
-            )
-            ch.add(undo_w)
-            b = None
-            if lay.bias:
-                b, undo_b = fuse_params(
-                    ps[3:],
-                    current=lambda: st.fused[1] if st.fused else None,
-                    description=f"{NAME}: projection biases back to their own storage",
-                )
-                ch.add(undo_b)
-            st.fused = (w, b)
             ch.add(set_instance_attr(mod, NAME, _STATE, st))
             ch.add(bind_forward(mod, NAME, _forward))
             _eager_derived(mod, st)
-        return ch.patch(description=f"{NAME}: restore forward and projection storage")
+        return ch.patch(description=f"{NAME}: restore forward")

@@ -3,13 +3,17 @@
 A Qwen3.5/3.6-MoE block dispatches 45 aten ops for one token even with the experts recipe (router
 linear, softmax, top-k, renormalisation, sort, offsets, index, two grouped matmuls, unsort, combine,
 the shared expert's three linears, its gate): host time on a Mac, where eager decode pays per op.
-For few tokens (``max_tokens``, default 4: decode) the recipe's forward runs the block in about 22
+For few tokens (``max_tokens``, default 4: decode) the recipe's forward runs the block in about 24
 (:func:`mpsboost.ops.moe.sparse_moe_block`):
 
-- the router, the shared expert's gate and its gate/up projections are one matmul: at patch time
-  their Parameters become views of one fused storage (same Parameter objects, values and
-  ``state_dict``; memory does not double; undo gives each its own storage back; moved weights are
-  fused again by the next eager call);
+- the router, the shared expert's gate and its gate/up projections are one matmul each, on the
+  model's own Parameters (each in its own storage). Their products are used apart (logits, gate,
+  activation, up), so nothing gains from writing them side by side: four ``mm`` replace one fused
+  ``mm`` and its ``split`` (24 ops instead of 22). Not a fused weight: making the Parameters views of
+  one storage reads as a tie the model does not declare to everything that compares storages
+  (transformers' tied-weight checks, ``save_pretrained``, accelerate, offload), and a fused copy held
+  by the recipe doubles those weights (Qwen3.6-35B-A3B, bf16: 40 blocks x (256 + 1 + 2 x 512) x 2048
+  x 2 B = 200 MiB) to save two host ops. The weights are read once either way;
 - the renormalised top-k softmax is top-k then softmax over the k logits (softmax is monotonic);
 - one token's k experts are sorted by id, the offsets come from one ``searchsorted`` on the device
   and two grouped matmuls read each routed expert once (MPS: torch >= 2.15, the gate's
@@ -48,7 +52,7 @@ import torch
 from ..gate import Env, check
 from ..ops import moe as moe_ops
 from ..registry import Decision, Match, Recipe, class_path, register
-from ..patching import Changes, Patch, bind_forward, call_original, fuse_params, fuse_storage, set_instance_attr
+from ..patching import Changes, Patch, bind_forward, call_original, set_instance_attr
 
 NAME = "moe_block"
 _STATE = "_mpsboost_moe_block"
@@ -204,7 +208,8 @@ def _class_forward(fam: str, mod: torch.nn.Module):
     return cls.forward
 
 
-def _fused_params(mod: torch.nn.Module, lay: _Layout) -> list[torch.nn.Parameter]:
+def _input_params(mod: torch.nn.Module, lay: _Layout) -> list[torch.nn.Parameter]:
+    """The weights that multiply the block's input (router, shared gate, shared gate/up), in that order."""
     ps = [mod.gate.weight]
     if lay.shared_inter:
         s = mod.shared_expert
@@ -213,24 +218,13 @@ def _fused_params(mod: torch.nn.Module, lay: _Layout) -> list[torch.nn.Parameter
 
 
 class _State:
-    """The fused storage and the per-device constants of the eager path (rebuilt when weights move)."""
+    """The per-device constants of the eager path (views of the weights, rebuilt when weights move)."""
 
-    def __init__(self, layout: _Layout, plan: MoeBlockPlan, fused: torch.Tensor | None):
-        self.layout, self.plan, self.fused = layout, plan, fused
+    def __init__(self, layout: _Layout, plan: MoeBlockPlan):
+        self.layout, self.plan = layout, plan
         self.key: tuple | None = None
         self.weights: moe_ops.BlockWeights | None = None
         self.experts_ok = False
-
-
-def _fused_views(params: list[torch.nn.Parameter], fused: torch.Tensor | None) -> bool:
-    if fused is None:
-        return False
-    start, step = fused.data_ptr(), fused.shape[1] * fused.element_size()
-    for p in params:
-        if p.dtype != fused.dtype or p.device != fused.device or p.data_ptr() != start or not p.is_contiguous():
-            return False
-        start += p.shape[0] * step
-    return True
 
 
 def _tensor_key(t: Any) -> tuple | None:
@@ -239,14 +233,14 @@ def _tensor_key(t: Any) -> tuple | None:
 
 def _key(mod: torch.nn.Module, lay: _Layout) -> tuple:
     ex = mod.experts
-    ts = [*(p for p in _fused_params(mod, lay)), getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)]
+    ts = [*(p for p in _input_params(mod, lay)), getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)]
     if lay.shared_inter:
         ts.append(mod.shared_expert.down_proj.weight)
     return tuple(_tensor_key(t) for t in ts)
 
 
 def _plain_now(mod: torch.nn.Module, lay: _Layout) -> bool:
-    """The fused Parameters are still plain floating tensors of one dtype and device (no other recipe
+    """The input Parameters are still plain floating tensors of one dtype and device (no other recipe
     converted them)."""
     if not isinstance(mod.gate.weight, torch.nn.Parameter) or not mod.gate.weight.is_floating_point():
         return False
@@ -255,7 +249,7 @@ def _plain_now(mod: torch.nn.Module, lay: _Layout) -> bool:
         or not _is_plain_linear(mod.shared_expert_gate, lay.hidden, 1)
     ):
         return False
-    ps = _fused_params(mod, lay)
+    ps = _input_params(mod, lay)
     if lay.shared_inter:
         ps = [*ps, mod.shared_expert.down_proj.weight]
     return len({(p.dtype, p.device) for p in ps}) == 1
@@ -267,16 +261,12 @@ def _eager_weights(mod: torch.nn.Module, state: _State) -> moe_ops.BlockWeights 
     if key == state.key and state.weights is not None:
         return state.weights
     if not _plain_now(mod, lay):
-        state.fused = state.weights = state.key = None
+        state.weights = state.key = None
         return None
-    params = _fused_params(mod, lay)
-    if len(params) > 1 and not _fused_views(params, state.fused):
-        state.fused = fuse_storage(params)
-        key = _key(mod, lay)
-    fused = state.fused if len(params) > 1 else params[0].detach()
+    params = [p.detach() for p in _input_params(mod, lay)]
     ex = mod.experts
     gu, dn = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
-    dt, dev = fused.dtype, fused.device
+    dt, dev = params[0].dtype, params[0].device
     state.experts_ok = (
         isinstance(gu, torch.Tensor)
         and isinstance(dn, torch.Tensor)
@@ -289,8 +279,8 @@ def _eager_weights(mod: torch.nn.Module, state: _State) -> moe_ops.BlockWeights 
     w = lay.shared_inter
     with torch.no_grad():
         state.weights = moe_ops.BlockWeights(
-            fused_t=fused.detach().t(),
-            splits=(lay.experts, 1, w, w) if w else (lay.experts,),
+            router_t=params[0].t(),
+            shared_t=tuple(p.t() for p in params[1:]) if w else None,
             gate_up_kn=gu.detach().transpose(-2, -1) if state.experts_ok else None,
             down_kn=dn.detach().transpose(-2, -1) if state.experts_ok else None,
             gate_up=gu.detach() if state.experts_ok else None,
@@ -319,7 +309,7 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **k
     ):
         return call_original(self, NAME, hidden_states, *args, **kwargs)
     w = _eager_weights(self, state)
-    if w is None or hidden_states.dtype != w.fused_t.dtype or hidden_states.device != w.fused_t.device:
+    if w is None or hidden_states.dtype != w.router_t.dtype or hidden_states.device != w.router_t.device:
         return call_original(self, NAME, hidden_states, *args, **kwargs)
     ex = self.experts
     impl = getattr(getattr(ex, "config", None), "_experts_implementation", _DEFAULT_IMPL)
@@ -348,7 +338,7 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **k
 class MoeBlock(Recipe):
     name = NAME
     summary = (
-        "softmax-routed sparse MoE blocks at decode: router and shared expert in one matmul, "
+        "softmax-routed sparse MoE blocks at decode: router and shared expert by plain matmuls, "
         "top-k and combine in few ops, routed experts read once"
     )
     targets = tuple(_FAMILIES)
@@ -387,10 +377,10 @@ class MoeBlock(Recipe):
             reason = (
                 (native.reason if not native.ok else why_not) if options.path == "auto" else "forced by option path"
             ) + ": the routed experts' weights gathered (one copy each), then bmm"
-        backing = "router+shared in one matmul, " + ("grouped_mm" if path == "grouped_mm" else "gathered bmm")
+        backing = "router and shared expert by matmuls, " + ("grouped_mm" if path == "grouped_mm" else "gathered bmm")
         return Decision.apply(
             backing + f" (<= {options.max_tokens} tokens)",
-            f"decode in about 22 aten ops per block (stock 46); {reason}; prefill: the block's own forward",
+            f"decode in about 24 aten ops per block (stock 46); {reason}; prefill: the block's own forward",
             plan=MoeBlockPlan(path=path, max_tokens=options.max_tokens),
         )
 
@@ -400,17 +390,8 @@ class MoeBlock(Recipe):
         if isinstance(lay, str):
             raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
         with Changes() as ch:
-            state = _State(lay, decision.plan, None)
-            params = _fused_params(mod, lay)
-            if len(params) > 1:
-                fused, undo_fuse = fuse_params(
-                    params,
-                    current=lambda: state.fused,
-                    description=f"{NAME}: router and shared expert weights back to their own storage",
-                )
-                ch.add(undo_fuse)
-                state.fused = fused
+            state = _State(lay, decision.plan)
             ch.add(set_instance_attr(mod, NAME, _STATE, state))
             ch.add(bind_forward(mod, NAME, _forward))
             _eager_weights(mod, state)
-        return ch.patch(description=f"{NAME}: restore forward and router/shared expert storage")
+        return ch.patch(description=f"{NAME}: restore forward")

@@ -361,14 +361,22 @@ def test_decode_step_compiles_fullgraph(cache_kind):
     torch._dynamo.reset()
 
 
-def test_fused_storage_and_unpatch_restores():
+def test_projections_keep_their_storage_and_unpatch_restores():
+    """The projections stay the model's own Parameters, each in its own storage (a shared one reads as a tie
+    the model does not declare: tests/core/test_no_false_ties.py), untouched by patch and unpatch."""
     model = _model("qwen3_5_moe", "sdpa", seed=20)
     before = tm.snapshot(model)
     sd = {k: v.clone() for k, v in model.state_dict().items()}
     layer = _attentions(model)[0]
     projs = [layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]
+    ptrs = [p.data_ptr() for p in projs]
     _patch(model, ENVS["mps-2.15.0"]())
-    assert len({p.untyped_storage().data_ptr() for p in projs}) == 1
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(20))
+    with torch.no_grad():
+        out = model(ids[:, :5], use_cache=True)
+        model(ids[:, 5:], past_key_values=out.past_key_values, use_cache=True)  # the recipe's step ran
+    assert [p.data_ptr() for p in projs] == ptrs
+    assert len({p.untyped_storage().data_ptr() for p in projs}) == 3
     assert [layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight] == projs
     after = model.state_dict()
     assert list(after) == list(sd) and all(torch.equal(after[k], v) for k, v in sd.items())
@@ -378,15 +386,16 @@ def test_fused_storage_and_unpatch_restores():
     assert "forward" not in layer.__dict__ and ad._STATE not in layer.__dict__
 
 
-def test_moved_after_patch_fuses_again():
+def test_moved_after_patch_reads_the_moved_weights():
     stock = _model("qwen3_5", "sdpa", seed=21)  # dense: no MoE experts in float64
     patched = copy.deepcopy(stock)
-    _patch(patched, ENVS["mps-2.15.0"]())
+    _patch(patched, ENVS["mps-2.15.0"](), recipes=[ad.NAME])  # this recipe alone: the others' float64 aside
     stock, patched = stock.double(), patched.double()
     ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(22))
     _compare(stock, patched, ids, 5, what="float64 after patch")
     layer = _attentions(patched)[0]
-    assert layer.q_proj.weight.untyped_storage().data_ptr() == layer.v_proj.weight.untyped_storage().data_ptr()
+    assert layer.q_proj.weight.untyped_storage().data_ptr() != layer.v_proj.weight.untyped_storage().data_ptr()
+    assert layer.__dict__[ad._STATE].derived["wt"][0].dtype == torch.float64
     assert _decode_ops(patched, 1) <= OPS_BOUND
 
 
@@ -498,9 +507,9 @@ def test_static_cache_compiled_generate_in_one_graph_equals_eager():
     torch._dynamo.reset()
 
 
-def test_fp8_weights_converted_after_patch_run_stock_and_free_the_fused_storage():
+def test_fp8_weights_converted_after_patch_run_stock_and_drop_the_constants():
     """fp8_weights (opt-in) replaces the projections at commit, after this recipe fused them: the next call
-    finds no plain nn.Linear, runs the module's own forward and lets the fused storage go."""
+    finds no plain nn.Linear, runs the module's own forward and lets the constants (views of the weights) go."""
     import warnings
 
     base = _model("qwen3", "sdpa", seed=28)
@@ -512,4 +521,28 @@ def test_fp8_weights_converted_after_patch_run_stock_and_free_the_fused_storage(
     states = [m.__dict__[ad._STATE] for m in _attentions(base)]
     ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(29))
     _compare(ref_model, base, ids, 5, what="fp8 after patch")
-    assert all(st.fused is None and st.derived is None for st in states)
+    assert all(st.derived is None for st in states)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_busy_buffer_and_a_copy_of_the_patched_model_decode_as_stock(family):
+    """A step that finds the layer's one-row q/k buffer held (another thread's step) computes into fresh
+    results; a deep copy of a patched model gets its own lock and buffer (none shared with the original)."""
+    stock = _model(family, "sdpa", seed=31)
+    patched = copy.deepcopy(stock)
+    _patch(patched, ENVS["mps-2.15.0"](), recipes=[ad.NAME])
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(32))
+    states = [m.__dict__[ad._STATE] for m in _attentions(patched)]
+    for st in states:
+        st.lock.acquire()
+    try:
+        _compare(stock, patched, ids, 5, what="buffer busy")
+        assert all(st.work is not None for st in states)  # made at patch time, left alone by the busy steps
+    finally:
+        for st in states:
+            st.lock.release()
+    twin = copy.deepcopy(patched)
+    _compare(stock, twin, ids, 5, what="deep copy")
+    _compare(stock, patched, ids, 5, what="original after the copy")
+    for a, b in zip(states, (m.__dict__[ad._STATE] for m in _attentions(twin))):
+        assert a.lock is not b.lock and a.work[1].data_ptr() != b.work[1].data_ptr()
