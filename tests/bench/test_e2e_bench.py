@@ -216,10 +216,18 @@ def test_qwen36_mac_variant_and_hooked_breakdown_records(e2e, tmp_path):
         assert b["modules"] == {"linear_attention": 3, "attention": 1, "experts": 4, "moe_block": 4}
         assert all(len(v) == 2 for v in b["decode_ms_per_token_rounds"].values())
         for kind, ms in b["decode_ms_per_token"].items():
-            assert ms == pytest.approx(statistics.median(b["decode_ms_per_token_rounds"][kind])) and ms > 0
+            assert ms == pytest.approx(statistics.median(b["decode_ms_per_token_rounds"][kind]))
+            if ms == 0:
+                # moe_block runs its experts inline at decode: their hook never fires on its own, and such a kind
+                # gets no per-round ratio (no division by zero)
+                assert kind == "experts" and r.variant != "stock" and b["decode_ms_per_token"]["moe_block"] > 0
+                assert kind not in (r.extra.get("paired_rounds") or {})
+            else:
+                assert ms > 0
         parts = b["decode_ms_per_token"]
         assert parts["linear_attention"] + parts["attention"] + parts["moe_block"] <= b["decode_step_ms_hooked"]
-    assert set(hooked[1].extra["paired_rounds"]) == set(hooked[1].extra["breakdown"]["decode_ms_per_token"])
+    timed = {k for k, ms in hooked[1].extra["breakdown"]["decode_ms_per_token"].items() if ms > 0}
+    assert set(hooked[1].extra["paired_rounds"]) == timed
     mac = gen[2].extra
     assert "simulated" in mac["decisions"] and mac["patch"]["applied"] + mac["patch"]["skipped"] > 0
     assert gen[2].correctness is not None and gen[2].correctness.rel_error < 0.05

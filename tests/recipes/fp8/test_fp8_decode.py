@@ -294,7 +294,9 @@ def test_tiny_decode_step_quantises_each_activation_once():
     # q/k/v share one quantisation, as do the shared expert's gate and up and the routed experts' up projection.
     # Routed experts: 23 ops against bf16 grouped_mm's 22 (the down projection's pairs quantised once, one strided
     # view keeps each pair's columns, one mm weights and sums them). Measured: self_attn 1.17x, mlp 1.36x.
-    c = _costs("tiny", exclude=["attention_decode"])
+    # attention_decode and moe_block step aside for fp8 layers: compare the fp8 layers with the bf16 paths they
+    # stand beside (the recipes' own fp8 composition is counted by the whole-step figures in docs/fp8-checkpoints.md).
+    c = _costs("tiny", exclude=["attention_decode", "moe_block"])
     assert _ratio(c, "ops", ("self_attn",)) <= 1.18, c
     assert _ratio(c, "ops", ("mlp",)) <= 1.4, c
 
