@@ -540,12 +540,14 @@ def test_fp8_projections_run_inside_the_step_equal_to_fp8_alone(family, env_name
 @pytest.mark.parametrize("env_name", ["mps-2.15.0", "mps-2.14.1"])
 def test_fp8_decode_step_in_fewer_ops_than_fp8_alone(env_name):
     """The recipe does not step aside for fp8 projections: fewer aten ops per layer than the stock forward
-    over the same fp8 layers (qwen3_5_moe tiny, mps 2.15.0: 67 against 82)."""
+    over the same fp8 layers (qwen3_5_moe tiny, mps 2.15.0: 50 against 82). The first decode step after a
+    prefill counts: the prefill brought the step's constants up to date (fp8 converted the projections after
+    this recipe was applied), so the step rebuilds nothing."""
     alone, fused = _fp8_pair("qwen3_5_moe", env_name, seed=31)
     n_alone, n_fused = _decode_ops(alone, 1), _decode_ops(fused, 1)
-    assert n_fused < n_alone, (n_fused, n_alone)
-    # the stock step's 70 ops less the recipe's 31 is what the step saves around the projections
-    assert n_fused <= n_alone - 10, (n_fused, n_alone)
+    # bf16: the stock step's 70 ops against the recipe's 31; around the fp8 projections the step saves as much
+    # less a cat of q and k (a step that rebuilt its constants would save about 15)
+    assert n_fused <= n_alone - 25, (n_fused, n_alone)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3"])
