@@ -27,7 +27,7 @@ This module never imports diffusers or transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -650,21 +650,29 @@ class BlockWeights:
 
     ``router_t`` ``[H, E]``: the router's weight transposed; ``shared_t`` (with a shared expert): its gate's
     ``[H, 1]``, gate projection's and up projection's ``[H, I_s]``, transposed (each the model's own weight,
-    in its own storage). ``gate_up_kn`` ``[E, H, 2I]`` and ``down_kn`` ``[E, I, H]``:
+    in its own storage); any of them, and ``shared_down_t``, may instead be the layer itself (a callable:
+    one another recipe stores in its own format, e.g. fp8, runs its own forward).
+    ``gate_up_kn`` ``[E, H, 2I]`` and ``down_kn`` ``[E, I, H]``:
     the routed experts as ``[E, in, out]``. ``gate_up`` / ``down``: the same as stored (``[E, out, in]``),
     row-gathered by the path without a grouped kernel. ``bounds`` ``[1, E]``: ``arange(E)`` (searchsorted
     bounds of the offsets), ``zeros`` ``[k]``: the row index of the one token of a single-token step.
     """
 
     router_t: torch.Tensor
-    shared_t: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    shared_t: tuple[Any, Any, Any] | None
     gate_up_kn: torch.Tensor | None
     down_kn: torch.Tensor | None
     gate_up: torch.Tensor | None
     down: torch.Tensor | None
-    shared_down_t: torch.Tensor | None
+    shared_down_t: Any
     bounds: torch.Tensor
     zeros: torch.Tensor
+
+
+def _lin(x: torch.Tensor, w: Any) -> torch.Tensor:
+    """``x @ w`` for a transposed weight, else ``w(x)``: a layer another recipe stores in its own format
+    (fp8 codes and scales) runs its own forward (a host-side type check, the same at every call)."""
+    return torch.mm(x, w) if isinstance(w, torch.Tensor) else w(x)
 
 
 def sparse_moe_block(
@@ -710,8 +718,8 @@ def sparse_moe_block(
     shared = None
     if shared_act is not None:
         g_t, sg_t, su_t = w.shared_t
-        g, sg, su = torch.mm(x, g_t), torch.mm(x, sg_t), torch.mm(x, su_t)
-        shared = torch.mm(shared_act(sg) * su, w.shared_down_t) * torch.sigmoid(g)
+        g, sg, su = _lin(x, g_t), _lin(x, sg_t), _lin(x, su_t)
+        shared = _lin(shared_act(sg) * su, w.shared_down_t) * torch.sigmoid(g)
     one = n == 1 and path != "module"  # one token: combine by one addmm, in the order of ``ids``
     if one and path == "grouped_mm":  # its k ids sorted (grouped rows), its weights in that order
         if norm:

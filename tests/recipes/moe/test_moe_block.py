@@ -199,20 +199,77 @@ def test_decisions_per_environment():
     assert row(Env.simulate("cpu", "2.13.0")).status == "would apply"
 
 
+FP8_FAMILIES = ["qwen3_5_moe", "qwen3_moe", "qwen2_moe"]
+
+
+def _fp8_pair(family, env):
+    """The same model twice with fp8 rowwise layers: without moe_block (the reference) and with it."""
+    alone = _lm(family)
+    m = copy.deepcopy(alone)
+    mpsboost.patch(alone, device=env, fp8="rowwise", exclude=["moe_block"])
+    report = mpsboost.patch(m, device=env, fp8="rowwise")
+    assert all(r.status == "applied" for r in report.rows if r.recipe == "moe_block"), report
+    assert any(r.recipe == "moe_block" for r in report.rows), report
+    return alone, m
+
+
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_moe"])
-def test_fp8_experts_still_match_stock_fp8(family, batch):
-    """fp8 experts (and an fp8 shared expert) are run by their own modules: same output as fp8 without moe_block."""
-    stock = _lm(family)
-    m = copy.deepcopy(stock)
-    mpsboost.patch(stock, device=MPS215, fp8="rowwise", recipes=["fp8_weights"])
-    mpsboost.patch(m, device=MPS215, fp8="rowwise")
-    # Experts already fp8 when deciding (e.g. after load_fp8): the recipe steps aside, saying why.
-    row = next(r for r in mpsboost.plan(stock, env=MPS215).rows if r.recipe == "moe_block")
-    assert row.status == "skipped" and "float8" in row.reason
+@pytest.mark.parametrize("env", [MPS215, MPS214], ids=["mps-2.15.0", "mps-2.14.1"])
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_fp8_experts_and_shared_expert_inside_the_block_equal_fp8_alone(family, env, batch):
+    """fp8 experts and an fp8 shared expert run their own modules inside the recipe's path (its routing and
+    combine kept): float32 within 1e-5 of the fp8 model without moe_block."""
+    alone, m = _fp8_pair(family, env)
+    block = _blocks(m)[0]
+    assert type(block.experts).__name__.startswith("FP8")
+    if family != "qwen3_moe":
+        assert type(block.shared_expert.up_proj).__name__ == "FP8Linear"
+    calls = []
+    h = block.experts.register_forward_hook(lambda *a: calls.append(a[1][0].shape[0]))
     ids, mask = _inputs(m.config.vocab_size, batch)
     with torch.no_grad():
-        torch.testing.assert_close(_decode_logits(m, ids, mask), _decode_logits(stock, ids, mask), rtol=1e-4, atol=1e-4)
+        got, ref = _decode_logits(m, ids, mask), _decode_logits(alone, ids, mask)
+    h.remove()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert calls and all(n <= batch for n in calls[1:])  # the decode steps called the experts module
+    assert block.__dict__["_mpsboost_moe_block"].weights is not None  # the recipe's path, not the block's own
+
+
+@pytest.mark.parametrize("env", [MPS215, MPS214], ids=["mps-2.15.0", "mps-2.14.1"])
+@pytest.mark.parametrize("family", FP8_FAMILIES)
+def test_fp8_decode_block_in_fewer_ops_than_fp8_alone(family, env):
+    """After a prefill, one decode token through an fp8 block dispatches fewer ops than the block's own
+    forward over the same fp8 layers (qwen3_5_moe tiny, mps 2.15.0: 54 against 59)."""
+    alone, m = _fp8_pair(family, env)
+    hidden = m.config.hidden_size
+    counts = []
+    for model in (alone, m):
+        block = _blocks(model)[0]
+        with torch.no_grad():
+            block(torch.randn(1, 8, hidden))  # a prefill
+        counts.append(_block_ops(block, hidden))
+    assert counts[1] < counts[0], counts
+
+
+def test_fp8_experts_present_at_decide_and_unpatch_restores():
+    """Experts and shared expert already fp8 when the recipe decides (as after load_fp8): it applies, equal to
+    fp8 without it; leaving mpsboost.patched() restores the block's forward, the fp8 modules untouched."""
+    base = _lm("qwen3_5_moe")
+    mpsboost.patch(base, device=MPS215, fp8="rowwise", recipes=["fp8_weights"])
+    alone = copy.deepcopy(base)
+    block = _blocks(base)[0]
+    experts_fwd = block.experts.__dict__.get("forward")
+    ids, mask = _inputs(base.config.vocab_size, 2)
+    with mpsboost.patched(base, recipes=["moe_block"], device=MPS215) as rep:
+        assert [r.status for r in rep.rows if r.recipe == "moe_block"] == ["applied"] * len(_blocks(base)), rep
+        with torch.no_grad():
+            torch.testing.assert_close(
+                _decode_logits(base, ids, mask), _decode_logits(alone, ids, mask), rtol=1e-5, atol=1e-5
+            )
+    assert "forward" not in block.__dict__ and "_mpsboost_moe_block" not in block.__dict__
+    assert block.experts.__dict__.get("forward") is experts_fwd
+    with torch.no_grad():
+        assert torch.equal(_decode_logits(base, ids, mask), _decode_logits(alone, ids, mask))
 
 
 def test_simulated_mac_decisions_on_another_gpu_keep_the_grouped_path(monkeypatch):
