@@ -73,9 +73,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 WORKLOADS = ("qwen3_8b", "qwen3_30b_a3b", "qwen_image", "qwen3.6")
 DEFAULT_LAYERS = {"qwen3_8b": 36, "qwen3_30b_a3b": 12, "qwen_image": 16, "qwen3.6": 40}
-# Qwen/Qwen3.6-35B-A3B-FP8's layout (see tests/test_fp8_qwen36.py for the same, by hand).
-QWEN36_PREFIX = "model.language_model."
-QWEN36_KEEP = ("mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
+# Qwen/Qwen3.6-35B-A3B-FP8's layout: mpsboost.bench.published.qwen36_fp8_layout (tests/recipes/fp8/test_fp8_qwen36.py
+# writes the same by hand, as an independent check).
 # A small config of the same class, for --tiny (a CPU smoke test of the whole benchmark).
 QWEN36_TINY = {
     "vocab_size": 512,
@@ -213,44 +212,21 @@ def write_checkpoints(name: str, cfg, work: Path, device: str) -> dict:
 
 def _write_qwen36(meta, cfg, work: Path, values, t0: float) -> dict:
     """Qwen/Qwen3.6-35B-A3B-FP8's layout: the wrapper's config and key prefix, BF16 block scales, per-expert Linears."""
-    from mpsboost.bench.published import write_published
+    from mpsboost.bench.published import qwen36_fp8_layout, write_published
 
-    not_convert = ["lm_head", QWEN36_PREFIX + "embed_tokens"]
-    for i in range(cfg.num_hidden_layers):
-        p = f"{QWEN36_PREFIX}layers.{i}."
-        not_convert += [
-            p + s
-            for s in (
-                "input_layernorm",
-                "post_attention_layernorm",
-                "mlp.gate",
-                "self_attn.q_norm",
-                "self_attn.k_norm",
-                "linear_attn.A_log",
-                "linear_attn.conv1d",
-                "linear_attn.dt_bias",
-                "linear_attn.norm",
-                *QWEN36_KEEP,
-            )
-        ]
-    wrapper = {
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-        "model_type": "qwen3_5_moe",
-        "text_config": cfg.to_dict(),
-        "tie_word_embeddings": False,
-    }
+    lay = qwen36_fp8_layout(cfg)
     path, _ = write_published(
         meta,
         "transformers",
         work / "fp8",
         block=(128, 128),
         tensors=values(),
-        config=wrapper,
+        config=lay.config,
         keep_reference=False,
-        rename=lambda k: k if k.startswith("lm_head") else QWEN36_PREFIX + k[len("model.") :],
-        keep=QWEN36_KEEP,
+        rename=lay.rename,
+        keep=lay.keep,
         scale_dtype=torch.bfloat16,
-        modules_to_not_convert=not_convert,
+        modules_to_not_convert=lay.modules_to_not_convert,
     )
     bf16_bytes = sum(t.numel() * 2 for t in meta.state_dict().values())
     return {

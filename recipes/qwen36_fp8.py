@@ -38,9 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 NAME = "qwen36_fp8"
-PREFIX = "model.language_model."
-# Linear layers the published file keeps in bf16 (besides embeddings, lm_head and the router, which is no Linear).
-KEEP = ("mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
 BLOCK = (128, 128)  # the published block size
 TINY_BLOCK = (16, 32)  # at toy width (experts 32 rows wide) blocks must be smaller to tile each expert's rows
 
@@ -64,47 +61,21 @@ def _text_model(cfg, dtype: torch.dtype, seed: int, meta: bool = False):
 def write_folder(src: torch.nn.Module, folder: Path, block: tuple[int, int] = BLOCK) -> dict:
     """``src`` written in the layout of Qwen/Qwen3.6-35B-A3B-FP8; returns the reference state (the file's exact
     dequantisation) under ``src``'s keys."""
-    from mpsboost.bench.published import write_published
+    from mpsboost.bench.published import qwen36_fp8_layout, write_published
 
-    cfg = src.config
-    not_convert = ["lm_head", PREFIX + "embed_tokens"]
-    for i in range(cfg.num_hidden_layers):
-        p = f"{PREFIX}layers.{i}."
-        not_convert += [
-            p + s
-            for s in (
-                "input_layernorm",
-                "post_attention_layernorm",
-                "mlp.gate",
-                "self_attn.q_norm",
-                "self_attn.k_norm",
-                "linear_attn.A_log",
-                "linear_attn.conv1d",
-                "linear_attn.dt_bias",
-                "linear_attn.norm",
-                *KEEP,
-            )
-        ]
-    wrapper = {
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-        "model_type": "qwen3_5_moe",
-        "text_config": cfg.to_dict(),
-        "tie_word_embeddings": False,
-    }
-
-    def rename(k: str) -> str:
-        return k if k.startswith("lm_head") else PREFIX + k[len("model.") :]
+    lay = qwen36_fp8_layout(src.config)
+    rename = lay.rename
 
     _, ref = write_published(
         src,
         "transformers",
         folder,
         block=block,
-        config=wrapper,
+        config=lay.config,
         rename=rename,
-        keep=KEEP,
+        keep=lay.keep,
         scale_dtype=torch.bfloat16,
-        modules_to_not_convert=not_convert,
+        modules_to_not_convert=lay.modules_to_not_convert,
     )
     back = {rename(k): k for k in src.state_dict()}
     return {back.get(k, k): v for k, v in ref.items()}

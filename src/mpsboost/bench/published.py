@@ -18,6 +18,8 @@ the reference a loaded model is compared with.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import json
 import struct
 from pathlib import Path
@@ -28,12 +30,15 @@ import torch
 __all__ = [
     "FORMATS",
     "FP8",
+    "QWEN36_FP8",
+    "Qwen36Fp8Layout",
     "StreamWriter",
     "dequant",
     "published_tensors",
     "quant_block",
     "quant_rows",
     "quant_tensor",
+    "qwen36_fp8_layout",
     "wan_original_name",
     "write_published",
 ]
@@ -150,6 +155,53 @@ _WAN_BACK = [  # diffusers' names -> the original Wan repository's (inverse of c
     ("norm3", "norm2"),
     ("norm__x", "norm3"),
 ]
+
+
+@dataclass(frozen=True)
+class Qwen36Fp8Layout:
+    """What ``write_published`` needs to write a text model in the layout of ``Qwen/Qwen3.6-35B-A3B-FP8``: the
+    multimodal wrapper's config, its key prefix, the modules the file keeps in bf16, and the Linears kept whole."""
+
+    config: dict
+    modules_to_not_convert: list
+    keep: tuple
+    prefix: str = "model.language_model."
+
+    def rename(self, key: str) -> str:
+        return key if key.startswith("lm_head") else self.prefix + key[len("model.") :]
+
+
+# The layers the published file stores in bf16 besides norms, convolutions and the router (one output each or tiny).
+QWEN36_FP8 = ("mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b")
+
+
+def qwen36_fp8_layout(cfg) -> Qwen36Fp8Layout:
+    """The published Qwen3.6-FP8 layout for a ``Qwen3_5MoeTextConfig`` ``cfg`` (its ``modules_to_not_convert`` per
+    layer, the wrapper config with ``text_config``); one definition for the cookbook script, the benchmark and the
+    tests."""
+    prefix = Qwen36Fp8Layout.prefix
+    bf16 = (
+        "input_layernorm",
+        "post_attention_layernorm",
+        "mlp.gate",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "linear_attn.A_log",
+        "linear_attn.conv1d",
+        "linear_attn.dt_bias",
+        "linear_attn.norm",
+        *QWEN36_FP8,
+    )
+    not_convert = ["lm_head", prefix + "embed_tokens"]
+    for i in range(cfg.num_hidden_layers):
+        not_convert += [f"{prefix}layers.{i}.{s}" for s in bf16]
+    wrapper = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": cfg.to_dict(),
+        "tie_word_embeddings": False,
+    }
+    return Qwen36Fp8Layout(config=wrapper, modules_to_not_convert=not_convert, keep=QWEN36_FP8)
 
 
 def wan_original_name(key: str) -> str:
