@@ -154,6 +154,26 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _installed(dist: str) -> str | None:
+    """The installed version of a distribution, or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def _fits(have: str, lo: str, hi: str) -> bool:
+    """lo <= have < hi, as transformers compares the `kernels` package's version."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(lo) <= Version(have) < Version(hi)
+    except InvalidVersion:
+        return False
+
+
 # transformers' hub kernels for Metal: transformers/integrations/hub_kernels.py maps RMSNorm on "mps" to
 # kernels-community/mlx-rmsnorm; gpt_oss and openai_privacy_filter ask for kernels-community/metal-flash-sdpa.
 # They load only when transformers.utils.import_utils.is_kernels_available() holds: the `kernels` package
@@ -166,20 +186,11 @@ def _hub_kernels(env: Any) -> dict[str, Any]:
     """Would transformers' hub kernels for Metal load here, and why not."""
     import importlib.util
     import os
-    from importlib.metadata import PackageNotFoundError, version
-
-    from packaging.version import InvalidVersion, Version
-
-    def installed(dist: str) -> str | None:
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            return None
 
     out: dict[str, Any] = {
         "repos": list(_HUB_REPOS),
-        "kernels": installed("kernels"),
-        "transformers": installed("transformers"),
+        "kernels": _installed("kernels"),
+        "transformers": _installed("transformers"),
         "needs": None,
         "would_load": False,
     }
@@ -205,11 +216,7 @@ def _hub_kernels(env: Any) -> dict[str, Any]:
     if out["kernels"] is None:
         why.append(f"the `kernels` package is not installed (transformers needs {out['needs'] or 'it'})")
     elif lo and hi:
-        try:
-            fits = Version(lo) <= Version(out["kernels"]) < Version(hi)
-        except InvalidVersion:
-            fits = False
-        if not fits:
+        if not _fits(out["kernels"], lo, hi):
             why.append(
                 f"kernels {out['kernels']} is installed; transformers {out['transformers']} "
                 f"needs {out['needs']} and skips them silently"
@@ -245,21 +252,14 @@ _GGUF_REPOS = (
 def _gguf_kernels(env: Any) -> dict[str, Any]:
     """Would transformers' GGUF-on-MPS kernels load here, and why not (never downloads anything)."""
     import importlib.util
-    from importlib.metadata import PackageNotFoundError, version
 
     from packaging.version import InvalidVersion, Version
 
-    def installed(dist: str) -> str | None:
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            return None
-
     out: dict[str, Any] = {
         "repos": list(_GGUF_REPOS),
-        "transformers": installed("transformers"),
-        "kernels": installed("kernels"),
-        "gguf": installed("gguf"),
+        "transformers": _installed("transformers"),
+        "kernels": _installed("kernels"),
+        "gguf": _installed("gguf"),
         "needs": None,
         "architectures": [],
         "would_load": False,
@@ -297,11 +297,7 @@ def _gguf_kernels(env: Any) -> dict[str, Any]:
         if out["kernels"] is None:
             why.append(f"the `kernels` package is not installed (transformers needs kernels>={lo},<{hi})")
         elif lo and hi:
-            try:
-                fits = Version(lo) <= Version(out["kernels"]) < Version(hi)
-            except InvalidVersion:
-                fits = False
-            if not fits:
+            if not _fits(out["kernels"], lo, hi):
                 why.append(
                     f"kernels {out['kernels']} is installed, needs >={lo},<{hi}: transformers "
                     f"{out['transformers']} unpacks the GGUF weights on every forward instead"
