@@ -3,7 +3,10 @@
 Every function here is free of host synchronisation: no ``.item()``, ``.tolist()``, ``nonzero``,
 ``bincount`` (it syncs on CUDA) and no Python loop whose trip count depends on tensor values. Shapes
 are the only host-side facts used to choose a path, so the same code runs under CUDA graphs and
-``torch.compile(fullgraph=True)``.
+``torch.compile(fullgraph=True)``. Two paths of ``grouped_linear`` are the exceptions, and the recipes choose
+them only outside traced code: ``cpu_loop`` (host memory, nothing to wait for) and ``host_loop`` (eager
+prefill on MPS before 2.15, which has no grouped kernel: one read of the offsets, then one matmul per expert
+that has rows; stock transformers reads them on the host there too).
 
 Vocabulary:
 
