@@ -301,10 +301,13 @@ def test_patched_tiny_models_stay_within_the_quality_bound(name, rng_seed):
 
 def test_uint8_storage_path_gives_bit_identical_outputs(rng_seed):
     # The same model patched for a simulated MPS 2.14.1 (uint8 bytes, integer decode) and for the CPU
-    # (float8 tensors): same codes, same numbers, same outputs to the bit.
+    # (float8 tensors): same codes, same numbers, same outputs to the bit. The decode-step recipes that apply on
+    # MPS alone (attention_decode) or route per device (moe_block: gather then bmm before MPS 2.15) are left out
+    # on both sides: their summation order is not the storage's; their fp8 equality is tested in their own files.
     a, b = _pair("qwen3_moe")
-    ra = mpsboost.patch(a, fp8="rowwise", device=Env.simulate("mps", "2.14.1"))
-    mpsboost.patch(b, fp8="rowwise")
+    steps = ["moe_block", "attention_decode"]
+    ra = mpsboost.patch(a, fp8="rowwise", device=Env.simulate("mps", "2.14.1"), exclude=steps)
+    mpsboost.patch(b, fp8="rowwise", exclude=steps)
     assert all(r.details["storage"] == "uint8" for r in _applied(ra))
     for (na, ma), (nb, mb) in zip(a.named_modules(), b.named_modules()):
         for key in ("weight", "gate_up_proj", "down_proj"):
