@@ -971,3 +971,20 @@ def _llama_eager():
 
 
 TINY["llama_eager"] = Tiny("llama_eager", "transformers", "lm", _llama_eager, _run_lm, {}, _LM_SPACE)
+
+
+def fake_versions(monkeypatch: Any, **installed: str | None) -> None:
+    """``importlib.metadata.version`` answers ``installed`` (None: not installed) for the named distributions and
+    the truth for every other (what ``mpsboost doctor`` reads to say whether transformers' kernels would load)."""
+    import importlib.metadata as md
+
+    real = md.version
+
+    def version(dist: str) -> str:
+        if dist in installed:
+            if installed[dist] is None:
+                raise md.PackageNotFoundError(dist)
+            return installed[dist]
+        return real(dist)
+
+    monkeypatch.setattr(md, "version", version)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiny_models as tm
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -224,21 +225,6 @@ def test_doctor_and_plan_say_which_path_an_fp8_checkpoint_takes(tmp_path, model_
 # ------------------------------------------------------------------------------------------ doctor: hub kernels
 
 
-def _fake_versions(monkeypatch, **installed):
-    import importlib.metadata as md
-
-    real = md.version
-
-    def version(dist):
-        if dist in installed:
-            if installed[dist] is None:
-                raise md.PackageNotFoundError(dist)
-            return installed[dist]
-        return real(dist)
-
-    monkeypatch.setattr(md, "version", version)
-
-
 @pytest.mark.parametrize(
     "kernels, flag, would, words",
     [
@@ -255,7 +241,7 @@ def test_doctor_says_whether_transformers_hub_kernels_would_load(monkeypatch, ke
     from mpsboost.gate import Env
 
     pytest.importorskip("transformers")
-    _fake_versions(monkeypatch, kernels=kernels)
+    tm.fake_versions(monkeypatch, kernels=kernels)
     if flag is None:
         monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
     else:

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import json
 
 import pytest
+import tiny_models as tm
 
 from mpsboost.gate import Env
 
 pytest.importorskip("transformers")
-
-
-def _fake_versions(monkeypatch, **installed):
-    real = md.version
-
-    def version(dist):
-        if dist in installed:
-            if installed[dist] is None:
-                raise md.PackageNotFoundError(dist)
-            return installed[dist]
-        return real(dist)
-
-    monkeypatch.setattr(md, "version", version)
 
 
 def _has_gguf_path() -> bool:
@@ -49,7 +36,7 @@ def test_gguf_kernels_need_kernels_0182(monkeypatch, kernels, gguf, would, words
 
     if not _has_gguf_path():
         pytest.skip("this transformers has no GGUF-on-MPS path (5.24+)")
-    _fake_versions(monkeypatch, kernels=kernels, gguf=gguf)
+    tm.fake_versions(monkeypatch, kernels=kernels, gguf=gguf)
     info = _gguf_kernels(Env.simulate("mps", "2.15.0"))
     assert info["would_load"] is would, info["why"]
     assert info["kernels"] == kernels and info["gguf"] == gguf
@@ -71,7 +58,7 @@ def test_gguf_kernels_without_the_transformers_path(monkeypatch):
         "find_spec",
         lambda name, *a: None if name == "transformers.integrations.gguf.kernels" else real(name, *a),
     )
-    _fake_versions(monkeypatch, transformers="5.22.0", kernels="0.18.2", gguf="0.17.1")
+    tm.fake_versions(monkeypatch, transformers="5.22.0", kernels="0.18.2", gguf="0.17.1")
     info = _gguf_kernels(Env.simulate("mps", "2.15.0"))
     assert not info["would_load"] and "transformers 5.22.0 has no GGUF-on-MPS path" in info["why"]
 
@@ -79,7 +66,7 @@ def test_gguf_kernels_without_the_transformers_path(monkeypatch):
 def test_doctor_prints_gguf_kernels_and_the_wheel(capsys, monkeypatch):
     from mpsboost.cli import main as cli_main
 
-    _fake_versions(monkeypatch, kernels="0.17.2")
+    tm.fake_versions(monkeypatch, kernels="0.17.2")
     assert cli_main(["doctor", "--device", "mps", "--torch", "2.15.0"]) == 0
     out = capsys.readouterr().out
     assert "transformers GGUF-on-MPS kernels" in out and "would not load" in out
