@@ -632,27 +632,9 @@ def llm_mode(ctx: LlmContext, mode: str, decoding: str, variants: list[str]) -> 
     # Eager: the memory peaks are taken on the untimed warm-up call (nothing compiles there), which
     # saves a call per variant; compiled: on a separate call after the rounds (compilation allocates).
     mem_on_warmup = mode == "eager"
-    warm: dict[str, float] = {}
-    mem: dict[str, Any] = {}
-    warm_graphs: dict[str, int] = {}
-    for name in list(names):
-        try:
-            with states[name]():
-                g0 = graphs_compiled()
-                if mem_on_warmup:
-                    with measure_memory(dev) as probe:
-                        warm[name] = wall(jobs[name]["generate"], dev)
-                    mem[name] = probe.peaks()
-                else:
-                    warm[name] = wall(jobs[name]["generate"], dev)
-                warm_graphs[name] = graphs_compiled() - g0
-            run.log(f"{label}: warm-up {name} {warm[name]:.1f} s")
-        except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded and left out
-            errors[name] = f"warm-up: {error_text(exc)}"
-            run.log(f"{label}: {name} failed: {errors[name]}")
-            traceback.print_exc(limit=3)
-            names.remove(name)
-            free(reset_dynamo=False)  # a reset would drop the other variants' compiled code
+    warm, mem, warm_graphs = warm_up(
+        run, names, lambda n: states[n], lambda n: jobs[n]["generate"], dev, mem_on_warmup, errors, label
+    )
     if "stock" not in names:
         run.log(f"{label}: stock failed; nothing to compare")
         return
@@ -843,6 +825,42 @@ def llm_shape(ctx: LlmContext, mode: str, decoding: str) -> dict:
         "batch": 1,
         "weights": "random (seeded, N(0, 0.02))",
     }
+
+
+def warm_up(
+    run: Run,
+    names: list[str],
+    state_of: Callable[[str], Any],
+    call_of: Callable[[str], Callable[[], Any]],
+    dev: str,
+    mem_on_warmup: bool,
+    errors: dict[str, str],
+    label: str,
+) -> tuple[dict[str, float], dict[str, Any], dict[str, int]]:
+    """One untimed call of every variant inside its state: its wall time, the graphs it compiled and, where
+    ``mem_on_warmup``, its memory peaks. A variant that fails is recorded in ``errors`` and removed from ``names``."""
+    warm: dict[str, float] = {}
+    mem: dict[str, Any] = {}
+    warm_graphs: dict[str, int] = {}
+    for name in list(names):
+        try:
+            with state_of(name)():
+                g0 = graphs_compiled()
+                if mem_on_warmup:
+                    with measure_memory(dev) as probe:
+                        warm[name] = wall(call_of(name), dev)
+                    mem[name] = probe.peaks()
+                else:
+                    warm[name] = wall(call_of(name), dev)
+                warm_graphs[name] = graphs_compiled() - g0
+            run.log(f"{label}: warm-up {name} {warm[name]:.1f} s")
+        except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded and left out
+            errors[name] = f"warm-up: {error_text(exc)}"
+            run.log(f"{label}: {name} failed: {errors[name]}")
+            traceback.print_exc(limit=3)
+            names.remove(name)
+            free(reset_dynamo=False)  # a reset would drop the other variants' compiled code
+    return warm, mem, warm_graphs
 
 
 def wall(fn: Callable[[], Any], device: str) -> float:
@@ -1142,25 +1160,7 @@ def diffusion_mode(
 
     label = f"{workload} {mode}"
     mem_on_warmup = mode != "compile"  # as for generate(): no compilation in the warm-up call
-    warm, mem, warm_graphs = {}, {}, {}
-    for name in list(names):
-        try:
-            with state(name)():
-                g0 = graphs_compiled()
-                if mem_on_warmup:
-                    with measure_memory(dev) as probe:
-                        warm[name] = wall(lambda: call(name), dev)
-                    mem[name] = probe.peaks()
-                else:
-                    warm[name] = wall(lambda: call(name), dev)
-                warm_graphs[name] = graphs_compiled() - g0
-            run.log(f"{label}: warm-up {name} {warm[name]:.1f} s")
-        except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded and left out
-            errors[name] = f"warm-up: {error_text(exc)}"
-            run.log(f"{label}: {name} failed: {errors[name]}")
-            traceback.print_exc(limit=3)
-            names.remove(name)
-            free(reset_dynamo=False)
+    warm, mem, warm_graphs = warm_up(run, names, state, lambda n: lambda: call(n), dev, mem_on_warmup, errors, label)
     times: dict[str, list[float]] = {n: [] for n in names}
     outputs: dict[str, torch.Tensor] = {}
     graphs0 = graphs_compiled()
