@@ -226,3 +226,41 @@ def test_on_cuda_eager_only_the_compiled_graph_traces_the_module_code():
     mpsboost.unpatch(model)
     mpsboost.patch(model, device=MAC)
     assert "rms_norm" in _graph_calls(model, x)
+
+
+@pytest.mark.parametrize("mod,name,form", [CLASSES[0], CLASSES[3], CLASSES[6]], ids=["llama", "gpt_oss", "qwen3_5_moe"])
+def test_the_kept_float32_weight_follows_the_module_weight(mod, name, form, rng_seed):
+    # The float32 weight F.rms_norm takes is kept between eager calls; writing into the weight
+    # (load_state_dict), replacing it, or moving the module must give what stock gives with the new weight.
+    model = _norm(mod, name, 64, torch.float32)
+    stock = _norm(mod, name, 64, torch.float32)
+    mpsboost.patch(model, device=MAC)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        model(x)  # the kept weight is built here
+        stock.load_state_dict({"0.weight": torch.randn(64)})
+        model.load_state_dict(stock.state_dict())  # an in-place copy: same tensor, new version
+        torch.testing.assert_close(model(x), stock(x), rtol=0, atol=0)
+        new = torch.nn.Parameter(torch.randn(64))
+        model[0].weight = new  # another Parameter object
+        stock[0].weight = torch.nn.Parameter(new.detach().clone())
+        torch.testing.assert_close(model(x), stock(x), rtol=0, atol=0)
+        kept = model[0].__dict__[recipe._STATE].w32
+        model.double()
+        stock.double()  # param.data swapped: another data pointer and dtype (the values stay)
+        torch.testing.assert_close(model(x.double()), stock(x.double()), rtol=1e-6, atol=1e-6)
+        assert model[0].__dict__[recipe._STATE].w32 is not kept  # rebuilt from the moved weight
+
+
+def test_the_kept_weight_stays_out_of_autograd(rng_seed):
+    # With grad enabled and a weight that requires it, the weight's own ops run: its gradient is stock's.
+    mod, name, _ = CLASSES[6]
+    model, stock = _norm(mod, name, 32, torch.float32), _norm(mod, name, 32, torch.float32)
+    stock.load_state_dict(model.state_dict())
+    mpsboost.patch(model, device=MAC)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        model(x)
+    model(x).square().sum().backward()
+    stock(x).square().sum().backward()
+    torch.testing.assert_close(model[0].weight.grad, stock[0].weight.grad)

@@ -82,6 +82,7 @@ from ..patching import (
 )
 from ..registry import Decision, Match, Recipe, class_path, register
 from . import _hf
+from ._watch import Watch
 
 NAME = "attention_decode"
 _STATE = "_mpsboost_attention_decode"
@@ -264,14 +265,14 @@ class _State:
         self.gqa = gqa
         self.compiled = compiled
         self.collector = collector
-        self.key: tuple | None = None
+        self.watch: Watch | None = None
         self.derived: dict[str, Any] | None = None
 
         self.work: tuple | None = None  # ((dtype, device), [1, q+k] buffer, its q and k column views)
         self.lock = threading.Lock()  # the buffer serves one step at a time; a concurrent step allocates
 
     def forget(self) -> None:
-        self.derived = self.key = self.work = None
+        self.derived = self.watch = self.work = None
 
     def buffer(self, like: torch.Tensor, lay: _Layout) -> tuple:
         """The one-row q/k buffer and its column views, for ``like``'s dtype and device (made once; taken with
@@ -367,21 +368,19 @@ def _configured_rotary_dim(mod: torch.nn.Module, lay: _Layout) -> int | None:
     return rd if rd % 2 == 0 and rd > 0 else None
 
 
-def _key(mod: torch.nn.Module, lay: _Layout) -> tuple:
-    """Where and at which version every tensor the constants come from is: host-side metadata only."""
-    ts = [getattr(getattr(mod, n, None), "weight", None) for n in (*_PROJ, "o_proj")]
-    ts += [getattr(getattr(mod, n, None), "bias", None) for n in (*_PROJ, "o_proj")]
+def _watch(mod: torch.nn.Module, lay: _Layout) -> Watch:
+    """Where and at which version every tensor the constants come from is (host-side metadata only)."""
+    paths = [(n, a) for n in (*_PROJ, "o_proj") for a in ("weight", "bias")]
     if lay.family != "plain":
-        ts += [mod.q_norm.weight, mod.k_norm.weight]
-    return tuple((t.data_ptr(), t._version, t.dtype, t.device) if isinstance(t, torch.Tensor) else None for t in ts)
+        paths += [("q_norm", "weight"), ("k_norm", "weight")]
+    return Watch(mod, paths)
 
 
 def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None:
     """The eager constants, rebuilt when a Parameter moved or was written to since; None when the layout no
     longer holds (then the stock forward runs)."""
     lay = state.layout
-    key = _key(mod, lay)
-    if key == state.key and state.derived is not None:
+    if state.derived is not None and state.watch is not None and state.watch.fresh():
         return state.derived
     linears = [(getattr(mod, n, None), lay.hidden, rows, lay.bias) for n, rows in zip(_PROJ, lay.widths)]
     o = getattr(mod, "o_proj", None)
@@ -398,7 +397,7 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
         state.derived = _derive(mod, lay, state)
         if state.derived["wt"] is not None:
             state.buffer(mod.q_proj.weight, lay)  # now rather than inside the first step
-    state.key = key
+    state.watch = _watch(mod, lay)
     return state.derived
 
 
@@ -567,7 +566,7 @@ def _forward(
             d = None  # e.g. autocast's or a caller's other dtype: stock casts as it does
     if d is None:
         if not compiling and isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3:
-            if hidden_states.shape[1] > 1 and st.key != _key(self, st.layout):
+            if hidden_states.shape[1] > 1 and not (st.watch is not None and st.watch.fresh()):
                 # A prefill: the decode constants are brought up to date here (rebuilt only when a weight
                 # moved or another recipe converted it since, e.g. fp8 at patch() commit), so that the first
                 # decode step runs as every later one does.

@@ -69,6 +69,7 @@ import torch.nn.functional as F
 from ..gate import Env, check
 from ..ops import gated_delta as gd
 from ..registry import Decision, Match, Recipe, class_path, register
+from ._watch import Watch
 from ..patching import (
     Changes,
     Patch,
@@ -155,25 +156,25 @@ class _State:
         self.layout = layout
         self.prefill = prefill  # "matmul" or "stock"
         self.compiled = compiled  # "recipe" or "stock"
-        self.key: tuple | None = None
+        self.watch: Watch | None = None
         self.derived: dict[str, Any] | None = None
         self.work: _Work | None = None
         self.lock = threading.Lock()  # the buffers serve one step at a time; a concurrent step allocates its own
 
-    def remember(self, derived: dict[str, Any], key: tuple) -> None:
-        self.derived, self.key, self.work = derived, key, None
+    def remember(self, derived: dict[str, Any], watch: Watch) -> None:
+        self.derived, self.watch, self.work = derived, watch, None
 
     def forget(self) -> None:
         """Drop the decode constants and buffers (the layer runs the stock forward until they can be rebuilt)."""
-        self.derived = self.key = self.work = None
+        self.derived = self.watch = self.work = None
 
     def __getstate__(self) -> dict[str, Any]:  # copy.deepcopy / pickle of a patched model: no lock, no buffers
-        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "work")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("lock", "work", "watch")}
 
     def __setstate__(self, st: dict[str, Any]) -> None:
         for k, v in st.items():
             setattr(self, k, v)
-        self.lock, self.work = threading.Lock(), None
+        self.lock, self.work, self.watch = threading.Lock(), None, None
 
 
 # ---------------------------------------------------------------------------- structure
@@ -368,24 +369,18 @@ def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
     return d
 
 
-def _key(mod: torch.nn.Module, lay: _Layout) -> tuple:
-    """Where and at which version every tensor the decode constants come from is: host-side metadata only
-    (no aten op, no device sync); eager mode alone calls it."""
+def _watch(mod: torch.nn.Module, lay: _Layout) -> Watch:
+    """Where and at which version every tensor the decode constants come from is (host-side metadata only,
+    resolved once; eager mode alone checks it)."""
     names = (*_PROJ[lay.family], "conv1d", _OUT[lay.family], _NORM[lay.family])
-    mods = [getattr(mod, n, None) for n in names]
-    ts = [getattr(m, "weight", None) for m in mods] + [getattr(m, "bias", None) for m in mods]
-    ts += [mod.A_log, mod.dt_bias]
-    return tuple(type(m) for m in mods) + tuple(
-        (t.data_ptr(), t._version, t.dtype) if isinstance(t, torch.Tensor) else None for t in ts
-    )
+    return Watch(mod, [(n, a) for n in names for a in ("weight", "bias")] + [("A_log",), ("dt_bias",)])
 
 
 def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None:
     """The eager decode constants, rebuilt when a weight moved or was written to since; None when the
     projections are no longer plain linears of one dtype and device (stock forward then)."""
     lay = state.layout
-    key = _key(mod, lay)
-    if key == state.key and state.derived is not None:
+    if state.derived is not None and state.watch is not None and state.watch.fresh():
         return state.derived
     linears = [(getattr(mod, name, None), lay.hidden, rows) for name, rows in zip(_PROJ[lay.family], lay.widths)]
     linears.append((getattr(mod, _OUT[lay.family], None), lay.hv * lay.dv, lay.hidden))
@@ -396,7 +391,7 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
         return None
     with torch.no_grad():
         derived = _derive(mod, lay, eager=True)
-    state.remember(derived, key)
+    state.remember(derived, _watch(mod, lay))
     return state.derived
 
 

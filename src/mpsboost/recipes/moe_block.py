@@ -56,6 +56,7 @@ from ..gate import Env, check
 from ..ops import moe as moe_ops
 from ..registry import Decision, Match, Recipe, class_path, register
 from ..patching import Changes, Patch, bind_forward, call_original, set_instance_attr
+from ._watch import Watch
 
 NAME = "moe_block"
 _STATE = "_mpsboost_moe_block"
@@ -257,21 +258,18 @@ class _State:
 
     def __init__(self, layout: _Layout, plan: MoeBlockPlan):
         self.layout, self.plan = layout, plan
-        self.key: tuple | None = None
+        self.watch: Watch | None = None
         self.weights: moe_ops.BlockWeights | None = None
         self.experts_ok = False
 
 
-def _tensor_key(t: Any) -> tuple | None:
-    return (t.data_ptr(), t.dtype, t.device, tuple(t.shape)) if isinstance(t, torch.Tensor) else None
-
-
-def _key(mod: torch.nn.Module, lay: _Layout) -> tuple:
-    ex = mod.experts
-    ts = [*(p for p in _input_params(mod, lay)), getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)]
+def _watch(mod: torch.nn.Module, lay: _Layout) -> Watch:
+    """Where and at which version every tensor the eager constants come from is (host-side metadata only)."""
+    paths = [("gate", "weight"), ("experts", "gate_up_proj"), ("experts", "down_proj")]
     if lay.shared_inter:
-        ts.append(mod.shared_expert.down_proj.weight)
-    return tuple(_tensor_key(t) for t in ts)
+        paths += [("shared_expert_gate", "weight")]
+        paths += [("shared_expert", n, "weight") for n in ("gate_proj", "up_proj", "down_proj")]
+    return Watch(mod, paths)
 
 
 def _plain_now(mod: torch.nn.Module, lay: _Layout) -> bool:
@@ -293,11 +291,10 @@ def _plain_now(mod: torch.nn.Module, lay: _Layout) -> bool:
 
 def _eager_weights(mod: torch.nn.Module, state: _State) -> moe_ops.BlockWeights | None:
     lay = state.layout
-    key = _key(mod, lay)
-    if key == state.key and state.weights is not None:
+    if state.weights is not None and state.watch is not None and state.watch.fresh():
         return state.weights
     if not _plain_now(mod, lay):
-        state.weights = state.key = None
+        state.weights = state.watch = None
         return None
     params = [p.detach() for p in _input_params(mod, lay)]
     ex = mod.experts
@@ -330,7 +327,7 @@ def _eager_weights(mod: torch.nn.Module, state: _State) -> moe_ops.BlockWeights 
             bounds=torch.arange(lay.experts, device=dev).view(1, -1),
             zeros=torch.zeros(lay.top_k, dtype=torch.long, device=dev),
         )
-    state.key = key
+    state.watch = _watch(mod, lay)
     return state.weights
 
 

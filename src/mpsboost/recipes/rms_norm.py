@@ -34,9 +34,10 @@ from typing import Any, Iterator
 import torch
 
 from ..gate import Env, check
-from ..ops.norm import FORMS, rms_norm
+from ..ops.norm import FORMS, norm_weight, rms_norm
 from ..registry import NOT_REPORTED, Decision, Match, Recipe, join_path, register
-from ..patching import Patch, bind_forward, call_original
+from ..patching import Changes, Patch, bind_forward, call_original, set_instance_attr
+from ._watch import Watch
 
 NAME = "rms_norm"
 
@@ -166,11 +167,48 @@ def form_of(module: torch.nn.Module) -> str | None:
     return _FORM_OF_CLASS[path]
 
 
+_STATE = "_mpsboost_rms_norm"
+
+
+class _NormState:
+    """The float32 weight ``F.rms_norm`` takes (:func:`mpsboost.ops.norm.norm_weight`), kept on the instance
+    in eager mode and rebuilt when the module's weight is replaced, moved or written to (a host-side check:
+    :class:`~mpsboost.recipes._watch.Watch`). It saves the weight's cast and ``1 + w`` on every call: two
+    of the five ops one Qwen3.5/3.6 norm dispatches on MPS in bf16."""
+
+    __slots__ = ("watch", "w32")
+
+    def __init__(self) -> None:
+        self.watch: Watch | None = None
+        self.w32: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo: dict) -> _NormState:  # a copied model rebuilds it from its own weight
+        return _NormState()
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.watch = self.w32 = None
+
+
 def _forward(form: str, eps: float, compiled_stock: bool):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if compiled_stock and torch.compiler.is_compiling():
-            return call_original(self, NAME, hidden_states)  # traced: inductor fuses the module's code
-        return rms_norm(hidden_states, self.weight, eps, form)
+        w = self.weight
+        if torch.compiler.is_compiling():
+            if compiled_stock:
+                return call_original(self, NAME, hidden_states)  # traced: inductor fuses the module's code
+            return rms_norm(hidden_states, w, eps, form)  # no host-side cache inside traced code
+        if torch.is_grad_enabled() and w.requires_grad:
+            return rms_norm(hidden_states, w, eps, form)  # the weight's own ops, for autograd
+        st = self.__dict__.get(_STATE)
+        if st is None:
+            return rms_norm(hidden_states, w, eps, form)
+        if st.w32 is None or not st.watch.fresh():
+            with torch.no_grad():
+                st.w32 = norm_weight(w.detach(), form)
+            st.watch = Watch(self, [("weight",)])
+        return rms_norm(hidden_states, w, eps, form, st.w32)
 
     return forward
 
@@ -248,7 +286,10 @@ class RmsNorm(Recipe):
 
     def apply(self, match: Match, decision: Decision, env: Env, options: RmsNormOptions) -> Patch:
         plan: RmsNormPlan = decision.plan
-        return bind_forward(match.module, NAME, _forward(plan.form, plan.eps, plan.compiled_stock))
+        with Changes() as ch:
+            ch.add(set_instance_attr(match.module, NAME, _STATE, _NormState()))
+            ch.add(bind_forward(match.module, NAME, _forward(plan.form, plan.eps, plan.compiled_stock)))
+        return ch.patch(description=f"{NAME}: restore forward")
 
 
 assert set(REFERENCES) == set(FORMS)
