@@ -420,6 +420,34 @@ def scaled_mm_few_rows(
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
+class FewRowsOperand:
+    """One fp8 linear's few-rows product, prepared once for an eager decode step that calls it every token.
+
+    What the layer's own forward does at few rows on MPS 2.15 (:func:`scaled_mm_few_rows`): the input
+    quantised per row (:func:`quantize_rows_few`, remembered between the layers that read one input), then
+    one :func:`scaled_mm_v2`. The transposed codes ``[K, N]`` and the rowwise scale ``[1, N]`` are views
+    (a tensor scale: one ``[1, N]`` copy) made here instead of at every call: two dispatches fewer per
+    product (``t`` and the scale's ``view``), the same kernels, the same result bit for bit. Other calls
+    (more rows, another dtype) go to the layer. A recipe keeps it with its other eager constants, rebuilt
+    when the layer's codes or scales change (it watches them); traced code never sees it."""
+
+    __slots__ = ("layer", "wt", "scale_row", "max_rows", "dtype")
+
+    def __init__(self, layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, max_rows: int, dtype: torch.dtype):
+        self.layer = layer
+        self.wt = q.detach().t()
+        self.scale_row = _scale_row(scale.detach(), q.shape[0])
+        self.max_rows = max_rows
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype or x.dim() < 2 or not 0 < _rows(x) <= self.max_rows:
+            return self.layer(x)
+        xq, xs = quantize_rows_few(x)  # [M, K] (a reshape of more dims inside, remembered under x)
+        y = scaled_mm_v2(xq, self.wt, xs, self.scale_row, None, x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
+
+
 def fp8_gemv_reference(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:

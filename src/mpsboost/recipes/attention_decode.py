@@ -83,6 +83,7 @@ from ..patching import (
 from ..registry import Decision, Match, Recipe, class_path, register
 from . import _hf
 from ._watch import Watch
+from .fp8.layers import decode_operand
 
 NAME = "attention_decode"
 _STATE = "_mpsboost_attention_decode"
@@ -322,8 +323,8 @@ def _derive(mod: torch.nn.Module, lay: _Layout, state: _State | None) -> dict[st
         "norm_w": _norm_weight(mod, lay, detach),
         "o_wt": None if o_stored else (o.weight.detach().t() if detach else o.weight.t()),
         "o_b": None if o_stored or o.bias is None else (o.bias.detach() if detach else o.bias),
-        "o_mod": o if o_stored else None,
-        "mods": tuple(projs) if stored else None,
+        "o_mod": (decode_operand(o) if detach else o) if o_stored else None,
+        "mods": tuple(decode_operand(m) if detach else m for m in projs) if stored else None,
         "dtype": _compute_dtype(mod, lay),
         "ones": None,
         "wt": None,
@@ -370,7 +371,7 @@ def _configured_rotary_dim(mod: torch.nn.Module, lay: _Layout) -> int | None:
 
 def _watch(mod: torch.nn.Module, lay: _Layout) -> Watch:
     """Where and at which version every tensor the constants come from is (host-side metadata only)."""
-    paths = [(n, a) for n in (*_PROJ, "o_proj") for a in ("weight", "bias")]
+    paths = [(n, a) for n in (*_PROJ, "o_proj") for a in ("weight", "bias", "weight_scale")]
     if lay.family != "plain":
         paths += [("q_norm", "weight"), ("k_norm", "weight")]
     return Watch(mod, paths)

@@ -70,6 +70,7 @@ from ..gate import Env, check
 from ..ops import gated_delta as gd
 from ..registry import Decision, Match, Recipe, class_path, register
 from ._watch import Watch
+from .fp8.layers import decode_operand
 from ..patching import (
     Changes,
     Patch,
@@ -354,9 +355,9 @@ def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
         "conv_w": torch.cat((torch.zeros_like(cw[:, :1]), cw), dim=1),
         "conv_b": None if conv.bias is None else conv.bias.to(f32),
         "out_w": None if _stored_linear(out_mod, lay.hv * lay.dv, lay.hidden) else out_mod.weight,
-        "out_mod": out_mod,
+        "out_mod": decode_operand(out_mod) if eager else out_mod,
         "proj": weights,
-        "proj_mods": mods if stored else None,
+        "proj_mods": ([decode_operand(m) for m in mods] if eager else mods) if stored else None,
         "perm": _qkvz_perm(lay, dev) if lay.family == "qkvz" else None,
     }
     if eager:
@@ -373,7 +374,8 @@ def _watch(mod: torch.nn.Module, lay: _Layout) -> Watch:
     """Where and at which version every tensor the decode constants come from is (host-side metadata only,
     resolved once; eager mode alone checks it)."""
     names = (*_PROJ[lay.family], "conv1d", _OUT[lay.family], _NORM[lay.family])
-    return Watch(mod, [(n, a) for n in names for a in ("weight", "bias")] + [("A_log",), ("dt_bias",)])
+    attrs = ("weight", "bias", "weight_scale")  # weight_scale: an fp8 layer's (its few-rows operand reads it)
+    return Watch(mod, [(n, a) for n in names for a in attrs] + [("A_log",), ("dt_bias",)])
 
 
 def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None:

@@ -57,6 +57,7 @@ from ..ops import moe as moe_ops
 from ..registry import Decision, Match, Recipe, class_path, register
 from ..patching import Changes, Patch, bind_forward, call_original, set_instance_attr
 from ._watch import Watch
+from .fp8.layers import decode_operand
 
 NAME = "moe_block"
 _STATE = "_mpsboost_moe_block"
@@ -268,7 +269,10 @@ def _watch(mod: torch.nn.Module, lay: _Layout) -> Watch:
     paths = [("gate", "weight"), ("experts", "gate_up_proj"), ("experts", "down_proj")]
     if lay.shared_inter:
         paths += [("shared_expert_gate", "weight")]
-        paths += [("shared_expert", n, "weight") for n in ("gate_proj", "up_proj", "down_proj")]
+        # weight_scale: an fp8 layer's (its few-rows operand reads it)
+        paths += [
+            ("shared_expert", n, a) for n in ("gate_proj", "up_proj", "down_proj") for a in ("weight", "weight_scale")
+        ]
     return Watch(mod, paths)
 
 
@@ -312,8 +316,8 @@ def _eager_weights(mod: torch.nn.Module, state: _State) -> moe_ops.BlockWeights 
     w = lay.shared_inter
     shared_mods = _shared_linears(mod) if w else []
 
-    def lhs(m: torch.nn.Linear) -> Any:  # the transposed weight, or the stored (fp8) layer itself
-        return m if _is_stored_linear(m, m.in_features, m.out_features) else m.weight.detach().t()
+    def lhs(m: torch.nn.Linear) -> Any:  # the transposed weight, or what runs a stored (fp8) layer
+        return decode_operand(m) if _is_stored_linear(m, m.in_features, m.out_features) else m.weight.detach().t()
 
     with torch.no_grad():
         state.weights = moe_ops.BlockWeights(

@@ -141,6 +141,21 @@ def fp8_state(module: torch.nn.Module) -> Optional[Fp8State]:
     return state if isinstance(state, Fp8State) else None
 
 
+def decode_operand(module: Any) -> Any:
+    """What an eager decode step calls for ``module``: a :class:`mpsboost.ops.fp8.FewRowsOperand` where the
+    module is a converted fp8 linear whose few-rows path is ``F.scaled_mm`` (MPS 2.15+ decisions: no block
+    scales, no bias, K and N multiples of 16), else ``module`` itself (its own forward)."""
+    state = fp8_state(module) if isinstance(module, torch.nn.Linear) else None
+    if state is None or not state.converted or state.kind != "mps_scaled_mm" or state.block is not None:
+        return module
+    q, scale = module.weight, getattr(module, "weight_scale", None)
+    if module.bias is not None or q.dtype != fp8_ops.FP8_DTYPE or not isinstance(scale, torch.Tensor):
+        return module
+    if not fp8_ops.few_rows_ok(q.shape[0], q.shape[1], state.compute_dtype):
+        return module
+    return fp8_ops.FewRowsOperand(module, q, scale, state.gemv_max_m, state.compute_dtype)
+
+
 # ------------------------------------------------------------------------------------------ the forwards
 
 
