@@ -672,6 +672,14 @@ class BlockWeights:
     zeros: torch.Tensor
 
 
+# _ascending: the decode step orders its few routed ids with ``topk(largest=False)``, not ``sort``. On MPS both
+# run the same one-dispatch block-sort body (aten/src/ATen/native/mps/kernels: ``sort_block_*`` and
+# ``sort_block_topk_*``, both in the 2.15.0 macOS wheel, long included). On CUDA ``sort`` of a few elements
+# goes through cub's segmented sort with three device-to-device copies: 116 us of host time a call on the H200
+# proxy against 62 us for the router's ``topk`` (cProfile of ``profile_decode.py --workload qwen3.6-eager
+# --host-profile``). Not stable: ties (one
+# expert routed by several tokens) keep no token order, which the steps do not need (rows are put back by
+# the permutation itself).
 def _lin(x: torch.Tensor, w: Any) -> torch.Tensor:
     """``x @ w`` for a transposed weight, else ``w(x)``: a layer another recipe stores in its own format
     (fp8 codes and scales) runs its own forward (a host-side type check, the same at every call)."""
@@ -696,8 +704,8 @@ def sparse_moe_block(
     Qwen2/3/3.5-MoE, Qwen3-Next, Mixtral and OLMoE blocks, in few kernels:
 
     * one matmul each for the router logits, the shared expert's gate and its gate/up projections;
-    * routing by :func:`route_softmax_topk`; for one token the k ids are sorted and the weights follow them
-      (no unsort later);
+    * routing by :func:`route_softmax_topk`; for one token the k ids are put in ascending order and the weights
+      follow them (no unsort later);
     * the routed experts (``path``): ``"grouped_mm"``, two native grouped matmuls over the k rows sorted by
       expert, offsets by one ``searchsorted`` on the device: each routed expert's weights are read once, the
       others not at all (MPS's kernel, pytorch#194917/#194933, reads the offsets on the device and its row
@@ -729,7 +737,7 @@ def sparse_moe_block(
             vals, ids = torch.topk(logits, top_k, dim=-1)
         else:
             vals, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), top_k, dim=-1)
-        ids, perm = torch.sort(ids, dim=-1)
+        ids, perm = torch.topk(ids, top_k, dim=-1, largest=False)  # ascending (distinct ids): see _ascending
         vals = vals.gather(-1, perm)
         weights = torch.softmax(vals, dim=-1, dtype=torch.float32) if norm else vals
     else:
@@ -746,7 +754,7 @@ def sparse_moe_block(
             offs = torch.searchsorted(ids, w.bounds, right=True, out_int32=True).view(-1)
             rows = x.index_select(0, w.zeros)
         else:
-            sids, perm = torch.sort(ids.view(-1))
+            sids, perm = torch.topk(ids.view(-1), n * k, largest=False)  # ascending: see _ascending
             offs = torch.searchsorted(sids, w.bounds.view(-1), right=True, out_int32=True)
             rows = x.index_select(0, torch.div(perm, k, rounding_mode="floor"))
         h = glu(fn(rows, w.gate_up_kn, offs=offs))

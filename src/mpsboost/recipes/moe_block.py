@@ -15,7 +15,8 @@ For few tokens (``max_tokens``, default 4: decode) the recipe's forward runs the
   by the recipe doubles those weights (Qwen3.6-35B-A3B, bf16: 40 blocks x (256 + 1 + 2 x 512) x 2048
   x 2 B = 200 MiB) to save two host ops. The weights are read once either way;
 - the renormalised top-k softmax is top-k then softmax over the k logits (softmax is monotonic);
-- one token's k experts are sorted by id, the offsets come from one ``searchsorted`` on the device
+- one token's k experts are put in ascending order (a second top-k: one kernel on MPS as ``sort`` is,
+  without CUDA's segmented sort on the GPU proxy), the offsets come from one ``searchsorted`` on the device
   and two grouped matmuls read each routed expert once (MPS: torch >= 2.15, the gate's
   ``grouped_mm``); without a grouped kernel (MPS <= 2.14) the routed experts' weights are gathered
   (one copy each) and multiplied by ``bmm``;
