@@ -16,7 +16,19 @@ gives), each forward run twice first:
 
     python benchmarks/profile_decode.py --device cuda --workload qwen-image --layers 16 --out OUT
 
-``--host-profile`` adds a cProfile of one call (the Python functions by their own time).
+``--workload qwen3.6-eager`` profiles eager decode steps of the Qwen3.6-35B-A3B shape (real widths, random
+weights, ``--layers`` of its 40, default 8: three Gated DeltaNet layers to one attention layer as in the model)
+on a 512-token cache, stock against the default patch and the decisions of a Mac on torch 2.15.0 (patched and
+unpatched on one model): per variant the wall time of a step without the profiler, the aten ops and kernel
+launches per step, the summed kernel time, the host time of each module kind (the time the host spends
+inside it: in eager mode the step is host-bound when this sum approaches the step's wall time), the aten ops
+by their own host time, and the host synchronisations:
+
+    python benchmarks/profile_decode.py --device cuda --workload qwen3.6-eager --layers 8 --out OUT
+
+``--host-profile`` adds a cProfile of one call (the Python functions by their own time); for
+``qwen3.6-eager``, of four decode steps and of one ``generate()`` of 17 tokens in the second round
+(``--pstats DIR`` keeps the whole profiles).
 """
 
 from __future__ import annotations
@@ -53,12 +65,15 @@ def _group(name: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--workload", choices=("qwen3-8b", "qwen-image"), default="qwen3-8b")
-    p.add_argument("--layers", type=int, default=None, help="default: 36 (qwen3-8b), 16 (qwen-image)")
+    p.add_argument("--workload", choices=("qwen3-8b", "qwen-image", "qwen3.6-eager"), default="qwen3-8b")
+    p.add_argument(
+        "--layers", type=int, default=None, help="default: 36 (qwen3-8b), 16 (qwen-image), 8 (qwen3.6-eager)"
+    )
     p.add_argument(
         "--host-profile", action="store_true", help="also cProfile one call: the Python functions by own time"
     )
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--pstats", default=None, help="with --host-profile (qwen3.6-eager): write the whole profiles here")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.device != "cuda" or not torch.cuda.is_available():
@@ -68,6 +83,8 @@ def main(argv=None) -> int:
 
     import mpsboost
 
+    if a.workload == "qwen3.6-eager":
+        return _qwen36_eager(a)
     if a.layers is None:
         a.layers = 36 if a.workload == "qwen3-8b" else 16
     if a.workload == "qwen-image":
@@ -154,7 +171,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _host_profile(call, model, top: int = 25) -> list[dict]:
+def _host_profile(call, model, top: int = 40, dump: Path | None = None) -> list[dict]:
     """cProfile of one call: the ``top`` Python functions by own (exclusive) time, printed and returned."""
     import cProfile
     import pstats
@@ -164,6 +181,9 @@ def _host_profile(call, model, top: int = 25) -> list[dict]:
     call(model)
     torch.cuda.synchronize()
     prof.disable()
+    if dump is not None:
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        prof.dump_stats(dump)  # the whole profile, for pstats
     st = pstats.Stats(prof)
     rows = sorted(((v[2], v[3], v[1], f"{Path(k[0]).name}:{k[1]}:{k[2]}") for k, v in st.stats.items()), reverse=True)[
         :top
@@ -173,6 +193,186 @@ def _host_profile(call, model, top: int = 25) -> list[dict]:
         print(f"      host {tt * 1e3:8.2f} ms own, {ct * 1e3:8.2f} ms cumulative, {calls:6d} calls  {where}")
         out.append({"own_ms": tt * 1e3, "cumulative_ms": ct * 1e3, "calls": calls, "function": where})
     return out
+
+
+_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+_KINDS = {"linear_attn": "Gated DeltaNet", "self_attn": "attention", "mlp": "MoE block"}
+
+
+def _qwen36_eager(a) -> int:
+    """Eager decode steps of the Qwen3.6 shape, stock / default patch / Mac 2.15.0 decisions (see the docstring)."""
+    import e2e
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import mpsboost
+    from mpsboost.gate import Env
+
+    layers = a.layers or 8
+    cfg = e2e.llm_config("qwen3.6-35b-a3b", "real", layers)
+    model = e2e.build_llm(cfg, "cuda", torch.bfloat16, 0)
+    prompt = torch.randint(0, cfg.vocab_size, (1, 512), generator=torch.Generator().manual_seed(1)).cuda()
+    inner = next(m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList))
+
+    def steps(n: int, timed: list | None = None) -> None:
+        """Prefill, then ``n`` greedy decode steps on its cache (each step's wall time into ``timed``)."""
+        out = model(prompt, use_cache=True)
+        cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = model(nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            if timed is not None:
+                timed.append((time.perf_counter() - t) * 1e3)
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    variants = [("stock", None), ("mpsboost", None), ("mpsboost:mac-2.15.0", Env.simulate("mps", "2.15.0"))]
+    rows = []
+    for _ in range(2):  # two rounds, variants alternated: the host is shared and noisy
+        for variant, env in variants:
+            report = None
+            if variant != "stock":
+                report = mpsboost.patch(model, device=env) if env is not None else mpsboost.patch(model)
+            hooks = []
+            scopes: list = []
+            for layer in inner:
+                for attr, kind in _KINDS.items():
+                    mod = getattr(layer, attr, None)
+                    if mod is None:
+                        continue
+
+                    def pre(m, args, kind=kind):
+                        scopes.append(record_function(f"## {kind}"))
+                        scopes[-1].__enter__()
+
+                    def post(m, args, out):
+                        scopes.pop().__exit__(None, None, None)
+
+                    hooks.append(mod.register_forward_pre_hook(pre))
+                    hooks.append(mod.register_forward_hook(post))
+            try:
+                with torch.no_grad():
+                    steps(3)
+                    plain: list[float] = []
+                    steps(12, plain)
+                    n_steps = 4
+                    out = model(prompt, use_cache=True)
+                    cache, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                    Count.n = 0
+                    with Count():
+                        out = model(nxt, past_key_values=cache, use_cache=True)
+                    ops = Count.n
+                    nxt = out.logits[:, -1:].argmax(-1)
+                    torch.cuda.synchronize()
+                    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                        t = time.perf_counter()
+                        for _ in range(n_steps):
+                            out = model(nxt, past_key_values=cache, use_cache=True)
+                            nxt = out.logits[:, -1:].argmax(-1)
+                        torch.cuda.synchronize()
+                        wall = (time.perf_counter() - t) * 1e3 / n_steps
+                    host = host_gen = None
+                    if a.host_profile and len(rows) >= len(variants):  # second round only
+                        out = model(prompt, use_cache=True)
+                        state = [out.past_key_values, out.logits[:, -1:].argmax(-1)]
+
+                        def decode4(m, state=state):
+                            for _ in range(4):
+                                o = m(state[1], past_key_values=state[0], use_cache=True)
+                                state[1] = o.logits[:, -1:].argmax(-1)
+
+                        dump = Path(a.pstats) / f"pstats-{variant.replace(':', '_')}" if a.pstats else None
+                        host = _host_profile(decode4, model, dump=dump and dump.with_suffix(".decode4"))
+                        gkw = dict(max_new_tokens=17, min_new_tokens=17, do_sample=False)
+                        model.generate(prompt, **gkw)
+                        host_gen = _host_profile(
+                            lambda m: m.generate(prompt, **gkw), model, dump=dump and dump.with_suffix(".gen17")
+                        )
+            finally:
+                for h in hooks:
+                    h.remove()
+                if report is not None:
+                    mpsboost.unpatch(model)
+            kernel_ms = launches = 0.0
+            kinds: dict[str, float] = {}
+            kernels: dict[str, float] = {}
+            copies: dict[str, float] = {}
+            syncs: dict[str, int] = {}
+            own: dict[str, list] = {}
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name.startswith("## "):
+                    continue  # the device-side range of a module kind, not a kernel
+                if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name.startswith(("Memcpy", "Memset")):
+                    copies[ev.name] = copies.get(ev.name, 0) + 1 / n_steps
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    kernel_ms += ev.device_time_total / 1e3
+                    launches += 1
+                    kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time_total / 1e3 / n_steps
+                elif ev.name.startswith("## "):
+                    kinds[ev.name[3:]] = kinds.get(ev.name[3:], 0.0) + ev.cpu_time_total / 1e3
+                elif ev.name.startswith(_SYNCS):
+                    parent = ev.cpu_parent
+                    while parent is not None and not parent.name.startswith("aten::"):
+                        parent = parent.cpu_parent
+                    # the outermost aten op that issued it
+                    while (
+                        parent is not None
+                        and parent.cpu_parent is not None
+                        and parent.cpu_parent.name.startswith("aten::")
+                    ):
+                        parent = parent.cpu_parent
+                    key = f"{ev.name} in {parent.name if parent is not None else '(no aten op)'}"
+                    syncs[key] = syncs.get(key, 0) + 1
+            for ev in prof.key_averages():
+                if ev.key.startswith("aten::"):
+                    own[ev.key] = [ev.count / n_steps, ev.self_cpu_time_total / 1e3 / n_steps]
+            top = dict(sorted(own.items(), key=lambda kv: -kv[1][1])[:15])
+            plain.sort()
+            row = {
+                "workload": "qwen3.6-eager",
+                "variant": variant,
+                "layers": layers,
+                "step_ms": plain[len(plain) // 2],
+                "step_all_ms": plain,
+                "profiled_step_ms": wall,
+                "aten_ops_per_step": ops,
+                "kernels_per_step": launches / n_steps,
+                "kernel_ms_per_step": kernel_ms / n_steps,
+                "host_ms_per_step": {k: v / n_steps for k, v in kinds.items()},
+                "syncs_per_step": {k: v / n_steps for k, v in syncs.items()},
+                "device_copies_per_step": copies,
+                "top_own_host_ms_per_step": top,
+                "host_profile_4_steps": host,
+                "host_profile_generate_17": host_gen,
+                "top_kernels_ms_per_step": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:10]),
+                "applied": sorted({f"{r.recipe}: {r.backing}" for r in report.rows if r.status == "applied"})
+                if report
+                else [],
+                "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(),
+            }
+            rows.append(row)
+            print(
+                f"== {variant}: {layers} layers, step {row['step_ms']:.2f} ms (median of 12; profiled {wall:.2f}), "
+                f"{ops} aten ops, {row['kernels_per_step']:.0f} kernels, kernel time {row['kernel_ms_per_step']:.2f} ms"
+            )
+            print("   host per kind: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row["host_ms_per_step"].items()))
+            print("   device copies per step: " + (", ".join(f"{k} {v:g}" for k, v in copies.items()) or "none"))
+            print("   syncs per step: " + (", ".join(f"{k} {v:g}" for k, v in row["syncs_per_step"].items()) or "none"))
+            for k, (c, ms) in top.items():
+                print(f"      {ms:7.3f} ms own  {c:6.1f} calls  {k}")
+            for k, ms in row["top_kernels_ms_per_step"].items():
+                print(f"      {ms:7.3f} ms kernel  {k[:100]}")
+    append_jsonl(a.out, "profile_decode.jsonl", rows)
+    return 0
 
 
 def _qwen_image(layers: int):
