@@ -515,7 +515,8 @@ def apply_variant(model, name: str, a: argparse.Namespace):
     if name.startswith(MAC_PREFIX):
         return mpsboost.patch(model, device=mac_env(a.mac_torch))
     if name == OPTIONS_VARIANT:
-        return mpsboost.patch(model, options=a.options)
+        env = mac_env(a.mac_torch) if a.options_mac else None
+        return mpsboost.patch(model, options=a.options, **({"device": env} if env is not None else {}))
     raise ValueError(f"no patch for variant {name!r}")
 
 
@@ -726,6 +727,11 @@ def llm_mode(ctx: LlmContext, mode: str, decoding: str, variants: list[str]) -> 
         )
         if name == OPTIONS_VARIANT:
             extra["options"] = a.options
+            if a.options_mac:
+                extra["decisions"] = (
+                    f"simulated: the decisions of an Apple MPS machine on torch {a.mac_torch} with these options, "
+                    "computed on this device; the speed here says nothing about a Mac"
+                )
         if ctx.reports.get(name) is not None:
             extra["patch"] = patch_summary(ctx.reports[name])
         if name == mac_name:
@@ -1416,6 +1422,11 @@ def parse(argv=None) -> argparse.Namespace:
         type=_json_options,
         default=None,
         help='the options variant\'s patch(options=...), as JSON, e.g. \'{"rms_norm": {"devices": ["cuda"]}}\'',
+    )
+    p.add_argument(
+        "--options-mac",
+        action="store_true",
+        help="the options variant patches with the Mac decisions of --mac-torch (a Mac choice measured on the GPU)",
     )
     p.add_argument("--mac-torch", default="2.15.0", help="the torch version of the simulated Mac of the 'mac' variant")
     p.add_argument(

@@ -649,7 +649,7 @@ def route_softmax_topk(logits: torch.Tensor, top_k: int, *, norm: bool) -> tuple
 
 @dataclass(frozen=True)
 class BlockWeights:
-    """What :func:`sparse_moe_block` reads, in the layouts it multiplies (views; no copy).
+    """What :func:`sparse_moe_block` reads, in the layouts it multiplies (views, but ``inputs_t``).
 
     ``router_t`` ``[H, E]``: the router's weight transposed; ``shared_t`` (with a shared expert): its gate's
     ``[H, 1]``, gate projection's and up projection's ``[H, I_s]``, transposed (each the model's own weight,
@@ -659,6 +659,8 @@ class BlockWeights:
     the routed experts as ``[E, in, out]``. ``gate_up`` / ``down``: the same as stored (``[E, out, in]``),
     row-gathered by the path without a grouped kernel. ``bounds`` ``[1, E]``: ``arange(E)`` (searchsorted
     bounds of the offsets), ``zeros`` ``[k]``: the row index of the one token of a single-token step.
+    ``inputs_t`` ``[H, E + 1 + 2 I_s]`` (optional, the one field that is a copy): the router's and the shared
+    expert's input weights side by side, ``splits`` their widths: one matmul for all four.
     """
 
     router_t: torch.Tensor
@@ -670,6 +672,8 @@ class BlockWeights:
     shared_down_t: Any
     bounds: torch.Tensor
     zeros: torch.Tensor
+    inputs_t: torch.Tensor | None = None
+    splits: tuple[int, ...] | None = None
 
 
 # _ascending: the decode step orders its few routed ids with ``topk(largest=False)``, not ``sort``. On MPS both
@@ -725,12 +729,17 @@ def sparse_moe_block(
         return act_fn(gate) * up
 
     n, hdim = x.shape
-    logits = torch.mm(x, w.router_t)
     shared = None
-    if shared_act is not None:
+    if w.inputs_t is not None and shared_act is not None:
+        logits, g, sg, su = torch.mm(x, w.inputs_t).split(w.splits, dim=-1)
+        shared = _lin(shared_act(sg) * su, w.shared_down_t) * torch.sigmoid(g)
+    elif shared_act is not None:
+        logits = torch.mm(x, w.router_t)
         g_t, sg_t, su_t = w.shared_t
         g, sg, su = _lin(x, g_t), _lin(x, sg_t), _lin(x, su_t)
         shared = _lin(shared_act(sg) * su, w.shared_down_t) * torch.sigmoid(g)
+    else:
+        logits = torch.mm(x, w.router_t)
     one = n == 1 and path != "module"  # one token: combine by one addmm, in the order of ``ids``
     if one and path == "grouped_mm":  # its k ids sorted (grouped rows), its weights in that order
         if norm:

@@ -43,7 +43,11 @@ Exactness: float32 within 1e-6 of stock (only the summation order differs); bflo
 combine once where stock rounds twice.
 
 Options (``options={"moe_block": {...}}``): ``max_tokens`` (int >= 1): tokens per call at or below
-which the recipe's path runs; ``path`` ("auto", "grouped_mm", "gather"): force the routed experts' path.
+which the recipe's path runs; ``path`` ("auto", "grouped_mm", "gather"): force the routed experts' path;
+``fused_inputs`` (bool, default False): blocks with a shared expert multiply their input by one copy of
+the router's, the shared gate's and the shared gate/up weights side by side (one matmul and a split
+instead of four matmuls), at the memory of that copy (named in the report; Qwen3.6-35B-A3B bf16: 40 x
+5.0 MiB), rebuilt when those weights change; not on by default (no Mac measurement of the trade).
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ class MoeBlockOptions:
 
     max_tokens: int = 4
     path: str = "auto"
+    fused_inputs: bool = False
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,11 @@ class MoeBlockPlan:
 
     path: str
     max_tokens: int
+    fused_inputs: bool = False
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
 
 
 def _is_plain_linear(m: Any, n_in: int, n_out: int) -> bool:
@@ -320,6 +330,13 @@ def _eager_weights(mod: torch.nn.Module, state: _State) -> moe_ops.BlockWeights 
     def lhs(m: torch.nn.Linear) -> Any:  # the transposed weight, or what runs a stored (fp8) layer
         return decode_operand(m) if _is_stored_linear(m, m.in_features, m.out_features) else m.weight.detach().t()
 
+    inputs_t, splits = None, None
+    if state.plan.fused_inputs and w and all(isinstance(p, torch.nn.Parameter) for p in _input_params(mod, lay)):
+        # One copy of the router's, the shared gate's and the shared gate/up projections' weights side by side
+        # (option fused_inputs): one matmul for the block's input instead of four; rebuilt with the others.
+        with torch.no_grad():
+            inputs_t = torch.cat(params, dim=0).t()
+        splits = tuple(p.shape[0] for p in params)
     with torch.no_grad():
         state.weights = moe_ops.BlockWeights(
             router_t=params[0].t(),
@@ -331,6 +348,8 @@ def _eager_weights(mod: torch.nn.Module, state: _State) -> moe_ops.BlockWeights 
             shared_down_t=lhs(shared_mods[3]) if w else None,
             bounds=torch.arange(lay.experts, device=dev).view(1, -1),
             zeros=torch.zeros(lay.top_k, dtype=torch.long, device=dev),
+            inputs_t=inputs_t,
+            splits=splits,
         )
     state.watch = _watch(mod, lay)
     return state.weights
@@ -427,11 +446,23 @@ class MoeBlock(Recipe):
             reason = (
                 (native.reason if not native.ok else why_not) if options.path == "auto" else "forced by option path"
             ) + ": the routed experts' weights gathered (one copy each), then bmm"
-        backing = "router and shared expert by matmuls, " + ("grouped_mm" if path == "grouped_mm" else "gathered bmm")
+        fused = options.fused_inputs and lay.shared_inter > 0
+        inputs = (
+            "router and shared expert in one matmul (fused copy)" if fused else "router and shared expert by matmuls"
+        )
+        backing = inputs + ", " + ("grouped_mm" if path == "grouped_mm" else "gathered bmm")
+        ops = "about 22 aten ops per block (stock 46)" if fused else "about 24 aten ops per block (stock 46)"
+        if fused:
+            rows = lay.experts + 1 + 2 * lay.shared_inter
+            nbytes = rows * lay.hidden * match.module.gate.weight.element_size()
+            ops += (
+                f"; option fused_inputs: a copy of the router's and shared expert's input weights side by side "
+                f"({rows} x {lay.hidden}, {_size(nbytes)} per block, held while the recipe is applied)"
+            )
         return Decision.apply(
             backing + f" (<= {options.max_tokens} tokens)",
-            f"decode in about 24 aten ops per block (stock 46); {reason}; prefill: the block's own forward",
-            plan=MoeBlockPlan(path=path, max_tokens=options.max_tokens),
+            f"decode in {ops}; {reason}; prefill: the block's own forward",
+            plan=MoeBlockPlan(path=path, max_tokens=options.max_tokens, fused_inputs=fused),
         )
 
     def apply(self, match: Match, decision: Decision, env: Env, options: MoeBlockOptions) -> Patch:

@@ -158,6 +158,54 @@ def test_grouped_decode_orders_ids_by_topk_not_sort(family, tokens):
     )
 
 
+FUSED = {"moe_block": {"fused_inputs": True}}
+
+
+@pytest.mark.parametrize("batch", [1, 2], ids=["one-sequence", "batch2-left-padded"])
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "qwen2_moe"])
+def test_fused_inputs_equal_stock_in_fewer_ops(family, batch):
+    """Option fused_inputs: router, shared gate and shared gate/up in one matmul on a copy side by side;
+    decode logits and greedy tokens equal stock's (float32, 1e-5), 22 ops per one-token block."""
+    stock = _lm(family)
+    m = copy.deepcopy(stock)
+    report = mpsboost.patch(m, device=MPS215, options=FUSED)
+    row = next(r for r in report.rows if r.recipe == "moe_block")
+    assert row.status == "applied" and "one matmul" in row.backing and "per block" in row.reason, row
+    ids, mask = _inputs(m.config.vocab_size, batch)
+    with torch.no_grad():
+        torch.testing.assert_close(_decode_logits(m, ids, mask), _decode_logits(stock, ids, mask), rtol=1e-5, atol=1e-5)
+        kw = dict(attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(m.generate(ids, **kw), stock.generate(ids, **kw))
+    block = _blocks(m)[0]
+    assert block.__dict__["_mpsboost_moe_block"].weights.inputs_t is not None
+    assert _block_ops(block, m.config.hidden_size) <= 22
+
+
+def test_fused_inputs_follow_a_weight_change_and_default_off():
+    stock = _lm("qwen3_5_moe")
+    m = copy.deepcopy(stock)
+    mpsboost.patch(m, device=MPS215, options=FUSED)
+    b, rb = _blocks(m)[0], _blocks(stock)[0]
+    x = torch.randn(1, 1, m.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        b(x)  # the fused copy is built
+        for blk in (b, rb):  # the same in-place writes to the shared expert's up weight and the router
+            blk.shared_expert.up_proj.weight.mul_(-0.5)
+            blk.gate.weight.add_(0.25)
+        torch.testing.assert_close(b(x), rb(x), rtol=1e-5, atol=1e-5)
+    plain = copy.deepcopy(stock)
+    mpsboost.patch(plain, device=MPS215)
+    pb = _blocks(plain)[0]
+    with torch.no_grad():
+        pb(x)
+    assert pb.__dict__["_mpsboost_moe_block"].weights.inputs_t is None  # off unless asked
+
+
+def test_fused_inputs_must_be_a_bool():
+    with pytest.raises(TypeError, match="fused_inputs='yes' has type str; fused_inputs takes bool"):
+        mpsboost.patch(_lm("qwen3_5_moe"), device=MPS215, options={"moe_block": {"fused_inputs": "yes"}})
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "mixtral"])
 def test_one_token_block_equals_stock_bf16_within_noise(family):
     stock = _lm(family).to(torch.bfloat16)
