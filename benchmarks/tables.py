@@ -1272,6 +1272,9 @@ def block_profile_decode(results: Path | None = None) -> str:
     out = []
     for path in sorted((results or RESULTS).glob("profile_decode-*.jsonl")):
         recs = _raw(path.name, results)
+        if recs and recs[0].get("workload") == "qwen3.6-eager":
+            out.append(_profile_eager(path.name, recs))
+            continue
         rows = []
         for r in recs:
             groups_ = ", ".join(
@@ -1309,6 +1312,53 @@ def block_profile_decode(results: Path | None = None) -> str:
                 )
             )
     return "\n\n".join(out) or "No profile_decode records committed yet."
+
+
+def _profile_eager(name: str, recs: list[dict]) -> str:
+    """``profile_decode.py --workload qwen3.6-eager``: per variant and round, where the host time of an eager
+    decode step goes, against the kernel time (the GPU waits for the host when the kernel time is far below
+    the step)."""
+    rows = []
+    for i, r in enumerate(recs):
+        steps = r["step_all_ms"]
+        kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items())
+        copies = ", ".join(f"{k.split(' (')[0]} {v:g}" for k, v in r["device_copies_per_step"].items())
+        to_host = sum(v for k, v in r["device_copies_per_step"].items() if "DtoH" in k)
+        top = ", ".join(f"{k[6:]} {c:g}x {ms:.2f}" for k, (c, ms) in list(r["top_own_host_ms_per_step"].items())[:5])
+        rows.append(
+            [
+                str(i // 3 + 1),
+                r["variant"],
+                f"{r['step_ms']:.1f} ({steps[0]:.1f} .. {steps[-1]:.1f}, n={len(steps)})",
+                str(r["aten_ops_per_step"]),
+                f"{r['kernels_per_step']:.0f}",
+                f"{r['kernel_ms_per_step']:.2f}",
+                kinds,
+                f"{copies}; device-to-host: {to_host:g}",
+                top,
+            ]
+        )
+    r0 = recs[0]
+    return (
+        f"`{name}`: {r0['device']}, torch {r0['torch']}; the Qwen3.6-35B-A3B shape at {r0['layers']} layers, "
+        "eager decode steps on a 512-token cache, variants alternated on one model in each round (times in ms "
+        "per step; the host time per module kind and the ops' own host time come from the profiled steps, "
+        "which the profiler slows)\n\n"
+        + md_table(
+            [
+                "round",
+                "variant",
+                "step, median (min .. max) without the profiler",
+                "aten ops",
+                "kernels",
+                "summed kernel time",
+                "host time inside each module kind",
+                "device copies per step",
+                "aten ops by own host time (calls, ms)",
+            ],
+            rows,
+        )
+    )
 
 
 BLOCKS: dict[str, Callable[..., str]] = {

@@ -679,9 +679,9 @@ class BlockWeights:
 # _ascending: the decode step orders its few routed ids with ``topk(largest=False)``, not ``sort``. On MPS both
 # run the same one-dispatch block-sort body (aten/src/ATen/native/mps/kernels: ``sort_block_*`` and
 # ``sort_block_topk_*``, both in the 2.15.0 macOS wheel, long included). On CUDA ``sort`` of a few elements
-# goes through cub's segmented sort with three device-to-device copies: 116 us of host time a call on the H200
-# proxy against 62 us for the router's ``topk`` (cProfile of ``profile_decode.py --workload qwen3.6-eager
-# --host-profile``). Not stable: ties (one
+# goes through cub's segmented sort with three device-to-device copies: 110 us of host time a call on the H200
+# proxy against 62 us for ``topk`` (stock's own calls, cProfile in
+# ``benchmarks/results/profile_decode-cuda-2026-12-01g-qwen36-eager.jsonl``). Not stable: ties (one
 # expert routed by several tokens) keep no token order, which the steps do not need (rows are put back by
 # the permutation itself).
 def _lin(x: torch.Tensor, w: Any) -> torch.Tensor:
