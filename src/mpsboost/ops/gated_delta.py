@@ -250,18 +250,61 @@ def chunk_gated_delta_rule(
     else:
         raise ValueError(f"solve must be 'matmul' or 'triangular', got {solve!r}")
 
+    bh = b * hv
     if initial_state is None:
-        state = torch.zeros(b, hv, dk, dv, dtype=acc, device=value.device)
-    else:
-        state = initial_state.to(acc)
-    out = torch.zeros_like(new_values)
+        state = torch.zeros(bh, dk, dv, dtype=acc, device=value.device)
+    else:  # a copy: the scan updates it in place
+        state = initial_state.to(acc, copy=True).reshape(bh, dk, dv)
     query = query * cum.exp().unsqueeze(-1)
     key = key * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    chunk_decay = cum[..., -1].exp()[..., None, None]
-    for i in range(n_chunks):
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-        out[:, :, i] = query[:, :, i] @ state + intra[:, :, i] @ v_new
-        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
-    out = out.reshape(b, hv, -1, dv)[:, :, :seq]
-    out = out.transpose(1, 2).to(initial_dtype, memory_format=torch.contiguous_format)
-    return out, (state if output_final_state else None)
+    out = _scan(
+        query.flatten(0, 1),
+        key.flatten(0, 1).transpose(-1, -2),
+        new_values.flatten(0, 1),
+        k_cumdecay.flatten(0, 1),
+        intra.flatten(0, 1),
+        cum[..., -1].exp().reshape(bh, n_chunks).t().reshape(n_chunks, bh, 1, 1),
+        state,
+    )
+    # [n, b * hv, C, dv] -> [b, S, hv, dv]
+    out = out.view(n_chunks, b, hv, chunk_size, dv).permute(1, 0, 3, 2, 4).reshape(b, n_chunks * chunk_size, hv, dv)
+    out = out[:, :seq].to(initial_dtype, memory_format=torch.contiguous_format)
+    return out, (state.view(b, hv, dk, dv) if output_final_state else None)
+
+
+def _scan(
+    query: torch.Tensor,
+    key_t: torch.Tensor,
+    new_values: torch.Tensor,
+    k_cumdecay: torch.Tensor,
+    intra: torch.Tensor,
+    chunk_decay: torch.Tensor,
+    state: torch.Tensor,
+) -> torch.Tensor:
+    """The sequential scan over chunks of the chunked rule, five batched matmul-or-scale ops per chunk.
+
+    ``query`` ``[BH, n, C, dk]`` (decayed), ``key_t`` ``[BH, n, dk, C]`` (decayed to the chunk's end,
+    transposed), ``new_values`` ``[BH, n, C, dv]``, ``k_cumdecay`` ``[BH, n, C, dk]``, ``intra`` ``[BH, n, C, C]``,
+    ``chunk_decay`` ``[n, BH, 1, 1]``, ``state`` ``[BH, dk, dv]`` (updated in place). Returns the outputs
+    chunk-major, ``[n, BH, C, dv]``. Per chunk (transformers' loop, as ``bmm``/``baddbmm`` on views made once):
+    ``v_new = nv - kc @ S``, ``out = q @ S + intra @ v_new``, ``S = S * decay + k^T @ v_new``. transformers'
+    loop dispatches 37 aten ops per chunk through 4-D ``@`` and indexing; a 512-token prompt is 8 chunks per
+    layer, an 8k-token prompt 128.
+    """
+    n = query.shape[1]
+    out = torch.empty(n, *new_values.shape[:1], *new_values.shape[2:], dtype=new_values.dtype, device=state.device)
+    chunks = zip(
+        query.unbind(1),
+        key_t.unbind(1),
+        new_values.unbind(1),
+        k_cumdecay.unbind(1),
+        intra.unbind(1),
+        chunk_decay.unbind(0),
+        out.unbind(0),
+    )
+    for q, kt, nv, kc, a, decay, o in chunks:
+        v_new = torch.baddbmm(nv, kc, state, alpha=-1.0)
+        torch.bmm(q, state, out=o)
+        o.baddbmm_(a, v_new)
+        state.mul_(decay).baddbmm_(kt, v_new)
+    return out

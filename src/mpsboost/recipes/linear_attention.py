@@ -44,7 +44,9 @@ does): on MPS the same math, traced (weights read from the Parameters, decisions
 shows a gain there yet (inductor fuses stock's elementwise ops itself). CUDA with flash-linear-attention
 or causal-conv1d importable: skipped, transformers runs those kernels.
 
-Options (``options={"linear_attention": {...}}``): ``prefill`` "auto" | "matmul" | "stock";
+Options (``options={"linear_attention": {...}}``): ``prefill`` "auto" | "matmul" | "triangular" | "stock"
+("triangular": the recipe's chunked prefill with ``solve_triangular``: its projections in one buffer and a
+scan of five batched ops per 64-token chunk where transformers' loop dispatches 37);
 ``compiled`` "auto" | "recipe" | "stock".
 
 Compiled decoding on a Mac (opt-in, :func:`mac_compile`): transformers compiles the decode step itself
@@ -102,7 +104,7 @@ _PROJ = {
 _NORM = {"split": "norm", "qkvz": "norm", "olmo": "o_norm"}
 _OUT = {"split": "out_proj", "qkvz": "out_proj", "olmo": "o_proj"}
 _SILU = ("silu", "swish")
-_CHOICES = {"prefill": ("auto", "matmul", "stock"), "compiled": ("auto", "recipe", "stock")}
+_CHOICES = {"prefill": ("auto", "matmul", "triangular", "stock"), "compiled": ("auto", "recipe", "stock")}
 _QK_EPS = 1e-6  # transformers' l2norm epsilon (aligned with flash-linear-attention)
 
 
@@ -155,7 +157,7 @@ class _State:
 
     def __init__(self, layout: _Layout, prefill: str, compiled: str):
         self.layout = layout
-        self.prefill = prefill  # "matmul" or "stock"
+        self.prefill = prefill  # "matmul", "triangular" or "stock"
         self.compiled = compiled  # "recipe" or "stock"
         self.watch: Watch | None = None
         self.derived: dict[str, Any] | None = None
@@ -727,11 +729,11 @@ class LinearAttention(Recipe):
             options.compiled if options.compiled != "auto" else ("recipe" if env.device_type == "mps" else "stock")
         )
         backing = "projections into one buffer, recurrent step in fp32"
-        backing += (
-            "; prefill chunked, matmul triangular inverse"
-            if prefill == "matmul"
-            else "; prefill stock (solve_triangular)"
-        )
+        backing += {
+            "matmul": "; prefill chunked, matmul triangular inverse",
+            "triangular": "; prefill chunked (solve_triangular, 5 ops per chunk in the scan)",
+            "stock": "; prefill stock (solve_triangular)",
+        }[prefill]
         why = [
             (
                 "eager decode: projections, conv roll, gates and state update in few ops on per-layer buffers "
