@@ -153,15 +153,15 @@ def test_evidence_text_per_rule():
     assert gate.evidence_text(gqa).startswith("behavioural") and "pytorch#183280" in gqa.upstream
 
 
-def test_qwen35_prefill_on_mps_215_is_stock_with_the_kernel_named():
-    """The Gated DeltaNet chunk solve: stock on 2.15 (the wheel's small triangular-solve kernels), and the
-    plan's reason says which kernel and which wheel."""
+def test_qwen35_prefill_on_mps_215_uses_solve_triangular_with_the_kernel_named():
+    """The Gated DeltaNet chunk solve: solve_triangular on 2.15 (the wheel's small triangular-solve kernels),
+    and the plan's reason says which kernel and which wheel."""
     import mpsboost
     from tiny_models import build
 
     model = build("qwen3_5_moe")
     (row,) = mpsboost.plan(model, env=Env.simulate("mps", "2.15.0"), recipes=["linear_attention"]).rows[:1]
-    assert "prefill stock" in row.backing
+    assert "prefill chunked, solve_triangular" in row.backing
     assert "triangular_solve_small_16 in the 2.15.0 macOS wheel" in row.reason
     (old,) = mpsboost.plan(model, env=Env.simulate("mps", "2.14.1"), recipes=["linear_attention"]).rows[:1]
-    assert "prefill stock" not in old.backing and "2.14.1" in old.reason
+    assert "solve_triangular" not in old.backing and "2.14.1" in old.reason

@@ -439,24 +439,25 @@ def test_autograd_reaches_the_parameters():
 
 
 def test_decisions_per_device():
-    """Prefill: stock where the gate says solve_triangular is fast on the build (the report names the gate's
-    reason), the matmul inverse elsewhere; read from the gate, so the test follows its evidence."""
+    """Prefill: the recipe's chunked rule with solve_triangular where the gate says it is fast on the build (the
+    report names the gate's reason), the matmul inverse elsewhere; read from the gate, so the test follows its
+    evidence."""
     model = _model()
     for name, make in ENVS.items():
         env = make()
         report = mpsboost.plan(model, recipes=["linear_attention"], env=env)
         (row,) = [r for r in report.rows if r.recipe == "linear_attention"]
         verdict = check("solve_triangular_fast", env)
-        assert ("prefill stock" in row.backing) is verdict.ok, (name, row.backing)
+        assert ("prefill chunked, solve_triangular" in row.backing) is verdict.ok, (name, row.backing)
         assert ("matmul triangular inverse" in row.backing) is (not verdict.ok), (name, row.backing)
         assert verdict.reason in row.reason, (name, row.reason)
-        assert row.details["prefill"] == ("stock" if verdict.ok else "matmul")
+        assert row.details["prefill"] == ("triangular" if verdict.ok else "matmul")
 
 
 @pytest.mark.parametrize("ok", [True, False])
 def test_prefill_decision_follows_the_verdict_and_names_it(monkeypatch, ok):
-    """Whatever the gate concludes for a build, the plan carries it: stock prefill with the verdict's
-    reason (the kernel it found) where solve_triangular is fast, the matmul inverse where not."""
+    """Whatever the gate concludes for a build, the plan carries it: solve_triangular in the chunked prefill
+    with the verdict's reason (the kernel it found) where it is fast, the matmul inverse where not."""
     from mpsboost.gate import Verdict
 
     reason = "triangular_solve_small_{16,32,64} kernels in the 2.15.0 macOS wheel (test verdict)"
@@ -466,8 +467,8 @@ def test_prefill_decision_follows_the_verdict_and_names_it(monkeypatch, ok):
     )
     report = mpsboost.plan(_model(), recipes=["linear_attention"], env=Env.simulate("mps", "2.15.0"))
     (row,) = [r for r in report.rows if r.recipe == "linear_attention"]
-    assert ("prefill stock" in row.backing) is ok and ("matmul triangular inverse" in row.backing) is not ok
-    assert row.details["prefill"] == ("stock" if ok else "matmul") and reason in row.reason
+    assert ("solve_triangular" in row.backing) is ok and ("matmul triangular inverse" in row.backing) is not ok
+    assert row.details["prefill"] == ("triangular" if ok else "matmul") and reason in row.reason
 
 
 def test_steps_aside_for_cuda_kernels_and_odd_layers(monkeypatch):
