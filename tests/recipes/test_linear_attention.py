@@ -526,6 +526,85 @@ def test_chunked_rule_matches_transformers_reference():
         assert tm.relative_error(out, ref) <= FP32_TOL and tm.relative_error(state, ref_state) <= FP32_TOL
 
 
+class _OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("b", "s", "hk", "hv", "init"),
+    [(1, 64, 4, 4, False), (2, 200, 2, 4, True), (1, 321, 1, 4, True), (2, 7, 2, 2, False)],
+    ids=["one-chunk-no-state", "batch2-padded-gqa", "five-chunks-4-to-1", "short"],
+)
+def test_chunked_rule_equals_transformers_over_many_chunks(b, s, hk, hv, init):
+    """The scan over chunks (five batched ops a chunk) against transformers' loop: float32 outputs and final
+    state within the recipe's bound, for one to six chunks, batches, head ratios, with and without a state;
+    the caller's initial state is left as it was."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_chunk_gated_delta_rule as ref_rule
+
+    g = torch.Generator().manual_seed(s)
+    d = 16
+    q, k = torch.randn(b, s, hk, d, generator=g), torch.randn(b, s, hk, d, generator=g)
+    v = torch.randn(b, s, hv, d, generator=g)
+    gate, beta = -torch.rand(b, s, hv, generator=g), torch.rand(b, s, hv, generator=g)
+    state0 = torch.randn(b, hv, d, d, generator=g) * 0.1 if init else None
+    kept = state0.clone() if init else None
+    ref, ref_state = ref_rule(
+        q, k, v, g=gate, beta=beta, initial_state=state0, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    out, state = gd.chunk_gated_delta_rule(
+        q, k, v, gate, beta, initial_state=state0, output_final_state=True, solve="triangular"
+    )
+    assert out.shape == ref.shape and state.shape == ref_state.shape
+    assert tm.relative_error(out, ref) <= FP32_TOL and tm.relative_error(state, ref_state) <= FP32_TOL
+    if init:
+        assert torch.equal(state0, kept)
+
+
+def test_scan_is_five_ops_per_chunk():
+    """Structural: the scan dispatches five aten ops per 64-token chunk, whatever the number of chunks
+    (transformers' loop: 37). Counted as the difference between 17 and 9 chunks of the whole rule."""
+    g = torch.Generator().manual_seed(0)
+
+    def ops(s):
+        q, k, v = (torch.randn(1, s, 2, 16, generator=g) for _ in range(3))
+        gate, beta = -torch.rand(1, s, 2, generator=g), torch.rand(1, s, 2, generator=g)
+        with _OpCount() as c:
+            gd.chunk_gated_delta_rule(
+                q, k, v, gate, beta, initial_state=None, output_final_state=True, solve="triangular"
+            )
+        return c.n
+
+    assert ops(17 * 64) - ops(9 * 64) == 8 * 5
+
+
+def test_prefill_in_fewer_ops_than_stock_and_equal():
+    """Mac 2.15.0 decisions: a 512-token prompt's DeltaNet prefill in at most 60% of stock's aten ops, the
+    logits within the float32 bound."""
+    stock = _model(seed=21)
+    patched = copy.deepcopy(stock)
+    _patch(patched, Env.simulate("mps", "2.15.0"))
+    ids = torch.randint(3, 128, (1, 512), generator=torch.Generator().manual_seed(2))
+    counts = []
+    for m in (stock, patched):
+        layer = _deltanets(m)[0]
+        c = _OpCount()
+        pre = layer.register_forward_pre_hook(lambda *_: c.__enter__() and None)
+        post = layer.register_forward_hook(lambda *_: c.__exit__(None, None, None) and None)
+        with torch.no_grad():
+            logits = m(ids, use_cache=True).logits
+        pre.remove(), post.remove()
+        counts.append((c.n, logits))
+    (n_stock, ref), (n_patched, got) = counts
+    assert n_patched <= 0.6 * n_stock, (n_patched, n_stock)
+    assert tm.relative_error(got, ref) <= FP32_TOL
+
+
 @pytest.mark.slow
 def test_mac_compile_static_cache_generates_the_eager_tokens():
     """The opt-in compiled mode: transformers compiles the patched model's decode step (static cache) where
