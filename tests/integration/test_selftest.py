@@ -103,6 +103,7 @@ def test_workloads_stock_against_patched_on_the_cpu(run):
         "wan22_vae_tiled_decode",
         "qwen_image_vae_roundtrip",
         "qwen36_decode",
+        "qwen36_prefill",
         "fp8_linear_m1",
         "fp8_linear_m1024",
     ):
@@ -118,6 +119,8 @@ def test_workloads_stock_against_patched_on_the_cpu(run):
     assert (
         "qwen_image_vae" in w["qwen_image_vae_roundtrip"]["recipes"] and "fp8_weights" in w["fp8_linear_m1"]["recipes"]
     )
+    # the prefill workload runs the recipe's chunked prefill (two chunks at test size)
+    assert "linear_attention" in w["qwen36_prefill"]["recipes"] and w["qwen36_prefill"]["shape"]["decode_steps"] == 0
     # Qwen-Image-2.1: its recipe may not be merged yet; stock is measured against the CPU either way
     q21 = w["qwen_image21_vae_roundtrip"]
     assert q21["status"] in ("pass", "not applicable") and q21["stock"]["vs_cpu"]["psnr_db"] > 60

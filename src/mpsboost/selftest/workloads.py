@@ -18,6 +18,7 @@ Recipes that are merged later (Gated DeltaNet, the Qwen-Image-2.1 VAE) apply wit
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 import warnings
@@ -165,7 +166,7 @@ def _memory_bytes() -> int:
     return _memory_bytes() or 0
 
 
-def _qwen36(size: str, device: str) -> Built:
+def _qwen36(size: str, device: str, *, prefill_only: bool = False) -> Built:
     import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
@@ -174,7 +175,7 @@ def _qwen36(size: str, device: str) -> Built:
         from ..bench.models import model_config
 
         cfg = Qwen3_5MoeTextConfig(**model_config("qwen3_5_moe:selftest"))
-        prompt, steps = 6, 3
+        prompt, steps = (70, 0) if prefill_only else (6, 3)  # prefill: two 64-token chunks, the second padded
     else:
         # Qwen3.6-35B-A3B's text model (the config defaults: hidden 2048, 256 experts top-8, Gated DeltaNet
         # 16/32 heads of 128, attention 16/2 heads of 256); a few of its 40 layers. Each MoE layer is 1.6 GB in bf16.
@@ -184,6 +185,8 @@ def _qwen36(size: str, device: str) -> Built:
             num_hidden_layers=len(types), layer_types=types, vocab_size=248320 if size == "full" else 32768
         )
         prompt, steps = (512, 16) if size == "full" else (64, 8)
+        if prefill_only:  # time to first token: the chunked Gated DeltaNet prefill, 32 or 8 chunks a layer
+            prompt, steps = (2048 if size == "full" else 512), 0
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
@@ -270,6 +273,14 @@ SEED_WORKLOADS: dict[str, SeedWorkload] = {
             "qwen36_decode",
             "Qwen3.6-35B-A3B layers (Gated DeltaNet + MoE): prefill, then one-token decode steps",
             _qwen36,
+            metric="rel",
+            cpu_reference=(),
+            tolerance={"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2},
+        ),
+        SeedWorkload(
+            "qwen36_prefill",
+            "Qwen3.6-35B-A3B layers (Gated DeltaNet + MoE): one long prompt, no decode (time to first token)",
+            functools.partial(_qwen36, prefill_only=True),
             metric="rel",
             cpu_reference=(),
             tolerance={"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2},
