@@ -349,7 +349,9 @@ def _exact_reference(name: str, model, cfg, device: str) -> torch.nn.Module:
     return meta.eval()
 
 
-def phase(kind: str, name: str, layers: int, files: dict, device: str, tiny: bool = False) -> dict:
+def phase(
+    kind: str, name: str, layers: int, files: dict, device: str, tiny: bool = False, lossless: bool = True
+) -> dict:
     import mpsboost
     from mpsboost.bench.quality import relative_error
 
@@ -394,7 +396,7 @@ def phase(kind: str, name: str, layers: int, files: dict, device: str, tiny: boo
         }
     else:
         model = _meta_model(name, cfg).eval()
-        report = mpsboost.load_fp8(model, files["fp8"], device=device)
+        report = mpsboost.load_fp8(model, files["fp8"], device=device, lossless_recipes=lossless)
         _sync(device)
         load_s = time.perf_counter() - t0
         host_load = _status("VmHWM:") - base_host
@@ -426,6 +428,7 @@ def phase(kind: str, name: str, layers: int, files: dict, device: str, tiny: boo
             "bf16_reference_vs_fp32": None if exact32 is None else relative_error(want, exact32),
             "fp8_modules": len(rows),
             "backing": sorted({r.backing for r in rows}),
+            "lossless_recipes": lossless,
         }
         if cuda:
             out.update(device_peak=load_peak[0], device_reserved=load_peak[1])
@@ -541,6 +544,9 @@ def _decode_records(name: str, layers: int, files: dict, results: list[dict], de
 # ------------------------------------------------------------------------------------------ driver
 
 
+LOAD_VARIANT = "mpsboost load_fp8"
+
+
 def _records(name: str, layers: int, files: dict, a: dict, b: dict, device: str):
     from mpsboost.bench import Correctness, Memory, Record, RecordEnv, Throughput, Workload
 
@@ -571,7 +577,7 @@ def _records(name: str, layers: int, files: dict, a: dict, b: dict, device: str)
         ),
         Record(
             Workload("fp8_load", shape),
-            "mpsboost load_fp8",
+            LOAD_VARIANT if b.get("lossless_recipes", True) else LOAD_VARIANT + ", no other recipes",
             env,
             throughput=Throughput(b["total_s"], "s"),
             memory=Memory(tensor_allocated=b.get("device_peak"), allocator_reserved=b.get("device_reserved")),
@@ -591,11 +597,15 @@ def _records(name: str, layers: int, files: dict, a: dict, b: dict, device: str)
                 "fp8_modules": b["fp8_modules"],
                 "backing": b["backing"],
                 "logits_equal": b.get("logits_equal"),
+                "lossless_recipes": b.get("lossless_recipes", True),
             },
         ),
         Record(Workload("fp8_decode_step", shape), "bf16", env, throughput=Throughput(a["decode_ms"], "ms")),
         Record(
-            Workload("fp8_decode_step", shape), "mpsboost load_fp8", env, throughput=Throughput(b["decode_ms"], "ms")
+            Workload("fp8_decode_step", shape),
+            LOAD_VARIANT if b.get("lossless_recipes", True) else LOAD_VARIANT + ", no other recipes",
+            env,
+            throughput=Throughput(b["decode_ms"], "ms"),
         ),
     ]
     return recs, ratio, host_ratio
@@ -628,6 +638,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--mac", default="2.15.0", help="torch version of the simulated Mac of the paired decode")
     p.add_argument("--skip-load", action="store_true", help="qwen3.6: only the paired decode (no load comparison)")
+    p.add_argument(
+        "--no-lossless-recipes",
+        action="store_true",
+        help="load_fp8(..., lossless_recipes=False): the fp8 layers alone, no other recipe (the logits comparison "
+        "then runs the same code on both sides but the fp8 layers)",
+    )
     p.add_argument("--phase", choices=("bf16", "fp8", "decode"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--workload", default=None, help=argparse.SUPPRESS)
     p.add_argument("--files", default=None, help=argparse.SUPPRESS)
@@ -649,7 +665,15 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(res))
         return 0
     if args.phase:
-        res = phase(args.phase, args.workload, args.layers, json.loads(args.files), args.device, args.tiny)
+        res = phase(
+            args.phase,
+            args.workload,
+            args.layers,
+            json.loads(args.files),
+            args.device,
+            args.tiny,
+            lossless=not args.no_lossless_recipes,
+        )
         print("RESULT " + json.dumps(res))
         return 0
     names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -715,7 +739,10 @@ def main(argv=None) -> int:
                 all_recs += _decode_records(name, layers, files, paired, args.device)
             if args.skip_load:
                 continue
-            res = {kind: run_phase(kind) for kind in ("bf16", "fp8")}
+            res = {
+                "bf16": run_phase("bf16"),
+                "fp8": run_phase("fp8", *(["--no-lossless-recipes"] if args.no_lossless_recipes else [])),
+            }
             recs, ratio, host_ratio = _records(name, layers, files, res["bf16"], res["fp8"], args.device)
             all_recs += recs
             a, b = res["bf16"], res["fp8"]
@@ -725,7 +752,8 @@ def main(argv=None) -> int:
                 f"{a['host_peak'] / 2**30:.2f} GiB, decode step {a['decode_ms']:.2f} ms"
             )
             print(
-                f"  load_fp8:       {b['total_s']:.1f} s, device peak {b.get('device_peak', 0) / 2**30:.2f} GiB "
+                f"  load_fp8{'' if b['lossless_recipes'] else ' (no other recipes)'}: {b['total_s']:.1f} s, "
+                f"device peak {b.get('device_peak', 0) / 2**30:.2f} GiB "
                 f"({ratio if ratio is None else round(ratio, 3)}x, target <= {TARGET_PEAK}), "
                 f"host peak {b['host_peak'] / 2**30:.2f} GiB "
                 f"({host_ratio if host_ratio is None else round(host_ratio, 3)}x), "
