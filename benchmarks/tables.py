@@ -1102,15 +1102,20 @@ def block_fp8_load(results: Path | None = None) -> str:
         gs = groups(path.name, results)
         steps = {g.workload.shape["workload"]: g for g in gs if g.workload.name == "fp8_decode_step"}
         for g in gs:
-            if g.workload.name != "fp8_load":
+            if g.workload.name != "fp8_load" or g.variants.get("bf16 load + convert") is None:
                 continue
-            if g.variants.get("bf16 load + convert") is None or g.variants.get("mpsboost load_fp8") is None:
-                continue
-            latest[g.workload.shape["workload"]] = (path.name, g, steps.get(g.workload.shape["workload"]))
-            seen.append(path.name)
+            # load_fp8 with the default lossless recipes, or (fp8_load.py --no-lossless-recipes) the fp8 layers alone
+            for label in ("mpsboost load_fp8", "mpsboost load_fp8, no other recipes"):
+                if g.variants.get(label) is not None:
+                    latest[(g.workload.shape["workload"], label)] = (
+                        path.name,
+                        g,
+                        steps.get(g.workload.shape["workload"]),
+                    )
+                    seen.append(path.name)
     rows = []
-    for name, (fname, g, step) in latest.items():
-        base, var = g.variants["bf16 load + convert"], g.variants["mpsboost load_fp8"]
+    for (name, label), (fname, g, step) in latest.items():
+        base, var = g.variants["bf16 load + convert"], g.variants[label]
         sh = g.workload.shape
         dev_b, dev_v = base.memory.tensor_allocated, var.memory.tensor_allocated
         host_b, host_v = base.extra["host_peak_bytes"], var.extra["host_peak_bytes"]
@@ -1118,20 +1123,21 @@ def block_fp8_load(results: Path | None = None) -> str:
         f32, floor = var.extra.get("rel_error_vs_fp32"), var.extra.get("bf16_reference_vs_fp32")
         floor_text = "not recorded" if f32 is None else f"{f32:.1e} (stock bf16: {floor:.1e})"
         step_text = "-"
-        if step is not None and {"bf16", "mpsboost load_fp8"} <= set(step.variants):
-            a, b = step.variants["bf16"].throughput.value, step.variants["mpsboost load_fp8"].throughput.value
+        if step is not None and {"bf16", label} <= set(step.variants):
+            a, b = step.variants["bf16"].throughput.value, step.variants[label].throughput.value
             step_text = f"{a:.1f} ms -> {b:.1f} ms ({b / a:.2f}x the time; one median each)"
         path_text = "; ".join(var.extra.get("backing") or []) or "-"
         rows.append(
             [
                 f"{sh['workload']} ({sh['layers']} layers), {sh['format']}; "
-                f"files: bf16 {gib(sh['bf16_bytes'])}, fp8 {gib(sh['fp8_bytes'])}",
+                f"files: bf16 {gib(sh['bf16_bytes'])}, fp8 {gib(sh['fp8_bytes'])}"
+                + ("" if label == "mpsboost load_fp8" else "; the fp8 layers alone (no other recipe)"),
                 path_text,
                 f"{base.throughput.value:.1f} s -> {var.throughput.value:.1f} s (one run each)",
                 f"{gib(dev_b)} -> {gib(dev_v)} ({dev_v / dev_b:.3f}x)",
                 f"{gib(host_b)} -> {gib(host_v)} ({host_v / host_b:.3f}x)",
                 step_text,
-                "-" if rel is None else f"{rel:.1e}",
+                "-" if rel is None else f"{rel:.1e}" + (" (bit-equal)" if var.extra.get("logits_equal") else ""),
                 floor_text,
                 source(fname, g),
             ]
