@@ -730,16 +730,15 @@ def sparse_moe_block(
 
     n, hdim = x.shape
     shared = None
-    if w.inputs_t is not None and shared_act is not None:
+    if w.inputs_t is not None and shared_act is not None:  # option fused_inputs: one matmul for all four
         logits, g, sg, su = torch.mm(x, w.inputs_t).split(w.splits, dim=-1)
-        shared = _lin(shared_act(sg) * su, w.shared_down_t) * torch.sigmoid(g)
-    elif shared_act is not None:
-        logits = torch.mm(x, w.router_t)
-        g_t, sg_t, su_t = w.shared_t
-        g, sg, su = _lin(x, g_t), _lin(x, sg_t), _lin(x, su_t)
-        shared = _lin(shared_act(sg) * su, w.shared_down_t) * torch.sigmoid(g)
     else:
         logits = torch.mm(x, w.router_t)
+        if shared_act is not None:
+            g_t, sg_t, su_t = w.shared_t
+            g, sg, su = _lin(x, g_t), _lin(x, sg_t), _lin(x, su_t)
+    if shared_act is not None:
+        shared = _lin(shared_act(sg) * su, w.shared_down_t) * torch.sigmoid(g)
     one = n == 1 and path != "module"  # one token: combine by one addmm, in the order of ``ids``
     if one and path == "grouped_mm":  # its k ids sorted (grouped rows), its weights in that order
         if norm:
