@@ -440,10 +440,26 @@ def phase(
 # ------------------------------------------------------------------------------------------ paired decode
 
 
-def decode_phase(name: str, layers: int, files: dict, device: str, mac: str | None, rounds: int, tiny: bool) -> dict:
+DECODE_SCALES = {
+    "rowwise": "load_fp8(requantize='rowwise') of the written Qwen3.6-FP8-layout file",
+    "file": "load_fp8 of the written Qwen3.6-FP8-layout file, its 128x128 block scales kept (exact)",
+}
+
+
+def decode_phase(
+    name: str,
+    layers: int,
+    files: dict,
+    device: str,
+    mac: str | None,
+    rounds: int,
+    tiny: bool,
+    scales: str = "rowwise",
+) -> dict:
     """Eager decode, fp8 against patched bf16 in alternating rounds (mpsboost.bench.harness.measure_variants), in
     one process: the bf16 model built on the device (random weights) and patched, the fp8 model loaded from the
-    written file with ``requantize="rowwise"`` (the rowwise decode paths). ``mac``: the decisions of a Mac on that
+    written file with ``requantize="rowwise"`` (``scales="rowwise"``: the rowwise decode paths) or as it is
+    (``scales="file"``: its block scales applied exactly). ``mac``: the decisions of a Mac on that
     torch build (``Env.simulate("mps", mac)``) for both models, computed on this device (load_fp8 with a simulated
     Env reads into host memory; the loaded model is then moved here)."""
     import mpsboost
@@ -458,7 +474,8 @@ def decode_phase(name: str, layers: int, files: dict, device: str, mac: str | No
     mpsboost.patch(bf, **({"device": env} if env else {}))
     fp = _meta_model(name, cfg).eval()
     t0 = time.perf_counter()
-    report = mpsboost.load_fp8(fp, files["fp8"], device=env or device, requantize="rowwise")
+    requant = {"requantize": "rowwise"} if scales == "rowwise" else {}
+    report = mpsboost.load_fp8(fp, files["fp8"], device=env or device, **requant)
     if env is not None:
         fp.to(device)
     _sync(device)
@@ -494,6 +511,7 @@ def decode_phase(name: str, layers: int, files: dict, device: str, mac: str | No
         "measurement": m.extra("fp8", "bf16 patched"),
         "fp8_load_s": load_s,
         "fp8_backing": sorted({r.backing for r in rows}),
+        "scales": scales,
     }
 
 
@@ -509,7 +527,7 @@ def _decode_records(name: str, layers: int, files: dict, results: list[dict], de
             "weights": "random",
             "decisions": r["decisions"],
             "step": "one token after a 128-token prefill, eager, DynamicCache",
-            "fp8": "load_fp8(requantize='rowwise') of the written Qwen3.6-FP8-layout file",
+            "fp8": DECODE_SCALES[r.get("scales", "rowwise")],
             "bf16": "built on the device from the config, mpsboost.patch(model)",
         }
         wl = Workload("fp8_decode_paired", shape)
@@ -637,6 +655,13 @@ def main(argv=None) -> int:
         "alternating rounds (>= 5), natively and with the decisions of --mac (default 0: not timed)",
     )
     p.add_argument("--mac", default="2.15.0", help="torch version of the simulated Mac of the paired decode")
+    p.add_argument(
+        "--decode-scales",
+        choices=tuple(DECODE_SCALES),
+        default="rowwise",
+        help="the paired decode's fp8 model: 'rowwise' (load_fp8(requantize='rowwise')) or 'file' (the file's block "
+        "scales kept and applied exactly)",
+    )
     p.add_argument("--skip-load", action="store_true", help="qwen3.6: only the paired decode (no load comparison)")
     p.add_argument(
         "--no-lossless-recipes",
@@ -661,6 +686,7 @@ def main(argv=None) -> int:
             args.mac or None,
             args.decode_rounds,
             args.tiny,
+            args.decode_scales,
         )
         print("RESULT " + json.dumps(res))
         return 0
@@ -728,7 +754,15 @@ def main(argv=None) -> int:
             if args.decode_rounds and name == "qwen3.6":
                 paired = []
                 for mac in ("", args.mac):  # native decisions, then a Mac's, each in its own process
-                    r = run_phase("decode", "--decode-rounds", str(args.decode_rounds), "--mac", mac)
+                    r = run_phase(
+                        "decode",
+                        "--decode-rounds",
+                        str(args.decode_rounds),
+                        "--mac",
+                        mac,
+                        "--decode-scales",
+                        args.decode_scales,
+                    )
                     paired.append(r)
                     print(
                         f"  decode ({r['decisions']} decisions, {args.decode_rounds} alternating rounds): "

@@ -838,6 +838,24 @@ FEATURES: dict[str, Feature] = {
             probe=_probe_fp8_gemv,
         ),
         Feature(
+            "fp8_metal_gemv",
+            "mpsboost's Metal fp8 GEMV (bf16/fp16/fp32 activations, 1 byte per weight; dense, or grouped by offsets)",
+            {
+                "mps": (
+                    Rule(
+                        since="2.7",
+                        upstream="def compile_shader in torch/mps/__init__.py of every macOS wheel read (public "
+                        "since 2.7); the kernel is mpsboost's (mpsboost.ops.fp8_metal)",
+                        note="on a Mac the fp8 recipe also compiles it and checks it against the reference at patch "
+                        "time (mpsboost.ops.fp8.metal_verdict)",
+                        evidence="mps_compile_shader",
+                    ),
+                )
+            },
+            probe=_probe_mps_api("compile_shader", "public since torch 2.7"),
+            probe_decides=True,
+        ),
+        Feature(
             "triton",
             "Triton kernels",
             {"cuda": (Rule(since="2.4", min_capability=(8, 0)),)},

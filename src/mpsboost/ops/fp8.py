@@ -44,6 +44,7 @@ This module never imports diffusers or transformers, and imports Triton only on 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
@@ -80,6 +81,8 @@ __all__ = [
     "scaled_mm_rowwise",
     "scaled_mm_bias_supported",
     "fp8_gemv",
+    "fp8_gemv_out",
+    "GemvOperand",
     "fp8_gemv_reference",
     "fused_quantize_rows",
     "stored_bytes",
@@ -448,6 +451,34 @@ class FewRowsOperand:
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
 
+class GemvOperand:
+    """One fp8 linear's few-rows product by the fp8 GEMV (``torch.ops.mpsboost.fp8_gemv``: mpsboost's Metal kernel on
+    MPS, its Triton kernel on CUDA), for an eager decode step that calls it every token: what the layer's own
+    ``fused`` forward does at few rows, without its reshapes (a 2-D input in, a 2-D product out: one dispatch),
+    and, with ``out=``, written straight into the caller's buffer (the columns a fused projection's product
+    occupies). Other calls (more rows, another dtype or rank) go to the layer. Rowwise or tensorwise scales, no
+    bias. A recipe keeps it with its other eager constants and rebuilds it when the layer's codes or scales change
+    (it watches them); traced code never sees it."""
+
+    __slots__ = ("layer", "q", "scale", "max_rows", "dtype")
+    writes_out = True
+
+    def __init__(self, layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, max_rows: int, dtype: torch.dtype):
+        self.layer = layer
+        self.q = q.detach()
+        self.scale = scale.detach()
+        self.max_rows = max_rows
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.dtype != self.dtype or x.dim() != 2 or not 0 < x.shape[0] <= self.max_rows:
+            y = self.layer(x)
+            return y if out is None else out.copy_(y.view(out.shape))
+        if out is None:
+            return fp8_gemv(x, self.q, self.scale, None)
+        return fp8_gemv_out(x, self.q, self.scale, out)
+
+
 def fp8_gemv_reference(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]
 ) -> torch.Tensor:
@@ -481,6 +512,49 @@ def _fp8_gemv_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: 
     from . import fp8_triton
 
     return fp8_triton.fp8_gemv(x, w, scale, bias)
+
+
+@_fp8_gemv_op.register_kernel("mps")
+def _fp8_gemv_mps(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    # mpsboost's Metal kernel (mpsboost.ops.fp8_metal): the activation as it is, each weight read once as its fp8
+    # byte. The recipe chooses this path only where the gate's probe compiled and checked it on this Mac.
+    from . import fp8_metal
+
+    n, k = w.shape
+    if fp8_metal.supported(x, w, bk=k) is not None:
+        return fp8_gemv_reference(x, w, scale, bias)
+    rowwise = scale.numel() == n and n > 1
+    s = scale.float().reshape(n if rowwise else 1, 1)
+    y = fp8_metal.rows_gemv(x, w, s, None, bn=1 if rowwise else n, bk=k)
+    return y if bias is None else y.add_(bias)
+
+
+@torch.library.custom_op("mpsboost::fp8_gemv_out", mutates_args=("out",))
+def _fp8_gemv_out_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(fp8_gemv_reference(x, w, scale, None))
+
+
+@_fp8_gemv_out_op.register_kernel("cuda")
+def _fp8_gemv_out_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(_fp8_gemv_cuda(x, w, scale, None))
+
+
+@_fp8_gemv_out_op.register_kernel("mps")
+def _fp8_gemv_out_mps(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    from . import fp8_metal
+
+    n, k = w.shape
+    if fp8_metal.supported(x, w, bk=k) is not None or out.dtype != x.dtype or (n > 1 and out.stride(1) != 1):
+        out.copy_(fp8_gemv_reference(x, w, scale, None))
+        return
+    rowwise = scale.numel() == n and n > 1
+    s = scale.float().reshape(n if rowwise else 1, 1)
+    fp8_metal.rows_gemv(x, w, s, None, bn=1 if rowwise else n, bk=k, out=out)
+
+
+@_fp8_gemv_out_op.register_fake
+def _fp8_gemv_out_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    return None
 
 
 @_fp8_gemv_op.register_fake
@@ -524,13 +598,36 @@ def _eager_cuda(x: torch.Tensor) -> bool:
     )
 
 
+def _eager_mps(x: torch.Tensor) -> bool:
+    """:func:`_eager_cuda` for MPS: eager, a plain tensor on MPS, nothing to differentiate (on a Mac every eager
+    dispatch is host time, and an fp8 decode step calls the operator once per projection)."""
+    return (
+        not torch.compiler.is_compiling()
+        and type(x) is torch.Tensor
+        and x.device.type == "mps"
+        and not (x.requires_grad and torch.is_grad_enabled())
+    )
+
+
 def fp8_gemv(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """``x [M, K] @ (w [N, K] fp8 * scale).T + bias`` in ``x.dtype``: ``torch.ops.mpsboost.fp8_gemv``."""
     if _eager_cuda(x):
         return _fp8_gemv_cuda(x, w, scale, bias)
+    if _eager_mps(x):
+        return _fp8_gemv_mps(x, w, scale, bias)
     return torch.ops.mpsboost.fp8_gemv(x, w, scale, bias)
+
+
+def fp8_gemv_out(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`fp8_gemv` without a bias, written into ``out`` (``[M, N]``, e.g. the columns of a wider buffer):
+    ``torch.ops.mpsboost.fp8_gemv_out``. On MPS the Metal kernel writes there; elsewhere a copy."""
+    if _eager_mps(x):
+        _fp8_gemv_out_mps(x, w, scale, out)
+    else:
+        torch.ops.mpsboost.fp8_gemv_out(x, w, scale, out)
+    return out
 
 
 def fused_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -558,8 +655,46 @@ class LinearPath:
 ACTIVATIONS = ("bf16", "fp8")
 
 
+MPS_KERNELS = ("auto", "metal", "scaled_mm")
+
+# (torch version) -> None (the kernel compiled and matched the reference on this Mac) or why not; once per process.
+_METAL_CHECKED: dict[str, Optional[str]] = {}
+
+
+def metal_verdict(env: Env):
+    """Whether mpsboost's Metal fp8 GEMV runs here: the gate's ``fp8_metal_gemv`` (torch.mps.compile_shader in this
+    build), and on a real Mac its patch-time self-check (:func:`mpsboost.ops.fp8_metal.self_check`: compiled, then
+    compared with the reference on shapes that cover its branches, every finite code decoded exactly), once per
+    process. A simulated Mac is decided by the gate alone, and says so."""
+    v = check("fp8_metal_gemv", env)
+    if not v.ok or env.simulated or env.device_type != "mps":
+        return v
+    key = env.torch_version.raw
+    if key not in _METAL_CHECKED:
+        from . import fp8_metal
+
+        _METAL_CHECKED[key] = fp8_metal.self_check("mps")
+    why = _METAL_CHECKED[key]
+    if why is not None:
+        return dataclasses.replace(v, ok=False, reason=f"mpsboost's Metal fp8 GEMV failed its self-check here: {why}")
+    return dataclasses.replace(v, reason=f"{v.reason}; compiled and checked against the reference on this Mac")
+
+
+def metal_ok(k: int, dtype: torch.dtype) -> bool:
+    """Static facts for mpsboost's Metal fp8 GEMV (:mod:`mpsboost.ops.fp8_metal`): K a multiple of 16 and an
+    activation dtype it has."""
+    return k % 16 == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
 def choose_linear_path(
-    env: Env, *, n: int, k: int, dtype: torch.dtype, gemv_max_m: int = 16, activations: str = "bf16"
+    env: Env,
+    *,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    gemv_max_m: int = 16,
+    activations: str = "bf16",
+    mps_kernel: str = "auto",
 ) -> LinearPath:
     """The forward path for an ``[n, k]`` layer computing in ``dtype`` in ``env`` (pure: asks only the gate).
 
@@ -569,6 +704,8 @@ def choose_linear_path(
     """
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    if mps_kernel not in MPS_KERNELS:
+        raise ValueError(f"mps_kernel must be one of {MPS_KERNELS}, got {mps_kernel!r}")
     storage = storage_for(env)
     st = check("float8_storage", env)
     if env.device_type == "cuda":
@@ -616,42 +753,72 @@ def choose_linear_path(
         why = sm.reason if not sm.ok else gv.reason
         return LinearPath("dequant", "dequantize then linear", f"no fused fp8 path here: {why}", storage)
     if env.device_type == "mps":
-        if not st.ok:
-            return LinearPath(
-                "dequant",
-                "uint8 storage, integer decode then linear",
-                f"{st.reason}; the fp8 bytes are kept as uint8 and decoded with integer ops",
-                "uint8",
+        metal = None
+        if mps_kernel != "scaled_mm":
+            metal = metal_verdict(env)
+            if metal.ok and metal_ok(k, dtype):
+                rows = min(gemv_max_m, FEW_ROWS_MAX)
+                return LinearPath(
+                    "fused",
+                    f"fp8 GEMV (mpsboost's Metal kernel: activations as they are, the weight read once as its fp8 "
+                    f"bytes, 1 byte per weight) for M<={rows}; dequantize then linear above",
+                    metal.reason
+                    + ("; forced by option mps_kernel" if mps_kernel == "metal" else "")
+                    + ("" if st.ok else f"; {st.reason}: the fp8 bytes are kept as uint8, which the kernel reads"),
+                    storage,
+                    rows,
+                )
+        why_not = ""
+        if metal is not None:
+            why_not = (
+                f"; not mpsboost's Metal kernel: {metal.reason}"
+                if not metal.ok
+                else f"; not mpsboost's Metal kernel: K={k} is not a multiple of 16 or {str(dtype)[6:]} activations"
             )
-        gv = check("fp8_gemv", env)
-        sm = check("scaled_mm", env)
-        if gv.ok and sm.ok and few_rows_ok(n, k, dtype):
-            return LinearPath(
-                "mps_scaled_mm",
-                f"scaled_mm rowwise for M<={FEW_ROWS_MAX} (activations quantised per row; the weight read once as fp8, "
-                "1 byte per weight); dequantize then linear above",
-                f"{gv.reason}; {sm.reason}",
-                storage,
-                FEW_ROWS_MAX,
-            )
-        if gv.ok and sm.ok:
-            return LinearPath(
-                "dequant",
-                "dequantize then linear",
-                f"scaled_mm needs K and N multiples of {FEW_ROWS_ALIGN} and a float32/bfloat16/float16 output; "
-                f"this layer is [{n}, {k}] in {str(dtype)[6:]}",
-                storage,
-            )
+        elif mps_kernel == "scaled_mm":
+            why_not = "; option mps_kernel='scaled_mm'"
+        lp = _mps_path_without_metal(env, n=n, k=k, dtype=dtype, st=st, storage=storage)
+        return dataclasses.replace(lp, reason=lp.reason + why_not)
+    return LinearPath(
+        "dequant",
+        "dequantize then linear",
+        f"{env.device_type}: FP8 is a storage format; each layer is dequantised just before its matmul",
+        storage,
+    )
+
+
+def _mps_path_without_metal(env: Env, *, n: int, k: int, dtype: torch.dtype, st, storage: str) -> LinearPath:
+    """The MPS path from torch's own kernels alone (before mpsboost's Metal kernel, or without it)."""
+    if not st.ok:
+        return LinearPath(
+            "dequant",
+            "uint8 storage, integer decode then linear",
+            f"{st.reason}; the fp8 bytes are kept as uint8 and decoded with integer ops",
+            "uint8",
+        )
+    gv = check("fp8_gemv", env)
+    sm = check("scaled_mm", env)
+    if gv.ok and sm.ok and few_rows_ok(n, k, dtype):
+        return LinearPath(
+            "mps_scaled_mm",
+            f"scaled_mm rowwise for M<={FEW_ROWS_MAX} (activations quantised per row; the weight read once as fp8, "
+            "1 byte per weight); dequantize then linear above",
+            f"{gv.reason}; {sm.reason}",
+            storage,
+            FEW_ROWS_MAX,
+        )
+    if gv.ok and sm.ok:
         return LinearPath(
             "dequant",
             "dequantize then linear",
-            f"{st.reason}; FP8 is a storage format here: {gv.reason if not gv.ok else sm.reason}",
+            f"scaled_mm needs K and N multiples of {FEW_ROWS_ALIGN} and a float32/bfloat16/float16 output; "
+            f"this layer is [{n}, {k}] in {str(dtype)[6:]}",
             storage,
         )
     return LinearPath(
         "dequant",
         "dequantize then linear",
-        f"{env.device_type}: FP8 is a storage format; each layer is dequantised just before its matmul",
+        f"{st.reason}; FP8 is a storage format here: {gv.reason if not gv.ok else sm.reason}",
         storage,
     )
 
@@ -726,7 +893,7 @@ def fp8_linear(
     arguments fixed at patch time); the kernels are registered operators. ``kind="fused"`` on tensors
     that are not on CUDA runs the operators' reference kernels (how CPU tests exercise the CUDA path).
     """
-    if kind == "fused" and q.dtype == FP8_DTYPE:
+    if kind == "fused" and (q.dtype == FP8_DTYPE or (q.dtype == torch.uint8 and not q.is_cuda)):
         n, k = q.shape
         m = _rows(x)
         x2 = x.reshape(m, k)

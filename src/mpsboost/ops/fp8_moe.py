@@ -36,12 +36,14 @@ from typing import Callable, Optional
 import torch
 
 from . import moe as moe_ops
+from .fp8_grouped import grouped_mm, scale_blocks
 from .fp8 import (
     FEW_ROWS_MAX,
     FP8_DTYPE,
     dequantize,
     few_rows_ok,
     fp8_gemv,
+    metal_ok,
     fused_quantize_rows,
     quantize_rows,
     quantize_rows_few,
@@ -58,6 +60,7 @@ __all__ = [
     "scaled_grouped_ok",
     "few_rows_experts_ok",
     "few_rows_experts",
+    "grouped_rows_experts",
 ]
 
 PATHS = ("scaled_grouped_mm", "gather", "hit", "stack")
@@ -72,6 +75,9 @@ FEW_ROWS_BACKING = {
     "gemv": f"decode (<= {FEW_ROWS_MAX} tokens): fp8 gather of the routed experts' codes, one fp8 GEMV (triton) for "
     "every up projection and one per 16 pairs for the down projections (3 bytes per routed weight: gather read and "
     "write, GEMV read; no bf16 copy)",
+    "grouped": f"decode (<= {FEW_ROWS_MAX} tokens): mpsboost's Metal fp8 grouped GEMV, one call per projection on "
+    "the stack as it is, rows sorted by expert with offsets on the device (1 byte per routed weight, experts "
+    "without rows never read, activations as they are; no gather, no host sync)",
 }
 BACKING = {
     "scaled_grouped_mm": "scaled_grouped_mm rowwise on the fp8 stack, offsets on device",
@@ -139,8 +145,17 @@ def _scaled_grouped(x: torch.Tensor, stack: Fp8Stack, offsets: torch.Tensor) -> 
 
 
 def few_rows_experts_ok(up: Fp8Stack, down: Fp8Stack, dtype: torch.dtype, kernel: str = "scaled_mm") -> bool:
-    """Static facts for :func:`few_rows_experts`: float8 codes in the [E, out, in] layout; for ``scaled_mm``
-    16-aligned dims and an output type it writes; for ``gemv`` a float32, bfloat16 or float16 activation."""
+    """Static facts for :func:`few_rows_experts` (:func:`grouped_rows_experts` for ``grouped``): float8 codes in the
+    [E, out, in] layout; for ``scaled_mm`` 16-aligned dims and an output type it writes; for ``gemv`` a float32,
+    bfloat16 or float16 activation; for ``grouped`` that too, K a multiple of 16, and float8 or uint8 codes."""
+    if kernel == "grouped":
+        return all(
+            st.q.dtype in (FP8_DTYPE, torch.uint8)
+            and st.q.dim() == 3
+            and not st.transposed
+            and metal_ok(st.q.shape[2], dtype)
+            for st in (up, down)
+        )
     if kernel == "gemv":
         ok = lambda st: dtype in (torch.float32, torch.bfloat16, torch.float16)  # noqa: E731
     else:
@@ -251,6 +266,65 @@ def few_rows_experts(
     if t == 1:  # [1, k] @ [k, H]: the routing weights applied and the k pairs summed in one op
         return torch.mm(wts, diag)
     return torch.bmm(wts.view(t, 1, k), diag.view(t, k, n_down)).view(t, n_down)
+
+
+def grouped_rows_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    up: Fp8Stack,
+    down: Fp8Stack,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    block: Optional[tuple[int, int]] = None,
+) -> torch.Tensor:
+    """Routed experts for a few tokens on fp8 stacks by ``torch.ops.mpsboost.grouped_mm`` (MPS: mpsboost's Metal
+    kernel), reading each routed expert's codes once, in place, at 1 byte per weight; activations as they are.
+
+    The ``P = T * k`` pairs are put in ascending expert order by one ``topk(largest=False)`` (see
+    :mod:`mpsboost.ops.moe`, ``_ascending``), their int32 offsets come from one ``searchsorted`` on the device, the
+    up projections read the token rows as they are (one token: one row of stride 0, no copy), the down projections
+    the pair rows, and one ``mm`` (``index_add_`` for several tokens) weights and sums each token's pairs. No host
+    sync, no gather of weights. ``block``: the stacks' block scales ``(bn, bk)`` (a file's); otherwise their rowwise
+    or per-expert scales. ``hidden_states [T, H]``, ``top_k_* [T, k]``; returns ``[T, H]`` in its dtype."""
+    t, hdim = hidden_states.shape
+    k = top_k_index.shape[-1]
+    p = t * k
+    # One token: its [1, k] ids sorted as they are (no reshape); several: all pairs as one row.
+    ids = top_k_index if t == 1 else top_k_index.reshape(1, p)
+    sids, perm = torch.topk(ids, p, dim=-1, largest=False)
+    offs = torch.searchsorted(sids, _bounds(up.q.shape[0], sids), right=True, out_int32=True).view(-1)
+    if t == 1:
+        rows = hidden_states.expand(p, hdim)
+    else:
+        rows = hidden_states.index_select(0, torch.div(perm.view(p), k, rounding_mode="floor"))
+    ub = block if block is not None else scale_blocks(up.q, up.scale)
+    db = block if block is not None else scale_blocks(down.q, down.scale)
+    h = activation(grouped_mm(rows, up.q, offs, up.scale, ub[0], ub[1]))
+    if h.dtype != hidden_states.dtype:
+        h = h.to(hidden_states.dtype)
+    y = grouped_mm(h, down.q, offs, down.scale, db[0], db[1])  # [P, H], pairs in expert order
+    if t == 1:  # [1, P] @ [P, H]: the routing weights (in the pairs' order) applied and summed in one op
+        wts = top_k_weights.gather(1, perm)
+        return torch.mm(wts if wts.dtype == y.dtype else wts.to(y.dtype), y)
+    wts = top_k_weights.reshape(p).index_select(0, perm.view(p)).to(y.dtype)
+    out = torch.zeros((t, hdim), dtype=y.dtype, device=y.device)
+    return out.index_add_(0, torch.div(perm.view(p), k, rounding_mode="floor"), y * wts.unsqueeze(-1))
+
+
+# (device, number of experts) -> arange(E) as [1, E]: searchsorted's bounds, made once per process in eager mode
+# (one dispatch less per MoE layer and token); a few bytes per key, no model held.
+_BOUNDS: dict = {}
+
+
+def _bounds(e: int, like: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return torch.arange(e, device=like.device, dtype=like.dtype).view(1, e)
+    key = (like.device, like.dtype, e)
+    found = _BOUNDS.get(key)
+    if found is None:
+        found = _BOUNDS[key] = torch.arange(e, device=like.device, dtype=like.dtype).view(1, e)
+    return found
 
 
 def _mm_rows(x: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:

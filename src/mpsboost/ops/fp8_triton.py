@@ -11,6 +11,10 @@ by the CUDA kernels of the registered operators ``mpsboost::fp8_gemv`` and ``mps
   are padded to 16 (the smallest ``tl.dot``); the padding costs arithmetic, which is idle at decode,
   not bytes. Layers with few output rows split K over more programs (partials in fp32, then one small
   reduction kernel with the epilogue), so that every multiprocessor streams weight bytes.
+* :func:`grouped_gemv` -- ``torch.ops.mpsboost.grouped_mm`` on CUDA: rows sorted by expert with int32 offsets on
+  the device; each program finds its row's expert from the offsets, streams that expert's fp8 rows (1 byte per
+  routed weight, experts without rows never read) with its rowwise, per-expert or block scales, the weight
+  rounded once to the activation dtype as above, fp32 accumulation; rows past the last offset are zeros.
 * :func:`quantize_rows` -- rowwise fp8 quantisation of an activation in one kernel (amax, scale,
   codes), feeding ``torch._scaled_mm`` on the large-M path.
 
@@ -30,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["fp8_gemv", "quantize_rows", "gemv_config", "GemvConfig", "clear_tuning_cache"]
+__all__ = ["fp8_gemv", "grouped_gemv", "quantize_rows", "gemv_config", "GemvConfig", "clear_tuning_cache"]
 
 _BLOCK_M = 16
 
@@ -471,3 +475,88 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block = min(4096, triton.next_power_of_2(max(k, 16)))
     _quant_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK_K=block, num_warps=4 if block <= 2048 else 8)
     return q, s
+
+
+@triton.jit
+def _grouped_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    offs_ptr,
+    out_ptr,
+    N,
+    K,
+    E,
+    stride_xr,
+    bn,
+    bk,
+    sn,
+    sk,
+    E_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    r = tl.program_id(1)
+    eo = tl.arange(0, E_POW2)
+    ends = tl.load(offs_ptr + eo, mask=eo < E, other=2147483647)
+    e = tl.sum((ends <= r).to(tl.int32), axis=0)  # the first group whose end is past r; E past the last one
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if e < E:
+        w_row = w_ptr + e.to(tl.int64) * N * K + rn.to(tl.int64)[:, None] * K
+        s_row = s_ptr + (e * sn + rn // bn)[:, None] * sk
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            xt = tl.load(x_ptr + r.to(tl.int64) * stride_xr + rk, mask=k_ok, other=0.0)
+            ok = n_ok[:, None] & k_ok[None, :]
+            wt = tl.load(w_row + rk[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
+            st = tl.load(s_row + (rk // bk)[None, :], mask=ok, other=0.0)
+            wd = (wt.to(tl.float32) * st).to(xt.dtype)  # the weight F.linear would get from dequantize()
+            acc += wd.to(tl.float32) * xt.to(tl.float32)[None, :]
+    y = tl.sum(acc, axis=1)
+    tl.store(out_ptr + r.to(tl.int64) * N + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def grouped_gemv(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor, bn: int, bk: int
+) -> torch.Tensor:
+    """``torch.ops.mpsboost.grouped_mm`` (:mod:`mpsboost.ops.fp8_grouped`) on CUDA for a few rows (decode):
+    ``x [R, K]`` (rows of any stride, 0 included), codes ``w [E, N, K]`` float8_e4m3fn, int32 ``offs [E]``,
+    float32 ``scale [E, ceil(N/bn), ceil(K/bk)]``; ``[R, N]`` in ``x.dtype``."""
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped_gemv takes x [R, K] and w [E, N, K]; got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    w = w.contiguous()
+    scale = scale.float().contiguous()
+    r, k = x.shape
+    e, n, _ = w.shape
+    out = torch.empty((r, n), dtype=x.dtype, device=x.device)
+    if r == 0 or n == 0:
+        return out
+    block_n = 32
+    block_k = 128 if k >= 128 else triton.next_power_of_2(max(k, 16))
+    grid = (triton.cdiv(n, block_n), r)
+    _grouped_gemv_kernel[grid](
+        x,
+        w,
+        scale,
+        offs,
+        out,
+        n,
+        k,
+        e,
+        x.stride(0),
+        bn,
+        bk,
+        scale.shape[-2],
+        scale.shape[-1],
+        E_POW2=triton.next_power_of_2(max(e, 2)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out

@@ -425,6 +425,11 @@ def _project(
     cache, which may keep it. A batch, a concurrent step and traced code (no ``out=`` in a graph): q and k
     concatenated."""
     if d["mods"] is not None:  # stored projections (fp8): each layer's own forward on the one activation
+        if work is not None:  # decode operands that write into a buffer (mpsboost's fp8 GEMV): q and k columns
+            _, buf, q, k = work
+            d["mods"][0](x2, out=q)
+            d["mods"][1](x2, out=k)
+            return buf, d["mods"][2](x2)
         q, k, v = (m(x2) for m in d["mods"])
         return torch.cat((q, k), dim=-1), v
     wts, bs = d["wt"], d["b"]
@@ -460,7 +465,8 @@ def _decode(
     """One token. ``own``: this step holds the layer's lock and may write its one-row q/k buffer."""
     lay = st.layout
     b, hq, hkv, dh = hs.shape[0], lay.hq, lay.hkv, lay.d
-    work = st.buffer(hs, lay) if own and b == 1 and d["wt"] is not None else None
+    writes = d["wt"] is not None or (d["mods"] is not None and all(getattr(m, "writes_out", False) for m in d["mods"]))
+    work = st.buffer(hs, lay) if own and b == 1 and writes else None
     # [B, Nqk] (the buffer, or a fresh result: as_strided views address it) and [B, Nv]
     y, yv = _project(mod, d, hs.reshape(b, lay.hidden), work)
     nqk = lay.widths[0] + lay.widths[1]

@@ -474,8 +474,16 @@ class _Work:
                 start += rows
             self.slots = slots
             self.y2 = raw if b > 1 else raw.view(1, 1, raw.shape[-1])  # cat's target: the shape of its pieces
+            # Stored projections whose decode operand writes into a buffer (mpsboost's fp8 GEMV): their columns.
+            self.mod_slots = None
+            if d["proj_mods"] is not None and all(getattr(m, "writes_out", False) for m in d["proj_mods"]):
+                self.mod_slots, start = [], 0
+                for rows in lay.widths:
+                    self.mod_slots.append(raw[:, start : start + rows])
+                    start += rows
             self.bufs = bufs
             self.views = {name: _view(spec, bufs[spec[0]]) for name, spec in _specs(lay, b).items()}
+            self.out2d = bufs["out"].view(b, hv * dv)  # the output projection's input, for a 2-D decode operand
 
 
 def _decode(
@@ -494,7 +502,11 @@ def _decode(
     if work is not None:
         bufs, views = work.bufs, work.views
         x = hs if b == 1 else hs.reshape(b, lay.hidden)
-        if d["proj_mods"] is not None:  # stored projections: each layer's own forward, side by side
+        if work.mod_slots is not None:  # stored projections by the fp8 GEMV: each writes its own columns
+            x2 = hs.view(b, lay.hidden)
+            for m, slot in zip(d["proj_mods"], work.mod_slots):
+                m(x2, out=slot)
+        elif d["proj_mods"] is not None:  # stored projections: each layer's own forward, side by side
             torch.cat([m(x) for m in d["proj_mods"]], dim=-1, out=work.raw if d["perm"] is not None else work.y2)
         else:
             for wt, slot in zip(d["proj_t3"] if b == 1 else d["proj_t"], work.slots):
@@ -536,7 +548,9 @@ def _decode(
     out = gd.gated_rms_norm(v("o4", o), v("z", y), d["norm_w"], d["norm_eps"], out=bufs.get("out"))
     if work is None:
         out = out.to(hs.dtype)
-    if d["out_w"] is None:  # stored output projection: its own forward
+    if d["out_w"] is None:  # stored output projection: its own forward (a decode operand: on the 2-D view)
+        if work is not None and getattr(d["out_mod"], "writes_out", False):
+            return d["out_mod"](work.out2d).view(b, 1, lay.hidden)
         return d["out_mod"](v("out_in", out)).view(b, 1, lay.hidden)
     if b == 1:
         return torch.bmm(v("out_in", out), d["out_t3"] if work is not None else d["out_w"].t().unsqueeze(0))

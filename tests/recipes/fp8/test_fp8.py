@@ -270,9 +270,14 @@ def test_mps_scaled_mm_path_runs_small_m_through_scaled_mm_and_large_m_dequantis
             y = fp8_ops.fp8_linear(x, q, s, b, kind="mps_scaled_mm", compute_dtype=torch.bfloat16, gemv_max_m=4)
         assert spy.call_count == (1 if m <= 4 else 0)
         assert fp8_ops.sqnr_db(y, F.linear(x.double(), w.double(), b.double())) >= 25.0
-    # The gate's fp8_gemv passes on MPS 2.15 (scaled_mm_few_rows_{1..4} in the 2.15.0 macOS wheel).
-    lp = fp8_ops.choose_linear_path(Env.simulate("mps", "2.15.0"), n=64, k=128, dtype=torch.bfloat16)
+    # The gate's fp8_gemv passes on MPS 2.15 (scaled_mm_few_rows_{1..4} in the 2.15.0 macOS wheel): the path of
+    # option mps_kernel="scaled_mm"; by default mpsboost's Metal GEMV (the "fused" kind) comes first.
+    mac = Env.simulate("mps", "2.15.0")
+    lp = fp8_ops.choose_linear_path(mac, n=64, k=128, dtype=torch.bfloat16, mps_kernel="scaled_mm")
     assert lp.kind == "mps_scaled_mm" and lp.backing.startswith("scaled_mm rowwise for M<=4") and lp.gemv_max_m == 4
+    assert "option mps_kernel='scaled_mm'" in lp.reason
+    lp = fp8_ops.choose_linear_path(mac, n=64, k=128, dtype=torch.bfloat16)
+    assert lp.kind == "fused" and lp.backing.startswith("fp8 GEMV (mpsboost's Metal kernel") and lp.gemv_max_m == 4
 
 
 # ------------------------------------------------------------------------------------------ whole models
@@ -460,14 +465,8 @@ def test_include_exclude_and_experts_options():
 def test_plan_on_simulated_builds_names_storage_and_path():
     model = tm.build("qwen3_moe", dtype="bfloat16")
     cases = {
-        ("mps", "2.14.1"): ("uint8", "uint8 storage, integer decode then linear", "hit experts"),
-        ("mps", "2.15.0"): (
-            "float8",
-            "scaled_mm rowwise for M<=4 (activations quantised per row; the weight read once as fp8, "
-            "1 byte per weight); "
-            "dequantize then linear above",
-            "3 bytes per routed weight",
-        ),
+        ("mps", "2.14.1"): ("uint8", METAL_LINEAR, "mpsboost's Metal fp8 grouped GEMV"),
+        ("mps", "2.15.0"): ("float8", METAL_LINEAR, "mpsboost's Metal fp8 grouped GEMV"),
         ("cuda:9.0", "2.11.0"): (
             "float8",
             "fp8 GEMV (triton) for M<=16; dequantize then linear (exact: activations stay bf16) above",
@@ -485,6 +484,21 @@ def test_plan_on_simulated_builds_names_storage_and_path():
         assert all(experts_word in r.backing for r in exp), (dev, ver, exp[0].backing)
     why = _applied(mpsboost.plan(model, fp8="rowwise", device="mps", torch_version="2.14.1"))[0].reason
     assert "pytorch#194074" in why
+    # Option mps_kernel="scaled_mm": torch's own kernels, as before the Metal kernel (2.15: few-rows scaled_mm).
+    opts = {"fp8_weights": {"mps_kernel": "scaled_mm"}}
+    rows = _applied(mpsboost.plan(model, fp8="rowwise", device="mps", torch_version="2.15.0", options=opts))
+    assert all(r.backing.startswith("scaled_mm rowwise for M<=4") for r in rows if r.details["kind"] == "linear"), rows[
+        0
+    ].backing
+    assert all("3 bytes per routed weight" in r.backing for r in rows if r.details["kind"] == "experts")
+    rows = _applied(mpsboost.plan(model, fp8="rowwise", device="mps", torch_version="2.14.1", options=opts))
+    assert all(r.backing == "uint8 storage, integer decode then linear" for r in rows if r.details["kind"] == "linear")
+
+
+METAL_LINEAR = (
+    "fp8 GEMV (mpsboost's Metal kernel: activations as they are, the weight read once as its fp8 bytes, 1 byte per "
+    "weight) for M<=4; dequantize then linear above"
+)
 
 
 def test_backing_and_thresholds_say_what_runs_in_that_env():

@@ -285,3 +285,33 @@ def test_patch_tunes_the_gemv_before_the_first_forward():
     q = model.model.layers[0].self_attn.q_proj.weight
     n, k = q.shape
     assert any(key[:3] == (n, k, 1) for key in fp8_triton._TUNED), list(fp8_triton._TUNED)[:5]
+
+
+@needs_fp8
+@pytest.mark.parametrize("scales", ["rowwise", "per_expert", "block"])
+@pytest.mark.parametrize("r,e,n,k", [(8, 32, 1024, 2048), (8, 32, 2048, 512), (5, 7, 300, 208), (1, 4, 48, 64)])
+def test_grouped_gemv_matches_the_reference(scales, r, e, n, k, rng_seed):
+    # mpsboost::grouped_mm's CUDA kernel (Triton) against its plain-torch reference: rows sorted by expert with
+    # offsets on the device, an empty expert, rows past the last offset (zeros), a stride-0 shared row.
+    from mpsboost.ops import fp8_triton
+    from mpsboost.ops.fp8_grouped import grouped_mm_reference
+
+    dev = "cuda"
+    codes = torch.randint(0, 256, (e, n, k), device=dev, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    q = codes.view(torch.float8_e4m3fn)
+    bn, bk = {"rowwise": (1, k), "per_expert": (n, k), "block": (128, 128)}[scales]
+    scale = torch.rand(e, -(-n // bn), -(-k // bk), device=dev) * 1e-2 + 1e-3
+    counts = torch.zeros(e, dtype=torch.int64)
+    counts[torch.randint(0, e, (max(r - 1, 1),))] += 1
+    counts[0] = 0  # one expert without rows
+    offs = torch.cumsum(counts, 0).to(torch.int32).to(dev)
+    for shared in (False, True):
+        x = torch.randn(1 if shared else r, k, device=dev, dtype=torch.bfloat16)
+        x = x.expand(r, k) if shared else x
+        y = fp8_triton.grouped_gemv(x, q, offs, scale, bn, bk)
+        ref = grouped_mm_reference(x, q, offs, scale, bn, bk)
+        assert not torch.isnan(y).any()
+        assert _rel(y, ref) < 1e-2, (scales, r, e, n, k, shared, _rel(y, ref))
+        past = int(offs[-1])
+        assert torch.equal(y[past:], torch.zeros_like(y[past:]))

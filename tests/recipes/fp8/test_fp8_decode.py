@@ -19,6 +19,8 @@ from mpsboost.ops import fp8 as fp8_ops
 from mpsboost.ops import fp8_moe
 
 MAC = Env.simulate("mps", "2.15.0")
+# torch's own few-rows kernels (F.scaled_mm), the MPS 2.15 path where mpsboost's Metal kernel is not used.
+SCALED = {"fp8_weights": {"mps_kernel": "scaled_mm"}}
 
 
 def _ref_linear(x, q, s, b):
@@ -58,7 +60,7 @@ def test_mac_decode_step_calls_scaled_mm_v2_never_torch_scaled_mm(rng_seed):
     from unittest import mock
 
     with mock.patch.object(fp8_ops, "scaled_mm_bias_supported", wraps=fp8_ops.scaled_mm_bias_supported) as probe:
-        mpsboost.patch(m, device=MAC, fp8="rowwise")
+        mpsboost.patch(m, device=MAC, fp8="rowwise", options=SCALED)
     assert probe.call_count >= 1 and all(c.args[1:] == ("v2",) for c in probe.call_args_list), probe.call_args_list
     ids = torch.randint(0, 512, (1, 12))
     with torch.no_grad():
@@ -81,12 +83,19 @@ def test_shared_expert_gate_stays_in_bf16():
 
 
 def test_few_rows_path_only_for_16_aligned_layers_and_named_in_the_plan():
-    lp = fp8_ops.choose_linear_path(MAC, n=64, k=128, dtype=torch.bfloat16)
+    sm = "scaled_mm"
+    lp = fp8_ops.choose_linear_path(MAC, n=64, k=128, dtype=torch.bfloat16, mps_kernel=sm)
     assert lp.kind == "mps_scaled_mm" and lp.gemv_max_m == 4 and lp.backing.startswith("scaled_mm rowwise for M<=4")
-    lp = fp8_ops.choose_linear_path(MAC, n=1, k=128, dtype=torch.bfloat16)  # e.g. a shared-expert gate
+    lp = fp8_ops.choose_linear_path(MAC, n=1, k=128, dtype=torch.bfloat16, mps_kernel=sm)  # a shared-expert gate
     assert lp.kind == "dequant" and "multiples of 16" in lp.reason
-    old = fp8_ops.choose_linear_path(Env.simulate("mps", "2.14.1"), n=64, k=128, dtype=torch.bfloat16)
+    old = fp8_ops.choose_linear_path(Env.simulate("mps", "2.14.1"), n=64, k=128, dtype=torch.bfloat16, mps_kernel=sm)
     assert old.kind == "dequant" and old.storage == "uint8"
+    # mpsboost's Metal GEMV takes any N and K a multiple of 16, on 2.14 too (uint8 storage, read as it is).
+    for env in (MAC, Env.simulate("mps", "2.14.1")):
+        lp = fp8_ops.choose_linear_path(env, n=1, k=128, dtype=torch.bfloat16)
+        assert lp.kind == "fused" and "mpsboost's Metal kernel" in lp.backing and lp.gemv_max_m == 4
+    lp = fp8_ops.choose_linear_path(MAC, n=64, k=72, dtype=torch.bfloat16)
+    assert lp.kind == "dequant" and "K=72 is not a multiple of 16" in lp.reason
 
 
 def test_activation_is_quantised_once_per_unchanged_input(rng_seed):
@@ -257,7 +266,7 @@ def test_cuda_plan_decodes_experts_by_the_fp8_gemv():
 def test_experts_layer_takes_the_few_rows_path_on_a_simulated_mac_and_not_on_2_14(rng_seed):
     for env, want in ((MAC, True), (Env.simulate("mps", "2.14.1"), False)):
         m = build("tiny")
-        report = mpsboost.patch(m, device=env, fp8="rowwise")
+        report = mpsboost.patch(m, device=env, fp8="rowwise", options=SCALED)
         rows = [r for r in report.rows_for("fp8_weights") if r.target.endswith("mlp.experts")]
         assert rows and all(r.status == "applied" for r in rows)
         assert all(("scaled_mm" in r.backing and "3 bytes per routed weight" in r.backing) == want for r in rows)
@@ -347,7 +356,7 @@ def test_few_rows_operand_equals_the_layers_own_forward(gran, shape, rng_seed):
     from mpsboost.recipes.fp8.layers import decode_operand
 
     m = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False)).to(torch.bfloat16)
-    mpsboost.patch(m, device=MAC, fp8=gran)
+    mpsboost.patch(m, device=MAC, fp8=gran, options=SCALED)
     layer = m[0]
     op = decode_operand(layer)
     assert isinstance(op, fp8_ops.FewRowsOperand), op
@@ -359,13 +368,22 @@ def test_few_rows_operand_equals_the_layers_own_forward(gran, shape, rng_seed):
         assert "t" not in ops.names and ops.names.count("_scaled_mm_v2") == 1, ops.names
 
 
-def test_few_rows_operand_only_for_the_scaled_mm_path():
+def test_decode_operand_follows_the_layers_path():
     from mpsboost.recipes.fp8.layers import decode_operand
 
-    for env, fp8 in ((Env.simulate("mps", "2.14.1"), "rowwise"), (Env.simulate("cuda", "2.11.0"), "rowwise")):
+    cases = (
+        (Env.simulate("mps", "2.14.1"), SCALED, None),  # uint8 storage, dequantised: the layer itself
+        (Env.simulate("mps", "2.14.1"), None, fp8_ops.GemvOperand),  # mpsboost's Metal GEMV, uint8 read as it is
+        (MAC, None, fp8_ops.GemvOperand),
+        (MAC, SCALED, fp8_ops.FewRowsOperand),
+        (Env.simulate("cuda:9.0", "2.11.0"), None, fp8_ops.GemvOperand),  # the Triton GEMV
+        (Env.simulate("cuda:8.0", "2.11.0"), None, None),  # no fused path: dequantised
+    )
+    for env, opts, want in cases:
         m = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False)).to(torch.bfloat16)
-        mpsboost.patch(m, device=env, fp8=fp8)
-        assert decode_operand(m[0]) is m[0], env
+        mpsboost.patch(m, device=env, fp8="rowwise", options=opts)
+        op = decode_operand(m[0])
+        assert (op is m[0]) if want is None else isinstance(op, want), (env, opts, op)
     plain = torch.nn.Linear(64, 48)
     assert decode_operand(plain) is plain
 

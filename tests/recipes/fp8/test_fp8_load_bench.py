@@ -29,10 +29,10 @@ def test_paired_decode_runs_natively_and_with_mac_decisions_and_writes_records(t
     for r in results:
         assert len(r["bf16_samples_ms"]) == len(r["fp8_samples_ms"]) == 5
         assert r["measurement"]["alternated_with"] == ["bf16 patched"] and r["speedup"] > 0
-    # The Mac's fp8 layers take the few-rows scaled_mm paths; CPU's own dequantise.
-    assert any(x.startswith("scaled_mm rowwise for M<=4") for x in mac["fp8_backing"]), mac["fp8_backing"]
-    assert any("3 bytes per routed weight" in x for x in mac["fp8_backing"]), mac["fp8_backing"]
-    assert not any("scaled_mm rowwise" in x for x in native["fp8_backing"]), native["fp8_backing"]
+    # The Mac's fp8 layers take mpsboost's Metal GEMV (dense) and grouped GEMV (routed experts); CPU's own dequantise.
+    assert any(x.startswith("fp8 GEMV (mpsboost's Metal kernel") for x in mac["fp8_backing"]), mac["fp8_backing"]
+    assert any("Metal fp8 grouped GEMV" in x for x in mac["fp8_backing"]), mac["fp8_backing"]
+    assert not any("Metal" in x for x in native["fp8_backing"]), native["fp8_backing"]
     recs = b._decode_records("qwen3.6", 4, files, results, "cpu")
     assert [(r.workload.shape["decisions"], r.variant) for r in recs] == [
         ("native", "bf16 patched"),

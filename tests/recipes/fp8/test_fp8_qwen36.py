@@ -270,9 +270,12 @@ def test_qwen36_fp8_layout_loads_into_a_meta_model_exactly(qwen36_folder, env, c
     assert {r.details["format"] for r in rows.values()} == {"transformers-fp8"}
     want_storage = "uint8" if env == "mps-2.14.1" else "float8"
     assert {r.details["storage"] for r in rows.values()} == {want_storage}
-    assert rows["model.layers.0.mlp.experts"].backing.startswith(
-        "block-scaled fp8 128x128: dequantise only the hit experts"
-    )
+    experts = rows["model.layers.0.mlp.experts"].backing
+    assert experts.startswith("block-scaled fp8 128x128: ") and "dequantise only the hit experts" in experts
+    # On a Mac (2.14 and 2.15 decisions alike) decode runs mpsboost's Metal kernel with the block scales in it.
+    assert ("mpsboost's Metal fp8 grouped GEMV" in experts) == env.startswith("mps"), experts
+    qkv = rows["model.layers.0.linear_attn.in_proj_qkv"].backing
+    assert ("mpsboost's Metal fp8 GEMV, the block scales applied in it" in qkv) == env.startswith("mps"), qkv
     # Module classes: the fp8 layers print as what they are, the bf16 ones stay stock.
     la = model.model.layers[0].linear_attn
     assert type(la.in_proj_qkv).__name__ == "FP8Linear" and type(la.out_proj).__name__ == "FP8Linear"

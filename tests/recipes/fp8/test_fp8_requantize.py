@@ -52,8 +52,8 @@ def test_requantised_layers_are_rowwise_within_half_an_e4m3_step_of_the_file(fol
     assert {r.details["requantized_from"] for r in rows.values()} == {f"block {BLOCK[0]}x{BLOCK[1]}"}
     assert all("requantised at load from 128x128 block scales" in r.reason for r in rows.values())
     qkv = rows["model.layers.0.linear_attn.in_proj_qkv"]
-    assert qkv.backing.startswith("scaled_mm rowwise for M<=4")
-    assert "3 bytes per routed weight" in rows["model.layers.0.mlp.experts"].backing
+    assert qkv.backing.startswith("fp8 GEMV (mpsboost's Metal kernel")
+    assert "Metal fp8 grouped GEMV" in rows["model.layers.0.mlp.experts"].backing
     # Dense layer: codes and scales against the file's exact values.
     lin = model.model.layers[0].linear_attn.in_proj_qkv
     assert lin.weight_scale.shape == (lin.weight.shape[0], 1)

@@ -22,6 +22,7 @@ from ...errors import Fp8StateError
 from ...ops import fp8 as fp8_ops
 from ...ops import fp8_moe
 from ...ops.fp8_block import fp8_block_experts, fp8_block_linear
+from ...ops.fp8_grouped import block_gemv
 from ...patching import original_forward, saved_state
 
 __all__ = [
@@ -142,14 +143,22 @@ def fp8_state(module: torch.nn.Module) -> Optional[Fp8State]:
 
 
 def decode_operand(module: Any) -> Any:
-    """What an eager decode step calls for ``module``: a :class:`mpsboost.ops.fp8.FewRowsOperand` where the
-    module is a converted fp8 linear whose few-rows path is ``F.scaled_mm`` (MPS 2.15+ decisions: no block
-    scales, no bias, K and N multiples of 16), else ``module`` itself (its own forward)."""
+    """What an eager decode step calls for ``module``: a :class:`mpsboost.ops.fp8.GemvOperand` where the module
+    is a converted fp8 linear whose few-rows path is the fp8 GEMV (``fused``: mpsboost's Metal kernel on MPS, its
+    Triton kernel on CUDA; no block scales, no bias), a :class:`mpsboost.ops.fp8.FewRowsOperand` where it is
+    ``F.scaled_mm`` (MPS 2.15+ decisions without the Metal kernel: K and N multiples of 16), else ``module``
+    itself (its own forward)."""
     state = fp8_state(module) if isinstance(module, torch.nn.Linear) else None
-    if state is None or not state.converted or state.kind != "mps_scaled_mm" or state.block is not None:
+    if state is None or not state.converted or state.kind not in ("mps_scaled_mm", "fused") or state.block is not None:
         return module
     q, scale = module.weight, getattr(module, "weight_scale", None)
-    if module.bias is not None or q.dtype != fp8_ops.FP8_DTYPE or not isinstance(scale, torch.Tensor):
+    if module.bias is not None or not isinstance(scale, torch.Tensor) or scale.numel() not in (1, q.shape[0]):
+        return module
+    if state.kind == "fused":
+        if q.dtype == fp8_ops.FP8_DTYPE or (q.dtype == torch.uint8 and not q.is_cuda):
+            return fp8_ops.GemvOperand(module, q, scale, state.gemv_max_m, state.compute_dtype)
+        return module
+    if q.dtype != fp8_ops.FP8_DTYPE:
         return module
     if not fp8_ops.few_rows_ok(q.shape[0], q.shape[1], state.compute_dtype):
         return module
@@ -174,7 +183,12 @@ def _linear_forward(state: Fp8State) -> Callable[..., Any]:
         if w.dtype not in _CODES:
             raise _cast_error(self, "weight", w)
         if state.block is not None:
-            # Block scales of the file, applied as they are: this layer dequantised just before its matmul.
+            # Block scales of the file, applied as they are: at decode inside mpsboost's Metal kernel where the
+            # gate allowed it (a static fact of the shape), otherwise this layer dequantised just before its matmul.
+            if state.few_rows and self.bias is None and 0 < input.numel() <= state.gemv_max_m * input.shape[-1]:
+                n, k = w.shape
+                y = block_gemv(input.reshape(-1, k), w, self.weight_scale, state.block[0], state.block[1])
+                return y if input.dim() == 2 else y.view(*input.shape[:-1], n)
             return fp8_block_linear(
                 input, w, self.weight_scale, self.bias, block=state.block, compute_dtype=state.compute_dtype
             )
@@ -221,6 +235,19 @@ def _experts_forward(state: Fp8State) -> Callable[..., Any]:
         down_b = getattr(self, "down_proj_bias", None) if has_bias else None
         act = self._apply_gate if getattr(self, "has_gate", True) else self.act_fn
         if state.block is not None:
+            up_s, down_s = getattr(self, up_name + "_scale"), getattr(self, down_name + "_scale")
+            if state.few_rows and x.shape[0] <= fp8_ops.FEW_ROWS_MAX and up_b is None and down_b is None:
+                # Decoding: mpsboost's Metal grouped GEMV, the file's block scales applied in the kernel.
+                out = fp8_moe.grouped_rows_experts(
+                    x,
+                    idx,
+                    wts,
+                    up=fp8_moe.Fp8Stack(up_q, up_s),
+                    down=fp8_moe.Fp8Stack(down_q, down_s),
+                    activation=act,
+                    block=state.block,
+                )
+                return out if out.shape == shape else out.reshape(shape)
             # Block scales of the file: only the hit experts dequantised, one at a time (the whole stack when traced).
             out = fp8_block_experts(
                 x,
@@ -249,9 +276,12 @@ def _experts_forward(state: Fp8State) -> Callable[..., Any]:
             and fp8_moe.few_rows_experts_ok(up, down, x.dtype, state.few_rows)
         ):
             # Decoding: static facts (shapes, dtypes, layout), the same answer for every step of a decode.
-            out = fp8_moe.few_rows_experts(
-                x, idx, wts, up=up, down=down, activation=act, key=hidden_states, kernel=state.few_rows
-            )
+            if state.few_rows == "grouped":
+                out = fp8_moe.grouped_rows_experts(x, idx, wts, up=up, down=down, activation=act)
+            else:
+                out = fp8_moe.few_rows_experts(
+                    x, idx, wts, up=up, down=down, activation=act, key=hidden_states, kernel=state.few_rows
+                )
             return out if out.shape == shape else out.reshape(shape)
         # torch.compiler.is_compiling() is a constant while dynamo traces: a compiled forward takes the
         # traceable path decided at patch time, with no host read of the expert counts.

@@ -53,12 +53,12 @@ import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
 from ... import tuning
-from ...gate import Env, check
+from ...gate import Env, Verdict, check
 from ...ops import fp8 as fp8_ops
 from ...ops import fp8_moe
 from ...errors import Fp8ConversionError, PatchError
@@ -200,6 +200,9 @@ class Fp8WeightsOptions:
     moe_gather_max_pairs: int | None = None
     moe_path: str = "auto"
     activations: str = "bf16"  # above the GEMV: "bf16" dequantises the layer (exact), "fp8" quantises activations
+    # MPS decode: "auto" (mpsboost's Metal kernel where the gate's probe passed, else torch's scaled_mm few-rows
+    # kernels where they exist), "metal" (the same: mpsboost's kernel where it passed), "scaled_mm" (torch's only)
+    mps_kernel: str = "auto"
 
 
 def _parse(options: Fp8WeightsOptions) -> Fp8WeightsOptions:
@@ -219,6 +222,10 @@ def _parse(options: Fp8WeightsOptions) -> Fp8WeightsOptions:
         raise ValueError(
             f"fp8_weights option activations={options.activations!r}: expected 'bf16' (dequantise large "
             "batches, exact) or 'fp8' (quantise activations for scaled_mm)"
+        )
+    if options.mps_kernel not in fp8_ops.MPS_KERNELS:
+        raise ValueError(
+            f"fp8_weights option mps_kernel={options.mps_kernel!r}: expected one of {', '.join(fp8_ops.MPS_KERNELS)}"
         )
     return dataclasses.replace(
         options, fp8=gran, include=_patterns(options.include, "include"), exclude=_patterns(options.exclude, "exclude")
@@ -291,6 +298,21 @@ def _thresholds(env: Env, opts: Fp8WeightsOptions) -> tuple[int, int, str]:
     )
 
 
+def _metal_experts(env: Env, ws: list[torch.Tensor], transposed: bool, opts: Fp8WeightsOptions) -> Optional[Verdict]:
+    """Whether an experts module with stacks ``ws`` decodes on mpsboost's Metal grouped GEMV in ``env``: None where
+    that is not a question (not MPS, option ``mps_kernel='scaled_mm'`` or a ``moe_path`` forced), else the verdict."""
+    if env.device_type != "mps" or opts.mps_kernel == "scaled_mm" or opts.moe_path != "auto":
+        return None
+    v = fp8_ops.metal_verdict(env)
+    if not v.ok:
+        return v
+    if transposed:
+        return Verdict(False, "its stacks are stored [E, in, out] (transposed): the kernel reads [E, out, in]")
+    if not all(fp8_ops.metal_ok(w.shape[2], ws[0].dtype) for w in ws):
+        return Verdict(False, f"K {[w.shape[2] for w in ws]} not multiples of 16, or {ws[0].dtype} activations")
+    return v
+
+
 def _compiled_path(large: str) -> str:
     return large if large in fp8_moe.TRACEABLE else "stack"
 
@@ -343,6 +365,7 @@ def _state(plan: Fp8Plan, device: torch.device, backing: str) -> Fp8State:
             gemv_max_m=plan.gemv_max_m,
             bias_in_mm=bias_in_mm,
             large=plan.large,
+            few_rows=plan.few_rows,
             backing=backing,
         )
     return Fp8State(
@@ -529,6 +552,33 @@ class Fp8Weights(Recipe):
         if layer.block is not None:
             bn, bk = layer.block
             details["block"] = [bn, bk]
+            backing = (
+                f"block-scaled fp8 {bn}x{bk}, dequantise then linear"
+                if layer.kind == "linear"
+                else f"block-scaled fp8 {bn}x{bk}: dequantise only the hit experts, one at a time"
+            )
+            why = f"{storage} storage, scales kept exactly as in {layer.source}"
+            # Decode on mpsboost's Metal kernel, which applies the block scales as they are inside its product.
+            ws = [torch.empty(sh, dtype=layer.compute_dtype, device="meta") for sh in layer.shapes]
+            if layer.kind == "linear":
+                metal = _metal_experts(env, [w.unsqueeze(0) for w in ws[:1]], False, opts)
+            else:
+                metal = _metal_experts(env, ws, False, opts)
+            few_rows = ""
+            if metal is not None and metal.ok and bk % 16 == 0:
+                few_rows = "grouped"
+                rows = f"<= {fp8_ops.FEW_ROWS_MAX} " + ("rows" if layer.kind == "linear" else "tokens")
+                kernel = "GEMV" if layer.kind == "linear" else "grouped GEMV (routed experts read in place)"
+                rest = backing.split(", ", 1)[1] if layer.kind == "linear" else backing.split(": ", 1)[1]
+                backing = (
+                    f"block-scaled fp8 {bn}x{bk}: decode ({rows}) on mpsboost's Metal fp8 {kernel}, the block scales "
+                    f"applied in it (1 byte per weight); {rest} above"
+                )
+                why = f"{why}; decode: {metal.reason}"
+            elif metal is not None:
+                why = f"{why}; decode not on mpsboost's Metal kernel: " + (
+                    metal.reason if not metal.ok else f"block {bk} along K is not a multiple of 16"
+                )
             plan = Fp8Plan(
                 kind=layer.kind,
                 granularity="block",
@@ -536,13 +586,9 @@ class Fp8Weights(Recipe):
                 path="block",
                 compute_dtype=layer.compute_dtype,
                 block=layer.block,
+                few_rows=few_rows,
+                gemv_max_m=fp8_ops.FEW_ROWS_MAX if few_rows else 16,
             )
-            backing = (
-                f"block-scaled fp8 {bn}x{bk}, dequantise then linear"
-                if layer.kind == "linear"
-                else f"block-scaled fp8 {bn}x{bk}: dequantise only the hit experts, one at a time"
-            )
-            why = f"{storage} storage, scales kept exactly as in {layer.source}"
             return Decision.apply(backing, why, plan=plan, **details)
         gran, dtype = layer.granularity, layer.compute_dtype
         source = layer.source
@@ -573,7 +619,9 @@ class Fp8Weights(Recipe):
         """(plan, backing, why) of a linear layer ``[N, K]`` computing in ``dtype``."""
         n, k = shape
         gemv_max, _, where = _thresholds(env, opts)
-        lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=dtype, gemv_max_m=gemv_max, activations=opts.activations)
+        lp = fp8_ops.choose_linear_path(
+            env, n=n, k=k, dtype=dtype, gemv_max_m=gemv_max, activations=opts.activations, mps_kernel=opts.mps_kernel
+        )
         extra = f"; {where}" if where and lp.kind == "fused" else ""
         comp = "compiled: the same path (registered operators)" if lp.kind == "fused" else "compiled: the same path"
         plan = Fp8Plan(
@@ -608,9 +656,13 @@ class Fp8Weights(Recipe):
         if where and env.device_type == "cuda":
             why += f"; {where}"
         few_rows = ""
-        if opts.moe_path == "auto" and storage == "float8" and not tr:
+        metal = _metal_experts(env, ws, tr, opts)
+        if metal is not None and metal.ok:
+            few_rows = "grouped"  # mpsboost's Metal grouped GEMV: routed experts read in place, 1 byte per weight
+        elif opts.moe_path == "auto" and storage == "float8" and not tr:
             if (
                 env.device_type == "mps"
+                and opts.mps_kernel != "metal"
                 and check("fp8_gemv", env).ok
                 and check("scaled_mm", env).ok
                 and all(fp8_ops.few_rows_ok(w.shape[1], w.shape[2], ws[0].dtype) for w in ws)
@@ -620,6 +672,10 @@ class Fp8Weights(Recipe):
                 few_rows = "gemv"  # mpsboost's Triton fp8 GEMV: the weights read once as fp8, activations untouched
         if few_rows:
             backing = f"{fp8_moe.FEW_ROWS_BACKING[few_rows]}; {backing} above"
+        if few_rows == "grouped":
+            why = f"{why}; decode: {metal.reason}"
+        elif metal is not None:
+            why = f"{why}; decode not on mpsboost's Metal kernel: {metal.reason}"
         plan = Fp8Plan(
             kind="experts",
             granularity=gran,

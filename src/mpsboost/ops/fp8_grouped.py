@@ -1,0 +1,156 @@
+"""``mpsboost::grouped_mm``: a grouped matmul with offsets on the device whose weights are fp8 codes with scales.
+
+``y [R, N] = x [R, K] @ (codes[e(r)] * scales[e(r)]).T`` where the rows of ``x`` are sorted by group and
+``offs [E]`` (int32, cumulative ends, on the device) says where each group ends, exactly as
+``torch._grouped_mm(x, w_kn, offs=offs)`` takes them: row ``r`` belongs to the first ``e`` with ``r < offs[e]``.
+Rows at or past ``offs[E - 1]`` are zeros. Only the experts with rows are read; nothing is read on the host.
+
+* codes ``[E, N, K]`` float8_e4m3fn (or their uint8 bytes), the layout transformers' experts store;
+* float32 scales ``[E, ceil(N / bn), ceil(K / bk)]``: rowwise ``(bn, bk) = (1, K)``, one per expert ``(N, K)``,
+  or the file's blocks (``(128, 128)`` in published FP8 checkpoints), applied as they are.
+
+Numerics: each code times its scale in float32, rounded once to ``x.dtype`` (:func:`mpsboost.ops.fp8.dequantize`),
+products accumulated in float32, the output rounded once. Kernels: MPS, mpsboost's Metal kernel
+(:mod:`mpsboost.ops.fp8_metal`: 1 byte per routed weight, activations as they are); CUDA, a Triton kernel
+(:func:`mpsboost.ops.fp8_triton.grouped_gemv`); elsewhere, and where those cannot take the tensors,
+:func:`grouped_mm_reference` (the routed experts' codes gathered and dequantised, then ``bmm``). The caller
+chooses this operator at decode (a few rows); it is registered (``torch.library.custom_op`` with a fake), so
+``torch.compile(fullgraph=True)`` traces it as one opaque call.
+
+This module never imports diffusers or transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fp8 import _eager_cuda, _eager_mps, _have_triton, widen
+
+__all__ = ["grouped_mm", "grouped_mm_reference", "block_gemv", "scale_blocks"]
+
+
+def scale_blocks(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
+    """``(bn, bk)`` of a rowwise (``[E, N, 1]``) or per-expert (``[E, 1, 1]``) scale of ``codes [E, N, K]``."""
+    _, n, k = codes.shape
+    if tuple(scale.shape[1:]) == (n, 1):
+        return 1, k
+    if tuple(scale.shape[1:]) == (1, 1):
+        return n, k
+    raise ValueError(f"scales {list(scale.shape)} of codes {list(codes.shape)}: expected [E, N, 1] or [E, 1, 1]")
+
+
+def grouped_mm_reference(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor, bn: int, bk: int
+) -> torch.Tensor:
+    """The operator's numbers in plain torch ops, on any device, without a host read: each row's expert found by
+    ``searchsorted`` on the device, its codes gathered and dequantised (``code * scale`` in float32, rounded once
+    to ``x.dtype``), one ``bmm`` (float32 accumulation), rows past the last offset zeroed."""
+    r, _ = x.shape
+    e, n, k = w.shape
+    rows = torch.arange(r, device=x.device, dtype=offs.dtype)
+    grp = torch.searchsorted(offs, rows, right=True)
+    valid = grp < e
+    grp = grp.clamp(max=e - 1).long()
+    s = scale.float().index_select(0, grp)
+    s = s.repeat_interleave(bn, dim=1)[:, :n].repeat_interleave(bk, dim=2)[:, :, :k]
+    wd = widen(w.index_select(0, grp), torch.float32).mul_(s).to(x.dtype)
+    y = torch.bmm(wd, x.unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid.unsqueeze(-1), y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+@torch.library.custom_op("mpsboost::grouped_mm", mutates_args=())
+def _grouped_mm_op(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor, bn: int, bk: int
+) -> torch.Tensor:
+    return grouped_mm_reference(x, w, offs, scale, bn, bk)
+
+
+@_grouped_mm_op.register_kernel("cuda")
+def _grouped_mm_cuda(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor, bn: int, bk: int
+) -> torch.Tensor:
+    if not _have_triton() or w.dtype != torch.float8_e4m3fn:
+        return grouped_mm_reference(x, w, offs, scale, bn, bk)
+    from . import fp8_triton
+
+    return fp8_triton.grouped_gemv(x, w, offs, scale, bn, bk)
+
+
+@_grouped_mm_op.register_kernel("mps")
+def _grouped_mm_mps(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor, bn: int, bk: int
+) -> torch.Tensor:
+    from . import fp8_metal
+
+    if fp8_metal.supported(x, w, bk=bk) is not None or offs.dtype != torch.int32:
+        return grouped_mm_reference(x, w, offs, scale, bn, bk)
+    return fp8_metal.rows_gemv(x, w, scale.contiguous(), offs.contiguous(), bn=bn, bk=bk)
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_fake(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor, bn: int, bk: int
+) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[1]))
+
+
+def grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor, bn: int, bk: int
+) -> torch.Tensor:
+    """``torch.ops.mpsboost.grouped_mm`` (the CUDA kernel called straight in eager mode, as :func:`fp8_gemv` does:
+    the dispatcher's host time saved once per call)."""
+    if _eager_cuda(x):
+        return _grouped_mm_cuda(x, w, offs, scale, bn, bk)
+    if _eager_mps(x):
+        return _grouped_mm_mps(x, w, offs, scale, bn, bk)
+    return torch.ops.mpsboost.grouped_mm(x, w, offs, scale, bn, bk)
+
+
+# ------------------------------------------------------------------ the dense case with block scales
+
+
+def _block_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    from .fp8_block import dequantize_block
+
+    return torch.nn.functional.linear(x, dequantize_block(w, scale, (bn, bk), x.dtype))
+
+
+@torch.library.custom_op("mpsboost::fp8_block_gemv", mutates_args=())
+def _block_gemv_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    return _block_gemv_reference(x, w, scale, bn, bk)
+
+
+@_block_gemv_op.register_kernel("mps")
+def _block_gemv_mps(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    from . import fp8_metal
+
+    if fp8_metal.supported(x, w, bk=bk) is not None:
+        return _block_gemv_reference(x, w, scale, bn, bk)
+    return fp8_metal.rows_gemv(x, w, scale.float().contiguous(), None, bn=bn, bk=bk)
+
+
+@_block_gemv_op.register_kernel("cuda")
+def _block_gemv_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    # The grouped kernel with one group of every row (how a simulated Mac's decisions run on a CUDA GPU).
+    if not _have_triton() or w.dtype != torch.float8_e4m3fn:
+        return _block_gemv_reference(x, w, scale, bn, bk)
+    from . import fp8_triton
+
+    offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+    return fp8_triton.grouped_gemv(x, w.unsqueeze(0), offs, scale.unsqueeze(0), bn, bk)
+
+
+@_block_gemv_op.register_fake
+def _block_gemv_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def block_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """``x [M, K] @ dequantize_block(w [N, K], scale, (bn, bk)).T`` in ``x.dtype`` for a few rows:
+    ``torch.ops.mpsboost.fp8_block_gemv`` (MPS: mpsboost's Metal kernel, the file's block scales applied exactly in
+    it; elsewhere the layer dequantised, then ``F.linear``)."""
+    if _eager_mps(x):
+        return _block_gemv_mps(x, w, scale, bn, bk)
+    if _eager_cuda(x):
+        return _block_gemv_cuda(x, w, scale, bn, bk)
+    return torch.ops.mpsboost.fp8_block_gemv(x, w, scale, bn, bk)
