@@ -460,20 +460,36 @@ class GemvOperand:
     bias. A recipe keeps it with its other eager constants and rebuilds it when the layer's codes or scales change
     (it watches them); traced code never sees it."""
 
-    __slots__ = ("layer", "q", "scale", "max_rows", "dtype")
+    __slots__ = ("layer", "q", "scale", "max_rows", "dtype", "block")
     writes_out = True
 
-    def __init__(self, layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, max_rows: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        max_rows: int,
+        dtype: torch.dtype,
+        block: Optional[tuple[int, int]] = None,
+    ):
         self.layer = layer
         self.q = q.detach()
         self.scale = scale.detach()
         self.max_rows = max_rows
         self.dtype = dtype
+        self.block = block  # a file's block scales (bn, bk): torch.ops.mpsboost.fp8_block_gemv applies them
 
     def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         if x.dtype != self.dtype or x.dim() != 2 or not 0 < x.shape[0] <= self.max_rows:
             y = self.layer(x)
             return y if out is None else out.copy_(y.view(out.shape))
+        if self.block is not None:
+            from .fp8_grouped import block_gemv, block_gemv_out
+
+            bn, bk = self.block
+            if out is None:
+                return block_gemv(x, self.q, self.scale, bn, bk)
+            return block_gemv_out(x, self.q, self.scale, bn, bk, out)
         if out is None:
             return fp8_gemv(x, self.q, self.scale, None)
         return fp8_gemv_out(x, self.q, self.scale, out)

@@ -26,7 +26,7 @@ import torch
 
 from .fp8 import _eager_cuda, _eager_mps, _have_triton, widen
 
-__all__ = ["grouped_mm", "grouped_mm_reference", "block_gemv", "scale_blocks"]
+__all__ = ["grouped_mm", "grouped_mm_reference", "block_gemv", "block_gemv_out", "scale_blocks"]
 
 
 def scale_blocks(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
@@ -154,3 +154,47 @@ def block_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, b
     if _eager_cuda(x):
         return _block_gemv_cuda(x, w, scale, bn, bk)
     return torch.ops.mpsboost.fp8_block_gemv(x, w, scale, bn, bk)
+
+
+@torch.library.custom_op("mpsboost::fp8_block_gemv_out", mutates_args=("out",))
+def _block_gemv_out_op(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, out: torch.Tensor
+) -> None:
+    out.copy_(_block_gemv_reference(x, w, scale, bn, bk))
+
+
+@_block_gemv_out_op.register_kernel("cuda")
+def _block_gemv_out_cuda(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, out: torch.Tensor
+) -> None:
+    out.copy_(_block_gemv_cuda(x, w, scale, bn, bk))
+
+
+@_block_gemv_out_op.register_kernel("mps")
+def _block_gemv_out_mps(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, out: torch.Tensor
+) -> None:
+    from . import fp8_metal
+
+    if fp8_metal.supported(x, w, bk=bk) is not None or out.dtype != x.dtype or (w.shape[0] > 1 and out.stride(1) != 1):
+        out.copy_(_block_gemv_reference(x, w, scale, bn, bk))
+        return
+    fp8_metal.rows_gemv(x, w, scale.float().contiguous(), None, bn=bn, bk=bk, out=out)
+
+
+@_block_gemv_out_op.register_fake
+def _block_gemv_out_fake(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, out: torch.Tensor
+) -> None:
+    return None
+
+
+def block_gemv_out(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, out: torch.Tensor
+) -> torch.Tensor:
+    """:func:`block_gemv` written into ``out`` (``[M, N]``, e.g. the columns of a wider buffer)."""
+    if _eager_mps(x):
+        _block_gemv_out_mps(x, w, scale, bn, bk, out)
+    else:
+        torch.ops.mpsboost.fp8_block_gemv_out(x, w, scale, bn, bk, out)
+    return out

@@ -221,6 +221,36 @@ def _stored_linear(m: Any, n_in: int, n_out: int) -> bool:
     )
 
 
+class _PlainOperand:
+    """A plain projection among stored ones (the published Qwen3.6-FP8 keeps ``in_proj_b``/``in_proj_a`` in bf16
+    beside fp8 ``in_proj_qkv``/``in_proj_z``), called like their decode operands: its product written into the
+    caller's columns by one ``mm`` (``addmm`` with a bias) on the transposed weight, made once (an eager constant,
+    rebuilt with the others when the weight changes)."""
+
+    __slots__ = ("layer", "wt", "bias")
+    writes_out = True
+
+    def __init__(self, layer: torch.nn.Linear):
+        self.layer = layer
+        self.wt = layer.weight.detach().t()
+        self.bias = None if layer.bias is None else layer.bias.detach()
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.dtype != self.wt.dtype:
+            y = self.layer(x)
+            return y if out is None else out.copy_(y.view(out.shape))
+        if self.bias is None:
+            return torch.mm(x, self.wt, out=out)
+        return torch.addmm(self.bias, x, self.wt, out=out)
+
+
+def _operand(m: Any) -> Any:
+    """What the eager decode step calls for one of a stored layer's neighbours: the fp8 layer's decode operand, or
+    a plain linear's :class:`_PlainOperand`."""
+    op = decode_operand(m)
+    return _PlainOperand(m) if op is m and isinstance(getattr(m, "weight", None), torch.nn.Parameter) else op
+
+
 def _linear_kind(m: Any, n_in: int, n_out: int) -> str:
     """ "plain", "stored" (see :func:`_stored_linear`) or why the recipe cannot use the layer."""
     why = _plain_linear(m, n_in, n_out)
@@ -366,7 +396,7 @@ def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
         "out_w": None if _stored_linear(out_mod, lay.hv * lay.dv, lay.hidden) else out_mod.weight,
         "out_mod": decode_operand(out_mod) if eager else out_mod,
         "proj": weights,
-        "proj_mods": ([decode_operand(m) for m in mods] if eager else mods) if stored else None,
+        "proj_mods": ([_operand(m) for m in mods] if eager else mods) if stored else None,
         "perm": _qkvz_perm(lay, dev) if lay.family == "qkvz" else None,
     }
     if eager:

@@ -80,7 +80,7 @@ def _moved(func, args, kwargs, out) -> int:
     return read + sum(nb(o) for o in outs if mutates or o.untyped_storage().data_ptr() not in seen)
 
 
-def decode_cost(model: torch.nn.Module) -> dict[str, dict[str, int]]:
+def decode_cost(model: torch.nn.Module, vocab: int = 512) -> dict[str, dict[str, int]]:
     """``{"ops": {block: n}, "bytes": {block: n}}`` of one decode step after a 40-token prefill;
     blocks are ``linear_attn``, ``self_attn``, ``mlp`` and ``rest``."""
     cur = ["rest"]
@@ -100,7 +100,7 @@ def decode_cost(model: torch.nn.Module) -> dict[str, dict[str, int]]:
             moved[cur[0]] = moved.get(cur[0], 0) + _moved(func, args, kwargs or {}, out)
             return out
 
-    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (1, 40), generator=torch.Generator().manual_seed(1))
     try:
         with torch.no_grad():
             out = model(ids, use_cache=True)

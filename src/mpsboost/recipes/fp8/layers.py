@@ -149,7 +149,14 @@ def decode_operand(module: Any) -> Any:
     ``F.scaled_mm`` (MPS 2.15+ decisions without the Metal kernel: K and N multiples of 16), else ``module``
     itself (its own forward)."""
     state = fp8_state(module) if isinstance(module, torch.nn.Linear) else None
-    if state is None or not state.converted or state.kind not in ("mps_scaled_mm", "fused") or state.block is not None:
+    if state is None or not state.converted:
+        return module
+    if state.block is not None:  # a file's block scales: the GEMV applies them where the plan chose it
+        q, scale = module.weight, getattr(module, "weight_scale", None)
+        if not state.few_rows or module.bias is not None or not isinstance(scale, torch.Tensor):
+            return module
+        return fp8_ops.GemvOperand(module, q, scale, state.gemv_max_m, state.compute_dtype, block=state.block)
+    if state.kind not in ("mps_scaled_mm", "fused"):
         return module
     q, scale = module.weight, getattr(module, "weight_scale", None)
     if module.bias is not None or not isinstance(scale, torch.Tensor) or scale.numel() not in (1, q.shape[0]):
