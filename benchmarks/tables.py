@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import math
 import re
 import sys
@@ -1367,7 +1368,51 @@ def _profile_eager(name: str, recs: list[dict]) -> str:
     )
 
 
+def block_fp8_decode_cost(results: Path | None = None) -> str:
+    """One decode step's aten ops (tiny) and bytes moved (medium) under a Mac's decisions, per block, from the
+    newest ``decode_cost-cpu-*.json`` (``benchmarks/decode_cost.py``): patched against the fp8 variants."""
+    paths = sorted((results or RESULTS).glob("decode_cost-*.json"))
+    if not paths:
+        return "No decode_cost records committed yet."
+    rec = json.loads(paths[-1].read_text())
+    rows = rec["rows"]
+    out = []
+    for dec in sorted({r["decisions"] for r in rows}, reverse=True):
+        for what, unit in (("bytes", "MiB moved, medium size (bfloat16)"), ("ops", "aten ops, tiny size")):
+            sel = [r for r in rows if r["decisions"] == dec and r["measure"] == what]
+            if not sel:
+                continue
+            names = [r["variant"] for r in sel]
+            base = {"ops": {"fp8 as published": "patched, bfloat16"}}.get(what, {})
+            blocks = ["linear_attn", "self_attn", "mlp", "rest"]
+
+            def cell(r, v, what=what):
+                return f"{v / 2**20:.1f}" if what == "bytes" else str(v)
+
+            out.append(f"{dec.replace('mac-', 'Mac ')} decisions, {unit}:")
+            out.append("")
+            out.append("| block | " + " | ".join(names) + " |")
+            out.append("|---|" + "---|" * len(names))
+            for b in blocks:
+                out.append(f"| {b} | " + " | ".join(cell(r, r["blocks"].get(b, 0)) for r in sel) + " |")
+            totals = []
+            for r in sel:
+                ref = next(x for x in sel if x["variant"] == base.get(r["variant"], "patched"))
+                fp8 = r["variant"].startswith("fp8")
+                ratio = f" ({r['total'] / ref['total']:.2f}x of {ref['variant']})" if fp8 else ""
+                totals.append(cell(r, r["total"]) + ratio)
+            out.append("| whole step | " + " | ".join(totals) + " |")
+            out.append("")
+    env = rec["env"]
+    out.append(
+        f"Record `{paths[-1].name}` (`{rec['command']}`): torch {env['torch']}, transformers "
+        f"{env['transformers']}, counted on the CPU by {rec['rules']}."
+    )
+    return "\n".join(out)
+
+
 BLOCKS: dict[str, Callable[..., str]] = {
+    "fp8-decode-cost": block_fp8_decode_cost,
     "fp8-gemv": block_fp8_gemv,
     "profile-decode": block_profile_decode,
     "recipes": block_recipes,

@@ -25,11 +25,16 @@ input rows):
   Qwen-Image transformer it gave a relative error of 5.9e-2 against the file's exact dequantisation,
   and the step was slower than bf16 on the H200 (benchmarks/results/fp8_load-cuda-2026-11-30b.jsonl),
   so it is an opt-in;
-* ``mps_scaled_mm`` (MPS, where the gate's ``fp8_gemv`` says the few-rows kernels exist: torch 2.15's
-  ``scaled_mm_few_rows_{1..4}``, tensorwise or rowwise scales, K and N multiples of 16): for M <= 4 the
-  activation is quantised per row (:func:`quantize_rows_few`: five dispatches, once per input tensor) and
-  ``torch.nn.functional.scaled_mm`` (``aten::_scaled_mm_v2``, the one fp8 matmul with an MPS kernel in the 2.15.0
-  wheel: see :func:`scaled_mm_v2`) reads the weight once as its fp8 bytes; otherwise dequantise then ``F.linear``;
+* ``fused`` on MPS (torch 2.7+, where the gate's ``fp8_metal_gemv`` passes and, on a real Mac, the kernel's
+  patch-time self-check, :func:`metal_verdict`): M <= 4 through the same ``torch.ops.mpsboost.fp8_gemv``, whose
+  MPS kernel is mpsboost's own Metal GEMV (:mod:`mpsboost.ops.fp8_metal`: activations as they are, the weight read
+  once as its fp8 bytes, float8 or uint8 storage alike); larger M dequantise then ``F.linear``;
+* ``mps_scaled_mm`` (MPS with option ``mps_kernel="scaled_mm"``, where the gate's ``fp8_gemv`` says the few-rows
+  kernels exist: torch 2.15's ``scaled_mm_few_rows_{1..4}``, tensorwise or rowwise scales, K and N multiples
+  of 16): for M <= 4 the activation is quantised per row (:func:`quantize_rows_few`: five dispatches, once per
+  input tensor) and ``torch.nn.functional.scaled_mm`` (``aten::_scaled_mm_v2``, the one fp8 matmul with an MPS
+  kernel in the 2.15.0 wheel: see :func:`scaled_mm_v2`) reads the weight once as its fp8 bytes; otherwise
+  dequantise then ``F.linear``;
 * ``dequant`` (everything else): dequantise this one layer to the compute dtype, then ``F.linear``.
 
 The Triton kernels are registered operators (``torch.library.custom_op`` with ``register_fake``), so
@@ -82,7 +87,6 @@ __all__ = [
     "scaled_mm_bias_supported",
     "fp8_gemv",
     "fp8_gemv_out",
-    "GemvOperand",
     "fp8_gemv_reference",
     "fused_quantize_rows",
     "stored_bytes",
@@ -449,50 +453,6 @@ class FewRowsOperand:
         xq, xs = quantize_rows_few(x)  # [M, K] (a reshape of more dims inside, remembered under x)
         y = scaled_mm_v2(xq, self.wt, xs, self.scale_row, None, x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
-
-
-class GemvOperand:
-    """One fp8 linear's few-rows product by the fp8 GEMV (``torch.ops.mpsboost.fp8_gemv``: mpsboost's Metal kernel on
-    MPS, its Triton kernel on CUDA), for an eager decode step that calls it every token: what the layer's own
-    ``fused`` forward does at few rows, without its reshapes (a 2-D input in, a 2-D product out: one dispatch),
-    and, with ``out=``, written straight into the caller's buffer (the columns a fused projection's product
-    occupies). Other calls (more rows, another dtype or rank) go to the layer. Rowwise or tensorwise scales, no
-    bias. A recipe keeps it with its other eager constants and rebuilds it when the layer's codes or scales change
-    (it watches them); traced code never sees it."""
-
-    __slots__ = ("layer", "q", "scale", "max_rows", "dtype", "block")
-    writes_out = True
-
-    def __init__(
-        self,
-        layer: torch.nn.Module,
-        q: torch.Tensor,
-        scale: torch.Tensor,
-        max_rows: int,
-        dtype: torch.dtype,
-        block: Optional[tuple[int, int]] = None,
-    ):
-        self.layer = layer
-        self.q = q.detach()
-        self.scale = scale.detach()
-        self.max_rows = max_rows
-        self.dtype = dtype
-        self.block = block  # a file's block scales (bn, bk): torch.ops.mpsboost.fp8_block_gemv applies them
-
-    def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if x.dtype != self.dtype or x.dim() != 2 or not 0 < x.shape[0] <= self.max_rows:
-            y = self.layer(x)
-            return y if out is None else out.copy_(y.view(out.shape))
-        if self.block is not None:
-            from .fp8_grouped import block_gemv, block_gemv_out
-
-            bn, bk = self.block
-            if out is None:
-                return block_gemv(x, self.q, self.scale, bn, bk)
-            return block_gemv_out(x, self.q, self.scale, bn, bk, out)
-        if out is None:
-            return fp8_gemv(x, self.q, self.scale, None)
-        return fp8_gemv_out(x, self.q, self.scale, out)
 
 
 def fp8_gemv_reference(

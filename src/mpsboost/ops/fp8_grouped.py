@@ -17,6 +17,10 @@ products accumulated in float32, the output rounded once. Kernels: MPS, mpsboost
 chooses this operator at decode (a few rows); it is registered (``torch.library.custom_op`` with a fake), so
 ``torch.compile(fullgraph=True)`` traces it as one opaque call.
 
+Also here: ``mpsboost::fp8_block_gemv`` (the dense case with a file's block scales), the ``_out`` variants that
+write into a caller's buffer, and :class:`GemvOperand`, what an eager decode step calls for an fp8 linear whose
+few-rows path is the fp8 GEMV.
+
 This module never imports diffusers or transformers.
 """
 
@@ -24,9 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from .fp8 import _eager_cuda, _eager_mps, _have_triton, widen
+from typing import Optional
 
-__all__ = ["grouped_mm", "grouped_mm_reference", "block_gemv", "block_gemv_out", "scale_blocks"]
+from .fp8 import _eager_cuda, _eager_mps, _have_triton, fp8_gemv, fp8_gemv_out, widen
+
+__all__ = ["GemvOperand", "grouped_mm", "grouped_mm_reference", "block_gemv", "block_gemv_out", "scale_blocks"]
 
 
 def scale_blocks(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, int]:
@@ -198,3 +204,48 @@ def block_gemv_out(
     else:
         torch.ops.mpsboost.fp8_block_gemv_out(x, w, scale, bn, bk, out)
     return out
+
+
+# ------------------------------------------------------------------ what an eager decode step calls
+
+
+class GemvOperand:
+    """One fp8 linear's few-rows product by the fp8 GEMV (``torch.ops.mpsboost.fp8_gemv``: mpsboost's Metal kernel on
+    MPS, its Triton kernel on CUDA), for an eager decode step that calls it every token: what the layer's own
+    ``fused`` forward does at few rows, without its reshapes (a 2-D input in, a 2-D product out: one dispatch),
+    and, with ``out=``, written straight into the caller's buffer (the columns a fused projection's product
+    occupies). Other calls (more rows, another dtype or rank) go to the layer. Rowwise or tensorwise scales, no
+    bias. A recipe keeps it with its other eager constants and rebuilds it when the layer's codes or scales change
+    (it watches them); traced code never sees it."""
+
+    __slots__ = ("layer", "q", "scale", "max_rows", "dtype", "block")
+    writes_out = True
+
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        max_rows: int,
+        dtype: torch.dtype,
+        block: Optional[tuple[int, int]] = None,
+    ):
+        self.layer = layer
+        self.q = q.detach()
+        self.scale = scale.detach()
+        self.max_rows = max_rows
+        self.dtype = dtype
+        self.block = block  # a file's block scales (bn, bk): torch.ops.mpsboost.fp8_block_gemv applies them
+
+    def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.dtype != self.dtype or x.dim() != 2 or not 0 < x.shape[0] <= self.max_rows:
+            y = self.layer(x)
+            return y if out is None else out.copy_(y.view(out.shape))
+        if self.block is not None:
+            bn, bk = self.block
+            if out is None:
+                return block_gemv(x, self.q, self.scale, bn, bk)
+            return block_gemv_out(x, self.q, self.scale, bn, bk, out)
+        if out is None:
+            return fp8_gemv(x, self.q, self.scale, None)
+        return fp8_gemv_out(x, self.q, self.scale, out)

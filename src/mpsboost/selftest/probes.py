@@ -243,6 +243,71 @@ def _scaled_mm(ctx: Ctx) -> dict:
     )
 
 
+def _fp8_metal_gemv(ctx: Ctx) -> dict:
+    """mpsboost's Metal fp8 GEMV (mpsboost.ops.fp8_metal), the one probe of mpsboost's own code: compiled and
+    checked against the reference (its patch-time self-check), then timed at decode against the bf16 product and
+    against torch's F.scaled_mm few-rows kernels (the activation quantised first, as fp8_weights does), at the
+    Qwen3.6 widths: a dense [4096, 2048] layer, and the routed experts of one token (8 of 256, gate/up [1024, 2048])
+    by the grouped call on the whole stack against bf16 grouped_mm."""
+    import torch
+
+    if ctx.device != "mps":
+        return _mps_only(ctx, _out("not applicable", "the kernel is Metal (mpsboost's own): it runs on MPS only"))
+    if not callable(getattr(torch.mps, "compile_shader", None)):
+        return _out("has the bug", "this torch build has no torch.mps.compile_shader")
+    from ..ops import fp8_metal
+
+    why = fp8_metal.self_check(ctx.device)
+    if why is not None:
+        return _out("has the bug", f"self-check failed: {why}")
+    n, k = (64, 128) if ctx.small else (4096, 2048)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    sw = w.abs().amax(1, keepdim=True) / 448
+    q = ctx.to((w / sw).to(torch.float8_e4m3fn))
+    x = ctx.to(torch.randn(1, k, generator=g)).to(torch.bfloat16)
+    swd, wb = ctx.to(sw), ctx.to(w).to(torch.bfloat16)
+    t_metal = _time(ctx, lambda: fp8_metal.rows_gemv(x, q, swd, None, bn=1, bk=k), calls=20)
+    t_bf16 = _time(ctx, lambda: x @ wb.t(), calls=20)
+    measured: dict[str, Any] = {"dense_metal_s": t_metal, "dense_bf16_s": t_bf16, "n": n, "k": k}
+    detail = f"dense [{n}, {k}], one row: {t_bf16 / t_metal:.2f}x the speed of bf16"
+    F = torch.nn.functional
+    if getattr(F, "scaled_mm", None) is not None:
+        from ..ops.fp8 import quantize_rows_few, scaled_mm_v2
+
+        wt, srow = q.t(), swd.t().contiguous()
+
+        def sm():
+            xq, xs = quantize_rows_few(x.clone())
+            return scaled_mm_v2(xq, wt, xs, srow, None, torch.bfloat16)
+
+        try:
+            measured["dense_scaled_mm_s"] = t_sm = _time(ctx, sm, calls=20)
+            detail += f", {t_sm / t_metal:.2f}x that of F.scaled_mm (quantisation included)"
+        except (NotImplementedError, RuntimeError, TypeError) as e:
+            detail += f"; F.scaled_mm: {type(e).__name__}"
+    e_all, top, inter = (8, 2, 32) if ctx.small else (256, 8, 512)
+    h = k
+    codes = ctx.to((torch.randn(e_all, 2 * inter, h, generator=g) * 8).to(torch.float8_e4m3fn))
+    scale = ctx.to(torch.full((e_all, 2 * inter, 1), 1.0 / 64))
+    ids = torch.randperm(e_all, generator=g)[:top].sort().values
+    offs = ctx.to(torch.searchsorted(ids, torch.arange(e_all), right=True).to(torch.int32))
+    rows = x.expand(top, h)
+    t_grouped = _time(ctx, lambda: fp8_metal.rows_gemv(rows, codes, scale, offs, bn=1, bk=h), calls=20)
+    measured["experts_metal_s"] = t_grouped
+    grouped = getattr(torch, "_grouped_mm", None)
+    if grouped is not None:
+        stack = codes.to(torch.bfloat16).transpose(1, 2)
+        try:
+            t_gbf = _time(ctx, lambda: grouped(rows, stack, offs=offs), calls=20)
+            measured["experts_bf16_grouped_mm_s"] = t_gbf
+            detail += f"; routed experts ({top} of {e_all}): {t_gbf / t_grouped:.2f}x the speed of bf16 grouped_mm"
+        except (NotImplementedError, RuntimeError, TypeError) as e:
+            detail += f"; bf16 grouped_mm: {type(e).__name__}"
+        del stack
+    return _out("fixed", f"compiled, matches the reference; {detail}", **measured)
+
+
 def _linear_b1k(ctx: Ctx) -> dict:
     import torch
     import torch.nn.functional as F
@@ -543,6 +608,16 @@ PROBES: dict[str, Probe] = {
             "float8_storage",
             _fp8_cast,
             "fp8_weights stores float8 on the device, or steps aside",
+        ),
+        Probe(
+            "fp8_metal_gemv",
+            ("pytorch#148972", "pytorch#141478"),
+            "mpsboost's own Metal fp8 GEMV (through torch.mps.compile_shader, public since pytorch#148972): does it "
+            "compile and match the reference here, and how fast is it at decode",
+            "decode: one row, dense and routed experts",
+            "fp8_metal_gemv",
+            _fp8_metal_gemv,
+            "fp8_weights decodes fp8 layers on it on a Mac (option mps_kernel='scaled_mm' keeps torch's kernels)",
         ),
         Probe(
             "fp8_scaled_mm",

@@ -17,6 +17,7 @@ from fp8_decode_cost import AtenOps, build, decode_cost
 from mpsboost.gate import Env
 from mpsboost.ops import fp8 as fp8_ops
 from mpsboost.ops import fp8_moe
+from mpsboost.ops.fp8_grouped import GemvOperand
 
 MAC = Env.simulate("mps", "2.15.0")
 # torch's own few-rows kernels (F.scaled_mm), the MPS 2.15 path where mpsboost's Metal kernel is not used.
@@ -373,10 +374,10 @@ def test_decode_operand_follows_the_layers_path():
 
     cases = (
         (Env.simulate("mps", "2.14.1"), SCALED, None),  # uint8 storage, dequantised: the layer itself
-        (Env.simulate("mps", "2.14.1"), None, fp8_ops.GemvOperand),  # mpsboost's Metal GEMV, uint8 read as it is
-        (MAC, None, fp8_ops.GemvOperand),
+        (Env.simulate("mps", "2.14.1"), None, GemvOperand),  # mpsboost's Metal GEMV, uint8 read as it is
+        (MAC, None, GemvOperand),
         (MAC, SCALED, fp8_ops.FewRowsOperand),
-        (Env.simulate("cuda:9.0", "2.11.0"), None, fp8_ops.GemvOperand),  # the Triton GEMV
+        (Env.simulate("cuda:9.0", "2.11.0"), None, GemvOperand),  # the Triton GEMV
         (Env.simulate("cuda:8.0", "2.11.0"), None, None),  # no fused path: dequantised
     )
     for env, opts, want in cases:

@@ -240,3 +240,26 @@ def test_a_mac_whose_self_check_fails_keeps_torchs_kernels_and_says_why(monkeypa
     monkeypatch.setattr(fp8_metal, "self_check", lambda device="mps": None)
     v = fp8_ops.metal_verdict(real)
     assert v.ok and "compiled and checked against the reference on this Mac" in v.reason
+
+
+@pytest.mark.parametrize("gran", ["rowwise", "tensorwise"])
+def test_gemv_operand_equals_the_layers_forward_and_writes_only_its_columns(gran, rng_seed):
+    from mpsboost.ops.fp8_grouped import GemvOperand
+    from mpsboost.recipes.fp8.layers import decode_operand
+
+    m = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False)).to(torch.bfloat16)
+    mpsboost.patch(m, device=MAC, fp8=gran)
+    op = decode_operand(m[0])
+    assert isinstance(op, GemvOperand)
+    for rows in (1, 3, 4):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        with AtenOps() as seen:
+            y = op(x)
+        assert seen.names == ["fp8_gemv"], seen.names  # one dispatch: no reshape, no quantisation
+        torch.testing.assert_close(y, m[0](x), rtol=0, atol=0)
+        buf = torch.full((rows, 100), 7.0, dtype=torch.bfloat16)
+        op(x, out=buf[:, 20:68])
+        torch.testing.assert_close(buf[:, 20:68], y, rtol=0, atol=0)
+        assert (buf[:, :20] == 7).all() and (buf[:, 68:] == 7).all()
+    x = torch.randn(6, 64, dtype=torch.bfloat16)  # above the few-rows bound: the layer itself
+    torch.testing.assert_close(op(x), m[0](x), rtol=0, atol=0)

@@ -22,7 +22,7 @@ from ...errors import Fp8StateError
 from ...ops import fp8 as fp8_ops
 from ...ops import fp8_moe
 from ...ops.fp8_block import fp8_block_experts, fp8_block_linear
-from ...ops.fp8_grouped import block_gemv
+from ...ops.fp8_grouped import GemvOperand, block_gemv
 from ...patching import original_forward, saved_state
 
 __all__ = [
@@ -143,7 +143,7 @@ def fp8_state(module: torch.nn.Module) -> Optional[Fp8State]:
 
 
 def decode_operand(module: Any) -> Any:
-    """What an eager decode step calls for ``module``: a :class:`mpsboost.ops.fp8.GemvOperand` where the module
+    """What an eager decode step calls for ``module``: a :class:`mpsboost.ops.fp8_grouped.GemvOperand` where the module
     is a converted fp8 linear whose few-rows path is the fp8 GEMV (``fused``: mpsboost's Metal kernel on MPS, its
     Triton kernel on CUDA; no block scales, no bias), a :class:`mpsboost.ops.fp8.FewRowsOperand` where it is
     ``F.scaled_mm`` (MPS 2.15+ decisions without the Metal kernel: K and N multiples of 16), else ``module``
@@ -155,7 +155,7 @@ def decode_operand(module: Any) -> Any:
         q, scale = module.weight, getattr(module, "weight_scale", None)
         if not state.few_rows or module.bias is not None or not isinstance(scale, torch.Tensor):
             return module
-        return fp8_ops.GemvOperand(module, q, scale, state.gemv_max_m, state.compute_dtype, block=state.block)
+        return GemvOperand(module, q, scale, state.gemv_max_m, state.compute_dtype, block=state.block)
     if state.kind not in ("mps_scaled_mm", "fused"):
         return module
     q, scale = module.weight, getattr(module, "weight_scale", None)
@@ -163,7 +163,7 @@ def decode_operand(module: Any) -> Any:
         return module
     if state.kind == "fused":
         if q.dtype == fp8_ops.FP8_DTYPE or (q.dtype == torch.uint8 and not q.is_cuda):
-            return fp8_ops.GemvOperand(module, q, scale, state.gemv_max_m, state.compute_dtype)
+            return GemvOperand(module, q, scale, state.gemv_max_m, state.compute_dtype)
         return module
     if q.dtype != fp8_ops.FP8_DTYPE:
         return module

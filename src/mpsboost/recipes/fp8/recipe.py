@@ -35,7 +35,10 @@ Options (``mpsboost.patch(m, fp8="rowwise", options={"fp8_weights": {...}})``):
 pair; default from ``fp8_gemv`` on the GPU it was measured on, else 16); ``moe_path`` ("auto",
 "scaled_grouped_mm", "gather", "hit", "stack"); ``activations`` ("bf16", default: batches above
 ``gemv_max_m`` dequantise the layer and multiply in the activation dtype, the stored weights exactly;
-"fp8": CUDA quantises activations rowwise for ``scaled_mm``, which is not the same math).
+"fp8": CUDA quantises activations rowwise for ``scaled_mm``, which is not the same math); ``mps_kernel``
+("auto", default: decode on mpsboost's Metal fp8 GEMV, :mod:`mpsboost.ops.fp8_metal`, where the gate has
+``torch.mps.compile_shader`` and, on a real Mac, the kernel's patch-time self-check passed; "metal": the same;
+"scaled_mm": torch's own ``F.scaled_mm`` few-rows kernels, MPS 2.15+, dequantisation before).
 
 Modes: every forward installed here compiles with ``torch.compile(fullgraph=True)``. The kernels are
 registered operators, the ``scaled_mm`` bias probe and the GEMV's launch tuning run at patch time, and
@@ -402,7 +405,7 @@ class Fp8Weights(Recipe):
     name = NAME
     summary = (
         "float8_e4m3fn weights with per-row or per-tensor fp32 scales; "
-        "fused fp8 GEMV/scaled_mm on CUDA, scaled_mm few-rows decode on MPS 2.15+, per-layer dequantise elsewhere"
+        "fused fp8 GEMV/scaled_mm on CUDA, mpsboost's Metal fp8 GEMV at decode on MPS, per-layer dequantise elsewhere"
     )
     targets = (
         "torch.nn.modules.linear.Linear",
