@@ -217,6 +217,16 @@ def _library():
     return torch.mps.compile_shader(SOURCE)
 
 
+def _buffer(t: torch.Tensor) -> torch.Tensor:
+    """What the kernel is handed for a strided ``x`` or ``y`` (row stride 0, or the columns of a wider buffer): a
+    contiguous 1-D view from its first element to its last reachable one, the same memory (the kernel addresses
+    rows by the strides it is given), so that only contiguous tensors ever reach the shader binding."""
+    if t.is_contiguous():
+        return t
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.as_strided((extent,), (1,), t.storage_offset())
+
+
 def rows_gemv(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -246,11 +256,11 @@ def rows_gemv(
     gx = -(-n // FEATURES_PER_GROUP)
     gy = -(-r // ROWS)
     fn(
-        x,
+        _buffer(x),
         codes,
         scale,
         scale if offs is None else offs,  # unused when groups == 0
-        y,
+        _buffer(y),
         r,
         n,
         k,
