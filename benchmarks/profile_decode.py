@@ -74,6 +74,12 @@ def main(argv=None) -> int:
     )
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--pstats", default=None, help="with --host-profile (qwen3.6-eager): write the whole profiles here")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="qwen3.6-eager: Mac 2.15.0 decisions, patched bf16 against patch(fp8='rowwise') on a second model of the "
+        "same weights (the fp8 path's kernel time against bf16's; on CUDA the Metal kernel's Triton twin runs)",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.device != "cuda" or not torch.cuda.is_available():
@@ -210,9 +216,13 @@ def _qwen36_eager(a) -> int:
 
     layers = a.layers or 8
     cfg = e2e.llm_config("qwen3.6-35b-a3b", "real", layers)
-    model = e2e.build_llm(cfg, "cuda", torch.bfloat16, 0)
+    model = base = e2e.build_llm(cfg, "cuda", torch.bfloat16, 0)
     prompt = torch.randint(0, cfg.vocab_size, (1, 512), generator=torch.Generator().manual_seed(1)).cuda()
-    inner = next(m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList))
+    mac = Env.simulate("mps", "2.15.0")
+    fp8_model = fp8_report = None
+    if a.fp8:  # converted once (irreversible), then alternated with the bf16 model patched the same way
+        fp8_model = e2e.build_llm(cfg, "cuda", torch.bfloat16, 0)
+        fp8_report = mpsboost.patch(fp8_model, device=mac, fp8="rowwise")
 
     def steps(n: int, timed: list | None = None) -> None:
         """Prefill, then ``n`` greedy decode steps on its cache (each step's wall time into ``timed``)."""
@@ -234,12 +244,21 @@ def _qwen36_eager(a) -> int:
             Count.n += 1
             return func(*args, **(kwargs or {}))
 
-    variants = [("stock", None), ("mpsboost", None), ("mpsboost:mac-2.15.0", Env.simulate("mps", "2.15.0"))]
+    variants = [("stock", None), ("mpsboost", None), ("mpsboost:mac-2.15.0", mac)]
+    if a.fp8:
+        variants = [("mpsboost:mac-2.15.0", mac), ("mpsboost:mac-2.15.0 fp8-rowwise", mac)]
     rows = []
     for _ in range(2):  # two rounds, variants alternated: the host is shared and noisy
         for variant, env in variants:
+            fp8 = variant.endswith("fp8-rowwise")
+            model = fp8_model if fp8 else base
+            inner = next(
+                m for n, m in model.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)
+            )
             report = None
-            if variant != "stock":
+            if fp8:
+                report = fp8_report  # patched once above; kept
+            elif variant != "stock":
                 report = mpsboost.patch(model, device=env) if env is not None else mpsboost.patch(model)
             hooks = []
             scopes: list = []
@@ -299,7 +318,7 @@ def _qwen36_eager(a) -> int:
             finally:
                 for h in hooks:
                     h.remove()
-                if report is not None:
+                if report is not None and not fp8:
                     mpsboost.unpatch(model)
             kernel_ms = launches = 0.0
             kinds: dict[str, float] = {}
