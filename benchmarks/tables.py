@@ -1326,6 +1326,7 @@ def _profile_eager(name: str, recs: list[dict]) -> str:
     decode step goes, against the kernel time (the GPU waits for the host when the kernel time is far below
     the step)."""
     rows = []
+    per_round = len({r["variant"] for r in recs}) or 1  # every variant once per round
     for i, r in enumerate(recs):
         steps = r["step_all_ms"]
         kinds = ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items())
@@ -1334,7 +1335,7 @@ def _profile_eager(name: str, recs: list[dict]) -> str:
         top = ", ".join(f"{k[6:]} {c:g}x {ms:.2f}" for k, (c, ms) in list(r["top_own_host_ms_per_step"].items())[:5])
         rows.append(
             [
-                str(i // 3 + 1),
+                str(i // per_round + 1),
                 r["variant"],
                 f"{r['step_ms']:.1f} ({steps[0]:.1f} .. {steps[-1]:.1f}, n={len(steps)})",
                 str(r["aten_ops_per_step"]),
