@@ -487,6 +487,8 @@ def _fp8_gemv_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: 
         return fp8_gemv_reference(x, w, scale, bias)
     from . import fp8_triton
 
+    if x.dim() != 2:  # the Triton kernel takes rows; the operator, any leading dims
+        return fp8_triton.fp8_gemv(x.reshape(-1, x.shape[-1]), w, scale, bias).view(*x.shape[:-1], w.shape[0])
     return fp8_triton.fp8_gemv(x, w, scale, bias)
 
 
@@ -507,12 +509,12 @@ def _fp8_gemv_mps(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: O
 
 @torch.library.custom_op("mpsboost::fp8_gemv_out", mutates_args=("out",))
 def _fp8_gemv_out_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(fp8_gemv_reference(x, w, scale, None))
+    out.copy_(fp8_gemv_reference(x, w, scale, None).view(out.shape))
 
 
 @_fp8_gemv_out_op.register_kernel("cuda")
 def _fp8_gemv_out_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
-    out.copy_(_fp8_gemv_cuda(x, w, scale, None))
+    out.copy_(_fp8_gemv_cuda(x, w, scale, None).view(out.shape))
 
 
 @_fp8_gemv_out_op.register_kernel("mps")
@@ -520,12 +522,19 @@ def _fp8_gemv_out_mps(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out
     from . import fp8_metal
 
     n, k = w.shape
-    if fp8_metal.supported(x, w, bk=k) is not None or out.dtype != x.dtype or (n > 1 and out.stride(1) != 1):
-        out.copy_(fp8_gemv_reference(x, w, scale, None))
+    if fp8_metal.supported(x, w, bk=k) is not None or out.dtype != x.dtype or not _rows_out(out, n):
+        out.copy_(fp8_gemv_reference(x, w, scale, None).view(out.shape))
         return
     rowwise = scale.numel() == n and n > 1
     s = scale.float().reshape(n if rowwise else 1, 1)
     fp8_metal.rows_gemv(x, w, s, None, bn=1 if rowwise else n, bk=k, out=out)
+
+
+def _rows_out(out: torch.Tensor, n: int) -> bool:
+    """An ``out`` the Metal kernel writes: ``[R, N]`` with unit column stride, or contiguous of any shape."""
+    if out.dim() == 2:
+        return out.shape[1] == n and (n == 1 or out.stride(1) == 1)
+    return out.shape[-1] == n and out.is_contiguous()
 
 
 @_fp8_gemv_out_op.register_fake
@@ -535,7 +544,7 @@ def _fp8_gemv_out_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, ou
 
 @_fp8_gemv_op.register_fake
 def _fp8_gemv_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w.shape[0]))
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 @torch.library.custom_op("mpsboost::fp8_quantize_rows", mutates_args=())

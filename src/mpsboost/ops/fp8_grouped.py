@@ -30,7 +30,7 @@ import torch
 
 from typing import Optional
 
-from .fp8 import _eager_cuda, _eager_mps, _have_triton, fp8_gemv, fp8_gemv_out, widen
+from .fp8 import _eager_cuda, _eager_mps, _have_triton, _rows_out, fp8_gemv, fp8_gemv_out, widen
 
 __all__ = ["GemvOperand", "grouped_mm", "grouped_mm_reference", "block_gemv", "block_gemv_out", "scale_blocks"]
 
@@ -142,13 +142,15 @@ def _block_gemv_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: 
         return _block_gemv_reference(x, w, scale, bn, bk)
     from . import fp8_triton
 
-    offs = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
-    return fp8_triton.grouped_gemv(x, w.unsqueeze(0), offs, scale.unsqueeze(0), bn, bk)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    offs = torch.full((1,), x2.shape[0], dtype=torch.int32, device=x.device)
+    y = fp8_triton.grouped_gemv(x2, w.unsqueeze(0), offs, scale.unsqueeze(0), bn, bk)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
 
 
 @_block_gemv_op.register_fake
 def _block_gemv_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
-    return x.new_empty((x.shape[0], w.shape[0]))
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def block_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
@@ -166,14 +168,14 @@ def block_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, b
 def _block_gemv_out_op(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, out: torch.Tensor
 ) -> None:
-    out.copy_(_block_gemv_reference(x, w, scale, bn, bk))
+    out.copy_(_block_gemv_reference(x, w, scale, bn, bk).view(out.shape))
 
 
 @_block_gemv_out_op.register_kernel("cuda")
 def _block_gemv_out_cuda(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, out: torch.Tensor
 ) -> None:
-    out.copy_(_block_gemv_cuda(x, w, scale, bn, bk))
+    out.copy_(_block_gemv_cuda(x, w, scale, bn, bk).view(out.shape))
 
 
 @_block_gemv_out_op.register_kernel("mps")
@@ -182,8 +184,8 @@ def _block_gemv_out_mps(
 ) -> None:
     from . import fp8_metal
 
-    if fp8_metal.supported(x, w, bk=bk) is not None or out.dtype != x.dtype or (w.shape[0] > 1 and out.stride(1) != 1):
-        out.copy_(_block_gemv_reference(x, w, scale, bn, bk))
+    if fp8_metal.supported(x, w, bk=bk) is not None or out.dtype != x.dtype or not _rows_out(out, w.shape[0]):
+        out.copy_(_block_gemv_reference(x, w, scale, bn, bk).view(out.shape))
         return
     fp8_metal.rows_gemv(x, w, scale.float().contiguous(), None, bn=bn, bk=bk, out=out)
 
@@ -214,7 +216,9 @@ class GemvOperand:
     MPS, its Triton kernel on CUDA), for an eager decode step that calls it every token: what the layer's own
     ``fused`` forward does at few rows, without its reshapes (a 2-D input in, a 2-D product out: one dispatch),
     and, with ``out=``, written straight into the caller's buffer (the columns a fused projection's product
-    occupies). Other calls (more rows, another dtype or rank) go to the layer. Rowwise or tensorwise scales, no
+    occupies); a contiguous input of more dims reads its leading dims as rows and keeps them in the product (no
+    reshape dispatched). Other calls (more rows, another dtype) go to ``layer`` (any callable: the layer, or the
+    projections a fused operand stands for, side by side). Rowwise or tensorwise scales, no
     bias. A recipe keeps it with its other eager constants and rebuilds it when the layer's codes or scales change
     (it watches them); traced code never sees it."""
 
@@ -238,7 +242,13 @@ class GemvOperand:
         self.block = block  # a file's block scales (bn, bk): torch.ops.mpsboost.fp8_block_gemv applies them
 
     def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if x.dtype != self.dtype or x.dim() != 2 or not 0 < x.shape[0] <= self.max_rows:
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        if (
+            x.dtype != self.dtype
+            or x.dim() < 2
+            or not 0 < rows <= self.max_rows
+            or (x.dim() > 2 and not x.is_contiguous())
+        ):
             y = self.layer(x)
             return y if out is None else out.copy_(y.view(out.shape))
         if self.block is not None:

@@ -37,6 +37,7 @@ the same text as C++ against a small emulation of the Metal built-ins and run it
 from __future__ import annotations
 
 import functools
+import math
 from string import Template
 from typing import Optional
 
@@ -195,13 +196,14 @@ KERNELS = {dt: f"mpsb_fp8_rows_{spec[0]}" for dt, spec in _TYPES.items()}
 
 
 def supported(x: torch.Tensor, w: torch.Tensor, *, bk: int) -> Optional[str]:
-    """Why the kernel cannot take these tensors (static facts), or None: x 2-D with unit column stride in a
-    dtype it has, codes contiguous and 16-byte aligned, K and the K block multiples of 16."""
+    """Why the kernel cannot take these tensors (static facts), or None: x in a dtype it has, 2-D with unit column
+    stride (rows of any stride) or of more dims and contiguous (its leading dims are the rows), codes contiguous and
+    16-byte aligned, K and the K block multiples of 16."""
     k = w.shape[-1]
     if x.dtype not in KERNELS:
         return f"activations in {x.dtype}: the kernel has float32, float16 and bfloat16"
-    if x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
-        return "x must be 2-D with contiguous rows"
+    if x.dim() < 2 or (x.dim() == 2 and x.shape[1] > 1 and x.stride(1) != 1) or (x.dim() > 2 and not x.is_contiguous()):
+        return "x must be 2-D with contiguous rows, or contiguous"
     if w.dtype not in (torch.float8_e4m3fn, torch.uint8):
         return f"codes in {w.dtype}: expected float8_e4m3fn or uint8"
     if k % CHUNK or bk % CHUNK:
@@ -239,19 +241,22 @@ def rows_gemv(
 ) -> torch.Tensor:
     """Launch the kernel on MPS tensors: ``x [R, K]``, codes ``w [N, K]`` (dense, ``offs=None``) or ``[E, N, K]``
     with int32 ``offs [E]``, float32 ``scale`` ``[ceil(N/bn), ceil(K/bk)]`` (dense) or ``[E, ...]``, contiguous.
-    Returns ``[R, N]`` in ``x.dtype``, written into ``out`` when given (``[R, N]``, unit column stride, any row
-    stride: e.g. the columns of a wider buffer). The caller checked :func:`supported`."""
-    r, k = x.shape
+    ``x`` may have more dims (contiguous): its leading dims are the rows, and the result has them too
+    (``[..., N]``). Returns ``[R, N]`` in ``x.dtype``, written into ``out`` when given (``[R, N]`` with unit column
+    stride and any row stride, e.g. the columns of a wider buffer; or contiguous of any shape with ``R * N``
+    elements). The caller checked :func:`supported`."""
+    k = x.shape[-1]
+    r = math.prod(x.shape[:-1])  # the leading dims of a contiguous x are its rows: no reshape dispatched
     n = w.shape[-2]
     groups = 0 if offs is None else w.shape[0]
-    y = torch.empty((r, n), dtype=x.dtype, device=x.device) if out is None else out
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device) if out is None else out
     if r == 0 or n == 0:
         return y
     if k == 0:
         return y.zero_()
     codes = w.view(torch.uint8) if w.dtype != torch.uint8 else w
     sn, sk = scale.shape[-2], scale.shape[-1]
-    xs = x.stride(0) if r > 1 else 0
+    xs = (x.stride(0) if x.dim() == 2 else k) if r > 1 else 0
     fn = getattr(_library(), KERNELS[x.dtype])
     gx = -(-n // FEATURES_PER_GROUP)
     gy = -(-r // ROWS)
@@ -270,7 +275,7 @@ def rows_gemv(
         bk,
         sn,
         sk,
-        y.stride(0) if r > 1 else n,
+        y.stride(0) if r > 1 and y.dim() == 2 else n,  # an out of more dims: contiguous rows
         threads=(gx * THREADS, gy),
         group_size=(THREADS, 1),
     )

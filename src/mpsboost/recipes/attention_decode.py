@@ -398,6 +398,12 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
         state.derived = _derive(mod, lay, state)
         if state.derived["wt"] is not None:
             state.buffer(mod.q_proj.weight, lay)  # now rather than inside the first step
+        elif state.derived["mods"] is not None and isinstance(
+            getattr(state.derived["mods"][0], "dtype", None), torch.dtype
+        ):
+            # stored projections' decode operands (fp8): the buffer in the dtype they compute in
+            like = torch.empty(0, dtype=state.derived["mods"][0].dtype, device=mod.q_proj.weight.device)
+            state.buffer(like, lay)
     state.watch = _watch(mod, lay)
     return state.derived
 

@@ -79,6 +79,8 @@ from ..gate import Env, check
 from ..ops import gated_delta as gd
 from ..registry import Decision, Match, Recipe, class_path, register
 from ._watch import Watch
+from ..ops.fp8 import concat_rows
+from ..ops.fp8_grouped import GemvOperand
 from .fp8.layers import decode_operand
 from ..patching import (
     Changes,
@@ -222,33 +224,62 @@ def _stored_linear(m: Any, n_in: int, n_out: int) -> bool:
 
 
 class _PlainOperand:
-    """A plain projection among stored ones (the published Qwen3.6-FP8 keeps ``in_proj_b``/``in_proj_a`` in bf16
-    beside fp8 ``in_proj_qkv``/``in_proj_z``), called like their decode operands: its product written into the
-    caller's columns by one ``mm`` (``addmm`` with a bias) on the transposed weight, made once (an eager constant,
-    rebuilt with the others when the weight changes)."""
+    """Plain projections among stored ones (the published Qwen3.6-FP8 keeps ``in_proj_b``/``in_proj_a`` in bf16
+    beside fp8 ``in_proj_qkv``/``in_proj_z``), called like their decode operands: the product written into the
+    caller's columns by one ``mm`` (``bmm`` for a ``[1, 1, K]`` input, as the bf16 step does) on the transposed
+    weight; several layers side by side in one copy of their weights (``b`` and ``a``: a few KiB, as the bf16 step
+    fuses them). An eager constant, rebuilt with the others when a weight changes."""
 
-    __slots__ = ("layer", "wt", "bias")
+    __slots__ = ("layers", "wt", "wt3")
     writes_out = True
 
-    def __init__(self, layer: torch.nn.Linear):
-        self.layer = layer
-        self.wt = layer.weight.detach().t()
-        self.bias = None if layer.bias is None else layer.bias.detach()
+    def __init__(self, layers: list[torch.nn.Linear]):
+        self.layers = layers
+        w = [m.weight.detach() for m in layers]
+        self.wt = (w[0] if len(w) == 1 else torch.cat(w)).t()
+        self.wt3 = self.wt.unsqueeze(0)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() != 2 or x.dtype != self.wt.dtype:
-            y = self.layer(x)
+        if x.dtype != self.wt.dtype or not (x.dim() == 2 or (x.dim() == 3 and x.shape[0] == 1)):
+            y = torch.cat([m(x) for m in self.layers], dim=-1)
             return y if out is None else out.copy_(y.view(out.shape))
-        if self.bias is None:
-            return torch.mm(x, self.wt, out=out)
-        return torch.addmm(self.bias, x, self.wt, out=out)
+        if x.dim() == 3:
+            return torch.bmm(x, self.wt3, out=out)
+        return torch.mm(x, self.wt, out=out)
 
 
-def _operand(m: Any) -> Any:
-    """What the eager decode step calls for one of a stored layer's neighbours: the fp8 layer's decode operand, or
-    a plain linear's :class:`_PlainOperand`."""
-    op = decode_operand(m)
-    return _PlainOperand(m) if op is m and isinstance(getattr(m, "weight", None), torch.nn.Parameter) else op
+def _plain(m: Any) -> bool:
+    return isinstance(getattr(m, "weight", None), torch.nn.Parameter) and getattr(m, "bias", None) is None
+
+
+def _operands(mods: list[Any], widths: tuple[int, ...], fuse_last: bool) -> tuple[list[Any], list[int]]:
+    """What the eager decode step calls for each projection when some are stored (fp8): each fp8 layer's decode
+    operand, each plain linear's :class:`_PlainOperand`, with the last two (``b`` and ``a``) side by side in one
+    operand where ``fuse_last`` and both are plain (one copy of their bf16 weights) or both fp8 rowwise/tensorwise
+    (one copy of their codes and scales, :func:`mpsboost.ops.fp8.concat_rows`): a few KiB, one dispatch. Returns the
+    operands and the width of each one's product."""
+    ops = [_PlainOperand([m]) if _plain(m) else decode_operand(m) for m in mods]
+    widths = list(widths)
+    if not fuse_last or len(mods) < 2:
+        return ops, widths
+    (m1, m2), (o1, o2) = mods[-2:], ops[-2:]
+    if _plain(m1) and _plain(m2) and (m1.weight.dtype, m1.weight.device) == (m2.weight.dtype, m2.weight.device):
+        return ops[:-2] + [_PlainOperand([m1, m2])], widths[:-2] + [widths[-2] + widths[-1]]
+    if (
+        isinstance(o1, GemvOperand)
+        and isinstance(o2, GemvOperand)
+        and o1.block is None
+        and o2.block is None
+        and (o1.q.dtype, o1.dtype, o1.max_rows) == (o2.q.dtype, o2.dtype, o2.max_rows)
+    ):
+        q, scale = concat_rows([(o1.q, o1.scale), (o2.q, o2.scale)])
+
+        def both(x: torch.Tensor, m1: Any = m1, m2: Any = m2) -> torch.Tensor:
+            return torch.cat((m1(x), m2(x)), dim=-1)
+
+        fused = GemvOperand(both, q, scale, o1.max_rows, o1.dtype)
+        return ops[:-2] + [fused], widths[:-2] + [widths[-2] + widths[-1]]
+    return ops, widths
 
 
 def _linear_kind(m: Any, n_in: int, n_out: int) -> str:
@@ -396,9 +427,11 @@ def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
         "out_w": None if _stored_linear(out_mod, lay.hv * lay.dv, lay.hidden) else out_mod.weight,
         "out_mod": decode_operand(out_mod) if eager else out_mod,
         "proj": weights,
-        "proj_mods": ([_operand(m) for m in mods] if eager else mods) if stored else None,
+        "proj_mods": mods if stored else None,
         "perm": _qkvz_perm(lay, dev) if lay.family == "qkvz" else None,
     }
+    if eager and stored:
+        d["proj_mods"], d["proj_widths"] = _operands(mods, lay.widths, lay.family != "qkvz")
     if eager:
         for k in ("norm_w", "conv_w", "conv_b", "out_w"):
             d[k] = None if d[k] is None else d[k].detach()
@@ -508,12 +541,12 @@ class _Work:
             self.mod_slots = None
             if d["proj_mods"] is not None and all(getattr(m, "writes_out", False) for m in d["proj_mods"]):
                 self.mod_slots, start = [], 0
-                for rows in lay.widths:
-                    self.mod_slots.append(raw[:, start : start + rows])
+                for rows in d["proj_widths"]:  # one sequence: [1, 1, n] slots for the [1, 1, K] input, as bf16's
+                    slot = raw[:, start : start + rows]
+                    self.mod_slots.append(slot.unsqueeze(1) if b == 1 else slot)
                     start += rows
             self.bufs = bufs
             self.views = {name: _view(spec, bufs[spec[0]]) for name, spec in _specs(lay, b).items()}
-            self.out2d = bufs["out"].view(b, hv * dv)  # the output projection's input, for a 2-D decode operand
 
 
 def _decode(
@@ -533,9 +566,8 @@ def _decode(
         bufs, views = work.bufs, work.views
         x = hs if b == 1 else hs.reshape(b, lay.hidden)
         if work.mod_slots is not None:  # stored projections by the fp8 GEMV: each writes its own columns
-            x2 = hs.view(b, lay.hidden)
             for m, slot in zip(d["proj_mods"], work.mod_slots):
-                m(x2, out=slot)
+                m(x, out=slot)
         elif d["proj_mods"] is not None:  # stored projections: each layer's own forward, side by side
             torch.cat([m(x) for m in d["proj_mods"]], dim=-1, out=work.raw if d["perm"] is not None else work.y2)
         else:
@@ -578,10 +610,9 @@ def _decode(
     out = gd.gated_rms_norm(v("o4", o), v("z", y), d["norm_w"], d["norm_eps"], out=bufs.get("out"))
     if work is None:
         out = out.to(hs.dtype)
-    if d["out_w"] is None:  # stored output projection: its own forward (a decode operand: on the 2-D view)
-        if work is not None and getattr(d["out_mod"], "writes_out", False):
-            return d["out_mod"](work.out2d).view(b, 1, lay.hidden)
-        return d["out_mod"](v("out_in", out)).view(b, 1, lay.hidden)
+    if d["out_w"] is None:  # stored output projection: its own forward, or its decode operand
+        y = d["out_mod"](v("out_in", out))
+        return y if y.dim() == 3 else y.view(b, 1, lay.hidden)
     if b == 1:
         return torch.bmm(v("out_in", out), d["out_t3"] if work is not None else d["out_w"].t().unsqueeze(0))
     return torch.mm(v("out_in", out), d["out_t"] if work is not None else d["out_w"].t()).view(b, 1, lay.hidden)

@@ -205,6 +205,21 @@ def test_tiny_decode_step_ops_within_1_1x_of_patched_bf16():
     assert costs["fp8"] <= 1.1 * costs["bf16"], costs
 
 
+@pytest.mark.parametrize("env", [MAC, MAC14], ids=["mps-2.15.0", "mps-2.14.1"])
+def test_fp8_deltanet_and_attention_decode_in_as_many_ops_as_bf16(env):
+    # Issue 28, item 3: linear_attention (and attention_decode) compose with fp8 projections at bf16's op count:
+    # each fp8 projection one GEMV writing its columns of the step's buffer, in_proj_b/in_proj_a side by side in
+    # one small copy of their codes (as the bf16 step copies their weights), the output projection on the step's
+    # [1, 1, K] view with no reshape.
+    costs = {}
+    for label, kw in (("bf16", {}), ("fp8", {"fp8": "rowwise"})):
+        m = build("tiny")
+        mpsboost.patch(m, device=env, **kw)
+        costs[label] = decode_cost(m)["ops"]
+    for block in ("linear_attn", "self_attn"):
+        assert costs["fp8"][block] == costs["bf16"][block], (block, costs)
+
+
 @pytest.mark.slow
 def test_medium_decode_step_moves_at_most_0_6x_the_bytes_of_patched_bf16():
     # Issue 28's traffic target (decode_ops.py --env mps-2.15.0 --fp8 rowwise --traffic --size medium): dense layers

@@ -543,5 +543,8 @@ def test_qwen36_fp8_file_decode_step_ops_within_1_1x_of_patched_bf16(qwen36_fold
     mpsboost.load_fp8(model, folder, device=mac)
     bf = _reference(ref_state).to(torch.bfloat16)
     mpsboost.patch(bf, device=mac)
-    fp8_ops, bf16_ops = (sum(decode_cost(m, TEXT["vocab_size"])["ops"].values()) for m in (model, bf))
-    assert fp8_ops <= 1.1 * bf16_ops, (fp8_ops, bf16_ops)
+    fp8_ops, bf16_ops = (decode_cost(m, TEXT["vocab_size"])["ops"] for m in (model, bf))
+    assert sum(fp8_ops.values()) <= 1.1 * sum(bf16_ops.values()), (fp8_ops, bf16_ops)
+    # in_proj_b/in_proj_a kept in bf16 beside fp8 in_proj_qkv/z: one copy side by side, as the bf16 step has them.
+    assert fp8_ops["linear_attn"] == bf16_ops["linear_attn"], (fp8_ops, bf16_ops)
+    assert fp8_ops["self_attn"] == bf16_ops["self_attn"], (fp8_ops, bf16_ops)
