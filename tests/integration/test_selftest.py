@@ -104,6 +104,7 @@ def test_workloads_stock_against_patched_on_the_cpu(run):
         "qwen_image_vae_roundtrip",
         "qwen36_decode",
         "qwen36_prefill",
+        "qwen36_fp8_decode",
         "fp8_linear_m1",
         "fp8_linear_m1024",
     ):

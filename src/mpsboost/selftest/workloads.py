@@ -286,6 +286,16 @@ SEED_WORKLOADS: dict[str, SeedWorkload] = {
             tolerance={"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2},
         ),
         SeedWorkload(
+            "qwen36_fp8_decode",
+            "Qwen3.6-35B-A3B layers in fp8 rowwise (on a Mac: mpsboost's Metal fp8 kernel) against stock bf16: "
+            "prefill, then one-token decode steps (run with qwen36_decode, patched bf16 against the same stock)",
+            _qwen36,
+            metric="rel",
+            cpu_reference=(),
+            fp8="rowwise",
+            tolerance=dict.fromkeys(("float32", "bfloat16", "float16"), 0.1),
+        ),
+        SeedWorkload(
             "fp8_linear_m1",
             "one 4096x4096 layer in fp8 rowwise storage, one token (decode)",
             _fp8_linear(lambda size: 1),
