@@ -28,8 +28,9 @@ scale), so it needs no float8 type in Metal and works the same on uint8 storage 
 
 The source is compiled once per process by ``torch.mps.compile_shader`` (public since torch 2.7), at patch
 time: :func:`self_check` compiles it and compares it with the reference on shapes that cover every branch, and
-the gate's feature ``fp8_metal_gemv`` trusts the kernel on a Mac only if that passes. It is reached only
-through the registered operators ``mpsboost::fp8_gemv`` and ``mpsboost::grouped_mm`` (their MPS kernels), so
+the fp8 recipe uses the kernel on a Mac only if that passes (:func:`mpsboost.ops.fp8.metal_verdict`, after the
+gate's feature ``fp8_metal_gemv``). It is reached only through the registered operators ``mpsboost::fp8_gemv``,
+``mpsboost::grouped_mm``, ``mpsboost::fp8_block_gemv`` and their ``_out`` variants (their MPS kernels), so
 ``torch.compile`` sees an opaque call. :data:`SOURCE` is plain Metal with no torch headers, so CPU tests compile
 the same text as C++ against a small emulation of the Metal built-ins and run it.
 """
@@ -215,7 +216,7 @@ def supported(x: torch.Tensor, w: torch.Tensor, *, bk: int) -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def _library():
-    """The compiled library (once per process; the first call is at patch time, from the gate's probe)."""
+    """The compiled library (once per process; the first call is at patch time, from the self-check)."""
     return torch.mps.compile_shader(SOURCE)
 
 
@@ -305,7 +306,7 @@ def self_check(device: str = "mps") -> Optional[str]:
     """Compile the source on ``device`` and compare the kernel with the reference on shapes that cover its
     branches (1-4 rows and a partial row group, a partial feature group, rowwise, tensorwise and block scales,
     an expert with no rows, rows past the last offset, a shared row of stride 0; each activation dtype).
-    Returns None, or what failed. Patch time only (the gate's probe of ``fp8_metal_gemv``)."""
+    Returns None, or what failed. Patch time only (:func:`mpsboost.ops.fp8.metal_verdict`, and the selftest's probe)."""
     try:
         _library()
     except Exception as exc:  # noqa: BLE001 - a compiler error of any kind is the answer
