@@ -495,15 +495,12 @@ def _fp8_gemv_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: 
 @_fp8_gemv_op.register_kernel("mps")
 def _fp8_gemv_mps(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     # mpsboost's Metal kernel (mpsboost.ops.fp8_metal): the activation as it is, each weight read once as its fp8
-    # byte. The recipe chooses this path only where the gate's probe compiled and checked it on this Mac.
+    # byte. The recipe chooses this path only where metal_verdict allowed it (compiled and checked on this Mac).
     from . import fp8_metal
 
-    n, k = w.shape
-    if fp8_metal.supported(x, w, bk=k) is not None:
+    y = fp8_metal.dense(x, w, *fp8_metal.dense_scale(scale, *w.shape))
+    if y is None:
         return fp8_gemv_reference(x, w, scale, bias)
-    rowwise = scale.numel() == n and n > 1
-    s = scale.float().reshape(n if rowwise else 1, 1)
-    y = fp8_metal.rows_gemv(x, w, s, None, bn=1 if rowwise else n, bk=k)
     return y if bias is None else y.add_(bias)
 
 
@@ -521,20 +518,8 @@ def _fp8_gemv_out_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, ou
 def _fp8_gemv_out_mps(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
     from . import fp8_metal
 
-    n, k = w.shape
-    if fp8_metal.supported(x, w, bk=k) is not None or out.dtype != x.dtype or not _rows_out(out, n):
+    if fp8_metal.dense(x, w, *fp8_metal.dense_scale(scale, *w.shape), out=out) is None:
         out.copy_(fp8_gemv_reference(x, w, scale, None).view(out.shape))
-        return
-    rowwise = scale.numel() == n and n > 1
-    s = scale.float().reshape(n if rowwise else 1, 1)
-    fp8_metal.rows_gemv(x, w, s, None, bn=1 if rowwise else n, bk=k, out=out)
-
-
-def _rows_out(out: torch.Tensor, n: int) -> bool:
-    """An ``out`` the Metal kernel writes: ``[R, N]`` with unit column stride, or contiguous of any shape."""
-    if out.dim() == 2:
-        return out.shape[1] == n and (n == 1 or out.stride(1) == 1)
-    return out.shape[-1] == n and out.is_contiguous()
 
 
 @_fp8_gemv_out_op.register_fake
@@ -568,30 +553,28 @@ def _quantize_rows_fake(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.new_empty((m, k), dtype=FP8_DTYPE), x.new_empty((m, 1), dtype=torch.float32)
 
 
-def _eager_cuda(x: torch.Tensor) -> bool:
-    """Whether a call may go straight to an operator's CUDA kernel: eager, on CUDA, nothing to
-    differentiate. The dispatcher of a ``custom_op`` costs about 20 us of host time per call, which an
-    eager forward pays once per layer (224 layers in a 16-block Qwen-Image transformer); tracing
-    (torch.compile, export), tensor subclasses (fake, functional, distributed tensors of any tracer) and
-    autograd (the operators have no backward: they raise) still go through the registered operator."""
+def _eager_on(x: torch.Tensor, device_type: str) -> bool:
+    """Whether a call may go straight to an operator's kernel for ``device_type`` ("cuda", "mps"): eager, a plain
+    tensor on that device, nothing to differentiate. The dispatcher of a ``custom_op`` costs about 20 us of host
+    time per call, which an eager forward pays once per layer (224 layers in a 16-block Qwen-Image transformer; on
+    a Mac every fp8 projection of a decode step); tracing (torch.compile, export), tensor subclasses (fake,
+    functional, distributed tensors of any tracer) and autograd (the operators have no backward: they raise) still
+    go through the registered operator."""
     # is_compiling() first: under dynamo it is a constant True and nothing after it is traced.
     return (
         not torch.compiler.is_compiling()
         and type(x) is torch.Tensor
-        and x.is_cuda
+        and x.device.type == device_type
         and not (x.requires_grad and torch.is_grad_enabled())
     )
+
+
+def _eager_cuda(x: torch.Tensor) -> bool:
+    return _eager_on(x, "cuda")
 
 
 def _eager_mps(x: torch.Tensor) -> bool:
-    """:func:`_eager_cuda` for MPS: eager, a plain tensor on MPS, nothing to differentiate (on a Mac every eager
-    dispatch is host time, and an fp8 decode step calls the operator once per projection)."""
-    return (
-        not torch.compiler.is_compiling()
-        and type(x) is torch.Tensor
-        and x.device.type == "mps"
-        and not (x.requires_grad and torch.is_grad_enabled())
-    )
+    return _eager_on(x, "mps")
 
 
 def fp8_gemv(

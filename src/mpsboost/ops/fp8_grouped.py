@@ -30,7 +30,7 @@ import torch
 
 from typing import Optional
 
-from .fp8 import _eager_cuda, _eager_mps, _have_triton, _rows_out, fp8_gemv, fp8_gemv_out, widen
+from .fp8 import _eager_cuda, _eager_mps, _have_triton, fp8_gemv, fp8_gemv_out, widen
 
 __all__ = ["GemvOperand", "grouped_mm", "grouped_mm_reference", "block_gemv", "block_gemv_out", "scale_blocks"]
 
@@ -116,9 +116,9 @@ def grouped_mm(
 
 
 def _block_gemv_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
-    from .fp8_block import dequantize_block
+    from .fp8_block import fp8_block_linear
 
-    return torch.nn.functional.linear(x, dequantize_block(w, scale, (bn, bk), x.dtype))
+    return fp8_block_linear(x, w, scale, None, block=(bn, bk), compute_dtype=x.dtype)
 
 
 @torch.library.custom_op("mpsboost::fp8_block_gemv", mutates_args=())
@@ -130,9 +130,8 @@ def _block_gemv_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: in
 def _block_gemv_mps(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
     from . import fp8_metal
 
-    if fp8_metal.supported(x, w, bk=bk) is not None:
-        return _block_gemv_reference(x, w, scale, bn, bk)
-    return fp8_metal.rows_gemv(x, w, scale.float().contiguous(), None, bn=bn, bk=bk)
+    y = fp8_metal.dense(x, w, scale, bn, bk)
+    return _block_gemv_reference(x, w, scale, bn, bk) if y is None else y
 
 
 @_block_gemv_op.register_kernel("cuda")
@@ -184,10 +183,8 @@ def _block_gemv_out_mps(
 ) -> None:
     from . import fp8_metal
 
-    if fp8_metal.supported(x, w, bk=bk) is not None or out.dtype != x.dtype or not _rows_out(out, w.shape[0]):
+    if fp8_metal.dense(x, w, scale, bn, bk, out=out) is None:
         out.copy_(_block_gemv_reference(x, w, scale, bn, bk).view(out.shape))
-        return
-    fp8_metal.rows_gemv(x, w, scale.float().contiguous(), None, bn=bn, bk=bk, out=out)
 
 
 @_block_gemv_out_op.register_fake

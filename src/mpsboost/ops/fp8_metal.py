@@ -44,7 +44,18 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SOURCE", "KERNELS", "ROWS", "FEATURES_PER_GROUP", "THREADS", "supported", "rows_gemv", "self_check"]
+__all__ = [
+    "SOURCE",
+    "KERNELS",
+    "ROWS",
+    "FEATURES_PER_GROUP",
+    "THREADS",
+    "supported",
+    "rows_gemv",
+    "dense",
+    "dense_scale",
+    "self_check",
+]
 
 ROWS = 4  # rows of x per threadgroup (they share each weight read when their expert is the same)
 FEATURES_PER_SIMDGROUP = 4
@@ -281,6 +292,34 @@ def rows_gemv(
         group_size=(THREADS, 1),
     )
     return y
+
+
+def dense_scale(scale: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, int, int]:
+    """A dense layer's rowwise (``[N]``/``[N, 1]``) or tensorwise scale as the kernel reads it: ``(scale [SN, 1]
+    float32, bn, bk)``, a row of blocks ``(1, K)`` or one block ``(N, K)``."""
+    rowwise = scale.numel() == n and n > 1
+    return scale.float().reshape(n if rowwise else 1, 1), (1 if rowwise else n), k
+
+
+def dense(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    bn: int,
+    bk: int,
+    out: Optional[torch.Tensor] = None,
+) -> Optional[torch.Tensor]:
+    """A dense layer ``w [N, K]`` on the kernel (float32 block scales ``[ceil(N/bn), ceil(K/bk)]``): the product, or
+    ``out`` written; None where the kernel cannot take these tensors (:func:`supported`; an ``out`` in another
+    dtype, or neither ``[R, N]`` with unit column stride nor contiguous), for the caller's reference."""
+    n = w.shape[0]
+    if supported(x, w, bk=bk) is not None:
+        return None
+    if out is not None:
+        rows = out.shape[-1] == n and (out.is_contiguous() if out.dim() != 2 else (n == 1 or out.stride(1) == 1))
+        if out.dtype != x.dtype or not rows:
+            return None
+    return rows_gemv(x, w, scale.float().contiguous(), None, bn=bn, bk=bk, out=out)
 
 
 def _reference(

@@ -203,8 +203,8 @@ class Fp8WeightsOptions:
     moe_gather_max_pairs: int | None = None
     moe_path: str = "auto"
     activations: str = "bf16"  # above the GEMV: "bf16" dequantises the layer (exact), "fp8" quantises activations
-    # MPS decode: "auto" (mpsboost's Metal kernel where the gate's probe passed, else torch's scaled_mm few-rows
-    # kernels where they exist), "metal" (the same: mpsboost's kernel where it passed), "scaled_mm" (torch's only)
+    # MPS decode: "auto" (mpsboost's Metal kernel where the gate and its patch-time self-check allow it, else torch's
+    # scaled_mm few-rows kernels where they exist), "metal" (the same), "scaled_mm" (torch's kernels only)
     mps_kernel: str = "auto"
 
 
@@ -301,9 +301,10 @@ def _thresholds(env: Env, opts: Fp8WeightsOptions) -> tuple[int, int, str]:
     )
 
 
-def _metal_experts(env: Env, ws: list[torch.Tensor], transposed: bool, opts: Fp8WeightsOptions) -> Optional[Verdict]:
-    """Whether an experts module with stacks ``ws`` decodes on mpsboost's Metal grouped GEMV in ``env``: None where
-    that is not a question (not MPS, option ``mps_kernel='scaled_mm'`` or a ``moe_path`` forced), else the verdict."""
+def _metal_decode(env: Env, ws: list[torch.Tensor], transposed: bool, opts: Fp8WeightsOptions) -> Optional[Verdict]:
+    """Whether a module with fp8 weights ``ws`` (a linear's ``[N, K]``, an experts module's stacks) decodes on
+    mpsboost's Metal GEMV in ``env``: None where that is not a question (not MPS, option ``mps_kernel='scaled_mm'``
+    or a ``moe_path`` forced), else the verdict. Reads only shapes and dtypes."""
     if env.device_type != "mps" or opts.mps_kernel == "scaled_mm" or opts.moe_path != "auto":
         return None
     v = fp8_ops.metal_verdict(env)
@@ -311,8 +312,8 @@ def _metal_experts(env: Env, ws: list[torch.Tensor], transposed: bool, opts: Fp8
         return v
     if transposed:
         return Verdict(False, "its stacks are stored [E, in, out] (transposed): the kernel reads [E, out, in]")
-    if not all(fp8_ops.metal_ok(w.shape[2], ws[0].dtype) for w in ws):
-        return Verdict(False, f"K {[w.shape[2] for w in ws]} not multiples of 16, or {ws[0].dtype} activations")
+    if not all(fp8_ops.metal_ok(w.shape[-1], ws[0].dtype) for w in ws):
+        return Verdict(False, f"K {[w.shape[-1] for w in ws]} not multiples of 16, or {ws[0].dtype} activations")
     return v
 
 
@@ -555,27 +556,22 @@ class Fp8Weights(Recipe):
         if layer.block is not None:
             bn, bk = layer.block
             details["block"] = [bn, bk]
-            backing = (
-                f"block-scaled fp8 {bn}x{bk}, dequantise then linear"
-                if layer.kind == "linear"
-                else f"block-scaled fp8 {bn}x{bk}: dequantise only the hit experts, one at a time"
-            )
+            linear = layer.kind == "linear"
+            head = f"block-scaled fp8 {bn}x{bk}"
+            rest = "dequantise then linear" if linear else "dequantise only the hit experts, one at a time"
+            backing = f"{head}, {rest}" if linear else f"{head}: {rest}"
             why = f"{storage} storage, scales kept exactly as in {layer.source}"
             # Decode on mpsboost's Metal kernel, which applies the block scales as they are inside its product.
             ws = [torch.empty(sh, dtype=layer.compute_dtype, device="meta") for sh in layer.shapes]
-            if layer.kind == "linear":
-                metal = _metal_experts(env, [w.unsqueeze(0) for w in ws[:1]], False, opts)
-            else:
-                metal = _metal_experts(env, ws, False, opts)
+            metal = _metal_decode(env, ws, False, opts)
             few_rows = ""
             if metal is not None and metal.ok and bk % 16 == 0:
                 few_rows = "grouped"
-                rows = f"<= {fp8_ops.FEW_ROWS_MAX} " + ("rows" if layer.kind == "linear" else "tokens")
-                kernel = "GEMV" if layer.kind == "linear" else "grouped GEMV (routed experts read in place)"
-                rest = backing.split(", ", 1)[1] if layer.kind == "linear" else backing.split(": ", 1)[1]
+                rows = f"<= {fp8_ops.FEW_ROWS_MAX} " + ("rows" if linear else "tokens")
+                kernel = "GEMV" if linear else "grouped GEMV (routed experts read in place)"
                 backing = (
-                    f"block-scaled fp8 {bn}x{bk}: decode ({rows}) on mpsboost's Metal fp8 {kernel}, the block scales "
-                    f"applied in it (1 byte per weight); {rest} above"
+                    f"{head}: decode ({rows}) on mpsboost's Metal fp8 {kernel}, the block scales applied in it "
+                    f"(1 byte per weight); {rest} above"
                 )
                 why = f"{why}; decode: {metal.reason}"
             elif metal is not None:
@@ -659,7 +655,7 @@ class Fp8Weights(Recipe):
         if where and env.device_type == "cuda":
             why += f"; {where}"
         few_rows = ""
-        metal = _metal_experts(env, ws, tr, opts)
+        metal = _metal_decode(env, ws, tr, opts)
         if metal is not None and metal.ok:
             few_rows = "grouped"  # mpsboost's Metal grouped GEMV: routed experts read in place, 1 byte per weight
         elif opts.moe_path == "auto" and storage == "float8" and not tr:
