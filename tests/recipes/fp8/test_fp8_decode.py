@@ -190,7 +190,10 @@ def test_few_rows_experts_match_the_dequantised_experts_and_never_widen_a_weight
             y = fp8_moe.few_rows_experts(x, idx, wts, up=up, down=down, activation=_act)
         assert not widened, widened  # no bf16/fp32 copy of any expert weight
         assert y.shape == (t, h) and y.dtype == dtype
-        assert fp8_ops.sqnr_db(y, _ref_experts(x, idx, wts, up, down)) >= 22.0, (t, k)
+        # e4m3 activations and weights (about 31 dB each on normal data) through a gated product at width 64: over
+        # 3000 fresh draws per-draw SQNR ran from 20.6 to 35 dB, median 27.5 (the former 22 dB bound failed 5 of
+        # them, so this test went red on about one run in fifteen); 19 dB still fails any widened or mis-scaled path.
+        assert fp8_ops.sqnr_db(y, _ref_experts(x, idx, wts, up, down)) >= 19.0, (t, k)
 
 
 @pytest.mark.parametrize("t, k", [(1, 8), (2, 3), (4, 8)])
