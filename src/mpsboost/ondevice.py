@@ -260,7 +260,9 @@ def choose(
     spread = (min(ratios), max(ratios))
     reason = "faster on this Mac" if taken else f"not faster on this Mac (a tie within {margin:.0%} goes to stock)"
     try:
-        cache.put(key, {"taken": taken, "ratio": med, "spread": list(spread), "rounds": rounds, "candidate": candidate.name})
+        cache.put(
+            key, {"taken": taken, "ratio": med, "spread": list(spread), "rounds": rounds, "candidate": candidate.name}
+        )
     except OSError as exc:  # an unwritable cache folder costs a re-timing next process, nothing else
         reason += f"; not cached ({type(exc).__name__}: {exc})"
     return pick(taken, "timed", reason, ratio=med, spread=spread, rounds=rounds)
