@@ -220,10 +220,15 @@ def _machine(**kw):
     return edit
 
 
+# What the macOS arm64 wheel of torch writes (no local version tag, no CUDA): a forged Mac file takes its
+# torch from here, never from this machine, whose build may be +cpu, +cu130 or a Mac's own.
+MAC_TORCH = {"torch": "2.15.0", "torch_build": "no cuda, git 6b1f4c2a9e, release"}
+
+
 def _as_mac(chip="Apple M3 Max", **kw):
     """The lines as an Apple-silicon Mac would have written them: the machine facts and the environment of
-    every record they carry agree (device mps, Darwin, the chip in the device name); ``kw`` then edits
-    the machine facts alone."""
+    every record they carry agree (device mps, Darwin, the chip in the device name, the macOS wheel's torch
+    build :data:`MAC_TORCH`); ``kw`` then edits the machine facts alone."""
     facts = dict(
         device="mps",
         os="Darwin",
@@ -233,10 +238,19 @@ def _as_mac(chip="Apple M3 Max", **kw):
         mps_built=True,
         chip=chip,
         device_name=f"Apple MPS ({chip})",
+        **MAC_TORCH,
     )
 
     def env(e):
-        return dict(e, device_type="mps", device_name=f"Apple MPS ({chip})", os="Darwin 24.1.0")
+        return dict(
+            e,
+            device_type="mps",
+            device_name=f"Apple MPS ({chip})",
+            os="Darwin 24.1.0",
+            torch_version=MAC_TORCH["torch"],
+            torch_build=MAC_TORCH["torch_build"],
+            torch_cuda=None,
+        )
 
     def edit(recs):
         out = [dict(recs[0], machine={**recs[0]["machine"], **facts, **kw})]
@@ -316,47 +330,94 @@ def test_a_real_mac_file_is_accepted(run, tmp_path):
     assert cli_main(["selftest", "--validate", str(good)]) == 0
 
 
-@pytest.mark.parametrize(
-    "what, edit, message",
-    [
-        (
-            "a CPU file hand-edited to name an Apple chip",
-            _machine(chip="Apple M4 Max", device_name="Apple M4 Max"),
-            "chip 'Apple M4 Max' and device_name 'Apple M4 Max' on os 'Linux'",
+CONTRADICTIONS = [
+    (
+        "a CPU file hand-edited to name an Apple chip",
+        _machine(chip="Apple M4 Max", device_name="Apple M4 Max"),
+        "chip 'Apple M4 Max' and device_name 'Apple M4 Max' on os 'Linux'",
+    ),
+    ("a Mac file from a CUDA torch build", _as_mac(torch_build="cuda 13.0, git 0123456789, release"), "CUDA"),
+    (
+        "a device name that is not the chip's",
+        _as_mac(chip="Apple M4 Max", device_name="Apple MPS (Apple M1)"),
+        "does not name the chip",
+    ),
+    (
+        "an MPS device name on the CPU",
+        _machine(device_name="Apple MPS (Apple M3 Max)"),
+        "device 'cpu' with device_name",
+    ),
+    (
+        "a Mac header on records measured on the CPU",
+        _machine(
+            device="mps",
+            os="Darwin",
+            arch="arm64",
+            macos="15.1",
+            mps_available=True,
+            mps_built=True,
+            chip="Apple M3 Max",
+            device_name="Apple MPS (Apple M3 Max)",
+            **MAC_TORCH,
         ),
-        ("a Mac file from a CUDA torch build", _as_mac(torch_build="cuda 13.0, git 0123456789, release"), "CUDA"),
-        (
-            "a device name that is not the chip's",
-            _as_mac(chip="Apple M4 Max", device_name="Apple MPS (Apple M1)"),
-            "does not name the chip",
-        ),
-        (
-            "an MPS device name on the CPU",
-            _machine(device_name="Apple MPS (Apple M3 Max)"),
-            "device 'cpu' with device_name",
-        ),
-        (
-            "a Mac header on records measured on the CPU",
-            _machine(
-                device="mps",
-                os="Darwin",
-                arch="arm64",
-                macos="15.1",
-                mps_available=True,
-                mps_built=True,
-                chip="Apple M3 Max",
-                device_name="Apple MPS (Apple M3 Max)",
-            ),
-            "measured elsewhere than the header says: device 'cpu'",
-        ),
-    ],
-)
+        "measured elsewhere than the header says: device 'cpu'",
+    ),
+]
+
+
+@pytest.mark.parametrize("what, edit, message", CONTRADICTIONS)
 def test_validator_rejects_facts_that_contradict_each_other(run, tmp_path, what, edit, message):
     _, jsonl, _, _ = run
     bad = _rewrite(jsonl, tmp_path / "bad.jsonl", edit)
     with pytest.raises(SelftestFormatError, match=message):
         validate(bad)
     assert cli_main(["selftest", "--validate", str(bad)]) == 2
+
+
+def _as_built(monkeypatch, version: str, cuda: str | None):
+    """The lines as this run would have written them under another torch build (``version``, CUDA ``cuda``):
+    the header's torch facts and every record's environment come from the code that writes them
+    (``machine.facts``, ``RecordEnv.capture``), with torch's version strings simulated."""
+    from mpsboost.bench import RecordEnv
+    from mpsboost.selftest import machine
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__version__", version)
+        m.setattr(torch.version, "cuda", cuda)
+        head = machine.facts("cpu")
+        env = RecordEnv.capture("cpu", torch.float32).to_dict()
+    keys = ("torch_version", "torch_build", "torch_cuda")
+
+    def edit(recs):
+        out = [dict(recs[0], machine=dict(recs[0]["machine"], torch=head["torch"], torch_build=head["torch_build"]))]
+        for r in recs[1:]:
+            if r.get("records"):
+                r = dict(r, records=[dict(x, env=dict(x["env"], **{k: env[k] for k in keys})) for x in r["records"]])
+            out.append(r)
+        return out
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "version, cuda",
+    [("2.13.0+cpu", None), ("2.14.1+cu130", "13.0"), ("2.15.0", None)],
+    ids=["cpu wheel", "cuda wheel (what pip gives Linux)", "macOS wheel"],
+)
+def test_the_mac_file_tests_hold_on_every_torch_build(run, tmp_path, monkeypatch, version, cuda):
+    """The forged Mac files above do not depend on this machine's torch build: a run under the CPU, the CUDA
+    or the macOS wheel gives a valid CPU file, its Mac forgery is accepted, and each contradiction is still
+    rejected with its own message."""
+    _, jsonl, _, _ = run
+    built = _rewrite(jsonl, tmp_path / "built.jsonl", _as_built(monkeypatch, version, cuda))
+    head = json.loads(built.read_text().splitlines()[0])["machine"]
+    assert head["torch"] == version and head["torch_build"].startswith(f"cuda {cuda}," if cuda else "no cuda,")
+    assert validate(built)["machine"]["device"] == "cpu"
+    mac = validate(_rewrite(built, tmp_path / "mac.jsonl", _as_mac()), require_mps=True)["machine"]
+    assert (mac["device"], mac["torch"]) == ("mps", MAC_TORCH["torch"])
+    for what, edit, message in CONTRADICTIONS:
+        with pytest.raises(SelftestFormatError, match=message):
+            validate(_rewrite(built, tmp_path / "bad.jsonl", edit))
 
 
 def test_the_budget_is_checked_inside_a_workload_with_progress(tmp_path):
