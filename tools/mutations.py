@@ -5,14 +5,32 @@ tests that must fail once it is applied. For each one asked for, this script cop
 git tracks, plus untracked ones it does not ignore) into a temporary folder, applies the mutation there
 (the checkout itself is never touched), runs those tests with that copy's ``src/`` first on the path,
 and expects them to fail. A mutation whose text is no longer in its file is reported as stale (the code
-moved: update the mutation). Exit status 0 when every mutation run was caught, 1 when one survived or
-is stale, 2 for a usage error.
+moved: update the mutation). Before any test runs, every entry of the list (not only those asked for) is
+applied in memory: one that no longer matches its file stops the run at once, naming the entry, the file
+and the text it looks for. Exit status 0 when every mutation run was caught, 1 when one survived, errored
+or is stale, 2 for a usage error.
 
     python tools/mutations.py              # every mutation
     python tools/mutations.py leak         # those whose name contains "leak"
+    python tools/mutations.py --quick      # the quick set (quick=True), the one CI runs (.ci/run)
+    python tools/mutations.py --check      # every entry still matches its file; no test run
     python tools/mutations.py --list       # names, files and tests, nothing run
 
 It runs pytest in the current Python environment (the one the README's test command sets up).
+tests/core/test_mutations_tool.py runs the ``--check`` step with the other tests.
+
+The entry format (one ``Mutation(...)`` per entry in MUTATIONS; add entries, keep the fields):
+
+    Mutation(
+        name="recipe-what-breaks",          # unique, lowercase words joined by "-"
+        why="what the mutation breaks, in words",
+        edits=(Edit("src/mpsboost/...py", "exact old text, found once\n", "its replacement\n"),),
+        tests=("tests/path/test_x.py", "-k", "expr"),   # pytest arguments that must go red
+        quick=True,                         # optional (default False): in the quick set CI runs
+    )
+
+``Edit.old == ""`` appends ``new`` to the file. Several edits of one entry apply in order. A quick entry's
+tests take seconds (the quick set runs in CI after the test suite, in about three minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -43,6 +61,7 @@ class Mutation:
     why: str  # what the mutation breaks, in words
     edits: tuple[Edit, ...]
     tests: tuple[str, ...]  # pytest arguments (paths, -k expressions)
+    quick: bool = False  # in the quick set (--quick; CI runs it): tests that take seconds
 
 
 # A module-level list that keeps every patched layer alive: the leak the leak tests exist for. The list
@@ -50,7 +69,7 @@ class Mutation:
 _LEAK_LIST = "\n\n_MPSBOOST_MUTANT_KEEP: list = []  # mutation: a module-level list holding patched layers\n"
 
 
-def _leak(recipe: str, signature: str) -> Mutation:
+def _leak(recipe: str, signature: str, quick: bool = False) -> Mutation:
     path = f"src/mpsboost/recipes/{recipe}.py"
     body = f"{signature}\n        _MPSBOOST_MUTANT_KEEP.append(match.module)\n"
     return Mutation(
@@ -58,6 +77,7 @@ def _leak(recipe: str, signature: str) -> Mutation:
         why=f"{recipe}.apply appends each patched layer to a module-level list (a dropped model's layers stay alive)",
         edits=(Edit(path, f"{signature}\n", body), Edit(path, "", _LEAK_LIST)),
         tests=("tests/core/test_leaks.py", "-m", "not slow", "-k", recipe),
+        quick=quick,
     )
 
 
@@ -65,6 +85,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     _leak(
         "linear_attention",
         "    def apply(self, match: Match, decision: Decision, env: Env, options: LinearAttentionOptions) -> Patch:",
+        quick=True,
     ),
     _leak(
         "moe_experts",
@@ -112,15 +133,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "benchmarks/e2e.py",
-                "        t0 = time.perf_counter()\n        out = generate(name, first)\n",
-                "        t0 = time.perf_counter()\n"
-                "        if name == 'mpsboost':\n"
-                "            mpsboost.unpatch(models[name])\n"
-                "            mpsboost.patch(models[name])\n"
-                "        out = generate(name, first)\n",
+                "            torch.manual_seed(a.seed + 2)  # the sampling seed, the same for every call\n",
+                "            torch.manual_seed(a.seed + 2)  # the sampling seed, the same for every call\n"
+                "            if name == 'mpsboost':\n"
+                "                mpsboost.unpatch(m)\n"
+                "                apply_variant(m, name, a)\n",
             ),
         ),
         tests=("tests/bench/test_e2e_bench.py", "-k", "not_timed"),
+        quick=True,
     ),
     Mutation(
         name="selftest-budget-between-workloads-only",
@@ -133,12 +154,27 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=("tests/integration/test_selftest.py", "-k", "budget_is_checked"),
+        quick=True,
     ),
     Mutation(
         name="harness-imports-matplotlib",
         why="import mpsboost.bench imports matplotlib itself",
         edits=(Edit("src/mpsboost/bench/__init__.py", "", "\nimport matplotlib  # noqa: E402,F401\n"),),
         tests=("tests/bench/test_bench_records.py", "-k", "stays_light"),
+        quick=True,
+    ),
+    Mutation(
+        name="mutations-tool-runs-stale-lists",
+        why="tools/mutations.py runs the tests of a list whose entries no longer match the tree (no preflight)",
+        edits=(Edit("tools/mutations.py", "    problems = stale(MUTATIONS)\n", "    problems = []\n"),),
+        tests=("tests/core/test_mutations_tool.py", "-k", "stale_entry"),
+        quick=True,
+    ),
+    Mutation(
+        name="docs-gate-releases-repeats-features",
+        why="docs/support.md's list by MPS build puts a feature under every build that has it, not its first",
+        edits=(Edit("src/mpsboost/docs.py", " and (i == 0 or not ok[n][i - 1])]", "]"),),
+        tests=("tests/core/test_docs.py", "-k", "list_of_what"),
     ),
 )
 
@@ -161,21 +197,54 @@ def _copy_tree(dest: Path) -> None:
         shutil.copy2(ROOT / rel, target)
 
 
-def _apply(dest: Path, m: Mutation) -> str | None:
-    """Apply ``m`` in ``dest``; the reason it cannot be applied (stale), or None."""
+def _mutated(root: Path, m: Mutation) -> tuple[dict[str, str], str | None]:
+    """The texts of the files ``m`` edits once its edits are applied to the tree at ``root`` (in memory),
+    and the reason it cannot be applied (stale), or None."""
+    texts: dict[str, str] = {}
     for e in m.edits:
-        f = dest / e.path
-        if not f.is_file():
-            return f"{e.path} does not exist"
-        text = f.read_text(encoding="utf-8")
+        f = root / e.path
+        if e.path not in texts:
+            if not f.is_file():
+                return texts, f"{e.path} does not exist"
+            texts[e.path] = f.read_text(encoding="utf-8")
+        text = texts[e.path]
         if e.old == "":  # append
             text = text + e.new
         else:
             n = text.count(e.old)
             if n != 1:
-                return f"{e.path}: the text to replace occurs {n} times (expected once): {e.old.strip()[:80]!r}"
+                return texts, f"{e.path}: the text to replace occurs {n} times (expected once): {e.old.strip()[:80]!r}"
             text = text.replace(e.old, e.new)
-        f.write_text(text, encoding="utf-8")
+        if text == texts[e.path]:
+            return texts, f"{e.path}: the edit changes nothing"
+        texts[e.path] = text
+    return texts, None
+
+
+def stale(mutations: tuple[Mutation, ...] = MUTATIONS, root: Path = ROOT) -> list[str]:
+    """Every problem of the list against the tree at ``root``, one line each: an entry that no longer
+    matches its file, a repeated name, a test file that does not exist. Empty when all is well."""
+    out, names = [], set()
+    for m in mutations:
+        if m.name in names:
+            out.append(f"{m.name}: a second entry of this name")
+        names.add(m.name)
+        _, why = _mutated(root, m)
+        if why:
+            out.append(f"{m.name}: {why}")
+        for t in m.tests:
+            if t.startswith("tests/") and not (root / t.split("::")[0]).exists():
+                out.append(f"{m.name}: its test {t} does not exist")
+    return out
+
+
+def _apply(dest: Path, m: Mutation) -> str | None:
+    """Apply ``m`` in ``dest``; the reason it cannot be applied (stale), or None."""
+    texts, why = _mutated(dest, m)
+    if why:
+        return why
+    for path, text in texts.items():
+        (dest / path).write_text(text, encoding="utf-8")
     return None
 
 
@@ -211,16 +280,34 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("names", nargs="*", help="run the mutations whose name contains one of these (default: all)")
     ap.add_argument("--list", action="store_true", help="list the mutations and their tests, run nothing")
+    ap.add_argument("--quick", action="store_true", help="only the quick set (entries with quick=True), as CI runs")
+    ap.add_argument("--check", action="store_true", help="check that every entry matches its file; run no test")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the end of each pytest run")
     args = ap.parse_args(argv)
-    chosen = [m for m in MUTATIONS if not args.names or any(n in m.name for n in args.names)]
+    chosen = [
+        m for m in MUTATIONS if (not args.names or any(n in m.name for n in args.names)) and (m.quick or not args.quick)
+    ]
     if not chosen:
         print(f"no mutation matches {args.names}; known: {', '.join(m.name for m in MUTATIONS)}", file=sys.stderr)
         return 2
     if args.list:
         for m in chosen:
             files = ", ".join(sorted({e.path for e in m.edits}))
-            print(f"{m.name}: {m.why}\n    edits {files}; expects red: pytest {' '.join(m.tests)}")
+            quick = " [quick]" if m.quick else ""
+            print(f"{m.name}{quick}: {m.why}\n    edits {files}; expects red: pytest {' '.join(m.tests)}")
+        return 0
+    problems = stale(MUTATIONS)
+    if problems:
+        print(
+            f"tools/mutations.py: {len(problems)} entr{'y' if len(problems) == 1 else 'ies'} no longer match the tree "
+            "(the code moved: update the entry to the code as it is now); nothing was run:",
+            file=sys.stderr,
+        )
+        for line in problems:
+            print(f"STALE     {line}", file=sys.stderr)
+        return 1
+    if args.check:
+        print(f"all {len(MUTATIONS)} mutations match the tree")
         return 0
     bad = 0
     for m in chosen:

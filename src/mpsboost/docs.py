@@ -546,6 +546,34 @@ def gate_table(device: str = "mps") -> str:
     )
 
 
+def gate_releases(device: str = "mps") -> str:
+    """What each build of :data:`ENVS` for ``device`` adds, by the gate's own verdicts (the same ``check`` as
+    :func:`gate_table`, so the list and the table cannot disagree): one bullet per build with the features
+    that are "yes" there and "no" in the build before it, then the features no build of the table has."""
+    from .gate import FEATURES, check, feature_info
+
+    columns = [c for c in ENVS if c.device.partition(":")[0] == device]
+    names = [n for n, f in FEATURES.items() if device in f.rules]
+    ok = {n: [check(n, c.env()).ok for c in columns] for n in names}
+
+    def item(name: str) -> str:
+        ups = "; ".join(r["upstream"] for r in feature_info(name, device)["rules"] if r["upstream"])
+        refs = ", ".join(dict.fromkeys(re.findall(r"(?:[\w-]+/)?[\w.-]*#\d+", ups)))
+        return f"  - `{name}`: {FEATURES[name].description}" + (f" ({refs})" if refs else "")
+
+    out = []
+    for i, c in enumerate(columns):
+        new = [n for n in names if ok[n][i] and (i == 0 or not ok[n][i - 1])]
+        if new:
+            out.append(f"- **{'in ' + c.heading + ' (the oldest build here)' if i == 0 else 'new in ' + c.heading}:**")
+            out += [item(n) for n in new]
+    never = [n for n in names if not any(ok[n])]
+    if never:
+        out.append("- **in none of these builds, the nightly included:**")
+        out += [item(n) for n in never]
+    return "\n".join(out)
+
+
 def blocks() -> Mapping[str, Callable[..., str]]:
     """The generated blocks of this module by marker name (``benchmarks/tables.py`` adds them to its own)."""
     return {
@@ -555,4 +583,5 @@ def blocks() -> Mapping[str, Callable[..., str]]:
         "recipe-details": lambda results=None: recipe_table(columns=ENVS, fold=None, summary=True),
         "recipe-options": lambda results=None: options_table(),
         "gate-mps": lambda results=None: gate_table("mps"),
+        "gate-mps-releases": lambda results=None: gate_releases("mps"),
     }

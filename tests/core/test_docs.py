@@ -303,6 +303,31 @@ def test_gate_table_is_the_gate():
     assert "gate-mps" in (ROOT / "docs" / "support.md").read_text()
 
 
+def test_the_list_of_what_each_mps_build_adds_is_the_gate():
+    """docs/support.md's list by build (it once said, by hand, that streams and the fp8 GEMV were in no build
+    while the gate table beside it had both in 2.15.0): each feature sits under the first build whose
+    verdict is yes, and under "none" when no build has it."""
+    from mpsboost.gate import FEATURES, check
+
+    columns = [c for c in docs.ENVS if c.device == "mps"]
+    where: dict[str, str] = {}
+    section = None
+    for line in docs.gate_releases("mps").splitlines():
+        if line.startswith("- **"):
+            section = line
+        else:
+            where[re.match(r"  - `(\w+)`", line).group(1)] = section
+    assert set(where) == {n for n, f in FEATURES.items() if "mps" in f.rules}
+    for name, head in where.items():
+        first = next((c for c in columns if check(name, c.env()).ok), None)
+        assert (first.heading in head) if first else ("none" in head), (name, head)
+    assert "torch 2.15.0" in where["device_streams"] and "torch 2.15.0" in where["fp8_gemv"]
+    assert "none" in where["sdpa_large_scores_correct"]
+    support = (ROOT / "docs" / "support.md").read_text()
+    assert _block(support, "gate-mps-releases") == docs.gate_releases("mps")
+    assert "not in any build" not in support.lower()
+
+
 # ------------------------------------------------------------------------------------ the front door
 
 
