@@ -4,14 +4,17 @@
 The published checkpoint (about 35 GB; in bf16 the model is about 70 GB, more than a 64 GB Mac holds):
 
     python recipes/qwen36_fp8.py --model Qwen/Qwen3.6-35B-A3B-FP8 --device mps --prompt "The capital of France is"
-    python recipes/qwen36_fp8.py --model ./Qwen3.6-35B-A3B-FP8 --device mps --requantize rowwise
+    python recipes/qwen36_fp8.py --model ./Qwen3.6-35B-A3B-FP8 --device cuda --requantize rowwise  # see below
 
 The text model (``Qwen3_5MoeForCausalLM``) is built on the meta device from the folder's config and
 ``mpsboost.load_fp8`` reads every tensor straight into its final storage: the fp8 layers never exist in bf16
-(docs/fp8-checkpoints.md has the memory budget). ``--requantize rowwise`` turns the file's 128x128 block scales
-into per-row scales while reading (lossy, within half an e4m3 step per weight), which on MPS with torch 2.15 lets
-decoding read the fp8 bytes through ``scaled_mm``'s few-rows kernels; without it the block scales are applied
-exactly. The patch report says which path each layer got.
+(docs/fp8-checkpoints.md has the memory budget). Without options the block scales are applied exactly, and on a
+Mac decoding reads the fp8 bytes through mpsboost's Metal fp8 GEMV, which takes the block scales as they are.
+``--requantize rowwise`` turns the file's 128x128 block scales into per-row scales while reading (lossy, within
+half an e4m3 step per weight). On a Mac where the Metal GEMV runs it changes no path and only costs accuracy; it
+matters only where that kernel is off (its self-check failed on this Mac: then torch 2.15's few-rows
+``scaled_mm`` at decode instead of dequantise-then-linear) and on CUDA (the Triton fp8 GEMV at decode). The patch
+report says which path each layer got.
 
 Offline, with a folder this script writes first in the published layout (the multimodal wrapper's
 ``model.language_model.*`` keys, BF16 ``weight_scale_inv`` per 128x128 block, experts one Linear per expert, the
@@ -114,7 +117,8 @@ def main(argv=None) -> int:
         "--requantize",
         choices=("rowwise",),
         default=None,
-        help="requantise the file's block scales per row while loading (lossy; unlocks the few-rows fp8 kernels)",
+        help="requantise the file's block scales per row while loading (lossy; on a Mac the same Metal fp8 GEMV "
+        "either way: it matters only where that kernel is off, and on CUDA)",
     )
     p.add_argument("--write", type=Path, default=None, help="offline: keep the written folder here")
     args = p.parse_args(argv)

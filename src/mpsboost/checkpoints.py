@@ -516,8 +516,11 @@ def load_fp8(
     every scale as in the file) or ``"rowwise"``: block-scaled tensors (e.g. Qwen3.6-FP8's 128x128
     ``weight_scale_inv``) are dequantised exactly and quantised again with one scale per output row while they
     are read. Lossy (each weight within half an e4m3 step of its new code: ``2^-4`` relative, see
-    docs/fp8-checkpoints.md for the measured error), and it unlocks the rowwise paths: on MPS 2.15 the
-    few-rows ``scaled_mm`` kernels at decode. The report row of each such layer says it was requantised.
+    docs/fp8-checkpoints.md for the measured error). On MPS it changes no decode path where mpsboost's Metal
+    fp8 GEMV runs (it applies block scales as they are); it matters where that kernel is off (its self-check
+    failed on this Mac: rowwise layers then decode on torch 2.15's few-rows ``scaled_mm``, block-scaled ones
+    dequantise then multiply) and on CUDA (rowwise layers decode on the Triton fp8 GEMV, block-scaled ones
+    dequantise). The report row of each such layer says it was requantised.
 
     The loaded layers are the ``fp8_weights`` recipe's, built by it from its own decision
     (:meth:`~mpsboost.recipes.fp8.recipe.Fp8Weights.decide_loaded`): the same class, state and forward
