@@ -328,6 +328,15 @@ def test_the_list_of_what_each_mps_build_adds_is_the_gate():
     assert "not in any build" not in support.lower()
 
 
+def test_the_busy_machine_spread_the_docs_state_is_the_harness_threshold():
+    """docs/usage.md said 25% while the harness (every entry point's busy-machine check) warns at 10%."""
+    from mpsboost.bench.harness import BUSY_SPREAD
+
+    text = (ROOT / "docs" / "usage.md").read_text()
+    stated = re.findall(r"repeats spread more\s+than (\d+)%", text)
+    assert stated == [f"{BUSY_SPREAD * 100:.0f}"], stated
+
+
 def test_a_load_error_that_is_not_the_fp8_layers_says_so_beside_the_figure():
     """The 40-layer Qwen3.6 load with the default recipes is 5.7e-01 off the file's exact dequantisation while
     the fp8 layers alone are bit-equal: the fp8 page's cell says why, not only docs/known-gaps.md."""
