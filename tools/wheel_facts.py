@@ -9,7 +9,20 @@ Python API. Each fact below is a list of checks on one wheel; a wheel shows the 
 check holds. The gate (``mpsboost.gate.FEATURES``) names a fact on each MPS rule it rests on
 (``Rule.evidence``) and ``tests/core/test_wheel_evidence.py`` fails when the two disagree.
 
-One command regenerates the file; run from the repository root::
+It also writes which aten ops have a kernel for MPS, or a composite one (``CompositeExplicitAutograd``,
+``...NonFunctional``, ``CompositeImplicitAutograd``: written once for every backend), in each wheel
+(``src/mpsboost/data/mps_ops.json``). The source is the wheel's ``torch/include/ATen/ops/``: a
+``GROUP_mps_dispatch.h`` header declares the C++ functions of the ops of ``GROUP`` that have an MPS kernel,
+and ``GROUP_ops.h`` declares every op of the group with its schema (``aten::NAME``, overload, argument
+types). A header's file name is not an op's name (``lshift_mps_dispatch.h`` holds ``__lshift__`` and
+``__ilshift__``), and a C++ name is not an overload (``add`` is ``add.Tensor``; ``add_outf`` is ``add.out``;
+``X_symint`` takes SymInts), so each declaration is matched to the one op of its group with the same name
+and argument types; a declaration matching none or two stops the tool. The op ids are the schema names
+dispatch reports (``OpOverload.name()`` without ``aten::``: ``add.Tensor``, ``relu``).
+``tests/integration/test_mps_kernels.py`` fails when a patched model under a release's Mac decisions
+dispatches an aten op that has neither kernel in that release's wheel.
+
+One command regenerates the files; run from the repository root::
 
     python tools/wheel_facts.py                  # every torch release >= 2.12 the index serves
     python tools/wheel_facts.py --versions 2.15.0 2.16.0 --cache /work/.wheelcache
@@ -41,6 +54,7 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "src" / "mpsboost" / "data" / "mps_wheels.json"
+OPS_OUT = ROOT / "src" / "mpsboost" / "data" / "mps_ops.json"
 CACHE = ROOT / ".wheelcache"
 PLATFORM = "macosx_14_0_arm64"  # pip accepts older tags too (macosx_11_0 wheels) for this platform
 PYTHON = "3.12"
@@ -323,6 +337,177 @@ def _macos_from_tag(filename: str) -> str:
     return f"{m.group(1)}.{m.group(2)}"
 
 
+# ----------------------------------------------------------------------------- the aten ops with a kernel
+
+OPS_DIR = "torch/include/ATen/ops/"
+# The dispatch keys whose kernels serve an MPS tensor: MPS itself and the composite keys (a composite kernel is
+# written once for every backend, from other ops). CompositeImplicitAutogradNestedTensor serves nested tensors only.
+COMPOSITE_KEYS = ("compositeexplicitautograd", "compositeexplicitautogradnonfunctional", "compositeimplicitautograd")
+_DISPATCH_H = re.compile(r"^(?P<group>.+)_(?P<key>[a-z]+)_dispatch\.h$")
+_DECL = re.compile(r"^TORCH_API\s+.+?\s+([A-Za-z_][A-Za-z0-9_]*)\((.*)\);\s*$", re.M)
+_OP_STRUCT = re.compile(r"struct TORCH_API \w+ \{(.*?)\n\};", re.S)
+_SCHEMA = re.compile(r'schema_str = "((?:[^"\\]|\\.)*)"')
+# A SymInt argument is declared with SymInt types in *_ops.h, and with plain ints by a dispatch header's
+# non-symint twin: compare them as one type.
+_SAME_TYPE = (
+    ("c10::SymIntArrayRef", "at::IntArrayRef"),
+    ("at::OptionalSymIntArrayRef", "at::OptionalIntArrayRef"),
+    ("c10::SymInt", "int64_t"),
+)
+_OPTIONS = ("::std::optional<at::ScalarType>", "::std::optional<at::Layout>", "::std::optional<at::Device>",
+            "::std::optional<bool>")  # fmt: skip
+
+
+def _split_params(text: str) -> list[str]:
+    out, depth, cur = [], 0, []
+    for ch in text:
+        depth += ch in "<({[" and 1 or (ch in ">)}]" and -1 or 0)
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur))
+    return out
+
+
+def _param_types(params: str) -> tuple[str, ...]:
+    """The argument types of a C++ declaration, without names, defaults, const and references;
+    ``at::TensorOptions`` as the four optionals of the schema it packs."""
+    types: list[str] = []
+    for p in _split_params(params):
+        p = p.split("=", 1)[0].strip()
+        t = re.sub(r"\s*[A-Za-z_][A-Za-z0-9_]*$", "", p).replace("const ", "").replace("&", "").replace(" ", "")
+        for a, b in _SAME_TYPE:
+            t = t.replace(a, b)
+        types.extend(_OPTIONS if t == "at::TensorOptions" else (t,))
+    return tuple(types)
+
+
+@dataclass(frozen=True)
+class AtenOp:
+    name: str  # aten::NAME, without "aten::"
+    schema_name: str  # NAME or NAME.OVERLOAD: what OpOverload.name() reports, without "aten::"
+    types: tuple[str, ...]
+    out: bool  # an out= variant: a mutable keyword-only argument
+
+
+def group_ops(text: str) -> list[AtenOp]:
+    """Every op a ``GROUP_ops.h`` declares."""
+    ops = []
+    for m in _OP_STRUCT.finditer(text):
+        body = m.group(1)
+        name = re.search(r'static constexpr const char\* name = "aten::([^"]+)"', body)
+        schema = _SCHEMA.search(body)
+        call = re.search(r"static .*? call\((.*)\);", body)
+        if not (name and schema and call):
+            raise ValueError(f"cannot read an op of *_ops.h: {body[:200]!r}")
+        head, rest = schema.group(1).split("(", 1)
+        args = rest.rsplit(") ->", 1)[0]
+        out = "*" in args and "!" in args.split("*", 1)[1]
+        ops.append(AtenOp(name.group(1), head, _param_types(call.group(1)), out))
+    return ops
+
+
+def dispatch_header_ops(header: str, ops: list[AtenOp]) -> set[str]:
+    """The schema names of the ops whose kernel ``header`` (a ``GROUP_KEY_dispatch.h``) declares.
+
+    ``X_out`` has its out arguments first; its twin ``X_outf`` keeps the schema's order, so only the
+    latter is matched. ``X_symint`` and ``X_symint_outf`` are the SymInt forms of op ``X``."""
+    decls = [(m.group(1), m.group(2)) for m in _DECL.finditer(header)]
+    declared = {d for d, _ in decls}
+    found = set()
+    for fname, params in decls:
+        if fname + "f" in declared:
+            continue
+        outf = fname.endswith("_outf")
+        names = {fname} | {fname[: -len(s)] for s in ("_symint_outf", "_outf", "_symint") if fname.endswith(s)}
+        types = _param_types(params)
+        hits = {op.schema_name for op in ops if op.name in names and op.types == types and op.out == outf}
+        if len(hits) != 1:
+            raise ValueError(f"{fname}({params}) matches {sorted(hits) or 'no op'} of its group")
+        found |= hits
+    return found
+
+
+def kernel_ops(names: list[str], read, keys: dict[str, tuple[str, ...]]) -> dict[str, set[str]]:
+    """``{label: schema names}``: the ops with a kernel for the dispatch keys of each label
+    (e.g. ``{"mps": ("mps",), "composite": COMPOSITE_KEYS}``), read from the headers among ``names`` (paths
+    in a wheel or an install, under ``torch/include/ATen/ops/``); ``read(path)`` returns a file's text."""
+    want = {k: label for label, ks in keys.items() for k in ks}
+    out: dict[str, set[str]] = {label: set() for label in keys}
+    groups: dict[str, list[AtenOp]] = {}
+    for path in names:
+        if not path.startswith(OPS_DIR):
+            continue
+        m = _DISPATCH_H.match(path[len(OPS_DIR) :])
+        if not m or m.group("key") not in want:
+            continue
+        group = m.group("group")
+        if group not in groups:
+            groups[group] = group_ops(read(f"{OPS_DIR}{group}_ops.h"))
+        try:
+            out[want[m.group("key")]] |= dispatch_header_ops(read(path), groups[group])
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    return out
+
+
+def wheel_ops(zf: zipfile.ZipFile) -> dict[str, set[str]]:
+    """The aten ops with an MPS kernel, and those with a composite one, in a wheel."""
+    return kernel_ops(zf.namelist(), lambda p: zf.read(p).decode(), {"mps": ("mps",), "composite": COMPOSITE_KEYS})
+
+
+def ops_table(per_wheel: list[tuple[dict, dict[str, set[str]]]]) -> dict:
+    """The committed form: the oldest wheel's op lists in full, every later wheel's as what it adds and
+    removes against the one before (:func:`ops_of` in the tests reads it back)."""
+    wheels, prev = [], None
+    for w, ops in per_wheel:
+        rec = {k: w[k] for k in ("version", "file", "sha256")}
+        for label in ("mps", "composite"):
+            if prev is None:
+                rec[label] = sorted(ops[label])
+            else:
+                rec[f"{label}_added"] = sorted(ops[label] - prev[label])
+                rec[f"{label}_removed"] = sorted(prev[label] - ops[label])
+        rec["count"] = {label: len(ops[label]) for label in ("mps", "composite")}
+        wheels.append(rec)
+        prev = ops
+    return {
+        "about": (
+            "The aten ops with an MPS kernel ('mps') and with a composite kernel ('composite': "
+            "CompositeExplicitAutograd, CompositeExplicitAutogradNonFunctional, CompositeImplicitAutograd) in each "
+            "released macOS arm64 torch wheel, as schema names (OpOverload.name() without 'aten::'). The first wheel "
+            "lists them in full; each later one what it adds and removes against the one before; 'count' is the "
+            "size of each set. Generated by tools/wheel_facts.py from torch/include/ATen/ops/*_dispatch.h and "
+            "*_ops.h; do not edit by hand."
+        ),
+        "generated": dt.date.today().isoformat(),
+        "platform": PLATFORM,
+        "python": f"cp{PYTHON.replace('.', '')}",
+        "wheels": wheels,
+    }
+
+
+def read_ops_table(table: dict) -> dict[str, dict[str, frozenset[str]]]:
+    """``{version: {"mps": ops, "composite": ops}}`` from the committed form :func:`ops_table` writes."""
+    out: dict[str, dict[str, frozenset[str]]] = {}
+    prev: dict[str, frozenset[str]] | None = None
+    for w in table["wheels"]:
+        cur = {}
+        for label in ("mps", "composite"):
+            if prev is None:
+                cur[label] = frozenset(w[label])
+            else:
+                cur[label] = (prev[label] - set(w[f"{label}_removed"])) | set(w[f"{label}_added"])
+            if len(cur[label]) != w["count"][label]:
+                raise ValueError(f"{w['version']}: {len(cur[label])} {label} read back, the table says {w['count']}")
+        out[w["version"]] = cur
+        prev = cur
+    return out
+
+
 # ----------------------------------------------------------------------------- the index
 
 
@@ -381,7 +566,7 @@ def read_wheel(version: str, path: Path) -> Wheel:
     return Wheel(version, path, metal_kernels(dylib), dylib, zf)
 
 
-def evidence(versions: list[str], cache: Path, offline: bool) -> dict:
+def evidence(versions: list[str], cache: Path, offline: bool) -> tuple[dict, dict]:
     wheels_out, facts_out = (
         [],
         {
@@ -397,6 +582,7 @@ def evidence(versions: list[str], cache: Path, offline: bool) -> dict:
             for f in FACTS
         },
     )
+    ops_per_wheel = []
     for version in sorted(versions, key=Version):
         path = wheel_file(version, cache, offline)
         print(f"reading {path.name}", file=sys.stderr)
@@ -411,6 +597,7 @@ def evidence(versions: list[str], cache: Path, offline: bool) -> dict:
                 "metal_kernels": len(w.kernels),
             }
         )
+        ops_per_wheel.append((wheels_out[-1], wheel_ops(w.zf)))
         for f in FACTS:
             rec = facts_out[f.name]
             results = [w.run(c) for c in f.checks]
@@ -437,7 +624,7 @@ def evidence(versions: list[str], cache: Path, offline: bool) -> dict:
         "source": "torch/lib/libtorch_cpu.dylib (metallib NAME tags; bytes) and torch/*.py of each wheel",
         "wheels": wheels_out,
         "facts": facts_out,
-    }
+    }, ops_table(ops_per_wheel)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--versions", nargs="*", help="torch releases to read (default: every release >= 2.12 served)")
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("MPSBOOST_WHEEL_CACHE", CACHE)))
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--ops-out", type=Path, default=OPS_OUT, help="where the aten op table goes")
     p.add_argument("--offline", action="store_true", help="read cached wheels only; never download")
     a = p.parse_args(argv)
     if a.versions:
@@ -457,14 +645,17 @@ def main(argv: list[str] | None = None) -> int:
         versions = [v for v in versions if Version(v) >= FIRST]
     else:
         versions = released_versions()
-    data = evidence(versions, a.cache, a.offline)
+    data, ops = evidence(versions, a.cache, a.offline)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    a.ops_out.write_text(json.dumps(ops, indent=1, sort_keys=False) + "\n")
     for name, rec in data["facts"].items():
         print(f"{name:26} first: {rec['first'] or '-':8} " + " ".join(
             f"{v}:{'y' if s else '.'}" for v, s in rec["shows"].items()
         ))  # fmt: skip
-    print(f"wrote {a.out}", file=sys.stderr)
+    for w in ops["wheels"]:
+        print(f"aten ops {w['version']:8} mps: {w['count']['mps']:5} composite: {w['count']['composite']:5}")
+    print(f"wrote {a.out} and {a.ops_out}", file=sys.stderr)
     return 0
 
 

@@ -8,8 +8,10 @@ Every MPS rule names its evidence (``Rule.evidence``): a fact of the file, or BE
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import sys
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -165,3 +167,165 @@ def test_qwen35_prefill_on_mps_215_uses_solve_triangular_with_the_kernel_named()
     assert "triangular_solve_small_16 in the 2.15.0 macOS wheel" in row.reason
     (old,) = mpsboost.plan(model, env=Env.simulate("mps", "2.14.1"), recipes=["linear_attention"]).rows[:1]
     assert "solve_triangular" not in old.backing and "2.14.1" in old.reason
+
+
+# ------------------------------------------------------------------------------ the aten ops with an MPS kernel
+
+
+def _op_struct(cls: str, name: str, schema: str, call: str) -> str:
+    """One op as a GROUP_ops.h declares it (the generated form, abridged)."""
+    return (
+        f"struct TORCH_API {cls} {{\n  using schema = void ();\n"
+        f'  static constexpr const char* name = "aten::{name}";\n'
+        f'  static constexpr const char* overload_name = "";\n'
+        f'  static constexpr const char* schema_str = "{schema}";\n'
+        f"  static at::Tensor call({call});\n}};\n"
+    )
+
+
+_LSHIFT_OPS = "".join(
+    (
+        _op_struct(
+            "__lshift___Scalar",
+            "__lshift__",
+            "__lshift__.Scalar(Tensor self, Scalar other) -> Tensor",
+            "const at::Tensor & self, const at::Scalar & other",
+        ),
+        _op_struct(
+            "__lshift___Tensor",
+            "__lshift__",
+            "__lshift__.Tensor(Tensor self, Tensor other) -> Tensor",
+            "const at::Tensor & self, const at::Tensor & other",
+        ),
+        _op_struct(
+            "__ilshift___Scalar",
+            "__ilshift__",
+            "__ilshift__.Scalar(Tensor(a!) self, Scalar other) -> Tensor(a!)",
+            "at::Tensor & self, const at::Scalar & other",
+        ),
+        _op_struct(
+            "__lshift___Scalar_out",
+            "__lshift__",
+            "__lshift__.Scalar_out(Tensor self, Scalar other, *, Tensor(a!) out) -> Tensor(a!)",
+            "const at::Tensor & self, const at::Scalar & other, at::Tensor & out",
+        ),
+        _op_struct(
+            "constant_pad_nd",
+            "constant_pad_nd",
+            'constant_pad_nd(Tensor self, SymInt[] pad, Scalar value=0, str mode=\\"x\\") -> Tensor',
+            "const at::Tensor & self, c10::SymIntArrayRef pad, const at::Scalar & value",
+        ),
+    )
+)
+
+
+def test_the_header_reader_maps_declarations_to_overloads():
+    """A header's file name is not an op name (lshift_mps_dispatch.h holds __lshift__ and __ilshift__), a C++
+    name is not an overload: each declaration goes to the one op of its group with its name and argument types
+    (X_outf to the out= overload, X_symint to the SymInt op, an X_out twin skipped)."""
+    mod = _tool()
+    ops = mod.group_ops(_LSHIFT_OPS)
+    assert [o.schema_name for o in ops] == [
+        "__lshift__.Scalar",
+        "__lshift__.Tensor",
+        "__ilshift__.Scalar",
+        "__lshift__.Scalar_out",
+        "constant_pad_nd",
+    ]
+    assert [o.out for o in ops] == [False, False, False, True, False]  # in-place is not out=
+    header = (
+        "TORCH_API at::Tensor __lshift__(const at::Tensor & self, const at::Scalar & other);\n"
+        "TORCH_API at::Tensor & __ilshift__(at::Tensor & self, const at::Scalar & other);\n"
+        "TORCH_API at::Tensor & __lshift___out(at::Tensor & out, const at::Tensor & self, const at::Scalar & other);\n"
+        "TORCH_API at::Tensor & __lshift___outf(const at::Tensor & self, const at::Scalar & other, at::Tensor & out);\n"
+        "TORCH_API at::Tensor constant_pad_nd(const at::Tensor & self, at::IntArrayRef pad, const at::Scalar & v=0);\n"
+        "TORCH_API at::Tensor constant_pad_nd_symint(const at::Tensor & self, c10::SymIntArrayRef pad, "
+        "const at::Scalar & value=0);\n"
+    )
+    assert mod.dispatch_header_ops(header, ops) == {
+        "__lshift__.Scalar",
+        "__ilshift__.Scalar",
+        "__lshift__.Scalar_out",
+        "constant_pad_nd",
+    }
+    # one declaration that matches no op of its group stops the tool (a reader that guessed would mislabel)
+    with pytest.raises(ValueError, match="matches no op"):
+        mod.dispatch_header_ops("TORCH_API at::Tensor __lshift__(const at::Tensor & self, double x);\n", ops)
+    files = {
+        "torch/include/ATen/ops/lshift_ops.h": _LSHIFT_OPS,
+        "torch/include/ATen/ops/lshift_mps_dispatch.h": header,
+        "torch/include/ATen/ops/lshift_cpu_dispatch.h": header,  # another backend: not read for MPS
+        "torch/include/ATen/ops/lshift_compositeimplicitautogradnestedtensor_dispatch.h": header,  # nested only
+    }
+    got = mod.kernel_ops(list(files), files.__getitem__, {"mps": ("mps",), "composite": mod.COMPOSITE_KEYS})
+    assert got == {"mps": mod.dispatch_header_ops(header, ops), "composite": set()}
+
+
+def _installed_headers() -> tuple[list[str], object]:
+    import torch
+
+    site = Path(torch.__file__).resolve().parents[1]
+    ops_dir = site / "torch" / "include" / "ATen" / "ops"
+    if not ops_dir.is_dir():
+        pytest.skip(f"this torch install ships no ATen headers ({ops_dir})")
+    names = [f"torch/include/ATen/ops/{n}" for n in sorted(p.name for p in ops_dir.iterdir())]
+    return names, lambda p: (site / p).read_text()
+
+
+def test_the_header_reader_agrees_with_this_builds_dispatcher():
+    """The same reader on this install's headers, against this process's dispatcher: every op it finds for the
+    CPU and composite keys is registered there, and the registered ops it misses have no generated header (kernels
+    registered by hand, e.g. quantized_lstm on the CPU)."""
+    import torch
+
+    mod = _tool()
+    names, read = _installed_headers()
+    got = mod.kernel_ops(names, read, {"cpu": ("cpu",), "composite": mod.COMPOSITE_KEYS})
+    aten = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")]
+
+    def registered(keys):
+        return {n[6:] for n in aten if any(torch._C._dispatch_has_kernel_for_dispatch_key(n, k) for k in keys)}
+
+    composite = ("CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional", "CompositeImplicitAutograd")
+    for label, keys, key in (("cpu", ("CPU",), "cpu"), ("composite", composite, "compositeexplicitautograd")):
+        ref = registered(keys)
+        assert got[label] and got[label] <= ref, sorted(got[label] - ref)[:10]
+        missed = ref - got[label]
+        assert len(missed) < 0.02 * len(ref), sorted(missed)[:20]
+        headers = {n.rsplit("/", 1)[1] for n in names}
+        for op in missed:
+            base = op.split(".")[0]
+            assert f"{base}_{key}_dispatch.h" not in headers, f"{op}: its header exists but the reader missed it"
+
+
+def test_the_op_table_is_the_tools_reading_of_the_evidence_wheels():
+    """data/mps_ops.json names the wheels of data/mps_wheels.json (same files, same hashes), reads back to the
+    sets whose sizes it states, agrees with the Metal-kernel facts (grouped_mm and _scaled_mm_v2 gain MPS kernels
+    in 2.15.0), and for this build's release its composite ops are this install's."""
+    mod = _tool()
+    table_json = json.loads(resources.files("mpsboost").joinpath("data/mps_ops.json").read_text())
+    ev = wheel_evidence()
+    assert [(w["version"], w["file"], w["sha256"]) for w in table_json["wheels"]] == [
+        (w["version"], w["file"], w["sha256"]) for w in ev["wheels"]
+    ]
+    table = mod.read_ops_table(table_json)
+    keys = ("version", "file", "sha256")
+    again = mod.ops_table([({k: w[k] for k in keys}, table[w["version"]]) for w in ev["wheels"]])
+    assert again["wheels"] == table_json["wheels"]
+    for op, fact in (("_grouped_mm", "grouped_mm_kernels"), ("_scaled_mm_v2", "scaled_mm_kernels")):
+        with_kernel = [v for v in table if op in table[v]["mps"]]
+        assert with_kernel and with_kernel[0] == ev["facts"][fact]["first"], (op, with_kernel)
+    # every release: the ops of a decode step are there (the table is not empty or truncated)
+    for v, t in table.items():
+        assert {"mm", "add.Tensor", "_softmax", "index_select", "_scaled_dot_product_attention_math_for_mps"} <= t[
+            "mps"
+        ], v
+        assert {"copy_", "scaled_dot_product_attention"} <= t["composite"] - t["mps"], v
+    import torch
+
+    here = ".".join(str(x) for x in Version(torch.__version__).release[:3])
+    if here not in table:
+        pytest.skip(f"torch {here} has no macOS wheel in the table")
+    names, read = _installed_headers()
+    mine = mod.kernel_ops(names, read, {"composite": mod.COMPOSITE_KEYS})["composite"]
+    assert mine == table[here]["composite"]  # the composite kernels are the same in every build of a release

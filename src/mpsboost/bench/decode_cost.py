@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["BLOCKS", "build", "decode_cost"]
+__all__ = ["BLOCKS", "OpRecorder", "build", "decode_cost"]
 
 BLOCKS = ("linear_attn", "self_attn", "mlp")
 _SELECT = {"embedding", "index_select", "index", "gather"}
@@ -85,6 +85,22 @@ def _moved(func, args, kwargs, out) -> int:
     return read + sum(nb(o) for o in outs if mutates or o.untyped_storage().data_ptr() not in seen)
 
 
+class OpRecorder(TorchDispatchMode):
+    """Calls ``record(func, args, kwargs, out)`` after every op dispatched inside it (``func``: the
+    ``OpOverload``; ``func.name()`` is e.g. ``"aten::add.Tensor"``). The one op-recording mode of the decode
+    cost and of the MPS kernel check (``tests/integration/test_mps_kernels.py``)."""
+
+    def __init__(self, record) -> None:
+        super().__init__()
+        self.record = record
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.record(func, args, kwargs, out)
+        return out
+
+
 def decode_cost(model: torch.nn.Module, vocab: int = 512) -> dict[str, dict[str, int]]:
     """``{"ops": {block: n}, "bytes": {block: n}}`` of one decode step after a 40-token prefill;
     blocks are ``linear_attn``, ``self_attn``, ``mlp`` and ``rest``."""
@@ -98,19 +114,16 @@ def decode_cost(model: torch.nn.Module, vocab: int = 512) -> dict[str, dict[str,
             hooks.append(mod.register_forward_pre_hook(lambda m, a, label=last: cur.__setitem__(0, label)))
             hooks.append(mod.register_forward_hook(lambda m, a, o: cur.__setitem__(0, "rest")))
 
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            ops[cur[0]] = ops.get(cur[0], 0) + 1
-            moved[cur[0]] = moved.get(cur[0], 0) + _moved(func, args, kwargs or {}, out)
-            return out
+    def count(func, args, kwargs, out) -> None:
+        ops[cur[0]] = ops.get(cur[0], 0) + 1
+        moved[cur[0]] = moved.get(cur[0], 0) + _moved(func, args, kwargs, out)
 
     ids = torch.randint(0, vocab, (1, 40), generator=torch.Generator().manual_seed(1))
     try:
         with torch.no_grad():
             out = model(ids, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
-            with Count():
+            with OpRecorder(count):
                 model(nxt, past_key_values=out.past_key_values, use_cache=True)
     finally:
         for h in hooks:
