@@ -171,13 +171,20 @@ int main(int argc, char **argv) {
   std::fclose(f);
 
   const std::string k(name);
+#if __has_include("kernels_table.inc")
+  // another source's kernels: its test writes their table beside kernels.metal, one line per kernel,
+  // `if (k == "NAME") { dispatch(NAME, threads, group, sc, bufs); } else`
+#include "kernels_table.inc"
+#else
   if (k == "mpsb_fp8_rows_float") {
     dispatch(mpsb_fp8_rows_float, threads, group, sc, bufs);
   } else if (k == "mpsb_fp8_rows_half") {
     dispatch(mpsb_fp8_rows_half, threads, group, sc, bufs);
   } else if (k == "mpsb_fp8_rows_bfloat16") {
     dispatch(mpsb_fp8_rows_bfloat16, threads, group, sc, bufs);
-  } else {
+  } else
+#endif
+  {
     die("unknown kernel " + k);
   }
 
