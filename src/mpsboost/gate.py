@@ -856,6 +856,25 @@ FEATURES: dict[str, Feature] = {
             probe_decides=True,
         ),
         Feature(
+            "affine_metal_gemv",
+            "mpsboost's Metal low-bit GEMV for MLX affine weights (2-8 bits; dense, or grouped by offsets) and the "
+            "quantized embedding gather",
+            {
+                "mps": (
+                    Rule(
+                        since="2.7",
+                        upstream="def compile_shader in torch/mps/__init__.py of every macOS wheel read (public "
+                        "since 2.7); the kernels are mpsboost's (mpsboost.ops.affine_metal)",
+                        note="on a Mac they are also compiled and checked against the reference at patch time "
+                        "(mpsboost.ops.affine.metal_verdict)",
+                        evidence="mps_compile_shader",
+                    ),
+                )
+            },
+            probe=_probe_mps_api("compile_shader", "public since torch 2.7"),
+            probe_decides=True,
+        ),
+        Feature(
             "triton",
             "Triton kernels",
             {"cuda": (Rule(since="2.4", min_capability=(8, 0)),)},
