@@ -35,8 +35,8 @@ from .. import tuning
 from ..gate import Env, check
 from ..ops import gemv_triton
 from ..ops.linear import make_forward
-from ..registry import Decision, Match, Recipe, class_path, matches_class, register
-from ..patching import Patch, bind_forward
+from ..registry import Decision, Match, Recipe, class_path, matches_class, recipe_names, register
+from ..patching import Patch, bind_forward, saved_state
 
 _MODEL_ROOTS = (
     "transformers.modeling_utils.PreTrainedModel",
@@ -100,6 +100,17 @@ class DecodeLinearPlan:
         return {"n": self.n, "k": self.k, **gain, "eager": self.eager, "compiled": self.compiled}
 
 
+def _bound_by(mod: torch.nn.Module) -> str | None:
+    """The mpsboost recipe whose forward this instance carries (bound through ``patching.bind_forward``), or None
+    when its instance forward is another library's."""
+    fwd = mod.__dict__.get("forward")
+    for name in recipe_names():
+        state = saved_state(mod, name)
+        if state is not None and state.get("bound") is fwd:
+            return name
+    return None
+
+
 @register
 class DecodeLinear(Recipe):
     name = "decode_linear"
@@ -136,9 +147,15 @@ class DecodeLinear(Recipe):
         if type(mod).forward is not torch.nn.Linear.forward:
             return Decision.skip(f"{class_path(type(mod))} overrides forward (quantised or adapter layer); left alone")
         if "forward" in mod.__dict__:
+            owner = _bound_by(mod)
+            if owner is not None:  # e.g. fp8_weights after load_fp8 or patch(fp8=...): fp8 codes, its own decode
+                return Decision.skip(
+                    f"its forward is mpsboost's {owner} (which runs this layer's decode on its own path); left alone"
+                )
             # accelerate's offload hooks (and other wrappers) live on the instance: keep their device handling.
             return Decision.skip(
-                "forward already wrapped on this instance (e.g. an accelerate offload hook); left alone"
+                "forward already wrapped on this instance by another library (e.g. an accelerate offload hook); "
+                "left alone"
             )
         w = mod.weight
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or not w.is_floating_point():
