@@ -92,8 +92,37 @@ def test_probes_run_on_the_cpu_and_say_not_applicable(run):
         if name == "gemm_fresh_process":  # one process: nothing to compare across
             assert p["verdict"] == "skipped" and "processes" in p["detail"]
             continue
+        if name == "fp8_metal_gemv":  # mpsboost's own kernel: not a torch bug, and not called one
+            assert p["verdict"] == "not applicable" and "bug;" not in p["detail"], p
+            assert p["detail"].startswith("mpsboost's own Metal kernel, not a torch bug"), p
+            continue
         assert p["verdict"] == "not applicable" and p["detail"].startswith("MPS-only bug; on cpu"), (name, p)
     assert _by(lines, "probe")["pad_rank5_65536"]["measured"]["wrong_fraction"] == 0.0
+
+
+def test_a_recipe_without_a_tiny_check_names_the_workloads_that_ran_it(run):
+    """The recipes the Qwen3.6 workloads apply (linear_attention, moe_block, ...) have no tiny check of their own:
+    their lines and the report say which workloads of this run exercised them and how those went, not a bare
+    "no workload" right after those workloads passed."""
+    from mpsboost.selftest import run as run_mod
+    from mpsboost.selftest.report import markdown
+
+    lines, *_ = run
+    wls = [x for x in lines if x["kind"] == "workload"]
+    covered = run_mod._covered(wls)
+    assert {"linear_attention", "moe_block"} <= set(covered)
+    printed: list[str] = []
+    recs = run_mod._recipe_lines(
+        "cpu", "float32", ["linear_attention", "moe_block"], 1, float("inf"), printed.append, covered=covered
+    )
+    for r in recs:
+        assert r["status"] == "no workload"
+        ran = [f"{w['name']} ({w['status']})" for w in wls if r["recipe"] in w["recipes"]]
+        assert ran and r["reason"] == f"no tiny check of its own; exercised by the workloads above: {', '.join(ran)}"
+        assert "qwen36_decode (pass)" in r["reason"]
+    md = markdown([lines[0]] + wls + recs, "x.jsonl")
+    assert f"- linear_attention: no workload ({recs[0]['reason']})" in md
+    assert any("linear_attention: no workload (no tiny check of its own" in p for p in printed)
 
 
 def test_workloads_stock_against_patched_on_the_cpu(run):

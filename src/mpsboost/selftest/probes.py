@@ -251,8 +251,10 @@ def _fp8_metal_gemv(ctx: Ctx) -> dict:
     by the grouped call on the whole stack against bf16 grouped_mm."""
     import torch
 
-    if ctx.device != "mps":
-        return _mps_only(ctx, _out("not applicable", "the kernel is Metal (mpsboost's own): it runs on MPS only"))
+    if ctx.device != "mps":  # not a torch bug: mpsboost's own kernel, which only a Mac compiles
+        return _out(
+            "not applicable", f"mpsboost's own Metal kernel, not a torch bug: it runs on MPS only, not on {ctx.device}"
+        )
     if not callable(getattr(torch.mps, "compile_shader", None)):
         return _out("has the bug", "this torch build has no torch.mps.compile_shader")
     from ..ops import fp8_metal

@@ -164,7 +164,8 @@ def markdown(lines: Sequence[dict], jsonl_name: str) -> str:
             counts[r["status"]] = counts.get(r["status"], 0) + 1
         out += ["", "### Recipe checks (tiny models)", "", ", ".join(f"{n} {s}" for s, n in counts.items()), ""]
         out += [
-            f"- {r['recipe']}: {r['status']}" + (f" ({r['reason']})" if r["status"] in ("fail", "error") else "")
+            f"- {r['recipe']}: {r['status']}"
+            + (f" ({r['reason']})" if r["status"] in ("fail", "error", "no workload") and r.get("reason") else "")
             for r in recipes
         ]
     decided = [g for g in gates if g.get("decided_by") == "probed"]

@@ -261,7 +261,7 @@ def run_selftest(
                 p.update(gemm_verdict(gemm, device))
     lines += probe_lines + wl_lines
     if recipes is None or recipes:
-        lines += _recipe_lines(device, dtype, recipes, repeats, deadline, echo, clock)
+        lines += _recipe_lines(device, dtype, recipes, repeats, deadline, echo, clock, covered=_covered(wl_lines))
     head = {
         "kind": "selftest",
         "schema": SCHEMA,
@@ -290,6 +290,15 @@ def run_selftest(
     return lines, jsonl, md
 
 
+def _covered(wl_lines: Sequence[dict]) -> dict[str, list[str]]:
+    """recipe -> the workloads of this run whose patched model it applied to, each with its status."""
+    out: dict[str, list[str]] = {}
+    for w in wl_lines:
+        for r in w.get("recipes") or ():
+            out.setdefault(r, []).append(f"{w['name']} ({w['status']})")
+    return out
+
+
 def _recipe_lines(
     device: str,
     dtype: str,
@@ -298,7 +307,10 @@ def _recipe_lines(
     deadline: float,
     echo: Callable[[str], None],
     clock: Callable[[], float] = time.perf_counter,
+    covered: dict[str, list[str]] | None = None,
 ) -> list[dict]:
+    """One line per recipe check; a recipe without a tiny check of its own names the workloads of this run
+    that exercised it (``covered``, from :func:`_covered`)."""
     from ..bench import Record, RecordEnv
     from ..bench import Workload as BenchWorkload
     from ..gate import Env
@@ -326,7 +338,14 @@ def _recipe_lines(
                     extra={KIND: {"recipe": recipe.name, "status": "error", "reason": why}},
                 )
                 res = RecipeResult(recipe.name, "error", why, records=[rec])
-        echo(f"  recipe {recipe.name}: {res.status} ({clock() - t0:.1f} s)")
+        if res.status == "no workload" and (covered or {}).get(recipe.name):
+            res.reason = (
+                f"no tiny check of its own; exercised by the workloads above: {', '.join(covered[recipe.name])}"
+            )
+        echo(
+            f"  recipe {recipe.name}: {res.status}{' (' + res.reason + ')' if res.status == 'no workload' else ''} "
+            f"({clock() - t0:.1f} s)"
+        )
         out.append(
             {
                 "kind": "recipe",
