@@ -310,6 +310,94 @@ def _fp8_metal_gemv(ctx: Ctx) -> dict:
     return _out("fixed", f"compiled, matches the reference; {detail}", **measured)
 
 
+def _affine_metal_gemv(ctx: Ctx) -> dict:
+    """mpsboost's Metal low-bit kernels for MLX affine weights (mpsboost.ops.affine_metal): compiled and checked
+    against the reference (their patch-time self-check), then timed at decode, one row, at the Qwen3.6 widths
+    (hidden 2048; DeltaNet in_proj_qkvz [12288, 2048], out_proj [2048, 4096]; gated attention q_proj [8192, 2048],
+    k/v_proj [512, 2048]): 4-bit and 8-bit (groups of 64, bf16 scales) against bf16 and torch's own
+    _weight_int4pack_mm / _weight_int8pack_mm (int8pack fed a per-channel requantisation: a timing stand-in); and
+    the routed experts of one token (8 of 256, gate/up [1024, 2048], down [2048, 512]) by the grouped call on the
+    whole stack against bf16 grouped_mm. Off a Mac the kernels do not run: not evidence."""
+    import torch
+
+    if ctx.device != "mps":
+        return _mps_only(
+            ctx, _out("not applicable", "the kernels are Metal (mpsboost's own): they run on MPS only; not evidence")
+        )
+    if not callable(getattr(torch.mps, "compile_shader", None)):
+        return _out("has the bug", "this torch build has no torch.mps.compile_shader")
+    from ..ops import affine, affine_metal
+
+    why = affine_metal.self_check(ctx.device)
+    if why is not None:
+        return _out("has the bug", f"self-check failed: {why}")
+    g = torch.Generator().manual_seed(0)
+    gs = 64
+
+    def weights(*shape: int, bits: int):
+        *lead, n, k = shape
+        words = torch.randint(-(2**31), 2**31 - 1, (*lead, n, k * bits // 32), generator=g, dtype=torch.int32)
+        s = (torch.rand(*lead, n, k // gs, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+        b = (-s.float() * (1 << (bits - 1))).to(torch.bfloat16)
+        return ctx.to(words.view(torch.uint32)), ctx.to(s), ctx.to(b)
+
+    shapes = [(64, 128), (32, 256)] if ctx.small else [(12288, 2048), (2048, 4096), (8192, 2048), (512, 2048)]
+    measured: dict[str, Any] = {"group_size": gs}
+    parts = []
+    for n, k in shapes:
+        x = ctx.to(torch.randn(1, k, generator=g)).to(torch.bfloat16)
+        wb = ctx.to(torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
+        t_bf16 = _time(ctx, lambda: x @ wb.t(), calls=20)
+        row = {"bf16_s": t_bf16}
+        for bits in (4, 8):
+            q, s, b = weights(n, k, bits=bits)
+            row[f"metal_{bits}bit_s"] = _time(
+                ctx, lambda: affine_metal.rows_gemv(x, q, s, b, None, bits=bits, group_size=gs), calls=20
+            )
+            try:
+                if bits == 4:
+                    pk, sz, _ = affine.to_int4pack(q.cpu(), s.cpu(), b.cpu(), gs, dtype=x.dtype, device_type="mps")
+                    pk, sz = ctx.to(pk), ctx.to(sz)
+                    row["int4pack_s"] = _time(ctx, lambda: affine.int4pack_linear(x, pk, sz, gs), calls=20)
+                else:
+                    w8, sc = affine.to_int8pack(q.cpu(), s.cpu(), b.cpu(), gs, dtype=x.dtype, exact=False)
+                    w8, sc = ctx.to(w8), ctx.to(sc)
+                    row["int8pack_s"] = _time(ctx, lambda: affine.int8pack_linear(x, w8, sc), calls=20)
+            except (NotImplementedError, RuntimeError, TypeError) as e:
+                row[f"int{bits}pack_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        measured[f"dense_{n}x{k}"] = row
+        parts.append(
+            f"[{n}, {k}]: 4-bit {t_bf16 / row['metal_4bit_s']:.2f}x, 8-bit {t_bf16 / row['metal_8bit_s']:.2f}x bf16"
+            + (f", int4pack {t_bf16 / row['int4pack_s']:.2f}x" if "int4pack_s" in row else "")
+            + (f", int8pack {t_bf16 / row['int8pack_s']:.2f}x" if "int8pack_s" in row else "")
+        )
+    e_all, top, inter, h = (8, 2, 32, 128) if ctx.small else (256, 8, 512, 2048)
+    ids = torch.randperm(e_all, generator=g)[:top].sort().values
+    offs = ctx.to(torch.searchsorted(ids, torch.arange(e_all), right=True).to(torch.int32))
+    xe = ctx.to(torch.randn(1, h, generator=g)).to(torch.bfloat16)
+    rows = xe.expand(top, h)
+    for bits in (4, 8):
+        q, s, b = weights(e_all, 2 * inter, h, bits=bits)
+        t = _time(ctx, lambda: affine_metal.rows_gemv(rows, q, s, b, offs, bits=bits, group_size=gs), calls=20)
+        measured[f"experts_gate_up_metal_{bits}bit_s"] = t
+    grouped = getattr(torch, "_grouped_mm", None)
+    detail = "; ".join(parts)
+    if grouped is not None:
+        stack = ctx.to(torch.randn(e_all, h, 2 * inter, generator=g) / h**0.5).to(torch.bfloat16)
+        try:
+            t_gbf = _time(ctx, lambda: grouped(rows, stack, offs=offs), calls=20)
+            measured["experts_gate_up_bf16_grouped_mm_s"] = t_gbf
+            detail += (
+                f"; routed experts ({top} of {e_all}) gate/up: 4-bit "
+                f"{t_gbf / measured['experts_gate_up_metal_4bit_s']:.2f}x, 8-bit "
+                f"{t_gbf / measured['experts_gate_up_metal_8bit_s']:.2f}x bf16 grouped_mm"
+            )
+        except (NotImplementedError, RuntimeError, TypeError) as e:
+            detail += f"; bf16 grouped_mm: {type(e).__name__}"
+        del stack
+    return _out("fixed", f"compiled, matches the reference; speed vs bf16, one row: {detail}", **measured)
+
+
 def _linear_b1k(ctx: Ctx) -> dict:
     import torch
     import torch.nn.functional as F
@@ -620,6 +708,17 @@ PROBES: dict[str, Probe] = {
             "fp8_metal_gemv",
             _fp8_metal_gemv,
             "fp8_weights decodes fp8 layers on it on a Mac (option mps_kernel='scaled_mm' keeps torch's kernels)",
+        ),
+        Probe(
+            "affine_metal_gemv",
+            ("pytorch#148972", "pytorch/ao#4868"),
+            "mpsboost's own Metal low-bit kernels for MLX affine weights (torch's int4pack/int8pack are dense only and "
+            "called very slow in pytorch/ao#4868): do they compile and match the reference here, and how fast at "
+            "decode against bf16 and torch's int4pack/int8pack",
+            "decode: one row, 4-bit and 8-bit, dense and routed experts at the Qwen3.6 widths",
+            "affine_metal_gemv",
+            _affine_metal_gemv,
+            "MLX 4-bit/8-bit layers decode on them on a Mac (torch's int4pack/int8pack selectable for comparison)",
         ),
         Probe(
             "fp8_scaled_mm",
