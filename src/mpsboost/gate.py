@@ -1118,6 +1118,49 @@ FEATURES: dict[str, Feature] = {
             },
         ),
         Feature(
+            "sdpa_strided_correct",
+            "correct SDPA on non-contiguous q/k/v (transposed heads, permuted or chunked views)",
+            {
+                # The Metal SDPA kernels read q with assumed strides: wrong values for a transposed query at
+                # query length <= 8 and head dims 64/96/128 on 2.8.0 (issue pytorch#163597, fix #163598 for 2.9);
+                # the same class again after 2.11 (pytorch#181133: permuted q/k/v, head_dim >= 64, [84, 3, 3, 64]
+                # gives max abs error 3.6; pytorch#170837, fix #170874: batched strided inputs). ComfyUI#10681
+                # (black images, M5, torch 2.11) names #163597. No wheel shows a fix, so every release is treated
+                # as affected until the selftest probe sdpa_strided says otherwise on a Mac.
+                "mps": (
+                    Rule(
+                        never=True,
+                        upstream="issue pytorch#163597 (fix #163598), again pytorch#181133, #170837 (fix #170874), "
+                        "ComfyUI#10681; behavioural: no symbol",
+                        note="not confirmed fixed in any release: mpsboost hands SDPA contiguous inputs on MPS",
+                        evidence=BEHAVIOURAL,
+                    ),
+                ),
+                "cuda": _ALWAYS,
+                "cpu": _ALWAYS,
+            },
+        ),
+        Feature(
+            "conv_strided_batch_correct",
+            "correct convolution of a strided view (a chunk() of channels, a frame slice) at batch > 1",
+            {
+                # Issue pytorch#169342 (open, "needs reproduction"): a conv on a chunk() view is right for the
+                # first batch element only (M5 Pro, macOS 26.2; torch 2.9.0, 2.9.1, 2.10 nightly); named by
+                # ComfyUI#10681. Stock diffusers VAEs never hit it (F.pad copies each causal conv's input); the
+                # padding fold of the VAE recipes would hand such views to the conv, so it copies them on MPS.
+                "mps": (
+                    Rule(
+                        never=True,
+                        upstream="issue pytorch#169342 (open), ComfyUI#10681; behavioural: no symbol",
+                        note="open upstream: the VAE recipes give MPS convolutions dense inputs",
+                        evidence=BEHAVIOURAL,
+                    ),
+                ),
+                "cuda": _ALWAYS,
+                "cpu": _ALWAYS,
+            },
+        ),
+        Feature(
             "conv3d_metal",
             "conv3d on Metal kernels (near matmul throughput)",
             {

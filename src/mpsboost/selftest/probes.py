@@ -616,6 +616,95 @@ def _conv3d(ctx: Ctx) -> dict:
     )
 
 
+def _sdpa_strided(ctx: Ctx) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    # Each case: SDPA on views as models make them, on the device, against the CPU on dense copies (fp32).
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    # pytorch#163597: a query from .view(B, L, H, D).transpose(1, 2), query length <= 8 (the decode vector
+    # kernels), head dims 64 and 128; K/V as long as a short cache.
+    for d in (64, 128):
+        q = torch.randn(2, 4, 8, d, generator=g)
+        kv = torch.randn(2, 2, 32 if ctx.small else 256, 8, d, generator=g)
+        cases.append((f"transposed query [2, 8, 4, {d}]", q, kv[0], kv[1], (1, 2)))
+    # pytorch#181133: q/k/v all from permute(0, 2, 1, 3) of [B, S, H, D] = [84, 3, 3, 64].
+    b = 8 if ctx.small else 84
+    qkv = torch.randn(3, b, 3, 3, 64, generator=g)
+    cases.append((f"permuted q/k/v [{b}, 3, 3, 64]", qkv[0], qkv[1], qkv[2], (1, 2)))
+    # diffusers' Wan / Qwen-Image VAE attention block: q, k, v = qkv.chunk(3, dim=-1) of [N, 1, H*W, 3C]
+    # (one head of C channels; 384 in the Wan decoder's middle block).
+    c, hw = (64, 64) if ctx.small else (384, 1024)
+    fused = torch.randn(2, 1, hw, 3 * c, generator=g)
+    cases.append((f"qkv.chunk(3, -1) of [2, 1, {hw}, {3 * c}]", fused, None, None, "chunk"))
+    errs = {}
+    for label, q, k, v, how in cases:
+        if how == "chunk":
+            ref = F.scaled_dot_product_attention(*(t.contiguous() for t in q.chunk(3, dim=-1)))
+            got = F.scaled_dot_product_attention(*ctx.to(q).chunk(3, dim=-1))
+        else:
+            dense = [t.transpose(*how).contiguous() for t in (q, k, v)]
+            ref = F.scaled_dot_product_attention(*dense)
+            got = F.scaled_dot_product_attention(*(ctx.to(t).transpose(*how) for t in (q, k, v)))
+        errs[label] = _rel(got, ref)
+    worst = max(errs.values())
+    detail = "SDPA on strided views vs the CPU on dense copies, fp32: " + "; ".join(
+        f"{k}: rel. error {e:.1e}" for k, e in errs.items()
+    )
+    return _mps_only(ctx, _out("has the bug" if worst > 1e-3 else "fixed", detail, rel_errors=errs))
+
+
+def _conv_chunk_batch(ctx: Ctx) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    # pytorch#169342: x.chunk(2, dim=1) of a conv output at batch 2, the second half through a 3x3 conv: only
+    # the first batch element right. The same strided batch as the frame slices a VAE's frame loop hands its
+    # first convolution (x[:, :, i] of [N, C, T, H, W]), 2-D and 3-D.
+    g = torch.Generator().manual_seed(0)
+    hw = 16 if ctx.small else 32
+    x = torch.randn(2, 3, hw, hw, generator=g)
+    w1, b1 = torch.randn(64, 3, 3, 3, generator=g) / 27**0.5, torch.randn(64, generator=g)
+    w2, b2 = torch.randn(32, 32, 3, 3, generator=g) / (9 * 32) ** 0.5, torch.randn(32, generator=g)
+    video = torch.randn(2, 16, 3, hw, hw, generator=g)
+    wf = torch.randn(16, 16, 3, 3, generator=g) / (9 * 16) ** 0.5
+    w3 = torch.randn(16, 16, 1, 3, 3, generator=g) / (9 * 16) ** 0.5
+
+    def chunk_conv(t, w1, b1, w2, b2, dense=False):  # the issue's model: conv, chunk, conv on the second half
+        half = F.conv2d(t, w1, b1, padding=1).chunk(2, dim=1)[1]
+        return F.conv2d(half.contiguous() if dense else half, w2, b2, padding=1)
+
+    def frame_conv(t, w, dense=False):
+        frame = t[:, :, 1]
+        return F.conv2d(frame.contiguous() if dense else frame, w, padding=1)
+
+    def frames_conv(t, w, dense=False):
+        frames = t[:, :, 1:]
+        return F.conv3d(frames.contiguous() if dense else frames, w, padding=(0, 1, 1))
+
+    cases = (
+        (f"conv2d, chunk(2, dim=1)[1], conv2d 3x3 on [2, 3, {hw}, {hw}]", x, chunk_conv, (w1, b1, w2, b2)),
+        (f"frame x[:, :, 1] of [2, 16, 3, {hw}, {hw}] -> conv2d 3x3", video, frame_conv, (wf,)),
+        ("frames x[:, :, 1:] -> conv3d 1x3x3", video, frames_conv, (w3,)),
+    )
+    errs, first, rest = {}, {}, {}
+    for label, base, conv, weights in cases:
+        ref = conv(base, *weights, dense=True)
+        got = conv(ctx.to(base), *(ctx.to(w) for w in weights)).cpu()
+        errs[label] = _rel(got, ref)
+        first[label] = _rel(got[:1], ref[:1])
+        rest[label] = _rel(got[1:], ref[1:])
+    worst = max(errs.values())
+    detail = "convolutions of strided views at batch 2 vs the CPU on dense copies, fp32: " + "; ".join(
+        f"{k}: rel. error {errs[k]:.1e} (first element {first[k]:.1e}, others {rest[k]:.1e})" for k in errs
+    )
+    return _mps_only(
+        ctx,
+        _out("has the bug" if worst > 1e-4 else "fixed", detail, rel_errors=errs, first=first, others=rest),
+    )
+
+
 def _gemm_placeholder(ctx: Ctx) -> dict:
     # Decided across processes by gemm_verdict; a single process cannot tell.
     return _out("skipped", "measured in every process; the verdict needs two or more (--processes)")
@@ -773,6 +862,26 @@ PROBES: dict[str, Probe] = {
             "sdpa_broadcast",
             _sdpa_broadcast,
             "metal_attention expands K/V where the build needs it",
+        ),
+        Probe(
+            "sdpa_strided",
+            ("issue pytorch#163597", "fix pytorch#163598", "pytorch#181133", "pytorch#170837", "ComfyUI#10681"),
+            "SDPA wrong on non-contiguous q/k/v (a transposed query at decode lengths, permuted q/k/v, a chunked "
+            "qkv): one cause ComfyUI#10681 names for black images",
+            "query [2, 8, 4, 64|128] transposed; [84, 3, 3, 64] permuted; the VAE block's qkv.chunk(3) of "
+            "[2, 1, 1024, 1152]",
+            "sdpa_strided_correct",
+            _sdpa_strided,
+            "metal_attention and the VAE attention blocks hand SDPA contiguous q/k/v on MPS",
+        ),
+        Probe(
+            "conv_chunk_batch",
+            ("issue pytorch#169342", "ComfyUI#10681"),
+            "a convolution of a chunk() view (or a frame slice) right for the first batch element only",
+            "conv2d, chunk(2, dim=1), conv2d 3x3 at batch 2; frame slices of [2, 16, 3, 32, 32]",
+            "conv_strided_batch_correct",
+            _conv_chunk_batch,
+            "wan_vae_pad / qwen_image_vae give every folded convolution a dense input on MPS",
         ),
         Probe(
             "conv3d_throughput",
