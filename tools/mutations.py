@@ -82,6 +82,124 @@ def _leak(recipe: str, signature: str, quick: bool = False) -> Mutation:
 
 
 MUTATIONS: tuple[Mutation, ...] = (
+    Mutation(
+        name="affine-metal-decode-shift",
+        why="the Metal low-bit kernels cut codes at the wrong shift within a word (o & 15 for o & 31)",
+        edits=(Edit("src/mpsboost/ops/affine_metal.py", "  const int sh = o & 31;\n", "  const int sh = o & 15;\n"),),
+        tests=("tests/ops/test_affine_metal_emulated.py", "-k", "decodes_exactly"),
+    ),
+    Mutation(
+        name="affine-metal-straddle-dropped",
+        why="the Metal low-bit kernels drop the high bits of a code that straddles two words (3, 5, 6 bits)",
+        edits=(Edit("src/mpsboost/ops/affine_metal.py", "    v |= words.w[w + 1] << (32 - sh);\n", ""),),
+        tests=("tests/ops/test_affine_metal_emulated.py", "-k", "decodes_exactly"),
+    ),
+    Mutation(
+        name="affine-metal-group-index",
+        why="the Metal GEMV reads the scale and bias of the wrong group along K (k >> (gsh + 1))",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/affine_metal.py",
+                "    const long kg = k >> gsh;\n",
+                "    const long kg = k >> (gsh + 1);\n",
+            ),
+        ),
+        tests=("tests/ops/test_affine_metal_emulated.py", "-k", "dense_matches_reference"),
+    ),
+    Mutation(
+        name="affine-metal-scale-index-expert",
+        why="the Metal grouped GEMV reads expert 0's scales for every expert (n * G for row * G)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/affine_metal.py",
+                "          s = mpsb_sb(sc, row * G + kg, st);\n",
+                "          s = mpsb_sb(sc, n * G + kg, st);\n",
+            ),
+        ),
+        tests=("tests/ops/test_affine_metal_emulated.py", "-k", "grouped_empty_experts"),
+    ),
+    Mutation(
+        name="affine-metal-offset-search",
+        why="the Metal grouped GEMV's binary search puts a row at an expert's end into that expert (<= for <)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/affine_metal.py",
+                "    if (r < long(offs[mid])) {{\n",
+                "    if (r <= long(offs[mid])) {{\n",
+            ),
+        ),
+        tests=("tests/ops/test_affine_metal_emulated.py", "-k", "grouped_empty_experts"),
+    ),
+    Mutation(
+        name="affine-metal-row-bound",
+        why="the Metal GEMV writes rows past R (the last threadgroup's missing rows): out of the output's bounds",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/affine_metal.py",
+                "      if (lane == 0 && n < N && r < R) {{\n",
+                "      if (lane == 0 && n < N) {{\n",
+            ),
+        ),
+        tests=("tests/ops/test_affine_metal_emulated.py", "-k", "dense_matches_reference and b4"),
+    ),
+    Mutation(
+        name="affine-metal-embedding-id-bound",
+        why="the Metal gather reads the row of an id past the table (no upper bound check)",
+        edits=(Edit("src/mpsboost/ops/affine_metal.py", "  if (id < 0 || id >= V) {{\n", "  if (id < 0) {{\n"),),
+        tests=("tests/ops/test_affine_metal_emulated.py", "-k", "out_of_range"),
+    ),
+    Mutation(
+        name="affine-quantize-bias-always-edge",
+        why="affine_quantize keeps the edge as the bias when it rounds to code 0 (mx.quantize's bias is then 0)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/affine.py",
+                "    bias = torch.where(nz, edge, torch.zeros_like(edge))\n",
+                "    bias = edge\n",
+            ),
+        ),
+        tests=("tests/ops/test_affine_ops.py", "-k", "equal_mlx_bit_for_bit"),
+        quick=True,
+    ),
+    Mutation(
+        name="affine-unpack-code-order",
+        why="unpack_codes reads the eight codes of a run in reverse (big-endian within the run)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/affine.py",
+                "    shifts = bits * torch.arange(8, device=q.device)\n",
+                "    shifts = bits * torch.arange(8, device=q.device).flip(0)\n",
+            ),
+        ),
+        tests=("tests/ops/test_affine_ops.py", "-k", "equal_mlx_bit_for_bit and b4"),
+        quick=True,
+    ),
+    Mutation(
+        name="affine-grouped-reference-offset-search",
+        why="the grouped reference puts a row at an expert's end into that expert (searchsorted right=False)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/affine.py",
+                "    return torch.searchsorted(offsets, rows, right=True)\n",
+                "    return torch.searchsorted(offsets, rows)\n",
+            ),
+        ),
+        tests=("tests/ops/test_affine_ops.py", "-k", "gather_qmm"),
+        quick=True,
+    ),
+    Mutation(
+        name="affine-int4pack-zero-unshifted",
+        why="to_int4pack passes the bias as int4pack's zero (it computes (q - 8) * scale + zero: bias + 8 scale)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/affine.py",
+                "    zero = biases.to(torch.float64) + 8.0 * s\n",
+                "    zero = biases.to(torch.float64)\n",
+            ),
+        ),
+        tests=("tests/ops/test_affine_ops.py", "-k", "int4pack_conversion"),
+        quick=True,
+    ),
     _leak(
         "linear_attention",
         "    def apply(self, match: Match, decision: Decision, env: Env, options: LinearAttentionOptions) -> Patch:",
