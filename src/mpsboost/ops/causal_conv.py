@@ -100,15 +100,28 @@ def time_pad_front(parts: list[torch.Tensor], front: int, *, channels_last: bool
     return out
 
 
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when it is dense in its own layout (contiguous or channels-last), else a contiguous copy."""
+    return x if x.is_contiguous() or is_channels_last(x) else x.contiguous()
+
+
 def single_frame_conv2d(
-    conv: torch.nn.Conv3d, frame: torch.Tensor, tap: int, padding: tuple[int, int], *, channels_last: bool = False
+    conv: torch.nn.Conv3d,
+    frame: torch.Tensor,
+    tap: int,
+    padding: tuple[int, int],
+    *,
+    channels_last: bool = False,
+    dense: bool = False,
 ) -> torch.Tensor:
     """One output frame of ``conv`` whose time window holds data only at kernel tap ``tap``.
 
     ``frame`` is ``[N, C, 1, H, W]``; the result is ``[N, O, 1, H', W']`` (channels-last when
-    ``channels_last`` or when ``frame`` already is).
+    ``channels_last`` or when ``frame`` already is). ``dense``: a strided frame is copied first.
     """
     x2 = to_memory_format(frame[:, :, 0], channels_last)
+    if dense:
+        x2 = _dense(x2)
     w2 = conv.weight[:, :, tap]
     # The time slice of a 5-D weight is strided; give cuDNN/MPS a dense 2-D weight of x's layout.
     w2 = w2.contiguous(memory_format=torch.channels_last if is_channels_last(x2) else torch.contiguous_format)
@@ -123,12 +136,16 @@ def causal_conv3d(
     *,
     single_frame_2d: bool = True,
     channels_last: bool = False,
+    dense: bool = False,
 ) -> torch.Tensor:
     """What ``WanCausalConv3d.forward(x, cache_x)`` computes, without ``F.pad``.
 
     ``conv`` must carry diffusers' ``_padding = (pW, pW, pH, pH, 2*pT, 0)`` and zero own padding.
     ``single_frame_2d``: use the 2-D convolution when one real frame meets the kernel's last tap.
     ``channels_last``: build the padded buffer channels-last (cuDNN's native layout).
+    ``dense``: never hand the convolution a strided view (a frame slice of the VAE's frame loop, the frames kept
+    past a longer cache); copy it first. diffusers' own ``F.pad`` copied every input; without it such views
+    reach the convolution, which MPS gets wrong past the first batch element (issue pytorch#169342).
     """
     pw, _, ph, _, pt, _ = conv._padding
     parts = [x]
@@ -143,23 +160,30 @@ def causal_conv3d(
     if single_frame_2d and len(parts) == 1 and x.shape[2] == 1 and front == dt * (kt - 1):
         # Padded input [0, .., 0, x]: every output frame but one would read only zeros in time,
         # and the one output frame sees x at the last tap alone.
-        return single_frame_conv2d(conv, x, kt - 1, (ph, pw), channels_last=channels_last)
+        return single_frame_conv2d(conv, x, kt - 1, (ph, pw), channels_last=channels_last, dense=dense)
     if channels_last and len(parts) == 1 and front == 0:
         inp = to_memory_format(x, True)
     else:
         inp = time_pad_front(parts, front, channels_last=channels_last)
+    if dense:
+        inp = _dense(inp)
     return F.conv3d(inp, conv.weight, conv.bias, conv.stride, (0, ph, pw), conv.dilation, conv.groups)
 
 
-def frame_conv2d(conv: torch.nn.Conv2d, x: torch.Tensor, *, channels_last: bool = False) -> torch.Tensor:
+def frame_conv2d(
+    conv: torch.nn.Conv2d, x: torch.Tensor, *, channels_last: bool = False, dense: bool = False
+) -> torch.Tensor:
     """What diffusers' ``QwenImage21CausalConv3d.forward(x)`` computes, without ``F.pad``.
 
     ``x`` is ``[N, C, 1, H, W]``; the frame axis is dropped, the spatial zero padding is the
     convolution's own ``padding`` (no padded copy of the activation; bit-exact on the CPU), and the
     frame axis is put back. ``channels_last``: run the convolution on channels-last activations.
+    ``dense``: a strided ``x`` is copied first (see :func:`causal_conv3d`).
     """
     pw, _, ph, _ = conv._padding
     x2 = to_memory_format(x.squeeze(2), channels_last)
+    if dense:
+        x2 = _dense(x2)
     y = F.conv2d(x2, conv.weight, conv.bias, conv.stride, (ph, pw), conv.dilation, conv.groups)
     return y.unsqueeze(2)
 

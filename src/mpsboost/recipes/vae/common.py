@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import importlib
 import types
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -109,6 +109,8 @@ class VaeOptions:
     tile_loop: bool
     # Frees cached blocks between tiles (MPS default; see vae_tiles.MemoryWatcher). None: off.
     memory_watch: vae_tiles.MemoryWatcher | None = None
+    # Strided views are copied before a folded convolution (gate: conv_strided_batch_correct, pytorch#169342).
+    dense_inputs: bool = False
 
     @property
     def channels_last(self) -> bool:
@@ -122,6 +124,7 @@ class VaeOptions:
             "tile_loop": self.tile_loop,
         }
         out["memory_watch"] = self.memory_watch.threshold if self.memory_watch is not None else None
+        out["dense_inputs"] = self.dense_inputs
         return out
 
 
@@ -330,17 +333,17 @@ def patch_tree(
     was applied so far is undone before re-raising.
     """
     with Changes() as ch:
-        sf, cl = opts.single_frame_2d, opts.channels_last
+        sf, cl, dense = opts.single_frame_2d, opts.channels_last, opts.dense_inputs
 
         def conv_forward(self: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-            return causal_conv3d(self, x, cache_x, single_frame_2d=sf, channels_last=cl)
+            return causal_conv3d(self, x, cache_x, single_frame_2d=sf, channels_last=cl, dense=dense)
 
         def frame_forward(self: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
             if cache_x is not None or x.dim() != 5 or x.shape[2] != 1:
                 # The stock forward's own error (it takes one frame and no cache); shapes are static
                 # under torch.compile, so this is a guard, not a host sync.
                 return call_original(self, recipe, x, cache_x)
-            return frame_conv2d(self, x, channels_last=cl)
+            return frame_conv2d(self, x, channels_last=cl, dense=dense)
 
         frame2d = row.conv_kind == "frame2d"
 
@@ -460,6 +463,9 @@ def decide(recipe: str, match: Match, env: Env, options: VaePadOptions) -> Decis
     environment and a :class:`CausalPlan` (the options resolved once, for ``apply``)."""
     row = family(match.data.family)
     opts = parse_options(recipe, options, env.device_type)
+    strided = check("conv_strided_batch_correct", env)
+    if not strided.ok:
+        opts = replace(opts, dense_inputs=True)
     pad = check("pad_constant_native", env)
     rank5 = check("pad_rank5_correct", env)
     if not pad.ok or not rank5.ok:
@@ -485,6 +491,11 @@ def decide(recipe: str, match: Match, env: Env, options: VaePadOptions) -> Decis
             reason = f"{reason}; {_single_frame_reason(env)}"
         if row.rank5_note and not rank5.ok:
             reason = f"{reason}; {row.rank5_note}"
+    if opts.dense_inputs:
+        reason += (
+            "; a strided input (a frame slice) is copied before its convolution, as diffusers' F.pad did: "
+            "convolutions of such views are wrong past the first batch element on MPS (issue pytorch#169342, open)"
+        )
     plan = CausalPlan(row.name, opts, count_modules(match.module, row), match.data.whole_vae)
     return Decision.apply(_backing(row, opts), reason, plan=plan)
 
