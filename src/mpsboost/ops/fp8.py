@@ -504,13 +504,28 @@ def _fp8_gemv_mps(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: O
     return y if bias is None else y.add_(bias)
 
 
+def check_out_size(x: torch.Tensor, n: int, out: torch.Tensor, op: str) -> None:
+    """Raise ValueError unless ``out`` has the element count of the product of ``x [..., K]`` with ``n`` outputs: what
+    the ``_out`` operators take on every device (the product is then viewed as ``out``'s shape; on MPS the Metal
+    kernel writes there, and a shorter ``out`` would be written past its end)."""
+    k = x.shape[-1]
+    r = x.numel() // k if k else math.prod(x.shape[:-1])
+    if out.numel() != r * n:
+        raise ValueError(
+            f"{op}: out {list(out.shape)} has {out.numel()} elements; x {list(x.shape)} times {n} outputs is a "
+            f"[{r}, {n}] product ({r * n} elements)"
+        )
+
+
 @torch.library.custom_op("mpsboost::fp8_gemv_out", mutates_args=("out",))
 def _fp8_gemv_out_op(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    check_out_size(x, w.shape[0], out, "mpsboost::fp8_gemv_out")
     out.copy_(fp8_gemv_reference(x, w, scale, None).view(out.shape))
 
 
 @_fp8_gemv_out_op.register_kernel("cuda")
 def _fp8_gemv_out_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
+    check_out_size(x, w.shape[0], out, "mpsboost::fp8_gemv_out")
     out.copy_(_fp8_gemv_cuda(x, w, scale, None).view(out.shape))
 
 
@@ -518,6 +533,7 @@ def _fp8_gemv_out_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, ou
 def _fp8_gemv_out_mps(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> None:
     from . import fp8_metal
 
+    check_out_size(x, w.shape[0], out, "mpsboost::fp8_gemv_out")
     if fp8_metal.dense(x, w, *fp8_metal.dense_scale(scale, *w.shape), out=out) is None:
         out.copy_(fp8_gemv_reference(x, w, scale, None).view(out.shape))
 

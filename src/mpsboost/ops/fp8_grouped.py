@@ -30,7 +30,7 @@ import torch
 
 from typing import Optional
 
-from .fp8 import _eager_cuda, _eager_mps, _have_triton, fp8_gemv, fp8_gemv_out, widen
+from .fp8 import _eager_cuda, _eager_mps, _have_triton, check_out_size, fp8_gemv, fp8_gemv_out, widen
 
 __all__ = ["GemvOperand", "grouped_mm", "grouped_mm_reference", "block_gemv", "block_gemv_out", "scale_blocks"]
 
@@ -90,7 +90,8 @@ def _grouped_mm_mps(
 
     if fp8_metal.supported(x, w, bk=bk) is not None or offs.dtype != torch.int32:
         return grouped_mm_reference(x, w, offs, scale, bn, bk)
-    return fp8_metal.rows_gemv(x, w, scale.contiguous(), offs.contiguous(), bn=bn, bk=bk)
+    # The kernel reads float32 scales (the reference takes any float dtype and computes in float32 too).
+    return fp8_metal.rows_gemv(x, w, scale.float().contiguous(), offs.contiguous(), bn=bn, bk=bk)
 
 
 @_grouped_mm_op.register_fake
@@ -167,6 +168,7 @@ def block_gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, b
 def _block_gemv_out_op(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, out: torch.Tensor
 ) -> None:
+    check_out_size(x, w.shape[0], out, "mpsboost::fp8_block_gemv_out")
     out.copy_(_block_gemv_reference(x, w, scale, bn, bk).view(out.shape))
 
 
@@ -174,6 +176,7 @@ def _block_gemv_out_op(
 def _block_gemv_out_cuda(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bn: int, bk: int, out: torch.Tensor
 ) -> None:
+    check_out_size(x, w.shape[0], out, "mpsboost::fp8_block_gemv_out")
     out.copy_(_block_gemv_cuda(x, w, scale, bn, bk).view(out.shape))
 
 
@@ -183,6 +186,7 @@ def _block_gemv_out_mps(
 ) -> None:
     from . import fp8_metal
 
+    check_out_size(x, w.shape[0], out, "mpsboost::fp8_block_gemv_out")
     if fp8_metal.dense(x, w, scale, bn, bk, out=out) is None:
         out.copy_(_block_gemv_reference(x, w, scale, bn, bk).view(out.shape))
 

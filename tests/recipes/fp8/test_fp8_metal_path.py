@@ -278,3 +278,23 @@ def test_gemv_operand_equals_the_layers_forward_and_writes_only_its_columns(gran
         assert (buf[:, :20] == 7).all() and (buf[:, 68:] == 7).all()
     x = torch.randn(6, 64, dtype=torch.bfloat16)  # above the few-rows bound: the layer itself
     torch.testing.assert_close(op(x), m[0](x), rtol=0, atol=0)
+
+
+def test_out_operators_refuse_an_out_of_the_wrong_size_on_every_device(rng_seed):
+    # Issue 38, item 7: the _out operators take an out of the product's element count on every device (the MPS
+    # kernel writes there: a shorter one would be written past its end). The CPU and CUDA kernels and the MPS one
+    # raise the same ValueError (tests/ops/test_fp8_metal_emulated.py runs the MPS one on the emulated kernel).
+    from mpsboost.ops.fp8_grouped import block_gemv_out
+
+    st = _stack(1, 36, 64, (1, 36, 1))
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    bscale = torch.rand(3, 2) + 0.5
+    for short in (torch.empty(2, 36, dtype=torch.bfloat16), torch.empty(3, 35, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match=r"mpsboost::fp8_gemv_out: out \[.*\] has \d+ elements; x \[3, 64\]"):
+            fp8_ops.fp8_gemv_out(x, st.q[0], st.scale[0], short)
+        with pytest.raises(ValueError, match=r"mpsboost::fp8_block_gemv_out: out \[.*\] has \d+ elements"):
+            block_gemv_out(x, st.q[0], bscale, 16, 32, short)
+    out = torch.empty(1, 3, 36, dtype=torch.bfloat16)  # the product's size in another shape: viewed, as before
+    fp8_ops.fp8_gemv_out(x, st.q[0], st.scale[0], out)
+    want = fp8_ops.fp8_gemv_reference(x, st.q[0], st.scale[0], None)
+    torch.testing.assert_close(out[0], want, rtol=0, atol=0)
