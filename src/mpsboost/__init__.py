@@ -12,7 +12,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .api import last_report, patch, patched, plan, unpatch
 from .errors import (
     PatchedCopyError,
     GateError,
@@ -25,8 +24,38 @@ from .errors import (
     UnsupportedTargetError,
 )
 from .gate import Env, Verdict, check
-from .registry import Recipe, recipe_names, register
 from .report import PatchReport, Row
+
+# What needs torch loads on first use (PEP 562), so that `mpsboost --help` answers before torch is imported.
+_LAZY = {
+    "last_report": "api",
+    "patch": "api",
+    "patched": "api",
+    "plan": "api",
+    "unpatch": "api",
+    "Recipe": "registry",
+    "recipe_names": "registry",
+    "register": "registry",
+}
+
+
+def __getattr__(name: str):
+    import importlib
+
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    try:  # a submodule named as an attribute (mpsboost.api, mpsboost.bench, ...)
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def save_fp8(obj, path, **kw):  # noqa: D401 - thin lazy wrapper
@@ -43,6 +72,23 @@ def load_fp8(obj, path, **kw):
     return _load(obj, path, **kw)
 
 
+def from_pretrained(path, **kw):
+    """A transformers model from a low-bit checkpoint folder (MLX affine 4/8-bit, as mlx-community publishes), or
+    from a bf16 one with ``quantize={"bits": 4, "group_size": 64}``: streamed onto the device, patched; the report
+    is ``mpsboost.last_report(model)``. See :func:`mpsboost.quant.load.from_pretrained`."""
+    from .quant.load import from_pretrained as _load
+
+    return _load(path, **kw)
+
+
+def save_mlx(model, path, **kw):
+    """Save a model with low-bit layers in the MLX layout (mlx-lm loads the folder). See
+    :func:`mpsboost.quant.save.save_mlx`."""
+    from .quant.save import save_mlx as _save
+
+    return _save(model, path, **kw)
+
+
 __all__ = [
     "__version__",
     "patch",
@@ -52,6 +98,8 @@ __all__ = [
     "last_report",
     "save_fp8",
     "load_fp8",
+    "from_pretrained",
+    "save_mlx",
     "Env",
     "Verdict",
     "check",

@@ -1,0 +1,294 @@
+"""File I/O that knows no format: safetensors headers, shard indexes, tensors streamed onto a device, and a writer.
+
+:func:`open_folder` reads the headers of every shard of a folder (or of one file) and its ``config.json``; no tensor
+data is read. :func:`read_tensor` reads one tensor straight into its own CPU memory (or into a caller's buffer) and
+:func:`read_to` puts it on a device, so a load holds at most one tensor on the host at a time. :func:`write_folder`
+writes tensors shard by shard, each tensor from the device as it is written (never a second copy of the model).
+What the tensors mean is the formats' business (:mod:`mpsboost.quant.formats`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+from .errors import QuantFileError
+
+__all__ = [
+    "ST_DTYPES",
+    "TORCH_TO_ST",
+    "TensorEntry",
+    "Folder",
+    "open_folder",
+    "read_tensor",
+    "read_to",
+    "write_safetensors",
+    "write_folder",
+]
+
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U32": torch.uint32,
+    "BOOL": torch.bool,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
+_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in ST_DTYPES.items()}
+_INDEX = re.compile(r".*\.safetensors\.index\.json$")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes are: file, safetensors dtype, shape and absolute byte range."""
+
+    key: str
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return ST_DTYPES[self.dtype]
+
+
+@dataclass
+class Folder:
+    """A safetensors checkpoint (a folder of shards with an index, one file, or a folder with one file): headers
+    read, no data. ``config`` is its ``config.json`` (or None)."""
+
+    path: Path
+    files: list[Path]
+    entries: dict[str, TensorEntry]
+    metadata: dict[str, str]
+    config: Optional[dict] = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+
+def _header(path: Path) -> tuple[dict[str, str], dict[str, TensorEntry]]:
+    what = f"{path.name} is not a readable safetensors file"
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise QuantFileError(f"{what}: it has {size} bytes, fewer than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 * 2**20):
+            raise QuantFileError(f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file")
+        try:
+            header = json.loads(fh.read(n).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise QuantFileError(f"{what}: its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise QuantFileError(f"{what}: its header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    entries: dict[str, TensorEntry] = {}
+    base, end = 8 + n, 0
+    for key, info in header.items():
+        try:
+            dt, shape, (a, b) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
+            a, b = int(a), int(b)
+        except (KeyError, TypeError, ValueError):
+            raise QuantFileError(f"{what}: malformed header entry for tensor {key!r}") from None
+        if dt not in _ITEMSIZE:
+            raise QuantFileError(f"{path.name}: tensor {key!r} has dtype {dt}, which mpsboost does not read")
+        numel = 1
+        for s in shape:
+            numel *= s
+        if b - a != numel * _ITEMSIZE[dt] or a < 0:
+            raise QuantFileError(f"{what}: tensor {key!r} {dt} {list(shape)} spans {b - a} bytes")
+        entries[key] = TensorEntry(key, path, dt, shape, base + a, base + b)
+        end = max(end, b)
+    if base + end != size:
+        raise QuantFileError(f"{path.name}: the header describes {base + end} bytes but the file has {size}")
+    return {str(k): str(v) for k, v in meta.items()}, entries
+
+
+def _shards(folder: Path, index_names: Iterable[str]) -> tuple[list[Path], Optional[dict[str, str]]]:
+    for name in index_names:
+        idx = folder / name
+        if not idx.is_file():
+            continue
+        try:
+            weight_map = json.loads(idx.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise QuantFileError(f"{idx}: not a shard index (a JSON object with a 'weight_map')") from None
+        files = sorted({str(v) for v in weight_map.values()})
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise QuantFileError(
+                f"{folder.name}: partial checkpoint: the index {name} lists shard(s) {missing[:3]} that are not there"
+            )
+        return [folder / f for f in files], {str(k): str(v) for k, v in weight_map.items()}
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return [single], None
+    found = sorted(folder.glob("*.safetensors"))
+    if len(found) == 1:
+        return found, None
+    if not found:
+        raise QuantFileError(f"{folder}: no safetensors file (model.safetensors or a shard index)")
+    raise QuantFileError(f"{folder}: several safetensors files {[f.name for f in found[:4]]} and no index")
+
+
+def open_folder(path: Any, *, index_names: Iterable[str] = ("model.safetensors.index.json",)) -> Folder:
+    """The headers of every shard at ``path`` (a folder or a ``.safetensors`` file) and its ``config.json``."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}: {path!r}")
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist")
+    if p.is_dir():
+        files, weight_map = _shards(p, index_names)
+        cfg_file = p / "config.json"
+    else:
+        files, weight_map = [p], None
+        cfg_file = p.parent / "config.json"
+    config = None
+    if cfg_file.is_file():
+        try:
+            config = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise QuantFileError(f"{cfg_file}: not JSON ({exc})") from None
+    entries: dict[str, TensorEntry] = {}
+    metadata: dict[str, str] = {}
+    for f in files:
+        meta, ents = _header(f)
+        dup = next((k for k in ents if k in entries), None)
+        if dup is not None:
+            raise QuantFileError(f"{p.name}: tensor {dup!r} is in both {entries[dup].file.name} and {f.name}")
+        entries.update(ents)
+        for k, v in meta.items():
+            metadata.setdefault(k, v)
+    if weight_map is not None:
+        lost = [k for k, f in weight_map.items() if k not in entries or entries[k].file.name != Path(f).name]
+        if lost:
+            raise QuantFileError(
+                f"{p.name}: partial checkpoint: tensor(s) {lost[:3]} of the index are not in their shard"
+            )
+    return Folder(p, files, entries, metadata, config)
+
+
+def read_tensor(entry: TensorEntry, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The tensor of ``entry`` on the CPU, read straight into its own memory (or into ``out``: CPU, contiguous, the
+    same number of bytes)."""
+    t = out if out is not None else torch.empty(entry.shape, dtype=entry.torch_dtype)
+    if t.numel() * t.element_size() != entry.nbytes or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"read_tensor: the destination does not fit {entry.key} {entry.dtype} {list(entry.shape)}")
+    if entry.nbytes:
+        buf = memoryview(t.view(-1).view(torch.uint8).numpy())
+        with open(entry.file, "rb") as fh:
+            fh.seek(entry.begin)
+            got = fh.readinto(buf)
+        if got != entry.nbytes:
+            raise QuantFileError(
+                f"{entry.file.name}: short read of {entry.key} ({got} of {entry.nbytes} bytes): the file changed"
+            )
+    return t
+
+
+def read_to(entry: TensorEntry, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``entry``'s tensor on ``device`` (cast to ``dtype`` where given), through one host copy of it."""
+    t = read_tensor(entry)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t if t.device == device else t.to(device)
+
+
+def write_safetensors(target: Path, tensors: list[tuple[str, torch.Tensor]], meta: dict[str, str]) -> None:
+    """One safetensors file, tensor by tensor (each copied to the host as it is written); written to a
+    ``.partial`` name first, then moved into place."""
+    tensors = sorted(tensors, key=lambda kv: kv[0])
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for name, t in tensors:
+        st = TORCH_TO_ST.get(t.dtype)
+        if st is None:
+            raise TypeError(f"{name} has dtype {t.dtype}, which safetensors cannot hold")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": st, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    tmp = target.with_name(target.name + ".partial")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(struct.pack("<Q", len(raw)))
+            fh.write(raw)
+            for _, t in tensors:
+                cpu = t.detach().to("cpu").contiguous()
+                if cpu.numel():
+                    fh.write(memoryview(cpu.reshape(-1).view(torch.uint8).numpy()))
+                del cpu
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_folder(
+    folder: Path,
+    tensors: list[tuple[str, torch.Tensor]],
+    *,
+    meta: dict[str, str],
+    max_shard_bytes: int = 5 * 2**30,
+    stem: str = "model",
+    index_meta: dict | None = None,
+) -> list[Path]:
+    """``stem.safetensors``, or shards ``stem-0000k-of-0000n.safetensors`` of at most ``max_shard_bytes`` and
+    ``stem.safetensors.index.json`` (always written, as mlx-lm does). Returns the files written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for item in sorted(tensors, key=lambda kv: kv[0]):
+        nbytes = item[1].numel() * item[1].element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    n = len(shards)
+    files, weight_map, total = [], {}, 0
+    for i, shard in enumerate(shards, 1):
+        fname = f"{stem}.safetensors" if n == 1 else f"{stem}-{i:05d}-of-{n:05d}.safetensors"
+        write_safetensors(folder / fname, shard, meta)
+        files.append(folder / fname)
+        for key, t in shard:
+            weight_map[key] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total, **(index_meta or {})}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=4) + "\n")
+    return files

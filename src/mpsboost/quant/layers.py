@@ -1,0 +1,382 @@
+"""The quantized layer family: one state type, one forward per module kind (linear, experts, embedding), one class
+per original class, for every low-bit weight format (MLX affine first).
+
+A layer loaded by :func:`mpsboost.from_pretrained` (or quantised at load) keeps its weights as the file's codes:
+
+* a linear layer holds ``weight`` (uint32 words, ``[N, K * bits / 32]``), ``scales`` and ``biases`` (``[N, K / g]``,
+  the file's dtype) as buffers, its ``bias`` as it was;
+* an experts module (transformers' fused ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``) holds
+  ``gate_up_proj``, ``gate_up_proj_scales``, ``gate_up_proj_biases``, ``down_proj``, ... the same way: the stacks stay
+  quantized (no bf16 copy);
+* an embedding holds ``weight``, ``scales``, ``biases`` and gathers rows of codes.
+
+Forwards: few rows (a decode step: at most :attr:`AffineState.max_rows`) on the registered operators of
+``mpsboost.ops.affine`` where the load decided so (``torch.ops.mpsboost.affine_gemv`` / ``affine_grouped_gemv`` /
+``affine_embedding``: mpsboost's Metal kernels on a Mac, their reference elsewhere); otherwise the weights
+dequantised per call, then the matmul (the bytes of the dequantised weight: ``N * K * itemsize`` per call, the
+routed experts' only for an experts module in eager mode). Dequantisation is exact in float32 (``scales * q +
+biases``), rounded once to the compute dtype.
+
+:func:`decode_operand` gives what an eager decode step calls for a quantized linear (:class:`AffineOperand`);
+:mod:`mpsboost.quant.operand` is the one place decode recipes read operands from.
+
+Imports neither diffusers nor transformers, nor api, registry or checkpoint modules.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..patching import saved_state
+from . import codec
+
+__all__ = [
+    "RECIPE",
+    "QParams",
+    "AffineState",
+    "AffineLinear",
+    "AffineEmbedding",
+    "AffineOperand",
+    "affine_class",
+    "affine_state",
+    "forward_for",
+    "decode_operand",
+    "dequantize",
+    "kernels_available",
+    "stored_names",
+]
+
+# The recipe that owns every low-bit layer (its record on the instance, its report rows).
+RECIPE = "low_bit_weights"
+AFFINE_BASE_ATTR = "_mpsboost_affine_of"
+MAX_ROWS = 4  # the decode kernels' rows (ops/affine.py: 1-4 rows)
+
+
+@dataclass(frozen=True)
+class QParams:
+    """How one stored tensor is quantized: MLX affine, ``bits`` per weight, one scale and bias per ``group_size``."""
+
+    bits: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        codec.check_params(self.bits, self.group_size)
+
+
+@dataclass(eq=False, slots=True)
+class AffineState:
+    """What a low-bit layer's forward reads (fixed when the layer is built; decisions are made at load time)."""
+
+    kind: str  # "linear", "experts" or "embedding"
+    params: dict  # stored tensor name -> QParams ("weight"; or "gate_up_proj"/"up_proj" and "down_proj")
+    compute_dtype: torch.dtype
+    max_rows: int = MAX_ROWS
+    kernel: bool = False  # few rows on torch.ops.mpsboost.affine_* (else the reference: dequantise, then matmul)
+    backing: str = ""
+    source: str = ""
+    converted: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def mark_converted(self) -> None:
+        self.converted = True
+
+
+def kernels_available() -> bool:
+    """``torch.ops.mpsboost.affine_gemv`` and its siblings are registered (``mpsboost.ops.affine``)."""
+    from ..ops import affine as _affine  # noqa: F401  (registers them)
+
+    ns = torch.ops.mpsboost
+    return all(hasattr(ns, n) for n in ("affine_gemv", "affine_grouped_gemv", "affine_embedding"))
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, p: QParams, dtype: torch.dtype):
+    """The weights ``[..., N, K]`` in ``dtype``: ``scales * q + biases`` in float32, rounded once."""
+    return codec.dequantize_exact(q, scales, biases, p.bits, p.group_size, dtype)
+
+
+def affine_state(module: torch.nn.Module) -> Optional[AffineState]:
+    """The :class:`AffineState` of a low-bit layer, or None."""
+    entry = saved_state(module, RECIPE)
+    state = entry.get("affine") if entry else None
+    return state if isinstance(state, AffineState) else None
+
+
+def stored_names(kind: str, up: str = "gate_up_proj") -> tuple[str, ...]:
+    """The code tensors of a layer of ``kind`` (each with ``<name>_scales``/``<name>_biases``, or ``scales``/
+    ``biases`` for ``weight``)."""
+    return ("weight",) if kind in ("linear", "embedding") else (up, "down_proj")
+
+
+def aux_names(name: str) -> tuple[str, str]:
+    return ("scales", "biases") if name == "weight" else (f"{name}_scales", f"{name}_biases")
+
+
+# ------------------------------------------------------------------------------------------ the forwards
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+
+
+def _linear_forward(state: AffineState) -> Callable[..., Any]:
+    p = state.params["weight"]
+
+    def forward(self, input, *args, **kwargs):
+        q, s, b = self.weight, self.scales, self.biases
+        if state.kernel and 0 < _rows(input) <= state.max_rows and input.dtype == state.compute_dtype:
+            y = torch.ops.mpsboost.affine_gemv(input, q, s, b, p.bits, p.group_size)
+            return y if self.bias is None else y + self.bias
+        # Prefill (or no kernel): the layer dequantised for this call, N * K * itemsize bytes, then the matmul.
+        return F.linear(input, dequantize(q, s, b, p, input.dtype), self.bias)
+
+    return forward
+
+
+def _embedding_forward(state: AffineState) -> Callable[..., Any]:
+    p = state.params["weight"]
+
+    def forward(self, input, *args, **kwargs):
+        q, s, b = self.weight, self.scales, self.biases
+        if state.kernel:
+            return torch.ops.mpsboost.affine_embedding(input, q, s, b, p.bits, p.group_size, state.compute_dtype)
+        flat = input.reshape(-1)
+        rows = dequantize(q[flat], s[flat], b[flat], p, state.compute_dtype)
+        return rows.view(*input.shape, rows.shape[-1])
+
+    return forward
+
+
+def _pairs(self, x, idx, wts, up_name, pu, pd, dtype):
+    """Every (token, expert) pair's expert dequantised from the stacks, one batched matmul per projection: the
+    decode path without a kernel, and the traceable path of a compiled forward (no host read)."""
+    t, k = idx.shape
+    flat = idx.reshape(-1)
+    up_q = getattr(self, up_name)
+    up_s, up_b = getattr(self, up_name + "_scales"), getattr(self, up_name + "_biases")
+    w_up = dequantize(up_q[flat], up_s[flat], up_b[flat], pu, dtype)  # [P, 2I, H]
+    xs = x.repeat_interleave(k, dim=0) if k > 1 else x
+    h = torch.bmm(w_up, xs.unsqueeze(-1)).squeeze(-1)
+    a = self._apply_gate(h) if getattr(self, "has_gate", True) else self.act_fn(h)
+    w_dn = dequantize(self.down_proj[flat], self.down_proj_scales[flat], self.down_proj_biases[flat], pd, dtype)
+    o = torch.bmm(w_dn, a.unsqueeze(-1)).squeeze(-1)  # [P, H]
+    return (o.view(t, k, -1) * wts.unsqueeze(-1).to(o.dtype)).sum(1)
+
+
+def _grouped(self, x, idx, wts, up_name, pu, pd):
+    """Pairs sorted by expert, offsets computed on the device (no host read), both projections on
+    ``torch.ops.mpsboost.affine_grouped_gemv``: the routed experts read in place."""
+    t, k = idx.shape
+    e = self.down_proj.shape[0]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x.index_select(0, order // k)
+    up_q = getattr(self, up_name)
+    up_s, up_b = getattr(self, up_name + "_scales"), getattr(self, up_name + "_biases")
+    h = torch.ops.mpsboost.affine_grouped_gemv(xs, up_q, up_s, up_b, offs, pu.bits, pu.group_size)
+    a = self._apply_gate(h) if getattr(self, "has_gate", True) else self.act_fn(h)
+    o = torch.ops.mpsboost.affine_grouped_gemv(
+        a, self.down_proj, self.down_proj_scales, self.down_proj_biases, offs, pd.bits, pd.group_size
+    )
+    out = torch.empty_like(o).index_copy_(0, order, o)
+    return (out.view(t, k, -1) * wts.unsqueeze(-1).to(out.dtype)).sum(1)
+
+
+def _hit(self, x, idx, wts, up_name, pu, pd, dtype):
+    """Eager prefill: pairs sorted by expert, each hit expert dequantised once (its bytes only), one matmul per
+    projection and expert; the expert counts are read on the host (one read per call)."""
+    t, k = idx.shape
+    e = self.down_proj.shape[0]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e).tolist()
+    tok = order // k
+    out = torch.zeros(t, x.shape[-1], dtype=dtype, device=x.device)
+    wsorted = wts.reshape(-1)[order]
+    up_q = getattr(self, up_name)
+    up_s, up_b = getattr(self, up_name + "_scales"), getattr(self, up_name + "_biases")
+    start = 0
+    for ex, n in enumerate(counts):
+        if not n:
+            continue
+        rows = tok[start : start + n]
+        h = F.linear(x[rows], dequantize(up_q[ex], up_s[ex], up_b[ex], pu, dtype))
+        a = self._apply_gate(h) if getattr(self, "has_gate", True) else self.act_fn(h)
+        dn = dequantize(self.down_proj[ex], self.down_proj_scales[ex], self.down_proj_biases[ex], pd, dtype)
+        o = F.linear(a, dn) * wsorted[start : start + n].unsqueeze(-1).to(dtype)
+        out.index_add_(0, rows, o)
+        start += n
+    return out
+
+
+def _experts_forward(state: AffineState) -> Callable[..., Any]:
+    up_name = next(n for n in state.params if n != "down_proj")
+    pu, pd = state.params[up_name], state.params["down_proj"]
+
+    def forward(self, hidden_states, *args, **kwargs):
+        rest = list(args)
+        top_k_index = rest.pop(0) if rest else kwargs.pop("top_k_index", kwargs.pop("router_indices", None))
+        top_k_weights = rest.pop(0) if rest else kwargs.pop("top_k_weights", kwargs.pop("routing_weights", None))
+        shape = hidden_states.shape
+        x = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(-1, shape[-1])
+        idx = top_k_index.reshape(x.shape[0], -1)
+        wts = top_k_weights.reshape(x.shape[0], -1)
+        dtype = x.dtype
+        if state.kernel and x.shape[0] <= state.max_rows and dtype == state.compute_dtype:
+            out = _grouped(self, x, idx, wts, up_name, pu, pd)
+        elif x.shape[0] <= state.max_rows or torch.compiler.is_compiling():
+            # torch.compiler.is_compiling() is a constant while dynamo traces: no host read in a compiled forward.
+            out = _pairs(self, x, idx, wts, up_name, pu, pd, dtype)
+        else:
+            out = _hit(self, x, idx, wts, up_name, pu, pd, dtype)
+        return out.to(hidden_states.dtype).reshape(shape)
+
+    return forward
+
+
+def forward_for(state: AffineState) -> Callable[..., Any]:
+    """The forward of a low-bit layer with ``state`` (bound on the instance)."""
+    return {"linear": _linear_forward, "experts": _experts_forward, "embedding": _embedding_forward}[state.kind](state)
+
+
+# ------------------------------------------------------------------------------------------ decode operands
+
+
+class AffineOperand:
+    """One quantized linear's few-rows product on ``torch.ops.mpsboost.affine_gemv``, for an eager decode step that
+    calls it every token (the protocol of :mod:`mpsboost.quant.operand`): a 2-D input in, a 2-D product out (one
+    dispatch); with ``out=`` written into the caller's buffer; other calls (more rows, another dtype, a strided
+    input of more dims) go to ``layer``. :meth:`beside` stacks two operands' rows into one product (a fused
+    projection's columns), where their bits and group sizes agree. No bias."""
+
+    __slots__ = ("layer", "q", "scales", "biases", "params", "max_rows", "dtype")
+    writes_out = True
+
+    def __init__(self, layer, q, scales, biases, params: QParams, max_rows: int, dtype: torch.dtype):
+        self.layer = layer
+        self.q, self.scales, self.biases = q.detach(), scales.detach(), biases.detach()
+        self.params = params
+        self.max_rows = max_rows
+        self.dtype = dtype
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    def __call__(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        rows = _rows(x)
+        if (
+            x.dtype != self.dtype
+            or x.dim() < 2
+            or not 0 < rows <= self.max_rows
+            or (x.dim() > 2 and not x.is_contiguous())
+        ):
+            y = self.layer(x)
+        else:
+            y = torch.ops.mpsboost.affine_gemv(
+                x, self.q, self.scales, self.biases, self.params.bits, self.params.group_size
+            )
+        return y if out is None else out.copy_(y.view(out.shape))
+
+    def beside(self, other: Any) -> Optional["AffineOperand"]:
+        """One operand for ``self``'s and ``other``'s rows side by side (a copy of both codes: small projections
+        only), or None where they differ in kind, bits, group size, K, dtype or scale dtype."""
+        if not isinstance(other, AffineOperand) or other.params != self.params or other.dtype != self.dtype:
+            return None
+        if other.q.shape[1:] != self.q.shape[1:] or other.scales.dtype != self.scales.dtype:
+            return None
+        a, b = self.layer, other.layer
+
+        def both(x):
+            return torch.cat([a(x), b(x)], dim=-1)
+
+        return AffineOperand(
+            both,
+            torch.cat([self.q, other.q]),
+            torch.cat([self.scales, other.scales]),
+            torch.cat([self.biases, other.biases]),
+            self.params,
+            self.max_rows,
+            self.dtype,
+        )
+
+
+def decode_operand(module: Any) -> Any:
+    """An :class:`AffineOperand` for a quantized linear (no bias) whose few-rows path is the kernel, else ``module``."""
+    state = affine_state(module) if isinstance(module, torch.nn.Linear) else None
+    if state is None or state.kind != "linear" or not state.kernel or module.bias is not None:
+        return module
+    return AffineOperand(
+        module, module.weight, module.scales, module.biases, state.params["weight"], state.max_rows, state.compute_dtype
+    )
+
+
+# ------------------------------------------------------------------------------------------ the classes
+
+
+def _repr(module: torch.nn.Module) -> str:
+    state = affine_state(module)
+    if state is None:
+        return "low_bit=pending"
+    parts = []
+    for name, p in state.params.items():
+        s = getattr(module, aux_names(name)[0])
+        parts.append(f"{name}=affine {p.bits}-bit g{p.group_size} (scales {str(s.dtype).replace('torch.', '')})")
+    parts.append(f"compute_dtype={str(state.compute_dtype).replace('torch.', '')}")
+    parts.append(f"backing={state.backing}")
+    return ", ".join(parts)
+
+
+class AffineLinear(torch.nn.Linear):
+    """A ``torch.nn.Linear`` whose weight is stored as MLX affine low-bit codes with group scales and biases.
+
+    Never constructed: swapped onto a loaded instance (``patching.swap_class``), so that ``print(model)`` shows
+    the layer for what it is; ``isinstance(m, torch.nn.Linear)`` still holds; the forward is the instance's own.
+    """
+
+    _mpsboost_affine_of = torch.nn.Linear
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {_repr(self)}"
+
+
+class AffineEmbedding(torch.nn.Embedding):
+    """A ``torch.nn.Embedding`` whose table is stored as MLX affine low-bit codes (rows gathered, then dequantised)."""
+
+    _mpsboost_affine_of = torch.nn.Embedding
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {_repr(self)}"
+
+
+def _experts_repr(self: torch.nn.Module) -> str:
+    return _repr(self)
+
+
+@functools.lru_cache(maxsize=None)
+def affine_class(cls: type) -> type:
+    """The low-bit class of ``cls``: :class:`AffineLinear`, :class:`AffineEmbedding`, or one subclass per experts
+    class (``Affine<Name>``), made once and cached."""
+    if cls is torch.nn.Linear:
+        return AffineLinear
+    if cls is torch.nn.Embedding:
+        return AffineEmbedding
+    name = f"Affine{cls.__name__}"
+    doc = f"{cls.__name__} with its expert stacks stored as MLX affine low-bit codes by mpsboost."
+    return type(
+        name,
+        (cls,),
+        {
+            "extra_repr": _experts_repr,
+            AFFINE_BASE_ATTR: cls,
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": doc,
+        },
+    )
