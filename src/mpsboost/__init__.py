@@ -36,6 +36,7 @@ _LAZY = {
     "Recipe": "registry",
     "recipe_names": "registry",
     "register": "registry",
+    "mac_compile": "recipes.linear_attention",
 }
 
 
@@ -100,6 +101,7 @@ __all__ = [
     "load_fp8",
     "from_pretrained",
     "save_mlx",
+    "mac_compile",
     "Env",
     "Verdict",
     "check",

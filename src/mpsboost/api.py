@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import re
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -553,6 +554,50 @@ def plan(
 # ------------------------------------------------------------------------------------------ patching
 
 
+def _check_same_env(obj: Any, targets, env: Env) -> None:
+    """An error when ``obj`` (or a model inside it) carries patches made for another environment than ``env``.
+
+    An error, not a warning: after a second patch() under other decisions the model's layers would follow two
+    environments at once (e.g. a Mac on torch 2.14.1 and one on 2.15.0), a model no real machine runs, and every
+    plan, report or measurement of it would describe neither. Nothing has changed when it is raised."""
+    for holder, rec in [(obj, r) for r in _records(obj) or ()] + _nested_records(obj, targets):
+        if rec.applied and rec.report.env != env:
+            name = type(obj).__name__
+            what = f"this {name}" if holder is obj else f"a {type(holder).__name__} inside this {name}"
+            raise PatchError(
+                f"patch() for {env.describe()}, but {what} is already patched for {rec.report.env.describe()}: its "
+                "layers would follow the decisions of two environments at once, which no real machine runs. Nothing "
+                "was changed. Call mpsboost.unpatch(model) first, then patch for the new environment (or pass the "
+                "same device= as the earlier call)."
+            )
+
+
+def _strict_message(skipped: Sequence[Row], env: Env) -> str:
+    """strict=True's error: one line per selected recipe that would skip (how many targets, the first one, the
+    headline of its reason), that nothing changed, and what to pass instead."""
+
+    def short(reason: str) -> str:  # long asides (upstream lists, figures) dropped, then at most 150 characters
+        text = re.sub(r"\s*\([^()]{25,}\)", "", reason)
+        return text if len(text) <= 150 else text[:149].rsplit(" ", 1)[0].rstrip(",;:") + "…"
+
+    by: dict[str, list[Row]] = {}
+    for r in skipped:
+        by.setdefault(r.recipe, []).append(r)
+    lines = []
+    for name, rs in by.items():
+        reasons = list(dict.fromkeys(short(r.reason) for r in rs))
+        where = rs[0].target if len(rs) == 1 else f"{len(rs)} targets, first {rs[0].target}"
+        more = f" (+{len(reasons) - 1} other reasons)" if len(reasons) > 1 else ""
+        lines.append(f"  {name} on {where}: {reasons[0]}{more}")
+    n = len(by)
+    return (
+        f"strict=True: {n} selected recipe{'s' if n > 1 else ''} would be skipped on {env.device_type}; nothing "
+        "was changed:\n"
+        + "\n".join(lines)
+        + f"\nPass exclude={sorted(by)!r}, or drop strict=True (mpsboost.plan(obj) gives every reason)."
+    )
+
+
 def patch(
     obj: Any,
     *,
@@ -585,15 +630,12 @@ def patch(
     with _LOCK:
         _check_not_meta(targets)
         env = _env_for(obj, targets, device)
+        _check_same_env(obj, targets, env)
         rows, actions = _plan_rows(chosen, targets, env, keywords, options, mode="patch")
         skipped = [r for r in rows if r.status == SKIPPED or (r.status == NOT_APPLICABLE and r.recipe in requested)]
         if skipped:
             if strict:
-                lines = "; ".join(f"{r.recipe} on {r.target}: {r.reason}" for r in skipped[:10])
-                raise RecipeSkippedError(
-                    f"strict=True and {len(skipped)} selected recipe target(s) would be skipped ({lines}). "
-                    "Nothing was changed. Drop strict or exclude those recipes."
-                )
+                raise RecipeSkippedError(_strict_message(skipped, env))
             names = sorted({r.recipe for r in skipped if r.recipe in requested})
             if names:  # one warning per call, naming each requested recipe that skipped and why
                 why = "; ".join(

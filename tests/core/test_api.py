@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,6 +284,59 @@ def test_strict_turns_skips_into_errors_before_any_change(recipes):
     with pytest.raises(RecipeSkippedError, match="t_gated"):
         mpsboost.patch(m, recipes=["t_scale", "t_gated"], strict=True, device=mpsboost.Env.simulate("mps", "2.14.1"))
     assert _same(before, _snapshot(m))
+
+
+def test_strict_on_the_cpu_says_each_skipping_recipe_once_and_what_to_pass():
+    """A default patch(strict=True) of a small real model on the CPU: one line per recipe that would skip (not
+    one per layer: the message was 1,429 characters of repeated decode_linear rows), the targets counted, and
+    the exclude list it offers is one that then patches without error."""
+    import tiny_models
+
+    m = tiny_models.build("qwen3").eval()
+    plan = mpsboost.plan(m)
+    skipping = sorted({r.recipe for r in plan.rows if r.status == "skipped"})
+    before = _snapshot(m)
+    with pytest.raises(RecipeSkippedError) as info:
+        mpsboost.patch(m, strict=True)
+    assert _same(before, _snapshot(m))
+    text = str(info.value)
+    lines = text.splitlines()
+    assert lines[0] == f"strict=True: {len(skipping)} selected recipes would be skipped on cpu; nothing was changed:"
+    body = lines[1:-1]
+    assert sorted(line.split()[0] for line in body) == skipping and all(len(line) <= 240 for line in body)
+    n_linear = sum(1 for r in plan.rows if r.recipe == "decode_linear" and r.status == "skipped")
+    assert n_linear > 1 and text.count("decode_linear") == 2  # its line and the exclude list
+    assert f"decode_linear on {n_linear} targets, first " in text
+    assert lines[-1].startswith(f"Pass exclude={skipping!r}, or drop strict=True")
+    assert len(text) < 1200
+    report = mpsboost.patch(m, strict=True, exclude=skipping)  # the advice works
+    assert report.applied and not report.skipped
+    mpsboost.unpatch(m)
+
+
+def test_patching_again_for_another_environment_is_an_error_that_changes_nothing():
+    """A model patched under Mac 2.14.1 decisions, then patch() under 2.15.0: an error (its layers would follow
+    two environments' decisions at once), the model as the first call left it; the same environment again is the
+    usual no-op; after unpatch the new environment patches. A model inside an already patched one counts too."""
+    import tiny_models
+
+    env_a, env_b = mpsboost.Env.simulate("mps", "2.14.1"), mpsboost.Env.simulate("mps", "2.15.0")
+    m = tiny_models.build("qwen3").eval()
+    first = mpsboost.patch(m, device=env_a)
+    assert first.applied
+    snap = _snapshot(m)
+    with pytest.raises(PatchError, match=r"already patched for torch 2\.14\.1 on mps.*unpatch\(model\) first") as info:
+        mpsboost.patch(m, device=env_b)
+    assert "patch() for torch 2.15.0 on mps" in str(info.value)
+    assert _same(snap, _snapshot(m)) and mpsboost.last_report(m) is first
+    assert mpsboost.patch(m, device=env_a).noop
+    mpsboost.unpatch(m)
+    assert mpsboost.patch(m, device=env_b).applied
+    mpsboost.unpatch(m)
+    mpsboost.patch(m.model, device=env_a)  # the inner model, then the whole one under other decisions
+    with pytest.raises(PatchError, match="a Qwen3Model inside this Qwen3ForCausalLM is already patched"):
+        mpsboost.patch(m, device=env_b)
+    mpsboost.unpatch(m)
 
 
 def test_requested_skip_warns(recipes):
@@ -725,3 +779,11 @@ def test_options_for_a_recipe_not_selected_raise(recipes):
     # selected: accepted (softmax finds no target in this model: the row says so)
     report = mpsboost.plan(m, recipes=["t_scale", "softmax"], options={"softmax": {"path": "logits"}})
     assert report.rows_for("softmax")
+
+
+def test_mac_compile_is_exported_at_the_top_level():
+    from mpsboost.recipes import linear_attention
+
+    assert mpsboost.mac_compile is linear_attention.mac_compile
+    assert "mac_compile" in mpsboost.__all__ and "mac_compile" in dir(mpsboost)
+    assert "mpsboost.mac_compile(model)" in (Path(__file__).resolve().parents[2] / "README.md").read_text()
