@@ -171,7 +171,7 @@ MUTATIONS: tuple[Mutation, ...] = (
                 "    shifts = bits * torch.arange(8, device=q.device).flip(0)\n",
             ),
         ),
-        tests=("tests/ops/test_affine_ops.py", "-k", "equal_mlx_bit_for_bit and b4"),
+        tests=("tests/ops/test_affine_ops.py", "-k", "equal_mlx_bit_for_bit"),
         quick=True,
     ),
     Mutation(
