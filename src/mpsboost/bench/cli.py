@@ -222,8 +222,10 @@ def run_benchmark(
     check_device(device)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    from . import harness
     from .progressbar import activity
 
+    load_before = harness.machine_load()  # the busy-machine check compares it, and the load after, with the cores
     with activity(f"{name} ({device}, {size})"):
         records = run(device, size, out)
     if records is None or isinstance(records, (str, bytes)) or not hasattr(records, "__iter__"):
@@ -239,6 +241,8 @@ def run_benchmark(
     table = compare_table(records)
     (out / f"{name}.txt").write_text(table, encoding="utf-8")
     echo(table)
+    for line in harness.ratio_lines(records, load_before=load_before):  # each ratio's range; too busy: a warning
+        echo(line)
     echo(f"records: {jsonl}")
     echo(f"table:   {out / f'{name}.txt'}")
     if plot and records:

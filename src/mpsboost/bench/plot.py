@@ -163,6 +163,7 @@ def plot(records: Iterable[Record], path: str | os.PathLike, *, title: str | Non
         fontsize=10,
     )
     fig.tight_layout()
+    _unclutter(fig)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -268,6 +269,35 @@ def _plot_compact(groups: list[Group], path: Path, plt, title: str | None) -> Pa
         fontsize=10,
     )
     fig.tight_layout()
+    _unclutter(fig)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def label_overlaps(fig) -> list[str]:
+    """The x tick labels of ``fig`` whose boxes (as drawn) overlap a neighbour's: "axes title: a / b" each."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    out = []
+    for ax in fig.axes:
+        labels = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+        boxes = [t.get_window_extent(renderer) for t in labels]
+        for (a, ba), (b, bb) in zip(zip(labels, boxes), list(zip(labels, boxes))[1:]):
+            if ba.overlaps(bb):
+                out.append(f"{ax.get_title() or '-'}: {a.get_text()!r} / {b.get_text()!r}")
+    return out
+
+
+def _unclutter(fig) -> None:
+    """Turn the x tick labels of every axes whose labels overlap upright (one line of text wide each), then lay
+    the figure out again for the taller labels."""
+    crowded = {line.split(": ", 1)[0] for line in label_overlaps(fig)}
+    if not crowded:
+        return
+    for ax in fig.axes:
+        if (ax.get_title() or "-") in crowded:
+            for t in ax.get_xticklabels():
+                t.set_rotation(90)
+                t.set_horizontalalignment("center")
+    fig.tight_layout()
