@@ -19,9 +19,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
+if TYPE_CHECKING:  # annotations only: --help answers before torch loads
+    import torch
 
 from mpsboost.bench.harness import best_device, machine_load
 
@@ -31,7 +32,8 @@ from mpsboost.bench.models import config, default_dtype, dtype_name, read_config
 
 # The load average when the script started: a busy machine makes every speed ratio meaningless.
 LOAD_AT_START = machine_load()
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --dtype choices by name: the torch dtypes are looked up after the arguments are read (resolve).
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 class _EmptyFp32ListFilter(logging.Filter):
@@ -68,7 +70,7 @@ def parser(description: str, *, default_model: str, benchmarks: tuple[str, ...] 
     p.add_argument("--device", default=None, help="mps, cuda, cuda:1 or cpu (default: the best one present)")
     p.add_argument(
         "--dtype",
-        choices=tuple(DTYPES),
+        choices=DTYPES,
         default=None,
         help="compute dtype (default: bfloat16 on an accelerator, float32 on the CPU)",
     )
@@ -137,6 +139,8 @@ def print_plans(obj: Any, plans: list[str], fp8: str | None = None) -> None:
 
 def resolve(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     """The device and dtype of the run; defaults to ``--random-weights tiny`` when no source is given."""
+    import torch
+
     if args.model is None and args.random_weights is None:
         args.random_weights = "tiny"
     device = args.device
@@ -150,13 +154,15 @@ def resolve(args: argparse.Namespace) -> tuple[str, torch.dtype]:
         raise SystemExit(f"--device {device}: torch sees no CUDA device here; present here: {present}")
     if kind == "mps" and not torch.backends.mps.is_available():
         raise SystemExit(f"--device {device}: torch sees no MPS device here; present here: {present}")
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if kind == "cpu" else torch.bfloat16)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.float32 if kind == "cpu" else torch.bfloat16)
     if args.repeats < 1 or args.warmup < 0:
         raise SystemExit("--repeats must be >= 1 and --warmup >= 0")
     return device, dtype
 
 
 def seeded(seed: int) -> None:
+    import torch
+
     torch.manual_seed(seed)
 
 

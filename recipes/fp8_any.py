@@ -25,8 +25,10 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: --help answers before torch loads
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
@@ -50,6 +52,8 @@ def _read_config(model: str, subfolder: str | None) -> dict:
 
 def load(args, device: str, dtype: torch.dtype, seed: int):
     """The model, loaded from --model or built from a shipped config with random weights (``seed``)."""
+    import torch
+
     if args.model is not None:
         cfg = _read_config(args.model, args.subfolder)
         if "_class_name" in cfg:  # a diffusers model folder
@@ -88,6 +92,8 @@ def load(args, device: str, dtype: torch.dtype, seed: int):
 
 def make_inputs(model, device: str, dtype: torch.dtype, seed: int):
     """Inputs of one forward for the model classes the cookbook knows; None for others."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     name = type(model).__name__
     cfg = model.config
@@ -146,6 +152,8 @@ def main(argv=None) -> int:
     )
     p.add_argument("--save", type=Path, default=None, help="fp8 safetensors file to write (default: a temporary file)")
     args = p.parse_args(argv)
+    import torch
+
     device, dtype = C.resolve(args)
     import mpsboost
 

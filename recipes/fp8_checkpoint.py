@@ -38,21 +38,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-# The writers of the published layouts are the package's: benchmarks/fp8_load.py writes the same files.
-from mpsboost.bench.published import FORMATS, write_published
+if TYPE_CHECKING:  # annotations only: --help answers before torch loads
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 NAME = "fp8_checkpoint"
+# mpsboost.bench.published.FORMATS, named here so that --help answers before torch loads (a test checks they agree).
+FORMATS = ("transformers", "compressed-tensors", "scaled_fp8")
 
 # ------------------------------------------------------------------------------------------ models
 
 
 def _tiny_lm(dtype: torch.dtype, seed: int, meta: bool = False):
+    import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     cfg = C.config("qwen3_moe", "tiny", "config.json")
@@ -65,6 +67,7 @@ def _tiny_lm(dtype: torch.dtype, seed: int, meta: bool = False):
 
 
 def _tiny_wan(dtype: torch.dtype, seed: int, meta: bool = False):
+    import torch
     import diffusers
 
     cfg = C.config("wan22_ti2v", "tiny", "transformer.json")
@@ -146,6 +149,8 @@ def main(argv=None) -> int:
         "--subfolder", default=None, help="with --diffusers-config: the component folder (default transformer)"
     )
     args = p.parse_args(argv)
+    import torch
+
     device, dtype = C.resolve(args)
     import mpsboost
     from mpsboost.recipes.fp8.formats import describe_checkpoint
@@ -175,6 +180,9 @@ def main(argv=None) -> int:
         src = builder(dtype, args.seed)
         block = (16, 48)  # tiny layers: several blocks per layer, short last blocks
         config = src.config.to_dict() if fmt != "scaled_fp8" else None
+        # The writers of the published layouts are the package's: benchmarks/fp8_load.py writes the same files.
+        from mpsboost.bench.published import write_published
+
         path, ref_state = write_published(src, fmt, Path(tmp) / fmt, block=block, config=config)
         print(describe_checkpoint(path, device))
         print()

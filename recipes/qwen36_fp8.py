@@ -34,8 +34,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: --help answers before torch loads
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
@@ -54,6 +56,7 @@ def _text_config():
 
 
 def _text_model(cfg, dtype: torch.dtype, seed: int, meta: bool = False):
+    import torch
     from transformers import Qwen3_5MoeForCausalLM
 
     C.seeded(seed)
@@ -64,6 +67,7 @@ def _text_model(cfg, dtype: torch.dtype, seed: int, meta: bool = False):
 def write_folder(src: torch.nn.Module, folder: Path, block: tuple[int, int] = BLOCK) -> dict:
     """``src`` written in the layout of Qwen/Qwen3.6-35B-A3B-FP8; returns the reference state (the file's exact
     dequantisation) under ``src``'s keys."""
+    import torch
     from mpsboost.bench.published import qwen36_fp8_layout, write_published
 
     lay = qwen36_fp8_layout(src.config)
@@ -86,6 +90,7 @@ def write_folder(src: torch.nn.Module, folder: Path, block: tuple[int, int] = BL
 
 def meta_model_from(folder: Path):
     """The text model of a Qwen3.6 folder (its config.json: the wrapper's, with ``text_config``), on the meta device."""
+    import torch
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     raw = json.loads((folder / "config.json").read_text())
@@ -97,6 +102,8 @@ def meta_model_from(folder: Path):
 
 
 def _generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    import torch
+
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
@@ -105,6 +112,8 @@ def _generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    import torch
+
     with torch.no_grad():
         return model(input_ids=ids).logits.float()
 
@@ -122,6 +131,8 @@ def main(argv=None) -> int:
     )
     p.add_argument("--write", type=Path, default=None, help="offline: keep the written folder here")
     args = p.parse_args(argv)
+    import torch
+
     device, dtype = C.resolve(args)
     import mpsboost
     from mpsboost.recipes.fp8.formats import describe_checkpoint

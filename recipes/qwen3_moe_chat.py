@@ -24,8 +24,10 @@ from __future__ import annotations
 import inspect
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: --help answers before torch loads
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
@@ -34,6 +36,7 @@ NAME = "qwen3_moe_chat"
 
 
 def build(args, device: str, dtype: torch.dtype):
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
 
     size = args.random_weights or "real"
@@ -60,6 +63,8 @@ def build(args, device: str, dtype: torch.dtype):
 
 
 def prompt_ids(args, tokenizer, run: dict, vocab: int, device: str) -> torch.Tensor:
+    import torch
+
     if tokenizer is not None:
         messages = [{"role": "user", "content": args.prompt}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -81,6 +86,8 @@ def main(argv=None) -> int:
         "--sample", action="store_true", help="sample (temperature 0.7, top-p 0.8) instead of greedy decoding"
     )
     args = p.parse_args(argv)
+    import torch
+
     device, dtype = C.resolve(args)
     import mpsboost
 

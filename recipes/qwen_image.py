@@ -24,8 +24,10 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: --help answers before torch loads
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
@@ -34,6 +36,7 @@ NAME = "qwen_image"
 
 
 def build(args, device: str, dtype: torch.dtype):
+    import torch
     from diffusers import (
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
@@ -76,6 +79,8 @@ def build(args, device: str, dtype: torch.dtype):
 
 def test_image(height: int, width: int) -> torch.Tensor:
     """A deterministic image in [-1, 1] with smooth gradients and sharp edges: [1, 3, 1, H, W]."""
+    import torch
+
     y = torch.linspace(0, 1, height)[:, None].expand(height, width)
     x = torch.linspace(0, 1, width)[None, :].expand(height, width)
     r = torch.sin(2 * math.pi * 3 * x) * 0.5 + 0.5
@@ -86,6 +91,8 @@ def test_image(height: int, width: int) -> torch.Tensor:
 
 
 def prompt_kwargs(args, pipe, run: dict, device: str, dtype: torch.dtype) -> dict:
+    import torch
+
     if pipe.text_encoder is not None and pipe.tokenizer is not None:
         return {"prompt": args.prompt, "negative_prompt": args.negative_prompt, "true_cfg_scale": run["true_cfg_scale"]}
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -115,6 +122,8 @@ def main(argv=None) -> int:
     )
     p.add_argument("--tiling", action="store_true", help="tiled VAE (vae.enable_tiling())")
     args = p.parse_args(argv)
+    import torch
+
     device, dtype = C.resolve(args)
     import mpsboost
     from mpsboost.bench import cpu_reference

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: --help answers before torch loads
+    import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
@@ -31,6 +33,7 @@ NAME = "wan22_video"
 
 def build(args, device: str, dtype: torch.dtype):
     """The pipeline and its run settings (tiny/real run.json, overridden by the command line)."""
+    import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
     size = args.random_weights or "real"
@@ -69,6 +72,8 @@ def build(args, device: str, dtype: torch.dtype):
 
 
 def prompt_kwargs(args, pipe, run: dict, device: str, dtype: torch.dtype) -> dict:
+    import torch
+
     if pipe.text_encoder is not None and pipe.tokenizer is not None:
         return {
             "prompt": args.prompt,
@@ -92,6 +97,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="denoising steps")
     p.add_argument("--tiling", action="store_true", help="tiled VAE decode (pipe.vae.enable_tiling())")
     args = p.parse_args(argv)
+    import torch
+
     device, dtype = C.resolve(args)
     import mpsboost
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
+import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["main"]
+__all__ = ["main", "shipped_models"]
+
+#: Every line the doctor's first screen and the plan of a shipped id print fits a terminal this wide.
+WIDTH = 100
 
 
 # ------------------------------------------------------------------------------------------ doctor
@@ -52,12 +58,12 @@ def _env_from_args(args: argparse.Namespace):
     return Env.simulate(args.device or best_device(), args.torch)
 
 
-def _doctor(args: argparse.Namespace) -> int:
+def _doctor_info(args: argparse.Namespace, env: Any) -> dict[str, Any]:
+    """Everything the doctor says, as the dict ``--json`` prints."""
     from . import __version__
     from .gate import feature_info, matrix
     from .registry import all_recipes
 
-    env = _env_from_args(args)
     verdicts = matrix(env)
     infos = {k: feature_info(k, env.device_type) for k in verdicts}
     info = {
@@ -81,33 +87,121 @@ def _doctor(args: argparse.Namespace) -> int:
             }
             for r in all_recipes()
         ],
+        "applies": _applies(env),
     }
     info["hub_kernels"] = _hub_kernels(env)
     info["gguf_kernels"] = _gguf_kernels(env)
     info["torch_wheel"] = _wheel_facts(env)
     if getattr(args, "fp8_checkpoint", None):
         info["fp8_checkpoint"] = _describe_fp8(args.fp8_checkpoint, env)
+    return info
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    env = _env_from_args(args)
+    info = _doctor_info(args, env)
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0
+    lines = _doctor_all(info, env) if args.all else _doctor_screen(info, env)
+    print("\n".join(lines))
+    if "fp8_checkpoint" in info:
+        print(f"\nfp8 checkpoint {args.fp8_checkpoint}:")
+        print("\n".join(_wrap(info["fp8_checkpoint"], "  ")))
+    return 0
+
+
+def _wrap(text: str, indent: str = "", hang: str | None = None, width: int = WIDTH) -> list[str]:
+    """``text`` in lines of at most ``width`` characters (first line ``indent``, the rest ``hang``)."""
+    return textwrap.wrap(
+        text,
+        width,
+        initial_indent=indent,
+        subsequent_indent=indent if hang is None else hang,
+        break_long_words=True,
+        break_on_hyphens=False,
+    ) or [indent]
+
+
+def _header_lines(info: dict[str, Any], env: Any) -> list[str]:
     tb = info["torch_build"]
-    print(f"mpsboost {__version__}  python {info['python']}  {info['platform']}")
-    print(
+    out = _wrap(f"mpsboost {info['mpsboost']}  python {info['python']}  {info['platform']}")
+    out += _wrap(
         f"torch {tb['torch']}  cuda {tb['cuda'] or '-'}  git {str(tb['git'] or '-')[:12]}  mps built: {tb['mps_built']}"
     )
-    print(
-        "devices: "
-        + "; ".join(
-            f"{d['type']}{':' + str(d['index']) if 'index' in d else ''} {d['name']}"
-            + (f" (sm {d['capability']})" if "capability" in d else "")
-            for d in info["devices"]
-        )
+    out += _wrap("devices: " + _devices_text(info), hang="  ")
+    return out
+
+
+def _doctor_screen(info: dict[str, Any], env: Any) -> list[str]:
+    """The first screen: what applies on this machine (or the simulated one), in lines a terminal shows."""
+    from .gate import FEATURES
+
+    tb = info["torch_build"]
+    out = _wrap(
+        f"mpsboost {info['mpsboost']}  torch {tb['torch']} (cuda {tb['cuda'] or '-'}, mps built: {tb['mps_built']})"
+        f"  python {info['python']}  {platform.system()} {platform.machine()}"
     )
-    print(f"\ngate for {env.describe()}:")
-    width = max(len(k) for k in verdicts)
-    for name, v in verdicts.items():
-        print(f"  {name.ljust(width)}  {'yes' if v.ok else 'no '}  [{v.decided_by}]  {v.reason}")
-        for r in infos[name]["rules"]:
+    out += _wrap("devices: " + _devices_text(info), hang="  ")
+    out += _wrap(f"decisions for {env.describe()}" + ("" if env.simulated else " (this machine)"), hang="  ")
+    out.append("")
+    out += _applies_lines(info["applies"])
+    # The features with a rule for this device type (the others are for other devices).
+    feats = {k: v for k, v in info["features"].items() if k in FEATURES and env.device_type in FEATURES[k].rules}
+    no = [k for k, v in feats.items() if not v["available"]]
+    others = len(info["features"]) - len(feats)
+    out.append("")
+    head = f"gate: {len(feats) - len(no)} of the {len(feats)} features with a rule for {env.device_type} available"
+    tail = f" ({others} more are for other devices)" if others else ""
+    out += _within(head + ("; not: " if no else ""), no, tail, " and {} more (doctor --all)")
+    hub, gguf = info["hub_kernels"], info["gguf_kernels"]
+    whys = [d["why"].split("; ")[0].split(" (")[0] for d in (hub, gguf) if not d["would_load"]]
+    if hub["would_load"] == gguf["would_load"]:
+        verdict = "would load" if hub["would_load"] else f"would not load: {whys[0]}"
+        out += _wrap(f"transformers' Hub kernels (Metal, GGUF): {verdict}", hang="  ")
+    else:
+        loads = {True: "would load", False: "would not"}
+        out += _wrap(
+            f"transformers' Hub kernels: Metal SDPA/RMSNorm {loads[hub['would_load']]}, GGUF-on-MPS "
+            f"{loads[gguf['would_load']]}: {whys[0]}",
+            hang="  ",
+        )
+    example = next(iter(info["applies"]["models"]), "HUB_ID")
+    out.append(f"next: mpsboost plan {example}  (or mpsboost doctor --all: every feature and why)")
+    if env.device_type != "mps":
+        out.append("      a Mac's decisions: mpsboost doctor --device mps --torch 2.15.0")
+    return out
+
+
+def _within(head: str, names: list[str], tail: str, more: str, lines: int = 2) -> list[str]:
+    """``head`` + as many of ``names`` as fit in ``lines`` lines, then how many more (``more``), then ``tail``."""
+    for k in range(len(names), 0, -1):
+        text = head + ", ".join(names[:k]) + (more.format(len(names) - k) if k < len(names) else tail)
+        wrapped = _wrap(text, hang="  ")
+        if len(wrapped) <= lines:
+            return wrapped
+    return _wrap(head + tail, hang="  ")
+
+
+def _devices_text(info: dict[str, Any]) -> str:
+    return "; ".join(
+        f"{d['type']}{':' + str(d['index']) if 'index' in d else ''} {d['name']}"
+        + (f" (sm {d['capability']})" if "capability" in d else "")
+        for d in info["devices"]
+    )
+
+
+def _doctor_all(info: dict[str, Any], env: Any) -> list[str]:
+    """``--all``: the whole gate matrix with each rule's facts, every recipe, the Hub kernels, the wheel."""
+    out = _header_lines(info, env)
+    out += ["", *_wrap(f"gate for {env.describe()}:")]
+    feats = info["features"]
+    width = max(len(k) for k in feats)
+    lead = " " * (width + 9)
+    for name, v in feats.items():
+        head = f"  {name.ljust(width)}  {'yes' if v['available'] else 'no '}  [{v['decided_by']}]  {v['reason']}"
+        out += _wrap(head, hang=lead)
+        for r in v["rules"]:
             facts = [
                 f"upstream {r['upstream']}" if r["upstream"] else "",
                 f"merged {r['merged']}" if r["merged"] else "",
@@ -117,41 +211,223 @@ def _doctor(args: argparse.Namespace) -> int:
                 r["conditions"],
                 f"macOS wheels: {r['evidence_text']}" if r.get("evidence_text") else "",
             ]
-            print(f"  {''.ljust(width)}       " + "; ".join(f for f in facts if f))
+            out += _wrap("rule: " + "; ".join(f for f in facts if f), lead)
     if info["recipes"]:
-        print("\nrecipes:")
+        out += ["", "recipes:"]
         w = max(len(r["name"]) for r in info["recipes"])
         for r in info["recipes"]:
-            tags = (
-                ", ".join(
-                    t
-                    for t, on in (
-                        ("lossless", r["lossless"]),
-                        ("reversible", r["reversible"]),
-                        ("default", r["default"]),
-                    )
-                    if on
-                )
-                or "opt-in, lossy, irreversible"
-            )
-            print(f"  {r['name'].ljust(w)}  {r['summary']} [{tags}]")
-    hk = info["hub_kernels"]
-    print(
-        f"\ntransformers hub kernels for Metal ({', '.join(hk['repos'])}): "
-        f"{'would load' if hk['would_load'] else 'would not load'}"
-        f"\n  {hk['why']}"
-    )
-    gk = info["gguf_kernels"]
-    print(
-        f"\ntransformers GGUF-on-MPS kernels ({', '.join(gk['repos'])}): "
-        f"{'would load' if gk['would_load'] else 'would not load'}"
-        f"\n  {gk['why']}"
-    )
+            tags = [t for t in ("lossless", "reversible", "default") if r[t]]
+            tag = ", ".join(tags) or "opt-in, lossy, irreversible"
+            out += _wrap(f"  {r['name'].ljust(w)}  {r['summary']} [{tag}]", hang=" " * (w + 4))
+    out.append("")
+    out += _applies_lines(info["applies"])
+    for label, k in (
+        ("transformers hub kernels for Metal", "hub_kernels"),
+        ("transformers GGUF-on-MPS kernels", "gguf_kernels"),
+    ):
+        d = info[k]
+        out.append("")
+        out += _wrap(f"{label} ({', '.join(d['repos'])}): {'would load' if d['would_load'] else 'would not load'}")
+        out += _wrap(d["why"], "  ")
     if info["torch_wheel"]:
-        print(f"\n{info['torch_wheel']}")
-    if "fp8_checkpoint" in info:
-        print(f"\nfp8 checkpoint {args.fp8_checkpoint}:\n  {info['fp8_checkpoint']}")
-    return 0
+        out += ["", *_wrap(info["torch_wheel"])]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ what applies
+
+
+# Status marks of the doctor's table: what patch() (or the opt-in keyword) does to each shipped model.
+_MARKS = {"would apply": "yes", "skipped": "no", "not applicable": "-"}
+
+
+def _applies(env: Any) -> dict[str, Any]:
+    """For each shipped model (its real widths, one layer of each kind, on the meta device): the recipes that
+    would apply, those that keep stock here, and the extras a missing library would bring."""
+    from .registry import all_recipes
+
+    default = [r.name for r in all_recipes() if r.default and r.lossless]
+    opt_in = [r for r in all_recipes() if r.name not in default]
+    models: dict[str, Any] = {}
+    for hub_id, spec in shipped_models().items():
+        missing = _missing_library(spec)
+        if missing:
+            models[hub_id] = {"label": spec["label"], "missing": missing}
+            continue
+        cls_name, comps = _few_layer_model(hub_id)
+        target = comps[""] if "" in comps else comps
+        status: dict[str, str] = {}
+        reasons: dict[str, str] = {}
+        for report in _plans(target, env, opt_in):
+            for row in report.rows:
+                # one model, many rows per recipe: it applies where any row applies; else the first skip says why
+                old = status.get(row.recipe)
+                if old == "would apply" or (old == "skipped" and row.status == "not applicable"):
+                    continue
+                status[row.recipe] = row.status
+                if row.status == "skipped":
+                    reasons.setdefault(row.recipe, row.reason)
+        models[hub_id] = {"label": spec["label"], "class": cls_name, "status": status, "skipped_because": reasons}
+    return {"default": default, "opt_in": {r.name: _opt_in_hint(r) for r in opt_in}, "models": models}
+
+
+@functools.lru_cache(maxsize=None)
+def _few_layer_model(hub_id: str) -> tuple[str, dict[str, Any]]:
+    """A shipped model with one layer of each kind on the meta device, built once per process (plan changes
+    nothing; these are mpsboost's own modules, holding no weights)."""
+    return _build_shipped(hub_id, layers="few")
+
+
+def _plans(target: Any, env: Any, opt_in: list) -> list:
+    from .api import plan
+
+    out = [plan(target, env=env)]
+    for r in opt_in:
+        kw = {r.keyword: r.keyword_values[0]} if r.keyword and r.keyword_values else {}
+        out.append(plan(target, env=env, recipes=[] if kw else [r.name], **kw))
+    return out
+
+
+def _opt_in_hint(recipe: Any) -> str:
+    if recipe.keyword and recipe.keyword_values:
+        return f"{recipe.keyword}={recipe.keyword_values[0]!r}"
+    return f"recipes=[{recipe.name!r}]"
+
+
+def _applies_lines(applies: dict[str, Any]) -> list[str]:
+    """The recipes x shipped models table (rows: recipes with a target in some shipped model)."""
+    models = applies["models"]
+    built = {k: m for k, m in models.items() if "status" in m}
+    out = ["recipes on the shipped models (yes: applies here; no: stock kept; -: no target; *: opt-in)"]
+    for hub_id, m in models.items():
+        if "missing" in m:
+            out += _wrap(f"  {hub_id}: {m['missing']}", hang="    ")
+    if not built:
+        return out
+    names = applies["default"] + list(applies["opt_in"])
+    rows = [n for n in names if any(m["status"].get(n, "not applicable") != "not applicable" for m in built.values())]
+    labels = [m["label"] for m in built.values()]
+    w = max([len(n) + 1 for n in rows] + [6]) + 2
+    out.append(("  " + "".ljust(w) + "  ".join(labels)).rstrip())
+    nowhere = []
+    for n in rows:
+        marks = [_MARKS.get(m["status"].get(n, "not applicable"), "?") for m in built.values()]
+        star = "*" if n in applies["opt_in"] else ""
+        if "yes" not in marks:
+            nowhere.append(n + star)
+            continue
+        cells = "  ".join(mark.center(len(lab)) for mark, lab in zip(marks, labels))
+        out.append(f"  {(n + star).ljust(w)}{cells}".rstrip())
+    if nowhere:
+        out += _wrap(f"  stock kept on every shipped model here: {', '.join(nowhere)}", hang="    ")
+    if applies["opt_in"]:
+        out += _wrap(f"  *: patch(model, {' or '.join(applies['opt_in'].values())})", hang="    ")
+    return out
+
+
+# ------------------------------------------------------------------------------------------ shipped configs
+
+# A hub id is written OWNER/NAME; a path that does not exist but looks like one is looked up among the shipped.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@functools.lru_cache(maxsize=1)
+def shipped_models() -> dict[str, dict[str, Any]]:
+    """The hub ids whose published configs ship with mpsboost (``mpsboost/bench/configs/*/real``), read from
+    each file's ``_source`` note: {hub id: {"label", "library", "files": {component: path}}}."""
+    from .bench.models import CONFIGS
+
+    out: dict[str, dict[str, Any]] = {}
+    for path in sorted(CONFIGS.glob("*/real/*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        source = str(data.get("_source", "")).split()
+        if not source or not _HUB_ID.match(source[0]):
+            continue  # run settings (run.json), not a model's config
+        hub_id = source[0]
+        entry = out.setdefault(
+            hub_id,
+            {"label": hub_id.split("/", 1)[1].removesuffix("-Diffusers"), "library": None, "files": {}},
+        )
+        entry["library"] = "diffusers" if "_class_name" in data else "transformers"
+        component = "" if path.name == "config.json" else path.stem
+        entry["files"][component] = path
+    return out
+
+
+def _missing_library(spec: dict[str, Any]) -> str:
+    """'' when the library the shipped model needs is installed, else what to install."""
+    import importlib.util
+
+    from .install import extra_hint
+
+    lib = spec["library"]
+    return "" if importlib.util.find_spec(lib) is not None else f"needs {lib}; {extra_hint(lib)}"
+
+
+def _unknown_hub_id(text: str) -> str:
+    ids = ", ".join(shipped_models())
+    return (
+        f"{text} is neither a local folder nor a hub id whose config ships with mpsboost "
+        f"(shipped: {ids}); give a local diffusers pipeline or model folder"
+    )
+
+
+def _few_layers(data: dict[str, Any]) -> dict[str, Any]:
+    """The config with its layer count cut to one layer of each kind (the widths, which decide, unchanged)."""
+    out = dict(data)
+    if "num_hidden_layers" in out:  # transformers: a full-attention layer every N (Qwen3.6: 3 DeltaNet + 1)
+        keep = max(int(out.get("full_attention_interval") or 1), 2)
+        out["num_hidden_layers"] = min(out["num_hidden_layers"], keep)
+        if isinstance(out.get("layer_types"), list):
+            out["layer_types"] = out["layer_types"][: out["num_hidden_layers"]]
+    if "num_layers" in out:  # diffusers transformers
+        out["num_layers"] = min(out["num_layers"], 1)
+    return out
+
+
+def _build_shipped(hub_id: str, *, layers: str = "all") -> tuple[str, dict[str, Any]]:
+    """The modules of a shipped model on the meta device: (class or pipeline name, {component: module}).
+
+    ``layers="few"``: one layer of each kind (what the doctor plans on; every layer of a kind is the same)."""
+    from .errors import UserInputError
+
+    spec = shipped_models().get(hub_id)
+    if spec is None:
+        raise UserInputError(_unknown_hub_id(hub_id))
+    missing = _missing_library(spec)
+    if missing:
+        raise UserInputError(f"{hub_id} {missing}")
+    comps: dict[str, Any] = {}
+    for component, path in spec["files"].items():
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        data = {k: v for k, v in raw.items() if not k.startswith("_")}
+        comps[component] = _meta_module(spec["library"], raw, _few_layers(data) if layers == "few" else data)
+    if "" in comps:
+        return type(comps[""]).__name__, comps
+    return hub_id, comps
+
+
+def _meta_module(library: str, raw: dict[str, Any], data: dict[str, Any]) -> Any:
+    import importlib
+
+    lib = importlib.import_module(library)
+    with _empty_weights():
+        if library == "diffusers":
+            return getattr(lib, raw["_class_name"]).from_config(data)
+        data = dict(data)
+        arch = data.pop("architectures")[0]
+        cfg = lib.AutoConfig.for_model(data.pop("model_type"), **data)
+        return getattr(lib, arch)._from_config(cfg)
+
+
+def _empty_weights():
+    try:
+        from accelerate import init_empty_weights
+    except ImportError:  # accelerate is in both extras; without it, torch's meta device context
+        import torch
+
+        return torch.device("meta")
+    return init_empty_weights()
 
 
 def _installed(dist: str) -> str | None:
@@ -376,14 +652,7 @@ def _build_meta_components(path: Path) -> tuple[str, dict[str, Any]]:
     """Build the modules of a local diffusers pipeline folder or model folder on the meta device."""
     from .errors import UserInputError
 
-    try:
-        from accelerate import init_empty_weights
-    except ImportError:  # accelerate is in both extras; without it, torch's meta device context
-        import torch
-
-        def init_empty_weights():
-            return torch.device("meta")
-
+    init_empty_weights = _empty_weights
     if not path.is_dir():
         raise UserInputError(f"{path} is not a folder (give a local diffusers pipeline or model folder)")
     index = path / "model_index.json"
@@ -465,7 +734,17 @@ def _build_one(library: str, cls_name: str, folder: Path):
 def _plan(args: argparse.Namespace) -> int:
     from .api import plan
 
-    name, comps = _build_meta_components(Path(args.path))
+    shipped = not Path(args.path).exists() and _HUB_ID.match(args.path) is not None
+    if shipped:
+        if args.path not in shipped_models():
+            from .errors import UserInputError
+
+            raise UserInputError(_unknown_hub_id(args.path))
+        name, comps = _build_shipped(args.path)
+        title = f"{args.path} ({name})" if "" in comps else args.path
+    else:
+        name, comps = _build_meta_components(Path(args.path))
+        title = name
     kw: dict[str, Any] = {"recipes": args.recipes or None, "exclude": tuple(args.exclude or ()), "fp8": args.fp8}
     if args.device is not None or args.torch is not None:
         kw["env"] = _env_from_args(args)
@@ -479,13 +758,25 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         d = report.to_dict()
         d["target_type"] = name
+        if shipped:
+            d["hub_id"] = args.path
+            d["shipped_config"] = [str(f) for f in shipped_models()[args.path]["files"].values()]
         if fp8_line is not None:
             d["fp8_checkpoint"] = fp8_line
         print(json.dumps(d, indent=2, default=str))
     else:
-        print(str(report).replace(f"for {report.target_type}:", f"for {name}:", 1))
+        import dataclasses
+
+        print(dataclasses.replace(report, target_type=title).format(WIDTH))
+        if shipped:
+            from .bench.models import CONFIGS
+
+            files = ", ".join(f.relative_to(CONFIGS).as_posix() for f in shipped_models()[args.path]["files"].values())
+            said = f"built on the meta device from the real config shipped with mpsboost ({files}); nothing downloaded"
+            print("\n".join(_wrap(said, hang="  ")))
         if fp8_line is not None:
-            print(f"\nfp8 checkpoint {args.fp8_checkpoint}:\n  {fp8_line}")
+            print(f"\nfp8 checkpoint {args.fp8_checkpoint}:")
+            print("\n".join(_wrap(fp8_line, "  ")))
     return 0
 
 
@@ -502,7 +793,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     d = sub.add_parser(
-        "doctor", help="torch build, devices, and the gate matrix (every feature, available or not, and why)"
+        "doctor",
+        help="what applies on this machine: recipes per shipped model, the gate's features (--all: every one, and why)",
     )
     d.add_argument("--device", help="simulate this device: mps, cpu, cuda or cuda:MAJOR.MINOR")
     d.add_argument("--torch", help="simulate this torch version string, e.g. 2.14.1 or 2.16.0.dev20261101")
@@ -511,14 +803,21 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="FILE_OR_FOLDER",
         help="say which format this fp8 checkpoint is in and which path its layers take here",
     )
-    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument(
+        "--all", action="store_true", help="the whole gate matrix with each rule's facts, every recipe, the Hub kernels"
+    )
+    d.add_argument("--json", action="store_true", help="machine-readable output (everything --all shows)")
     d.set_defaults(func=_doctor)
 
     pl = sub.add_parser(
         "plan",
         help="what patch() would do to a local pipeline or model folder (built on the meta device; no weights read)",
     )
-    pl.add_argument("path", help="a local diffusers pipeline folder (model_index.json) or model folder (config.json)")
+    pl.add_argument(
+        "path",
+        help="a local diffusers pipeline folder (model_index.json) or model folder (config.json), or the hub id of a "
+        "config shipped with mpsboost (offline): " + ", ".join(shipped_models()),
+    )
     pl.add_argument("--device", help="simulate this device: mps, cpu, cuda or cuda:MAJOR.MINOR")
     pl.add_argument("--torch", help="simulate this torch version string")
     pl.add_argument("--recipes", nargs="*", help="only these recipes")

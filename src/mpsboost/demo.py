@@ -1,14 +1,13 @@
 """``mpsboost demo``: the main job on an embedded default, stock vs patched, four separate records.
 
-On the best device present (mps, then cuda, then cpu; ``--device`` overrides) it builds two real
-architectures with random weights, at widths that finish in well under two minutes on a 2-core
-CPU:
+On the best device present (mps, then cuda, then cpu; ``--device`` overrides) it builds the seed's two
+models, real architectures with random weights, at widths that finish in a minute or two on a 2-core CPU:
 
-* a Wan2.2-architecture video VAE (diffusers ``AutoencoderKLWan`` with the Wan2.2 structure:
-  residual blocks, patch size 2, z_dim 48, 12 in/out channels, 16x spatial / 4x temporal
-  compression) with reduced channel widths, decoding a latent video;
-* a Qwen3-MoE-architecture causal LM (transformers ``Qwen3MoeForCausalLM``) with a small config:
-  a prefill of a prompt and a greedy decode of a few tokens with the KV cache.
+* a Qwen3.6-architecture causal LM (transformers ``Qwen3_5MoeForCausalLM``, the text model of
+  Qwen3.6-35B-A3B): three Gated DeltaNet layers to one gated full-attention layer, routed experts with a
+  shared expert, at toy widths: a prefill of a prompt longer than one 64-token DeltaNet chunk and a greedy
+  decode of a few tokens with the cache;
+* a Qwen-Image VAE (diffusers ``AutoencoderKLQwenImage``) at a sixth of its width, decoding one image.
 
 Each runs stock, then ``mpsboost.patch(...)``-ed with the default recipes (the patch report is
 printed), and the records are printed side by side: throughput, time of the main operator,
@@ -18,7 +17,7 @@ memory are separate passes. Weights are random: the figures show the machinery, 
 Throughput times the whole job; the operator line times one call of the main operator alone (its
 largest call in the job), each variant on the inputs its own run hands that call. The two can go
 opposite ways (a recipe changes every other call and the work between calls too); the demo then says
-so next to the figures (:func:`measure_lines`).
+so next to the figures (:func:`measure_lines`). Every line it prints fits a terminal (:data:`WIDTH`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import re
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,19 +37,33 @@ from .bench.harness import BUSY_SPREAD, best_device, count_pad5d, machine_load, 
 from .bench.models import build, model_config
 
 # BUSY_SPREAD and ratio_lines are the harness's (one busy-machine check for every entry point), named here too.
-__all__ = ["main", "run_demo", "WAN22_DEMO_CONFIG", "QWEN3_MOE_DEMO_CONFIG", "BUSY_SPREAD", "ratio_lines"]
+__all__ = [
+    "main",
+    "run_demo",
+    "MODELS",
+    "QWEN36_DEMO_CONFIG",
+    "QWEN_IMAGE_VAE_DEMO_CONFIG",
+    "BUSY_SPREAD",
+    "ratio_lines",
+    "WIDTH",
+]
 
-# The model configs live with every other measured model in mpsboost.bench.models (rows "wan22_vae:demo",
-# "qwen3_moe:demo"): the Wan2.2-TI2V-5B VAE structure with its widths divided by 20 and 16, and the
-# Qwen3-30B-A3B layout at toy widths.
-WAN22_DEMO_CONFIG: dict[str, Any] = model_config("wan22_vae:demo")
-# Latent (frames, height, width): 2 latent frames -> 5 video frames (the second goes through the
-# causal time cache); 8x8 -> 128x128 pixels.
-WAN22_DEMO_LATENT = (2, 8, 8)
+#: No line the demo prints is longer.
+WIDTH = 100
 
-QWEN3_MOE_DEMO_CONFIG: dict[str, Any] = model_config("qwen3_moe:demo")
-PROMPT_TOKENS = 64
+# The model configs live with every other measured model in mpsboost.bench.models (rows "qwen3_5_moe:demo",
+# "qwen_image_vae:demo"): Qwen3.6-35B-A3B's text model layout at toy widths, the Qwen-Image VAE at a sixth of
+# its width.
+QWEN36_DEMO_CONFIG: dict[str, Any] = model_config("qwen3_5_moe:demo")
+PROMPT_TOKENS = 96  # one and a half 64-token DeltaNet chunks: the state crosses a chunk boundary
 DECODE_TOKENS = 8
+
+QWEN_IMAGE_VAE_DEMO_CONFIG: dict[str, Any] = model_config("qwen_image_vae:demo")
+# Latent (frames, height, width): one image, 16x16 -> 128x128 pixels (8x spatial compression).
+QWEN_IMAGE_LATENT = (1, 16, 16)
+
+#: --only choices, in the order the demo runs them.
+MODELS = ("qwen36", "qwen_image_vae")
 
 
 def _need(package: str, extra: str):
@@ -67,7 +82,7 @@ def _missing_text(package: str, extra: str) -> str:
 
 
 # model key -> (package it needs, the extra that brings it)
-_NEEDS = {"wan_vae": ("diffusers", "diffusers"), "qwen3_moe": ("transformers", "transformers")}
+_NEEDS = {"qwen_image_vae": ("diffusers", "diffusers"), "qwen36": ("transformers", "transformers")}
 
 
 def missing_extras(models: Sequence[str]) -> list[str]:
@@ -229,34 +244,32 @@ def _measure(job: _Job, variant: str, env, device: str, *, ref_cpu, stock_out, o
 # The two models
 
 
-def _wan_vae(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
+def _qwen_image_vae(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
     import torch
 
     _need("diffusers", "diffusers")
-    vae = build("wan22_vae:demo").eval()
+    vae = build("qwen_image_vae:demo").eval()
     # torch.nn.Module.to: ModelMixin.to warns on every dtype cast about _keep_in_fp32_modules,
     # which this VAE does not have.
     torch.nn.Module.to(vae, device=device, dtype=dtype)
-    t, h, w = WAN22_DEMO_LATENT
-    z = torch.randn(1, WAN22_DEMO_CONFIG["z_dim"], t, h, w, generator=torch.Generator().manual_seed(1)).to(
-        device, dtype
-    )
-    frames = 1 + (t - 1) * WAN22_DEMO_CONFIG["scale_factor_temporal"]
-    size = (h * WAN22_DEMO_CONFIG["scale_factor_spatial"], w * WAN22_DEMO_CONFIG["scale_factor_spatial"])
+    t, h, w = QWEN_IMAGE_LATENT
+    z_dim = vae.config.z_dim
+    z = torch.randn(1, z_dim, t, h, w, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    scale = vae.spatial_compression_ratio
     job = _Job(
-        name="wan22_vae_decode",
+        name="qwen_image_vae_decode",
         shape={
-            "arch": "Wan2.2 VAE (reduced widths)",
-            "latent": [1, WAN22_DEMO_CONFIG["z_dim"], t, h, w],
-            "frames": frames,
-            "height": size[0],
-            "width": size[1],
+            "arch": "Qwen-Image VAE (a sixth of its width)",
+            "latent": [1, z_dim, t, h, w],
+            "frames": t,
+            "height": h * scale,
+            "width": w * scale,
         },
         run=lambda: vae.decode(z).sample,
-        items=frames,
-        unit="frames/s",
-        op_name="WanCausalConv3d",
-        op_class="WanCausalConv3d",
+        items=t,
+        unit="images/s",
+        op_name="QwenImageCausalConv3d",
+        op_class="QwenImageCausalConv3d",
         psnr=True,
         data_range=2.0,  # the decoder clamps its output to [-1, 1]
         root=vae,
@@ -271,12 +284,29 @@ def _wan_vae(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
     return vae, [job], reference
 
 
-def _qwen3_moe(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
+def _slow_decay_gates(lm, seed: int) -> None:
+    """Gated DeltaNet gates that keep the state across chunks: with transformers' random init (A_log from
+    log U(0.01, 16), dt_bias 1) a token's gate is about -9.5, every chunk's state decays to exp(-600) = 0
+    before the next chunk reads it, and the demo would not run the part of the scan that carries it."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in lm.modules():
+            if hasattr(m, "A_log") and hasattr(m, "dt_bias"):
+                a = torch.empty(m.A_log.shape).uniform_(0.002, 0.05, generator=g)
+                m.A_log.copy_(a.log())
+                m.dt_bias.fill_(-1.0)
+
+
+def _qwen36(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
     import torch
 
     _need("transformers", "transformers")
     torch.manual_seed(2)
-    lm = build("qwen3_moe:demo").eval().to(device=device, dtype=dtype)
+    lm = build("qwen3_5_moe:demo").eval()
+    _slow_decay_gates(lm, seed=5)
+    lm = lm.to(device=device, dtype=dtype)
     config = lm.config
     vocab = config.vocab_size
     ids = torch.randint(0, vocab, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(3)).to(device)
@@ -303,42 +333,38 @@ def _qwen3_moe(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
     def decode():
         return decode_steps(lm, ids, new_ids)
 
+    kinds = list(config.layer_types)
+    arch = {
+        "arch": "Qwen3.6 text model (toy widths)",
+        "batch": 1,
+        "prompt": PROMPT_TOKENS,
+        "layers": config.num_hidden_layers,
+        "deltanet_layers": kinds.count("linear_attention"),
+        "attention_layers": kinds.count("full_attention"),
+        "experts": config.num_experts,
+        "top_k": config.num_experts_per_tok,
+    }
     jobs = [
         _Job(
-            name="qwen3_moe_prefill",
-            shape={
-                "arch": "Qwen3-MoE (toy widths)",
-                "batch": 1,
-                "prompt": PROMPT_TOKENS,
-                "experts": config.num_experts,
-                "top_k": config.num_experts_per_tok,
-                "layers": config.num_hidden_layers,
-            },
+            name="qwen36_prefill",
+            shape=dict(arch),
             run=prefill,
             items=PROMPT_TOKENS,
             unit="tokens/s",
-            op_name="Qwen3MoeExperts",
-            op_class="Qwen3MoeExperts",
+            op_name="Qwen3_5MoeGatedDeltaNet",
+            op_class="Qwen3_5MoeGatedDeltaNet",
             psnr=False,
             data_range=None,
             root=lm,
         ),
         _Job(
-            name="qwen3_moe_decode",
-            shape={
-                "arch": "Qwen3-MoE (toy widths)",
-                "batch": 1,
-                "prompt": PROMPT_TOKENS,
-                "new_tokens": DECODE_TOKENS,
-                "experts": config.num_experts,
-                "top_k": config.num_experts_per_tok,
-                "layers": config.num_hidden_layers,
-            },
+            name="qwen36_decode",
+            shape={**arch, "new_tokens": DECODE_TOKENS},
             run=decode,
             items=DECODE_TOKENS,  # the prefill inside is part of the job; tokens/s counts new tokens
             unit="tokens/s",
-            op_name="Qwen3MoeExperts",
-            op_class="Qwen3MoeExperts",
+            op_name="Qwen3_5MoeSparseMoeBlock",
+            op_class="Qwen3_5MoeSparseMoeBlock",
             psnr=False,
             data_range=None,
             root=lm,
@@ -350,8 +376,8 @@ def _qwen3_moe(device: str, dtype) -> tuple[Any, list[_Job], Callable[[], Any]]:
 
         def run_ref(m, ii, new):
             return {
-                "qwen3_moe_prefill": m(input_ids=ii, use_cache=False).logits,
-                "qwen3_moe_decode": decode_steps(m, ii, new),
+                "qwen36_prefill": m(input_ids=ii, use_cache=False).logits,
+                "qwen36_decode": decode_steps(m, ii, new),
             }
 
         return cpu_reference(lm, ids, new_ids, fn=run_ref)
@@ -376,13 +402,9 @@ def run_demo(
     *,
     repeats: int = 3,
     warmup: int | None = None,
-    models: Sequence[str] = ("wan_vae", "qwen3_moe"),
+    models: Sequence[str] = MODELS,
 ):
     """Run the demo; returns (records, reports). Prints progress and reports as it goes."""
-    import torch
-
-    import mpsboost
-
     from .bench import RecordEnv
 
     dtype = _default_dtype(device) if dtype is None else dtype
@@ -392,70 +414,109 @@ def run_demo(
         warmup = 0 if device == "cpu" else 1
     env = RecordEnv.capture(device, dtype)
     records, reports = [], []
-    builders = {"wan_vae": _wan_vae, "qwen3_moe": _qwen3_moe}
-    for key in models:
-        t0 = time.perf_counter()
-        _say(f"[{key}] building the model with random weights on {device} ({str(dtype).replace('torch.', '')})")
-        torch.manual_seed(0)
-        model, jobs, reference = builders[key](device, dtype)
-        n_params = sum(p.numel() for p in model.parameters())
-        _say(f"[{key}] {type(model).__name__}, {n_params / 1e6:.1f}M parameters; CPU fp32 reference run")
-        ref = reference()
-        refs = ref if isinstance(ref, dict) else {jobs[0].name: ref}
-        ops = {j.name: _OpCall() for j in jobs}
-        stock_outs = {}
+    builders = {"qwen36": _qwen36, "qwen_image_vae": _qwen_image_vae}
+    with _short_fallback_warnings():
+        for key in models:
+            _run_model(key, builders[key], device, dtype, env, repeats, warmup, records, reports)
+    return records, reports
+
+
+class _FallbackNote:
+    """transformers' one-time warning that a kernel package is missing and its PyTorch reference runs (a line
+    of 200 characters), said in a line that fits :data:`WIDTH`."""
+
+    _TEXT = re.compile(
+        r"`(?P<func>[\w.]+)` is falling back to its reference PyTorch implementation because `(?P<dist>[\w.-]+)`"
+    )
+
+    def filter(self, record) -> bool:
+        m = self._TEXT.search(record.getMessage())
+        if m is None:
+            return True
+        _say(fit(f"  (transformers runs its PyTorch reference of {m['func']}: {m['dist']} is not installed)"))
+        return False
+
+
+@contextlib.contextmanager
+def _short_fallback_warnings():
+    import logging
+
+    note = _FallbackNote()
+    log = logging.getLogger("transformers.integrations.hub_kernels")
+    log.addFilter(note)
+    try:
+        yield
+    finally:
+        log.removeFilter(note)
+
+
+def _run_model(key, builder, device, dtype, env, repeats, warmup, records, reports) -> None:
+    """One model: its CPU reference, stock, patched, unpatched; its records and report appended."""
+    import torch
+
+    import mpsboost
+
+    t0 = time.perf_counter()
+    _say(f"[{key}] building the model with random weights on {device} ({str(dtype).replace('torch.', '')})")
+    torch.manual_seed(0)
+    model, jobs, reference = builder(device, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    _say(f"[{key}] {type(model).__name__}, {n_params / 1e6:.1f}M parameters; CPU fp32 reference run")
+    ref = reference()
+    refs = ref if isinstance(ref, dict) else {jobs[0].name: ref}
+    ops = {j.name: _OpCall() for j in jobs}
+    stock_outs = {}
+    for j in jobs:
+        _say(f"[{key}] stock: {j.name}")
+        rec, out = _measure(
+            j,
+            "stock",
+            env,
+            device,
+            ref_cpu=refs[j.name],
+            stock_out=None,
+            op=ops[j.name],
+            repeats=repeats,
+            warmup=warmup,
+        )
+        records.append(rec)
+        stock_outs[j.name] = out
+    report = mpsboost.patch(model)
+    reports.append((key, report))
+    _say(f"[{key}] mpsboost.patch report:\n{report.format(WIDTH)}")
+    try:
         for j in jobs:
-            _say(f"[{key}] stock: {j.name}")
-            rec, out = _measure(
+            _say(f"[{key}] mpsboost: {j.name}")
+            # The operator is timed on the inputs the patched job itself hands it (captured in its own
+            # output pass): the same shapes as stock's, in the layout the patched job produces.
+            rec, _ = _measure(
                 j,
-                "stock",
+                "mpsboost",
                 env,
                 device,
                 ref_cpu=refs[j.name],
-                stock_out=None,
-                op=ops[j.name],
+                stock_out=stock_outs[j.name],
+                op=_OpCall(),
                 repeats=repeats,
                 warmup=warmup,
             )
-            records.append(rec)
-            stock_outs[j.name] = out
-        report = mpsboost.patch(model)
-        reports.append((key, report))
-        _say(f"[{key}] mpsboost.patch report:\n{report}")
-        try:
-            for j in jobs:
-                _say(f"[{key}] mpsboost: {j.name}")
-                # The operator is timed on the inputs the patched job itself hands it (captured in its own
-                # output pass): the same shapes as stock's, in the layout the patched job produces.
-                rec, _ = _measure(
-                    j,
-                    "mpsboost",
-                    env,
-                    device,
-                    ref_cpu=refs[j.name],
-                    stock_out=stock_outs[j.name],
-                    op=_OpCall(),
-                    repeats=repeats,
-                    warmup=warmup,
+            records.append(
+                rec.replace(
+                    extra={
+                        **rec.extra,
+                        "patched": [f"{r.recipe} @ {r.target or '(root)'}" for r in _applied_rows(report)],
+                    }
                 )
-                records.append(
-                    rec.replace(
-                        extra={
-                            **rec.extra,
-                            "patched": [f"{r.recipe} @ {r.target or '(root)'}" for r in _applied_rows(report)],
-                        }
-                    )
-                )
-        finally:
-            # Nothing to undo when no recipe applied (unpatch would say so with an error).
-            from .api import is_patched
+            )
+    finally:
+        # Nothing to undo when no recipe applied (unpatch would say so with an error).
+        from .api import is_patched
 
-            if is_patched(model):
-                mpsboost.unpatch(model)
-                _say(f"[{key}] unpatched")
-        _say(f"[{key}] done in {time.perf_counter() - t0:.1f} s")
-        del model, jobs
-    return records, reports
+        if is_patched(model):
+            mpsboost.unpatch(model)
+            _say(f"[{key}] unpatched")
+    _say(f"[{key}] done in {time.perf_counter() - t0:.1f} s")
+    del model, jobs
 
 
 def _applied_rows(report) -> list:
@@ -490,20 +551,17 @@ def _vs_stock_lines(records) -> list[str]:
 
 def measure_lines(records) -> list[str]:
     """What the throughput and op rows measure, and, for each workload where the two ratios go opposite
-    ways (one faster than stock, the other slower), why that is no contradiction."""
+    ways (one faster than stock, the other slower), why that is no contradiction. Logical lines: the
+    demo wraps them to :data:`WIDTH` when it prints (:func:`fit`)."""
     groups: dict[str, dict[str, Any]] = {}
     for r in records:
         groups.setdefault(r.workload.name, {})[r.variant] = r
     ops = sorted({op for r in records for op in (r.op_time or {})})
-    lines = [
-        "  throughput: the whole job (every call of every module, and everything between the calls), "
-        "median over the repeats: what a user of the patched model gets.",
-    ]
+    lines = ["  throughput: the whole job (every call, and the work between calls), median over the repeats."]
     if ops:
         lines.append(
-            f"  op {'/'.join(ops)}: one call of that module alone (its largest call in the job), each variant on the "
-            "inputs of its own run (same shapes), device-synchronised, median over the repeats: where the time of "
-            "one operator went, not a forecast of the job."
+            f"  op {'/'.join(ops)}: one call of that module alone (its largest call in the job), on the inputs "
+            "of each variant's own run, device-synchronised, median over the repeats."
         )
     for name, variants in groups.items():
         base = variants.get("stock")
@@ -522,14 +580,40 @@ def measure_lines(records) -> list[str]:
                     continue
                 faster, slower = ("throughput", f"op {op}") if tp > 1.0 else (f"op {op}", "throughput")
                 lines.append(
-                    f"  {name}: {variant} vs stock: op {op} {r_op:.2f}x but throughput {tp:.2f}x. These time different "
-                    f"work: the op line is one isolated call of {op}; "
-                    "the throughput is the whole job, where a recipe also "
-                    "changes every other call, the work between the calls (padding copies, cache concatenations, host "
-                    "syncs, layout changes) and how calls of different sizes are served. "
-                    f"{faster.capitalize()} is faster and {slower} slower here: the whole-job figure is the one that "
-                    "says what the patch buys; the op line only locates where the time of that one call went."
+                    f"  {name}: {variant} vs stock: op {op} {r_op:.2f}x but throughput {tp:.2f}x. These time "
+                    f"different work: a recipe also changes the other calls and the work between them. "
+                    f"{faster.capitalize()} is faster and {slower} slower here: the whole-job figure says what "
+                    "the patch buys."
                 )
+    return lines
+
+
+def fit(text: str, width: int = WIDTH) -> str:
+    """``text`` with every line longer than ``width`` wrapped, its continuation indented two more spaces."""
+    out = []
+    for line in text.splitlines():
+        if len(line) <= width:
+            out.append(line)
+            continue
+        lead = line[: len(line) - len(line.lstrip())]
+        out += textwrap.wrap(
+            line.strip(),
+            width,
+            initial_indent=lead,
+            subsequent_indent=lead + "  ",
+            break_long_words=True,
+            break_on_hyphens=False,
+        )
+    return "\n".join(out)
+
+
+def next_lines(device: str) -> list[str]:
+    """The commands to run after the demo: what applies on this machine, then the evidence to send."""
+    lines = ["next: mpsboost doctor            what applies on this machine (recipes per model, features)"]
+    if device == "mps":
+        lines.append("      mpsboost selftest          evidence from this Mac, in a file to send (README)")
+    else:
+        lines.append("      mpsboost plan Qwen/Qwen3.6-35B-A3B --device mps --torch 2.15.0   a Mac's decisions")
     return lines
 
 
@@ -537,34 +621,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mpsboost demo``; returns the exit status."""
     parser = argparse.ArgumentParser(
         prog="mpsboost demo",
-        description="Real architectures with random weights (a Wan2.2-architecture VAE, a Qwen3-MoE-architecture LM), "
-        "stock vs mpsboost.patch(), with four separate records: throughput, op time, correctness, memory.",
+        description="The seed's models with random weights (a Qwen3.6-architecture LM with its Gated DeltaNet "
+        "layers, a Qwen-Image VAE), stock vs mpsboost.patch(), with four separate records: throughput, op "
+        "time, correctness, memory.",
     )
     parser.add_argument("--device", choices=("mps", "cuda", "cpu"), help="default: the best present (mps, cuda, cpu)")
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16"), help="default: float32 on cpu, bfloat16 elsewhere"
     )
-    parser.add_argument(
-        "--only", choices=("wan_vae", "qwen3_moe"), action="append", help="run only this model (repeatable)"
-    )
+    parser.add_argument("--only", choices=MODELS, action="append", help="run only this model (repeatable)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per job (default 3)")
     parser.add_argument("--out", help="also write demo.jsonl, demo.txt (and demo.png with matplotlib) into this folder")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
 
-    models = tuple(args.only or ("wan_vae", "qwen3_moe"))
+    models = tuple(args.only or MODELS)
     missing = missing_extras(models)  # before any work: not after the first model has run
     if missing:
         for line in missing:
-            print(line, file=sys.stderr)
+            print(fit(line), file=sys.stderr)
         return 2
 
     import torch
 
     from .bench.cli import check_device
-    from .bench.table import compare_table
     from .bench.errors import BenchError
+    from .bench.table import compare_table
 
     device = args.device or best_device()
     try:
@@ -577,20 +660,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = machine_load()
     records, _ = run_demo(device, dtype, repeats=args.repeats, models=models)
     table = compare_table(records)
-    _say("\n" + "=" * 100)
-    _say("records (random weights: the figures show the harness and the recipes, not a checkpoint's quality)\n")
-    _say(table)
+    _say("\n" + "=" * WIDTH)
+    _say(fit("records (random weights: the figures show the harness and the recipes, not a checkpoint's quality)"))
+    _say("")
+    _say(fit(table))
     spread = ratio_lines(records, load_before=load_before)
     if spread:
         _say("speed ratios with their range over the repeats:")
-        _say("\n".join(spread))
+        _say(fit("\n".join(spread)))
     measured = measure_lines(records)
     _say("what the speed rows measure:")
-    _say("\n".join(measured))
+    _say(fit("\n".join(measured)))
     lines = _vs_stock_lines(records)
     if lines:
         _say("patched against stock, and structure:")
-        _say("\n".join(lines))
+        _say(fit("\n".join(lines)))
     if args.out:
         from .bench import write_jsonl
         from .bench.cli import _plot_or_explain
@@ -598,11 +682,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = Path(args.out)
         path = write_jsonl(out / "demo.jsonl", records)
         (out / "demo.txt").write_text(table + "\n".join(spread + measured + lines) + "\n", encoding="utf-8")
-        _say(f"\nrecords: {path}")
-        png = _plot_or_explain(records, out / "demo.png", _say)
+        _say(fit(f"\nrecords: {path}"))
+        png = _plot_or_explain(records, out / "demo.png", lambda m: _say(fit(m)))
         if png is not None:
-            _say(f"chart:   {png}")
+            _say(fit(f"chart:   {png}"))
     _say(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
+    _say("\n".join(next_lines(device)))
     return 0
 
 

@@ -1,70 +1,84 @@
-"""`mpsboost demo --device cpu` runs to the end as a subprocess and prints all four record kinds (slow),
-its missing-extra check comes before any work, and its ratio lines carry their range and a busy warning."""
+"""`mpsboost demo --device cpu` runs to the end (in this process, as the command calls it) and prints all four
+record kinds in lines a terminal shows (slow), its models are the seed's (a Qwen3.6-architecture LM whose DeltaNet
+state crosses a chunk, a Qwen-Image VAE), its missing-extra check comes before any work, and its ratio lines carry
+their range and a busy warning."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
-import subprocess
-import sys
 
 import pytest
 
 from mpsboost.bench import read_jsonl
 
+WORKLOADS = ("qwen36_prefill", "qwen36_decode", "qwen_image_vae_decode")
+
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
+    from mpsboost.cli import main
+
     out = tmp_path_factory.mktemp("demo")
-    env = dict(os.environ, MPSBOOST_PROGRESS="0")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mpsboost.cli", "demo", "--device", "cpu", "--repeats", "2", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=900,  # a minute on a quiet 2-core machine; generous for a loaded one
-        env=env,
-    )
-    return proc, out
+    text = io.StringIO()
+    old = os.environ.get("MPSBOOST_PROGRESS")
+    os.environ["MPSBOOST_PROGRESS"] = "0"
+    try:
+        with contextlib.redirect_stdout(text):
+            rc = main(["demo", "--device", "cpu", "--repeats", "2", "--out", str(out)])
+    finally:
+        if old is None:
+            os.environ.pop("MPSBOOST_PROGRESS", None)
+        else:
+            os.environ["MPSBOOST_PROGRESS"] = old
+    return rc, text.getvalue(), out
 
 
-@pytest.mark.slow  # the full demo, as a subprocess
-def test_demo_runs_to_the_end(demo_run):
-    proc, _ = demo_run
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "demo finished in" in proc.stdout
+@pytest.mark.slow  # the full demo
+def test_demo_runs_to_the_end_and_says_what_to_run_next(demo_run):
+    rc, text, _ = demo_run
+    assert rc == 0, text[-3000:]
+    assert "demo finished in" in text
+    rows = text.rstrip().splitlines()
+    assert rows[-2].startswith("next: mpsboost doctor ") and "mpsboost plan Qwen/Qwen3.6-35B-A3B" in rows[-1]
+    too_wide = [r for r in rows if len(r) > 100]
+    assert not too_wide, too_wide
 
 
-@pytest.mark.slow  # the full demo, as a subprocess
+@pytest.mark.slow  # the full demo
 def test_demo_prints_reports_and_the_four_record_kinds(demo_run):
-    proc, _ = demo_run
-    text = proc.stdout
+    _, text, _ = demo_run
+    flat = " ".join(text.split())  # the same words, whatever the line breaks
     assert text.count("mpsboost patch for") == 2  # one patch report per model
-    assert "AutoencoderKLWan" in text and "Qwen3MoeForCausalLM" in text
-    for workload in ("== wan22_vae_decode", "== qwen3_moe_prefill", "== qwen3_moe_decode"):
-        assert workload in text
+    assert "AutoencoderKLQwenImage" in text and "Qwen3_5MoeForCausalLM" in text
+    for workload in WORKLOADS:
+        assert f"== {workload}" in text
     assert text.count("metric ") == 3
     # the four kinds, each on its own rows
     assert "throughput (median, ±IQR/2)" in text
-    assert "op WanCausalConv3d" in text and "op Qwen3MoeExperts" in text
+    assert "op QwenImageCausalConv3d" in text and "op Qwen3_5MoeGatedDeltaNet" in text
+    assert "op Qwen3_5MoeSparseMoeBlock" in text
     assert "vs cpu-fp32: SQNR dB" in text and "vs cpu-fp32: PSNR dB" in text
     assert "mem driver-level peak (process_rss)" in text and "mem tensor-allocated peak" in text
     assert "mpsboost vs stock" in text
     # every speed ratio again with its range over the repeats, per workload
     assert "speed ratios with their range over the repeats:" in text
     assert "what the speed rows measure:" in text and "  throughput: the whole job" in text
-    for workload in ("wan22_vae_decode", "qwen3_moe_prefill", "qwen3_moe_decode"):
-        assert f"  {workload}: mpsboost vs stock: throughput " in text
-    assert text.count("over the repeats)") >= 6  # throughput and the operator, three workloads
+    for workload in WORKLOADS:
+        assert f"\n  {workload}: mpsboost vs stock: throughput " in text
+    assert flat.count("over the repeats)") >= 6  # throughput and the operator, three workloads
 
 
-@pytest.mark.slow  # the full demo, as a subprocess
+@pytest.mark.slow  # the full demo
 def test_demo_records_hold_every_section(demo_run):
-    _, out = demo_run
+    _, _, out = demo_run
     recs = read_jsonl(out / "demo.jsonl")
     assert sorted((r.workload.name, r.variant) for r in recs) == sorted(
-        (w, v) for w in ("wan22_vae_decode", "qwen3_moe_prefill", "qwen3_moe_decode") for v in ("stock", "mpsboost")
+        (w, v) for w in WORKLOADS for v in ("stock", "mpsboost")
     )
     for r in recs:
-        assert r.throughput.value > 0 and r.throughput.unit in ("frames/s", "tokens/s")
+        assert r.throughput.value > 0 and r.throughput.unit in ("images/s", "tokens/s")
         (op,) = r.op_time.values()
         assert op.median_us > 0 and op.method == "perf_counter"
         assert r.correctness.reference == "cpu-fp32"
@@ -72,10 +86,67 @@ def test_demo_records_hold_every_section(demo_run):
         assert r.correctness.rel_error < 1e-4, (r.workload.name, r.variant, r.correctness)
         assert r.memory.driver_level > 0 and r.memory.allocator_reserved is None
         assert r.env.device_type == "cpu" and r.env.dtype == "float32"
-    wan = [r for r in recs if r.workload.name == "wan22_vae_decode"]
-    assert wan[0].workload.shape["frames"] == 5 and wan[0].workload.shape["latent"][1] == 48
-    assert all(isinstance(r.extra["pad_calls_5d"], int) for r in wan)
+    by = {(r.workload.name, r.variant): r for r in recs}
+    vae = by["qwen_image_vae_decode", "stock"]
+    assert vae.workload.shape["latent"] == [1, 16, 1, 16, 16] and vae.workload.shape["height"] == 128
+    # the Qwen-Image VAE recipe takes every 5-D pad away
+    assert vae.extra["pad_calls_5d"] > 0 and by["qwen_image_vae_decode", "mpsboost"].extra["pad_calls_5d"] == 0
+    lm = by["qwen36_prefill", "mpsboost"]
+    assert lm.workload.shape["prompt"] > 64 and lm.workload.shape["deltanet_layers"] == 3
+    patched = {p.split(" @ ")[0] for p in lm.extra["patched"]}
+    assert {"linear_attention", "moe_block", "moe_experts"} <= patched, patched
     assert (out / "demo.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_demo_models_are_the_seeds():
+    """Qwen3.6's text model layout (3 Gated DeltaNet : 1 attention, routed + shared experts) whose gates keep
+    the DeltaNet state across a 64-token chunk (transformers' random init decays it to zero within one)."""
+    import torch
+    import torch.nn.functional as F
+
+    from mpsboost import demo
+    from mpsboost.bench.models import build
+
+    torch.manual_seed(0)
+    lm, jobs, _ = demo._qwen36("cpu", torch.float32)  # the model the demo runs
+    assert [j.name for j in jobs] == ["qwen36_prefill", "qwen36_decode"]
+    layers = lm.model.layers
+    kinds = [type(lay.linear_attn if hasattr(lay, "linear_attn") else lay.self_attn).__name__ for lay in layers]
+    assert kinds == ["Qwen3_5MoeGatedDeltaNet"] * 3 + ["Qwen3_5MoeAttention"]
+    assert layers[0].mlp.shared_expert is not None
+    assert demo.PROMPT_TOKENS > 64
+
+    def kept_over_a_chunk(deltanets) -> float:
+        """The smallest fraction of the state a 64-token chunk keeps: exp(sum of the per-token gates)."""
+        x = torch.randn(1, 64, lm.config.hidden_size, generator=torch.Generator().manual_seed(1))
+        worst = 1.0
+        with torch.no_grad():
+            for m in deltanets:
+                g = -m.A_log.float().exp() * F.softplus(m.in_proj_a(x).float() + m.dt_bias)
+                worst = min(worst, g.sum(1).exp().min().item())
+        return worst
+
+    shown = [m for m in lm.modules() if type(m).__name__ == "Qwen3_5MoeGatedDeltaNet"]
+    assert len(shown) == 3 and kept_over_a_chunk(shown) > 1e-2
+    fresh = type(shown[0])(lm.config, 0)  # transformers' init: nothing crosses a chunk
+    assert kept_over_a_chunk([fresh]) < 1e-20
+    vae = build("qwen_image_vae:demo")
+    assert type(vae).__name__ == "AutoencoderKLQwenImage" and vae.config.z_dim == 16
+    assert vae.config.dim_mult == [1, 2, 4, 4] and vae.config.num_res_blocks == 2
+
+
+def test_demo_lines_fit_a_terminal():
+    from mpsboost.demo import WIDTH, fit, next_lines
+
+    long = "  qwen36_decode: mpsboost vs stock: " + "throughput 1.00x (0.90x-1.10x over the repeats), " * 6
+    wrapped = fit("short line\n" + long).splitlines()
+    assert wrapped[0] == "short line" and len(wrapped) > 2
+    assert all(len(r) <= WIDTH for r in wrapped) and all(r.startswith("    ") for r in wrapped[2:])
+    assert " ".join(" ".join(wrapped[1:]).split()) == " ".join(long.split())  # nothing lost
+    for device in ("mps", "cpu", "cuda"):
+        lines = next_lines(device)
+        assert lines[0].startswith("next: mpsboost doctor") and all(len(r) <= WIDTH for r in lines)
+    assert "mpsboost selftest" in next_lines("mps")[1] and "--device mps" in next_lines("cpu")[1]
 
 
 def test_missing_library_message_installs_this_project():
@@ -203,7 +274,7 @@ def test_each_variant_times_its_operator_on_its_own_inputs(monkeypatch):
         data_range=None,
         root=model,
     )
-    monkeypatch.setattr(demo, "_wan_vae", lambda device, dtype: (model, [job], lambda: job.run()))
+    monkeypatch.setattr(demo, "_qwen_image_vae", lambda device, dtype: (model, [job], lambda: job.run()))
     seen = []
 
     class _Rec:
@@ -217,7 +288,7 @@ def test_each_variant_times_its_operator_on_its_own_inputs(monkeypatch):
         return _Rec(), torch.zeros(1)
 
     monkeypatch.setattr(demo, "_measure", fake_measure)
-    demo.run_demo("cpu", torch.float32, repeats=1, models=("wan_vae",))
+    demo.run_demo("cpu", torch.float32, repeats=1, models=("qwen_image_vae",))
     (v1, op1), (v2, op2) = seen
     assert (v1, v2) == ("stock", "mpsboost")
     assert op1 is not op2 and op2.module is None  # the patched run captures its own call

@@ -156,17 +156,49 @@ def test_the_recipe_scripts_live_in_the_top_level_recipes_folder():
     assert set(BENCHMARKS) == set(SCRIPTS)
 
 
+def _in_process(monkeypatch, capsys, script: str, *args: str) -> tuple[int, str, dict]:
+    """``python recipes/SCRIPT.py ARGS`` in this process (its --help needs no fresh interpreter; that it imports
+    no torch is tests/core/test_cli.py's fresh-interpreter check): (exit status, stdout, its globals)."""
+    import runpy
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts recipes/ first; undone after the test
+    monkeypatch.setattr(sys, "argv", [str(RECIPES / f"{script}.py"), *args])
+    monkeypatch.delitem(sys.modules, "_common", raising=False)
+    capsys.readouterr()
+    names: dict = {}
+    try:
+        names = runpy.run_path(str(RECIPES / f"{script}.py"), run_name="__main__")
+        rc = 0
+    except SystemExit as exc:
+        rc = exc.code if isinstance(exc.code, int) else 1
+    sys.modules.pop("_common", None)
+    return rc, capsys.readouterr().out, names
+
+
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_every_script_has_help_random_weights_and_its_benchmark(script):
+def test_every_script_has_help_random_weights_and_its_benchmark(script, monkeypatch, capsys):
     from mpsboost.bench.cli import catalogue
 
-    proc = _run(script, "--help", timeout=QUICK_TIMEOUT)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    text = " ".join(proc.stdout.split())
+    rc, out, _ = _in_process(monkeypatch, capsys, script, "--help")
+    assert rc == 0, out[-2000:]
+    text = " ".join(out.split())
     assert "--random-weights" in text and "--bench" in text
     name = BENCHMARKS[script]
     assert f"'mpsboost bench {name}'" in text, text
     assert name in {n for n, _, path in catalogue(None) if path is not None}  # a benchmark of this checkout
+
+
+def test_fp8_checkpoint_offers_every_published_format(monkeypatch):
+    """recipes/fp8_checkpoint.py names the formats itself (its --help answers before torch loads): the same as
+    the writers of mpsboost.bench.published."""
+    import runpy
+
+    from mpsboost.bench.published import FORMATS
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    names = runpy.run_path(str(RECIPES / "fp8_checkpoint.py"), run_name="fp8_checkpoint_module")
+    sys.modules.pop("_common", None)
+    assert names["FORMATS"] == FORMATS
 
 
 @pytest.mark.slow

@@ -157,6 +157,15 @@ MODELS: dict[str, ModelSpec] = {
     # Qwen-Image VAE: the class defaults are Qwen-Image's; tiny is diffusers' tests/pipelines/qwenimage config.
     "qwen_image_vae:real": ModelSpec("diffusers", "AutoencoderKLQwenImage", base=("qwen_image", "real", "vae.json")),
     "qwen_image_vae:tiny": ModelSpec("diffusers", "AutoencoderKLQwenImage", base=("qwen_image", "tiny", "vae.json")),
+    # mpsboost demo: the Qwen-Image VAE structure (z 16, dim_mult [1, 2, 4, 4], 2 residual blocks, 8x spatial) at a
+    # sixth of its width (base_dim 16 for 96): a 16x16 latent decodes to a 128x128 image.
+    "qwen_image_vae:demo": ModelSpec(
+        "diffusers",
+        "AutoencoderKLQwenImage",
+        base="qwen_image_vae:real",
+        override={"base_dim": 16, **_latents(16)},
+        what="mpsboost demo",
+    ),
     "qwen_image_vae:bench_tiny": ModelSpec(
         "diffusers",
         "AutoencoderKLQwenImage",
@@ -298,6 +307,36 @@ MODELS: dict[str, ModelSpec] = {
             "intermediate_size": 64,
             "attn_implementation": "eager",
         },
+    ),
+    # mpsboost demo: Qwen3.6-35B-A3B's text model layout (3 Gated DeltaNet layers to 1 gated full-attention layer,
+    # twice as many value heads as key heads, GQA, partial rotary, routed experts top-k plus a shared expert) at toy
+    # widths.
+    "qwen3_5_moe:demo": ModelSpec(
+        "transformers",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeTextConfig",
+        override={
+            "vocab_size": 2048,
+            "hidden_size": 256,
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 128,
+            "shared_expert_intermediate_size": 128,
+            "max_position_embeddings": 1024,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+            "tie_word_embeddings": False,
+        },
+        what="mpsboost demo",
     ),
     # Qwen3.6's text model (Gated DeltaNet + full attention, MoE with a shared expert) at a test width.
     "qwen3_5_moe:selftest": ModelSpec(
