@@ -289,6 +289,75 @@ MUTATIONS: tuple[Mutation, ...] = (
         quick=True,
     ),
     Mutation(
+        name="cli-help-imports-torch",
+        why="mpsboost --help imports torch before it answers (25 s on a busy machine)",
+        edits=(Edit("src/mpsboost/cli.py", "import argparse\n", "import argparse\n\nimport torch  # noqa: F401\n"),),
+        tests=("tests/core/test_cli.py", "-k", "help_answers_before_torch"),
+        quick=True,
+    ),
+    Mutation(
+        name="cookbook-help-imports-torch",
+        why="every cookbook script's --help imports torch (recipes/_common.py at module level)",
+        edits=(
+            Edit(
+                "recipes/_common.py",
+                "from mpsboost.bench.harness import best_device, machine_load\n",
+                "import torch  # noqa: F401\nfrom mpsboost.bench.harness import best_device, machine_load\n",
+            ),
+        ),
+        tests=("tests/core/test_cli.py", "-k", "help_answers_before_torch"),
+        quick=True,
+    ),
+    Mutation(
+        name="doctor-first-screen-is-the-matrix",
+        why="mpsboost doctor prints the whole gate matrix (85 lines up to 536 characters) instead of what applies",
+        edits=(
+            Edit(
+                "src/mpsboost/cli.py",
+                "    lines = _doctor_all(info, env) if args.all else _doctor_screen(info, env)\n",
+                "    lines = _doctor_all(info, env)\n",
+            ),
+        ),
+        tests=("tests/core/test_cli.py", "-k", "first_screen"),
+    ),
+    Mutation(
+        name="doctor-one-layer-loses-attention",
+        why="the doctor's cut Qwen3.6 keeps one layer, a DeltaNet one: its attention layer's recipes vanish",
+        edits=(
+            Edit(
+                "src/mpsboost/cli.py",
+                '        keep = max(int(out.get("full_attention_interval") or 1), 2)\n',
+                "        keep = 1\n",
+            ),
+        ),
+        tests=("tests/core/test_cli.py", "-k", "first_screen_says_what_applies"),
+    ),
+    Mutation(
+        name="plan-refuses-shipped-hub-ids",
+        why="mpsboost plan Qwen/Qwen3.6-35B-A3B says 'not a folder' though its config ships in the package",
+        edits=(
+            Edit(
+                "src/mpsboost/cli.py",
+                "    shipped = not Path(args.path).exists() and _HUB_ID.match(args.path) is not None\n",
+                "    shipped = False\n",
+            ),
+        ),
+        tests=("tests/core/test_cli.py", "-k", "hub_id"),
+    ),
+    Mutation(
+        name="demo-deltanet-default-gates",
+        why="the demo's Qwen3.6 keeps transformers' random gates: no DeltaNet state crosses a 64-token chunk",
+        edits=(Edit("src/mpsboost/demo.py", "    _slow_decay_gates(lm, seed=5)\n", ""),),
+        tests=("tests/integration/test_demo.py", "-k", "models_are_the_seeds"),
+    ),
+    Mutation(
+        name="demo-lines-not-wrapped",
+        why="the demo prints its lines as built (566 characters before), not wrapped to a terminal",
+        edits=(Edit("src/mpsboost/demo.py", "        if len(line) <= width:\n", "        if True:\n"),),
+        tests=("tests/integration/test_demo.py", "-k", "fit_a_terminal"),
+        quick=True,
+    ),
+    Mutation(
         name="docs-gate-releases-repeats-features",
         why="docs/support.md's list by MPS build puts a feature under every build that has it, not its first",
         edits=(Edit("src/mpsboost/docs.py", " and (i == 0 or not ok[n][i - 1])]", "]"),),
