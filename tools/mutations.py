@@ -282,6 +282,84 @@ MUTATIONS: tuple[Mutation, ...] = (
         quick=True,
     ),
     Mutation(
+        name="fp8-metal-nan-codes-read-as-480",
+        why="the fp8 Metal GEMV no longer seeds a row's sum with NaN where its 16 codes hold 0x7F/0xFF (+-480 x scale)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/fp8_metal.py",
+                "          seed = mpsb_nan_seed(c.x, c.y, c.z, c.w);\n",
+                "          seed = 0.0f;\n",
+            ),
+        ),
+        tests=("tests/ops/test_fp8_metal_emulated.py", "-k", "nan_codes_give_nan and float16"),
+    ),
+    Mutation(
+        name="fp8-metal-out-rows-unchecked",
+        why="the fp8 Metal launch takes a 2-D out of any row count (the kernel writes past a short one)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/fp8_metal.py",
+                "            ok = out.shape == (r, n) and (n == 1 or out.stride(1) == 1)",
+                "            ok = out.shape[-1] == n and (n == 1 or out.stride(1) == 1)",
+            ),
+        ),
+        tests=("tests/ops/test_fp8_metal_emulated.py", "-k", "too_few_rows"),
+    ),
+    Mutation(
+        name="fp8-out-operators-size-unchecked",
+        why="the fp8 _out operators no longer check out's element count (CPU: a view error; MPS: the launch's)",
+        edits=(Edit("src/mpsboost/ops/fp8.py", "    if out.numel() != r * n:\n", "    if False:\n"),),
+        tests=("tests/recipes/fp8/test_fp8_metal_path.py", "-k", "wrong_size"),
+    ),
+    Mutation(
+        name="fp8-metal-scale-dtype-unchecked",
+        why="the fp8 Metal launch takes a scale in any dtype (the kernel reads its bits as float32)",
+        edits=(Edit("src/mpsboost/ops/fp8_metal.py", "    if scale.dtype is not torch.float32:\n", "    if False:\n"),),
+        tests=("tests/ops/test_fp8_metal_emulated.py", "-k", "scale_and_offs"),
+    ),
+    Mutation(
+        name="grouped-mm-mps-scale-not-float32",
+        why="mpsboost::grouped_mm's MPS kernel passes a bf16/fp16 scale to the kernel as it is",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/fp8_grouped.py",
+                "fp8_metal.rows_gemv(x, w, scale.float().contiguous(), offs.contiguous()",
+                "fp8_metal.rows_gemv(x, w, scale.contiguous(), offs.contiguous()",
+            ),
+        ),
+        tests=("tests/ops/test_fp8_metal_emulated.py", "-k", "scale_and_offs"),
+    ),
+    Mutation(
+        name="fp8-metal-self-check-no-strided-out",
+        why="the fp8 Metal self-check never passes out= (a kernel ignoring out's row stride would pass it)",
+        edits=(Edit("src/mpsboost/ops/fp8_metal.py", 'if okind == "strided":\n', "if False:\n"),),
+        tests=("tests/ops/test_fp8_metal_emulated.py", "-k", "budget or out-row-stride"),
+    ),
+    Mutation(
+        name="fp8-metal-self-check-exact-decode-fp32-only",
+        why="the fp8 Metal self-check decodes every code exactly in float32 only (fp16/bf16 rounding unchecked)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/fp8_metal.py",
+                "    for dtype, _ in _DTYPES:\n        for s, c in",
+                "    for dtype, _ in _DTYPES[:1]:\n        for s, c in",
+            ),
+        ),
+        tests=("tests/ops/test_fp8_metal_emulated.py", "-k", "bf16-output-truncated or fp16-weights"),
+    ),
+    Mutation(
+        name="fp8-metal-self-check-no-128-blocks",
+        why="the fp8 Metal self-check drops its 128x128-block case (published checkpoints' layout)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/fp8_metal.py",
+                '    (2, 150, 272, 0, (128, 128), None, "2d", None),',
+                '    (2, 150, 272, 0, (1, None), None, "2d", None),',
+            ),
+        ),
+        tests=("tests/ops/test_fp8_metal_emulated.py", "-k", "budget"),
+    ),
+    Mutation(
         name="mutations-tool-runs-stale-lists",
         why="tools/mutations.py runs the tests of a list whose entries no longer match the tree (no preflight)",
         edits=(Edit("tools/mutations.py", "    problems = stale(MUTATIONS)\n", "    problems = []\n"),),
