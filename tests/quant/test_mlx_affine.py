@@ -21,6 +21,7 @@ from conftest import (
     write_mlx,
 )
 from mpsboost.quant import codec
+from mpsboost.quant.layers import affine_state
 from mpsboost.quant.errors import QuantFileError, QuantMismatchError
 
 pytestmark = needs_mlx
@@ -128,9 +129,9 @@ def test_mixed_bits_per_module(tmp_path):
     assert q["model.layers.0.mlp.switch_mlp.down_proj"]["bits"] == 8
     model = _load(tmp_path)
     experts = model.model.layers[0].mlp.experts
-    state = mpsboost.quant.layers.affine_state(experts)
+    state = affine_state(experts)
     assert (state.params["down_proj"].bits, state.params["gate_up_proj"].bits) == (8, 4)
-    assert mpsboost.quant.layers.affine_state(model.lm_head).params["weight"].group_size == 32
+    assert affine_state(model.lm_head).params["weight"].group_size == 32
     _same_as_mlx(tmp_path, model, steps=8)
 
 

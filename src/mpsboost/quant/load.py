@@ -117,6 +117,10 @@ def from_pretrained(
             f"mpsboost maps this family onto {fam.text_model}"
         )
     info["model_class"] = type(model).__name__
+    if spec is not None:
+        from .quantize import quantizable_modules
+
+        info["quantizable"] = quantizable_modules(model)
     view, _ = model_view(model)
     assert isinstance(view, ModelView)
     sources, ignored = row.sources(folder, view, info)

@@ -67,7 +67,7 @@ def _path(env: Env) -> tuple[bool, str]:
 class LowBitWeights(Recipe):
     name = RECIPE
     summary = "MLX affine low-bit weights (2-8 bits, group scales and biases): loaded by from_pretrained or quantized"
-    targets = ("torch.nn.modules.linear.Linear",)
+    targets = ("torch.nn.modules.linear.Linear", "torch.nn.modules.sparse.Embedding")
     lossless = False
     reversible = False
     default = False
@@ -95,7 +95,7 @@ class LowBitWeights(Recipe):
         if not matches_class(root, _PRETRAINED):
             return
         for name, mod in root.named_modules():
-            if type(mod) is torch.nn.Linear or is_hf_experts(mod):
+            if type(mod) in (torch.nn.Linear, torch.nn.Embedding) or is_hf_experts(mod):
                 yield Match(mod, join_path(prefix, name))
 
     def decide(self, match: Match, env: Env, options: Any) -> Decision:
@@ -108,8 +108,10 @@ class LowBitWeights(Recipe):
         mod = match.module
         if affine_state(mod) is not None:
             return Decision.skip("stored in low bits already")
-        kind = "linear" if isinstance(mod, torch.nn.Linear) else "experts"
-        if kind == "linear":
+        kind = {torch.nn.Linear: "linear", torch.nn.Embedding: "embedding"}.get(type(mod), "experts")
+        if kind == "embedding":
+            w, k = mod.weight, mod.embedding_dim
+        elif kind == "linear":
             if not options.include_lm_head and match.path.endswith("lm_head"):
                 return Decision.skip("the output head stays (include_lm_head=False)")
             w = mod.weight
@@ -142,11 +144,13 @@ class LowBitWeights(Recipe):
 
         mod, plan = match.module, decision.plan
         p = QParams(plan.bits, plan.group_size)
-        if plan.kind == "linear":
+        if match.path.endswith("shared_expert_gate"):
+            p = QParams(8, 64)  # as mlx-lm's quant_predicate and quantize-at-load
+        if plan.kind in ("linear", "embedding"):
             w = mod.weight.detach()
             q, s, b = quantize(w, p.bits, p.group_size)
             state = AffineState(
-                "linear", {"weight": p}, w.dtype, kernel=plan.kernel, backing=decision.backing, source="patch()"
+                plan.kind, {"weight": p}, w.dtype, kernel=plan.kernel, backing=decision.backing, source="patch()"
             )
             return build_layer(mod, state, {"weight": q, "scales": s, "biases": b}, f"quantize {match.path}")
         up, down = expert_weight_names(mod)
