@@ -441,6 +441,64 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(Edit("src/mpsboost/docs.py", " and (i == 0 or not ok[n][i - 1])]", "]"),),
         tests=("tests/core/test_docs.py", "-k", "list_of_what"),
     ),
+    Mutation(
+        name="patch-mixes-environments",
+        why="patch() under another environment than an earlier patch() of the model goes ahead without a word",
+        edits=(Edit("src/mpsboost/api.py", "        _check_same_env(obj, targets, env)\n", ""),),
+        tests=("tests/core/test_api.py", "-k", "another_environment"),
+        quick=True,
+    ),
+    Mutation(
+        name="decode-linear-calls-fp8-layers-accelerate-hooks",
+        why="decode_linear no longer tells mpsboost's own forwards (fp8_weights after load_fp8) from another library's",
+        edits=(
+            Edit("src/mpsboost/recipes/decode_linear.py", "            if owner is not None:", "            if False:"),
+        ),
+        tests=("tests/recipes/fp8/test_fp8_decode_linear_reason.py", "-k", "named_as_mpsboosts"),
+    ),
+    Mutation(
+        name="selftest-recipe-lines-ignore-workloads",
+        why="a recipe without a tiny check says a bare 'no workload' though this run's workloads exercised it",
+        edits=(
+            Edit(
+                "src/mpsboost/selftest/run.py",
+                '        if res.status == "no workload" and (covered or {}).get(recipe.name):',
+                "        if False:",
+            ),
+        ),
+        tests=("tests/integration/test_selftest.py", "-k", "without_a_tiny_check"),
+    ),
+    Mutation(
+        name="bench-cli-no-busy-warning",
+        why="mpsboost bench prints no ratio ranges and no busy-machine warning",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/cli.py",
+                "    for line in harness.ratio_lines(records, load_before=load_before):",
+                "    for line in ():",
+            ),
+        ),
+        tests=("tests/bench/test_bench_cli_output.py", "-k", "busy"),
+        quick=True,
+    ),
+    Mutation(
+        name="bench-plot-labels-left-crowded",
+        why="the bench chart keeps x labels that overlap",
+        edits=(Edit("src/mpsboost/bench/plot.py", "    if not crowded:\n        return\n", "    return\n"),),
+        tests=("tests/bench/test_bench_cli_output.py", "-k", "overlap"),
+    ),
+    Mutation(
+        name="strict-message-one-line-per-target",
+        why="strict=True's error lists every skipped target again (one line per layer, not per recipe)",
+        edits=(
+            Edit(
+                "src/mpsboost/api.py",
+                "        by.setdefault(r.recipe, []).append(r)\n",
+                "        by[f'{r.recipe} {r.target}'] = [r]\n",
+            ),
+        ),
+        tests=("tests/core/test_api.py", "-k", "strict_on_the_cpu"),
+    ),
 )
 
 
