@@ -26,8 +26,10 @@ sizes along K that are multiples of 16. The fp8 byte becomes a float by moving i
 exponent and mantissa (exact for every finite code; the factor 2^8 between the two biases is folded into the
 scale), so it needs no float8 type in Metal and works the same on uint8 storage (MPS before 2.15). The NaN codes
 (0x7F, 0xFF) give NaN as in :func:`mpsboost.ops.fp8.dequantize`: each 16-byte load is tested for them with 12
-integer operations (about a tenth of the decode's, no extra memory traffic), and a hit starts each row's partial
-sum over those 16 codes from NaN, so every output that reads a NaN code is NaN, whatever the activation.
+integer operations and a select (under a tenth of what decoding those 16 codes takes; no extra memory traffic),
+and a hit starts each row's partial sum over those 16 codes from NaN, so every output that reads a NaN code is
+NaN, whatever the activation. (This relies on IEEE NaN propagation: torch compiles with MTLMathModeSafe unless
+PYTORCH_MPS_FAST_MATH is set; the self-check's NaN cases refuse the kernel where it does not hold.)
 
 The source is compiled once per process by ``torch.mps.compile_shader`` (public since torch 2.7), at patch
 time: :func:`self_check` compiles it and compares it with the reference on shapes that run every branch (30
@@ -85,7 +87,7 @@ inline float mpsb_fp8(uint b) {{
 // 0, or a quiet NaN where one of the 16 codes in these 4 words (one 16-byte load) is an e4m3fn NaN code (0x7F or
 // 0xFF: magnitude 0x7F, which mpsb_fp8 alone reads as 480/256). A byte's magnitude plus 1 reaches bit 7 only for
 // 0x7F and never carries into the next byte, so one add per word tests its 4 codes: 12 integer operations and a
-// select per 16 codes, once per weight read (the decode itself is about 100). A NaN weight makes the reference's
+// select per 16 codes, once per weight read (decoding them takes about 150). A NaN weight makes the reference's
 // sum NaN whatever the activation (NaN * 0 is NaN), so each row's partial sum over these 16 codes starts from
 // this value instead of 0: nothing per row or per product.
 inline float mpsb_nan_seed(uint a, uint b, uint c, uint d) {{
