@@ -21,7 +21,7 @@ from conftest import (
     write_mlx,
 )
 from mpsboost.quant import codec
-from mpsboost.quant.layers import affine_state
+from mpsboost.recipes.low_bit.layers import affine_state
 from mpsboost.quant.errors import QuantFileError, QuantMismatchError
 
 pytestmark = needs_mlx

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import mpsboost
 from conftest import hf_model, mlx_greedy, mlx_logits, mlx_model, needs_mlx, relative_error, torch_greedy, write_mlx
-from mpsboost.quant.layers import affine_state
+from mpsboost.recipes.low_bit.layers import affine_state
 from mpsboost.quant.save import _family
 
 pytestmark = needs_mlx

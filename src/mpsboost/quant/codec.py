@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.affine import BITS, GROUP_SIZES, affine_dequantize, affine_quantize, pack_codes, unpack_codes
+from ..ops.affine import BITS, GROUP_SIZES, affine_dequantize, pack_codes, unpack_codes
+from ..recipes.low_bit.layers import check_params, quantize
 
 __all__ = [
     "BITS",
@@ -25,16 +26,6 @@ __all__ = [
     "packed_width",
     "check_params",
 ]
-
-_SCRATCH = 1 << 22  # float32 elements of one quantisation slice
-
-
-def check_params(bits: int, group_size: int, what: str = "affine quantization") -> None:
-    """Raise ValueError naming ``what`` when ``bits`` or ``group_size`` is not one MLX writes."""
-    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in BITS:
-        raise ValueError(f"{what}: bits={bits!r}; MLX's affine mode takes bits in {list(BITS)}")
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size not in GROUP_SIZES:
-        raise ValueError(f"{what}: group_size={group_size!r}; MLX's affine mode takes group sizes {list(GROUP_SIZES)}")
 
 
 def packed_width(k: int, bits: int) -> int:
@@ -50,26 +41,6 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(q: torch.Tensor, bits: int) -> torch.Tensor:
     return unpack_codes(q, bits)
-
-
-def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``mx.quantize(w, group_size, bits)``: ``(codes uint32 [..., K*bits/32], scales, biases [..., K/g])`` in
-    ``w.dtype``, computed slice of rows by slice of rows (bounded scratch)."""
-    check_params(bits, group_size)
-    k = w.shape[-1]
-    if k % group_size:
-        raise ValueError(f"the last dimension {k} is not a multiple of group_size={group_size}")
-    lead = w.shape[:-1]
-    rows = w.reshape(-1, k)
-    n = rows.shape[0]
-    out_q = torch.empty(n, packed_width(k, bits), dtype=torch.uint32, device=w.device)
-    out_s = torch.empty(n, k // group_size, dtype=w.dtype, device=w.device)
-    out_b = torch.empty_like(out_s)
-    step = max(1, _SCRATCH // max(1, k))
-    for r0 in range(0, n, step):
-        q, s, b = affine_quantize(rows[r0 : r0 + step], bits, group_size)
-        out_q[r0 : r0 + step], out_s[r0 : r0 + step], out_b[r0 : r0 + step] = q, s, b
-    return out_q.reshape(*lead, -1), out_s.reshape(*lead, -1), out_b.reshape(*lead, -1)
 
 
 def dequantize(q, scales, biases, bits: int, group_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -21,7 +21,7 @@ from . import codec
 from .errors import QuantFileError, QuantMismatchError
 from .families import Family, family_for
 from .io import Folder, TensorEntry, read_tensor
-from .layers import QParams
+from ..recipes.low_bit.layers import QParams
 
 __all__ = ["Format", "Source", "ModelView", "FORMATS", "detect", "MLX_AFFINE"]
 

@@ -50,7 +50,7 @@ def _env_and_device(device: Any):
 
 
 def _quantize_spec(quantize: Any):
-    from .layers import QParams
+    from ..recipes.low_bit.layers import QParams
 
     if quantize is None:
         return None
@@ -90,10 +90,9 @@ def from_pretrained(
     from .. import api
     from ..errors import PatchError
     from ..registry import get_recipe
-    from . import recipe as _recipe  # noqa: F401  (registers low_bit_weights)
     from .formats import ModelView, detect
     from .io import open_folder
-    from .layers import RECIPE
+    from ..recipes.low_bit.layers import RECIPE
     from .plan import changes, model_view, plan_load
 
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

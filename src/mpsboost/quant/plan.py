@@ -19,9 +19,9 @@ import torch
 
 from .errors import QuantMismatchError
 from .formats import ModelView, Source
-from .layers import RECIPE, AffineState, QParams, affine_class, aux_names, dequantize, forward_for
+from ..recipes.low_bit.layers import RECIPE, AffineState, QParams, aux_names, build_layer, dequantize
 
-__all__ = ["Item", "LoadPlan", "plan_load", "changes", "build_layer", "model_view"]
+__all__ = ["Item", "LoadPlan", "plan_load", "changes", "model_view"]
 
 
 @dataclass
@@ -134,19 +134,6 @@ def plan_load(root: torch.nn.Module, sources: dict[str, Source], ignored: list[s
 
 
 _HINT = "the weights were read from a low-bit checkpoint; load the model again (mpsboost.from_pretrained)"
-
-
-def build_layer(mod: torch.nn.Module, state: AffineState, tensors: dict[str, torch.Tensor], description: str):
-    """Put the codes, scales and biases ``tensors`` into ``mod``, swap its class to its low-bit class and bind the
-    forward of ``state``: one Patch (irreversible once committed)."""
-    from ..patching import Changes, bind_forward, replace_tensors, swap_class
-
-    base = type(mod)
-    with Changes() as ch:
-        ch.add(replace_tensors(mod, tensors, explanation=_HINT, description=description))
-        ch.add(swap_class(mod, RECIPE, affine_class(base)))
-        ch.add(bind_forward(mod, RECIPE, forward_for(state), affine=state))
-    return ch.patch(reversible=False, description=description)
 
 
 def _read_item(item: Item, dev: torch.device, dtype_of: Callable[[str], torch.dtype]) -> dict[str, torch.Tensor]:

@@ -19,11 +19,11 @@ from typing import Any, Optional
 
 import torch
 
-from .codec import quantize
+from ..recipes.low_bit.layers import quantize
 from .errors import QuantMismatchError
 from .formats import Format, ModelView, Source
 from .io import Folder, read_tensor
-from .layers import QParams
+from ..recipes.low_bit.layers import QParams
 
 __all__ = ["dense_row"]
 

@@ -21,7 +21,7 @@ import torch
 from .errors import QuantMismatchError
 from .families import FAMILIES, Family
 from .io import write_folder
-from .layers import affine_state, aux_names
+from ..recipes.low_bit.layers import affine_state, aux_names
 
 __all__ = ["save_mlx"]
 

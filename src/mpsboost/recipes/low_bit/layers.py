@@ -20,7 +20,8 @@ biases``), rounded once to the compute dtype.
 :func:`decode_operand` gives what an eager decode step calls for a quantized linear (:class:`AffineOperand`);
 :mod:`mpsboost.quant.operand` is the one place decode recipes read operands from.
 
-Imports neither diffusers nor transformers, nor api, registry or checkpoint modules.
+Imports neither diffusers nor transformers, nor api, registry or checkpoint modules: the low_bit_weights recipe
+(:mod:`.recipe`) and the quantized-weights package (:mod:`mpsboost.quant`: load, quantise at load, save) both use it.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..patching import saved_state
-from . import codec
+from ...ops.affine import BITS, GROUP_SIZES, affine_dequantize, affine_quantize
+from ...patching import saved_state
 
 __all__ = [
     "RECIPE",
@@ -47,6 +48,9 @@ __all__ = [
     "forward_for",
     "decode_operand",
     "dequantize",
+    "quantize",
+    "check_params",
+    "build_layer",
     "kernels_available",
     "stored_names",
 ]
@@ -65,7 +69,7 @@ class QParams:
     group_size: int
 
     def __post_init__(self) -> None:
-        codec.check_params(self.bits, self.group_size)
+        check_params(self.bits, self.group_size)
 
 
 @dataclass(eq=False, slots=True)
@@ -86,9 +90,43 @@ class AffineState:
         self.converted = True
 
 
+_SCRATCH = 1 << 22  # float32 elements of one quantisation slice
+
+
+def check_params(bits: int, group_size: int, what: str = "affine quantization") -> None:
+    """Raise ValueError naming ``what`` when ``bits`` or ``group_size`` is not one MLX writes."""
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in BITS:
+        raise ValueError(f"{what}: bits={bits!r}; MLX's affine mode takes bits in {list(BITS)}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise ValueError(f"{what}: group_size={group_size!r}; MLX's affine mode takes group sizes {list(GROUP_SIZES)}")
+
+
+def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``mx.quantize(w, group_size, bits)`` (:func:`mpsboost.ops.affine.affine_quantize`, bit for bit): ``(codes
+    uint32 [..., K*bits/32], scales, biases [..., K/g])`` in ``w.dtype``, computed a slice of rows at a time so that
+    quantising a large stack keeps a bounded float32 scratch (about 16 MiB), not a float32 copy of the tensor."""
+    check_params(bits, group_size)
+    k = w.shape[-1]
+    if k % group_size:
+        raise ValueError(f"the last dimension {k} is not a multiple of group_size={group_size}")
+    if (k * bits) % 32:
+        raise ValueError(f"a row of {k} weights at {bits} bits is not a whole number of 32-bit words")
+    lead = w.shape[:-1]
+    rows = w.reshape(-1, k)
+    n = rows.shape[0]
+    out_q = torch.empty(n, k * bits // 32, dtype=torch.uint32, device=w.device)
+    out_s = torch.empty(n, k // group_size, dtype=w.dtype, device=w.device)
+    out_b = torch.empty_like(out_s)
+    step = max(1, _SCRATCH // max(1, k))
+    for r0 in range(0, n, step):
+        q, s, b = affine_quantize(rows[r0 : r0 + step], bits, group_size)
+        out_q[r0 : r0 + step], out_s[r0 : r0 + step], out_b[r0 : r0 + step] = q, s, b
+    return out_q.reshape(*lead, -1), out_s.reshape(*lead, -1), out_b.reshape(*lead, -1)
+
+
 def kernels_available() -> bool:
     """``torch.ops.mpsboost.affine_gemv`` and its siblings are registered (``mpsboost.ops.affine``)."""
-    from ..ops import affine as _affine  # noqa: F401  (registers them)
+    from ...ops import affine as _affine  # noqa: F401  (registers them)
 
     ns = torch.ops.mpsboost
     return all(hasattr(ns, n) for n in ("affine_gemv", "affine_grouped_gemv", "affine_embedding"))
@@ -96,7 +134,7 @@ def kernels_available() -> bool:
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, p: QParams, dtype: torch.dtype):
     """The weights ``[..., N, K]`` in ``dtype``: ``scales * q + biases`` in float32, rounded once."""
-    return codec.dequantize_exact(q, scales, biases, p.bits, p.group_size, dtype)
+    return affine_dequantize(q, scales.float(), biases.float(), p.bits, p.group_size, dtype)
 
 
 def affine_state(module: torch.nn.Module) -> Optional[AffineState]:
@@ -315,6 +353,24 @@ def decode_operand(module: Any) -> Any:
     return AffineOperand(
         module, module.weight, module.scales, module.biases, state.params["weight"], state.max_rows, state.compute_dtype
     )
+
+
+# ------------------------------------------------------------------------------------------ building a layer
+
+_HINT = "the weights were stored in low bits; load the model again (from_pretrained, or mpsboost.from_pretrained)"
+
+
+def build_layer(mod: torch.nn.Module, state: AffineState, tensors: dict, description: str):
+    """Put the codes, scales and biases ``tensors`` into ``mod``, swap its class to its low-bit class and bind the
+    forward of ``state``: one Patch (irreversible once committed)."""
+    from ...patching import Changes, bind_forward, replace_tensors, swap_class
+
+    base = type(mod)
+    with Changes() as ch:
+        ch.add(replace_tensors(mod, tensors, explanation=_HINT, description=description))
+        ch.add(swap_class(mod, RECIPE, affine_class(base)))
+        ch.add(bind_forward(mod, RECIPE, forward_for(state), affine=state))
+    return ch.patch(reversible=False, description=description)
 
 
 # ------------------------------------------------------------------------------------------ the classes

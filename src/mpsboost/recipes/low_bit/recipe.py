@@ -24,9 +24,10 @@ from typing import Any, Iterator
 
 import torch
 
-from ..gate import Env
-from ..registry import Decision, Match, Recipe, matches_class, register
-from .layers import RECIPE, AffineState, QParams, affine_state, kernels_available
+from ...gate import Env
+from ...patching import is_patched_by
+from ...registry import Decision, Match, Recipe, matches_class, register
+from .layers import RECIPE, AffineState, QParams, affine_state, build_layer, check_params, kernels_available, quantize
 
 __all__ = ["LowBitWeights", "LowBitOptions", "LowBitPlan"]
 
@@ -54,7 +55,7 @@ def _path(env: Env) -> tuple[bool, str]:
     elsewhere the layer is dequantised exactly (float32, rounded once) and multiplied: on the CPU and CUDA that is
     both faster and closer to MLX than the operators' reference, which rounds each weight in the scales' dtype."""
     if env.device_type == "mps" and kernels_available():
-        from ..ops.affine import metal_verdict
+        from ...ops.affine import metal_verdict
 
         v = metal_verdict(env)
         if v.ok:
@@ -89,8 +90,8 @@ class LowBitWeights(Recipe):
 
     # ------------------------------------------------------------------ patch(): quantize in memory
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
-        from ..recipes.fp8.layers import is_hf_experts
-        from ..registry import join_path
+        from ...registry import join_path
+        from ..fp8.layers import is_hf_experts
 
         if not matches_class(root, _PRETRAINED):
             return
@@ -99,8 +100,6 @@ class LowBitWeights(Recipe):
                 yield Match(mod, join_path(prefix, name))
 
     def decide(self, match: Match, env: Env, options: Any) -> Decision:
-        from .codec import check_params
-
         try:
             check_params(options.bits, options.group_size, "low_bit_weights options")
         except ValueError as exc:
@@ -117,7 +116,7 @@ class LowBitWeights(Recipe):
             w = mod.weight
             k = mod.in_features
         else:
-            from ..recipes.fp8.layers import expert_weight_names
+            from ..fp8.layers import expert_weight_names
 
             w = mod.down_proj
             k = next(
@@ -126,8 +125,8 @@ class LowBitWeights(Recipe):
             )
             if getattr(mod, "is_transposed", False) or getattr(mod, "has_bias", False):
                 return Decision.skip("transposed or biased expert stacks are not stored in low bits yet")
-        if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.device.type == "meta":
-            return Decision.skip("the weight is not a floating tensor with data")
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+            return Decision.skip("the weight is not a floating tensor (quantized already?)")
         if k % options.group_size:
             return Decision.skip(f"in_features {k} is not a multiple of group_size={options.group_size}")
         kernel, backing = _path(env)
@@ -138,11 +137,14 @@ class LowBitWeights(Recipe):
         )
 
     def apply(self, match: Match, decision: Decision, env: Env, options: Any):
-        from .codec import quantize
-        from .plan import build_layer
-        from ..recipes.fp8.layers import expert_weight_names
+        from ..fp8.layers import expert_weight_names
 
         mod, plan = match.module, decision.plan
+        if is_patched_by(mod, "fp8_weights"):
+            raise ValueError(
+                "fp8_weights stores this layer's weights already (fp8= and low_bit_weights in one patch() call); "
+                "choose one weight format"
+            )
         p = QParams(plan.bits, plan.group_size)
         if match.path.endswith("shared_expert_gate"):
             p = QParams(8, 64)  # as mlx-lm's quant_predicate and quantize-at-load
