@@ -219,38 +219,40 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def native_grouped_mm_ok(x: torch.Tensor, weight_kn: torch.Tensor) -> bool:
+def native_grouped_mm_ok(x: torch.Tensor, weight_kn: torch.Tensor, *more_kn: torch.Tensor) -> bool:
     """Whether the native grouped matmul runs ``x @ weight_kn[e]`` here without a host sync or an error.
+
+    ``more_kn``: the weights of the products that follow (a down projection ``[E, I, H]``), checked alike:
+    their row stride is the width of their input rows too (the activation, contiguous ``[S, I]``).
 
     Static facts only (device, dtype, strides, alignment). The torch version and compute capability
     are the gate's business (feature ``grouped_mm``), decided before this is called:
 
     * CUDA: only bf16 reaches the CUTLASS kernel that reads offsets on the device; other dtypes go
       to ATen's fallback, which copies ``offs`` to the host.
-    * CPU (torch >= 2.10): every non-unit stride must be a multiple of 16 bytes and the data 16-byte
-      aligned, else ``grouped_mm`` raises "strides should be multiple of 16 bytes".
+    * CPU (torch >= 2.10) and MPS (torch >= 2.15): every non-unit stride must be a multiple of 16 bytes
+      and the data 16-byte aligned, else ``grouped_mm`` raises "strides should be multiple of 16 bytes"
+      (both kernels begin with ATen's ``_grouped_mm_validate_inputs``, GroupedMMUtils.h).
     * under ``torch.compile``: the meta kernel accepts bf16 only (any device).
     """
-    if x.dtype != weight_kn.dtype:
+    if any(w.dtype != x.dtype for w in (weight_kn, *more_kn)):
         return False
     if _compiling():
         return x.dtype == torch.bfloat16
     dev = weight_kn.device.type
     if dev == "cuda":
         return x.dtype == torch.bfloat16
-    if dev == "cpu":
+    if dev in ("cpu", "mps"):
         if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
         es = x.element_size()
-        for t in (x, weight_kn):
+        for t in (x, weight_kn, *more_kn):
             if t.data_ptr() % 16:
                 return False
             for size, stride in zip(t.shape, t.stride()):
                 if stride != 1 and size > 1 and (stride * es) % 16:
                     return False
         return True
-    if dev == "mps":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     return False
 
 
@@ -567,25 +569,25 @@ def grouped_mm_widths_ok(widths, dtype: torch.dtype, device_type: str) -> tuple[
 
     Every operand of both projections counts: the input rows (hidden width), the up weight
     (hidden and up widths), the activation output and down weight (intermediate and hidden widths).
-    On CPU (torch >= 2.10) each non-unit stride must be a multiple of 16 bytes, else grouped_mm raises
-    "strides should be multiple of 16 bytes"; CUDA's kernel reads offsets on the device for bf16
-    only (other dtypes copy them to the host).
+    On CPU (torch >= 2.10) and MPS (torch >= 2.15) each non-unit stride must be a multiple of 16 bytes,
+    else grouped_mm raises "strides should be multiple of 16 bytes" (both kernels begin with ATen's
+    ``_grouped_mm_validate_inputs``); CUDA's kernel reads offsets on the device for bf16 only (other
+    dtypes copy them to the host).
     """
     es = torch.empty((), dtype=dtype).element_size()
-    if device_type == "cpu":
+    if device_type in ("cpu", "mps"):
+        dev = device_type.upper()
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return False, f"CPU grouped_mm has no {dtype} kernel"
+            return False, f"{dev} grouped_mm has no {dtype} kernel"
         bad = sorted({w for w in widths if (w * es) % 16})
         if bad:
             return False, (
-                f"CPU grouped_mm needs row strides that are multiples of 16 bytes; widths {bad} x {es} bytes "
+                f"{dev} grouped_mm needs row strides that are multiples of 16 bytes; widths {bad} x {es} bytes "
                 f"({dtype}) are not"
             )
         return True, ""
     if device_type == "cuda" and dtype != torch.bfloat16:
         return False, f"CUDA's grouped_mm reads offsets on the device for bf16 only, these weights are {dtype}"
-    if device_type == "mps" and dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False, f"MPS grouped_mm has no {dtype} kernel"
     return True, ""
 
 
@@ -701,6 +703,7 @@ def sparse_moe_block(
     shared_act: Callable[[torch.Tensor], torch.Tensor] | None,
     path: str,
     experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One softmax-routed sparse MoE block on ``x`` ``[N, H]`` (few tokens: decode): ``[N, H]``.
 
@@ -720,6 +723,9 @@ def sparse_moe_block(
 
     ``cast_weights``: the routing weights are cast to the model dtype before the sum (all but Mixtral,
     whose weights stay float32 and whose sum runs in float32 as transformers' does).
+
+    ``routing``: ``(weights [N, k], ids [N, k])`` as the block's router module returned them (its caller ran
+    it, e.g. for a hook that records the router's output): used as they are, no router matmul here.
     """
     if path not in ("grouped_mm", "gather", "module") or (path == "module" and experts is None):
         raise ValueError(f"sparse_moe_block(path={path!r}): accepted 'grouped_mm', 'gather', 'module' (with experts)")
@@ -730,17 +736,22 @@ def sparse_moe_block(
 
     n, hdim = x.shape
     shared = None
-    if w.inputs_t is not None and shared_act is not None:  # option fused_inputs: one matmul for all four
+    if w.inputs_t is not None and shared_act is not None and routing is None:  # option fused_inputs: one matmul
         logits, g, sg, su = torch.mm(x, w.inputs_t).split(w.splits, dim=-1)
     else:
-        logits = torch.mm(x, w.router_t)
+        logits = torch.mm(x, w.router_t) if routing is None else None
         if shared_act is not None:
             g_t, sg_t, su_t = w.shared_t
             g, sg, su = _lin(x, g_t), _lin(x, sg_t), _lin(x, su_t)
     if shared_act is not None:
         shared = _lin(shared_act(sg) * su, w.shared_down_t) * torch.sigmoid(g)
     one = n == 1 and path != "module"  # one token: combine by one addmm, in the order of ``ids``
-    if one and path == "grouped_mm":  # its k ids sorted (grouped rows), its weights in that order
+    if routing is not None:
+        weights, ids = routing
+        if one and path == "grouped_mm":  # its k ids sorted (grouped rows), its weights in that order
+            ids, perm = torch.topk(ids, top_k, dim=-1, largest=False)  # ascending (distinct ids): see _ascending
+            weights = weights.gather(-1, perm)
+    elif one and path == "grouped_mm":  # its k ids sorted (grouped rows), its weights in that order
         if norm:
             vals, ids = torch.topk(logits, top_k, dim=-1)
         else:

@@ -33,6 +33,18 @@ stored in fp8 run their own forward inside the recipe's path (Qwen3.6 tiny, Mac 
 54 ops per block against the block's own 59 over the same fp8 layers; float32 within 1e-5 of fp8
 without this recipe).
 
+Router hooks: where something observes the router module (transformers' output capture while the forward
+collects router logits, ``output_router_logits=True``; a user's forward hook; a hook on every module), the
+recipe's path runs the router module as the block's own forward does and routes by what it returns (scores,
+indices); the experts, the shared expert and the combine stay the recipe's. Decided at each call, host-side (no
+hook: two empty-dict tests, not one op more); transformers' capture hooks, installed once and kept, count only
+while the forward collects router logits. Under ``torch.compile`` the block's own forward runs anyway.
+
+Widths: the grouped path needs every row of its operands (hidden, 2 x intermediate, intermediate, times the
+element size) to be a multiple of 16 bytes (CPU and MPS kernels begin with ATen's ``_grouped_mm_validate_inputs``,
+which raises "strides should be multiple of 16 bytes"); other widths take the gathered path, and the report says
+which widths (also when option ``path="grouped_mm"`` asked for the grouped one).
+
 Families (router class -> normalisation, dtype of the routing weights): Qwen3.5/3.6-MoE (always
 renormalised), Qwen3-MoE, Qwen2-MoE, Qwen3-Next, OLMoE (``norm_topk_prob``), Mixtral (always
 renormalised, weights kept in float32). Sigmoid-routed families with group-limited top-k and bias
@@ -52,10 +64,12 @@ instead of four matmuls), at the memory of that copy (named in the report; Qwen3
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.modules import module as _nn_module
 
 from ..gate import Env, check
 from ..ops import moe as moe_ops
@@ -273,6 +287,7 @@ class _State:
         self.watch: Watch | None = None
         self.weights: moe_ops.BlockWeights | None = None
         self.experts_ok = False
+        self.grouped_ok = False  # the native grouped matmul takes these weights (their widths, dtype, alignment)
 
 
 def _watch(mod: torch.nn.Module, lay: _Layout) -> Watch:
@@ -351,8 +366,58 @@ def _eager_weights(mod: torch.nn.Module, state: _State) -> moe_ops.BlockWeights 
             inputs_t=inputs_t,
             splits=splits,
         )
+    # Each call's grouped operands are fresh contiguous rows (x gathered [S, H], the activation [S, I]) and these
+    # weights: the kernel's stride and alignment check depends on the weights alone, read once per build (a
+    # simulated Mac on CPU tensors, a dtype change after patch() that leaves the down weights' rows short).
+    state.grouped_ok = state.experts_ok and moe_ops.native_grouped_mm_ok(
+        gu.new_empty((1, lay.hidden)), state.weights.gate_up_kn, state.weights.down_kn
+    )
     state.watch = _watch(mod, lay)
     return state.weights
+
+
+# transformers' output capture (``output_router_logits=True``): forward hooks on the router module, installed
+# once and kept, that record its output only while the model's forward collects "router_logits" (a context
+# variable set by ``capture_outputs`` for that forward). Looked up once, where the hooks are seen.
+_CAPTURE_MODULES = ("transformers.utils.output_capturing", "transformers.utils.generic")
+_CAPTURE_HOOK = "output_capturing_hook"
+_UNSET = object()
+_capture: Any = _UNSET  # (module name, its collector variable), or None: this transformers has none we know
+_GLOBAL_HOOKS = tuple(
+    getattr(_nn_module, n, {}) for n in ("_global_forward_pre_hooks", "_global_forward_hooks")
+)  # torch's dicts of hooks on every module, mutated in place by register_module_forward_(pre_)hook
+
+
+def _collector() -> Any:
+    global _capture
+    if _capture is _UNSET:
+        _capture = None
+        for name in _CAPTURE_MODULES:
+            try:
+                var = getattr(importlib.import_module(name), "_active_collector", None)
+            except ImportError:
+                continue
+            if callable(getattr(var, "get", None)):
+                _capture = (name, var)
+                break
+    return _capture
+
+
+def _router_observed(router: torch.nn.Module) -> bool:
+    """Whether a call of the router module would be seen: a hook on it (transformers' output capture while it
+    records router logits, a user's hook) or on every module. Host-side dict lookups, the same at every call;
+    with no hook (the normal decode step) two attribute reads and two empty-dict tests."""
+    pre, post = router._forward_pre_hooks, router._forward_hooks
+    if not (pre or post or any(_GLOBAL_HOOKS)):
+        return False
+    cap = _collector()
+    if cap is None or pre or any(_GLOBAL_HOOKS):
+        return True
+    for h in post.values():
+        if getattr(h, "__module__", None) != cap[0] or getattr(h, "__name__", None) != _CAPTURE_HOOK:
+            return True  # a hook of the user's: it sees the call stock makes, and what the router returns routes
+    wanted = cap[1].get()
+    return wanted is not None and "router_logits" in wanted
 
 
 def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -384,9 +449,15 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **k
     if not state.experts_ok or impl != _DEFAULT_IMPL:
         # fp8 (or otherwise converted) experts, or an implementation chosen explicitly: the module runs them.
         path = "module"
-    elif path == "grouped_mm" and not moe_ops.native_grouped_mm_ok(hidden_states, w.gate_up_kn):
+    elif path == "grouped_mm" and not state.grouped_ok:
         path = "gather"  # e.g. a simulated environment on a device whose kernel does not take this dtype
     x = hidden_states.reshape(n, shape[-1])
+    routing = None
+    if _router_observed(self.gate):
+        # The router module runs, as in the block's own forward: its hooks see its call (transformers records
+        # the router logits for the aux loss) and the block routes by what it returns (scores, indices).
+        _, scores, ids = self.gate(x)
+        routing = (scores, ids)
     out = moe_ops.sparse_moe_block(
         x,
         w,
@@ -397,6 +468,7 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **k
         shared_act=self.shared_expert.act_fn if lay.shared_inter else None,
         path=path,
         experts=ex if path == "module" else None,
+        routing=routing,
     )
     return out.view(shape)
 
@@ -437,6 +509,11 @@ class MoeBlock(Recipe):
         path = options.path
         if path == "auto":
             path = "grouped_mm" if native.ok and fits else "gather"
+        if path == "grouped_mm" and not fits:
+            # The kernel's own input check would raise (its widths, not the build): the path that works, and why.
+            path, forced = "gather", f"option path='grouped_mm' not taken: {why_not}"
+        else:
+            forced = "forced by option path"
         if path == "grouped_mm":
             reason = (
                 f"{native.reason}: two grouped matmuls read each routed expert once, offsets by searchsorted on the "
@@ -444,7 +521,7 @@ class MoeBlock(Recipe):
             )
         else:
             reason = (
-                (native.reason if not native.ok else why_not) if options.path == "auto" else "forced by option path"
+                (native.reason if not native.ok else why_not) if options.path == "auto" else forced
             ) + ": the routed experts' weights gathered (one copy each), then bmm"
         fused = options.fused_inputs and lay.shared_inter > 0
         inputs = (
