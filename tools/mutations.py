@@ -210,6 +210,70 @@ MUTATIONS: tuple[Mutation, ...] = (
         "    def apply(self, match: Match, decision: Decision, env: Env, options: MoeExpertsOptions) -> Patch:",
     ),
     Mutation(
+        name="moe-block-router-never-run",
+        why="moe_block's decode path never runs the router module: output_router_logits records nothing (IndexError)",
+        edits=(Edit("src/mpsboost/recipes/moe_block.py", "    if _router_observed(self.gate):\n", "    if False:\n"),),
+        tests=("tests/recipes/moe/test_moe_router_logits.py", "-k", "aux_loss_equal and (mixtral or qwen2_moe)"),
+    ),
+    Mutation(
+        name="moe-block-router-run-for-idle-capture-hooks",
+        why="moe_block runs the router at every decode step once transformers' capture hooks exist (ops added)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/moe_block.py",
+                '    return wanted is not None and "router_logits" in wanted\n',
+                "    return True\n",
+            ),
+        ),
+        tests=("tests/recipes/moe/test_moe_router_logits.py", "-k", "keeps_its_ops and mixtral"),
+    ),
+    Mutation(
+        name="moe-block-router-output-not-routed",
+        why="moe_block runs a hooked router but routes by its own top-k, not by what the router returned",
+        edits=(
+            Edit("src/mpsboost/recipes/moe_block.py", "        routing = (scores, ids)\n", "        routing = None\n"),
+        ),
+        tests=("tests/recipes/moe/test_moe_router_logits.py", "-k", "users_router_hook and mixtral"),
+    ),
+    Mutation(
+        name="moe-block-down-weights-unchecked",
+        why="moe_block's grouped_mm check of its weights reads the up weights only (down rows of 8 bytes reach it)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/moe_block.py",
+                "        gu.new_empty((1, lay.hidden)), state.weights.gate_up_kn, state.weights.down_kn\n",
+                "        gu.new_empty((1, lay.hidden)), state.weights.gate_up_kn\n",
+            ),
+        ),
+        tests=("tests/recipes/moe/test_moe_router_logits.py", "-k", "dtype_change"),
+    ),
+    Mutation(
+        name="grouped-mm-widths-mps-unchecked",
+        why="grouped_mm_widths_ok lets MPS take rows that are not a multiple of 16 bytes (the kernel's check raises)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/moe.py",
+                '    if device_type in ("cpu", "mps"):\n        dev = device_type.upper()\n',
+                '    if device_type == "cpu":\n        dev = device_type.upper()\n',
+            ),
+        ),
+        tests=("tests/recipes/moe/test_moe_router_logits.py", "-k", "holds_mps or (cannot_take and olmoe)"),
+        quick=True,
+    ),
+    Mutation(
+        name="native-grouped-mm-ok-ignores-down-weights",
+        why="native_grouped_mm_ok checks x and the up weights, not the down weights it is given",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/moe.py",
+                "        for t in (x, weight_kn, *more_kn):\n",
+                "        for t in (x, weight_kn):\n",
+            ),
+        ),
+        tests=("tests/recipes/moe/test_moe_router_logits.py", "-k", "reads_the_down_weights"),
+        quick=True,
+    ),
+    Mutation(
         name="mask-multiply-pass-linear-attention",
         why="the patched Gated DeltaNet forward no longer zeroes padded positions (attention mask ignored)",
         edits=(
