@@ -508,7 +508,7 @@ def _reference(x, q, scales, biases, offs, bits, group_size) -> torch.Tensor:
     """The products on the CPU in float64, independent of the kernel's order and of its factoring: each row times
     its expert's weight ``code * scale + bias`` computed exactly in float64 (what the kernel approximates: it never
     rounds a weight); rows past the last offset zero."""
-    from .affine import unpack_codes
+    from .affine_codec import unpack_codes
 
     w = unpack_codes(q, bits).double()  # [E, N, K]
     w = w * scales.double().repeat_interleave(group_size, -1) + biases.double().repeat_interleave(group_size, -1)
@@ -532,7 +532,7 @@ def self_check(device: str = "mps") -> Optional[str]:
     row group, a partial feature group, K not a multiple of the 512-code step, an expert with no rows, rows past
     the last offset, a shared row of stride 0; each activation dtype; and the embedding gather bit for bit.
     Returns None, or what failed. Patch time only (:func:`mpsboost.ops.affine.metal_verdict`, the selftest probe)."""
-    from .affine import affine_dequantize, affine_quantize, pack_codes
+    from .affine_codec import affine_dequantize, affine_quantize, pack_codes
 
     try:
         _library()
