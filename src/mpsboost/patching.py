@@ -52,6 +52,7 @@ __all__ = [
     "register_in_interface",
     "relayout_param",
     "replace_at_commit",
+    "replace_tensors",
     "at_commit",
     "no_change",
 ]
