@@ -17,6 +17,18 @@ decisions of a Mac on each torch build (``Env.simulate``), every lossless recipe
     python benchmarks/decode_cost.py --out benchmarks/results        # writes decode_cost-cpu-<date>.json
 
 Counts hold on every device; ``python benchmarks/tables.py`` renders the record into docs/fp8-checkpoints.md.
+
+``--predict`` writes a Mac cost model's **prediction** (never a measurement) of Qwen3.6-35B-A3B's decode step on
+named chips (``mpsboost.bench.decode_cost.predict``): bytes / (eta * bandwidth) + Metal dispatches * c_metal +
+MPSGraph dispatches * c_graph, every constant with its source. Counts at the medium size in bfloat16 (the real
+widths; ops per block equal the tiny size's), under Mac 2.15.0 decisions and the 2.15.0 wheel's dispatch kinds,
+scaled to the real model: each block's counts per block times its real number (30 Gated DeltaNet, 10 attention,
+40 MoE), the rest as counted, plus the bytes the medium widths leave out (the 248,320-row lm_head, the 256-expert
+router). Rows: stock, patched bf16, fp8 as published (``load_fp8``), and 4-bit (MLX affine g64, 4.5 bits a
+weight with scales and biases, routers 8.5): the 4-bit row's bytes are computed from the layer shapes and its
+dispatches are bf16's (no 4-bit decode step is counted yet), and it says so.
+
+    python benchmarks/decode_cost.py --predict --out benchmarks/results   # decode_cost-predict-<date>.json
 """
 
 from __future__ import annotations
@@ -92,11 +104,157 @@ def measure(workdir: Path) -> list[dict]:
     return rows
 
 
+REAL = {"hidden": 2048, "vocab": 248_320, "experts": 256, "top_k": 8}  # Qwen3.6-35B-A3B (shared/FACTS.md)
+PREDICT_VARIANTS = ("stock", "patched, bfloat16", "fp8 as published")
+BITS = 4.5  # MLX affine 4-bit, group 64, bf16 scales and biases (shared/FACTS.md, MLX's format)
+ROUTER_BITS = 8.5  # mlx-lm gives mlp.gate and mlp.shared_expert_gate 8 bits
+SEED = {"before": 38.7, "after": 51.7}  # tok/s, the seed's M3 Ultra, bf16, torch.compile (issue 37)
+PEERS = (
+    ("MLX 4-bit", "M3 Ultra", 92.0, "Rapid-MLX#159"),
+    ("MLX 8-bit", "M3 Ultra", 73.0, "Rapid-MLX#472 (about)"),
+    ("MLX 4-bit", "M2 Max", 79.8, "Rapid-MLX#1065"),
+    ("MLX 4-bit", "M3 Max", 97.5, "incoai/splash#37 (96-99)"),
+    ("llama.cpp Q8_0 (Qwen3.5-35B-A3B)", "not stated", 53.5, "ollama#14861"),
+    ("the seed's PyTorch bf16, torch.compile, before the grouped decode", "M3 Ultra", 38.7, "issue 37"),
+    ("the seed's PyTorch bf16, torch.compile, after the grouped decode", "M3 Ultra", 51.7, "issue 37"),
+)
+
+
+def weight_bytes(model) -> dict[str, float]:
+    """Bytes of weights one decode step reads per block, at the real model's counts: every 2-D+ parameter of a
+    block, the routed experts' stacks times top_k / experts (the experts one token picks), the router at the real
+    number of experts; ``rest``: the real lm_head (one embedding row is left out). ``router``: the routers' share
+    of ``mlp`` (kept at 8 bits by the 4-bit layout)."""
+    from mpsboost.bench.decode_cost import BLOCKS, REAL_BLOCKS, blocks_of
+
+    per = dict.fromkeys(BLOCKS, 0.0)
+    router = 0.0
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if p.dim() < 2 or len(parts) < 5 or parts[3] not in BLOCKS:
+            continue
+        b = p.numel() * p.element_size()
+        if parts[4] == "experts":
+            b *= REAL["top_k"] / p.shape[0]
+        elif parts[3] == "mlp" and parts[4] in ("gate", "shared_expert_gate"):
+            b *= REAL["experts"] / p.shape[0] if parts[4] == "gate" else 1
+            router += b
+        per[parts[3]] += b
+    n = blocks_of(model)
+    out = {k: per[k] / n[k] * REAL_BLOCKS[k] for k in BLOCKS if n[k]}
+    out["router"] = router / n["mlp"] * REAL_BLOCKS["mlp"]
+    out["rest"] = REAL["vocab"] * REAL["hidden"] * 2
+    return out
+
+
+def _predict_model(variant: str, env, workdir: Path):
+    from mpsboost.bench.decode_cost import build
+
+    if variant == "stock":
+        return build("medium", torch.bfloat16)
+    return _model(variant, "medium", torch.bfloat16, env, workdir)
+
+
+def predict_rows(workdir: Path) -> dict:
+    from mpsboost.bench.decode_cost import CHIPS, CONSTANTS, blocks_of, decode_cost, predict, scale
+    from mpsboost.gate import Env
+
+    env = Env.simulate("mps", "2.15.0")
+    steps, extra = {}, {}
+    for variant in PREDICT_VARIANTS:
+        m = _predict_model(variant, env, workdir)
+        head = m.get_output_embeddings().weight
+        router = m.model.layers[0].mlp.gate.weight
+        # what the medium widths leave out: the real vocabulary's lm_head rows, the real router's experts (bf16)
+        extra[variant] = (REAL["vocab"] - head.shape[0]) * REAL["hidden"] * 2 + 40 * REAL["hidden"] * (
+            REAL["experts"] - router.shape[0]
+        ) * 2
+        cost = decode_cost(m, release="2.15.0")
+        steps[variant] = scale(cost, blocks_of(m), extra_bytes=extra[variant])
+        steps[variant]["counted"] = {k: cost[k] for k in ("ops", "bytes", "dispatches", "pointwise")}
+        if variant == "patched, bfloat16":
+            weights = weight_bytes(m)
+        print(f"{variant:20s} {steps[variant]['bytes'] / 1e9:7.2f} GB {steps[variant]['ops']:7.0f} ops", flush=True)
+        del m
+    # 4-bit: bf16's step with its weight bytes at 4.5 bits (routers 8.5): computed, not counted
+    w = sum(v for k, v in weights.items() if k != "router")
+    q = (w - weights["router"]) * BITS / 16 + weights["router"] * ROUTER_BITS / 16
+    four = dict(steps["patched, bfloat16"])
+    four.pop("counted")
+    four["bytes"] = four["bytes"] - w + q
+    steps["4-bit (bytes from shapes, dispatches = patched bf16's)"] = four
+    c = {k: v for k, (v, _) in CONSTANTS.items()}
+    rows = []
+    for variant, step in steps.items():
+        for chip, (bw, eta_key, _) in CHIPS.items():
+            lo = predict(step, bw, c[eta_key], c["c_metal_us"], c["c_graph_us"], mixed="metal")
+            hi = predict(step, bw, c[eta_key], c["c_metal_us"], c["c_graph_us"], mixed="mpsgraph")
+            fu = predict(step, bw, c[eta_key], c["c_metal_us"], c["c_graph_us"], mixed="metal", fused=True)
+            rows.append(
+                {
+                    "variant": variant,
+                    "chip": chip,
+                    "ms_mixed_as_metal": round(lo, 2),
+                    "ms_mixed_as_mpsgraph": round(hi, 2),
+                    "ms_pointwise_fused": round(fu, 2),
+                    "tok_s": [round(1e3 / hi, 1), round(1e3 / lo, 1)],
+                    "tok_s_pointwise_fused": round(1e3 / fu, 1),
+                    "bytes_ms": round(step["bytes"] / (c[eta_key] * bw * 1e9) * 1e3, 2),
+                }
+            )
+    return {"steps": steps, "weight_bytes": weights, "rows": rows}
+
+
+def main_predict(out: Path) -> int:
+    import transformers
+
+    import mpsboost
+    from mpsboost.bench.decode_cost import CHIPS, CONSTANTS
+
+    with tempfile.TemporaryDirectory() as work:
+        got = predict_rows(Path(work))
+    record = {
+        "name": "decode_cost-predict",
+        "label": "predicted, not measured",
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python benchmarks/decode_cost.py --predict --out benchmarks/results",
+        "env": {
+            "device": "cpu (counts); the times are a model's prediction for the chips named",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "mpsboost": mpsboost.__version__,
+            "python": platform.python_version(),
+            "decisions": "mac-2.15.0",
+            "dispatch kinds": "src/mpsboost/data/mps_dispatch_kinds.json, torch 2.15.0 macOS wheel",
+        },
+        "model": (
+            "ms = bytes / (eta * bandwidth) + metal * c_metal + mpsgraph * c_graph; 'mixed' ops (both paths ship) "
+            "priced as Metal (ms_mixed_as_metal) and as MPSGraph (ms_mixed_as_mpsgraph); ms_pointwise_fused: "
+            "pointwise ops' dispatches removed (a bound on torch.compile's fusion). Bytes: read and written, at a "
+            "40-token context. Scaling: counts per block (medium size, bf16) times the real blocks (30 Gated "
+            "DeltaNet, 10 attention, 40 MoE), the rest as counted, plus the real lm_head and router bytes."
+        ),
+        "constants": {k: {"value": v, "source": s} for k, (v, s) in CONSTANTS.items()},
+        "chips": {k: {"bandwidth_gbs": bw, "eta": e, "source": s} for k, (bw, e, s) in CHIPS.items()},
+        "seed": SEED,
+        "peers": [{"what": w, "chip": c, "tok_s": t, "source": s} for w, c, t, s in PEERS],
+        **got,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"decode_cost-predict-{dt.date.today().isoformat()}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"record written to {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder for decode_cost-cpu-<date>.json")
+    p.add_argument("--predict", action="store_true", help="write decode_cost-predict-<date>.json: a prediction")
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
+    if a.predict:
+        return main_predict(a.out)
     import transformers
 
     import mpsboost

@@ -1389,7 +1389,7 @@ def _profile_eager(name: str, recs: list[dict]) -> str:
 def block_fp8_decode_cost(results: Path | None = None) -> str:
     """One decode step's aten ops (tiny) and bytes moved (medium) under a Mac's decisions, per block, from the
     newest ``decode_cost-cpu-*.json`` (``benchmarks/decode_cost.py``): patched against the fp8 variants."""
-    paths = sorted((results or RESULTS).glob("decode_cost-*.json"))
+    paths = sorted((results or RESULTS).glob("decode_cost-cpu-*.json"))
     if not paths:
         return "No decode_cost records committed yet."
     rec = json.loads(paths[-1].read_text())
@@ -1429,7 +1429,94 @@ def block_fp8_decode_cost(results: Path | None = None) -> str:
     return "\n".join(out)
 
 
+def block_decode_predict(results: Path | None = None) -> str:
+    """The Mac cost model's prediction for Qwen3.6-35B-A3B's decode step (predicted, not measured), from the newest
+    ``decode_cost-predict-*.json`` (``benchmarks/decode_cost.py --predict``), beside the published figures."""
+    paths = sorted((results or RESULTS).glob("decode_cost-predict-*.json"))
+    if not paths:
+        return "No decode_cost prediction committed yet."
+    rec = json.loads(paths[-1].read_text())
+    assert rec["label"] == "predicted, not measured", paths[-1]
+    chips = list(rec["chips"])
+    out = [
+        "**Predicted, not measured.** Tokens a second of one decode step (batch 1, 40-token context), eager, "
+        "as the range from the dispatches both paths ship priced as MPSGraph to priced as Metal. " + rec["model"],
+        "",
+    ]
+    rows = []
+    for variant in rec["steps"]:
+        cells = [variant]
+        for chip in chips:
+            (r,) = [r for r in rec["rows"] if r["variant"] == variant and r["chip"] == chip]
+            lo, hi = r["tok_s"]
+            cells.append(f"{lo:.0f}-{hi:.0f}")
+        rows.append(cells)
+    out.append(md_table(["predicted tok/s", *chips], rows))
+    steps = rec["steps"]
+    out += ["", "What the prediction counts (the real model's step, scaled from the medium size):", ""]
+    srows = []
+    for variant, st in steps.items():
+        srows.append(
+            [
+                variant,
+                f"{st['bytes'] / 1e9:.2f}",
+                f"{st['ops']:.0f}",
+                f"{st['metal']:.0f}",
+                f"{st['mpsgraph']:.0f}",
+                f"{st['mixed'] + st['unknown'] + st['unlisted']:.0f}",
+                f"{st['pointwise']:.0f}",
+            ]
+        )
+    out.append(md_table(["step", "GB moved", "aten ops", "Metal", "MPSGraph", "mixed", "of them pointwise"], srows))
+    ultra = {r["variant"]: r for r in rec["rows"] if r["chip"] == "M3 Ultra"}
+    if ultra:
+        st, pa = ultra.get("stock"), ultra.get("patched, bfloat16")
+        seed = rec["seed"]
+        out += ["", "The seed's setup (Qwen3.6-35B-A3B, bf16, M3 Ultra; the seed measured with torch.compile):", ""]
+        srows = []
+        for label, r, meas in (("before the grouped decode / stock", st, seed["before"]),
+                               ("after the grouped decode / patched bf16", pa, seed["after"])):  # fmt: skip
+            if r is None:
+                continue
+            lo, hi = r["tok_s"]
+            srows.append(
+                [label, f"{meas}", f"{lo:.0f}-{hi:.0f}", f"{r['tok_s_pointwise_fused']:.0f}",
+                 f"{1e3 / meas:.1f}", f"{r['ms_mixed_as_metal']:.1f}-{r['ms_mixed_as_mpsgraph']:.1f}",
+                 f"{r['bytes_ms']:.1f}"]
+            )  # fmt: skip
+        out.append(
+            md_table(
+                [
+                    "seed / model",
+                    "seed tok/s (measured)",
+                    "predicted eager",
+                    "predicted, pointwise fused",
+                    "seed ms",
+                    "predicted ms",
+                    "of it bytes",
+                ],
+                srows,
+            )  # fmt: skip
+        )
+    out += ["", "Published figures for the same model (measured by others):", ""]
+    out.append(md_table(["what", "chip", "tok/s", "source"],
+                        [[p["what"], p["chip"], f"{p['tok_s']}", p["source"]] for p in rec["peers"]]))  # fmt: skip
+    out += ["", "Constants:", ""]
+    out.append(md_table(["constant", "value", "source"],
+                        [[k, f"{v['value']}", v["source"]] for k, v in rec["constants"].items()]
+                        + [[f"{k} bandwidth", f"{v['bandwidth_gbs']:.0f} GB/s", v["source"]]
+                           for k, v in rec["chips"].items()]))  # fmt: skip
+    env = rec["env"]
+    out += [
+        "",
+        f"Record `{paths[-1].name}` (`{rec['command']}`): counts on the CPU, torch {env['torch']}, transformers "
+        f"{env['transformers']}, {env['decisions']} decisions, dispatch kinds from {env['dispatch kinds']}.",
+    ]
+    return "\n".join(out)
+
+
 BLOCKS: dict[str, Callable[..., str]] = {
+    "decode-predict": block_decode_predict,
     "fp8-decode-cost": block_fp8_decode_cost,
     "fp8-gemv": block_fp8_gemv,
     "profile-decode": block_profile_decode,

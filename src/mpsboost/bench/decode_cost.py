@@ -9,17 +9,77 @@ write into an input); views move nothing; row picking ops (``index_select``, ``e
 read what they pick; a grouped matmul (``_grouped_mm``, and mpsboost's ``grouped_mm`` whose weights are fp8 codes)
 reads the weights of the groups that have rows. ``tiny`` and ``medium`` are the tool's two sizes (medium: the real
 model's widths, 4 layers, 32 experts top-8, a small vocabulary).
+
+Dispatches beside ops (:func:`launches`, :func:`kind`): an aten op launches a kernel unless its schema says it
+only relabels memory or allocates it:
+
+* a view: a return aliases an input without writing it (the schema's alias annotation ``Tensor(a)``,
+  ``OpOverload.is_view``: ``view``, ``t``, ``transpose``, ``select``, ``slice``, ``expand``, ``split``, ``alias``...);
+* an ``inplace_view`` op (``torch.Tag.inplace_view``: ``squeeze_``, ``t_``, ``as_strided_``: metadata in place);
+* a non-mutating op whose every tensor output shares storage with an input although its schema declares no alias
+  (``_unsafe_view``, ``_reshape_alias``: checked on the call's tensors);
+* an allocation that writes nothing (:data:`ALLOCATIONS`, the ``empty`` family, uninitialised by definition).
+
+Every other op counts one dispatch (a multi-pass kernel such as ``topk``'s counts one: an undercount). Each
+dispatch is then a Metal shader or an MPSGraph on a Mac, per torch release, from the wheel-read table
+``mpsboost/data/mps_dispatch_kinds.json`` (``tools/mps_dispatch_kinds.py``): ``metal``, ``mpsgraph``, ``mixed``
+(the release ships both paths and the binary does not say which a decode shape takes), ``unknown`` (neither
+found); ops of the ``mpsboost`` namespace are mpsboost's own Metal kernels; an aten op with no row is
+``unlisted`` (the tests keep that at zero). :func:`predict` turns the counts into a Mac's predicted step time.
 """
 
 from __future__ import annotations
 
+import json
+from functools import lru_cache
+from importlib import resources
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["BLOCKS", "OpRecorder", "build", "decode_cost"]
+__all__ = ["ALLOCATIONS", "BLOCKS", "KINDS", "OpRecorder", "build", "decode_cost", "kind", "launches"]
 
 BLOCKS = ("linear_attn", "self_attn", "mlp")
 _SELECT = {"embedding", "index_select", "index", "gather"}
+ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+KINDS = ("metal", "mpsgraph", "mixed", "unknown", "unlisted")
+RELEASE = "2.15.0"  # the release whose table decode_cost counts by default
+
+
+def launches(func, args, kwargs, out) -> bool:
+    """Whether the aten op ``func`` (an ``OpOverload``) called on ``args``/``kwargs`` with result ``out`` launches
+    a kernel: the rules of the module docstring."""
+    if func.is_view or torch.Tag.inplace_view in func.tags:
+        return False
+    name = func.overloadpacket.__name__
+    if name in ALLOCATIONS:
+        return False
+    if not func._schema.is_mutable:
+        leaves = torch.utils._pytree.tree_leaves
+        ins = {a.untyped_storage().data_ptr() for a in leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+        outs = [o for o in leaves(out) if isinstance(o, torch.Tensor)]
+        if outs and all(o.untyped_storage().data_ptr() in ins and o.numel() for o in outs):
+            return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def _table(release: str) -> dict[str, str]:
+    text = resources.files("mpsboost.data").joinpath("mps_dispatch_kinds.json").read_text()
+    for w in json.loads(text)["wheels"]:
+        if w["version"] == release:
+            return {op: row["kind"] for op, row in w["ops"].items()}
+    raise ValueError(f"mps_dispatch_kinds.json has no torch {release!r} wheel (tools/mps_dispatch_kinds.py writes it)")
+
+
+def kind(func, release: str = RELEASE) -> str:
+    """What a dispatch of ``func`` runs on a Mac with torch ``release``: one of :data:`KINDS`."""
+    ns = func.namespace
+    if ns == "mpsboost":
+        return "metal"
+    if ns != "aten":
+        return "unlisted"
+    return _table(release).get(func.overloadpacket.__name__, "unlisted")
 
 
 def build(size: str = "tiny", dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -101,12 +161,18 @@ class OpRecorder(TorchDispatchMode):
         return out
 
 
-def decode_cost(model: torch.nn.Module, vocab: int = 512) -> dict[str, dict[str, int]]:
-    """``{"ops": {block: n}, "bytes": {block: n}}`` of one decode step after a 40-token prefill;
-    blocks are ``linear_attn``, ``self_attn``, ``mlp`` and ``rest``."""
+def decode_cost(model: torch.nn.Module, vocab: int = 512, release: str = RELEASE) -> dict[str, dict]:
+    """``{"ops": {block: n}, "bytes": {block: n}, "dispatches": {block: {kind: n}}, "names": {kind: {op: n}},
+    "pointwise": {block: n}}`` of one decode step after a 40-token prefill; blocks are ``linear_attn``,
+    ``self_attn``, ``mlp`` and ``rest``; dispatch kinds (:func:`kind`) are those of torch ``release``'s macOS
+    wheel; ``pointwise`` counts the dispatches of ops tagged ``torch.Tag.pointwise`` (what a compiler's fusion can
+    remove)."""
     cur = ["rest"]
     ops: dict[str, int] = {}
     moved: dict[str, int] = {}
+    disp: dict[str, dict[str, int]] = {}
+    names: dict[str, dict[str, int]] = {}
+    fusible: dict[str, int] = {}
     hooks = []
     for name, mod in model.named_modules():
         last = name.rsplit(".", 1)[-1]
@@ -117,6 +183,14 @@ def decode_cost(model: torch.nn.Module, vocab: int = 512) -> dict[str, dict[str,
     def count(func, args, kwargs, out) -> None:
         ops[cur[0]] = ops.get(cur[0], 0) + 1
         moved[cur[0]] = moved.get(cur[0], 0) + _moved(func, args, kwargs, out)
+        if launches(func, args, kwargs, out):
+            k = kind(func, release)
+            block = disp.setdefault(cur[0], dict.fromkeys(KINDS, 0))
+            block[k] += 1
+            per = names.setdefault(k, {})
+            per[func.name()] = per.get(func.name(), 0) + 1
+            if torch.Tag.pointwise in func.tags:
+                fusible[cur[0]] = fusible.get(cur[0], 0) + 1
 
     ids = torch.randint(0, vocab, (1, 40), generator=torch.Generator().manual_seed(1))
     try:
@@ -128,4 +202,100 @@ def decode_cost(model: torch.nn.Module, vocab: int = 512) -> dict[str, dict[str,
     finally:
         for h in hooks:
             h.remove()
-    return {"ops": ops, "bytes": moved}
+    return {"ops": ops, "bytes": moved, "dispatches": disp, "names": names, "pointwise": fusible}
+
+
+# ----------------------------------------------------------------------------- a Mac's predicted decode step
+
+# Each constant: (value, source). A prediction, never a measurement: `mpsboost selftest` measures c and eta on
+# the user's Mac (probe dispatch_cost) so that a report calibrates these.
+CONSTANTS = {
+    "c_metal_us": (
+        2.05,
+        "GPU time per dispatch in a serial compute encoder, M1 Max (qwisp#143; +5.2 us on an M2 Pro, ferrox#149); "
+        "above the 1.2-1.4 us host encode of a Metal-shader op (pytorch#148219, M1 Pro): shared/FACTS.md, "
+        "'What a dispatch costs on a Mac'",
+    ),
+    "c_graph_us": (
+        20.0,
+        "an MPSGraph op: 19.6-21 us, nearly all host (pytorch#148219, M1 Pro): shared/FACTS.md, "
+        "'What a dispatch costs on a Mac'",
+    ),
+    "eta_max": (
+        0.80,
+        "achieved share of peak bandwidth on Pro/Max chips, 75-85% (shared/FACTS.md, 'Achieved bandwidth'; "
+        "MLX bf16 decode about 76% of peak, mlxcel#358, M5 Max)",
+    ),
+    "eta_ultra": (0.625, "Ultra chips reach about 60-65% (shared/FACTS.md, 'Achieved bandwidth')"),
+}
+# name: (peak GB/s, eta key, source). M5 Max is left out: no Apple figure was at hand (third-party pages
+# disagree: 600 and 614 GB/s).
+CHIPS = {
+    "M1 Max": (400.0, "eta_max", "Apple newsroom, 'Introducing M1 Pro and M1 Max' (2021-10-18): 400GB/s"),
+    "M2 Max": (400.0, "eta_max", "Apple newsroom, 'Apple unveils M2 Pro and M2 Max' (2023-01-17): 400GB/s"),
+    "M3 Max": (400.0, "eta_max", "Apple, MacBook Pro (Nov 2023) tech specs: 400GB/s (16-core CPU, 40-core GPU)"),
+    "M3 Max 14-core": (300.0, "eta_max", "Apple, MacBook Pro (Nov 2023) tech specs: 300GB/s (14-core CPU)"),
+    "M3 Ultra": (819.0, "eta_ultra", "Apple, Mac Studio (2025) tech specs: 819GB/s"),
+    "M4 Max": (546.0, "eta_max", "Apple, MacBook Pro (2024) tech specs: 546GB/s (16-core CPU, 40-core GPU)"),
+}
+# The real Qwen3.6-35B-A3B (shared/FACTS.md): how many of each block a decode step runs.
+REAL_BLOCKS = {"linear_attn": 30, "self_attn": 10, "mlp": 40}
+
+
+def blocks_of(model: torch.nn.Module) -> dict[str, int]:
+    """How many of each block of :data:`BLOCKS` a model's decoder layers have."""
+    n = dict.fromkeys(BLOCKS, 0)
+    for name, _ in model.named_modules():
+        last = name.rsplit(".", 1)[-1]
+        if last in BLOCKS and name.count(".") == 3:
+            n[last] += 1
+    return n
+
+
+def scale(cost: dict, blocks: dict[str, int], real: dict[str, int] | None = None, extra_bytes: int = 0) -> dict:
+    """One decode step of the real model from a small one's :func:`decode_cost`: each block's counts per block
+    times the real number of blocks (the counts per block do not depend on the number of layers: the step runs
+    the same code per layer), ``rest`` as counted, plus ``extra_bytes`` (what the small model's widths leave
+    out: its vocabulary, its router). ``{"bytes", "ops", "pointwise", kind: n for kind in KINDS}``."""
+    real = real or REAL_BLOCKS
+    out = dict.fromkeys(("bytes", "ops", "pointwise", *KINDS), 0.0)
+
+    def add(block: str, factor: float) -> None:
+        out["bytes"] += cost["bytes"].get(block, 0) * factor
+        out["ops"] += cost["ops"].get(block, 0) * factor
+        out["pointwise"] += cost.get("pointwise", {}).get(block, 0) * factor
+        for k, n in cost.get("dispatches", {}).get(block, {}).items():
+            out[k] += n * factor
+
+    for block, n in real.items():
+        if blocks.get(block):
+            add(block, n / blocks[block])
+    add("rest", 1.0)
+    out["bytes"] += extra_bytes
+    return out
+
+
+def predict(
+    step: dict,
+    bandwidth_gbs: float,
+    eta: float,
+    c_metal_us: float,
+    c_graph_us: float,
+    mixed: str = "metal",
+    fused: bool = False,
+) -> float:
+    """Predicted ms per decode step = bytes / (eta * bandwidth) + Metal dispatches * c_metal + MPSGraph
+    dispatches * c_graph. ``mixed`` (``"metal"`` or ``"mpsgraph"``): how ``mixed``, ``unknown`` and ``unlisted``
+    dispatches are priced. ``fused``: dispatches of pointwise ops cost nothing (the bound of a compiler that fuses
+    every pointwise op into a neighbour; they are priced as Metal otherwise: every pointwise op of the table is)."""
+    if not 0 < eta <= 1:
+        raise ValueError(f"eta must be in (0, 1], got {eta}")
+    if mixed not in ("metal", "mpsgraph"):
+        raise ValueError(f"mixed must be 'metal' or 'mpsgraph', got {mixed!r}")
+    other = step["mixed"] + step["unknown"] + step["unlisted"]
+    metal = step["metal"] + (other if mixed == "metal" else 0)
+    graph = step["mpsgraph"] + (other if mixed == "mpsgraph" else 0)
+    if fused:
+        metal = max(0.0, metal - step["pointwise"])
+    seconds = step["bytes"] / (eta * bandwidth_gbs * 1e9) + metal * c_metal_us * 1e-6 + graph * c_graph_us * 1e-6
+    return seconds * 1e3

@@ -398,6 +398,47 @@ def _affine_metal_gemv(ctx: Ctx) -> dict:
     return _out("fixed", f"compiled, matches the reference; speed vs bf16, one row: {detail}", **measured)
 
 
+def _dispatch_cost(ctx: Ctx) -> dict:
+    """The constants of mpsboost's Mac cost model (``mpsboost.bench.decode_cost.predict``), measured here:
+    ``c_metal_us``, the time per dispatch of a Metal-shader op (an in-place add of a 1-element tensor, 200 calls
+    between synchronisations); ``c_graph_us``, the same for an MPSGraph op (``prelu``: an MPSGraph in the 2.14.1 and
+    2.15.0 wheels, data/mps_dispatch_kinds.json); ``achieved_gbs``, the bandwidth of a bf16 GEMV at decode (one
+    row by a 64 MiB weight, the read of a decode step's projections) and ``eta``, its share of the chip's peak
+    where the chip is one the model names. The validator accepts them only within physical bounds
+    (``report.COST_BOUNDS``). Off a Mac the numbers are the CPU's: not evidence."""
+    import torch
+
+    from ..bench.decode_cost import CHIPS
+    from .machine import _chip
+
+    x = ctx.to(torch.zeros(1))
+    a, w = ctx.to(torch.randn(1, 8)), ctx.to(torch.full((1,), 0.25))
+    calls = 20 if ctx.small else 200
+    t_metal = _time(ctx, lambda: x.add_(1.0), calls=calls) / calls
+    t_graph = _time(ctx, lambda: torch.prelu(a, w), calls=calls) / calls
+    n, k = (64, 64) if ctx.small else (8192, 4096)
+    dtype = torch.float32 if ctx.device == "cpu" else torch.bfloat16
+    weight = ctx.to(torch.randn(n, k) / k**0.5).to(dtype)
+    row = ctx.to(torch.randn(1, k)).to(dtype)
+    t_gemv = _time(ctx, lambda: row @ weight.t(), calls=10) / 10
+    gbs = weight.numel() * weight.element_size() / t_gemv / 1e9
+    chip = _chip() if ctx.device == "mps" else ""
+    known = [c for c in sorted(CHIPS, key=len, reverse=True) if chip.endswith(c)]
+    eta = gbs / CHIPS[known[0]][0] if known and ctx.device == "mps" else None
+    measured = {
+        "c_metal_us": t_metal * 1e6,
+        "c_graph_us": t_graph * 1e6,
+        "achieved_gbs": gbs,
+        "eta": eta,
+        "chip_model": known[0] if known else None,
+    }
+    detail = (
+        f"per dispatch: Metal shader {t_metal * 1e6:.2f} us, MPSGraph {t_graph * 1e6:.2f} us; bf16 GEMV "
+        f"{gbs:.0f} GB/s" + (f", eta {eta:.2f} of {known[0]}'s peak" if eta is not None else "")
+    )
+    return _mps_only(ctx, _out("fixed", f"measured (the cost model's constants): {detail}", **measured))
+
+
 def _linear_b1k(ctx: Ctx) -> dict:
     import torch
     import torch.nn.functional as F
@@ -900,6 +941,15 @@ PROBES: dict[str, Probe] = {
             None,
             _long_k,
             "none yet (a measurement hygiene fact)",
+        ),
+        Probe(
+            "dispatch_cost",
+            ("pytorch#148219", "qwisp#143"),
+            "a decode step pays per dispatch: about 1.3 us host for a Metal shader, 20 us for an MPSGraph op",
+            "1-element ops, 200 calls between synchronisations; a bf16 GEMV by a 64 MiB weight",
+            None,
+            _dispatch_cost,
+            "the constants of mpsboost's Mac cost model (mpsboost.bench.decode_cost.predict), measured on this Mac",
         ),
         Probe(
             "gemm_fresh_process",

@@ -31,6 +31,10 @@ NOT_EVIDENCE = (
     "for the Mac results (only a run on an Apple-silicon Mac is); please do not send it"
 )
 KINDS = ("selftest", "gate", "probe", "workload", "recipe")
+# Physical bounds of the cost model's constants that probe dispatch_cost measures (mpsboost.bench.decode_cost):
+# (low, high, whether low itself is allowed). A dispatch under 0.1 us or over 200 us per call is a broken timer;
+# eta is a share of the chip's peak bandwidth.
+COST_BOUNDS = {"c_metal_us": (0.1, 200.0, True), "c_graph_us": (0.1, 200.0, True), "eta": (0.0, 1.0, False)}
 
 
 class SelftestFormatError(MpsboostError, ValueError):
@@ -250,6 +254,7 @@ def _check_line(where: str, rec: dict, seen: dict) -> None:
             raise SelftestFormatError(
                 f"{where}: probe {name!r} verdict {rec.get('verdict')!r} is not one of {', '.join(VERDICTS)}"
             )
+        _check_costs(where, name, rec.get("measured") or {})
         seen[kind][name] = rec["verdict"]
     elif kind == "workload":
         status = rec.get("status")
@@ -282,6 +287,21 @@ def _check_line(where: str, rec: dict, seen: dict) -> None:
     elif kind == "recipe":
         _check_recipe(where, rec, name, RECIPE_STATUSES)
         seen[kind][name] = rec["status"]
+
+
+def _check_costs(where: str, name: str, measured: dict) -> None:
+    """The cost-model constants a probe line carries (:data:`COST_BOUNDS`), accepted only within their bounds."""
+    for key, (lo, hi, closed) in COST_BOUNDS.items():
+        v = measured.get(key)
+        if v is None:
+            continue
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not (ok and (lo <= v if closed else lo < v) and v <= hi):
+            span = f"{'[' if closed else '('}{lo}, {hi}]"
+            raise SelftestFormatError(f"{where}: probe {name!r} {key} = {v!r} is outside its physical bounds {span}")
+    gbs = measured.get("achieved_gbs")
+    if gbs is not None and not _positive(gbs):
+        raise SelftestFormatError(f"{where}: probe {name!r} achieved_gbs = {gbs!r} is not a positive bandwidth")
 
 
 def _check_recipe(where: str, rec: dict, name: str, statuses: tuple) -> None:
