@@ -563,6 +563,117 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         tests=("tests/core/test_api.py", "-k", "strict_on_the_cpu"),
     ),
+    Mutation(
+        name="decode-predict-drops-mpsgraph-term",
+        why="the Mac cost model leaves out the MPSGraph dispatches' time",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                " + metal * c_metal_us * 1e-6 + graph * c_graph_us * 1e-6\n",
+                " + metal * c_metal_us * 1e-6\n",
+            ),
+        ),
+        tests=("tests/bench/test_decode_predict.py", "-k", "predict_adds"),
+        quick=True,
+    ),
+    Mutation(
+        name="decode-predict-drops-bytes-term",
+        why="the Mac cost model leaves out the bytes' time",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                '    seconds = step["bytes"] / (eta * bandwidth_gbs * 1e9) + metal',
+                '    seconds = 0 * step["bytes"] / (eta * bandwidth_gbs * 1e9) + metal',
+            ),
+        ),
+        tests=("tests/bench/test_decode_predict.py", "-k", "predict_adds"),
+        quick=True,
+    ),
+    Mutation(
+        name="decode-predict-mixed-never-mpsgraph",
+        why="ops that ship both paths are priced as Metal even when asked to price them as MPSGraph",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                '    graph = step["mpsgraph"] + (other if mixed == "mpsgraph" else 0)\n',
+                '    graph = step["mpsgraph"]\n',
+            ),
+        ),
+        tests=("tests/bench/test_decode_predict.py", "-k", "mixed_both_ways"),
+        quick=True,
+    ),
+    Mutation(
+        name="decode-scale-ignores-blocks-per-model",
+        why="a small model's block counts are multiplied by the real number of blocks without dividing by its own",
+        edits=(Edit("src/mpsboost/bench/decode_cost.py", "add(block, n / blocks[block])", "add(block, n)"),),
+        tests=("tests/bench/test_decode_predict.py", "-k", "scale_multiplies"),
+        quick=True,
+    ),
+    Mutation(
+        name="decode-dispatch-counts-views",
+        why="a view (alias annotation on the return) counts as a kernel launch",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                "    if func.is_view or torch.Tag.inplace_view in func.tags:\n",
+                "    if torch.Tag.inplace_view in func.tags:\n",
+            ),
+        ),
+        tests=("tests/bench/test_decode_predict.py", "-k", "not_dispatches"),
+        quick=True,
+    ),
+    Mutation(
+        name="decode-dispatch-counts-relabels",
+        why="an op that returns a relabel of its input's storage without an alias annotation (_unsafe_view) counts",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                "        if outs and all(",
+                "        if False and all(",
+            ),
+        ),
+        tests=("tests/bench/test_decode_predict.py", "-k", "not_dispatches"),
+        quick=True,
+    ),
+    Mutation(
+        name="decode-dispatch-kind-ignores-the-wheel-table",
+        why="every aten dispatch is taken for a Metal shader, whatever the release's wheel ships",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                '    return _table(release).get(func.overloadpacket.__name__, "unlisted")\n',
+                '    return "metal"\n',
+            ),
+        ),
+        tests=("tests/bench/test_decode_predict.py", "-k", "kinds_per_release"),
+        quick=True,
+    ),
+    Mutation(
+        name="selftest-cost-bounds-unchecked",
+        why="the validator accepts any dispatch cost and bandwidth share a probe line carries",
+        edits=(
+            Edit(
+                "src/mpsboost/selftest/report.py",
+                '        _check_costs(where, name, rec.get("measured") or {})\n',
+                "",
+            ),
+        ),
+        tests=("tests/bench/test_decode_predict.py", "-k", "refuses_constants"),
+        quick=True,
+    ),
+    Mutation(
+        name="selftest-cost-bounds-eta-zero-allowed",
+        why="an eta of 0 (no bandwidth at all) passes the validator",
+        edits=(
+            Edit(
+                "src/mpsboost/selftest/report.py",
+                '"eta": (0.0, 1.0, False)',
+                '"eta": (0.0, 1.0, True)',
+            ),
+        ),
+        tests=("tests/bench/test_decode_predict.py", "-k", "refuses_constants"),
+        quick=True,
+    ),
 )
 
 
