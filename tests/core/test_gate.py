@@ -515,3 +515,23 @@ def test_doctor_shows_upstream_dates_conditions_and_decider(capsys):
     if info["env"]["device_type"] == "cpu":
         assert info["features"]["float8_storage"]["decided_by"] == "probed"
         assert info["features"]["histc_int"]["decided_by"] == "by version"
+
+
+def test_the_contributing_guide_quotes_a_real_gate_row():
+    """docs/contributing.md, "a gate feature is a row": its worked example (the fact, the row, the test line)
+    is the code as it stands, each block verbatim in the file it names, and the fields it lists exist."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "contributing.md").read_text()
+    section = text.split("## A gate feature is a row\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```python\n(.*?)^```", section, re.S | re.M)
+    files = [root / "tools" / "wheel_facts.py", root / "src" / "mpsboost" / "gate" / "features.py", Path(__file__)]
+    assert len(blocks) == len(files)
+    for block, path in zip(blocks, files):
+        assert block in path.read_text(), f"the guide's example is not in {path.name}:\n{block}"
+    for name in re.findall(r"`(\w+)` \(", section.split("`Rule` fields:", 1)[1].split("\n\n", 1)[0]):
+        assert name in {f.name for f in dataclasses.fields(Rule)}, name
+    assert "--offline" in section and "python benchmarks/tables.py" in section
