@@ -199,6 +199,45 @@ FEATURES.update(
             probe_decides=True,
         ),
         Feature(
+            "moe_metal_route",
+            "mpsboost's fused Metal kernels for a sparse MoE block's decode chains (router softmax/top-k/"
+            "renormalisation with the grouped products' order and device offsets, gated activation, weighted combine "
+            "with the shared expert's sigmoid gate)",
+            {
+                "mps": (
+                    Rule(
+                        since="2.7",
+                        upstream="def compile_shader in torch/mps/__init__.py of every macOS wheel read (public "
+                        "since 2.7); the kernels are mpsboost's (mpsboost.ops.moe_metal)",
+                        note="on a Mac moe_block also compiles them, checks them against the composed path and "
+                        "times them against it at the block's shapes at patch time (mpsboost.ondevice.choose)",
+                        evidence="mps_compile_shader",
+                    ),
+                )
+            },
+            probe=_probe_mps_api("compile_shader", "public since torch 2.7"),
+            probe_decides=True,
+        ),
+        Feature(
+            "deltanet_metal_step",
+            "mpsboost's fused Metal kernel for a Gated DeltaNet layer's decode step after its projections (conv roll, "
+            "q/k norm, gates, delta rule on the fp32 state, gated RMSNorm: one dispatch)",
+            {
+                "mps": (
+                    Rule(
+                        since="2.7",
+                        upstream="def compile_shader in torch/mps/__init__.py of every macOS wheel read (public "
+                        "since 2.7); the kernel is mpsboost's (mpsboost.ops.deltanet_metal)",
+                        note="on a Mac linear_attention also compiles it, checks it against the composed step and "
+                        "times it against that step at the layer's shapes at patch time (mpsboost.ondevice.choose)",
+                        evidence="mps_compile_shader",
+                    ),
+                )
+            },
+            probe=_probe_mps_api("compile_shader", "public since torch 2.7"),
+            probe_decides=True,
+        ),
+        Feature(
             "triton",
             "Triton kernels",
             {"cuda": (Rule(since="2.4", min_capability=(8, 0)),)},

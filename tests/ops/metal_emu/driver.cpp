@@ -101,6 +101,8 @@ void dispatch(void (*fn)(P...), const long threads[2], const long group[2], std:
   for (long gy = 0; gy < tgy; ++gy) {
     for (long gx = 0; gx < tgx; ++gx) {
       metal::emu::Threadgroup ctx{};
+      std::barrier<> all(nthreads);  // threadgroup_barrier
+      ctx.all = &all;
       std::vector<std::unique_ptr<std::barrier<>>> bars;
       for (int s = 0; s < nsg; ++s) {
         bars.push_back(std::make_unique<std::barrier<>>(metal::emu::SIMD_WIDTH));
