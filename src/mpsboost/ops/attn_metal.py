@@ -233,8 +233,8 @@ def qk_rope(
         c2, s2 = c2.contiguous(), s2.contiguous()
     cs = c2.stride(0) if c2.shape[0] > 1 else 0
     has = k_cache is not None
-    wqf = wq if wq is not None else q  # unused without a norm
-    wkf = wk if wk is not None else q
+    wqf = wq if wq is not None else _buffer(y)  # unused without a norm
+    wkf = wk if wk is not None else _buffer(y)
     fn = getattr(_library(), KERNELS[y.dtype])
     fn(
         _buffer(y),
@@ -245,8 +245,8 @@ def qk_rope(
         q,
         k,
         _buffer(v) if has else y,
-        k_cache if has else q,
-        v_cache if has else k,
+        k_cache if has else _buffer(y),  # unused (never written) without a cache
+        v_cache if has else _buffer(y),
         pos if has else y,
         hq,
         hkv,
