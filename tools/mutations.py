@@ -83,6 +83,18 @@ def _leak(recipe: str, signature: str, quick: bool = False) -> Mutation:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
+        name="attn-metal-rotate-half-sign",
+        why="the fused attention kernel's rotate_half loses its negation on the first half",
+        edits=(Edit("src/mpsboost/ops/attn_metal.py", "e < hr ? -buf[e + hr]", "e < hr ? buf[e + hr]"),),
+        tests=("tests/ops/test_attn_metal_emulated.py", "-k", "gated-b1"),
+    ),
+    Mutation(
+        name="attn-metal-cache-position",
+        why="the fused attention kernel writes K/V one position past pos[0]",
+        edits=(Edit("src/mpsboost/ops/attn_metal.py", "* S + p) * D + e;", "* S + p + 1) * D + e;"),),
+        tests=("tests/ops/test_attn_metal_emulated.py", "-k", "gated-b1"),
+    ),
+    Mutation(
         name="affine-metal-decode-shift",
         why="the Metal low-bit kernels cut codes at the wrong shift within a word (o & 15 for o & 31)",
         edits=(Edit("src/mpsboost/ops/affine_metal.py", "  const int sh = o & 31;\n", "  const int sh = o & 15;\n"),),

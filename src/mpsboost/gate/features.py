@@ -238,6 +238,25 @@ FEATURES.update(
             probe_decides=True,
         ),
         Feature(
+            "attn_metal_qk_rope",
+            "mpsboost's fused Metal kernel for an attention layer's decode step after its projections (q/k RMS norm, "
+            "rotary, K/V cache write: one dispatch)",
+            {
+                "mps": (
+                    Rule(
+                        since="2.7",
+                        upstream="def compile_shader in torch/mps/__init__.py of every macOS wheel read (public "
+                        "since 2.7); the kernel is mpsboost's (mpsboost.ops.attn_metal)",
+                        note="on a Mac it is also compiled, checked against the composed step and timed against it "
+                        "at the layer's shapes at patch time (mpsboost.ondevice.choose)",
+                        evidence="mps_compile_shader",
+                    ),
+                )
+            },
+            probe=_probe_mps_api("compile_shader", "public since torch 2.7"),
+            probe_decides=True,
+        ),
+        Feature(
             "triton",
             "Triton kernels",
             {"cuda": (Rule(since="2.4", min_capability=(8, 0)),)},
