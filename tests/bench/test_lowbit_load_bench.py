@@ -1,0 +1,68 @@
+"""benchmarks/lowbit_load.py at tiny size on the CPU, in-process: the folder its streaming writer makes is mlx-lm's
+layout (router gates at 8 bits in ``config.json``, switch_mlp stacks, uint32 codes), ``from_pretrained`` loads it, its
+independent unpacking equals ``mx.dequantize``, and the load phase's logits and greedy tokens agree with the exact
+dequantisation reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def lb():
+    spec = importlib.util.spec_from_file_location("mpsboost_bench_lowbit_load", ROOT / "benchmarks" / "lowbit_load.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_unpack_equals_mlx_dequantize(lb, bits):
+    mx = pytest.importorskip("mlx.core")
+    import numpy as np
+
+    w = np.random.default_rng(bits).standard_normal((40, 320)).astype(np.float32)
+    q, s, b = mx.quantize(mx.array(w), group_size=64, bits=bits)
+    want = torch.from_numpy(np.array(mx.dequantize(q, s, b, group_size=64, bits=bits)))
+    codes = torch.from_numpy(np.array(q).view(np.int32)).view(torch.uint32)
+    got = lb.unpack_dequantize(codes, torch.from_numpy(np.array(s)), torch.from_numpy(np.array(b)), bits, 64)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # mine is rounded once to bf16: within half a bf16 ulp of MLX's float32 values
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-6)
+
+
+def test_tiny_write_and_load_phase(lb, tmp_path):
+    cfg = lb._config("qwen3.6", 2, True)
+    files = lb.write_mlx(cfg, 4, 64, tmp_path / "f", "cpu")
+    folder = Path(files["folder"])
+    conf = json.loads((folder / "config.json").read_text())
+    q = conf["quantization"]
+    assert (q["bits"], q["group_size"]) == (4, 64)
+    gates = {k for k, v in q.items() if isinstance(v, dict)}
+    want = {f"language_model.model.layers.{i}.{g}" for i in range(2) for g in lb.ROUTER_GATES}
+    assert gates == want and all(q[k] == {"group_size": 64, "bits": 8} for k in gates)
+    from mpsboost.quant.io import open_folder
+
+    ents = open_folder(folder).entries
+    assert ents["language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight"].dtype == "U32"
+    assert ents["language_model.model.layers.0.mlp.gate.weight"].shape == (cfg.num_experts, cfg.hidden_size // 4)
+    assert ents["language_model.lm_head.scales"].shape == (cfg.vocab_size, cfg.hidden_size // 64)
+    assert files["file_bytes"] == sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+    r = lb.load_phase(files, cfg, "cpu")
+    assert r["rel_error"] < 1e-2, r["rel_error"]
+    assert r["tokens_equal"], (r["first_divergence"], r["tokens"], r["reference_tokens"])
+    assert len(r["tokens"]) == lb.NEW_TOKENS
+    assert any(k.startswith("low_bit_weights: ") for k in r["paths"])
+    recs = lb.load_records(files, r, 2, True, "cpu")
+    assert recs[0].correctness.rel_error == r["rel_error"] and recs[0].workload.shape["bits"] == 4
