@@ -35,8 +35,8 @@ registered operators run their reference implementation here (dequantise, then m
 Device time (one H200, estimated from the sizes: ~19 GiB of 4-bit codes and ~35 GiB of 8-bit, written through the
 page cache; the bf16 reference 65 GiB beside the loaded model: 84 / 100 GiB of 139 GiB): the load command writes,
 loads and checks 4 then 8 bits in ~4-7 min; the decode command writes and loads both again and builds bf16 (118 GiB
-at once) in ~4-6 min. ``--budget-s`` (default 560 on CUDA, none elsewhere) stops a run before a phase it cannot finish, and the records
-taken so far are written. Commands:
+at once) in ~4-6 min. ``--budget-s`` (default 560 on CUDA, none elsewhere) stops a run before a phase it cannot
+finish, and the records taken so far are written. Commands:
 
     python benchmarks/lowbit_load.py --device cuda --only qwen3.6 --layers 40 --bits 4,8 --workdir /tmp/lb \
         --out benchmarks/results                                                         # the load, 4 then 8 bits
