@@ -324,11 +324,39 @@ _GDN = dict(
 _GDN_MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
 
 
-def gated_deltanet_lm(family: str = "qwen3_5_moe", **overrides: Any):
+# Slow-decay gates for the DeltaNet layers of test models. transformers initialises A_log = log U(0, 16) and
+# dt_bias = 1: g = -exp(A_log) * softplus(a + dt_bias) is about -9.5 a token, so the recurrent state of one
+# 64-token chunk decays to exp(-600) = 0 before the next chunk reads it, and a scan that carries state across
+# chunks wrongly still matches stock. A_log = log U(0.002, 0.05), dt_bias = -1 (g of about -0.0006 to -0.016 a
+# token where a = 0; softplus(-1) = 0.31) carry most of the state across a chunk: the scan's carry is tested (an
+# off-by-one in it is 1e-3 off, the recipe 2e-7).
+SLOW_A = (0.002, 0.05)
+SLOW_DT_BIAS = -1.0
+
+
+def slow_decay_gates(model: Any, generator: torch.Generator | None = None) -> Any:
+    """Set every Gated DeltaNet layer's ``A_log`` to ``log U(SLOW_A)`` and ``dt_bias`` to ``SLOW_DT_BIAS``, in
+    place (drawn from ``generator``, else torch's global generator); returns ``model``."""
+    for m in model.modules():
+        if type(m).__name__.endswith("GatedDeltaNet"):
+            with torch.no_grad():
+                lo, hi = SLOW_A
+                a = torch.empty(m.A_log.shape, dtype=torch.float32).uniform_(lo, hi, generator=generator)
+                m.A_log.copy_(a.log())
+                m.dt_bias.fill_(SLOW_DT_BIAS)
+    return model
+
+
+def gated_deltanet_lm(family: str = "qwen3_5_moe", *, gates: str = "slow", **overrides: Any):
     """A tiny transformers LM with a Gated DeltaNet layer: ``qwen3_5_moe`` (Qwen3.6-35B-A3B's classes),
     ``qwen3_5`` (dense), ``qwen3_next`` (fused qkvz/ba projections) or ``olmo_hybrid`` (separate
-    projections, beta in [0, 2]). ``overrides`` replace config fields (e.g. ``linear_num_key_heads``)."""
+    projections, beta in [0, 2]). ``overrides`` replace config fields (e.g. ``linear_num_key_heads``).
+    ``gates``: ``"slow"`` (default: :func:`slow_decay_gates`, state carried across chunks) or ``"stock"``
+    (transformers' initialisation: every chunk's state decays to 0)."""
     import transformers as t
+
+    if gates not in ("slow", "stock"):
+        raise ValueError(f"gates must be 'slow' or 'stock', got {gates!r}")
 
     cfg, cls, extra = {
         "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(head_dim=32, **_GDN_MOE)),
@@ -340,7 +368,8 @@ def gated_deltanet_lm(family: str = "qwen3_5_moe", **overrides: Any):
             dict(intermediate_size=64, linear_allow_neg_eigval=True),
         ),
     }[family]
-    return getattr(t, cls)(getattr(t, cfg)(**(_LM_COMMON | _GDN | extra | overrides)))
+    model = getattr(t, cls)(getattr(t, cfg)(**(_LM_COMMON | _GDN | extra | overrides)))
+    return slow_decay_gates(model) if gates == "slow" else model
 
 
 def _run_lm(

@@ -31,6 +31,10 @@ ENVS = {
 FP32_TOL = 1e-5  # relative, on each DeltaNet layer's output (the recipe's stated float32 bound)
 BF16_FACTOR = 1.5  # patched bf16 error vs a float32 reference, at most this times stock's
 OPS_PER_LAYER = 35  # aten ops of one DeltaNet layer's eager decode step, any batch size, fp32 or bf16
+# Per-token log decay g: "slow" as trained checkpoints (and tiny_models' DeltaNet layers): -0.06 to 0, so a
+# 64-token chunk keeps most of its state for the next (a scan that carries it wrongly is off by 1e-3 and
+# more); "fast" as transformers' initialisation: each chunk's state decays to about 0 before the next reads it.
+GATE_SCALE = {"slow": 0.06, "fast": 1.0}
 
 
 def _model(
@@ -174,6 +178,27 @@ def _generate(model, ids, mask, **kw):
         **kw,
     )
     return out.sequences, torch.stack(out.logits)
+
+
+def test_two_sequences_decoded_in_turn_keep_their_own_state():
+    """Two conversations of one batch size decoded in turn, each with its own cache (a server's two slots): each
+    step reads its own recurrent state (the step's view of the cache's state is made once per state tensor, and
+    must never be another cache's). Logits within the float32 bound of stock's."""
+    stock = _model(seed=30)
+    patched = copy.deepcopy(stock)
+    _patch(patched, Env.simulate("mps", "2.15.0"))
+    ids = [torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(s)) for s in (31, 32)]
+    runs = []
+    for m in (stock, patched):
+        logits = []
+        with torch.no_grad():
+            outs = [m(x[:, :5], use_cache=True) for x in ids]
+            for i in range(5, 9):
+                for j, x in enumerate(ids):
+                    outs[j] = m(x[:, i : i + 1], past_key_values=outs[j].past_key_values, use_cache=True)
+                    logits.append(outs[j].logits)
+        runs.append(torch.cat(logits, dim=1))
+    assert tm.relative_error(runs[1], runs[0]) <= FP32_TOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -514,7 +539,7 @@ def test_chunked_rule_matches_transformers_reference():
     b, s, hk, hv, d = 2, 100, 2, 4, 32
     q, k = torch.randn(b, s, hk, d, generator=g), torch.randn(b, s, hk, d, generator=g)
     v = torch.randn(b, s, hv, d, generator=g)
-    gate = -torch.rand(b, s, hv, generator=g) * 0.5
+    gate = -torch.rand(b, s, hv, generator=g) * GATE_SCALE["slow"]
     beta = torch.rand(b, s, hv, generator=g)
     init = torch.randn(b, hv, d, d, generator=g) * 0.1
     ref, ref_state = ref_rule(
@@ -528,21 +553,29 @@ def test_chunked_rule_matches_transformers_reference():
 
 
 @pytest.mark.parametrize(
-    ("b", "s", "hk", "hv", "init"),
-    [(1, 64, 4, 4, False), (2, 200, 2, 4, True), (1, 321, 1, 4, True), (2, 7, 2, 2, False)],
-    ids=["one-chunk-no-state", "batch2-padded-gqa", "five-chunks-4-to-1", "short"],
+    ("b", "s", "hk", "hv", "init", "decay"),
+    [
+        (1, 64, 4, 4, False, "slow"),
+        (2, 200, 2, 4, True, "slow"),
+        (1, 321, 1, 4, True, "slow"),
+        (2, 7, 2, 2, False, "slow"),
+        (2, 130, 2, 4, False, "slow"),
+        (2, 200, 2, 4, True, "fast"),
+    ],
+    ids=["one-chunk-no-state", "batch2-padded-gqa", "five-chunks-4-to-1", "short", "three-chunks", "fast-decay"],
 )
-def test_chunked_rule_equals_transformers_over_many_chunks(b, s, hk, hv, init):
+def test_chunked_rule_equals_transformers_over_many_chunks(b, s, hk, hv, init, decay):
     """The scan over chunks (five batched ops a chunk) against transformers' loop: float32 outputs and final
-    state within the recipe's bound, for one to six chunks, batches, head ratios, with and without a state;
-    the caller's initial state is left as it was."""
+    state within the recipe's bound, for one to six chunks, batches, head ratios, with and without a state,
+    slow-decay gates (the state carried across chunks) and fast; the caller's initial state is left as it was."""
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_chunk_gated_delta_rule as ref_rule
 
     g = torch.Generator().manual_seed(s)
     d = 16
     q, k = torch.randn(b, s, hk, d, generator=g), torch.randn(b, s, hk, d, generator=g)
     v = torch.randn(b, s, hv, d, generator=g)
-    gate, beta = -torch.rand(b, s, hv, generator=g), torch.rand(b, s, hv, generator=g)
+    gate = -torch.rand(b, s, hv, generator=g) * GATE_SCALE[decay]
+    beta = torch.rand(b, s, hv, generator=g)
     state0 = torch.randn(b, hv, d, d, generator=g) * 0.1 if init else None
     kept = state0.clone() if init else None
     ref, ref_state = ref_rule(

@@ -40,19 +40,30 @@ def conv_roll(
     window: torch.Tensor | None = None,
     tail: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    acc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token of a depthwise causal conv with its rolling state (updated in place), then ``silu``.
 
     ``conv_state`` ``[B, C, W]`` (the cache's own tensor, oldest column first), ``x`` ``[B, C, 1]`` the new
-    column, ``weight`` float32 ``[C, W + 1]`` whose first column is zero (it meets the column that leaves
-    the state). ``window`` (``[B, C, W + 1]``, the state's dtype) and ``tail`` (its view ``[..., 1:]``) and
-    ``out`` (float32 ``[B, C]``) are optional buffers. Returns float32 ``silu(conv)`` ``[B, C]``: the window
-    is the state and the new column side by side (one ``cat``), the new state its last ``W`` columns (one
-    copy), the conv a multiply-sum in float32 (no ``conv1d``, no slice of a padded output).
+    column, ``weight`` ``[C, W]`` (a view of the conv's own weight, any float dtype: nothing derived from it,
+    so an in-place edit of the weight is seen at once), ``bias`` ``[C]`` or None (the conv's own). ``window``
+    (``[B, C, W + 1]``, the state's dtype) and ``tail`` (its view ``[..., 1:]``) and ``out`` (float32
+    ``[B, C]``) are optional buffers; ``acc`` a float32 tensor of one element holding 0 (made here where not
+    given). Returns float32 ``silu(conv)`` ``[B, C]``: the window is the state and the new column side by
+    side (one ``cat``), the new state its last ``W`` columns (one copy), the conv a multiply-sum over those
+    columns. The products are float32 in any model dtype: ``acc + tail * weight`` (one ``addcmul``) promotes
+    to float32 where the state or weight is narrower (no cast op); float32 models multiply directly.
     """
     window = torch.cat((conv_state, x), dim=-1, out=window)
-    conv_state.copy_(tail if tail is not None else window[..., 1:])
-    y = torch.sum(window * weight, dim=-1, out=out)
+    tail = tail if tail is not None else window[..., 1:]
+    conv_state.copy_(tail)
+    if tail.dtype == torch.float32 and weight.dtype == torch.float32:
+        prod = tail * weight
+    else:
+        if acc is None:
+            acc = torch.zeros(1, dtype=torch.float32, device=tail.device)
+        prod = torch.addcmul(acc, tail, weight)
+    y = torch.sum(prod, dim=-1, out=out)
     if bias is not None:
         y.add_(bias)
     return torch.nn.functional.silu(y, inplace=True)
@@ -134,19 +145,30 @@ def gated_rms_norm(
     weight: torch.Tensor,
     eps_root: torch.Tensor,
     *,
+    weight_scale: float = 1.0,
+    zero: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``w * o * rsqrt(mean(o^2) + eps) * silu(gate)`` over the last dim (size ``n``), in float32.
 
-    Pass ``weight`` = ``w * sqrt(n)`` and ``eps_root`` = ``sqrt(n * eps)`` (float32): ``rsqrt(|o|^2 / n + eps)``
-    is ``sqrt(n) / hypot(|o|, sqrt(n * eps))``, so the norm is ``vector_norm``, ``hypot`` and ``div``. For
-    ``o = s * o'`` (a scale the caller left out) pass ``eps / s^2`` for ``eps``. ``gate`` of another dtype is
-    widened first (``silu`` in float32, as the reference computes it). ``out`` may have another float dtype
-    (the model's): the last multiply rounds into it.
+    Pass ``weight_scale`` = ``sqrt(n)`` and ``eps_root`` = ``sqrt(n * eps)`` (float32): ``rsqrt(|o|^2 / n + eps)``
+    is ``sqrt(n) / hypot(|o|, sqrt(n * eps))``, so the norm is ``vector_norm``, ``hypot`` and ``div``, and the
+    gate's product ``weight_scale * silu(gate) * w`` one ``addcmul`` on ``zero`` (a float32 0, made here where
+    not given): ``weight`` is the module's own (any float dtype, widened by the product), nothing derived
+    from it. With ``weight_scale`` 1 the product is a plain multiply. For ``o = s * o'`` (a scale the caller
+    left out) pass ``eps / s^2`` for ``eps``. ``gate`` of another dtype is widened first (``silu`` in float32,
+    as the reference computes it). ``out`` may have another float dtype (the model's): the last multiply
+    rounds into it.
     """
     n = torch.linalg.vector_norm(o, dim=-1, keepdim=True)
     g = torch.nn.functional.silu(gate if gate.dtype == torch.float32 else gate.float())
-    return torch.mul(o / torch.hypot(n, eps_root), g * weight, out=out)
+    if weight_scale == 1.0:
+        gw = g * weight
+    else:
+        if zero is None:
+            zero = torch.zeros((), dtype=torch.float32, device=g.device)
+        gw = torch.addcmul(zero, g, weight, value=weight_scale)
+    return torch.mul(o / torch.hypot(n, eps_root), gw, out=out)
 
 
 def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,14 @@ dictionary of which module held each hop. :meth:`Watch.fresh` then checks identi
 ``dict.get`` and ``is``) and the data pointer, version, dtype and device of every tensor: host-side
 metadata only, no aten op, no device synchronisation. It never runs inside traced code.
 
+What it cannot see: a write through ``.data`` (``weight.data += delta``, PEFT's default LoRA merge;
+``weight.data.mul_(...)``, ``.copy_``). ``.data`` is an alias of the same memory with a version counter of its
+own, so the Parameter's version and data pointer stay as they were, and nothing host-side records the write.
+The recipes therefore derive no copy where a view of the weight works (an in-place edit is then read by the
+next step); the few constants that must be copies (a negation, an exponential, ``1 + w``, a weight repeated per
+head) are made again at every call of more than one token (each prompt). What remains is in
+``docs/known-gaps.md``.
+
 What it holds: the modules and tensors the constants were derived from, which the constants reference
 anyway, on the layer's own state (an instance attribute): nothing outside the model's object graph.
 """

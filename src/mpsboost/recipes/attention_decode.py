@@ -28,7 +28,9 @@ The one-token step (a cache given, eager or sdpa attention, no attention weights
   weights (Qwen3.6-35B-A3B, bf16: 10 full-attention layers x (8192 + 512 + 512) x 2048 x 2 B = 360 MiB;
   Qwen3-32B: 64 x 10240 x 5120 x 2 B = 6.25 GiB) to save two host ops a step. The weights are read once
   either way (same bytes moved); the step takes 31 ops instead of 29 (two more matmuls);
-- the q and k heads are normalised by one ``F.rms_norm`` and one multiply (per-row weights prepared once);
+- the q and k heads are normalised by one ``F.rms_norm`` and one multiply (per-row weights prepared once,
+  and again at every prefill: an edit of the norms' weights through ``.data`` is followed from the next
+  prompt; every other weight the step reads is a view of the module's own, read as it is at every step);
 - the rotary is one ``index_select`` (the rotate-half permutation) and a multiply-add with the sign folded
   into ``sin``; a partial rotary writes its slice in place;
 - the K/V go through the model's own cache object (``cache.update``: DynamicCache concatenates,
@@ -408,6 +410,17 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
     return state.derived
 
 
+def _refresh_norm_weight(mod: torch.nn.Module, state: _State) -> None:
+    """The per-row q/k norm weights made again from the norms' weights as they are now (a few tiny ops per
+    prompt). The one eager constant that is a copy: ``(1 + w)`` in float32 or a weight repeated per head, one
+    row of which no view of the two weights expresses. The projections' weights, biases and the output
+    projection's are views and need nothing."""
+    d = state.derived
+    if d is not None and d["norm_w"] is not None:
+        with torch.no_grad():
+            d["norm_w"] = _norm_weight(mod, state.layout, True)
+
+
 def _rope_consts(d: dict[str, Any], rd: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rotate_half as a permutation of the ``rd`` rotary columns, and its sign ([-1]*h + [1]*h)."""
     found = d["rope"].get((rd, like.dtype, like.device))
@@ -579,11 +592,15 @@ def _forward(
             d = None  # e.g. autocast's or a caller's other dtype: stock casts as it does
     if d is None:
         if not compiling and isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3:
-            if hidden_states.shape[1] > 1 and not (st.watch is not None and st.watch.fresh()):
-                # A prefill: the decode constants are brought up to date here (rebuilt only when a weight
-                # moved or another recipe converted it since, e.g. fp8 at patch() commit), so that the first
-                # decode step runs as every later one does.
-                _eager_derived(self, st)
+            if hidden_states.shape[1] > 1:
+                # A prefill: the decode constants are brought up to date here (rebuilt when a weight moved
+                # or another recipe converted it since, e.g. fp8 at patch() commit), so that the first decode
+                # step runs as every later one does; the q/k norms' per-row copy is made again in any case
+                # (an edit through .data leaves no trace the Watch could see).
+                if st.derived is not None and st.watch is not None and st.watch.fresh():
+                    _refresh_norm_weight(self, st)
+                else:
+                    _eager_derived(self, st)
         return call_original(
             self,
             NAME,

@@ -13,21 +13,26 @@ Qwen3.5/3.6 (31 for a batch; OLMo-Hybrid's six projections two more; counted on 
 
 - the input projections stay the model's own Parameters, each in its own storage (nothing that compares
   storages, such as transformers' tied-weight checks, save_pretrained or accelerate, sees a tie); their
-  products are written side by side into one buffer, the two tiny ``b``/``a`` projections (``2 * Hv``
-  rows) fused by a copy;
+  products are written side by side into one buffer, one product per Parameter (``b`` and ``a`` too);
+- every weight the step reads is the module's own tensor or a view of it (projections, conv weight and
+  bias, the output norm's weight, the output projection): an in-place edit, through ``.data`` too (PEFT's
+  merge), is read by the next step. The gates' ``-dt_bias`` and ``exp(A_log)`` (``[Hv]`` each, float32) are
+  the only copies; they are made again at every prefill (docs/known-gaps.md);
+- the view of the cache's recurrent state the step reads is made once per state tensor (after the prefill),
+  not once per step;
 - every intermediate of the step goes into buffers the layer keeps for the current batch size and dtype
   (made after the prefill), with every view into them made once: a step dispatches arithmetic only, and
   no result's memory layout is ever assumed (the views address buffers the recipe laid out). A step that
   finds the buffers busy (another thread) and traced code allocate instead, as plain torch does;
-- the conv state rolls by one ``cat`` and one copy, the depthwise conv is one multiply-sum over the state
-  and the new column (no ``conv1d`` and slice);
+- the conv state rolls by one ``cat`` and one copy, the depthwise conv is one multiply-sum over the new
+  window's last columns and the conv's own weight (no ``conv1d`` and slice), products in float32;
 - ``beta`` and the decay ``exp(g)`` come from four elementwise ops (:func:`mpsboost.ops.gated_delta.gates`);
 - q/k are L2-normalised and repeated for the value heads by ``vector_norm``, ``hypot`` and one division;
 - the recurrent state stays float32 in the model's own cache tensor, where stock keeps it, updated in
   place in the reference's order (decay, ``baddbmm`` for ``v - S^T k``, a rank-one update, one ``bmm``
   read for the output): stock and patched layers mix;
-- the gated output norm is ``vector_norm``, ``hypot``, a division and the gate's products, the query's
-  ``dk ** -0.5`` folded into its epsilon.
+- the gated output norm is ``vector_norm``, ``hypot``, a division and the gate's products (``sqrt(dv)``
+  folded into the gate's ``addcmul``), the query's ``dk ** -0.5`` folded into its epsilon.
 
 Prefill: the recipe's chunked rule (:func:`mpsboost.ops.gated_delta.chunk_gated_delta_rule`): the
 projections' products side by side, and the sequential scan over 64-token chunks in five batched ops per
@@ -68,6 +73,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -227,8 +233,8 @@ class _PlainOperand:
     """Plain projections among stored ones (the published Qwen3.6-FP8 keeps ``in_proj_b``/``in_proj_a`` in bf16
     beside fp8 ``in_proj_qkv``/``in_proj_z``), called like their decode operands: the product written into the
     caller's columns by one ``mm`` (``bmm`` for a ``[1, 1, K]`` input, as the bf16 step does) on the transposed
-    weight; several layers side by side in one copy of their weights (``b`` and ``a``: a few KiB, as the bf16 step
-    fuses them). An eager constant, rebuilt with the others when a weight changes."""
+    weight (a view: in-place edits are read by the next step). An eager constant, rebuilt with the others when
+    a weight is replaced or moved."""
 
     __slots__ = ("layers", "wt", "wt3")
     writes_out = True
@@ -255,16 +261,16 @@ def _plain(m: Any) -> bool:
 def _operands(mods: list[Any], widths: tuple[int, ...], fuse_last: bool) -> tuple[list[Any], list[int]]:
     """What the eager decode step calls for each projection when some are stored (fp8): each fp8 layer's decode
     operand, each plain linear's :class:`_PlainOperand`, with the last two (``b`` and ``a``) side by side in one
-    operand where ``fuse_last`` and both are plain (one copy of their bf16 weights) or both fp8 rowwise/tensorwise
-    (one copy of their codes and scales, :func:`mpsboost.ops.fp8.concat_rows`): a few KiB, one dispatch. Returns the
-    operands and the width of each one's product."""
+    operand where ``fuse_last`` and both are fp8 rowwise/tensorwise (one copy of their codes and scales,
+    :func:`mpsboost.ops.fp8.concat_rows`: a few KiB, one dispatch; mpsboost's own fp8 buffers, see
+    docs/known-gaps.md). Two plain ones stay two products on their own weights. Returns the operands and the
+    width of each one's product."""
     ops = [_PlainOperand([m]) if _plain(m) else decode_operand(m) for m in mods]
     widths = list(widths)
     if not fuse_last or len(mods) < 2:
         return ops, widths
     (m1, m2), (o1, o2) = mods[-2:], ops[-2:]
-    if _plain(m1) and _plain(m2) and (m1.weight.dtype, m1.weight.device) == (m2.weight.dtype, m2.weight.device):
-        return ops[:-2] + [_PlainOperand([m1, m2])], widths[:-2] + [widths[-2] + widths[-1]]
+    # Two plain b/a layers stay two products on their own weights (a fused copy would miss in-place edits).
     if (
         isinstance(o1, GemvOperand)
         and isinstance(o2, GemvOperand)
@@ -384,46 +390,65 @@ def _qkvz_perm(lay: _Layout, device: torch.device) -> torch.Tensor:
     return torch.cat((q, k, v, z, b, a)).to(device)
 
 
+def _gate_consts(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, torch.Tensor]:
+    """``z_bias`` = ``[0, -dt_bias]`` and ``e_mult`` = ``[1, exp(A_log)]`` per value head, float32
+    (:func:`mpsboost.ops.gated_delta.gates`): the only eager constants that are copies of a weight (a
+    negation and an exponential no view expresses; computing them in the step would cost two ops of the
+    28). Eager mode rebuilds them when the Watch sees a change and at every other eager call with a cache
+    (a prefill), so that an edit through ``.data`` (which moves neither the version nor the data pointer)
+    is followed from the next prompt on (docs/known-gaps.md)."""
+    dt, a_log = mod.dt_bias, mod.A_log
+    if eager:
+        dt, a_log = dt.detach(), a_log.detach()
+    dtf, alf = dt.to(torch.float32), a_log.to(torch.float32)
+    hk, r = lay.hk, lay.r
+    return {
+        "z_bias": torch.stack((torch.zeros_like(dtf), -dtf), dim=-1).view(hk, r, 2),
+        "e_mult": torch.stack((torch.ones_like(alf), torch.exp(alf)), dim=-1).view(hk, r, 2),
+    }
+
+
 def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
     """The constants of the decode step, from the layer's current weights. Eager mode keeps them until a
     weight changes; traced code builds them inside the graph (no state read).
 
     The input projections stay the model's own Parameters (each its own storage: nothing that compares
     storages, such as transformers' tied-weight checks or safetensors, sees a tie). Eager decoding writes
-    their products side by side into one buffer; only the two tiny ``b``/``a`` projections (``2 * Hv`` rows)
-    are fused, by a copy, where the model keeps them apart."""
-    hk, r = lay.hk, lay.r
-    a_log, dt = mod.A_log, mod.dt_bias
-    dev = a_log.device
+    their products side by side into one buffer, each from its Parameter (the two tiny ``b``/``a``
+    projections too: two products, no fused copy). Every weight the step reads is the module's own tensor or
+    a view of it (projections, conv weight and bias, the output norm's weight, the output projection), so
+    that any in-place edit, through ``.data`` too, is seen by the next step; only the gates' two per-head
+    constants are copies (:func:`_gate_consts`)."""
+    dev = mod.A_log.device
     f32 = torch.float32
-    dtf = dt.detach().to(f32) if eager else dt.to(f32)
-    alf = a_log.detach().to(f32) if eager else a_log.to(f32)
+    r = lay.r
     conv = mod.conv1d
-    cw = conv.weight.view(lay.conv_dim, lay.width).to(f32)
     mods = [getattr(mod, n) for n in _PROJ[lay.family]]
     out_mod = getattr(mod, _OUT[lay.family])
     # A projection stored by another recipe (fp8 codes and scales) runs its own forward: its codes stay where
     # that recipe put them (concatenating them would copy them, sharing one storage would read as a tie).
     stored = any(_stored_linear(m, lay.hidden, w) for m, w in zip(mods, lay.widths))
+    # Each product from the Parameter itself (a view): an in-place edit of a weight, ``.data`` included, is
+    # what the next step multiplies by.
     weights = [] if stored else _proj_params(mod, lay)
     if eager and not stored:
         weights = [w.detach() for w in weights]
-        if lay.family != "qkvz":  # b and a: one [2 * Hv, hidden] copy (a few KiB), one product
-            weights[-2:] = [torch.cat(weights[-2:])]
     d: dict[str, Any] = {
-        "z_bias": torch.stack((torch.zeros_like(dtf), -dtf), dim=-1).view(hk, r, 2),
+        **_gate_consts(mod, lay, eager),
         "z_sign": torch.tensor([1.0, -1.0], dtype=f32, device=dev),
         "e_add": torch.tensor([math.log(lay.beta_scale), 0.0], dtype=f32, device=dev),
-        "e_mult": torch.stack((torch.ones_like(alf), torch.exp(alf)), dim=-1).view(hk, r, 2),
         # sqrt(eps) of transformers' l2norm, one row per value head: normalising repeats the key heads
         "qk_eps": torch.full((r, 1, 1), math.sqrt(_QK_EPS), dtype=f32, device=dev),
         # The query's dk ** -0.5 is folded into the output norm's epsilon (gd.gated_rms_norm).
         "norm_eps": torch.tensor(math.sqrt(lay.norm_eps * lay.dk * lay.dv), dtype=f32, device=dev),
-        "norm_w": getattr(mod, _NORM[lay.family]).weight.to(f32) * math.sqrt(lay.dv),
-        # float32 with a zero first tap: the multiply-sum runs over the state and the new column at once and
-        # accumulates unrounded products in any model dtype (no cast op).
-        "conv_w": torch.cat((torch.zeros_like(cw[:, :1]), cw), dim=1),
-        "conv_b": None if conv.bias is None else conv.bias.to(f32),
+        # The norm's own weight (gd.gated_rms_norm scales the gate's product by sqrt(dv) in the same op).
+        "norm_w": getattr(mod, _NORM[lay.family]).weight,
+        "zero": torch.zeros((), dtype=f32, device=dev),
+        # The conv's own weight and bias, views: the multiply-sum runs over the window's last W columns, its
+        # products in float32 in any model dtype (gd.conv_roll: acc + tail * w, no cast op).
+        "conv_w": conv.weight.squeeze(1),
+        "conv_b": conv.bias,
+        "acc": torch.zeros(1, dtype=f32, device=dev),
         "out_w": None if _stored_linear(out_mod, lay.hv * lay.dv, lay.hidden) else out_mod.weight,
         "out_mod": decode_operand(out_mod) if eager else out_mod,
         "proj": weights,
@@ -547,6 +572,24 @@ class _Work:
                     start += rows
             self.bufs = bufs
             self.views = {name: _view(spec, bufs[spec[0]]) for name, spec in _specs(lay, b).items()}
+        self.state_shape = (b * hv, lay.dk, dv)
+        self._rec: tuple[weakref.ref, int, torch.Size, torch.Tensor] | None = None
+
+    def state3(self, rec: torch.Tensor) -> torch.Tensor:
+        """``rec`` (the cache's recurrent state ``[B, H, dk, dv]``, updated in place step after step) as
+        ``[B * H, dk, dv]``: the view made once per state tensor, not once per step (one dispatch fewer).
+        Held while that tensor lives (a weak reference; the view is dropped with it): the same object with the
+        same data pointer and shape is the same memory."""
+        c = self._rec
+        if c is not None and c[0]() is rec and c[1] == rec.data_ptr() and c[2] == rec.shape:
+            return c[3]
+        v = rec.view(self.state_shape)
+        self._rec = (weakref.ref(rec, self._drop), rec.data_ptr(), rec.shape, v)
+        return v
+
+    def _drop(self, ref: weakref.ref) -> None:
+        if self._rec is not None and self._rec[0] is ref:
+            self._rec = None
 
 
 def _decode(
@@ -591,12 +634,13 @@ def _decode(
         window=bufs.get("win"),
         tail=views.get("tail"),
         out=bufs.get("qkv"),
+        acc=d["acc"],
     )
     kq = gd.l2_normalize(v("qk", qkv), d["qk_eps"], out=bufs.get("kq"))
     e = gd.gates(v("ba", y), d["z_bias"], d["z_sign"], d["e_add"], d["e_mult"], out=bufs.get("e"))
     o = gd.delta_rule_step(
         rec,
-        rec.view(b * lay.hv, lay.dk, lay.dv),
+        work.state3(rec) if work is not None else rec.view(b * lay.hv, lay.dk, lay.dv),
         v("k_row", kq),
         v("k_col", kq),
         v("q_row", kq),
@@ -607,7 +651,15 @@ def _decode(
         u4=views.get("u4"),
         out=bufs.get("o"),
     )
-    out = gd.gated_rms_norm(v("o4", o), v("z", y), d["norm_w"], d["norm_eps"], out=bufs.get("out"))
+    out = gd.gated_rms_norm(
+        v("o4", o),
+        v("z", y),
+        d["norm_w"],
+        d["norm_eps"],
+        weight_scale=math.sqrt(lay.dv),
+        zero=d["zero"],
+        out=bufs.get("out"),
+    )
     if work is None:
         out = out.to(hs.dtype)
     if d["out_w"] is None:  # stored output projection: its own forward, or its decode operand
@@ -640,20 +692,32 @@ def _eager_decode(
 
 
 def _prepare_decode(mod: torch.nn.Module, state: _State, hs: torch.Tensor, cache: Any) -> None:
-    """After an eager prefill with a cache: make the decode buffers for this batch size and dtype now, so that
-    the decode steps that follow only compute (host-side checks only when they exist already)."""
+    """After an eager prefill with a cache: make the decode buffers for this batch size and dtype now, and the
+    view of the cache's recurrent state the steps read, so that the decode steps that follow only compute
+    (host-side checks only when they exist already). The gates' copies of ``dt_bias``/``A_log`` are made
+    again here (a few tiny ops per prompt), so that an edit through ``.data`` is followed from this prompt on."""
     conv_state = cache.get_conv_state(mod.layer_idx, state_idx=0)
     if not isinstance(conv_state, torch.Tensor) or conv_state.dim() != 3:
         return
+    fresh = state.derived is not None and state.watch is not None and state.watch.fresh()
     d = _eager_derived(mod, state)
-    work = state.work
-    if d is None or (work is not None and work.key == (hs.shape[0], hs.dtype, conv_state.dtype)):
+    if d is None:
         return
-    if state.lock.acquire(blocking=False):
-        try:
-            state.work = _Work(state.layout, d, hs.shape[0], hs.dtype, conv_state.dtype)
-        finally:
-            state.lock.release()
+    if fresh:  # kept from an earlier call: the gates' copies follow a .data edit from here on
+        with torch.no_grad():
+            d.update(_gate_consts(mod, state.layout, eager=True))
+    if not state.lock.acquire(blocking=False):
+        return
+    try:
+        b = hs.shape[0]
+        work = state.work
+        if work is None or work.key != (b, hs.dtype, conv_state.dtype):
+            work = state.work = _Work(state.layout, d, b, hs.dtype, conv_state.dtype)
+        rec = cache.get_recurrent_state(mod.layer_idx, state_idx=0)
+        if isinstance(rec, torch.Tensor) and rec.is_contiguous() and rec.numel() == math.prod(work.state_shape):
+            work.state3(rec)
+    finally:
+        state.lock.release()
 
 
 def _project(lay: _Layout, d: dict[str, Any], x2: torch.Tensor) -> torch.Tensor:

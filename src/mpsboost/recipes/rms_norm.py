@@ -173,8 +173,9 @@ _STATE = "_mpsboost_rms_norm"
 class _NormState:
     """The float32 weight ``F.rms_norm`` takes (:func:`mpsboost.ops.norm.norm_weight`), kept on the instance
     in eager mode and rebuilt when the module's weight is replaced, moved or written to (a host-side check:
-    :class:`~mpsboost.recipes._watch.Watch`). It saves the weight's cast and ``1 + w`` on every call: two
-    of the five ops one Qwen3.5/3.6 norm dispatches on MPS in bf16."""
+    :class:`~mpsboost.recipes._watch.Watch`), and at every call of more than one token where it is a copy of
+    the weight (an edit through ``.data`` moves neither its version nor its pointer). It saves the weight's
+    cast and ``1 + w`` on every call: two of the five ops one Qwen3.5/3.6 norm dispatches on MPS in bf16."""
 
     __slots__ = ("watch", "w32")
 
@@ -204,7 +205,17 @@ def _forward(form: str, eps: float, compiled_stock: bool):
         st = self.__dict__.get(_STATE)
         if st is None:
             return rms_norm(hidden_states, w, eps, form)
-        if st.w32 is None or not st.watch.fresh():
+        if (
+            st.w32 is None
+            or not st.watch.fresh()
+            or (
+                hidden_states.dim() >= 3
+                and hidden_states.shape[1] > 1
+                and (form == "zero_centered" or (form == "scale_in_fp32" and w.dtype != torch.float32))
+            )
+        ):
+            # Made again when the weight moved or was written to (the Watch), and at every call of more than
+            # one token (a prompt) where it is a copy (1 + w, or a cast): an edit through .data leaves no trace.
             with torch.no_grad():
                 st.w32 = norm_weight(w.detach(), form)
             st.watch = Watch(self, [("weight",)])
