@@ -575,6 +575,135 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         tests=("tests/core/test_api.py", "-k", "strict_on_the_cpu"),
     ),
+    # In-place edits through .data (issue 38, item 2): a weight the decode step reads by a copy instead of a view,
+    # or a per-prompt copy no longer made again, leaves patched logits off stock's after a PEFT-style merge.
+    Mutation(
+        name="data-edit-deltanet-ba-fused-copy",
+        why="the DeltaNet decode step multiplies by one fused copy of in_proj_b/in_proj_a (a .data edit is lost)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/linear_attention.py",
+                "        weights = [w.detach() for w in weights]\n",
+                "        weights = [w.detach() for w in weights]\n"
+                '        if lay.family != "qkvz":\n'
+                "            weights[-2:] = [torch.cat(weights[-2:])]\n",
+            ),
+        ),
+        tests=("tests/recipes/test_data_edits.py", "-k", "mid_sequence_is_read and qwen3_5_moe"),
+        quick=True,
+    ),
+    Mutation(
+        name="data-edit-deltanet-conv-weight-copied",
+        why="the DeltaNet decode step's conv weight is a copy of conv1d.weight (a .data edit is lost)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/linear_attention.py",
+                '"conv_w": conv.weight.squeeze(1),',
+                '"conv_w": conv.weight.squeeze(1).clone(),',
+            ),
+        ),
+        tests=("tests/recipes/test_data_edits.py", "-k", "mid_sequence_is_read and qwen3_5_moe"),
+    ),
+    Mutation(
+        name="data-edit-deltanet-norm-weight-copied",
+        why="the DeltaNet decode step's output norm weight is a copy (a .data edit is lost)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/linear_attention.py",
+                '"norm_w": getattr(mod, _NORM[lay.family]).weight,',
+                '"norm_w": getattr(mod, _NORM[lay.family]).weight.clone(),',
+            ),
+        ),
+        tests=("tests/recipes/test_data_edits.py", "-k", "mid_sequence_is_read and olmo_hybrid"),
+    ),
+    Mutation(
+        name="data-edit-deltanet-gates-not-remade-at-prefill",
+        why="the DeltaNet gates' copies of dt_bias and exp(A_log) are kept across prompts (a merge is lost)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/linear_attention.py",
+                "            d.update(_gate_consts(mod, state.layout, eager=True))\n",
+                "            pass\n",
+            ),
+        ),
+        tests=("tests/recipes/test_data_edits.py", "-k", "between_prompts and qwen3_5_moe"),
+    ),
+    Mutation(
+        name="data-edit-attention-norm-not-remade-at-prefill",
+        why="attention_decode keeps its per-head q/k norm weights across prompts (a merge is lost)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_decode.py",
+                '            d["norm_w"] = _norm_weight(mod, state.layout, True)\n',
+                "            pass\n",
+            ),
+        ),
+        tests=("tests/recipes/test_data_edits.py", "-k", "between_prompts and qwen3"),
+    ),
+    Mutation(
+        name="data-edit-rms-norm-not-remade-at-prompts",
+        why="rms_norm keeps its 1 + w across prompts (a merge of a norm weight is lost)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/rms_norm.py",
+                "                and hidden_states.shape[1] > 1\n",
+                "                and hidden_states.shape[1] > 1 << 30\n",
+            ),
+        ),
+        tests=("tests/recipes/test_data_edits.py", "-k", "between_prompts and qwen3_5_moe"),
+    ),
+    Mutation(
+        name="deltanet-state-view-of-another-cache",
+        why="the DeltaNet step reuses its view of a recurrent state for another cache's state tensor",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/linear_attention.py",
+                "        if c is not None and c[0]() is rec and c[1] == rec.data_ptr() and c[2] == rec.shape:\n",
+                "        if c is not None and c[2] == rec.shape:\n",
+            ),
+        ),
+        tests=("tests/recipes/test_linear_attention.py", "-k", "two_sequences"),
+        quick=True,
+    ),
+    # The chunked DeltaNet scan's carry across 64-token chunks (issue 38, item 3): red only with slow-decay gates.
+    Mutation(
+        name="deltanet-scan-chunk-decay-off-by-one",
+        why="each chunk's state decays by the cumulative gate of its second-to-last token",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/gated_delta.py",
+                "        cum[..., -1].exp().reshape(bh, n_chunks)",
+                "        cum[..., -2].exp().reshape(bh, n_chunks)",
+            ),
+        ),
+        tests=("tests/recipes/test_linear_attention.py", "-k", "many_chunks or matches_transformers_reference"),
+        quick=True,
+    ),
+    Mutation(
+        name="deltanet-scan-state-not-decayed",
+        why="the state carried to the next chunk is not decayed by the chunk's gates",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/gated_delta.py",
+                "        state.mul_(decay).baddbmm_(kt, v_new)\n",
+                "        state.baddbmm_(kt, v_new)\n",
+            ),
+        ),
+        tests=("tests/recipes/test_linear_attention.py", "-k", "layer_outputs_match_stock_fp32 and qwen3_5_moe-2-mps"),
+    ),
+    Mutation(
+        name="deltanet-scan-query-decay-from-chunk-start",
+        why="a chunk's queries read the carried state decayed by the chunk's first gate only",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/gated_delta.py",
+                "    query = query * cum.exp().unsqueeze(-1)\n",
+                "    query = query * cum[..., :1].exp().unsqueeze(-1)\n",
+            ),
+        ),
+        tests=("tests/recipes/test_linear_attention.py", "-k", "many_chunks or matches_transformers_reference"),
+        quick=True,
+    ),
     Mutation(
         name="decode-predict-drops-mpsgraph-term",
         why="the Mac cost model leaves out the MPSGraph dispatches' time",
