@@ -28,6 +28,7 @@ __all__ = [
     "Folder",
     "open_folder",
     "read_tensor",
+    "read_rows",
     "read_to",
     "write_safetensors",
     "write_folder",
@@ -218,6 +219,18 @@ def read_tensor(entry: TensorEntry, out: Optional[torch.Tensor] = None) -> torch
                 f"{entry.file.name}: short read of {entry.key} ({got} of {entry.nbytes} bytes): the file changed"
             )
     return t
+
+
+def read_rows(entry: TensorEntry, r0: int, r1: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` (along the first dimension) of ``entry``'s tensor, read from the file alone: a caller that
+    quantises a large tensor slice by slice never holds the whole of it."""
+    if not 0 <= r0 <= r1 <= (entry.shape[0] if entry.shape else 1):
+        raise ValueError(f"read_rows: rows [{r0}, {r1}) of {entry.key} {list(entry.shape)}")
+    row = entry.nbytes // max(1, entry.shape[0]) if entry.shape else entry.nbytes
+    part = TensorEntry(
+        entry.key, entry.file, entry.dtype, (r1 - r0, *entry.shape[1:]), entry.begin + r0 * row, entry.begin + r1 * row
+    )
+    return read_tensor(part)
 
 
 def read_to(entry: TensorEntry, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

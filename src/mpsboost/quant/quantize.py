@@ -22,7 +22,7 @@ import torch
 from ..recipes.low_bit.layers import quantize
 from .errors import QuantMismatchError
 from .formats import Format, ModelView, Source
-from .io import Folder, read_tensor
+from .io import Folder, read_rows, read_tensor
 from ..recipes.low_bit.layers import QParams
 
 __all__ = ["dense_row"]
@@ -144,14 +144,24 @@ def dense_row(spec: QParams) -> Format:
     )
 
 
+_ROWS = 1 << 20  # weights a slice: the dense scratch of quantize-at-load (a few MiB)
+
+
 def _read_one(e, p: Optional[QParams], leaf: str):
     def read(device, dtype):
-        t = read_tensor(e)
         if p is None:
+            t = read_tensor(e)
             return {leaf: (t.to(dtype) if t.is_floating_point() else t).to(device)}
-        q, s, b = quantize(t.to(dtype) if t.dtype != dtype else t, p.bits, p.group_size)
-        del t
-        return {"weight": q.to(device), "scales": s.to(device), "biases": b.to(device)}
+        n, k = e.shape
+        q = torch.empty(n, k * p.bits // 32, dtype=torch.uint32, device=device)
+        s = torch.empty(n, k // p.group_size, dtype=dtype, device=device)
+        b = torch.empty_like(s)
+        step = max(1, _ROWS // k)
+        for r0 in range(0, n, step):  # rows straight from the file, a slice at a time: never the whole tensor
+            r1 = min(n, r0 + step)
+            t = read_rows(e, r0, r1)
+            q[r0:r1], s[r0:r1], b[r0:r1] = quantize(t.to(dtype) if t.dtype != dtype else t, p.bits, p.group_size)
+        return {"weight": q, "scales": s, "biases": b}
 
     return read
 

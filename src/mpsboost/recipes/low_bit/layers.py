@@ -90,7 +90,7 @@ class AffineState:
         self.converted = True
 
 
-_SCRATCH = 1 << 22  # float32 elements of one quantisation slice
+_SCRATCH = 1 << 20  # weights of one quantisation slice (its int64 and float32 scratch: about 40 MiB)
 
 
 def check_params(bits: int, group_size: int, what: str = "affine quantization") -> None:
@@ -104,7 +104,7 @@ def check_params(bits: int, group_size: int, what: str = "affine quantization") 
 def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``mx.quantize(w, group_size, bits)`` (:func:`mpsboost.ops.affine.affine_quantize`, bit for bit): ``(codes
     uint32 [..., K*bits/32], scales, biases [..., K/g])`` in ``w.dtype``, computed a slice of rows at a time so that
-    quantising a large stack keeps a bounded float32 scratch (about 16 MiB), not a float32 copy of the tensor."""
+    quantising a large stack keeps a bounded scratch (about 40 MiB), not a float32 copy of the tensor."""
     check_params(bits, group_size)
     k = w.shape[-1]
     if k % group_size:
