@@ -407,7 +407,11 @@ def _run_phase(args, extra: list[str], timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--device", args.device, "--layers", str(args.layers), *extra]
     cmd += ["--tiny"] if args.tiny else []
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, PYTHONWARNINGS="ignore")
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=None if timeout == float("inf") else timeout,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
     )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
