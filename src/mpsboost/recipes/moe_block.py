@@ -22,6 +22,21 @@ For few tokens (``max_tokens``, default 4: decode) the recipe's forward runs the
   (one copy each) and multiplied by ``bmm``;
 - the weighted sum over the k experts and the shared expert's gated output are one ``addmm``.
 
+Fused chains (option ``fused``, default "auto"): the router's softmax, top-k and renormalisation with the order and
+int32 device offsets the grouped products need and the rows in that order (``mpsboost::moe_route``), the gated
+activations (``mpsboost::moe_glu``) and the weighted combine with the shared expert's sigmoid gate
+(``mpsboost::moe_combine``), :mod:`mpsboost.ops.moe_route`: one registered call each (their composed reference on
+the CPU, mpsboost's Metal kernels on a Mac). One token of Qwen3.5-MoE then dispatches 12 aten ops (input reshape,
+four ``mm``, ``moe_glu``, ``mm``, ``moe_route``, two grouped products around ``moe_glu``, ``moe_combine``), 7 in a
+block without a shared expert, with bf16/fp32 stacks (``torch._grouped_mm``), fp8 codes (``mpsboost::grouped_mm``,
+where the fp8 layer's decode path is that operator) and MLX affine low-bit stacks (``mpsboost::affine_grouped_gemv``,
+where the low-bit layer decodes on the kernel) alike. Chosen at patch time by :func:`fusion_choice`
+(:func:`mpsboost.ondevice.choose`): on a real Mac the kernels are self-checked, then timed against the composed chain
+at the block's shapes and taken only if faster (the report row names the ratio); on the CPU, CUDA and a simulated
+Mac nothing is timed and the static choice (fused: fewer dispatches at equal bytes) is taken; ``fused="static"``
+keeps the static choice on a Mac too, ``fused="off"`` keeps the composed path. The router module's hooks (router
+logits) take the composed path with the router's own call, as below.
+
 Everything else runs the block's own forward, which calls the experts module (so the moe_experts
 recipe's paths, fp8 experts and the user's ``set_experts_implementation`` apply): prefill (more than
 ``max_tokens`` tokens), autograd, ``torch.compile`` tracing (inductor fuses the small ops itself), and
@@ -56,6 +71,7 @@ combine once where stock rounds twice.
 
 Options (``options={"moe_block": {...}}``): ``max_tokens`` (int >= 1): tokens per call at or below
 which the recipe's path runs; ``path`` ("auto", "grouped_mm", "gather"): force the routed experts' path;
+``fused`` ("auto", "static", "off"): the fused chains, see above;
 ``fused_inputs`` (bool, default False): blocks with a shared expert multiply their input by one copy of
 the router's, the shared gate's and the shared gate/up weights side by side (one matmul and a split
 instead of four matmuls), at the memory of that copy (named in the report; Qwen3.6-35B-A3B bf16: 40 x
@@ -71,12 +87,16 @@ from typing import Any
 import torch
 from torch.nn.modules import module as _nn_module
 
+from .. import ondevice
 from ..gate import Env, check
 from ..ops import moe as moe_ops
+from ..ops import moe_route
 from ..registry import Decision, Match, Recipe, class_path, register
 from ..patching import Changes, Patch, bind_forward, call_original, set_instance_attr
 from ._watch import Watch
-from .fp8.layers import decode_operand
+from .fp8.layers import decode_operand, fp8_state
+from .low_bit.layers import affine_state
+from .low_bit.layers import decode_operand as affine_operand
 
 NAME = "moe_block"
 _STATE = "_mpsboost_moe_block"
@@ -124,6 +144,7 @@ _FAMILIES: dict[str, tuple[str, Any, bool, bool]] = {
     ),
 }
 _PATHS = ("auto", "grouped_mm", "gather")
+_FUSED = ("auto", "static", "off")
 
 
 @dataclass(frozen=True)
@@ -133,6 +154,7 @@ class MoeBlockOptions:
     max_tokens: int = 4
     path: str = "auto"
     fused_inputs: bool = False
+    fused: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -156,6 +178,8 @@ class MoeBlockPlan:
     path: str
     max_tokens: int
     fused_inputs: bool = False
+    fused: bool = False  # the router, activations and combine on mpsboost::moe_* (mpsboost.ops.moe_route)
+    fusion: str = ""  # how that was chosen (the static choice, or the ratio timed on this Mac)
 
 
 def _size(nbytes: int) -> str:
@@ -177,13 +201,14 @@ def _is_stored_linear(m: Any, n_in: int, n_out: int) -> bool:
     """A bias-free ``nn.Linear`` whose weight another recipe stores in its own format (mpsboost's fp8 layers:
     codes and scales as buffers, the layer's own forward bound on the instance): the block calls that forward."""
     w = getattr(m, "weight", None)
-    return (
-        isinstance(m, torch.nn.Linear)
-        and getattr(m, "bias", None) is None
-        and isinstance(w, torch.Tensor)
-        and not isinstance(w, torch.nn.Parameter)
-        and tuple(w.shape) == (n_out, n_in)
-    )
+    if not isinstance(m, torch.nn.Linear) or getattr(m, "bias", None) is not None or not isinstance(w, torch.Tensor):
+        return False
+    if isinstance(w, torch.nn.Parameter):
+        return False
+    st = affine_state(m)  # a low-bit layer: its codes are [N, K * bits / 32]
+    if st is not None:
+        return st.kind == "linear" and (m.in_features, m.out_features) == (n_in, n_out)
+    return tuple(w.shape) == (n_out, n_in)
 
 
 def _usable_linear(m: Any, n_in: int, n_out: int) -> bool:
@@ -199,6 +224,12 @@ def _is_plain_mlp(m: Any, hidden: int) -> int:
     inter = gp.out_features
     ok = _usable_linear(gp, hidden, inter) and _usable_linear(up, hidden, inter)
     return inter if ok and _usable_linear(dp, inter, hidden) else 0
+
+
+def _affine_experts(experts: Any, gu: torch.Tensor) -> bool:
+    """Experts stored as MLX affine low-bit stacks (mpsboost's low-bit layers: uint32 codes with scales and biases)."""
+    st = affine_state(experts)
+    return gu.dtype in (torch.uint32, torch.int32) and st is not None and st.kind == "experts"
 
 
 def _fp8_experts(experts: Any, gu: torch.Tensor) -> bool:
@@ -233,10 +264,11 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
         or getattr(experts, "has_post_expert_norm", False)
         or gu.dim() != 3
         or gu.shape[0] != e
-        or gu.shape[2] != hidden
+        or (gu.shape[2] != hidden and not _affine_experts(experts, gu))
     ):
         return "experts are not transformers' fused [experts, 2*inter, hidden] gate/up layout without bias"
-    if gu.dtype not in (torch.float32, torch.bfloat16, torch.float16) and not _fp8_experts(experts, gu):
+    plain = gu.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if not plain and not _fp8_experts(experts, gu) and not _affine_experts(experts, gu):
         return f"experts are stored in {gu.dtype} (e.g. fp8): the block's own forward runs their module"
     from transformers.integrations.moe import _default_apply_gate
 
@@ -288,6 +320,8 @@ class _State:
         self.weights: moe_ops.BlockWeights | None = None
         self.experts_ok = False
         self.grouped_ok = False  # the native grouped matmul takes these weights (their widths, dtype, alignment)
+        self.stacks: moe_route.ExpertStacks | None = None  # the routed experts' grouped products on the fused path
+        self.silu = self.shared_silu = False  # the activations are SiLU (the gated products on mpsboost::moe_glu)
 
 
 def _watch(mod: torch.nn.Module, lay: _Layout) -> Watch:
@@ -342,8 +376,11 @@ def _eager_weights(mod: torch.nn.Module, state: _State) -> moe_ops.BlockWeights 
     w = lay.shared_inter
     shared_mods = _shared_linears(mod) if w else []
 
-    def lhs(m: torch.nn.Linear) -> Any:  # the transposed weight, or what runs a stored (fp8) layer
-        return decode_operand(m) if _is_stored_linear(m, m.in_features, m.out_features) else m.weight.detach().t()
+    def lhs(m: torch.nn.Linear) -> Any:  # the transposed weight, or what runs a stored (fp8, low-bit) layer
+        if not _is_stored_linear(m, m.in_features, m.out_features):
+            return m.weight.detach().t()
+        op = decode_operand(m)
+        return affine_operand(m) if op is m else op
 
     inputs_t, splits = None, None
     if state.plan.fused_inputs and w and all(isinstance(p, torch.nn.Parameter) for p in _input_params(mod, lay)):
@@ -372,8 +409,63 @@ def _eager_weights(mod: torch.nn.Module, state: _State) -> moe_ops.BlockWeights 
     state.grouped_ok = state.experts_ok and moe_ops.native_grouped_mm_ok(
         gu.new_empty((1, lay.hidden)), state.weights.gate_up_kn, state.weights.down_kn
     )
+    state.stacks = _stacks(mod, state)
+    state.silu = _is_silu(ex.act_fn)
+    state.shared_silu = bool(w) and _is_silu(mod.shared_expert.act_fn)
     state.watch = _watch(mod, lay)
     return state.weights
+
+
+def _is_silu(fn: Any) -> bool:
+    """transformers' SiLU activation (``ACT2FN["silu"]``) or torch's: the gated products may run on moe_glu."""
+    return type(fn) is torch.nn.SiLU or (
+        type(fn).__name__ == "SiLUActivation" and type(fn).__module__.startswith("transformers.")
+    )
+
+
+def _stacks(mod: torch.nn.Module, state: _State) -> moe_route.ExpertStacks | None:
+    """How the fused path runs the routed experts' two grouped products, or None (then it is not taken): the native
+    grouped matmul on plain stacks where it takes them; ``mpsboost::grouped_mm`` on fp8 codes where the fp8 layer's
+    own decode path is that operator (its plan's ``few_rows == "grouped"``, or a file's block scales with the few-rows
+    path); ``mpsboost::affine_grouped_gemv`` on low-bit stacks where the low-bit layer decodes on the kernel."""
+    lay, ex = state.layout, mod.experts
+    if state.experts_ok:
+        if not state.grouped_ok:
+            return None
+        return moe_route.ExpertStacks("dense", (state.weights.gate_up_kn,), (state.weights.down_kn,))
+    gu, dn = getattr(ex, "gate_up_proj", None), getattr(ex, "down_proj", None)
+    if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor):
+        return None
+    dt = state.weights.router_t.dtype
+    fst = fp8_state(ex)
+    if fst is not None and fst.converted and _fp8_experts(ex, gu):
+        if fst.compute_dtype != dt or getattr(ex, "has_bias", False):
+            return None
+        gs, ds = getattr(ex, "gate_up_proj_scale", None), getattr(ex, "down_proj_scale", None)
+        if not isinstance(gs, torch.Tensor) or not isinstance(ds, torch.Tensor):
+            return None
+        if fst.block is not None:
+            if not fst.few_rows:
+                return None
+            ub = db = fst.block
+        elif fst.few_rows == "grouped":
+            from ..ops.fp8_grouped import scale_blocks
+
+            ub, db = scale_blocks(gu, gs), scale_blocks(dn, ds)
+        else:
+            return None
+        return moe_route.ExpertStacks("fp8", (gu, gs, *ub), (dn, ds, *db))
+    ast = affine_state(ex)
+    if ast is not None and _affine_experts(ex, gu) and ast.kernel and ast.compute_dtype == dt:
+        pu, pd = ast.params.get("gate_up_proj"), ast.params.get("down_proj")
+        if pu is None or pd is None or gu.shape[1] != 2 * lay.inter:
+            return None
+        return moe_route.ExpertStacks(
+            "affine",
+            (gu, ex.gate_up_proj_scales, ex.gate_up_proj_biases, pu.bits, pu.group_size),
+            (dn, ex.down_proj_scales, ex.down_proj_biases, pd.bits, pd.group_size),
+        )
+    return None
 
 
 # transformers' output capture (``output_router_logits=True``): forward hooks on the router module, installed
@@ -451,9 +543,33 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **k
         path = "module"
     elif path == "grouped_mm" and not state.grouped_ok:
         path = "gather"  # e.g. a simulated environment on a device whose kernel does not take this dtype
-    x = hidden_states.reshape(n, shape[-1])
+    observed = _router_observed(self.gate)
+    x = hidden_states if hidden_states.dim() == 2 else hidden_states.reshape(n, shape[-1])
+    if plan.fused and impl == _DEFAULT_IMPL and not observed:
+        # The router's chains, the gated activations and the combine on mpsboost's fused operators (chosen at
+        # patch time: the static choice, or timed on this Mac); the projections as the composed path runs them.
+        fpath = None
+        if state.stacks is not None and (path == "grouped_mm" or (path == "module" and state.stacks.kind != "dense")):
+            fpath = "grouped"
+        elif path == "gather" and state.experts_ok:
+            fpath = "gather"
+        if fpath is not None:
+            return moe_route.fused_sparse_moe_block(
+                x,
+                w,
+                top_k=lay.top_k,
+                norm=lay.norm,
+                cast_weights=lay.cast,
+                path=fpath,
+                stacks=state.stacks,
+                act_fn=ex.act_fn,
+                shared_act=self.shared_expert.act_fn if lay.shared_inter else None,
+                silu=state.silu,
+                shared_silu=state.shared_silu,
+                shape=list(shape),
+            )
     routing = None
-    if _router_observed(self.gate):
+    if observed:
         # The router module runs, as in the block's own forward: its hooks see its call (transformers records
         # the router logits for the aux loss) and the block routes by what it returns (scores, indices).
         _, scores, ids = self.gate(x)
@@ -471,6 +587,85 @@ def _forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args: Any, **k
         routing=routing,
     )
     return out.view(shape)
+
+
+KERNEL = "moe_block_fused"
+_METAL_CHECKED: dict[str, str | None] = {}  # torch build -> None (the kernels passed their self-check here) or why
+
+
+def _metal_check() -> str | None:
+    """The Metal kernels' self-check on this Mac (compiled, compared with the composed reference), once per process."""
+    key = torch.__version__
+    if key not in _METAL_CHECKED:
+        from ..ops import moe_metal
+
+        _METAL_CHECKED[key] = moe_metal.self_check("mps")
+    return _METAL_CHECKED[key]
+
+
+def fusion_choice(
+    lay: _Layout,
+    dtype: torch.dtype,
+    env: Env,
+    mode: str,
+    *,
+    device: str = "mps",
+    timer: Any = None,
+    cache: Any = None,
+    chip: str | None = None,
+    check_fn: Any = None,
+) -> ondevice.Choice:
+    """Fused (mpsboost::moe_route / moe_glu / moe_combine) or composed for a block of layout ``lay``: on a real Mac
+    the fused chain is self-checked, then timed against the composed one at the block's shapes
+    (:func:`mpsboost.ops.moe_route.timing_pair`, one token) and taken only if faster; elsewhere (CPU, CUDA, a simulated
+    Mac) or with ``mode="static"`` nothing is timed and the static choice is taken: fused, the cost model's (fewer
+    dispatches at equal bytes: the same weights and activations are read). Tests inject ``timer``, ``cache``,
+    ``chip``, ``check_fn`` and ``device``."""
+    pair: list = []
+
+    def prepared():
+        if not pair:
+            pair.extend(
+                moe_route.timing_pair(
+                    experts=lay.experts,
+                    top_k=lay.top_k,
+                    hidden=lay.hidden,
+                    inter=lay.inter,
+                    shared_inter=lay.shared_inter,
+                    dtype=dtype,
+                    norm=lay.norm,
+                    cast_weights=lay.cast,
+                    device=device,
+                )
+            )
+        return pair
+
+    def composed():
+        return prepared()[0]()
+
+    def fused():
+        return prepared()[1]()
+
+    shape = (
+        f"E={lay.experts} k={lay.top_k} H={lay.hidden} I={lay.inter} shared={lay.shared_inter} {dtype} "
+        f"norm={lay.norm} cast={lay.cast}"
+    )
+    try:
+        return ondevice.choose(
+            KERNEL,
+            shape,
+            env=env,
+            stock=ondevice.Contender("composed aten ops", composed),
+            candidate=ondevice.Contender("mpsboost::moe_route/moe_glu/moe_combine", fused),
+            static=True,
+            check=check_fn if check_fn is not None else _metal_check,
+            mode="static" if mode == "static" else "auto",
+            timer=timer,
+            cache=cache,
+            chip=chip,
+        )
+    finally:
+        pair.clear()  # nothing made for the timing outlives the choice
 
 
 @register
@@ -492,6 +687,8 @@ class MoeBlock(Recipe):
             raise ValueError(f"{NAME} option max_tokens={options.max_tokens!r}: expected an int >= 1 (tokens per call)")
         if options.path not in _PATHS:
             raise ValueError(f"{NAME} option path={options.path!r}: expected one of {', '.join(_PATHS)}")
+        if options.fused not in _FUSED:
+            raise ValueError(f"{NAME} option fused={options.fused!r}: expected one of {', '.join(_FUSED)}")
         lay = _layout(match.module)
         if isinstance(lay, str):
             return Decision.skip(lay)
@@ -527,8 +724,20 @@ class MoeBlock(Recipe):
         inputs = (
             "router and shared expert in one matmul (fused copy)" if fused else "router and shared expert by matmuls"
         )
+        if options.fused == "off":
+            fuse, fusion = False, "option fused='off': router, activations and combine as composed aten ops"
+        elif env.device_type == "mps" and not (gate := check("moe_metal_route", env)).ok:
+            fuse, fusion = False, f"{gate.reason}: router, activations and combine as composed aten ops"
+        else:
+            choice = fusion_choice(lay, dtype, env, options.fused)
+            fuse, fusion = choice.taken, choice.describe()
         backing = inputs + ", " + ("grouped_mm" if path == "grouped_mm" else "gathered bmm")
-        ops = "about 22 aten ops per block (stock 46)" if fused else "about 24 aten ops per block (stock 46)"
+        if fuse:
+            backing += ", router/activations/combine fused (mpsboost::moe_*)"
+            n_ops = (11 if fused else 12) if lay.shared_inter else 7
+            ops = f"about {n_ops} aten ops per block (stock 46)"
+        else:
+            ops = "about 22 aten ops per block (stock 46)" if fused else "about 24 aten ops per block (stock 46)"
         if fused:
             rows = lay.experts + 1 + 2 * lay.shared_inter
             nbytes = rows * lay.hidden * match.module.gate.weight.element_size()
@@ -538,8 +747,8 @@ class MoeBlock(Recipe):
             )
         return Decision.apply(
             backing + f" (<= {options.max_tokens} tokens)",
-            f"decode in {ops}; {reason}; prefill: the block's own forward",
-            plan=MoeBlockPlan(path=path, max_tokens=options.max_tokens, fused_inputs=fused),
+            f"decode in {ops}; {reason}; fusion: {fusion}; prefill: the block's own forward",
+            plan=MoeBlockPlan(path=path, max_tokens=options.max_tokens, fused_inputs=fused, fused=fuse, fusion=fusion),
         )
 
     def apply(self, match: Match, decision: Decision, env: Env, options: MoeBlockOptions) -> Patch:
