@@ -815,6 +815,126 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/bench/test_decode_predict.py", "-k", "refuses_constants"),
         quick=True,
     ),
+    Mutation(
+        name="deltanet-metal-decay-skipped-in-update",
+        why="the fused DeltaNet kernel updates the state without decaying it (S + k d^T for decay S + k d^T)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/deltanet_metal.py",
+                "const float s = col[i * dv] * decay + (tk[i] * ks) * d;",
+                "const float s = col[i * dv] + (tk[i] * ks) * d;",
+            ),
+        ),
+        tests=("tests/ops/test_deltanet_metal_emulated.py", "-k", "continued_steps and b1-r1"),
+    ),
+    Mutation(
+        name="deltanet-metal-v-channels-of-key-head-0",
+        why="every threadgroup of the fused DeltaNet kernel reads and rolls the v channels of key head 0",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/deltanet_metal.py",
+                ": 2 * kd + g * cols + (i - 2 * dk));",
+                ": 2 * kd + (i - 2 * dk));",
+            ),
+        ),
+        tests=("tests/ops/test_deltanet_metal_emulated.py", "-k", "continued_steps and b2-r2-bf16"),
+    ),
+    Mutation(
+        name="deltanet-metal-beta-scale-dropped",
+        why="the fused DeltaNet kernel ignores OLMo-Hybrid's beta scale 2 (negative eigenvalues)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/deltanet_metal.py",
+                "const float beta = bscale * mpsb_dn_sigmoid(",
+                "const float beta = mpsb_dn_sigmoid(",
+            ),
+        ),
+        tests=("tests/ops/test_deltanet_metal_emulated.py", "-k", "beta2"),
+    ),
+    Mutation(
+        name="deltanet-metal-head-norm-of-head-0",
+        why="the fused DeltaNet kernel's gated norm divides every value head by the first head's RMS",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/deltanet_metal.py",
+                "const float inv = 1.0f / sqrt(tn[2 + hl] / float(dv) + eps);",
+                "const float inv = 1.0f / sqrt(tn[2] / float(dv) + eps);",
+            ),
+        ),
+        tests=("tests/ops/test_deltanet_metal_emulated.py", "-k", "continued_steps and b4-r4"),
+    ),
+    Mutation(
+        name="deltanet-self-check-ignores-the-state",
+        why="deltanet_metal.self_check compares the output alone: a kernel that gets the state wrong passes",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/deltanet_metal.py",
+                '            for name, want, have in zip(("output", "conv state", "state"), (args[8], args[1], args[2]), got):',
+                '            for name, want, have in zip(("output",), (args[8],), got):',
+            ),
+        ),
+        tests=("tests/ops/test_deltanet_metal_emulated.py", "-k", "self_check"),
+    ),
+    Mutation(
+        name="deltanet-op-conv-state-mutation-undeclared",
+        why="mpsboost::deltanet_step writes the conv state without declaring it mutated (torch.compile would "
+        "drop the write)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/deltanet_step.py",
+                'mutates_args=("conv_state", "state", "out")',
+                'mutates_args=("state", "out")',
+            ),
+        ),
+        tests=("tests/ops/test_deltanet_step.py", "-k", "opcheck"),
+        quick=True,
+    ),
+    Mutation(
+        name="deltanet-reference-dt-bias-dropped",
+        why="the composed DeltaNet step (the operator's CPU/CUDA implementation) computes the decay without dt_bias",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/deltanet_step.py",
+                "y[:, off + hv : off + 2 * hv].to(f32) + dt_bias.to(f32)",
+                "y[:, off + hv : off + 2 * hv].to(f32)",
+            ),
+        ),
+        tests=("tests/ops/test_deltanet_step.py", "-k", "continued_steps and b1-r1"),
+        quick=True,
+    ),
+    Mutation(
+        name="deltanet-fused-static-choice-composed",
+        why="linear_attention's static choice (simulated Mac, option static) is the composed step, against the cost "
+        "model",
+        edits=(Edit("src/mpsboost/recipes/linear_attention.py", "        static=True,\n", "        static=False,\n"),),
+        tests=("tests/recipes/test_linear_attention_fused.py", "-k", "simulated_mac and 2.15"),
+        quick=True,
+    ),
+    Mutation(
+        name="deltanet-fused-timing-ignored",
+        why="linear_attention takes the fused step on a real Mac whatever the timing said",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/linear_attention.py",
+                '    return choice.taken, f"decode step: {choice.describe()}; {_STATIC_WHY}"',
+                '    return True, f"decode step: {choice.describe()}; {_STATIC_WHY}"',
+            ),
+        ),
+        tests=("tests/recipes/test_linear_attention_fused.py", "-k", "tie_or_slower"),
+        quick=True,
+    ),
+    Mutation(
+        name="deltanet-low-bit-projection-copied",
+        why="linear_attention's low-bit projections write their products by a product and a copy (3 ops, not 1)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/linear_attention.py",
+                "        if out is None or x.dtype != op.dtype or not 0 < rows <= op.max_rows or not x.is_contiguous():",
+                "        if True:",
+            ),
+        ),
+        tests=("tests/recipes/test_linear_attention_fused.py", "-k", "low_bit"),
+    ),
 )
 
 

@@ -34,6 +34,18 @@ Qwen3.5/3.6 (31 for a batch; OLMo-Hybrid's six projections two more; counted on 
 - the gated output norm is ``vector_norm``, ``hypot``, a division and the gate's products (``sqrt(dv)``
   folded into the gate's ``addcmul``), the query's ``dk ** -0.5`` folded into its epsilon.
 
+Decode on a Mac (fused, the default where the choice below takes it): the step after the projections is one call
+of ``mpsboost::deltanet_step`` (:mod:`mpsboost.ops.deltanet_step`; its Metal kernel
+:mod:`mpsboost.ops.deltanet_metal`: conv roll and silu, q/k norm, gates from the module's own ``A_log`` and
+``dt_bias``, the delta rule on the cache's fp32 state in place, the gated norm; one dispatch for the 23 above): 6
+aten ops per layer for one sequence, 8 for a batch, with bf16, fp8 (their decode operands) or low-bit projections
+(:class:`mpsboost.recipes.low_bit.layers.AffineOperand`, written into the step's buffer by ``affine_gemv_out``).
+The choice (:func:`_fused_choice`): on a real Mac the kernel is compiled, checked against the composed step and timed
+against it at the layer's shapes at patch time (:func:`mpsboost.ondevice.choose`, verdict cached), and taken only if
+faster; a simulated Mac takes the static choice (the cost model's: one dispatch instead of 23, no more bytes) and
+times nothing; CPU and CUDA keep the composed ops. Option ``fused_step`` "auto" | "static" (the static choice, not
+timed) | "off" (the composed step).
+
 Prefill: the recipe's chunked rule (:func:`mpsboost.ops.gated_delta.chunk_gated_delta_rule`): the
 projections' products side by side, and the sequential scan over 64-token chunks in five batched ops per
 chunk (``bmm``/``baddbmm`` on views made once) where transformers' loop dispatches 37 (4-D ``@`` and
@@ -59,7 +71,7 @@ or causal-conv1d importable: skipped, transformers runs those kernels.
 Options (``options={"linear_attention": {...}}``): ``prefill`` "auto" | "matmul" | "triangular" | "stock"
 ("triangular": the recipe's chunked prefill with ``solve_triangular``: its projections in one buffer and a
 scan of five batched ops per 64-token chunk where transformers' loop dispatches 37);
-``compiled`` "auto" | "recipe" | "stock".
+``compiled`` "auto" | "recipe" | "stock"; ``fused_step`` "auto" | "static" | "off" (above).
 
 Compiled decoding on a Mac (opt-in, :func:`mac_compile`): transformers compiles the decode step itself
 with a static cache (``generate(..., cache_implementation="static")``) on cuda, xpu, neuron and tpu only
@@ -82,12 +94,16 @@ import torch
 import torch.nn.functional as F
 
 from ..gate import Env, check
+from ..ops import deltanet_step as dn
+from ..ops.affine import affine_gemv_out
 from ..ops import gated_delta as gd
 from ..registry import Decision, Match, Recipe, class_path, register
 from ._watch import Watch
 from ..ops.fp8 import concat_rows
 from ..ops.fp8_grouped import GemvOperand
-from .fp8.layers import decode_operand
+from .fp8.layers import decode_operand as fp8_operand
+from .low_bit.layers import AffineOperand, affine_state
+from .low_bit.layers import decode_operand as low_bit_operand
 from ..patching import (
     Changes,
     Patch,
@@ -119,7 +135,11 @@ _PROJ = {
 _NORM = {"split": "norm", "qkvz": "norm", "olmo": "o_norm"}
 _OUT = {"split": "out_proj", "qkvz": "out_proj", "olmo": "o_proj"}
 _SILU = ("silu", "swish")
-_CHOICES = {"prefill": ("auto", "matmul", "triangular", "stock"), "compiled": ("auto", "recipe", "stock")}
+_CHOICES = {
+    "prefill": ("auto", "matmul", "triangular", "stock"),
+    "compiled": ("auto", "recipe", "stock"),
+    "fused_step": ("auto", "static", "off"),
+}
 _QK_EPS = 1e-6  # transformers' l2norm epsilon (aligned with flash-linear-attention)
 
 
@@ -129,6 +149,7 @@ class LinearAttentionOptions:
 
     prefill: str = "auto"
     compiled: str = "auto"
+    fused_step: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -170,10 +191,11 @@ class _State:
     the decisions, the eager decode constants (rebuilt when a weight moves or changes) and the eager decode
     step's buffers (one batch size and dtype at a time)."""
 
-    def __init__(self, layout: _Layout, prefill: str, compiled: str):
+    def __init__(self, layout: _Layout, prefill: str, compiled: str, fused: bool = False):
         self.layout = layout
         self.prefill = prefill  # "matmul", "triangular" or "stock"
         self.compiled = compiled  # "recipe" or "stock"
+        self.fused = fused  # decode step after the projections: mpsboost::deltanet_step (else composed)
         self.watch: Watch | None = None
         self.derived: dict[str, Any] | None = None
         self.work: _Work | None = None
@@ -225,8 +247,15 @@ def _stored_linear(m: Any, n_in: int, n_out: int) -> bool:
         and (m.in_features, m.out_features) == (n_in, n_out)
         and isinstance(getattr(m, "weight", None), torch.Tensor)
         and not isinstance(m.weight, torch.nn.Parameter)
-        and tuple(m.weight.shape) == (n_out, n_in)
+        and (tuple(m.weight.shape) == (n_out, n_in) or affine_state(m) is not None)  # low-bit codes: [N, K * bits / 32]
     )
+
+
+def _decode_operand(m: Any) -> Any:
+    """What the eager decode step calls for a stored projection: the fp8 layer's decode operand, the low-bit
+    layer's (:class:`mpsboost.recipes.low_bit.layers.AffineOperand`), else the module itself."""
+    op = fp8_operand(m)
+    return low_bit_operand(m) if op is m else op
 
 
 class _PlainOperand:
@@ -265,7 +294,7 @@ def _operands(mods: list[Any], widths: tuple[int, ...], fuse_last: bool) -> tupl
     :func:`mpsboost.ops.fp8.concat_rows`: a few KiB, one dispatch; mpsboost's own fp8 buffers, see
     docs/known-gaps.md). Two plain ones stay two products on their own weights. Returns the operands and the
     width of each one's product."""
-    ops = [_PlainOperand([m]) if _plain(m) else decode_operand(m) for m in mods]
+    ops = [_PlainOperand([m]) if _plain(m) else _decode_operand(m) for m in mods]
     widths = list(widths)
     if not fuse_last or len(mods) < 2:
         return ops, widths
@@ -285,7 +314,30 @@ def _operands(mods: list[Any], widths: tuple[int, ...], fuse_last: bool) -> tupl
 
         fused = GemvOperand(both, q, scale, o1.max_rows, o1.dtype)
         return ops[:-2] + [fused], widths[:-2] + [widths[-2] + widths[-1]]
+    if isinstance(o1, AffineOperand):  # two low-bit b/a layers of one format: one product (a copy of their codes)
+        both = o1.beside(o2)
+        if both is not None:
+            return ops[:-2] + [both], widths[:-2] + [widths[-2] + widths[-1]]
     return ops, widths
+
+
+class _AffineOut:
+    """A low-bit projection's decode operand (:class:`mpsboost.recipes.low_bit.layers.AffineOperand`) writing its
+    product into the caller's columns by ``mpsboost::affine_gemv_out`` (one dispatch, as fp8's GemvOperand does;
+    the operand's own ``out=`` is a product then a copy); every other call goes to the operand."""
+
+    __slots__ = ("op",)
+    writes_out = True
+
+    def __init__(self, op: AffineOperand):
+        self.op = op
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        op = self.op
+        rows = math.prod(x.shape[:-1])
+        if out is None or x.dtype != op.dtype or not 0 < rows <= op.max_rows or not x.is_contiguous():
+            return op(x, out=out)
+        return affine_gemv_out(x, op.q, op.scales, op.biases, op.params.bits, op.params.group_size, out)
 
 
 def _linear_kind(m: Any, n_in: int, n_out: int) -> str:
@@ -444,21 +496,25 @@ def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
         # The norm's own weight (gd.gated_rms_norm scales the gate's product by sqrt(dv) in the same op).
         "norm_w": getattr(mod, _NORM[lay.family]).weight,
         "zero": torch.zeros((), dtype=f32, device=dev),
+        # The fused step (mpsboost::deltanet_step) reads the module's own A_log and dt_bias at every step.
+        "dt_bias": mod.dt_bias,
+        "a_log": mod.A_log,
         # The conv's own weight and bias, views: the multiply-sum runs over the window's last W columns, its
         # products in float32 in any model dtype (gd.conv_roll: acc + tail * w, no cast op).
         "conv_w": conv.weight.squeeze(1),
         "conv_b": conv.bias,
         "acc": torch.zeros(1, dtype=f32, device=dev),
         "out_w": None if _stored_linear(out_mod, lay.hv * lay.dv, lay.hidden) else out_mod.weight,
-        "out_mod": decode_operand(out_mod) if eager else out_mod,
+        "out_mod": _decode_operand(out_mod) if eager else out_mod,
         "proj": weights,
         "proj_mods": mods if stored else None,
         "perm": _qkvz_perm(lay, dev) if lay.family == "qkvz" else None,
     }
     if eager and stored:
-        d["proj_mods"], d["proj_widths"] = _operands(mods, lay.widths, lay.family != "qkvz")
+        ops, d["proj_widths"] = _operands(mods, lay.widths, lay.family != "qkvz")
+        d["proj_mods"] = [_AffineOut(o) if isinstance(o, AffineOperand) else o for o in ops]
     if eager:
-        for k in ("norm_w", "conv_w", "conv_b", "out_w"):
+        for k in ("norm_w", "conv_w", "conv_b", "out_w", "dt_bias", "a_log"):
             d[k] = None if d[k] is None else d[k].detach()
         d["proj_t"] = [w.t() for w in weights]  # [hidden, n]: mm operands
         d["proj_t3"] = [w.unsqueeze(0) for w in d["proj_t"]]  # [1, hidden, n]: bmm operands (one sequence)
@@ -471,7 +527,7 @@ def _watch(mod: torch.nn.Module, lay: _Layout) -> Watch:
     """Where and at which version every tensor the decode constants come from is (host-side metadata only,
     resolved once; eager mode alone checks it)."""
     names = (*_PROJ[lay.family], "conv1d", _OUT[lay.family], _NORM[lay.family])
-    attrs = ("weight", "bias", "weight_scale")  # weight_scale: an fp8 layer's (its few-rows operand reads it)
+    attrs = ("weight", "bias", "weight_scale", "scales", "biases")  # fp8's scale, low-bit's scales and biases
     return Watch(mod, [(n, a) for n in names for a in attrs] + [("A_log",), ("dt_bias",)])
 
 
@@ -626,40 +682,58 @@ def _decode(
     def v(name: str, t: torch.Tensor) -> torch.Tensor:
         return views[name] if work is not None else _view(specs[name], t)
 
-    qkv = gd.conv_roll(
-        conv_state,
-        v("x", y),
-        d["conv_w"],
-        d["conv_b"],
-        window=bufs.get("win"),
-        tail=views.get("tail"),
-        out=bufs.get("qkv"),
-        acc=d["acc"],
-    )
-    kq = gd.l2_normalize(v("qk", qkv), d["qk_eps"], out=bufs.get("kq"))
-    e = gd.gates(v("ba", y), d["z_bias"], d["z_sign"], d["e_add"], d["e_mult"], out=bufs.get("e"))
-    o = gd.delta_rule_step(
-        rec,
-        work.state3(rec) if work is not None else rec.view(b * lay.hv, lay.dk, lay.dv),
-        v("k_row", kq),
-        v("k_col", kq),
-        v("q_row", kq),
-        v("v", qkv),
-        v("beta", e),
-        v("decay", e),
-        u=bufs.get("u"),
-        u4=views.get("u4"),
-        out=bufs.get("o"),
-    )
-    out = gd.gated_rms_norm(
-        v("o4", o),
-        v("z", y),
-        d["norm_w"],
-        d["norm_eps"],
-        weight_scale=math.sqrt(lay.dv),
-        zero=d["zero"],
-        out=bufs.get("out"),
-    )
+    if getattr(mod.__dict__.get(_STATE), "fused", False):  # the whole step after the projections: one call
+        out = bufs["out"] if work is not None else hs.new_empty(b, lay.hv, 1, lay.dv)
+        dn.deltanet_step(
+            y,
+            conv_state,
+            rec,
+            d["conv_w"],
+            d["conv_b"],
+            d["dt_bias"],
+            d["a_log"],
+            d["norm_w"],
+            out,
+            hk=lay.hk,
+            dk=lay.dk,
+            norm_eps=lay.norm_eps,
+            beta_scale=lay.beta_scale,
+        )
+    else:
+        qkv = gd.conv_roll(
+            conv_state,
+            v("x", y),
+            d["conv_w"],
+            d["conv_b"],
+            window=bufs.get("win"),
+            tail=views.get("tail"),
+            out=bufs.get("qkv"),
+            acc=d["acc"],
+        )
+        kq = gd.l2_normalize(v("qk", qkv), d["qk_eps"], out=bufs.get("kq"))
+        e = gd.gates(v("ba", y), d["z_bias"], d["z_sign"], d["e_add"], d["e_mult"], out=bufs.get("e"))
+        o = gd.delta_rule_step(
+            rec,
+            work.state3(rec) if work is not None else rec.view(b * lay.hv, lay.dk, lay.dv),
+            v("k_row", kq),
+            v("k_col", kq),
+            v("q_row", kq),
+            v("v", qkv),
+            v("beta", e),
+            v("decay", e),
+            u=bufs.get("u"),
+            u4=views.get("u4"),
+            out=bufs.get("o"),
+        )
+        out = gd.gated_rms_norm(
+            v("o4", o),
+            v("z", y),
+            d["norm_w"],
+            d["norm_eps"],
+            weight_scale=math.sqrt(lay.dv),
+            zero=d["zero"],
+            out=bufs.get("out"),
+        )
     if work is None:
         out = out.to(hs.dtype)
     if d["out_w"] is None:  # stored output projection: its own forward, or its decode operand
@@ -829,6 +903,58 @@ def _fast_path_packages() -> list[str]:
     return [p for p in ("fla", "causal_conv1d") if importlib.util.find_spec(p) is not None]
 
 
+_STATIC_WHY = (
+    f"cost model: {dn.FUSED_OPS} dispatch instead of {dn.COMPOSED_OPS} after the projections, at no more bytes (the "
+    "state read twice and written once; composed: read four times, written twice)"
+)
+
+
+def _fused_choice(mod: torch.nn.Module, lay: _Layout, env: Env, mode: str) -> tuple[bool, str]:
+    """Whether the decode step runs ``mpsboost::deltanet_step`` after the projections (one Metal dispatch) or the
+    composed ops, and why. Off a Mac: composed (the kernel is Metal; the operator would run the same ops behind one
+    call). On a Mac the static choice is the cost model's (fused: fewer dispatches, no more bytes); on a real Mac
+    :func:`mpsboost.ondevice.choose` compiles the kernel, checks it against the composed step and times both at the
+    layer's shapes (batch 1), taking it only if faster (verdict cached); ``fused_step="static"`` keeps the static
+    choice, ``"off"`` the composed step."""
+    if mode == "off":
+        return False, "decode step composed (option fused_step='off')"
+    if env.device_type != "mps":
+        return False, (
+            f"decode step composed: the fused step's kernel is Metal (on {env.device_type} "
+            "mpsboost::deltanet_step would run the same ops behind one call)"
+        )
+    gate = check("deltanet_metal_step", env)
+    if not gate.ok:
+        return False, f"decode step composed: {gate.reason}"
+    from .. import ondevice
+
+    dtype = mod.conv1d.weight.dtype
+    shape = f"B1 hk{lay.hk} hv{lay.hv} dk{lay.dk} dv{lay.dv} W{lay.width} {str(dtype).removeprefix('torch.')}"
+    stock, fused, chk = dn.contenders(
+        b=1,
+        hk=lay.hk,
+        r=lay.r,
+        dk=lay.dk,
+        dv=lay.dv,
+        width=lay.width,
+        dtype=dtype,
+        bias=mod.conv1d.bias is not None,
+        beta_scale=lay.beta_scale,
+        norm_eps=lay.norm_eps,
+    )
+    choice = ondevice.choose(
+        "deltanet_step",
+        shape,
+        env=env,
+        stock=ondevice.Contender(f"composed step ({dn.COMPOSED_OPS} dispatches)", stock),
+        candidate=ondevice.Contender("mpsboost::deltanet_step (1 Metal dispatch)", fused),
+        static=True,
+        check=chk,
+        mode="static" if mode == "static" else "auto",
+    )
+    return choice.taken, f"decode step: {choice.describe()}; {_STATIC_WHY}"
+
+
 @dataclass(frozen=True)
 class LinearAttentionPlan:
     """What one Gated DeltaNet layer gets: its model ``family`` (a key of the families table), the prefill
@@ -838,6 +964,7 @@ class LinearAttentionPlan:
     family: str
     prefill: str
     compiled: str
+    fused: bool = False  # the decode step after the projections is mpsboost::deltanet_step (else composed)
 
 
 @register
@@ -898,8 +1025,14 @@ class LinearAttention(Recipe):
             )
         else:
             why.append("compiled: stock forward (inductor fuses it; no compiled measurement of the recipe's path yet)")
+        fused, fused_why = _fused_choice(match.module, lay, env, options.fused_step)
+        if fused:
+            backing += "; decode step mpsboost::deltanet_step (Metal, 1 dispatch)"
+        why.append(fused_why)
         return Decision.apply(
-            backing, "; ".join(why), plan=LinearAttentionPlan(family=lay.family, prefill=prefill, compiled=compiled)
+            backing,
+            "; ".join(why),
+            plan=LinearAttentionPlan(family=lay.family, prefill=prefill, compiled=compiled, fused=fused),
         )
 
     def apply(self, match: Match, decision: Decision, env: Env, options: LinearAttentionOptions) -> Patch:
@@ -909,7 +1042,7 @@ class LinearAttention(Recipe):
             raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
         with Changes() as ch:
             plan: LinearAttentionPlan = decision.plan
-            state = _State(lay, plan.prefill, plan.compiled)
+            state = _State(lay, plan.prefill, plan.compiled, plan.fused)
             ch.add(set_instance_attr(mod, NAME, _STATE, state))
             ch.add(bind_forward(mod, NAME, _forward))
             _eager_derived(mod, state)  # now, not inside the first decode step
