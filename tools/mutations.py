@@ -95,6 +95,84 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/ops/test_attn_metal_emulated.py", "-k", "gated-b1"),
     ),
     Mutation(
+        name="quant-norm-plus-one-kept",
+        why="from_pretrained keeps Qwen3.5's zero-centred norms as mlx-lm stored them (+1), not undone",
+        edits=(
+            Edit(
+                "src/mpsboost/quant/formats.py",
+                "                t = t.float() - 1.0  # transformers computes x * (1 + w): mlx-lm stored 1 + w\n",
+                "                t = t.float()\n",
+            ),
+        ),
+        tests=("tests/quant/test_mlx_affine.py", "-k", "every_family and qwen3_5_moe"),
+    ),
+    Mutation(
+        name="quant-gate-up-swapped",
+        why="the experts' switch_mlp stacks fused up rows first (transformers' gate_up_proj holds gate rows first)",
+        edits=(
+            Edit(
+                "src/mpsboost/quant/formats.py",
+                '("gate_up_proj", ("gate_proj", "up_proj"), up_key)',
+                '("gate_up_proj", ("up_proj", "gate_proj"), up_key)',
+            ),
+        ),
+        tests=("tests/quant/test_mlx_affine.py", "-k", "every_family and mixtral"),
+    ),
+    Mutation(
+        name="low-bit-dequant-bias-dropped",
+        why="the low-bit layers dequantise as scales * q, without the group biases",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/low_bit/layers.py",
+                "return affine_dequantize(q, scales.float(), biases.float(), p.bits, p.group_size, dtype)",
+                "return affine_dequantize(q, scales.float(), biases.float() * 0, p.bits, p.group_size, dtype)",
+            ),
+        ),
+        tests=("tests/quant/test_mlx_affine.py", "-k", "every_family and qwen3_5_moe"),
+    ),
+    Mutation(
+        name="low-bit-decode-routing-weights-dropped",
+        why="the low-bit experts' decode path sums the top-k experts' outputs without their routing weights",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/low_bit/layers.py",
+                "    return (o.view(t, k, -1) * wts.unsqueeze(-1).to(o.dtype)).sum(1)\n",
+                "    return o.view(t, k, -1).sum(1)\n",
+            ),
+        ),
+        tests=("tests/quant/test_mlx_affine.py", "-k", "layers_alone and olmoe"),
+    ),
+    Mutation(
+        name="low-bit-prefill-weights-unsorted",
+        why="the low-bit experts' prefill path weights each routed pair by another pair's routing weight",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/low_bit/layers.py",
+                "        o = F.linear(a, dn) * wsorted[start : start + n].unsqueeze(-1).to(dtype)\n",
+                "        o = F.linear(a, dn) * wts.reshape(-1)[start : start + n].unsqueeze(-1).to(dtype)\n",
+            ),
+        ),
+        tests=("tests/quant/test_mlx_affine.py", "-k", "layers_alone and qwen3_moe"),
+    ),
+    Mutation(
+        name="quant-save-norm-not-plus-one",
+        why="save_mlx writes Qwen3.5's zero-centred norms as transformers holds them (mlx-lm reads them +1)",
+        edits=(Edit("src/mpsboost/quant/save.py", "t = (t.float() + 1.0).to(t.dtype)", "t = t.float().to(t.dtype)"),),
+        tests=("tests/quant/test_quantize_save.py", "-k", "saved_folder and qwen3_5_moe"),
+    ),
+    Mutation(
+        name="quant-save-gate-up-halves-swapped",
+        why="save_mlx writes the up rows of gate_up_proj as switch_mlp.gate_proj",
+        edits=(
+            Edit(
+                "src/mpsboost/quant/save.py",
+                'parts = [("gate_proj", 0), ("up_proj", 1)]',
+                'parts = [("gate_proj", 1), ("up_proj", 0)]',
+            ),
+        ),
+        tests=("tests/quant/test_quantize_save.py", "-k", "saved_folder and mixtral"),
+    ),
+    Mutation(
         name="affine-metal-decode-shift",
         why="the Metal low-bit kernels cut codes at the wrong shift within a word (o & 15 for o & 31)",
         edits=(Edit("src/mpsboost/ops/affine_metal.py", "  const int sh = o & 31;\n", "  const int sh = o & 15;\n"),),

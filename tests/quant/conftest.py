@@ -95,6 +95,8 @@ def hf_model(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if p.dim() == 1 and "norm" in name:
                 p.normal_(0.0, 0.2)  # zero-centred norms (Qwen3.5/3.6, Qwen3-Next) and plain ones alike
+            elif "experts" in name or name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.15)  # experts and routers that matter: a routing or weighting fault shows
     return model
 
 
@@ -179,7 +181,9 @@ def mlx_logits(mm, ids: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(__import__("numpy").array(out.astype(mx.float32)))
 
 
-def mlx_greedy(mm, ids: torch.Tensor, steps: int) -> list[int]:
+def mlx_greedy(mm, ids: torch.Tensor, steps: int, last: list | None = None) -> list[int]:
+    """Greedy tokens with mlx-lm's cache; ``last`` gets the logits of the last one-token (decode) step."""
+    import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(mm)
@@ -190,17 +194,23 @@ def mlx_greedy(mm, ids: torch.Tensor, steps: int) -> list[int]:
         nxt = int(mx.argmax(logits[0, -1]).item())
         toks.append(nxt)
         x = mx.array([[nxt]])
+    if last is not None:
+        last.append(torch.from_numpy(np.array(logits[0, -1].astype(mx.float32))))
     return toks
 
 
-def torch_greedy(model, ids: torch.Tensor, steps: int) -> list[int]:
+def torch_greedy(model, ids: torch.Tensor, steps: int, last: list | None = None) -> list[int]:
     toks: list[int] = []
     with torch.no_grad():
         out = model(ids, use_cache=True)
-        for _ in range(steps):
+        for i in range(steps):
             nxt = int(out.logits[0, -1].argmax())
             toks.append(nxt)
+            if i == steps - 1:
+                break
             out = model(torch.tensor([[nxt]]), cache=out.past_key_values, use_cache=True)
+    if last is not None:
+        last.append(out.logits[0, -1].float())
     return toks
 
 

@@ -44,7 +44,10 @@ def _same_as_mlx(folder, model, *, steps: int = 32) -> float:
     err = relative_error(got, mlx_logits(mm, ids))
     assert err <= TOL, f"logits differ from mlx-lm's by {err:.2e} (tolerance {TOL})"
     if steps:
-        assert torch_greedy(model, ids, steps) == mlx_greedy(mm, ids, steps)
+        a, b = [], []
+        assert torch_greedy(model, ids, steps, a) == mlx_greedy(mm, ids, steps, b)
+        dec = relative_error(a[0], b[0])  # the last decode step's logits (one token, through the caches)
+        assert dec <= TOL, f"decode logits differ from mlx-lm's by {dec:.2e} (tolerance {TOL})"
     return err
 
 
@@ -93,6 +96,16 @@ def test_every_family_computes_what_mlx_lm_computes(family, tmp_path):
         if name.endswith("mlp.experts"):
             assert mod.gate_up_proj.dtype == torch.uint32 and mod.down_proj.dtype == torch.uint32
             assert "Affine" in type(mod).__name__
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+def test_the_low_bit_layers_alone_compute_what_mlx_lm_computes(family, tmp_path):
+    """patch=False: no other recipe, so the low-bit layers' own forwards run every step (the experts' per-pair decode
+    path and their hit-experts prefill path)."""
+    write_mlx(family, tmp_path)
+    model = _load(tmp_path, patch=False)
+    assert mpsboost.last_report(model).recipes("applied") == ["low_bit_weights"]
+    _same_as_mlx(tmp_path, model)
 
 
 @pytest.mark.parametrize(
