@@ -240,7 +240,7 @@ def _paths(model) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------ phases (fresh processes)
 
 
-def load_phase(files: dict, cfg, device: str) -> dict:
+def load_phase(files: dict, cfg, device: str, patch: bool = True) -> dict:
     import mpsboost
     from mpsboost.bench.quality import relative_error
 
@@ -250,9 +250,10 @@ def load_phase(files: dict, cfg, device: str) -> dict:
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
-    model = mpsboost.from_pretrained(files["folder"], dtype=torch.bfloat16, device=device)
+    model = mpsboost.from_pretrained(files["folder"], dtype=torch.bfloat16, device=device, patch=patch)
     _sync(device)
     out = {"load_s": time.perf_counter() - t0, "host_peak": _status("VmHWM:") - base_host, "paths": _paths(model)}
+    out["patched"] = patch
     if cuda:
         out.update(
             device_peak=torch.cuda.max_memory_allocated() - base,
@@ -349,7 +350,7 @@ def load_records(files: dict, r: dict, layers: int, tiny: bool, device: str):
     return [
         Record(
             Workload("lowbit_load", shape),
-            "mpsboost.from_pretrained",
+            "mpsboost.from_pretrained" + ("" if r.get("patched", True) else ", low-bit layers alone (patch=False)"),
             RecordEnv.capture(device, torch.bfloat16),
             throughput=Throughput(r["load_s"], "s"),
             memory=Memory(tensor_allocated=r.get("device_peak"), allocator_reserved=r.get("device_reserved")),
@@ -406,6 +407,7 @@ def decode_records(res: dict, layers: int, tiny: bool, device: str):
 def _run_phase(args, extra: list[str], timeout: float) -> dict:
     cmd = [sys.executable, __file__, "--device", args.device, "--layers", str(args.layers), *extra]
     cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--no-lossless-recipes"] if args.no_lossless_recipes else []
     proc = subprocess.run(
         cmd,
         capture_output=True,
@@ -436,6 +438,12 @@ def main(argv=None) -> int:
     p.add_argument("--mac", default="2.15.0", help="torch version of the simulated Mac of the decode ('': native)")
     p.add_argument("--skip-load", action="store_true", help="only the paired decode")
     p.add_argument(
+        "--no-lossless-recipes",
+        action="store_true",
+        help="load with the low-bit layers alone (from_pretrained(patch=False)): the logits comparison then runs the "
+        "same code on both sides but the low-bit layers",
+    )
+    p.add_argument(
         "--budget-s", type=float, default=None, help="stop before a phase that would end past this (cuda: 560)"
     )
     p.add_argument("--phase", choices=("load", "decode"), default=None, help=argparse.SUPPRESS)
@@ -449,7 +457,8 @@ def main(argv=None) -> int:
     bits = [int(b) for b in args.bits.split(",") if b.strip()]
     cfg = _config("qwen3.6", args.layers, args.tiny)
     if args.phase == "load":
-        print("RESULT " + json.dumps(load_phase(json.loads(args.files), cfg, args.device)))
+        res = load_phase(json.loads(args.files), cfg, args.device, not args.no_lossless_recipes)
+        print("RESULT " + json.dumps(res))
         return 0
     if args.phase == "decode":
         work = Path(json.loads(args.files)["work"])

@@ -104,6 +104,7 @@ from .affine_codec import (  # noqa: F401 - re-exported: the layout lives in the
     _check_out,
     affine_dequantize,
     affine_quantize,
+    take_rows,
 )
 
 
@@ -147,7 +148,7 @@ def affine_grouped_gemv_reference(
         y = torch._grouped_mm(xc, w.transpose(-2, -1), offs=offsets.to(torch.int32))
     else:
         sel = eid.clamp(max=e - 1)
-        w = affine_dequantize(q[sel], scales[sel], biases[sel], bits, group_size, x.dtype)  # [M, N, K]
+        w = affine_dequantize(take_rows(q, sel), scales[sel], biases[sel], bits, group_size, x.dtype)  # [M, N, K]
         y = torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
     return torch.where(live.unsqueeze(-1), y, torch.zeros((), dtype=y.dtype, device=y.device))
 
@@ -164,7 +165,7 @@ def affine_embedding_reference(
     """``[..., K]``: the rows ``ids`` of the quantized table dequantised (:func:`affine_dequantize`), only those
     rows read."""
     flat = ids.reshape(-1)
-    w = affine_dequantize(q[flat], scales[flat], biases[flat], bits, group_size, dtype)
+    w = affine_dequantize(take_rows(q, flat), scales[flat], biases[flat], bits, group_size, dtype)
     return w.reshape(*ids.shape, w.shape[-1])
 
 

@@ -166,3 +166,11 @@ def affine_quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.
     codes = torch.clamp(torch.round((g - bias) / scale), 0, n_bins)
     q = pack_codes(codes.reshape(*lead, -1).to(torch.uint8), bits)
     return q, scale.squeeze(-1).to(w.dtype), bias.squeeze(-1).to(w.dtype)
+
+
+def take_rows(q: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``q[idx]`` for codes of any dtype: uint32 words are gathered through their int32 view (the same bits), since
+    torch's CUDA (and older MPS) index kernels have no uint32 case."""
+    if q.dtype == torch.uint32:
+        return q.view(torch.int32)[idx].view(torch.uint32)
+    return q[idx]

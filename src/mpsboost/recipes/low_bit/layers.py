@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ...ops.affine import BITS, GROUP_SIZES, affine_dequantize, affine_quantize
+from ...ops.affine import take_rows, BITS, GROUP_SIZES, affine_dequantize, affine_quantize
 from ...patching import saved_state
 
 __all__ = [
@@ -183,7 +183,7 @@ def _embedding_forward(state: AffineState) -> Callable[..., Any]:
         if state.kernel:
             return torch.ops.mpsboost.affine_embedding(input, q, s, b, p.bits, p.group_size, state.compute_dtype)
         flat = input.reshape(-1)
-        rows = dequantize(q[flat], s[flat], b[flat], p, state.compute_dtype)
+        rows = dequantize(take_rows(q, flat), s[flat], b[flat], p, state.compute_dtype)
         return rows.view(*input.shape, rows.shape[-1])
 
     return forward
@@ -196,11 +196,13 @@ def _pairs(self, x, idx, wts, up_name, pu, pd, dtype):
     flat = idx.reshape(-1)
     up_q = getattr(self, up_name)
     up_s, up_b = getattr(self, up_name + "_scales"), getattr(self, up_name + "_biases")
-    w_up = dequantize(up_q[flat], up_s[flat], up_b[flat], pu, dtype)  # [P, 2I, H]
+    w_up = dequantize(take_rows(up_q, flat), up_s[flat], up_b[flat], pu, dtype)  # [P, 2I, H]
     xs = x.repeat_interleave(k, dim=0) if k > 1 else x
     h = torch.bmm(w_up, xs.unsqueeze(-1)).squeeze(-1)
     a = self._apply_gate(h) if getattr(self, "has_gate", True) else self.act_fn(h)
-    w_dn = dequantize(self.down_proj[flat], self.down_proj_scales[flat], self.down_proj_biases[flat], pd, dtype)
+    w_dn = dequantize(
+        take_rows(self.down_proj, flat), self.down_proj_scales[flat], self.down_proj_biases[flat], pd, dtype
+    )
     o = torch.bmm(w_dn, a.unsqueeze(-1)).squeeze(-1)  # [P, H]
     return (o.view(t, k, -1) * wts.unsqueeze(-1).to(o.dtype)).sum(1)
 
