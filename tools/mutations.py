@@ -302,7 +302,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         name="moe-block-router-never-run",
         why="moe_block's decode path never runs the router module: output_router_logits records nothing (IndexError)",
-        edits=(Edit("src/mpsboost/recipes/moe_block.py", "    if _router_observed(self.gate):\n", "    if False:\n"),),
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/moe_block.py",
+                "    observed = _router_observed(self.gate)\n",
+                "    observed = False\n",
+            ),
+        ),
         tests=("tests/recipes/moe/test_moe_router_logits.py", "-k", "aux_loss_equal and (mixtral or qwen2_moe)"),
     ),
     Mutation(
@@ -1012,6 +1018,132 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=("tests/recipes/test_linear_attention_fused.py", "-k", "low_bit"),
+    ),
+    Mutation(
+        name="moe-route-kernel-ties-higher-id",
+        why="the Metal route kernel breaks tied logits by the higher expert id (a stable sort's is the lower)",
+        edits=(Edit("src/mpsboost/ops/moe_metal.py", "(bi < 0 || v[i] > bv)", "(bi < 0 || v[i] >= bv)"),),
+        tests=("tests/ops/test_moe_metal_emulated.py", "-k", "ties"),
+    ),
+    Mutation(
+        name="moe-route-kernel-renorm-dropped",
+        why="the Metal route kernel's renormalised weights use the over-all-experts formula (not the k's softmax)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/moe_metal.py",
+                "        w = exp(mv[j] - mv[0]) / s;\n",
+                "        w = exp(mv[j] - top) / den;\n",
+            ),
+        ),
+        tests=("tests/ops/test_moe_metal_emulated.py", "-k", "transformers_router and qwen3_5"),
+    ),
+    Mutation(
+        name="moe-route-kernel-positions-unstable",
+        why="the Metal route kernel orders the pairs of one expert backwards (positions no longer a stable sort's)",
+        edits=(Edit("src/mpsboost/ops/moe_metal.py", "(pe[q] == e && q < p)", "(pe[q] == e && q > p)"),),
+        tests=("tests/ops/test_moe_metal_emulated.py", "-k", "batch_1_to_4"),
+    ),
+    Mutation(
+        name="moe-combine-kernel-shared-gate-dropped",
+        why="the Metal combine adds the shared expert's output without its sigmoid gate",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/moe_metal.py",
+                "      acc += mpsb_rnd(pair, s * mpsb_ld(sh[t * ss + h]));\n",
+                "      acc += mpsb_ld(sh[t * ss + h]);\n",
+            ),
+        ),
+        tests=("tests/ops/test_moe_metal_emulated.py", "-k", "combine"),
+    ),
+    Mutation(
+        name="moe-glu-kernel-silu-unrounded",
+        why="the Metal gated activation's silu is off by 1e-4 relative and not rounded to the dtype first",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/moe_metal.py",
+                "    const float s = mpsb_rnd(a, g / (1.0f + exp(-g)));\n",
+                "    const float s = g / (1.0f + exp(-g)) * 1.0001f;\n",
+            ),
+        ),
+        tests=("tests/ops/test_moe_metal_emulated.py", "-k", "glu"),
+    ),
+    Mutation(
+        name="moe-route-cpu-reference-not-torch-topk",
+        why="the moe_route operator's CPU reference breaks ties by a stable sort, not as torch.topk (stock) does",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/moe_ref.py",
+                "    vals, ids = torch.topk(probs, top_k, dim=-1)\n",
+                "    vals, ids = stable_topk(probs, top_k)\n",
+            ),
+        ),
+        tests=("tests/ops/test_moe_metal_emulated.py", "-k", "ties"),
+    ),
+    Mutation(
+        name="moe-block-fused-never-taken",
+        why="moe_block decides the fused path but never takes it (24 ops a Qwen3.5 block again)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/moe_block.py",
+                "            fuse, fusion = choice.taken, choice.describe()\n",
+                "            fuse, fusion = False, choice.describe()\n",
+            ),
+        ),
+        tests=("tests/recipes/moe/test_moe_block_fused.py", "-k", "at_most_12 and float32"),
+    ),
+    Mutation(
+        name="moe-block-fused-static-choice-composed",
+        why="moe_block's static choice (the cost model's, taken wherever nothing is timed) is the composed path",
+        edits=(Edit("src/mpsboost/recipes/moe_block.py", "            static=True,\n", "            static=False,\n"),),
+        tests=("tests/recipes/moe/test_moe_block_fused.py", "-k", "report_names or simulated_mac_never"),
+    ),
+    Mutation(
+        name="moe-block-fused-self-check-skipped",
+        why="moe_block times the fused kernels on a Mac without their self-check",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/moe_block.py",
+                "            check=check_fn if check_fn is not None else _metal_check,\n",
+                "            check=None,\n",
+            ),
+        ),
+        tests=("tests/recipes/moe/test_moe_block_fused.py", "-k", "failed_self_check"),
+    ),
+    Mutation(
+        name="moe-block-fp8-stacks-unused",
+        why="moe_block's fused path leaves fp8 experts to their module (no mpsboost::grouped_mm stacks)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/moe_block.py",
+                '        elif fst.few_rows == "grouped":\n',
+                "        elif False:\n",
+            ),
+        ),
+        tests=("tests/recipes/moe/test_moe_block_fused.py", "-k", "at_most_12 and fp8"),
+    ),
+    Mutation(
+        name="moe-block-low-bit-stacks-unused",
+        why="moe_block's fused path leaves low-bit experts to their module (no affine_grouped_gemv stacks)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/moe_block.py",
+                "    if ast is not None and _affine_experts(ex, gu) and ast.kernel and ast.compute_dtype == dt:\n",
+                "    if False:\n",
+            ),
+        ),
+        tests=("tests/recipes/moe/test_moe_block_fused.py", "-k", "at_most_12 and low"),
+    ),
+    Mutation(
+        name="moe-fused-combine-positions-ignored",
+        why="the fused block combines the routed outputs in expert order as if it were token order (pos dropped)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/moe_route.py",
+                "        return moe_combine(pair, weights, pos, shared, g, shape)\n",
+                "        return moe_combine(pair, weights, None, shared, g, shape)\n",
+            ),
+        ),
+        tests=("tests/recipes/moe/test_moe_block_fused.py", "-k", "more_tokens and qwen3_5"),
     ),
 )
 

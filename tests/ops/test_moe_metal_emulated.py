@@ -236,6 +236,14 @@ def test_route_ties_lower_expert_first_and_the_cpu_operator_is_torch_topk(emulat
         cpu = torch.ops.mpsboost.moe_route(logits, logits, k, True, torch.float32, False)
         assert torch.equal(cpu[1], torch.topk(torch.softmax(logits, -1), k).indices)
     assert ids[0, :3].tolist() == [3, 7, 11] and ids[1].tolist() == list(range(8))
+    # ties within one lane's logits (E=96: lane 5 holds experts 5, 37 and 69) and across lanes
+    wide = torch.zeros(2, 96)
+    wide[0, [69, 37, 5, 40]] = 3.0
+    wide[1, 64:] = -1.0
+    for k in (2, 4, 8):
+        _, ids, *_ = moe_metal.route(wide, wide, top_k=k, norm=False, weights_dtype=torch.float32, want_rows=False)
+        assert torch.equal(ids, moe_route.stable_topk(wide, k)[1]), (k, ids)
+    assert ids[0, :4].tolist() == [5, 37, 40, 69]
 
 
 @pytest.mark.parametrize("e,k", [(8, 1), (8, 8), (60, 2), (256, 1), (256, 8)])
