@@ -1001,7 +1001,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "src/mpsboost/ops/deltanet_metal.py",
-                '            for name, want, have in zip(("output", "conv state", "state"), (args[8], args[1], args[2]), got):',
+                '            for name, want, have in zip(("output", "conv state", "state"), (args[8], args[1], args[2]), got):',  # noqa: E501
                 '            for name, want, have in zip(("output",), (args[8],), got):',
             ),
         ),
@@ -1061,7 +1061,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "src/mpsboost/recipes/linear_attention.py",
-                "        if out is None or x.dtype != op.dtype or not 0 < rows <= op.max_rows or not x.is_contiguous():",
+                "        if out is None or x.dtype != op.dtype or not 0 < rows <= op.max_rows or not x.is_contiguous():",  # noqa: E501
                 "        if True:",
             ),
         ),

@@ -211,7 +211,7 @@ def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_proper
     assert info["mpsboost"] == "0.1.0" and info["features"] and info["recipes"]
     assert {f["available"] for f in info["features"].values()} <= {True, False}
     text = _run([cli, "doctor"], env=env, timeout=300).stdout
-    assert "gate for" in text and "recipes:" in text
+    assert "decisions for" in text and "recipes on the shipped models" in text
     probe = json.loads(_run([py, "-c", IMPORT_PROBE.format(public=PUBLIC)], env=env, timeout=300).stdout)
     assert probe["file"].startswith(str(venv_dir)), probe["file"]  # the installed wheel, not src/
     assert not probe["missing"], probe["missing"]
