@@ -67,8 +67,8 @@ def test_doctor_prints_gguf_kernels_and_the_wheel(capsys, monkeypatch):
     from mpsboost.cli import main as cli_main
 
     tm.fake_versions(monkeypatch, kernels="0.17.2")
-    assert cli_main(["doctor", "--device", "mps", "--torch", "2.15.0"]) == 0
-    out = capsys.readouterr().out
+    assert cli_main(["doctor", "--device", "mps", "--torch", "2.15.0", "--all"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # --all wraps its lines at 100 characters
     assert "transformers GGUF-on-MPS kernels" in out and "would not load" in out
     assert "torch-2.15.0-cp312-cp312-macosx_14_0_arm64.whl (macOS 14.0 or later)" in out
     assert "macOS wheels: triangular_solve_small_16 from the 2.15.0 macOS wheel" in out

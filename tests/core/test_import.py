@@ -248,13 +248,15 @@ _MAY_IMPORT: dict[str, set[str]] = {
     # The patch primitive and the per-module store: a leaf too (nothing above it can reach a module's state).
     "patching": set(),
     "tuning": {"errors", "gate"},
+    # ondevice: the patch-time choice a real Mac makes by timing; it asks the gate only.
+    "ondevice": {"errors", "gate"},
     "report": {"errors", "gate"},
     # ops: tensor functions. Nothing above the gate; tuning is the measured-data reader, at the gate's level.
     "ops": {"errors", "gate", "tuning"},
     # registry imports the package mpsboost.recipes (see _EXACT) to register the built-in recipes lazily.
     "registry": {"errors", "gate", "patching"},
     # recipes: never the API, checkpoints, bench or the command line; each other only within recipes/.
-    "recipes": {"errors", "gate", "tuning", "ops", "patching", "registry"},
+    "recipes": {"errors", "gate", "tuning", "ondevice", "ops", "patching", "registry"},
     # bench measures; it lists the recipe names (bench.cli) through the registry and imports no recipe,
     # no API. (Its functions also `import mpsboost` for the package's version and location: the package
     # is imported before any of its submodules anyway, so the graph does not count it as an edge.)

@@ -386,7 +386,7 @@ def self_check(device: str = "mps") -> Optional[str]:
     (:func:`mpsboost.ops.deltanet_step.reference`, run on the CPU in float32) on :data:`_CASES`, two steps each (a
     continued state), slow-decay gates among the fast ones: the output, the conv state and the recurrent state.
     Five launches of a few KiB each. Returns None, or what failed. Patch time only."""
-    from .deltanet_step import random_inputs, reference
+    from .deltanet_ref import random_inputs, reference
 
     try:
         _library()
