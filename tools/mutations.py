@@ -1026,7 +1026,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         why="the composed DeltaNet step (the operator's CPU/CUDA implementation) computes the decay without dt_bias",
         edits=(
             Edit(
-                "src/mpsboost/ops/deltanet_step.py",
+                "src/mpsboost/ops/deltanet_ref.py",
                 "y[:, off + hv : off + 2 * hv].to(f32) + dt_bias.to(f32)",
                 "y[:, off + hv : off + 2 * hv].to(f32)",
             ),
