@@ -281,7 +281,7 @@ def test_strict_with_an_unavailable_recipe_raises_before_any_change():
         before = tm.snapshot(obj)
         with pytest.raises(RecipeSkippedError) as info:
             mpsboost.patch(obj, recipes=[recipe.name], fp8=tm.fp8_for(recipe), strict=True, device=env)
-        assert recipe.name in str(info.value) and "Nothing was changed" in str(info.value)
+        assert recipe.name in str(info.value) and "nothing was changed" in str(info.value).lower()
         assert not tm.diff_snapshot(before, tm.snapshot(obj)), f"{recipe.name} on {model_name}"
 
 
