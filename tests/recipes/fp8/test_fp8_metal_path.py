@@ -217,7 +217,9 @@ def test_fp8_deltanet_and_attention_decode_in_as_many_ops_as_bf16(env):
         mpsboost.patch(m, device=env, **kw)
         costs[label] = decode_cost(m)["ops"]
     for block in ("linear_attn", "self_attn"):
-        assert costs["fp8"][block] == costs["bf16"][block], (block, costs)
+        # at most bf16's: the fp8 step keeps in_proj_b/in_proj_a side by side, the bf16 step (whose weights stay
+        # views, followed after in-place edits) makes them as two products
+        assert costs["fp8"][block] <= costs["bf16"][block], (block, costs)
 
 
 @pytest.mark.slow
