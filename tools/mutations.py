@@ -1212,6 +1212,38 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         tests=("tests/recipes/moe/test_moe_block_fused.py", "-k", "more_tokens and qwen3_5"),
     ),
+    Mutation(
+        name="sdpa-dense-ignored",
+        why="ops.attention.sdpa hands SDPA strided q/k/v even when asked for dense ones (MPS: pytorch#163597)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/attention.py",
+                "    if dense:\n        q, k, v = (t if t.is_contiguous()",
+                "    if False:\n        q, k, v = (t if t.is_contiguous()",
+            ),
+        ),
+        tests=("tests/recipes/attention/test_sdpa_dense.py", "-k", "under_mps"),
+        quick=True,
+    ),
+    Mutation(
+        name="attention-decode-dense-dropped",
+        why="attention_decode's MPS decision to copy its strided query before SDPA is not passed to the step",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_decode.py",
+                "mask, scale=mod.scaling, dense=st.dense)",
+                "mask, scale=mod.scaling, dense=False)",
+            ),
+        ),
+        tests=("tests/recipes/attention/test_sdpa_dense.py", "-k", "under_mps and qwen3_5"),
+    ),
+    Mutation(
+        name="attention-split-slices-strided",
+        why="attention_split's dense calls pass the strided query slice itself (MPS reads such views wrong)",
+        edits=(Edit("src/mpsboost/ops/attention_split.py", "q.contiguous() if dense else q, key", "q, key"),),
+        tests=("tests/recipes/attention/test_sdpa_dense.py", "-k", "slices_when_dense"),
+        quick=True,
+    ),
 )
 
 

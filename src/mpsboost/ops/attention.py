@@ -35,15 +35,23 @@ def sdpa(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
+    dense: bool = False,
 ) -> torch.Tensor:
     """SDPA on ``[B, H, Lq, D]`` query and ``[B, Hkv, Lk, D]`` key/value, ``Hkv`` dividing ``H``.
+
+    ``dense``: every input that is not contiguous is copied first (the MPS kernels read some strided views
+    wrong: gate feature ``sdpa_strided_correct``, pytorch#163597 / #181133); otherwise only an input whose last
+    dim is strided is.
 
     K/V are never repeated: grouped-query attention goes through ``enable_gqa``. A float mask of another
     dtype is cast to the query's dtype (the Metal kernels take bool or query-dtype masks), clamped so that
     a large negative fp32 value does not overflow to -inf in fp16. ``is_causal`` with a mask becomes the
     mask alone, combined with the causal pattern (the kernels take one or the other).
     """
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    if dense:
+        q, k, v = (t if t.is_contiguous() else t.contiguous() for t in (query, key, value))
+    else:
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     h, hkv = q.shape[-3], k.shape[-3]
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:

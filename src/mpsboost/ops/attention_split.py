@@ -57,17 +57,22 @@ def sdpa_split(
     enable_gqa: bool = False,
     *,
     max_scores: int,
+    dense: bool = False,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with no single call above ``max_scores`` score elements.
 
     ``is_causal`` keeps PyTorch's meaning (upper-left aligned: query i sees keys 0..i): each slice
-    gets the matching rows of that mask as a boolean mask.
+    gets the matching rows of that mask as a boolean mask. ``dense``: every call gets contiguous q/k/v (a
+    query slice is a strided view; MPS reads some of those wrong: gate feature ``sdpa_strided_correct``).
     """
     kw: dict[str, Any] = {"dropout_p": dropout_p, "scale": scale}
     if enable_gqa:
         kw["enable_gqa"] = True
+    if dense:
+        key, value = key.contiguous(), value.contiguous()
     if score_elements(query, key) <= max_scores:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, is_causal=is_causal, **kw)
+        q = query.contiguous() if dense else query
+        return F.scaled_dot_product_attention(q, key, value, attn_mask=attn_mask, is_causal=is_causal, **kw)
     lq, lk = query.shape[-2], key.shape[-2]
     step = query_chunk(query, key, max_scores)
     out = torch.empty(query.shape[:-1] + (value.shape[-1],), dtype=query.dtype, device=query.device)
@@ -83,8 +88,9 @@ def sdpa_split(
                 mask = mask & causal
             else:
                 mask = mask.masked_fill(~causal, float("-inf"))
+        q = query[..., start:stop, :]
         out[..., start:stop, :] = F.scaled_dot_product_attention(
-            query[..., start:stop, :], key, value, attn_mask=mask, **kw
+            q.contiguous() if dense else q, key, value, attn_mask=mask, **kw
         )
     return out
 
@@ -99,12 +105,13 @@ class SdpaSplitMode(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` to :func:`sdpa_split` while active.
 
     ``largest`` records the largest score count of a call it saw (before splitting), ``splits`` how
-    many calls it split.
+    many calls it split; ``dense``: the split calls get contiguous q/k/v.
     """
 
-    def __init__(self, max_scores: int) -> None:
+    def __init__(self, max_scores: int, dense: bool = False) -> None:
         super().__init__()
         self.max_scores = int(max_scores)
+        self.dense = bool(dense)
         self.splits = 0
         self.largest = 0
 
@@ -118,5 +125,5 @@ class SdpaSplitMode(TorchFunctionMode):
                 self.largest = max(self.largest, n)
                 if n > self.max_scores and set(b) <= set(_SDPA_ARGS):
                     self.splits += 1
-                    return sdpa_split(max_scores=self.max_scores, **b)
+                    return sdpa_split(max_scores=self.max_scores, dense=self.dense, **b)
         return func(*args, **kwargs)

@@ -262,8 +262,9 @@ def _proj_params(mod: torch.nn.Module, lay: _Layout) -> list[torch.nn.Parameter]
 class _State:
     """What the recipe keeps on one patched layer (an instance attribute, never module-level)."""
 
-    def __init__(self, layout: _Layout, gqa: str, compiled: str, collector: Any, cache_arg: str):
+    def __init__(self, layout: _Layout, gqa: str, compiled: str, collector: Any, cache_arg: str, dense: bool):
         self.layout = layout
+        self.dense = dense
         self.cache_arg = cache_arg
         self.gqa = gqa
         self.compiled = compiled
@@ -291,7 +292,7 @@ class _State:
         """A copy of a patched model: the same decisions, its own lock, constants and buffer (rebuilt from the
         copy's weights on its first step); transformers' output collector (a process-wide object holding a
         ContextVar) shared, not copied."""
-        new = _State(self.layout, self.gqa, self.compiled, self.collector, self.cache_arg)
+        new = _State(self.layout, self.gqa, self.compiled, self.collector, self.cache_arg, self.dense)
         memo[id(self)] = new
         return new
 
@@ -516,7 +517,8 @@ def _decode(
         k, v = cache.update(k, v, mod.layer_idx, kwargs=kwargs)
     else:
         k, v = cache.update(k, v, mod.layer_idx)
-    out = sdpa(q, k, v, mask, scale=mod.scaling)  # [B, H, 1, D] or [B, Hkv, r, D]: both [B, H * D] in memory
+    # [B, H, 1, D] or [B, Hkv, r, D]: both [B, H * D] in memory
+    out = sdpa(q, k, v, mask, scale=mod.scaling, dense=st.dense)
     if lay.family == "gated":
         gate = y.as_strided((b, hq, dh), (nqk, 2 * dh, 1), dh)
         out = out.reshape(b, hq, dh) * torch.sigmoid(gate)
@@ -628,6 +630,7 @@ class AttentionDecodePlan:
     family: str
     gqa: str
     compiled: str
+    dense: bool = False  # q/k/v made contiguous before SDPA (gate feature sdpa_strided_correct)
 
 
 @register
@@ -676,13 +679,18 @@ class AttentionDecode(Recipe):
         compiled = (
             options.compiled if options.compiled != "auto" else ("recipe" if env.device_type == "mps" else "stock")
         )
+        dense = env.device_type == "mps" and not (strided := check("sdpa_strided_correct", env)).ok
+        if dense:
+            why_gqa += f"; q/k/v made contiguous before SDPA (sdpa_strided_correct: {strided.reason})"
         backing = f"projections side by side, one norm, rotary by permutation, SDPA ({gqa})"
         why = (
             f"eager decode in few ops ({lay.family} attention; stock: 70 aten ops per step for Qwen3.5/3.6); "
             f"{why_gqa}; prefill and other calls: the module's own forward; compiled: "
             + ("the recipe's step, traced" if compiled == "recipe" else "the module's own forward (inductor fuses it)")
         )
-        return Decision.apply(backing, why, plan=AttentionDecodePlan(family=lay.family, gqa=gqa, compiled=compiled))
+        return Decision.apply(
+            backing, why, plan=AttentionDecodePlan(family=lay.family, gqa=gqa, compiled=compiled, dense=dense)
+        )
 
     def apply(self, match: Match, decision: Decision, env: Env, options: AttentionDecodeOptions) -> Patch:
         mod = match.module
@@ -691,7 +699,7 @@ class AttentionDecode(Recipe):
             raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
         plan: AttentionDecodePlan = decision.plan
         with Changes() as ch:
-            st = _State(lay, plan.gqa, plan.compiled, _hf.attention_collector(), _cache_arg(mod) or "cache")
+            st = _State(lay, plan.gqa, plan.compiled, _hf.attention_collector(), _cache_arg(mod) or "cache", plan.dense)
             ch.add(set_instance_attr(mod, NAME, _STATE, st))
             ch.add(bind_forward(mod, NAME, _forward))
             _eager_derived(mod, st)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -73,6 +73,7 @@ class SplitPlan:
 
     max_scores: int
     attention_modules: int
+    dense: bool = False  # every split call gets contiguous q/k/v (gate feature sdpa_strided_correct)
 
 
 def _options(options: AttentionSplitOptions) -> tuple[int, bool]:
@@ -129,13 +130,13 @@ def _hf_may_exceed_for(module: torch.nn.Module) -> Callable[[torch.nn.Module, tu
     return may_exceed
 
 
-def _split_forward(limit: int, may_exceed: Callable[[torch.nn.Module, tuple, dict, int], bool]):
+def _split_forward(limit: int, may_exceed: Callable[[torch.nn.Module, tuple, dict, int], bool], dense: bool):
     def forward(self_: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         # Shapes are static under torch.compile: calls that cannot exceed the budget trace the stock
         # forward untouched; only the large ones run with SDPA routed to the split.
         if not may_exceed(self_, args, kwargs, limit):
             return call_original(self_, NAME, *args, **kwargs)
-        with SdpaSplitMode(limit):
+        with SdpaSplitMode(limit, dense):
             return call_original(self_, NAME, *args, **kwargs)
 
     return forward
@@ -220,9 +221,10 @@ class AttentionSplit(Recipe):
             why = v.reason
         else:
             why = "no MPS build is known to compute SDPA over more than 2^31 scores correctly (ComfyUI#14837)"
-        return Decision.apply(
-            found.backing, f"{why}; calls above {limit} scores are split; {found.reason}", plan=found.plan
-        )
+        plan, strided = found.plan, check("sdpa_strided_correct", env)
+        if not strided.ok:  # a query slice is a strided view: each split call gets contiguous inputs
+            plan, why = replace(plan, dense=True), f"{why}; each split call gets contiguous q/k/v ({strided.reason})"
+        return Decision.apply(found.backing, f"{why}; calls above {limit} scores are split; {found.reason}", plan=plan)
 
     def apply(self, match: Match, decision: Decision, env: Env, options: AttentionSplitOptions) -> Patch:
         plan: SplitPlan = decision.plan
@@ -230,10 +232,12 @@ class AttentionSplit(Recipe):
         if match.data.kind == "transformers":
             modules = [m for _, m in _hf.attention_modules(match.module) if _hf.implementation(m) == "sdpa"]
             bounds: dict[type, Callable] = {}
-            forwards = [_split_forward(limit, bounds.setdefault(type(m), _hf_may_exceed_for(m))) for m in modules]
+            forwards = [
+                _split_forward(limit, bounds.setdefault(type(m), _hf_may_exceed_for(m)), plan.dense) for m in modules
+            ]
         else:
             modules = _attention_modules(match.module)
-            forwards = [_split_forward(limit, _may_exceed)] * len(modules)
+            forwards = [_split_forward(limit, _may_exceed, plan.dense)] * len(modules)
         with Changes() as ch:
             # A mark on the model itself: patch() sees it patched (a second call is a no-op).
             ch.add(set_instance_attr(match.module, NAME, "_mpsboost_split_limit", limit))

@@ -23,9 +23,15 @@ What each torch build runs natively decides what routing buys (gate features):
 - 2.13 to 2.15: flash-style Metal prefill kernels (#181575), grouped K/V without repeating them
   (``sdpa_metal_gqa``, #183280, merged 2026-05-11), MPP kernels on macOS 26.2+ for fp16/bf16 and head dims
   64-256 (``sdpa_mpp_attention``, #182256), a macOS 26 fix in 2.14 (#191794). Eager transformers models and
-  diffusers matmul/sliced processors are routed to them; a transformers model already on ``sdpa`` is left
-  alone, since stock reaches the same kernels (transformers passes ``enable_gqa`` on MPS from torch 2.13).
+  diffusers matmul/sliced processors are routed to them; a transformers model already on ``sdpa`` reaches the
+  same kernels itself (transformers passes ``enable_gqa`` on MPS from torch 2.13).
 - 2.16 nightlies (``metal_attention``): attention fully on Metal, every SDPA path.
+
+Strided inputs (``sdpa_strided_correct``, pytorch#163597 / #181133; no build is known to be fixed): the MPS
+kernels read some head-transposed or permuted views wrong (black images, ComfyUI#10681). Under MPS decisions the
+route makes q/k/v contiguous before SDPA, and a transformers model on ``sdpa`` is routed for that copy alone
+(stock's function hands the kernels the transposed views). diffusers' SDPA processors pass such views
+themselves, so a matmul processor is kept there.
 
 On CPU and CUDA it does not apply. ``options={"metal_attention": {"force": True}}`` applies it on any env
 (the code path is ordinary SDPA there; used by the tests).
@@ -33,7 +39,7 @@ On CPU and CUDA it does not apply. ``options={"metal_attention": {"force": True}
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import torch
@@ -79,9 +85,9 @@ def _uncovered(module: torch.nn.Module, kwargs: dict, collector: Any) -> bool:
     )
 
 
-def _sdpa_routed(collector: Any):
+def _sdpa_routed(collector: Any, dense: bool):
     """The function an ``sdpa`` model's attention modules get (``collector``: transformers' output capture,
-    read at patch time: see :func:`mpsboost.recipes._hf.weights_wanted`)."""
+    read at patch time: see :func:`mpsboost.recipes._hf.weights_wanted`; ``dense``: q/k/v made contiguous)."""
 
     def metal_attention_forward(
         module: torch.nn.Module,
@@ -101,12 +107,12 @@ def _sdpa_routed(collector: Any):
             return sdpa_attention_forward(
                 module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
             )
-        return _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal)
+        return _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal, dense)
 
     return metal_attention_forward
 
 
-def _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal):
+def _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal, dense):
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # As transformers' SDPA function: the causal flag only for a prefill without mask; an empty static
@@ -122,11 +128,12 @@ def _metal(module, query, key, value, attention_mask, dropout, scaling, is_causa
         dropout_p=dropout if module.training else 0.0,
         is_causal=causal,
         scale=scaling,
+        dense=dense,
     )
     return out.transpose(1, 2).contiguous(), None
 
 
-def _eager_routed(eager: Any):
+def _eager_routed(eager: Any, dense: bool):
     """The function an eager model's attention modules get: Metal SDPA on transformers' eager mask (a
     query-dtype additive mask, always materialised); the modeling file's own eager function for the cases
     SDPA does not cover (returned attention weights among them: an eager model's users may read them)."""
@@ -135,16 +142,17 @@ def _eager_routed(eager: Any):
     def eager_to_metal(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         if _uncovered(module, kwargs, collector):
             return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        return _metal(module, query, key, value, attention_mask, dropout, scaling, kwargs.get("is_causal"))
+        return _metal(module, query, key, value, attention_mask, dropout, scaling, kwargs.get("is_causal"), dense)
 
     return eager_to_metal
 
 
-def _routes(module: torch.nn.Module) -> dict[str, Any]:
-    """implementation name -> the function ``module``'s forward gets for it."""
+def _routes(module: torch.nn.Module, dense: bool) -> dict[str, Any]:
+    """implementation name -> the function ``module``'s forward gets for it (``dense``: SDPA's inputs made
+    contiguous first)."""
     if _hf.implementation(module) == "eager":
-        return {"eager": _eager_routed(_hf.eager_function(module))}
-    return {"sdpa": _sdpa_routed(_hf.attention_collector())}
+        return {"eager": _eager_routed(_hf.eager_function(module), dense)}
+    return {"sdpa": _sdpa_routed(_hf.attention_collector(), dense)}
 
 
 def _head_dim(cfg: Any) -> int | None:
@@ -179,6 +187,7 @@ class RoutePlan:
 
     previous: str
     attention_modules: int
+    dense: bool = False  # q/k/v made contiguous before SDPA (the build reads strided views wrong)
 
 
 @dataclass(frozen=True)
@@ -221,16 +230,28 @@ class MetalAttention(Recipe):
         found = self._decide_transformers(match) if kind == "transformers" else self._decide_diffusers(match)
         if not found.applicable:
             return found
+        strided = _strided_inputs(env)
+        if strided is not None and kind == "diffusers":
+            # diffusers' SDPA processors hand SDPA the head-transposed views themselves: routing the matmul
+            # processor onto them would bring the wrong-values bug in.
+            return Decision.skip(f"the SDPA processors pass strided q/k/v, which this build may read wrong: {strided}")
+        plan, backing, dense = found.plan, found.backing, ""
+        if strided is not None:
+            plan, backing = replace(plan, dense=True), f"{backing}, q/k/v made contiguous"
+            dense = f"; q/k/v made contiguous before SDPA ({strided})"
         if options.force:
-            return Decision.apply(found.backing, f"forced by options (force=True); {found.reason}", plan=found.plan)
+            return Decision.apply(backing, f"forced by options (force=True); {found.reason}{dense}", plan=plan)
         v = _native_kernels(env)
+        if isinstance(plan, RoutePlan) and plan.previous == "sdpa":
+            if strided is None:
+                return Decision.skip(
+                    f"stock already does it: the model is on 'sdpa', which reaches the same Metal kernels ({v.reason})"
+                )
+            # Stock's SDPA function hands the kernels head-transposed views: the route's only change is the copy.
+            return Decision.apply(backing, f"stock's 'sdpa' passes strided q/k/v; {found.reason}{dense}", plan=plan)
         if not v.ok:
             return Decision.skip(v.reason)
-        if isinstance(found.plan, RoutePlan) and found.plan.previous == "sdpa":
-            return Decision.skip(
-                f"stock already does it: the model is on 'sdpa', which reaches the same Metal kernels ({v.reason})"
-            )
-        return Decision.apply(found.backing, f"{v.reason}; {found.reason}", plan=found.plan)
+        return Decision.apply(backing, f"{v.reason}; {found.reason}{dense}", plan=plan)
 
     # -------------------------------------------------------------- what the model allows
     def _decide_transformers(self, match: Match) -> Decision:
@@ -287,20 +308,28 @@ class MetalAttention(Recipe):
     def apply(self, match: Match, decision: Decision, env: Env, options: MetalAttentionOptions) -> Patch:
         plan: RoutePlan | ProcessorPlan = decision.plan
         if isinstance(plan, RoutePlan):
-            return self._apply_transformers(match.module)
+            return self._apply_transformers(match.module, plan.dense)
         import diffusers.models.attention_processor as ap
 
         processor = getattr(ap, plan.processor)()
         return set_instance_attr(match.module, self.name, "processor", processor)
 
-    def _apply_transformers(self, model: torch.nn.Module) -> Patch:
+    def _apply_transformers(self, model: torch.nn.Module, dense: bool) -> Patch:
         with Changes() as ch:
             # A mark on the model itself: patch() sees it patched (a second call is a no-op).
             ch.add(set_instance_attr(model, self.name, "_mpsboost_metal_attention", True))
             for _, m in _hf.attention_modules(model):
                 if _hf.implementation(m) in _SWITCHABLE:
-                    ch.add(_hf.route_attention(m, self.name, _routes(m)))
+                    ch.add(_hf.route_attention(m, self.name, _routes(m, dense)))
         return ch.patch(description="metal_attention: restore attention forwards")
+
+
+def _strided_inputs(env: Env) -> str | None:
+    """Why SDPA's inputs must be made contiguous on ``env`` (None: they need not)."""
+    if env.device_type != "mps":
+        return None
+    v = check("sdpa_strided_correct", env)
+    return None if v.ok else f"sdpa_strided_correct: {v.reason}"
 
 
 def _native_kernels(env: Env) -> Verdict:

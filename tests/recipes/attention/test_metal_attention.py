@@ -112,13 +112,21 @@ def test_gqa_merge_date_on_213_nightlies():
     assert "K/V repeated" not in after.reason and "pytorch#183280" in after.reason
 
 
-def test_sdpa_model_is_left_to_stock():
-    """transformers on 'sdpa' reaches the same Metal kernels itself (enable_gqa on MPS from torch 2.13)."""
+def test_sdpa_model_is_routed_only_for_the_contiguous_copy(monkeypatch):
+    """transformers on 'sdpa' reaches the same Metal kernels itself (enable_gqa on MPS from torch 2.13); the route
+    is taken for the copy of strided q/k/v alone (sdpa_strided_correct), on every build, and left to stock once
+    the gate knows the build reads strided views right."""
     model = _llama("sdpa")
-    for tv in ("2.13.0", "2.15.0", "2.16.0.dev20261201"):
+    for tv in ("2.12.0", "2.13.0", "2.15.0", "2.16.0.dev20261201"):
         row = _row(model, tv)
-        assert row.status == "skipped" and "stock already does it" in row.reason, (tv, row.reason)
-    assert _row(model, "2.12.0").status == "skipped"
+        assert row.status == "would apply" and "sdpa_strided_correct" in row.reason, (tv, row.reason)
+        assert "made contiguous" in row.backing
+    feat = gate.FEATURES["sdpa_strided_correct"]
+    fixed = {**feat.rules, "mps": (gate.Rule(since="2.15"),)}
+    monkeypatch.setitem(gate.FEATURES, "sdpa_strided_correct", dataclasses.replace(feat, rules=fixed))
+    row = _row(model, "2.15.0")
+    assert row.status == "skipped" and "stock already does it" in row.reason, row.reason
+    assert _row(model, "2.12.0").status == "would apply"  # still affected before the fix
 
 
 def test_nightly_merge_date_is_honoured(monkeypatch):
@@ -183,8 +191,11 @@ def test_diffusers_sliced_attention_to_sdpa(rng_seed):
     x, ts, enc = torch.randn(1, 4, 16, 16), torch.tensor([10]), torch.randn(1, 7, 32)
     with torch.no_grad():
         ref = unet(x, ts, enc).sample
+    # Under MPS decisions the matmul processor is kept: diffusers' SDPA processors pass strided q/k/v, which no
+    # build is known to read right (sdpa_strided_correct); forced (any device) the routing itself is checked.
     plan = mpsboost.plan(unet, device="mps", torch_version="2.16.0.dev20261201", recipes=["metal_attention"])
-    assert {r.status for r in plan.rows} == {"would apply"} and len(plan.rows) == len(before)
+    assert {r.status for r in plan.rows} == {"skipped"} and len(plan.rows) == len(before)
+    assert all("strided" in r.reason for r in plan.rows)
     mpsboost.patch(unet, recipes=["metal_attention"], options=FORCE)
     assert {type(p).__name__ for p in unet.attn_processors.values()} == {"AttnProcessor2_0"}
     with torch.no_grad():
