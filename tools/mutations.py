@@ -1327,7 +1327,8 @@ def run(m: Mutation, *, verbose: bool) -> tuple[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         env["PYTHONPATH"] = os.pathsep.join([str(dest / "src"), str(dest / "tests")])
         env["PYTHONDONTWRITEBYTECODE"] = "1"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *m.tests]
+        # -n0: one process (the suite's addopts spread tests over workers; a mutant's few tests gain nothing)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-n0", "-p", "no:cacheprovider", *m.tests]
         t0 = time.monotonic()
         proc = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True)
         took = time.monotonic() - t0

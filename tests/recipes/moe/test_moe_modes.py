@@ -246,6 +246,16 @@ def _grouped_mm_calls(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and "grouped_mm" in str(n.target))
 
 
+# Inductor (C++ code generation and compilation on the CPU: 15-30 s a test) where its lowering is what is checked,
+# the native grouped matmul in bf16 under Mac 2.15.0 decisions; the other envs trace through AOT autograd with
+# the eager backend: the same fullgraph capture and functionalisation, the ops run as they are.
+INDUCTOR_ENVS = ("mps_2.15.0",)
+
+
+def _backend(env_name: str) -> str:
+    return "inductor" if env_name in INDUCTOR_ENVS else "aot_eager"
+
+
 def _env(name):
     device, version, _ = ENVS[name]
     return mpsboost.Env.simulate(device, version) if version else None
@@ -289,7 +299,7 @@ def test_compiled_forward_equals_eager_patched(env_name, rng_seed):
         assert all(r.status == "applied" for r in report.rows if r.recipe == "moe_experts"), report
         eager = model(ids).logits
         torch._dynamo.reset()
-        cnt = CompileCounterWithBackend("inductor")
+        cnt = CompileCounterWithBackend(_backend(env_name))
         out = torch.compile(model, backend=cnt, fullgraph=True, dynamic=False)(ids).logits
     assert cnt.frame_count == 1
     # grouped_mm traces in bf16 only (and MPS before 2.15 has none): the dense fallback otherwise.
@@ -330,7 +340,7 @@ def test_static_cache_generate_compiled_equals_eager(env_name, rng_seed):
         eager = model.generate(ids, disable_compile=True, **kw)
         torch._dynamo.reset()
         counters.clear()
-        cc = CompileConfig(fullgraph=True, dynamic=False)
+        cc = CompileConfig(fullgraph=True, dynamic=False, backend=_backend(env_name))
         cc._compile_all_devices = True
         with _spy_recipe() as paths:
             compiled = model.generate(ids, compile_config=cc, **kw)

@@ -140,7 +140,10 @@ def test_side_stream_loop_with_the_pad_recipe(rng_seed):
         with mpsboost.patched(vae, recipes=["wan_vae_pad", RECIPE], device=env, options=opts) as report:
             assert [r.recipe for r in report.rows if r.status == "applied"] == ["wan_vae_pad", RECIPE]
             out = vae.decode(z).sample
-    assert (out - ref).abs().max().item() <= 1e-5
+    # The folded 2-D convolution of the first frame sums in another order: as tests/recipes/vae/test_wan_vae.py,
+    # a bound of 5e-5 on outputs of magnitude <= 1 (1.37e-5 seen over random seeds), and relative 1e-5.
+    assert (out - ref).abs().max().item() <= 5e-5
+    assert ((out - ref).norm() / ref.norm()).item() <= 1e-5
     assert "tiled_decode" not in vae.__dict__ and "_decode" not in vae.__dict__
 
 
