@@ -20,7 +20,10 @@ against the file size (target <= 1.15x), the load time (file in the page cache, 
 codes unpacked here (shifts and masks of the uint32 words, an independent formula), ``scales * q + biases`` in
 float32 rounded once to bf16, computed by the stock forward on the same device (the routers, which the loader
 dequantises into their own parameter, taken as loaded); relative error, and 32 greedy tokens equal or the first
-position where they differ.
+position where they differ. Then each decoder layer fed the reference layer's own input (the error one layer
+makes, apart from what the depth amplifies); and the logits against weights rounded as ``mx.dequantize`` rounds
+them (bf16 product, then bf16 sum: about half the weights one bf16 step off), with the two references' own
+distance: how far this random-weight model carries a one-rounding difference in its weights.
 
 Decode (``--decode-rounds N``, N >= 5; records ``lowbit_decode_paired``): one process with the decisions of a Mac on
 torch ``--mac`` (``Env.simulate("mps", mac)``, computed on this device; ``--mac ''``: this device's own): each bit
@@ -167,10 +170,17 @@ def write_mlx(cfg, bits: int, group: int, folder: Path, device: str, seed: int =
 # ------------------------------------------------------------------------------------------ the reference
 
 
-def unpack_dequantize(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int):
+def unpack_dequantize(
+    q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int, rounding: str = "float32"
+):
     """``[..., K]`` bf16 from MLX affine ``q [..., K*bits/32]`` (uint32 words, the lowest bits first), written here
     from the format's definition: code j of a row is ``(word[j // (32/bits)] >> bits * (j % (32/bits))) & mask``;
-    the weight ``scale * code + bias`` in float32, rounded once. A slice of rows at a time (bounded scratch)."""
+    the weight ``scale * code + bias``. ``rounding``: ``"float32"``, in float32 rounded once (what mpsboost's
+    low-bit layers use; MLX's quantized matmul never rounds the weight at all); ``"mlx"``, as ``mx.dequantize``
+    computes it in the scales' dtype (bf16 scales: the product rounded to bf16, then the sum; about half the
+    weights one bf16 step off the former). A slice of rows at a time (bounded scratch)."""
+    if rounding not in ("mlx", "float32"):
+        raise ValueError(f"rounding must be 'mlx' or 'float32', got {rounding!r}")
     per = 32 // bits
     lead, words = q.shape[:-1], q.shape[-1]
     k = words * per
@@ -184,13 +194,17 @@ def unpack_dequantize(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tenso
         w = rows_q[r : r + step].view(torch.int32).to(torch.int64) & 0xFFFFFFFF
         codes = ((w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(w.shape[0], k // group, group)
         s, b = rows_s[r : r + step].unsqueeze(-1), rows_b[r : r + step].unsqueeze(-1)
-        out[r : r + step] = (codes.float() * s + b).reshape(w.shape[0], k).to(torch.bfloat16)
+        if rounding == "mlx":  # in the scales' own dtype: each operation rounds its result to it
+            w_rows = codes.to(scales.dtype) * s.to(scales.dtype) + b.to(scales.dtype)
+        else:
+            w_rows = codes.float() * s + b
+        out[r : r + step] = w_rows.reshape(w.shape[0], k).to(torch.bfloat16)
     return out.reshape(*lead, k)
 
 
-def exact_reference(model: torch.nn.Module, cfg) -> torch.nn.Module:
-    """The stock model of ``cfg`` whose weights are ``model``'s low-bit codes unpacked by :func:`unpack_dequantize`;
-    every other tensor (norms, routers, conv, rotary tables) shared with ``model``."""
+def exact_reference(model: torch.nn.Module, cfg, rounding: str = "float32") -> torch.nn.Module:
+    """The stock model of ``cfg`` whose weights are ``model``'s low-bit codes unpacked by :func:`unpack_dequantize`
+    (``rounding`` as there); every other tensor (norms, routers, conv, rotary tables) shared with ``model``."""
     from mpsboost.quant.load import build_meta_model
     from mpsboost.recipes.low_bit.layers import affine_state
 
@@ -203,7 +217,7 @@ def exact_reference(model: torch.nn.Module, cfg) -> torch.nn.Module:
                 p = state.params[name]
                 s_name, b_name = ("scales", "biases") if name == "weight" else (f"{name}_scales", f"{name}_biases")
                 trio = (getattr(src, name), getattr(src, s_name), getattr(src, b_name))
-                t = unpack_dequantize(*trio, p.bits, p.group_size)
+                t = unpack_dequantize(*trio, p.bits, p.group_size, rounding)
             else:
                 t = getattr(src, name)
             if name in mod._parameters:
@@ -211,6 +225,33 @@ def exact_reference(model: torch.nn.Module, cfg) -> torch.nn.Module:
             else:
                 mod._buffers[name] = t
     return ref.eval()
+
+
+def per_layer(model: torch.nn.Module, ref: torch.nn.Module, ids: torch.Tensor) -> list[float]:
+    """Each decoder layer of ``model`` fed the very input ``ref``'s layer got (one forward of the prompt, no
+    cache): the relative error of its output against ``ref``'s, layer by layer. Separates what one layer computes
+    differently from what the model's depth amplifies."""
+    from mpsboost.bench.quality import relative_error
+
+    seen: list = []
+
+    def hook(mod, args, kwargs, out):
+        seen.append((args, kwargs, out))
+
+    hooks = [layer.register_forward_hook(hook, with_kwargs=True) for layer in ref.model.layers]
+    try:
+        with torch.no_grad():
+            ref(input_ids=ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    errs = []
+    with torch.no_grad():
+        for layer, (args, kwargs, out) in zip(model.model.layers, seen):
+            got = layer(*args, **kwargs)
+            first = lambda t: t[0] if isinstance(t, tuple) else t
+            errs.append(relative_error(first(got), first(out)))
+    return errs
 
 
 def greedy(model, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, list[int]]:
@@ -262,11 +303,19 @@ def load_phase(files: dict, cfg, device: str, patch: bool = True) -> dict:
         )
     ids = torch.randint(0, cfg.vocab_size, (1, PROMPT), generator=torch.Generator().manual_seed(7)).to(device)
     got, got_toks = greedy(model, ids, NEW_TOKENS)
-    ref = exact_reference(model, cfg)
+    ref = exact_reference(model, cfg, "float32")
     want, want_toks = greedy(ref, ids, NEW_TOKENS)
+    layer_errors = per_layer(model, ref, ids)
+    del ref  # one bf16 reference at a time (65 GiB at real size)
+    ref = exact_reference(model, cfg, "mlx")
+    want_mx, _ = greedy(ref, ids, NEW_TOKENS)
+    del ref
     diverge = next((i for i, (a, b) in enumerate(zip(got_toks, want_toks)) if a != b), None)
     out.update(
         rel_error=relative_error(got, want),
+        rel_error_mx_dequantize_weights=relative_error(got, want_mx),
+        reference_gap=relative_error(want_mx, want),  # the two references' own distance: the model's sensitivity
+        layer_errors=layer_errors,
         logits_equal=bool(torch.equal(got, want)),
         tokens_equal=got_toks == want_toks,
         first_divergence=diverge,
@@ -363,6 +412,9 @@ def load_records(files: dict, r: dict, layers: int, tiny: bool, device: str):
                 "host_peak_bytes": r["host_peak"],
                 "write_s": files["write_s"],
                 "logits_equal": r["logits_equal"],
+                "rel_error_mx_dequantize_weights": r.get("rel_error_mx_dequantize_weights"),
+                "reference_gap": r.get("reference_gap"),
+                "layer_errors": r.get("layer_errors"),
                 "prompt_tokens": PROMPT,
                 "greedy_tokens": NEW_TOKENS,
                 "tokens_equal": r["tokens_equal"],
@@ -502,8 +554,12 @@ def main(argv=None) -> int:
             rows.append(
                 f"{b}-bit  file {files['file_bytes'] / 2**30:7.2f} GiB  load {r['load_s']:6.1f} s  device peak "
                 + ("   n/a" if peak is None else f"{peak / 2**30:7.2f} GiB ({peak / files['file_bytes']:.3f}x)")
-                + f"  rel err {r['rel_error']:.2e}  tokens "
+                + f"  rel err {r['rel_error']:.2e} (vs weights rounded as mx.dequantize "
+                + f"{r['rel_error_mx_dequantize_weights']:.2e}; "
+                + f"the two references {r['reference_gap']:.2e})  tokens "
                 + ("equal" if r["tokens_equal"] else f"differ from {r['first_divergence']}")
+                + "\n    per layer (each fed the reference's input): "
+                + " ".join(f"{e:.1e}" for e in r["layer_errors"])
             )
             print(rows[-1], flush=True)
         if args.decode_rounds and not failed:

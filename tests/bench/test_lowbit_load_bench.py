@@ -37,8 +37,16 @@ def test_unpack_equals_mlx_dequantize(lb, bits):
     codes = torch.from_numpy(np.array(q).view(np.int32)).view(torch.uint32)
     got = lb.unpack_dequantize(codes, torch.from_numpy(np.array(s)), torch.from_numpy(np.array(b)), bits, 64)
     assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    # mine is rounded once to bf16: within half a bf16 ulp of MLX's float32 values
+    # float32 scales: computed in float32 as MLX does, then rounded once to bf16: within half a bf16 ulp of MLX's
     torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-6)
+    # bf16 scales (the checkpoints' case): mx.dequantize computes in bf16, and the "mlx" rounding is its bit for
+    # bit, where the default (float32, rounded once: the low-bit layers' rule) differs in part of the weights
+    s16, b16 = mx.array(s).astype(mx.bfloat16), mx.array(b).astype(mx.bfloat16)
+    want16 = torch.from_numpy(np.array(mx.dequantize(q, s16, b16, group_size=64, bits=bits).astype(mx.float32)))
+    t16 = [torch.from_numpy(np.array(t.astype(mx.float32))).bfloat16() for t in (s16, b16)]
+    assert torch.equal(lb.unpack_dequantize(codes, *t16, bits, 64, rounding="mlx").float(), want16)
+    once = lb.unpack_dequantize(codes, *t16, bits, 64).float()
+    assert not torch.equal(once, want16)
 
 
 @pytest.mark.slow  # minutes on a busy 2-core machine: a forward of the tiny model is slow on the CPU
@@ -63,6 +71,8 @@ def test_tiny_write_and_load_phase(lb, tmp_path, monkeypatch):
 
     r = lb.load_phase(files, cfg, "cpu")
     assert r["rel_error"] < 1e-2, r["rel_error"]
+    assert len(r["layer_errors"]) == 4 and max(r["layer_errors"]) < 1e-2, r["layer_errors"]
+    assert r["reference_gap"] > 0  # the two rounding rules give other weights
     assert r["tokens_equal"], (r["first_divergence"], r["tokens"], r["reference_tokens"])
     assert len(r["tokens"]) == lb.NEW_TOKENS
     assert any(k.startswith("low_bit_weights: ") for k in r["paths"])
