@@ -38,7 +38,6 @@ from .registry import (
     accepted_options,
     all_recipes,
     make_options,
-    class_path,
     get_recipe,
     matches_class,
 )
@@ -898,16 +897,6 @@ def last_report(obj: Any) -> PatchReport:
     return recs[-1].report
 
 
-def applied_undos(obj: Any) -> list[tuple[str, str, Patch]]:
-    """(recipe, module path, undo) of every live patch on ``obj`` (for diagnostics and tests)."""
-    recs = _records(obj) or []
-    return [(a.recipe.name, a.match.path, a.undo) for r in recs for a in r.applied]
-
-
 def is_patched(obj: Any) -> bool:
     recs = _records(obj)
     return bool(recs) and any(r.applied for r in recs)
-
-
-def _class_name(obj: Any) -> str:
-    return class_path(type(obj))

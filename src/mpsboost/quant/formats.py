@@ -188,7 +188,7 @@ def _read_q(entries: list[tuple[TensorEntry, TensorEntry, TensorEntry]], dim: in
     return read
 
 
-def _mlx_sources(folder: Folder, view: ModelView, info: dict) -> tuple[dict[str, Source], list[str]]:
+def _mlx_sources(folder: Folder, view: ModelView, info: dict) -> tuple[dict[str, Source], list[str]]:  # noqa: C901  (issue 39: split it below complexity 25)
     fam: Family = info["family"]
     qcfg: dict = info["quantization"]
     default: Optional[QParams] = info["default"]

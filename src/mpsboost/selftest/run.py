@@ -120,7 +120,7 @@ def child_main(device: str, size: str, names: Sequence[str], repeats: int) -> in
     return 0
 
 
-def run_selftest(
+def run_selftest(  # noqa: C901  (issue 39: split it below complexity 25)
     device: str | None = None,
     *,
     size: str = "quick",

@@ -215,7 +215,7 @@ def test_load_with_lossless_recipes_is_one_record(tmp_path):
     # moe_block composes with the loaded fp8 experts (their module runs inside its decode path)
     assert report.rows_for("moe_block")[0].status == "applied"
     assert len(model.__dict__[api._RECORDS_ATTR]) == 1 and mpsboost.last_report(model) is report
-    applied = {name for name, _, _ in api.applied_undos(model)}
+    applied = {a.recipe.name for r in model.__dict__[api._RECORDS_ATTR] for a in r.applied}
     assert applied == {"fp8_weights", "softmax", "moe_block"}
     before = tm.snapshot(model)
     with pytest.raises(IrreversiblePatchError):
