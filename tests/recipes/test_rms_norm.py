@@ -166,6 +166,30 @@ def test_one_fused_call_per_norm(mod, name, form):
     assert len(patched.names) <= 5 < 8 <= len(stock.names), (stock.names, patched.names)
 
 
+@pytest.mark.parametrize("mod,name,form", CLASSES[:3], ids=[c[1] for c in CLASSES[:3]])
+def test_float32_round_then_scale_dispatches_no_more_aten_ops_than_the_module(mod, name, form, rng_seed):
+    # In float32 the module's rounding is the identity, so the weight goes into F.rms_norm itself: on the CPU
+    # (where F.rms_norm is the module's composite) no more aten ops than the module, on MPS one kernel.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Aten(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    model = _norm(mod, name, 64, torch.float32)
+    x = torch.randn(2, 5, 64)
+    with Aten() as stock:
+        ref = model(x)
+    mpsboost.patch(model, device=MAC)
+    with Aten() as patched, _Calls() as calls:
+        out = model(x)
+    assert patched.n <= stock.n and calls.names.count("rms_norm") == 1, (patched.n, stock.n, calls.names)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 def test_compiles_fullgraph():
     model = _norm(*CLASSES[6][:2], 64, torch.float32)
     mpsboost.patch(model, device=MAC)

@@ -10,7 +10,8 @@ rounded to the input's dtype:
 On MPS ``F.rms_norm`` with a weight is one Metal kernel (pytorch#145301) where the module's forward
 dispatches eight to ten ops; on the CPU it is the same composite as the module's code, op for op, so the
 result is bit-identical there. ``round_then_scale`` passes a weight of ones so that the fused path is
-taken and the weight is applied after rounding, as the module does.
+taken and the weight is applied after rounding, as the module does; in float32, where that rounding is the
+identity, the module's weight goes into the one call.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def rms_norm(
 ) -> torch.Tensor:
     """The RMS norm of ``x`` over its last dimension in ``form`` (see the module docstring); ``w32``: the
     :func:`norm_weight` of ``weight``, when the caller has it."""
+    if form == "round_then_scale" and x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # In float32 the rounding is the identity: the module's weight goes into the one call (the same two
+        # products, in the module's order), one op fewer than weight-after.
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     if w32 is None:
         w32 = norm_weight(weight, form)
     y = F.rms_norm(x.float(), (x.shape[-1],), w32, eps).to(x.dtype)
