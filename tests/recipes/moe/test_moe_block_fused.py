@@ -224,15 +224,17 @@ def _generate_ops(m):
 @pytest.mark.parametrize("env", [MPS214, MPS215], ids=["mps-2.14.1", "mps-2.15.0"])
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral"])
 def test_whole_generate_moe_blocks_never_more_ops_than_stock(family, env):
-    """The MoE blocks' share of a whole generate() (prefill and decode) dispatches no more ops than stock's blocks,
-    and the tokens are stock's. (The whole model's count also includes other recipes' layers: see the report.)"""
+    """A whole generate() (prefill and decode) of the patched model dispatches no more aten ops than stock's, and
+    neither do its MoE blocks alone; the tokens are stock's. (Counted on the CPU, where F.rms_norm and SDPA are
+    composites: on MPS each is one kernel, so the CPU count errs on stock's side.)"""
     stock = _lm(family)
     m = copy.deepcopy(stock)
     mpsboost.patch(m, device=env)
-    _, moe_stock, ref = _generate_ops(stock)
-    _, moe_patched, got = _generate_ops(m)
+    all_stock, moe_stock, ref = _generate_ops(stock)
+    all_patched, moe_patched, got = _generate_ops(m)
     assert torch.equal(got, ref)
     assert moe_patched <= moe_stock, (moe_patched, moe_stock)
+    assert all_patched <= all_stock, (all_patched, all_stock)
 
 
 # ------------------------------------------------------------------ the patch-time decision
