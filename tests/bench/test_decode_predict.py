@@ -196,12 +196,9 @@ def test_the_validator_accepts_constants_within_bounds():
 
 def test_the_probe_measures_the_constants_here():
     from mpsboost.selftest.probes import PROBES, run_probe
-    from mpsboost.selftest.report import _check_costs
-
     rec = run_probe(PROBES["dispatch_cost"], "cpu", small=True, repeats=3)
     assert rec["verdict"] == "not applicable"  # the CPU's figures: not evidence for a Mac
     m = rec["measured"]
     assert m["c_metal_us"] > 0 and m["c_graph_us"] > 0 and m["achieved_gbs"] > 0 and m["eta"] is None
-    # The validator's physical bounds are a Mac's: a CPU's dispatch under load can take longer than 200 us, so
-    # they are checked on the figures' form here (finite, positive), not on this machine's wall clock.
-    _check_costs("cpu", "dispatch_cost", {k: (1.0 if k in m else None) for k in ("c_metal_us", "c_graph_us")})
+    # Not held to the validator's physical bounds: those are a Mac's, and a dispatch on a loaded CPU can take
+    # longer than 200 us (a wall-clock bound); the bounds' own tests feed them values.
