@@ -1244,6 +1244,127 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/recipes/attention/test_sdpa_dense.py", "-k", "slices_when_dense"),
         quick=True,
     ),
+    Mutation(
+        name="attention-decode-fused-gated-mode-wrong",
+        why="attention_decode's fused step norms the gated family's q/k as qk_norm does (weight, not 1 + weight)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_decode.py",
+                "eps=lay.eps, mode=MODES[lay.family]\n",
+                'eps=lay.eps, mode=MODES["qk_norm" if lay.family == "gated" else lay.family]\n',
+            ),
+        ),
+        tests=("tests/recipes/attention/test_attention_decode_fused.py", "-k", "bf16 and qwen3_5_moe"),
+        quick=True,
+    ),
+    Mutation(
+        name="attention-decode-fused-qk-weights-not-refreshed",
+        why="attention_decode's fused q/k norm weights (1 + w, or w in float32) are not made again at a prompt: a "
+        ".data edit of q_norm/k_norm is lost on the fused path",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_decode.py",
+                '            d["qk_w"] = _qk_weights(mod, state.layout, True)\n',
+                "            pass\n",
+            ),
+        ),
+        tests=("tests/recipes/attention/test_attention_decode_fused.py", "-k", "data_edit and auto"),
+        quick=True,
+    ),
+    Mutation(
+        name="attention-decode-composed-norm-not-remade",
+        why="the composed path's (fused='off') per-row q/k norm weights are not made again at a prompt (the "
+        "data-edit-attention-norm-not-remade-at-prefill entry's edit; its test now runs the fused path)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_decode.py",
+                '            d["norm_w"] = _norm_weight(mod, state.layout, True)\n',
+                "            pass\n",
+            ),
+        ),
+        tests=("tests/recipes/attention/test_attention_decode_fused.py", "-k", "data_edit and off"),
+    ),
+    Mutation(
+        name="attention-decode-composed-dense-dropped",
+        why="the composed path's (fused='off') MPS decision to copy its strided query before SDPA is not passed on "
+        "(the attention-decode-dense-dropped entry's edit; its test now runs the fused path, whose q is dense)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_decode.py",
+                "mask, scale=mod.scaling, dense=st.dense)",
+                "mask, scale=mod.scaling, dense=False)",
+            ),
+        ),
+        tests=("tests/recipes/attention/test_attention_decode_fused.py", "-k", "dense_query"),
+    ),
+    Mutation(
+        name="attention-decode-fused-never-taken",
+        why="attention_decode's choice never takes mpsboost::attn_qk_rope_cache (the static choice ignored)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_decode.py",
+                'return choice.taken, f"q/k norm and rotary:',
+                'return False, f"q/k norm and rotary:',
+            ),
+        ),
+        tests=("tests/recipes/attention/test_attention_decode_fused.py", "-k", "at_most_16 and qwen3_5_moe"),
+        quick=True,
+    ),
+    Mutation(
+        name="attention-decode-fused-option-off-ignored",
+        why="attention_decode's option fused='off' keeps the fused operator",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_decode.py",
+                '    if mode == "off":\n        return False, "q/k norm',
+                '    if False:\n        return False, "q/k norm',
+            ),
+        ),
+        tests=("tests/recipes/attention/test_attention_decode_fused.py", "-k", "off_the_mac"),
+    ),
+    Mutation(
+        name="attention-decode-fused-lost-in-a-copy",
+        why="a deep copy of a patched model runs the composed step (the fused decision not copied)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_decode.py",
+                "self.cache_arg, self.dense, self.fused)",
+                "self.cache_arg, self.dense)",
+            ),
+        ),
+        tests=("tests/recipes/attention/test_attention_decode_fused.py", "-k", "copy_keeps"),
+    ),
+    Mutation(
+        name="attention-decode-fused-check-skipped",
+        why="attention_decode's real-Mac choice times the fused operator without comparing it with the composed chain",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_decode.py",
+                "        check=_pair_check(pair, dtype),\n",
+                "        check=None,\n",
+            ),
+        ),
+        tests=("tests/recipes/attention/test_attention_decode_fused.py", "-k", "outputs_differ"),
+    ),
+    Mutation(
+        name="attention-decode-fused-timed-at-full-rotary",
+        why="attention_decode times the fused operator at the full head width where the layer's rotary is partial",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_decode.py",
+                "    rd = _configured_rotary_dim(mod, lay) or lay.d\n",
+                "    rd = lay.d\n",
+            ),
+        ),
+        tests=("tests/recipes/attention/test_attention_decode_fused.py", "-k", "layer_shape"),
+    ),
+    Mutation(
+        name="attention-decode-fused-norm-dtype-ignored",
+        why="attention_decode takes the fused operator for Qwen3 norms whose weights are in another dtype than the "
+        "activations (the operator would round the weight to the activations' dtype)",
+        edits=(Edit("src/mpsboost/recipes/attention_decode.py", "        if wd != {dtype}:\n", "        if False:\n"),),
+        tests=("tests/recipes/attention/test_attention_decode_fused.py", "-k", "cannot_take"),
+    ),
 )
 
 

@@ -39,6 +39,21 @@ The one-token step (a cache given, eager or sdpa attention, no attention weights
   otherwise the query heads of a group packed as rows (what transformers itself does on MPS < 2.13);
 - the gate is ``sigmoid`` and a multiply; ``o_proj`` one matmul.
 
+On a Mac (fused, the default where :func:`_fused_choice` takes it) the q/k norm, the rotary (full or partial) and
+their dense copy are one call of ``mpsboost::attn_qk_rope_cache`` (:mod:`mpsboost.ops.attn_step`; its Metal kernel
+:mod:`mpsboost.ops.attn_metal`) on the projections' product, which returns q ``[B, hq, 1, D]`` and k
+``[B, hkv, 1, D]`` contiguous (SDPA's strided-input copy has nothing left to do; the packed GQA layout is a view of
+q); its weights are the norms' per-column ``1 + w`` (gated) or ``w`` (qk_norm) in float32, copies made again at
+every prompt as the per-row ones are. The K/V still go through ``cache.update``; the gate is read from the
+product. Per attention layer and decode step (tiny models, fp32, DynamicCache, counted on the CPU where the
+operator is its composed reference behind one call): gated 15 aten ops for one sequence (composed 31), qk_norm 12
+(25), plain 12 (18). The choice: on a real Mac the kernel is compiled, checked against the composed chain and
+timed against it at the layer's shapes (batch 1, its dtype) at patch time (:func:`mpsboost.ondevice.choose`,
+verdict cached), taken only if faster; a simulated Mac takes the static choice (fused) and times nothing; CPU and
+CUDA keep the composed ops (the kernel is Metal). A step whose weights no longer suit the operator (a dtype other
+than float32/float16/bfloat16; qk_norm weights in another dtype than the activations) runs the composed ops.
+Option ``fused``: "auto" | "static" (the static choice, not timed) | "off".
+
 Projections another recipe stores in its own format (fp8_weights' layers, from ``patch(fp8=...)`` or
 ``load_fp8``: codes and scales as buffers) run their own forward inside the step: q, k and v on the one
 activation (on MPS 2.15 the fp8 layers quantise it once for the three), then one ``cat`` of q and k; the
@@ -59,7 +74,7 @@ Exactness (tested): float32 outputs within 1e-5 of stock on every family, one se
 batch, dynamic and static cache; greedy tokens equal. Compiled (``torch.compile`` tracing the forward, as
 transformers' static cache does): on MPS the same math, traced (weights read from the Parameters); on CUDA
 and CPU the stock forward (inductor fuses it; no compiled measurement of the recipe yet). Option
-``compiled``: "auto" | "recipe" | "stock".
+``compiled``: "auto" | "recipe" | "stock" (the fused operator traces as one opaque call: it has a fake).
 """
 
 from __future__ import annotations
@@ -73,7 +88,9 @@ import torch
 import torch.nn.functional as F
 
 from ..gate import Env, check
+from ..ops import attn_step
 from ..ops.attention import rotary, sdpa
+from ..ops.attn_ref import MODES
 from ..patching import (
     Changes,
     Patch,
@@ -113,6 +130,9 @@ _IMPLS = ("eager", "sdpa")
 _ROUTER = "metal_attention"
 _GQA = ("enable_gqa", "packed")
 _COMPILED = ("auto", "recipe", "stock")
+_FUSED = ("auto", "static", "off")
+# the activation dtypes mpsboost::attn_qk_rope_cache's Metal kernel takes (elsewhere the composed step runs)
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Arguments of an attention call this step does not implement (packed sequences, biases, sinks, caps).
 _UNCOVERED = ("cu_seq_lens_q", "cu_seq_lens_k", "position_bias", "softcap", "s_aux", "sinks", "cache_params")
 
@@ -124,10 +144,13 @@ _DEVICES = ("mps", "cuda", "cpu")
 class AttentionDecodeOptions:
     """``options={"attention_decode": {...}}``: ``devices``, the device types it applies on (default MPS: no
     measurement elsewhere yet); ``compiled`` ("auto": the recipe's step traced on MPS, the module's own
-    forward elsewhere; "recipe"; "stock")."""
+    forward elsewhere; "recipe"; "stock"); ``fused`` ("auto": on a Mac the q/k norm and rotary are one call of
+    ``mpsboost::attn_qk_rope_cache`` where :func:`_fused_choice` takes it; "static": the cost model's choice, not
+    timed; "off": the composed ops)."""
 
     devices: tuple[str, ...] = ("mps",)
     compiled: str = "auto"
+    fused: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -262,9 +285,19 @@ def _proj_params(mod: torch.nn.Module, lay: _Layout) -> list[torch.nn.Parameter]
 class _State:
     """What the recipe keeps on one patched layer (an instance attribute, never module-level)."""
 
-    def __init__(self, layout: _Layout, gqa: str, compiled: str, collector: Any, cache_arg: str, dense: bool):
+    def __init__(
+        self,
+        layout: _Layout,
+        gqa: str,
+        compiled: str,
+        collector: Any,
+        cache_arg: str,
+        dense: bool,
+        fused: bool = False,
+    ):
         self.layout = layout
         self.dense = dense
+        self.fused = fused  # the q/k norm and rotary are one call of mpsboost::attn_qk_rope_cache
         self.cache_arg = cache_arg
         self.gqa = gqa
         self.compiled = compiled
@@ -292,7 +325,7 @@ class _State:
         """A copy of a patched model: the same decisions, its own lock, constants and buffer (rebuilt from the
         copy's weights on its first step); transformers' output collector (a process-wide object holding a
         ContextVar) shared, not copied."""
-        new = _State(self.layout, self.gqa, self.compiled, self.collector, self.cache_arg, self.dense)
+        new = _State(self.layout, self.gqa, self.compiled, self.collector, self.cache_arg, self.dense, self.fused)
         memo[id(self)] = new
         return new
 
@@ -312,10 +345,41 @@ def _norm_weight(mod: torch.nn.Module, lay: _Layout, detach: bool) -> torch.Tens
     return torch.cat((q, wk.expand(lay.hkv, lay.d)), 0)
 
 
-def _derive(mod: torch.nn.Module, lay: _Layout, state: _State | None) -> dict[str, Any]:
+def _qk_weights(mod: torch.nn.Module, lay: _Layout, detach: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The fused operator's per-column q/k norm weights, contiguous float32 ``[D]`` each: ``1 + w`` for the gated
+    family (as its norms compute it), the weight itself for qk_norm (the operator rounds it to the activation dtype,
+    exact where the norm's weight is in that dtype: :func:`_fusable`), None for plain. Copies, made again at every
+    prompt as ``norm_w`` is (:func:`_refresh_norm_weight`)."""
+    if lay.family == "plain":
+        return None
+    ws = (mod.q_norm.weight, mod.k_norm.weight)
+    if detach:
+        ws = tuple(w.detach() for w in ws)
+    if lay.family == "gated":
+        return tuple((1.0 + w.float()).contiguous() for w in ws)
+    return tuple(w.to(torch.float32, copy=True).contiguous() for w in ws)
+
+
+def _fusable(mod: torch.nn.Module, lay: _Layout, dtype: torch.dtype | None) -> str | None:
+    """None where ``mpsboost::attn_qk_rope_cache`` computes what this layer's composed step computes at ``dtype``
+    (the step's compute dtype), else why not (metadata only: also read while tracing)."""
+    if dtype not in _FUSED_DTYPES:
+        return f"compute dtype {dtype}: the fused operator takes {', '.join(str(t) for t in _FUSED_DTYPES)}"
+    if lay.family == "qk_norm":
+        wd = {mod.q_norm.weight.dtype, mod.k_norm.weight.dtype}
+        if wd != {dtype}:
+            # stock multiplies by the weight in its own dtype (a float32 weight makes a float32 product)
+            return f"q/k norm weights in {sorted(str(t) for t in wd)}, activations in {dtype}"
+    return None
+
+
+def _derive(mod: torch.nn.Module, lay: _Layout, state: _State | None, fused: bool) -> dict[str, Any]:
     """The constants of the decode step. Eager mode keeps them until a Parameter changes; traced code builds
-    them inside the graph (no state read)."""
+    them inside the graph (no state read). ``fused``: the plan's choice; the step takes the fused operator where
+    :func:`_fusable` holds for the weights as they are now (``d["fused"]``), else the composed ops."""
     detach = state is not None
+    dtype = _compute_dtype(mod, lay)
+    fused = fused and _fusable(mod, lay, dtype) is None
     o = mod.o_proj
     projs = [getattr(mod, n) for n in _PROJ]
     # A projection stored by another recipe (fp8 codes and scales) runs its own forward: on MPS 2.15 the fp8
@@ -323,18 +387,20 @@ def _derive(mod: torch.nn.Module, lay: _Layout, state: _State | None) -> dict[st
     stored = any(_stored(m) for m in projs)
     o_stored = _stored(o)
     d: dict[str, Any] = {
-        "norm_w": _norm_weight(mod, lay, detach),
+        "fused": fused,
+        "qk_w": _qk_weights(mod, lay, detach) if fused else None,  # the fused operator's wq, wk
+        "norm_w": None if fused else _norm_weight(mod, lay, detach),
         "o_wt": None if o_stored else (o.weight.detach().t() if detach else o.weight.t()),
         "o_b": None if o_stored or o.bias is None else (o.bias.detach() if detach else o.bias),
         "o_mod": (decode_operand(o) if detach else o) if o_stored else None,
         "mods": tuple(decode_operand(m) if detach else m for m in projs) if stored else None,
-        "dtype": _compute_dtype(mod, lay),
+        "dtype": dtype,
         "ones": None,
         "wt": None,
         "b": None,
         "rope": {},  # rotary dim -> (perm, sign)
     }
-    if lay.family != "plain":
+    if lay.family != "plain" and not fused:
         d["ones"] = torch.ones(lay.d, dtype=torch.float32, device=o.weight.device)
     if state is not None and not stored:
         ps = [p.detach() for p in _proj_params(mod, lay)]
@@ -342,7 +408,7 @@ def _derive(mod: torch.nn.Module, lay: _Layout, state: _State | None) -> dict[st
         d["wt"] = tuple(p.t() for p in ps[:3])
         d["b"] = tuple(ps[3:]) if lay.bias else None
         # the rotary constants of the configured rotary width, now rather than inside the first step
-    if state is not None and d["dtype"] is not None:
+    if state is not None and d["dtype"] is not None and not fused:
         # the rotary constants of the configured rotary width, now rather than inside the first step
         rd = _configured_rotary_dim(mod, lay)
         if rd is not None:
@@ -398,7 +464,7 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
         state.forget()
         return None
     with torch.no_grad():
-        state.derived = _derive(mod, lay, state)
+        state.derived = _derive(mod, lay, state, state.fused)
         if state.derived["wt"] is not None:
             state.buffer(mod.q_proj.weight, lay)  # now rather than inside the first step
         elif state.derived["mods"] is not None and isinstance(
@@ -414,12 +480,16 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
 def _refresh_norm_weight(mod: torch.nn.Module, state: _State) -> None:
     """The per-row q/k norm weights made again from the norms' weights as they are now (a few tiny ops per
     prompt). The one eager constant that is a copy: ``(1 + w)`` in float32 or a weight repeated per head, one
-    row of which no view of the two weights expresses. The projections' weights, biases and the output
-    projection's are views and need nothing."""
+    row of which no view of the two weights expresses (the fused operator's: ``1 + w`` or the weight in
+    float32). The projections' weights, biases and the output projection's are views and need nothing."""
     d = state.derived
-    if d is not None and d["norm_w"] is not None:
-        with torch.no_grad():
+    if d is None:
+        return
+    with torch.no_grad():
+        if d["norm_w"] is not None:
             d["norm_w"] = _norm_weight(mod, state.layout, True)
+        if d["qk_w"] is not None:
+            d["qk_w"] = _qk_weights(mod, state.layout, True)
 
 
 def _rope_consts(d: dict[str, Any], rd: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -490,6 +560,43 @@ def _decode(
     # [B, Nqk] (the buffer, or a fresh result: as_strided views address it) and [B, Nv]
     y, yv = _project(mod, d, hs.reshape(b, lay.hidden), work)
     nqk = lay.widths[0] + lay.widths[1]
+    if d["fused"]:
+        # norm, rotary and the dense copy in one call: q [B, hq, 1, D] and k [B, hkv, 1, D], both contiguous
+        wq, wk = d["qk_w"] if d["qk_w"] is not None else (None, None)
+        q, k = attn_step.qk_rope_cache(
+            y, wq, wk, cos, sin, hq=hq, hkv=hkv, d=dh, q_stride=lay.q_stride, eps=lay.eps, mode=MODES[lay.family]
+        )
+        if st.gqa == "packed":  # a group's query heads as rows: the same memory
+            q = q.view(b, hkv, hq // hkv, dh)
+    else:
+        q, k = _qk_composed(st, d, y, cos, sin, b)
+    v = yv.view(b, hkv, 1, dh)
+    if st.cache_arg == "cache":  # as the class forward calls it
+        k, v = cache.update(k, v, mod.layer_idx, kwargs=kwargs)
+    else:
+        k, v = cache.update(k, v, mod.layer_idx)
+    # [B, H, 1, D] or [B, Hkv, r, D]: both [B, H * D] in memory
+    out = sdpa(q, k, v, mask, scale=mod.scaling, dense=st.dense)
+    if lay.family == "gated":
+        # the gate heads in SDPA's output shape ([B, H, 1, D] or [B, Hkv, r, D]: head g * r + j), so no reshape
+        r = out.shape[2]
+        gate = y.as_strided(tuple(out.shape), (nqk, r * 2 * dh, 2 * dh, 1), dh)
+        out = out * torch.sigmoid(gate)
+    o = out.reshape(b, hq * dh)  # a view where SDPA's output is dense in [B, H, D] order
+    if d["o_mod"] is not None:  # stored output projection (fp8): its own forward
+        o = d["o_mod"](o)
+    else:
+        o = torch.mm(o, d["o_wt"]) if d["o_b"] is None else torch.addmm(d["o_b"], o, d["o_wt"])
+    return o.view(b, 1, lay.hidden)
+
+
+def _qk_composed(
+    st: _State, d: dict[str, Any], y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, b: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The composed q/k: one norm over the q and k heads, the rotary by permutation, views of the result."""
+    lay = st.layout
+    hq, hkv, dh = lay.hq, lay.hkv, lay.d
+    nqk = lay.widths[0] + lay.widths[1]
     rows = lay.q_rows
     qk = y.as_strided((b, rows, dh), (nqk, dh, 1), 0)
     fresh = d["norm_w"] is not None
@@ -512,22 +619,7 @@ def _decode(
     else:
         q = qk.as_strided((b, hq, 1, dh), (rs, lay.q_stride, dh, 1), 0)
     k = qk.as_strided((b, hkv, 1, dh), (rs, dh, dh, 1), (rows - hkv) * dh)
-    v = yv.view(b, hkv, 1, dh)
-    if st.cache_arg == "cache":  # as the class forward calls it
-        k, v = cache.update(k, v, mod.layer_idx, kwargs=kwargs)
-    else:
-        k, v = cache.update(k, v, mod.layer_idx)
-    # [B, H, 1, D] or [B, Hkv, r, D]: both [B, H * D] in memory
-    out = sdpa(q, k, v, mask, scale=mod.scaling, dense=st.dense)
-    if lay.family == "gated":
-        gate = y.as_strided((b, hq, dh), (nqk, 2 * dh, 1), dh)
-        out = out.reshape(b, hq, dh) * torch.sigmoid(gate)
-    o = out.reshape(b, hq * dh)  # a view where SDPA's output is dense in [B, H, D] order
-    if d["o_mod"] is not None:  # stored output projection (fp8): its own forward
-        o = d["o_mod"](o)
-    else:
-        o = torch.mm(o, d["o_wt"]) if d["o_b"] is None else torch.addmm(d["o_b"], o, d["o_wt"])
-    return o.view(b, 1, lay.hidden)
+    return q, k
 
 
 def _decodable(
@@ -589,7 +681,7 @@ def _forward(
     if not (compiling and st.compiled == "stock") and _decodable(
         self, st, hidden_states, position_embeddings, attention_mask, cache, kwargs, compiling
     ):
-        d = _derive(self, st.layout, None) if compiling else _eager_derived(self, st)
+        d = _derive(self, st.layout, None, st.fused) if compiling else _eager_derived(self, st)
         if d is not None and hidden_states.dtype != d["dtype"]:
             d = None  # e.g. autocast's or a caller's other dtype: stock casts as it does
     if d is None:
@@ -621,6 +713,104 @@ def _forward(
         st.lock.release()
 
 
+# aten ops the composed q/k chain takes after the projections, for one sequence (counted on the CPU, fp32: the
+# norm's six, its weight, the cast, the rotary's five, the views), against one call of the fused operator
+_COMPOSED_QK_OPS = 14
+_STATIC_WHY = (
+    f"cost model: 1 dispatch instead of about {_COMPOSED_QK_OPS} for the q/k norm, rotary and their dense copy, "
+    "no more bytes (the q/k product read once, q and k written once, contiguous for SDPA)"
+)
+# how far the fused operator may stand from the composed chain in the patch-time check (relative, max-abs)
+_CHECK_TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _pair_check(pair: Any, dtype: torch.dtype) -> Any:
+    """The patch-time check of :func:`mpsboost.ondevice.choose`: the kernel's own self-check (once per process),
+    then one call of each path of ``pair()`` (:func:`mpsboost.ops.attn_step.timing_pair`) on the same inputs, q and
+    k compared. None when they agree, else why not."""
+
+    def check_run() -> str | None:
+        from ..ops import attn_metal
+
+        why = attn_metal.self_check("mps")
+        if why is not None:
+            return why
+        composed, fused = pair()
+        for name, want, got in zip(("q", "k"), composed(), fused()):
+            want, got = want.double().cpu(), got.double().cpu()
+            err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+            if not err <= _CHECK_TOL[dtype]:
+                return f"the fused operator's {name} differs from the composed chain's by {err:.2e} at these shapes"
+        return None
+
+    return check_run
+
+
+def _fused_choice(mod: torch.nn.Module, lay: _Layout, env: Env, mode: str) -> tuple[bool, str]:
+    """Whether the decode step's q/k norm and rotary are one call of ``mpsboost::attn_qk_rope_cache`` or the
+    composed ops, and why. Off a Mac: composed (the kernel is Metal; the operator would run the same ops behind one
+    call). On a Mac: the gate row ``attn_metal_qk_rope``, then :func:`mpsboost.ondevice.choose` at the layer's
+    shapes (batch 1, its dtype): on a real Mac the kernel is compiled, checked against the composed chain and timed
+    against it (verdict cached), taken only if faster; a simulated Mac, or ``fused="static"``, takes the static
+    choice (fused) and times nothing. ``fused="off"``: composed."""
+    if mode == "off":
+        return False, "q/k norm and rotary composed (option fused='off')"
+    if env.device_type != "mps":
+        return False, (
+            f"q/k norm and rotary composed: the fused operator's kernel is Metal (on {env.device_type} "
+            "mpsboost::attn_qk_rope_cache would run the same ops behind one call)"
+        )
+    gate = check("attn_metal_qk_rope", env)
+    if not gate.ok:
+        return False, f"q/k norm and rotary composed: {gate.reason}"
+    dtype = _compute_dtype(mod, lay)
+    why = _fusable(mod, lay, dtype)
+    if why is not None:
+        return False, f"q/k norm and rotary composed: {why}"
+    from .. import ondevice
+
+    rd = _configured_rotary_dim(mod, lay) or lay.d
+    shape = (
+        f"B1 hq{lay.hq} hkv{lay.hkv} D{lay.d} qs{lay.q_stride} R{rd} mode{MODES[lay.family]} "
+        f"{str(dtype).removeprefix('torch.')}"
+    )
+    made: list = []
+
+    def pair() -> tuple:  # the inputs are made at the first call: nothing is allocated where nothing is timed
+        if not made:
+            made.append(
+                attn_step.timing_pair(
+                    batch=1,
+                    hq=lay.hq,
+                    hkv=lay.hkv,
+                    d=lay.d,
+                    q_stride=lay.q_stride,
+                    rotary=rd,
+                    mode=MODES[lay.family],
+                    dtype=dtype,
+                )
+            )
+        return made[0]
+
+    def stock_run() -> Any:
+        return pair()[0]()
+
+    def fused_run() -> Any:
+        return pair()[1]()
+
+    choice = ondevice.choose(
+        "attn_qk_rope_cache",
+        shape,
+        env=env,
+        stock=ondevice.Contender(f"composed q/k norm and rotary (about {_COMPOSED_QK_OPS} dispatches)", stock_run),
+        candidate=ondevice.Contender("mpsboost::attn_qk_rope_cache (1 Metal dispatch)", fused_run),
+        static=True,
+        check=_pair_check(pair, dtype),
+        mode="static" if mode == "static" else "auto",
+    )
+    return choice.taken, f"q/k norm and rotary: {choice.describe()}; {_STATIC_WHY}"
+
+
 @dataclass(frozen=True)
 class AttentionDecodePlan:
     """What one attention layer gets: its ``family`` (a key of the families table), how SDPA takes grouped
@@ -631,6 +821,7 @@ class AttentionDecodePlan:
     gqa: str
     compiled: str
     dense: bool = False  # q/k/v made contiguous before SDPA (gate feature sdpa_strided_correct)
+    fused: bool = False  # q/k norm and rotary by mpsboost::attn_qk_rope_cache (else composed)
 
 
 @register
@@ -652,6 +843,8 @@ class AttentionDecode(Recipe):
     def decide(self, match: Match, env: Env, options: AttentionDecodeOptions) -> Decision:
         if options.compiled not in _COMPILED:
             raise ValueError(f"{NAME} option 'compiled' must be one of {_COMPILED}, got {options.compiled!r}")
+        if options.fused not in _FUSED:
+            raise ValueError(f"{NAME} option 'fused' must be one of {_FUSED}, got {options.fused!r}")
         bad = [d for d in options.devices if d not in _DEVICES]
         if bad:
             raise ValueError(f"{NAME} option devices={options.devices!r}: unknown {bad}; accepted: {_DEVICES}")
@@ -682,14 +875,21 @@ class AttentionDecode(Recipe):
         dense = env.device_type == "mps" and not (strided := check("sdpa_strided_correct", env)).ok
         if dense:
             why_gqa += f"; q/k/v made contiguous before SDPA (sdpa_strided_correct: {strided.reason})"
-        backing = f"projections side by side, one norm, rotary by permutation, SDPA ({gqa})"
+        fused, why_fused = _fused_choice(match.module, lay, env, options.fused)
+        backing = (
+            f"projections side by side, q/k norm and rotary by mpsboost::attn_qk_rope_cache (1 dispatch), SDPA ({gqa})"
+            if fused
+            else f"projections side by side, one norm, rotary by permutation, SDPA ({gqa})"
+        )
         why = (
             f"eager decode in few ops ({lay.family} attention; stock: 70 aten ops per step for Qwen3.5/3.6); "
-            f"{why_gqa}; prefill and other calls: the module's own forward; compiled: "
+            f"{why_gqa}; {why_fused}; prefill and other calls: the module's own forward; compiled: "
             + ("the recipe's step, traced" if compiled == "recipe" else "the module's own forward (inductor fuses it)")
         )
         return Decision.apply(
-            backing, why, plan=AttentionDecodePlan(family=lay.family, gqa=gqa, compiled=compiled, dense=dense)
+            backing,
+            why,
+            plan=AttentionDecodePlan(family=lay.family, gqa=gqa, compiled=compiled, dense=dense, fused=fused),
         )
 
     def apply(self, match: Match, decision: Decision, env: Env, options: AttentionDecodeOptions) -> Patch:
@@ -699,7 +899,15 @@ class AttentionDecode(Recipe):
             raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
         plan: AttentionDecodePlan = decision.plan
         with Changes() as ch:
-            st = _State(lay, plan.gqa, plan.compiled, _hf.attention_collector(), _cache_arg(mod) or "cache", plan.dense)
+            st = _State(
+                lay,
+                plan.gqa,
+                plan.compiled,
+                _hf.attention_collector(),
+                _cache_arg(mod) or "cache",
+                plan.dense,
+                plan.fused,
+            )
             ch.add(set_instance_attr(mod, NAME, _STATE, st))
             ch.add(bind_forward(mod, NAME, _forward))
             _eager_derived(mod, st)
