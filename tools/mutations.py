@@ -1245,6 +1245,33 @@ MUTATIONS: tuple[Mutation, ...] = (
         quick=True,
     ),
     Mutation(
+        name="moe-experts-stored-step-aside-dropped",
+        why="moe_experts binds its bf16 forward over experts a low-bit or fp8 layer stores (the codes multiplied "
+        "as weights: a later patch() of a from_pretrained / load_fp8 model breaks its forward)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/moe_experts.py",
+                "        if stored is not None:\n            return Decision.skip(stored,",
+                "        if False:\n            return Decision.skip(stored,",
+            ),
+        ),
+        tests=("tests/quant/test_low_bit_repatch.py", "-k", "qwen3_moe and cpu and default or fp8"),
+        quick=True,
+    ),
+    Mutation(
+        name="moe-experts-low-bit-reason-lost",
+        why="moe_experts no longer recognises mpsboost's low-bit experts (the dtype rule still skips them, "
+        "but the row no longer names the low-bit layer)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/moe_experts.py",
+                "    st = affine_state(module)\n    if st is not None:\n",
+                "    st = affine_state(module)\n    if False:\n",
+            ),
+        ),
+        tests=("tests/quant/test_low_bit_repatch.py", "-k", "qwen3_5_moe and mps and named"),
+    ),
+    Mutation(
         name="attention-decode-fused-gated-mode-wrong",
         why="attention_decode's fused step norms the gated family's q/k as qk_norm does (weight, not 1 + weight)",
         edits=(

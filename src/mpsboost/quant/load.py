@@ -143,8 +143,8 @@ def from_pretrained(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            # moe_experts would wrap the low-bit experts forward with a bf16 one: the low-bit forward routes itself.
-            api.adopt(model, steps, device=env, recipes=None if patch else (), exclude=("moe_experts",))
+            # moe_experts steps aside for the low-bit experts (their own forward routes them) and says so in its rows.
+            api.adopt(model, steps, device=env, recipes=None if patch else ())
     except (QuantFileError, QuantMismatchError, PatchError):
         raise
     except BaseException as exc:

@@ -30,6 +30,14 @@ and transposed layout, and the rest), found by that decorator rather than by a l
 blocks that still loop over experts in Python: DBRX (``DbrxExperts``), Step-3.7 (``Step3p7Experts``)
 and JetMoE (``JetMoeMoE``/``JetMoeMoA``, whose router reads expert sizes on the host).
 
+Experts whose stacks another mpsboost layer stores (the low-bit layers of ``mpsboost.from_pretrained``,
+:mod:`mpsboost.recipes.low_bit.layers`: uint32 codes with group scales and biases; the fp8 layers of ``load_fp8``,
+:mod:`mpsboost.recipes.fp8.layers`: fp8 codes with scales), or that are not floating tensors of at least 16 bits,
+are no operands of this recipe's bf16/fp16/fp32 paths: the layer's own forward already routes its experts, and
+binding the recipe's forward over it multiplied the codes as weights (a shape error on the first call). ``decide``
+steps aside for them (:func:`_stored_by_layer`), and a later ``mpsboost.patch(model)`` of a loaded model reports
+why instead of breaking it.
+
 Options (``mpsboost.patch(m, options={"moe_experts": {...}})``):
 ``batched_max_tokens`` (int >= 0): routed pairs at or below which batched_mm runs in eager mode;
 ``compiled_batched_max_tokens`` (int >= 0): the same while ``torch.compile`` traces;
@@ -57,6 +65,8 @@ from ..gate import Env, check
 from ..ops import moe as moe_ops
 from ..registry import NOT_REPORTED, Decision, Match, Recipe, join_path, matches_class, register
 from ..patching import Changes, Patch, bind_forward, held_by, hold_instance_attr, no_change, set_attr
+from .fp8.layers import fp8_state
+from .low_bit.layers import affine_state
 
 NAME = "moe_experts"
 
@@ -103,6 +113,36 @@ def _is_hf_experts(module: torch.nn.Module) -> bool:
         return False
     qual = getattr(code, "co_qualname", "use_experts_implementation.<locals>.wrapper.<locals>.forward")
     return "use_experts_implementation" in qual and hasattr(module, "down_proj")
+
+
+def _stored_by_layer(module: torch.nn.Module, weights: tuple[torch.Tensor, ...]) -> str | None:
+    """Why this experts module's stacks are no operands of the recipe's paths (stored by one of mpsboost's
+    low-bit or fp8 layers, whose own forward routes the experts; or not floating tensors of 16 bits or more),
+    else None. Patch time only: reads the layer's state and the stacks' dtypes."""
+    st = affine_state(module)
+    if st is not None:
+        fmt = ", ".join(f"{n} {p.bits}-bit g{p.group_size}" for n, p in st.params.items())
+        return (
+            f"experts are mpsboost's low-bit layer {type(module).__name__} (low_bit_weights, from "
+            f"mpsboost.from_pretrained: MLX affine codes, {fmt}), whose own forward routes the experts "
+            f"({st.backing or 'dequantize then matmul'}); the recipe's paths cannot multiply the codes: "
+            "moe_experts steps aside"
+        )
+    fst = fp8_state(module)
+    if fst is not None:
+        return (
+            f"experts are mpsboost's fp8 layer {type(module).__name__} (fp8_weights, from patch(fp8=...) or "
+            f"load_fp8: fp8 codes, {fst.granularity} scales), whose own forward routes the experts "
+            f"({fst.backing or fst.large_path}); the recipe's paths cannot multiply the codes: moe_experts steps aside"
+        )
+    narrow = (w for w in weights if not w.is_floating_point() or w.element_size() < 2)
+    odd = sorted({str(w.dtype).replace("torch.", "") for w in narrow})
+    if odd:
+        return (
+            f"expert weights are stored as {', '.join(odd)}, not as float32/bfloat16/float16 tensors the recipe's "
+            "grouped and batched paths multiply (another library's quantized storage): moe_experts steps aside"
+        )
+    return None
 
 
 class _Owned(str):
@@ -530,6 +570,9 @@ class MoeExperts(Recipe):
         return None if impl == _DEFAULT_IMPL else impl
 
     def decide(self, match: Match, env: Env, options: MoeExpertsOptions) -> Decision:
+        stored = _stored_by_layer(match.module, self._weights(match))
+        if stored is not None:
+            return Decision.skip(stored, kind=match.data.kind, stored=type(match.module).__name__)
         chosen = self._user_choice(match)
         if chosen is not None:
             return Decision.skip(
