@@ -761,18 +761,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/recipes/test_data_edits.py", "-k", "between_prompts and qwen3_5_moe"),
     ),
     Mutation(
-        name="data-edit-attention-norm-not-remade-at-prefill",
-        why="attention_decode keeps its per-head q/k norm weights across prompts (a merge is lost)",
-        edits=(
-            Edit(
-                "src/mpsboost/recipes/attention_decode.py",
-                '            d["norm_w"] = _norm_weight(mod, state.layout, True)\n',
-                "            pass\n",
-            ),
-        ),
-        tests=("tests/recipes/test_data_edits.py", "-k", "between_prompts and qwen3"),
-    ),
-    Mutation(
         name="data-edit-rms-norm-not-remade-at-prompts",
         why="rms_norm keeps its 1 + w across prompts (a merge of a norm weight is lost)",
         edits=(
@@ -1226,22 +1214,23 @@ MUTATIONS: tuple[Mutation, ...] = (
         quick=True,
     ),
     Mutation(
-        name="attention-decode-dense-dropped",
-        why="attention_decode's MPS decision to copy its strided query before SDPA is not passed to the step",
-        edits=(
-            Edit(
-                "src/mpsboost/recipes/attention_decode.py",
-                "mask, scale=mod.scaling, dense=st.dense)",
-                "mask, scale=mod.scaling, dense=False)",
-            ),
-        ),
-        tests=("tests/recipes/attention/test_sdpa_dense.py", "-k", "under_mps and qwen3_5"),
-    ),
-    Mutation(
         name="attention-split-slices-strided",
         why="attention_split's dense calls pass the strided query slice itself (MPS reads such views wrong)",
         edits=(Edit("src/mpsboost/ops/attention_split.py", "q.contiguous() if dense else q, key", "q, key"),),
         tests=("tests/recipes/attention/test_sdpa_dense.py", "-k", "slices_when_dense"),
+        quick=True,
+    ),
+    Mutation(
+        name="rms-norm-float32-weight-after",
+        why="a float32 round_then_scale norm applies its weight after the call (one aten op more than the module)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/norm.py",
+                'form == "round_then_scale" and x.dtype == torch.float32 and',
+                "False and x.dtype == torch.float32 and",
+            ),
+        ),
+        tests=("tests/recipes/test_rms_norm.py", "-k", "no_more_aten_ops"),
         quick=True,
     ),
     Mutation(

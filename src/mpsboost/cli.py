@@ -151,9 +151,9 @@ def _doctor_screen(info: dict[str, Any], env: Any) -> list[str]:
     no = [k for k, v in feats.items() if not v["available"]]
     others = len(info["features"]) - len(feats)
     out.append("")
-    head = f"gate: {len(feats) - len(no)} of the {len(feats)} features with a rule for {env.device_type} available"
-    tail = f" ({others} more are for other devices)" if others else ""
-    out += _within(head + ("; not: " if no else ""), no, tail, " and {} more (doctor --all)")
+    head = f"gate: {len(feats) - len(no)} of {len(feats)} {env.device_type} features available"
+    tail = f" ({others} more for other devices)" if others else ""
+    out += _within(head + ("; not: " if no else ""), no, tail, " and {} more (doctor --all)", lines=1)
     hub, gguf = info["hub_kernels"], info["gguf_kernels"]
     whys = [d["why"].split("; ")[0].split(" (")[0] for d in (hub, gguf) if not d["would_load"]]
     if hub["would_load"] == gguf["would_load"]:
