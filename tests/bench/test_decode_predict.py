@@ -196,6 +196,7 @@ def test_the_validator_accepts_constants_within_bounds():
 
 def test_the_probe_measures_the_constants_here():
     from mpsboost.selftest.probes import PROBES, run_probe
+
     rec = run_probe(PROBES["dispatch_cost"], "cpu", small=True, repeats=3)
     assert rec["verdict"] == "not applicable"  # the CPU's figures: not evidence for a Mac
     m = rec["measured"]
