@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "Tiny",
@@ -1017,3 +1018,54 @@ def fake_versions(monkeypatch: Any, **installed: str | None) -> None:
         return real(dist)
 
     monkeypatch.setattr(md, "version", version)
+
+
+# ------------------------------------------------------------------------------ the one op counter of the tests
+
+
+class ModuleOps(TorchDispatchMode):
+    """The aten ops dispatched inside ``modules`` (between each module's pre- and post-forward hooks; with no
+    modules, every op while the mode is active): ``count``, and their ``names`` (``aten.mm``, ``mpsboost.*``).
+    The hooks are removed by :meth:`remove` (or on leaving a ``with``)."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module] = ()):
+        super().__init__()
+        modules = list(modules)
+        self.names: list[str] = []
+        self.inside = not modules
+        self.hooks = []
+        for m in modules:
+            self.hooks.append(m.register_forward_pre_hook(lambda *_: setattr(self, "inside", True)))
+            self.hooks.append(m.register_forward_hook(lambda *_: setattr(self, "inside", False)))
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.remove()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside:
+            self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def decode_step_ops(model: Any, modules: Iterable[torch.nn.Module], batch: int, *, cache: Any = None) -> list[str]:
+    """The names of the aten ops ``modules`` dispatch in one decode step after a prefill of 8 tokens (fixed ids;
+    ``cache``: a cache object for the prefill, e.g. a StaticCache; default transformers' own)."""
+    ids = torch.randint(3, 128, (batch, 9), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        kw = {"past_key_values": cache} if cache is not None else {}
+        past = model(ids[:, :8], use_cache=True, **kw).past_key_values
+        with ModuleOps(modules) as counter:
+            model(ids[:, 8:], past_key_values=past, use_cache=True)
+    return counter.names

@@ -10,7 +10,6 @@ import weakref
 import pytest
 import tiny_models as tm
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpsboost
 from mpsboost.errors import PatchError
@@ -237,40 +236,9 @@ def test_greedy_tokens_equal_over_32_new_tokens():
     assert torch.equal(a, b)
 
 
-class _LayerOps(TorchDispatchMode):
-    """Counts the aten ops dispatched inside the DeltaNet layers (between their pre- and post-hooks); with no
-    layers, every op while the mode is active."""
-
-    def __init__(self, layers=()):
-        super().__init__()
-        self.count, self.inside = 0, not layers
-        self.hooks = [
-            h
-            for m in layers
-            for h in (
-                m.register_forward_pre_hook(lambda *_: setattr(self, "inside", True)),
-                m.register_forward_hook(lambda *_: setattr(self, "inside", False)),
-            )
-        ]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += self.inside
-        return func(*args, **(kwargs or {}))
-
-
 def _decode_ops(model, batch: int) -> int:
     """Ops of the DeltaNet layers in the first decode step after a prefill (what the decode_ops tool counts)."""
-    ids = torch.randint(3, 128, (batch, 9), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        past = model(ids[:, :8], use_cache=True).past_key_values
-        counter = _LayerOps(_deltanets(model))
-        try:
-            with counter:
-                model(ids[:, 8:], past_key_values=past, use_cache=True)
-        finally:
-            for h in counter.hooks:
-                h.remove()
-    return counter.count
+    return len(tm.decode_step_ops(model, _deltanets(model), batch))
 
 
 OPS_CASES = [(f, r, "float32", e) for f in FAMILIES for r in RATIOS for e in ("mps-2.15.0", "mps-2.14.1")] + [
@@ -598,7 +566,7 @@ def test_scan_is_five_ops_per_chunk():
     def ops(s):
         q, k, v = (torch.randn(1, s, 2, 16, generator=g) for _ in range(3))
         gate, beta = -torch.rand(1, s, 2, generator=g), torch.rand(1, s, 2, generator=g)
-        with _LayerOps() as c:
+        with tm.ModuleOps() as c:
             gd.chunk_gated_delta_rule(
                 q, k, v, gate, beta, initial_state=None, output_final_state=True, solve="triangular"
             )
@@ -616,7 +584,7 @@ def test_prefill_in_fewer_ops_than_stock_and_equal():
     ids = torch.randint(3, 128, (1, 512), generator=torch.Generator().manual_seed(2))
     counts = []
     for m in (stock, patched):
-        counter = _LayerOps(_deltanets(m)[:1])
+        counter = tm.ModuleOps(_deltanets(m)[:1])
         try:
             with torch.no_grad(), counter:
                 logits = m(ids, use_cache=True).logits

@@ -14,7 +14,6 @@ from recipes.test_linear_attention import (
     _assert_layers_match,
     _decode_step_compiles,
     _deltanets,
-    _LayerOps,
     _model,
 )
 
@@ -43,31 +42,9 @@ def _patch(model, env, recipes=("linear_attention",), **kw):
     return rows
 
 
-class _Names(_LayerOps):
-    """_LayerOps that also keeps the names of the ops inside the layers."""
-
-    def __init__(self, layers):
-        super().__init__(layers)
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.inside:
-            self.names.append(str(func.overloadpacket))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
 def _ops(model, batch: int) -> list[str]:
-    ids = torch.randint(3, 128, (batch, 9), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        past = model(ids[:, :8], use_cache=True).past_key_values
-        counter = _Names(_deltanets(model))
-        try:
-            with counter:
-                model(ids[:, 8:], past_key_values=past, use_cache=True)
-        finally:
-            for h in counter.hooks:
-                h.remove()
-    return counter.names
+    """The ops of every DeltaNet layer in one decode step after a prefill of 8 tokens."""
+    return tm.decode_step_ops(model, _deltanets(model), batch)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,6 @@ import copy
 import pytest
 import tiny_models as tm
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpsboost
 from mpsboost.gate import Env
@@ -94,38 +93,12 @@ def _steps(model, ids, prompt, *, mask=None, outputs=None, cache=None) -> list[t
     return logits
 
 
-class _LayerOps(TorchDispatchMode):
-    """Counts the aten ops dispatched inside the given modules."""
-
-    def __init__(self, modules):
-        super().__init__()
-        self.count = self.inside = 0
-        self.hooks = []
-        for m in modules:
-            self.hooks.append(m.register_forward_pre_hook(lambda *_: setattr(self, "inside", 1)))
-            self.hooks.append(m.register_forward_hook(lambda *_: setattr(self, "inside", 0)))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += self.inside
-        return func(*args, **(kwargs or {}))
-
-
 def _decode_ops(model, batch: int, static: bool = False) -> int:
     """aten ops per attention layer in one decode step (after a prefill of 8 tokens)."""
     from transformers import StaticCache
 
-    ids = torch.randint(3, 128, (batch, 9), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        kw = {"past_key_values": StaticCache(config=model.config, max_cache_len=16)} if static else {}
-        past = model(ids[:, :8], use_cache=True, **kw).past_key_values
-        counter = _LayerOps(_attentions(model))
-        try:
-            with counter:
-                model(ids[:, 8:], past_key_values=past, use_cache=True)
-        finally:
-            for h in counter.hooks:
-                h.remove()
-    return counter.count // len(_attentions(model))
+    cache = StaticCache(config=model.config, max_cache_len=16) if static else None
+    return len(tm.decode_step_ops(model, _attentions(model), batch, cache=cache)) // len(_attentions(model))
 
 
 # ------------------------------------------------------------------------------------------ op counts

@@ -13,7 +13,7 @@ import pytest
 import tiny_models as tm
 import torch
 import torch.nn.functional as F
-from recipes.attention.test_attention_decode import FAMILIES, FP32_TOL, _attentions, _LayerOps, _steps
+from recipes.attention.test_attention_decode import FAMILIES, FP32_TOL, _attentions, _steps
 from recipes.attention.test_attention_decode import _model as _family_model
 
 import mpsboost
@@ -61,44 +61,14 @@ def _patch(model, mac: str = "2.15.0", recipes=None, **opts) -> list:
     return rows
 
 
-class _Names(_LayerOps):
-    """_LayerOps that keeps the names of the ops inside the attention layers."""
-
-    def __init__(self, modules):
-        super().__init__(modules)
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.inside:
-            self.names.append(str(func.overloadpacket))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
 def _step_ops(model, batch: int) -> list[str]:
     """The ops of every attention layer in one decode step after a prefill of 8 tokens."""
-    ids = torch.randint(3, 128, (batch, 9), generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        past = model(ids[:, :8], use_cache=True).past_key_values
-        counter = _Names(_attentions(model))
-        try:
-            with counter:
-                model(ids[:, 8:], past_key_values=past, use_cache=True)
-        finally:
-            for h in counter.hooks:
-                h.remove()
-    return counter.names
+    return tm.decode_step_ops(model, _attentions(model), batch)
 
 
-class _Calls(_LayerOps):
-    """How many times the fused operator ran anywhere (prefill and decode)."""
-
-    def __init__(self):
-        super().__init__([])
-        self.inside, self.fused = 1, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.fused += str(func.overloadpacket) == OP
-        return func(*args, **(kwargs or {}))
+def _calls(counter: tm.ModuleOps) -> int:
+    """How many times the fused operator ran while ``counter`` (over the whole model) was active."""
+    return counter.names.count(OP)
 
 
 # ------------------------------------------------------------------------------------------ exactness
@@ -116,9 +86,9 @@ def test_fused_step_equals_stock_fp32(family, mac, rng_seed):
     steps = 4
     for batch in (1, 2):
         ref = tm._run_lm(stock, rng_seed + batch, batch=batch, prompt=6, steps=steps)
-        with _Calls() as calls:
+        with tm.ModuleOps() as calls:
             got = tm._run_lm(patched, rng_seed + batch, batch=batch, prompt=6, steps=steps)
-        assert calls.fused == steps * len(_attentions(patched)), calls.fused  # every decode step, no prefill
+        assert _calls(calls) == steps * len(_attentions(patched)), _calls(calls)  # every decode step, no prefill
         err = tm.relative_error(got, ref)
         assert err <= FP32_TOL, f"{family} mac {mac} batch {batch}: logits {err:.2e} from stock"
 
@@ -138,9 +108,9 @@ def test_bf16_error_no_worse_than_stock(family):
     ref, s, p = [], [], []
     _steps(ref_model, ids, 10, outputs=ref)
     _steps(stock, ids, 10, outputs=s)
-    with _Calls() as calls:
+    with tm.ModuleOps() as calls:
         _steps(patched, ids, 10, outputs=p)
-    assert calls.fused == 6 * len(_attentions(patched))
+    assert _calls(calls) == 6 * len(_attentions(patched))
     flat = [torch.cat([t[:, -1:].flatten().float() for t in ts[len(_attentions(stock)) :]]) for ts in (ref, s, p)]
     e_stock, e_patched = tm.relative_error(flat[1], flat[0]), tm.relative_error(flat[2], flat[0])
     assert 0 < e_stock < 0.1
@@ -304,18 +274,18 @@ def test_a_copy_keeps_the_fused_path_and_unpatch_restores_the_forward(rng_seed):
     _patch(patched)
     twin = copy.deepcopy(patched)
     assert all(m.__dict__[ad._STATE].fused for m in _attentions(twin))
-    with _Calls() as calls:
+    with tm.ModuleOps() as calls:
         got = tm._run_lm(twin, rng_seed, batch=1, prompt=5, steps=2)
-    assert calls.fused == 2 * len(_attentions(twin))
+    assert _calls(calls) == 2 * len(_attentions(twin))
     ref = tm._run_lm(stock, rng_seed, batch=1, prompt=5, steps=2)
     assert tm.relative_error(got, ref) <= FP32_TOL
     layers = _attentions(patched)
     assert all("forward" in m.__dict__ for m in layers)
     mpsboost.unpatch(patched)
     assert all("forward" not in m.__dict__ and ad._STATE not in m.__dict__ for m in layers)
-    with _Calls() as calls:
+    with tm.ModuleOps() as calls:
         after = tm._run_lm(patched, rng_seed, batch=1, prompt=5, steps=2)
-    assert calls.fused == 0 and torch.equal(after, ref)
+    assert _calls(calls) == 0 and torch.equal(after, ref)
 
 
 # ------------------------------------------------------------------------------------------ the choice on a real Mac
