@@ -1381,6 +1381,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(Edit("src/mpsboost/recipes/attention_decode.py", "        if wd != {dtype}:\n", "        if False:\n"),),
         tests=("tests/recipes/attention/test_attention_decode_fused.py", "-k", "cannot_take"),
     ),
+    Mutation(
+        name="attention-decode-low-bit-shape-refused",
+        why="attention_decode reads a stored projection's size from its codes (packed low-bit: steps aside)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_decode.py",
+                '        dense = (getattr(m, "out_features", None), getattr(m, "in_features", None))\n',
+                "        dense = tuple(w.shape)\n",
+            ),
+        ),
+        tests=("tests/quant/test_low_bit_decode_cost.py", "-k", "equals_the_low_bit_model and 4"),
+        quick=True,
+    ),
+    Mutation(
+        name="decode-cost-affine-grouped-reads-every-expert",
+        why="the decode cost counts every expert's codes for a low-bit grouped GEMV, not the hit experts' only",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                '    elif name == "affine_grouped_gemv" and len(ins) == 5',
+                "    elif False and len(ins) == 5",
+            ),
+        ),
+        tests=("tests/quant/test_low_bit_decode_cost.py", "-k", "tiny and 2.15"),
+    ),
 )
 
 

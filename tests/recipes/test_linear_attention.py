@@ -179,13 +179,14 @@ def _generate(model, ids, mask, **kw):
     return out.sequences, torch.stack(out.logits)
 
 
-def test_two_sequences_decoded_in_turn_keep_their_own_state():
+@pytest.mark.parametrize("fused_step", ["auto", "off"])  # the fused operator, and the composed step's state view
+def test_two_sequences_decoded_in_turn_keep_their_own_state(fused_step):
     """Two conversations of one batch size decoded in turn, each with its own cache (a server's two slots): each
     step reads its own recurrent state (the step's view of the cache's state is made once per state tensor, and
     must never be another cache's). Logits within the float32 bound of stock's."""
     stock = _model(seed=30)
     patched = copy.deepcopy(stock)
-    _patch(patched, Env.simulate("mps", "2.15.0"))
+    _patch(patched, Env.simulate("mps", "2.15.0"), fused_step=fused_step)
     ids = [torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(s)) for s in (31, 32)]
     runs = []
     for m in (stock, patched):

@@ -6,8 +6,9 @@ with ``Env.simulate``). The counting rules of the project's decode-ops tool (``s
 that tests and ``benchmarks/decode_cost.py`` report the same figures: every aten op dispatched counts one; an op
 moves the bytes of its tensor inputs and of its outputs that are not views of an input (in-place and ``out=`` ops
 write into an input); views move nothing; row picking ops (``index_select``, ``embedding``, ``index``, ``gather``)
-read what they pick; a grouped matmul (``_grouped_mm``, and mpsboost's ``grouped_mm`` whose weights are fp8 codes)
-reads the weights of the groups that have rows. ``tiny`` and ``medium`` are the tool's two sizes (medium: the real
+read what they pick; a grouped matmul (``_grouped_mm``, and mpsboost's ``grouped_mm`` whose weights are fp8 codes,
+and ``affine_grouped_gemv`` whose are low-bit codes with their scales and biases) reads the weights of the groups
+that have rows. ``tiny`` and ``medium`` are the tool's two sizes (medium: the real
 model's widths, 4 layers, 32 experts top-8, a small vocabulary).
 
 Dispatches beside ops (:func:`launches`, :func:`kind`): an aten op launches a kernel unless its schema says it
@@ -141,6 +142,11 @@ def _moved(func, args, kwargs, out) -> int:
         offs = ins[2].tolist()
         used = sum(1 for i, o in enumerate(offs) if o > (offs[i - 1] if i else 0))
         read = nb(ins[0]) + nb(ins[1]) * used // max(1, ins[1].shape[0]) + sum(nb(a) for a in ins[3:])
+    elif name == "affine_grouped_gemv" and len(ins) == 5 and ins[1].dim() == 3:
+        # x, the codes, scales and biases stacks [E, ...], offsets: the kernel reads the hit experts' rows only
+        offs = ins[4].tolist()
+        used = sum(1 for i, o in enumerate(offs) if o > (offs[i - 1] if i else 0))
+        read = nb(ins[0]) + sum(nb(t) * used // max(1, t.shape[0]) for t in ins[1:4]) + nb(ins[4])
     else:
         read = sum(nb(a) for a in ins)
     mutates = func._schema.is_mutable

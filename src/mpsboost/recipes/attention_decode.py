@@ -102,7 +102,7 @@ from ..patching import (
 from ..registry import Decision, Match, Recipe, class_path, register
 from . import _hf
 from ._watch import Watch
-from .fp8.layers import decode_operand
+from ._operand import decode_operand
 
 NAME = "attention_decode"
 _STATE = "_mpsboost_attention_decode"
@@ -196,8 +196,10 @@ def _stored(m: Any) -> bool:
 def _linear(m: Any, n_in: int, n_out: int, bias: bool) -> str | None:
     if _stored(m):
         w = m.weight
-        if not isinstance(w, torch.Tensor) or tuple(w.shape) != (n_out, n_in):
-            return f"stored weight {tuple(getattr(w, 'shape', ()))}, expected ({n_out}, {n_in})"
+        # fp8 codes keep the dense shape; low-bit codes pack several into a word: the layer's own sizes say it
+        dense = (getattr(m, "out_features", None), getattr(m, "in_features", None))
+        if not isinstance(w, torch.Tensor) or dense != (n_out, n_in):
+            return f"stored weight of ({dense[0]}, {dense[1]}), expected ({n_out}, {n_in})"
         if (getattr(m, "bias", None) is not None) != bias:
             return "bias differs from the other projections"
         return None
