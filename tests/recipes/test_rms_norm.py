@@ -170,23 +170,16 @@ def test_one_fused_call_per_norm(mod, name, form):
 def test_float32_round_then_scale_dispatches_no_more_aten_ops_than_the_module(mod, name, form, rng_seed):
     # In float32 the module's rounding is the identity, so the weight goes into F.rms_norm itself: on the CPU
     # (where F.rms_norm is the module's composite) no more aten ops than the module, on MPS one kernel.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Aten(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
+    import tiny_models as tm
 
     model = _norm(mod, name, 64, torch.float32)
     x = torch.randn(2, 5, 64)
-    with Aten() as stock:
+    with tm.ModuleOps() as stock:
         ref = model(x)
     mpsboost.patch(model, device=MAC)
-    with Aten() as patched, _Calls() as calls:
+    with tm.ModuleOps() as patched, _Calls() as calls:
         out = model(x)
-    assert patched.n <= stock.n and calls.names.count("rms_norm") == 1, (patched.n, stock.n, calls.names)
+    assert patched.count <= stock.count and calls.names.count("rms_norm") == 1, (patched.names, stock.names)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
