@@ -96,6 +96,12 @@ RULES: tuple[Rule, ...] = (
     Rule(("sum",), r"^sum_reduction"),
     Rule(("mean",), r"^sum_reduction", note="mean_out_mps sits among the Metal reduction formats in both wheels"),
     Rule(("linalg_vector_norm",), r"^norm_l2_(combine_)?reduction|^norm_(float|half|bfloat)_"),
+    Rule(
+        ("_fused_rms_norm",),
+        r"^rms_norm(_looped)?_(float|half|bfloat)$",
+        note="what F.rms_norm with a same-dtype weight runs on MPS (rms_norm_symint routes it there); "
+        "mpsboost.bench.decode_cost counts it in place of the CPU's composite",
+    ),
     Rule(("_softmax",), r"^softmax_(row|partial|finalize|strided_partial|strided_finalize)_", ("softmax_mps_out",)),
     # sorting, selection, scans
     Rule(("topk",), r"_topk(_|$)", note="several passes (block sort, merges) counted as one"),

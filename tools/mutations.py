@@ -742,8 +742,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "src/mpsboost/recipes/linear_attention.py",
-                '"norm_w": getattr(mod, _NORM[lay.family]).weight,',
-                '"norm_w": getattr(mod, _NORM[lay.family]).weight.clone(),',
+                '"norm_w": getattr(mod, lay.row.norm).weight,',
+                '"norm_w": getattr(mod, lay.row.norm).weight.clone(),',
             ),
         ),
         tests=("tests/recipes/test_data_edits.py", "-k", "mid_sequence_is_read and olmo_hybrid"),
@@ -902,7 +902,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "src/mpsboost/bench/decode_cost.py",
-                '    return _table(release).get(func.overloadpacket.__name__, "unlisted")\n',
+                '    return row or "unlisted"\n',
                 '    return "metal"\n',
             ),
         ),
@@ -1405,6 +1405,45 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=("tests/quant/test_low_bit_decode_cost.py", "-k", "tiny and 2.15"),
+    ),
+    Mutation(
+        name="decode-cost-rms-norm-counted-as-the-cpu-composite",
+        why="the decode cost counts F.rms_norm as the CPU's six ops where a Mac dispatches one _fused_rms_norm",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                "MPS_ROUTES = {F.rms_norm: _rms_norm_route, torch.rms_norm: _rms_norm_route}",
+                "MPS_ROUTES = {}",
+            ),
+        ),
+        tests=("tests/bench/test_decode_step_target.py", "-k", "same_dtype_weight or bf16"),
+        quick=True,
+    ),
+    Mutation(
+        name="decode-cost-rms-norm-route-ignores-the-weight-dtype",
+        why="an F.rms_norm whose weight is of another dtype (the composite on MPS) counted as the fused kernel",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                "isinstance(w, torch.Tensor) or w.dtype != x.dtype:",
+                "isinstance(w, torch.Tensor):",
+            ),
+        ),
+        tests=("tests/bench/test_decode_step_target.py", "-k", "composite_counts_the_composite"),
+        quick=True,
+    ),
+    Mutation(
+        name="affine-operand-out-is-a-product-then-a-copy",
+        why="a low-bit operand's out= goes through a product and a copy (two dispatches) instead of affine_gemv_out",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/low_bit/layers.py",
+                "if out is not None and x.is_contiguous() and out_fits(out, x, self.q.shape[0]):",
+                "if False:",
+            ),
+        ),
+        tests=("tests/quant/test_low_bit_operand.py", "-k", "column_range"),
+        quick=True,
     ),
 )
 

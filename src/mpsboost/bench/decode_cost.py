@@ -27,6 +27,17 @@ dispatch is then a Metal shader or an MPSGraph on a Mac, per torch release, from
 (the release ships both paths and the binary does not say which a decode shape takes), ``unknown`` (neither
 found); ops of the ``mpsboost`` namespace are mpsboost's own Metal kernels; an aten op with no row is
 ``unlisted`` (the tests keep that at zero). :func:`predict` turns the counts into a Mac's predicted step time.
+
+Counted as a Mac dispatches, not as the CPU does (``as_on_mps``, on by default in :func:`decode_cost`): where
+torch's MPS backend runs one kernel for a call that the CPU runs as a composite of several ops, the call counts
+as that one op (:data:`MPS_ROUTES`). Today one: ``F.rms_norm`` with a weight of the input's dtype, which
+``rms_norm_symint`` (``aten/src/ATen/native/layer_norm.cpp``) sends to ``_fused_rms_norm`` on MPS (a Metal
+kernel: ``_fused_rms_norm_mps_dispatch.h`` in every macOS wheel since 2.12, ``data/mps_ops.json``) and to a
+six-op composite (``pow``, ``mean``, ``add_``, ``rsqrt``, ``mul``, ``mul``) on the CPU; it reads the input and
+the weight and writes the output (plus one ``clone`` for a non-contiguous input, its ``contiguous()``).
+``F.linear`` stays as the CPU counts it: ``t`` (a view, no dispatch) and ``mm``/``addmm``, where a Mac
+dispatches one ``linear``: one op too many per linear in ``ops``, none in dispatches or bytes.
+``shared/tools/decode_ops.py`` counts the CPU's composite: its figures are higher by five ops per RMS norm.
 """
 
 from __future__ import annotations
@@ -36,9 +47,21 @@ from functools import lru_cache
 from importlib import resources
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["ALLOCATIONS", "BLOCKS", "KINDS", "OpRecorder", "build", "decode_cost", "kind", "launches"]
+__all__ = [
+    "ALLOCATIONS",
+    "BLOCKS",
+    "KINDS",
+    "MPS_ROUTES",
+    "OpRecorder",
+    "build",
+    "decode_cost",
+    "kind",
+    "launches",
+]
 
 BLOCKS = ("linear_attn", "self_attn", "mlp")
 _SELECT = {"embedding", "index_select", "index", "gather"}
@@ -73,6 +96,18 @@ def _table(release: str) -> dict[str, str]:
     raise ValueError(f"mps_dispatch_kinds.json has no torch {release!r} wheel (tools/mps_dispatch_kinds.py writes it)")
 
 
+# Ops counted in place of a CPU composite (MPS_ROUTES) whose row the wheel-read table does not have yet: the
+# kind their MPS source shows, until tools/mps_dispatch_kinds.py (which has their rule) is rerun on the wheels;
+# a row read from a wheel takes precedence.
+_SOURCE_KINDS = {
+    "_fused_rms_norm": (
+        "metal",
+        "aten/src/ATen/native/mps/operations/RMSNorm.mm: one compute pipeline rms_norm_<dtype> (rms_norm_looped_ "
+        "above 4096), no MPSGraph",
+    ),
+}
+
+
 def kind(func, release: str = RELEASE) -> str:
     """What a dispatch of ``func`` runs on a Mac with torch ``release``: one of :data:`KINDS`."""
     ns = func.namespace
@@ -80,7 +115,11 @@ def kind(func, release: str = RELEASE) -> str:
         return "metal"
     if ns != "aten":
         return "unlisted"
-    return _table(release).get(func.overloadpacket.__name__, "unlisted")
+    name = func.overloadpacket.__name__
+    row = _table(release).get(name)
+    if row is None and name in _SOURCE_KINDS:
+        return _SOURCE_KINDS[name][0]
+    return row or "unlisted"
 
 
 def build(size: str = "tiny", dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -153,28 +192,107 @@ def _moved(func, args, kwargs, out) -> int:
     return read + sum(nb(o) for o in outs if mutates or o.untyped_storage().data_ptr() not in seen)
 
 
+def _rms_norm_route(args, kwargs):
+    """The ops a Mac dispatches for ``F.rms_norm(*args, **kwargs)``, as ``[(op, args, out)]`` (``out`` None: the
+    call's own result), or None where MPS runs
+    the same composite as the CPU. The conditions of ``rms_norm_symint``'s MPS branch: a weight of the input's
+    dtype, a real floating input not in a channels-last layout, and no autograd graph to record."""
+    names = ("input", "normalized_shape", "weight", "eps")
+    bound = dict(zip(names, args), **kwargs)
+    x, w = bound.get("input"), bound.get("weight")
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or w.dtype != x.dtype:
+        return None
+    if x.is_complex() or not x.is_floating_point():
+        return None
+    if x.dim() in (4, 5) and not x.is_contiguous() and x.is_contiguous(memory_format=_CHANNELS_LAST[x.dim()]):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return None
+    ops = []
+    if not x.is_contiguous():
+        x = x.contiguous()
+        ops.append((torch.ops.aten.clone.default, (bound["input"],), x))
+    shape = list(bound["normalized_shape"])
+    ops.append((torch.ops.aten._fused_rms_norm.default, (x, shape, w, bound.get("eps")), None))
+    return ops
+
+
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+# Python-level calls that MPS runs as fewer ops than the CPU: function -> the ops a Mac dispatches (None: the
+# same as the CPU). See the module docstring for the evidence.
+MPS_ROUTES = {F.rms_norm: _rms_norm_route, torch.rms_norm: _rms_norm_route}
+
+
+class _MpsRoutes(TorchFunctionMode):
+    """Inside :class:`OpRecorder` with ``as_on_mps``: a call of :data:`MPS_ROUTES` runs as it does (its CPU
+    composite unrecorded) and is recorded as the ops a Mac dispatches for it."""
+
+    def __init__(self, recorder: OpRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        route = MPS_ROUTES.get(func)
+        if route is None:
+            return func(*args, **kwargs)
+        rec = self.recorder
+        rec.quiet += 1  # the route's own copies and the CPU composite go unrecorded
+        try:
+            ops = route(args, kwargs)
+            out = func(*args, **kwargs) if ops is not None else None
+        finally:
+            rec.quiet -= 1
+        if ops is None:
+            return func(*args, **kwargs)
+        for op, op_args, op_out in ops:
+            rec.record(op, op_args, {}, (out,) if op_out is None else op_out)
+        return out
+
+
 class OpRecorder(TorchDispatchMode):
     """Calls ``record(func, args, kwargs, out)`` after every op dispatched inside it (``func``: the
     ``OpOverload``; ``func.name()`` is e.g. ``"aten::add.Tensor"``). The one op-recording mode of the decode
-    cost and of the MPS kernel check (``tests/integration/test_mps_kernels.py``)."""
+    cost, of the tests' op counts and of the MPS kernel check (``tests/integration/test_mps_kernels.py``).
 
-    def __init__(self, record) -> None:
+    ``as_on_mps=True``: calls that MPS runs as one kernel where the CPU runs a composite (:data:`MPS_ROUTES`)
+    are recorded as the op a Mac dispatches, their CPU ops not at all."""
+
+    def __init__(self, record, *, as_on_mps: bool = False) -> None:
         super().__init__()
         self.record = record
+        self.quiet = 0
+        self._routes = _MpsRoutes(self) if as_on_mps else None
+
+    def __enter__(self):
+        out = super().__enter__()
+        if self._routes is not None:
+            self._routes.__enter__()
+        return out
+
+    def __exit__(self, *exc):
+        if self._routes is not None:
+            self._routes.__exit__(*exc)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.record(func, args, kwargs, out)
+        if not self.quiet:
+            self.record(func, args, kwargs, out)
         return out
 
 
-def decode_cost(model: torch.nn.Module, vocab: int = 512, release: str = RELEASE) -> dict[str, dict]:
+def decode_cost(
+    model: torch.nn.Module, vocab: int = 512, release: str = RELEASE, *, as_on_mps: bool = True
+) -> dict[str, dict]:
     """``{"ops": {block: n}, "bytes": {block: n}, "dispatches": {block: {kind: n}}, "names": {kind: {op: n}},
     "pointwise": {block: n}}`` of one decode step after a 40-token prefill; blocks are ``linear_attn``,
     ``self_attn``, ``mlp`` and ``rest``; dispatch kinds (:func:`kind`) are those of torch ``release``'s macOS
     wheel; ``pointwise`` counts the dispatches of ops tagged ``torch.Tag.pointwise`` (what a compiler's fusion can
-    remove)."""
+    remove). ``as_on_mps``: calls MPS runs as one kernel count as that kernel (:data:`MPS_ROUTES`); False counts
+    the CPU's ops, as ``shared/tools/decode_ops.py`` does."""
     cur = ["rest"]
     ops: dict[str, int] = {}
     moved: dict[str, int] = {}
@@ -205,7 +323,7 @@ def decode_cost(model: torch.nn.Module, vocab: int = 512, release: str = RELEASE
         with torch.no_grad():
             out = model(ids, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
-            with OpRecorder(count):
+            with OpRecorder(count, as_on_mps=as_on_mps):
                 model(nxt, past_key_values=out.past_key_values, use_cache=True)
     finally:
         for h in hooks:

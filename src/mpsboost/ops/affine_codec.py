@@ -104,16 +104,30 @@ def _check_x(x: torch.Tensor, k: int, what: str = "x") -> None:
         _fail(f"{what} of shape {tuple(x.shape)}: expected [..., {k}] (K of the quantized weight)")
 
 
+def _out_shape_ok(out: torch.Tensor, rows: int, n: int) -> bool:
+    return (out.dim() == 2 and tuple(out.shape) == (rows, n)) or (out.numel() == rows * n and out.shape[-1] == n)
+
+
+def _out_strides_ok(out: torch.Tensor, n: int) -> bool:
+    return not (out.dim() == 2 and n > 1 and out.stride(1) != 1 or out.dim() != 2 and not out.is_contiguous())
+
+
+def out_fits(out: torch.Tensor, x: torch.Tensor, n: int) -> bool:
+    """Whether ``affine_gemv_out`` takes ``out`` for ``x`` and ``n`` output features (what :func:`_check_out`
+    checks): x's dtype and device, ``[rows, n]`` with unit column stride or contiguous ``[..., n]``."""
+    rows = math.prod(x.shape[:-1])
+    return out.dtype == x.dtype and out.device == x.device and _out_shape_ok(out, rows, n) and _out_strides_ok(out, n)
+
+
 def _check_out(out: torch.Tensor, x: torch.Tensor, n: int) -> None:
     rows = math.prod(x.shape[:-1])
     if out.dtype != x.dtype:
         _fail(f"out in {out.dtype}: expected x's dtype {x.dtype}")
     if out.device != x.device:
         _fail(f"out on {out.device}: expected x's device {x.device}")
-    ok = (out.dim() == 2 and tuple(out.shape) == (rows, n)) or (out.numel() == rows * n and out.shape[-1] == n)
-    if not ok:
+    if not _out_shape_ok(out, rows, n):
         _fail(f"out of shape {tuple(out.shape)}: expected [{rows}, {n}] (x's rows by N) or [..., {n}] of {rows * n}")
-    if out.dim() == 2 and n > 1 and out.stride(1) != 1 or out.dim() != 2 and not out.is_contiguous():
+    if not _out_strides_ok(out, n):
         _fail(f"out with strides {out.stride()}: expected unit column stride (any row stride) or contiguous")
 
 

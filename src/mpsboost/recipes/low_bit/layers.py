@@ -33,7 +33,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ...ops.affine import take_rows, BITS, GROUP_SIZES, affine_dequantize, affine_quantize
+from ...ops.affine_codec import out_fits
+from ...ops.affine import take_rows, BITS, GROUP_SIZES, affine_dequantize, affine_gemv, affine_gemv_out, affine_quantize
 from ...patching import saved_state
 
 __all__ = [
@@ -291,7 +292,8 @@ def forward_for(state: AffineState) -> Callable[..., Any]:
 class AffineOperand:
     """One quantized linear's few-rows product on ``torch.ops.mpsboost.affine_gemv``, for an eager decode step that
     calls it every token (the protocol of :mod:`mpsboost.quant.operand`): a 2-D input in, a 2-D product out (one
-    dispatch); with ``out=`` written into the caller's buffer; other calls (more rows, another dtype, a strided
+    dispatch); with ``out=`` written into the caller's buffer (``affine_gemv_out``: one dispatch for a contiguous
+    input); other calls (more rows, another dtype, a strided
     input of more dims) go to ``layer``. :meth:`beside` stacks two operands' rows into one product (a fused
     projection's columns), where their bits and group sizes agree. No bias."""
 
@@ -318,10 +320,11 @@ class AffineOperand:
             or (x.dim() > 2 and not x.is_contiguous())
         ):
             y = self.layer(x)
-        else:
-            y = torch.ops.mpsboost.affine_gemv(
-                x, self.q, self.scales, self.biases, self.params.bits, self.params.group_size
-            )
+            return y if out is None else out.copy_(y.view(out.shape))
+        bits, group = self.params.bits, self.params.group_size
+        if out is not None and x.is_contiguous() and out_fits(out, x, self.q.shape[0]):  # one dispatch, in place
+            return affine_gemv_out(x, self.q, self.scales, self.biases, bits, group, out)
+        y = affine_gemv(x, self.q, self.scales, self.biases, bits, group)
         return y if out is None else out.copy_(y.view(out.shape))
 
     def beside(self, other: Any) -> Optional["AffineOperand"]:
