@@ -20,6 +20,11 @@ it saw in the target), and ``decide`` hands ``apply`` its own frozen plan datacl
 (``Decision.apply(backing, reason, plan=MyPlan(...))``, read as ``decision.plan.x``). The report shows a
 decision's :attr:`~Decision.details`, derived from the plan's fields (see :func:`plan_details`).
 
+An option that takes one of fixed values is annotated ``Literal[...]`` in the recipe's Options dataclass
+(``fused: Literal["auto", "static", "off"] = "auto"``): :func:`make_options` refuses any other value, naming the
+recipe, the option, the value and the values accepted, and :func:`register` refuses a default outside it. The
+recipe reads the values back with :func:`option_choices` where it checks them itself.
+
 Targets are matched by class path strings against each module's MRO, so matching imports nothing:
 ``import mpsboost`` never imports diffusers or transformers.
 """
@@ -45,6 +50,10 @@ __all__ = [
     "NoOptions",
     "make_options",
     "accepted_options",
+    "option_choices",
+    "check_option_defaults",
+    "value_fits",
+    "type_text",
     "register",
     "unregister",
     "get_recipe",
@@ -142,7 +151,7 @@ class Recipe:
     # Recipes run in ascending order; irreversible ones should run last (see api.patch).
     order: ClassVar[int] = 100
     # The frozen dataclass of the options it takes (``patch(..., options={name: {...}})``); api checks
-    # the keys and types against it and hands the recipe an instance. None: it takes no options.
+    # the keys, types and Literal values against it and hands the recipe an instance. None: it takes no options.
     Options: ClassVar[type | None] = None
     # A public keyword of patch()/plan() that selects this recipe (e.g. ``fp8``) and the option field
     # its value fills (``fp8="rowwise"`` is sugar for ``options={"fp8_weights": {"granularity": "rowwise"}}``).
@@ -200,16 +209,47 @@ def _type_text(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_text(a) for a in typing.get_args(tp))
+    if origin is typing.Literal:  # str ('auto' | 'static' | 'off'): the type, then the values it takes
+        args = typing.get_args(tp)
+        kinds = {type(a) for a in args}
+        values = " | ".join(repr(a) for a in args)
+        return f"{kinds.pop().__name__} ({values})" if len(kinds) == 1 else values
     return str(tp).replace("typing.", "")
 
 
+def _literal_parts(tp: Any) -> tuple[tuple[Any, ...], tuple[Any, ...]] | None:
+    """(the values, the other types) of an annotation that names fixed values: ``Literal[...]``, alone or in a
+    union (``Literal["fused", "bmm"] | None``: the values and ``(NoneType,)``); None when it names none."""
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp), ()
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        parts = typing.get_args(tp)
+        values = tuple(v for a in parts if typing.get_origin(a) is typing.Literal for v in typing.get_args(a))
+        if values:
+            return values, tuple(a for a in parts if typing.get_origin(a) is not typing.Literal)
+    return None
+
+
+def _mentions_literal(tp: Any) -> bool:
+    return typing.get_origin(tp) is typing.Literal or any(_mentions_literal(a) for a in typing.get_args(tp))
+
+
+def _choices_text(values: tuple[Any, ...], others: tuple[Any, ...]) -> str:
+    """``auto, static, off`` (strings bare), then ``None`` or the other types a union takes."""
+    shown = [v if isinstance(v, str) else repr(v) for v in values]
+    shown += ["None" if a is type(None) else f"any {_type_text(a)}" for a in others]
+    return ", ".join(shown)
+
+
 def _fits(value: Any, tp: Any) -> bool:
-    """``value`` is of the annotated type ``tp`` (builtins, unions, ``tuple[X, ...]``, ``Any``)."""
+    """``value`` is of the annotated type ``tp`` (builtins, unions, ``tuple[X, ...]``, ``Literal[...]``, ``Any``)."""
     if tp is Any or tp is object:
         return True
     if tp is type(None):
         return value is None
     origin = typing.get_origin(tp)
+    if origin is typing.Literal:  # one of its values, of the same type (1 is not True, "1" is not 1)
+        return any(type(value) is type(a) and value == a for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return any(_fits(value, a) for a in typing.get_args(tp))
     if origin in (tuple, list):
@@ -226,6 +266,17 @@ def _fits(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
+def value_fits(value: Any, tp: Any) -> bool:
+    """``value`` is of the annotated type ``tp``, as :func:`make_options` reads an annotation (builtins, unions,
+    ``tuple[X, ...]``, ``Literal[...]``: one of its values); the recipes' family rows check their fields with it."""
+    return _fits(value, tp)
+
+
+def type_text(tp: Any) -> str:
+    """An annotation as error messages show it: ``int | None``, ``str ('auto' | 'static' | 'off')``."""
+    return _type_text(tp)
+
+
 def option_types(recipe: Recipe) -> dict[str, Any]:
     """{option name: its annotated type} of ``recipe`` (empty for a recipe that takes none)."""
     cls = recipe.Options
@@ -233,6 +284,50 @@ def option_types(recipe: Recipe) -> dict[str, Any]:
         return {}
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def option_choices(options: type, name: str) -> tuple[Any, ...]:
+    """The values that field ``name`` of an Options dataclass takes, from its ``Literal[...]`` annotation (with
+    None where the annotation is ``Literal[...] | None``): the recipe's own checks read them from here, so the
+    annotation is the one list."""
+    hints = typing.get_type_hints(options)
+    if name not in hints:
+        raise KeyError(f"{options.__qualname__} has no option {name!r}; its options: {', '.join(hints)}")
+    parts = _literal_parts(hints[name])
+    if parts is None:
+        raise TypeError(f"{options.__qualname__}.{name} is annotated {_type_text(hints[name])}, not Literal[...]")
+    values, others = parts
+    return values + ((None,) if type(None) in others else ())
+
+
+def check_option_defaults(recipe_name: str, options: type) -> None:
+    """Every default of ``options`` (a recipe's Options dataclass) whose annotation names fixed values
+    (``Literal[...]``) is one of them; else a ValueError naming the recipe, the field, the default and the
+    values. :func:`register` runs it, so a recipe whose defaults its own annotations refuse never registers."""
+    try:
+        hints = typing.get_type_hints(options)
+    except NameError as e:
+        raise TypeError(
+            f"recipe {recipe_name}: the annotations of {options.__qualname__} do not resolve at registration ({e}); "
+            "define the names they use before the recipe's declaration"
+        ) from e
+    for f in dataclasses.fields(options):
+        tp = hints[f.name]
+        if not _mentions_literal(tp):
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            continue  # no default: the value is the user's, checked by make_options
+        if not _fits(default, tp):
+            parts = _literal_parts(tp)
+            allowed = _choices_text(*parts) if parts else _type_text(tp)
+            raise ValueError(
+                f"recipe {recipe_name}: {options.__qualname__}.{f.name} defaults to {default!r}, which its annotation "
+                f"{_type_text(tp)} does not take; make the default one of {allowed} (or add it to the Literal)"
+            )
 
 
 def accepted_options(recipe: Recipe) -> str:
@@ -244,9 +339,10 @@ def accepted_options(recipe: Recipe) -> str:
 
 
 def make_options(recipe: Recipe, given: Mapping[str, Any] | None) -> Any:
-    """``recipe``'s Options instance from the user's dict: an unknown key or a value of the wrong type
-    raises :class:`~mpsboost.errors.RecipeOptionError` (a ``TypeError``) naming the recipe, the key
-    passed and the accepted keys with their types. Values are checked further by the recipe."""
+    """``recipe``'s Options instance from the user's dict: an unknown key, a value of the wrong type or a value
+    outside a ``Literal[...]`` annotation raises :class:`~mpsboost.errors.RecipeOptionError` (a ``TypeError``)
+    naming the recipe, the key and value passed and what is accepted (the keys with their types; the values of
+    the Literal). Other values (ranges, device names) are checked further by the recipe."""
     given = dict(given or {})
     cls = recipe.Options or NoOptions
     types_ = option_types(recipe)
@@ -258,6 +354,14 @@ def make_options(recipe: Recipe, given: Mapping[str, Any] | None) -> Any:
             recipe=recipe.name,
         )
     for key, value in given.items():
+        parts = _literal_parts(types_[key])
+        if parts is not None and not _fits(value, types_[key]):
+            # a value outside the fixed ones the annotation names (Literal[...]): which ones, and where they live
+            raise RecipeOptionError(
+                f"{recipe.name} option {key}={value!r}: expected one of {_choices_text(*parts)}; {key!r} must be "
+                f"one of the values {cls.__qualname__}.{key} declares. Accepted options: {accepted_options(recipe)}",
+                recipe=recipe.name,
+            )
         if not _fits(value, types_[key]):
             raise RecipeOptionError(
                 f"{recipe.name} option {key}={value!r} has type {type(value).__name__}; {key} takes "
@@ -278,7 +382,8 @@ _REGISTRY: dict[str, Recipe] = {}
 
 
 def register(cls: type[Recipe]) -> type[Recipe]:
-    """Class decorator: register one instance of ``cls`` under ``cls.name``."""
+    """Class decorator: register one instance of ``cls`` under ``cls.name``. Its Options' defaults must be within
+    their ``Literal[...]`` annotations (:func:`check_option_defaults`), checked here, at import."""
     if not (isinstance(cls, type) and issubclass(cls, Recipe)):
         raise TypeError(f"@register takes a Recipe subclass, got {cls!r}")
     if not cls.name or not cls.name.isidentifier():
@@ -287,6 +392,8 @@ def register(cls: type[Recipe]) -> type[Recipe]:
         old = type(_REGISTRY[cls.name])
         if class_path(old) != class_path(cls):
             raise ValueError(f"recipe name {cls.name!r} is taken by {class_path(old)}")
+    if cls.Options is not None:
+        check_option_defaults(cls.name, cls.Options)
     _REGISTRY[cls.name] = cls()
     return cls
 

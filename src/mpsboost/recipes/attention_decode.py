@@ -81,8 +81,8 @@ from __future__ import annotations
 
 import inspect
 import threading
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -99,38 +99,60 @@ from ..patching import (
     is_patched_by,
     set_instance_attr,
 )
-from ..registry import Decision, Match, Recipe, class_path, register
+from ..registry import Decision, Match, Recipe, class_path, option_choices, register
 from . import _hf
+from ._rows import CLASS_PATH, by_class, check_row
 from ._watch import Watch
 from ._operand import decode_operand
 
 NAME = "attention_decode"
 _STATE = "_mpsboost_attention_decode"
 _TM = "transformers.models."
-_FAMILIES = {
-    _TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeAttention": "gated",
-    _TM + "qwen3_5.modeling_qwen3_5.Qwen3_5Attention": "gated",
-    _TM + "qwen3_next.modeling_qwen3_next.Qwen3NextAttention": "gated",
-    _TM + "qwen3.modeling_qwen3.Qwen3Attention": "qk_norm",
-    _TM + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention": "qk_norm",
-    _TM + "llama.modeling_llama.LlamaAttention": "plain",
-}
-# The norm classes each family's q/k norms are (zero-centred: x * rsqrt(...) * (1 + w) in float32, then
-# rounded; round-then-scale: w * round(x * rsqrt(...))).
-_NORMS = {
-    "gated": (
-        _TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeRMSNorm",
-        _TM + "qwen3_5.modeling_qwen3_5.Qwen3_5RMSNorm",
-        _TM + "qwen3_next.modeling_qwen3_next.Qwen3NextRMSNorm",
-    ),
-    "qk_norm": (_TM + "qwen3.modeling_qwen3.Qwen3RMSNorm", _TM + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeRMSNorm"),
-}
+# The q/k norm classes of each kind (zero-centred: x * rsqrt(...) * (1 + w) in float32, then rounded;
+# round-then-scale: w * round(x * rsqrt(...))).
+_GATED_NORMS = (
+    _TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeRMSNorm",
+    _TM + "qwen3_5.modeling_qwen3_5.Qwen3_5RMSNorm",
+    _TM + "qwen3_next.modeling_qwen3_next.Qwen3NextRMSNorm",
+)
+_QK_NORMS = (_TM + "qwen3.modeling_qwen3.Qwen3RMSNorm", _TM + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeRMSNorm")
+
+
+@dataclass(frozen=True)
+class AttentionFamily:
+    """One full-attention class: one row of :data:`FAMILIES`. Class names are dotted paths. Every kind has
+    ``q_proj``, ``k_proj``, ``v_proj`` (:data:`_PROJ`) and ``o_proj``."""
+
+    cls: str = field(metadata=CLASS_PATH)  # the attention class (a target of the recipe)
+    # "gated": q_proj gives the query and a sigmoid output gate per head, zero-centred q/k norms, partial rotary;
+    # "qk_norm": q/k RMS norms (weight applied after rounding), full rotary; "plain": no norms, full rotary.
+    kind: Literal["gated", "qk_norm", "plain"]
+    norms: tuple[str, ...] = field(default=(), metadata=CLASS_PATH)  # the classes its q_norm/k_norm may be
+
+    def __post_init__(self) -> None:
+        check_row(self)
+        if (self.kind == "plain") != (not self.norms):
+            raise ValueError(
+                f"AttentionFamily row {self.cls!r}: field norms={self.norms!r} with kind={self.kind!r}; "
+                "a 'plain' row names no norm classes, a 'gated' or 'qk_norm' row names its q/k norm classes"
+            )
+
+
+#: Every attention class the recipe serves (its targets, in this order). A new class is one row here, plus its
+#: tiny model in ``FAMILIES`` of tests/recipes/attention/test_attention_decode.py.
+FAMILIES: tuple[AttentionFamily, ...] = (
+    AttentionFamily(_TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeAttention", "gated", _GATED_NORMS),
+    AttentionFamily(_TM + "qwen3_5.modeling_qwen3_5.Qwen3_5Attention", "gated", _GATED_NORMS),
+    AttentionFamily(_TM + "qwen3_next.modeling_qwen3_next.Qwen3NextAttention", "gated", _GATED_NORMS),
+    AttentionFamily(_TM + "qwen3.modeling_qwen3.Qwen3Attention", "qk_norm", _QK_NORMS),
+    AttentionFamily(_TM + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeAttention", "qk_norm", _QK_NORMS),
+    AttentionFamily(_TM + "llama.modeling_llama.LlamaAttention", "plain"),
+)
+_FAMILIES: dict[str, AttentionFamily] = by_class(FAMILIES, "cls")
 _IMPLS = ("eager", "sdpa")
 # The recipe whose forward (transformers' forward with its attention lookup routed) may sit under this one.
 _ROUTER = "metal_attention"
 _GQA = ("enable_gqa", "packed")
-_COMPILED = ("auto", "recipe", "stock")
-_FUSED = ("auto", "static", "off")
 # the activation dtypes mpsboost::attn_qk_rope_cache's Metal kernel takes (elsewhere the composed step runs)
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Arguments of an attention call this step does not implement (packed sequences, biases, sinks, caps).
@@ -149,13 +171,120 @@ class AttentionDecodeOptions:
     timed; "off": the composed ops)."""
 
     devices: tuple[str, ...] = ("mps",)
-    compiled: str = "auto"
-    fused: str = "auto"
+    compiled: Literal["auto", "recipe", "stock"] = "auto"
+    fused: Literal["auto", "static", "off"] = "auto"
+
+
+_COMPILED = option_choices(AttentionDecodeOptions, "compiled")
+_FUSED = option_choices(AttentionDecodeOptions, "fused")
+
+
+@dataclass(frozen=True)
+class AttentionDecodePlan:
+    """What one attention layer gets: its ``family`` (its row's ``AttentionFamily.kind``), how SDPA takes grouped
+    K/V (``"enable_gqa"`` or ``"packed"``: a group's query heads as rows) and what runs while torch.compile
+    traces (``"recipe"`` or ``"stock"``)."""
+
+    family: str
+    gqa: str
+    compiled: str
+    dense: bool = False  # q/k/v made contiguous before SDPA (gate feature sdpa_strided_correct)
+    fused: bool = False  # q/k norm and rotary by mpsboost::attn_qk_rope_cache (else composed)
+
+
+@register
+class AttentionDecode(Recipe):
+    name = NAME
+    summary = (
+        "full-attention decode step in few ops: q/k/v(/gate) products side by side in one result, "
+        "one norm for q and k, "
+        "rotary by one permutation, cache update, one SDPA, gate and o_proj"
+    )
+    targets = tuple(_FAMILIES)
+    lossless = True
+    reversible = True
+    requires = ()
+    default = True
+    order = 105  # after metal_attention (its routed forward stays what prefill runs), before attention_split
+    Options = AttentionDecodeOptions
+
+    def decide(self, match: Match, env: Env, options: AttentionDecodeOptions) -> Decision:
+        if options.compiled not in _COMPILED:
+            raise ValueError(f"{NAME} option 'compiled' must be one of {_COMPILED}, got {options.compiled!r}")
+        if options.fused not in _FUSED:
+            raise ValueError(f"{NAME} option 'fused' must be one of {_FUSED}, got {options.fused!r}")
+        bad = [d for d in options.devices if d not in _DEVICES]
+        if bad:
+            raise ValueError(f"{NAME} option devices={options.devices!r}: unknown {bad}; accepted: {_DEVICES}")
+        lay = _layout(match.module)
+        if isinstance(lay, str):
+            return Decision.skip(lay)
+        impl = _hf.implementation(match.module)
+        if impl not in _IMPLS:
+            return Decision.skip(f"attention implementation {impl!r}: the step implements eager and sdpa only")
+        if env.device_type not in options.devices:
+            return Decision.skip(
+                f"applies on {', '.join(options.devices)} (options devices); no measurement of the step on "
+                f"{env.device_type} yet: stock kept"
+            )
+        if lay.hq == lay.hkv:
+            gqa, why_gqa = "enable_gqa", "no grouped K/V"
+        elif env.device_type == "mps":
+            v = check("sdpa_metal_gqa", env)
+            gqa = "enable_gqa" if v.ok else "packed"
+            why_gqa = v.reason if v.ok else f"query heads packed per K/V head: {v.reason}"
+        elif env.device_type == "cuda":
+            gqa, why_gqa = "packed", "query heads packed per K/V head (CUDA SDPA with a mask and GQA is the math path)"
+        else:
+            gqa, why_gqa = "enable_gqa", "SDPA with enable_gqa"
+        compiled = (
+            options.compiled if options.compiled != "auto" else ("recipe" if env.device_type == "mps" else "stock")
+        )
+        dense = env.device_type == "mps" and not (strided := check("sdpa_strided_correct", env)).ok
+        if dense:
+            why_gqa += f"; q/k/v made contiguous before SDPA (sdpa_strided_correct: {strided.reason})"
+        fused, why_fused = _fused_choice(match.module, lay, env, options.fused)
+        backing = (
+            f"projections side by side, q/k norm and rotary by mpsboost::attn_qk_rope_cache (1 dispatch), SDPA ({gqa})"
+            if fused
+            else f"projections side by side, one norm, rotary by permutation, SDPA ({gqa})"
+        )
+        why = (
+            f"eager decode in few ops ({lay.family} attention; stock: 70 aten ops per step for Qwen3.5/3.6); "
+            f"{why_gqa}; {why_fused}; prefill and other calls: the module's own forward; compiled: "
+            + ("the recipe's step, traced" if compiled == "recipe" else "the module's own forward (inductor fuses it)")
+        )
+        return Decision.apply(
+            backing,
+            why,
+            plan=AttentionDecodePlan(family=lay.family, gqa=gqa, compiled=compiled, dense=dense, fused=fused),
+        )
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: AttentionDecodeOptions) -> Patch:
+        mod = match.module
+        lay = _layout(mod)
+        if isinstance(lay, str):
+            raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
+        plan: AttentionDecodePlan = decision.plan
+        with Changes() as ch:
+            st = _State(
+                lay,
+                plan.gqa,
+                plan.compiled,
+                _hf.attention_collector(),
+                _cache_arg(mod) or "cache",
+                plan.dense,
+                plan.fused,
+            )
+            ch.add(set_instance_attr(mod, NAME, _STATE, st))
+            ch.add(bind_forward(mod, NAME, _forward))
+            _eager_derived(mod, st)
+        return ch.patch(description=f"{NAME}: restore forward")
 
 
 @dataclass(frozen=True)
 class _Layout:
-    family: str
+    family: str  # the row's kind: "gated", "qk_norm" or "plain"
     hq: int
     hkv: int
     d: int
@@ -183,7 +312,7 @@ class _Layout:
 _PROJ = ("q_proj", "k_proj", "v_proj")
 
 
-def _family(mod: torch.nn.Module) -> str | None:
+def _family(mod: torch.nn.Module) -> AttentionFamily | None:
     return next((_FAMILIES[class_path(c)] for c in type(mod).__mro__ if class_path(c) in _FAMILIES), None)
 
 
@@ -223,9 +352,10 @@ def _norm_eps(norm: Any) -> float | None:
 
 def _layout(mod: torch.nn.Module) -> _Layout | str:
     """The layer's layout, or why the recipe cannot rely on it."""
-    fam = _family(mod)
-    if fam is None:
+    row = _family(mod)
+    if row is None:
         return f"{class_path(type(mod))} is not a known attention class"
+    fam = row.kind
     cfg = getattr(mod, "config", None)
     try:
         d = int(mod.head_dim)
@@ -243,8 +373,8 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
     if fam != "plain":
         norms = [getattr(mod, n, None) for n in ("q_norm", "k_norm")]
         eps_ = [_norm_eps(n) for n in norms]
-        if any(class_path(type(n)) not in _NORMS[fam] for n in norms):
-            return f"q/k norms are {[type(n).__name__ for n in norms]}, expected {_NORMS[fam]}"
+        if any(class_path(type(n)) not in row.norms for n in norms):
+            return f"q/k norms are {[type(n).__name__ for n in norms]}, expected {row.norms}"
         if any(tuple(getattr(getattr(n, "weight", None), "shape", ())) != (d,) for n in norms):
             return f"q/k norm weights are not of width {d}"
         if eps_[0] is None or eps_[0] != eps_[1]:
@@ -811,106 +941,3 @@ def _fused_choice(mod: torch.nn.Module, lay: _Layout, env: Env, mode: str) -> tu
         mode="static" if mode == "static" else "auto",
     )
     return choice.taken, f"q/k norm and rotary: {choice.describe()}; {_STATIC_WHY}"
-
-
-@dataclass(frozen=True)
-class AttentionDecodePlan:
-    """What one attention layer gets: its ``family`` (a key of the families table), how SDPA takes grouped
-    K/V (``"enable_gqa"`` or ``"packed"``: a group's query heads as rows) and what runs while torch.compile
-    traces (``"recipe"`` or ``"stock"``)."""
-
-    family: str
-    gqa: str
-    compiled: str
-    dense: bool = False  # q/k/v made contiguous before SDPA (gate feature sdpa_strided_correct)
-    fused: bool = False  # q/k norm and rotary by mpsboost::attn_qk_rope_cache (else composed)
-
-
-@register
-class AttentionDecode(Recipe):
-    name = NAME
-    summary = (
-        "full-attention decode step in few ops: q/k/v(/gate) products side by side in one result, "
-        "one norm for q and k, "
-        "rotary by one permutation, cache update, one SDPA, gate and o_proj"
-    )
-    targets = tuple(_FAMILIES)
-    lossless = True
-    reversible = True
-    requires = ()
-    default = True
-    order = 105  # after metal_attention (its routed forward stays what prefill runs), before attention_split
-    Options = AttentionDecodeOptions
-
-    def decide(self, match: Match, env: Env, options: AttentionDecodeOptions) -> Decision:
-        if options.compiled not in _COMPILED:
-            raise ValueError(f"{NAME} option 'compiled' must be one of {_COMPILED}, got {options.compiled!r}")
-        if options.fused not in _FUSED:
-            raise ValueError(f"{NAME} option 'fused' must be one of {_FUSED}, got {options.fused!r}")
-        bad = [d for d in options.devices if d not in _DEVICES]
-        if bad:
-            raise ValueError(f"{NAME} option devices={options.devices!r}: unknown {bad}; accepted: {_DEVICES}")
-        lay = _layout(match.module)
-        if isinstance(lay, str):
-            return Decision.skip(lay)
-        impl = _hf.implementation(match.module)
-        if impl not in _IMPLS:
-            return Decision.skip(f"attention implementation {impl!r}: the step implements eager and sdpa only")
-        if env.device_type not in options.devices:
-            return Decision.skip(
-                f"applies on {', '.join(options.devices)} (options devices); no measurement of the step on "
-                f"{env.device_type} yet: stock kept"
-            )
-        if lay.hq == lay.hkv:
-            gqa, why_gqa = "enable_gqa", "no grouped K/V"
-        elif env.device_type == "mps":
-            v = check("sdpa_metal_gqa", env)
-            gqa = "enable_gqa" if v.ok else "packed"
-            why_gqa = v.reason if v.ok else f"query heads packed per K/V head: {v.reason}"
-        elif env.device_type == "cuda":
-            gqa, why_gqa = "packed", "query heads packed per K/V head (CUDA SDPA with a mask and GQA is the math path)"
-        else:
-            gqa, why_gqa = "enable_gqa", "SDPA with enable_gqa"
-        compiled = (
-            options.compiled if options.compiled != "auto" else ("recipe" if env.device_type == "mps" else "stock")
-        )
-        dense = env.device_type == "mps" and not (strided := check("sdpa_strided_correct", env)).ok
-        if dense:
-            why_gqa += f"; q/k/v made contiguous before SDPA (sdpa_strided_correct: {strided.reason})"
-        fused, why_fused = _fused_choice(match.module, lay, env, options.fused)
-        backing = (
-            f"projections side by side, q/k norm and rotary by mpsboost::attn_qk_rope_cache (1 dispatch), SDPA ({gqa})"
-            if fused
-            else f"projections side by side, one norm, rotary by permutation, SDPA ({gqa})"
-        )
-        why = (
-            f"eager decode in few ops ({lay.family} attention; stock: 70 aten ops per step for Qwen3.5/3.6); "
-            f"{why_gqa}; {why_fused}; prefill and other calls: the module's own forward; compiled: "
-            + ("the recipe's step, traced" if compiled == "recipe" else "the module's own forward (inductor fuses it)")
-        )
-        return Decision.apply(
-            backing,
-            why,
-            plan=AttentionDecodePlan(family=lay.family, gqa=gqa, compiled=compiled, dense=dense, fused=fused),
-        )
-
-    def apply(self, match: Match, decision: Decision, env: Env, options: AttentionDecodeOptions) -> Patch:
-        mod = match.module
-        lay = _layout(mod)
-        if isinstance(lay, str):
-            raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
-        plan: AttentionDecodePlan = decision.plan
-        with Changes() as ch:
-            st = _State(
-                lay,
-                plan.gqa,
-                plan.compiled,
-                _hf.attention_collector(),
-                _cache_arg(mod) or "cache",
-                plan.dense,
-                plan.fused,
-            )
-            ch.add(set_instance_attr(mod, NAME, _STATE, st))
-            ch.add(bind_forward(mod, NAME, _forward))
-            _eager_derived(mod, st)
-        return ch.patch(description=f"{NAME}: restore forward")

@@ -86,9 +86,9 @@ import importlib.util
 import math
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -97,7 +97,8 @@ from ..gate import Env, check
 from ..ops import deltanet_step as dn
 from ..ops.affine import affine_gemv_out
 from ..ops import gated_delta as gd
-from ..registry import Decision, Match, Recipe, class_path, register
+from ..registry import Decision, Match, Recipe, class_path, option_choices, register
+from ._rows import CLASS_PATH, by_class, check_row
 from ._watch import Watch
 from ..ops.fp8 import concat_rows
 from ..ops.fp8_grouped import GemvOperand
@@ -116,30 +117,59 @@ from ..patching import (
 NAME = "linear_attention"
 _STATE = "_mpsboost_linear_attention"
 _TM = "transformers.models."
-# class path -> family: which projections, norm and output layer it has.
-_FAMILIES = {
-    _TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet": "split",
-    _TM + "qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet": "split",
-    _TM + "lara_mini.modeling_lara_mini.LaraMiniGatedDeltaNet": "split",
-    _TM + "qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextGatedDeltaNet": "split",
-    _TM + "qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet": "qkvz",
-    _TM + "olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet": "olmo",
-}
-# Projections in fused row order. "split" and "olmo" give the canonical layout [q | k | v | z | b | a]
-# directly; Qwen3-Next interleaves per key head and is gathered into it by one index_select.
-_PROJ = {
-    "split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
-    "qkvz": ("in_proj_qkvz", "in_proj_ba"),
-    "olmo": ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj"),
-}
-_NORM = {"split": "norm", "qkvz": "norm", "olmo": "o_norm"}
-_OUT = {"split": "out_proj", "qkvz": "out_proj", "olmo": "o_proj"}
+#: The input projections per ``DeltaNetFamily.layout``: "split" and "olmo" give the canonical row order
+#: [q | k | v | z | b | a] directly; Qwen3-Next ("qkvz") interleaves per key head and is gathered into it by one
+#: index_select. The widths of each are :attr:`_Layout.widths`.
+_LAYOUT_PROJECTIONS = {"split": 4, "qkvz": 2, "olmo": 6}
+
+
+@dataclass(frozen=True)
+class DeltaNetFamily:
+    """One Gated DeltaNet class: one row of :data:`FAMILIES`. The class is a dotted path; the rest are the
+    names of the layer's submodules the recipe reads."""
+
+    cls: str = field(metadata=CLASS_PATH)  # the Gated DeltaNet class (a target of the recipe)
+    layout: Literal["split", "qkvz", "olmo"]  # the projections' row order (see _LAYOUT_PROJECTIONS)
+    proj: tuple[str, ...]  # the input projections (bias-free nn.Linear), in that row order
+    norm: str = "norm"  # the silu-gated output RMS norm
+    out: str = "out_proj"  # the output projection
+
+    def __post_init__(self) -> None:
+        check_row(self)
+        names = (*self.proj, self.norm, self.out)
+        bad = [n for n in names if not n.isidentifier()]
+        if bad:
+            raise ValueError(f"DeltaNetFamily row {self.cls!r}: {bad[0]!r} is not an attribute name (proj, norm, out)")
+        want = _LAYOUT_PROJECTIONS[self.layout]
+        if len(self.proj) != want:
+            raise ValueError(
+                f"DeltaNetFamily row {self.cls!r}: field proj names {len(self.proj)} projections {self.proj}; "
+                f"layout {self.layout!r} has {want}"
+            )
+
+
+_SPLIT = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+#: Every Gated DeltaNet class the recipe serves (its targets, in this order). A new class is one row here, plus
+#: its tiny model in ``FAMILIES`` of tests/recipes/test_linear_attention.py (tiny_models.gated_deltanet_lm).
+FAMILIES: tuple[DeltaNetFamily, ...] = (
+    DeltaNetFamily(_TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet", "split", _SPLIT),
+    DeltaNetFamily(_TM + "qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet", "split", _SPLIT),
+    DeltaNetFamily(_TM + "lara_mini.modeling_lara_mini.LaraMiniGatedDeltaNet", "split", _SPLIT),
+    DeltaNetFamily(_TM + "qwen4_exp.modeling_qwen4_exp.Qwen4ExpTextGatedDeltaNet", "split", _SPLIT),
+    DeltaNetFamily(
+        _TM + "qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet", "qkvz", ("in_proj_qkvz", "in_proj_ba")
+    ),
+    DeltaNetFamily(
+        _TM + "olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet",
+        "olmo",
+        ("q_proj", "k_proj", "v_proj", "g_proj", "b_proj", "a_proj"),
+        norm="o_norm",
+        out="o_proj",
+    ),
+)
+_FAMILIES: dict[str, DeltaNetFamily] = by_class(FAMILIES, "cls")
 _SILU = ("silu", "swish")
-_CHOICES = {
-    "prefill": ("auto", "matmul", "triangular", "stock"),
-    "compiled": ("auto", "recipe", "stock"),
-    "fused_step": ("auto", "static", "off"),
-}
 _QK_EPS = 1e-6  # transformers' l2norm epsilon (aligned with flash-linear-attention)
 
 
@@ -147,14 +177,111 @@ _QK_EPS = 1e-6  # transformers' l2norm epsilon (aligned with flash-linear-attent
 class LinearAttentionOptions:
     """``options={"linear_attention": {...}}`` (see the module docstring)."""
 
-    prefill: str = "auto"
-    compiled: str = "auto"
-    fused_step: str = "auto"
+    prefill: Literal["auto", "matmul", "triangular", "stock"] = "auto"
+    compiled: Literal["auto", "recipe", "stock"] = "auto"
+    fused_step: Literal["auto", "static", "off"] = "auto"
+
+
+_CHOICES = {name: option_choices(LinearAttentionOptions, name) for name in ("prefill", "compiled", "fused_step")}
+
+
+@dataclass(frozen=True)
+class LinearAttentionPlan:
+    """What one Gated DeltaNet layer gets: its ``family`` (its row's ``DeltaNetFamily.layout``), the prefill
+    path (``"matmul"``: chunked, matmul triangular inverse; ``"stock"``) and what runs while torch.compile
+    traces (``"recipe"``: the recipe's forward; ``"stock"``: the module's own)."""
+
+    family: str
+    prefill: str
+    compiled: str
+    fused: bool = False  # the decode step after the projections is mpsboost::deltanet_step (else composed)
+
+
+@register
+class LinearAttention(Recipe):
+    name = NAME
+    summary = (
+        "Gated DeltaNet layers: a few-op decode step on per-layer buffers; a chunked prefill in few ops per "
+        "chunk, its triangular solves by matmuls where solve_triangular is slow"
+    )
+    targets = tuple(_FAMILIES)
+    lossless = True
+    reversible = True
+    requires = ()
+    default = True
+    order = 100
+    Options = LinearAttentionOptions
+
+    def decide(self, match: Match, env: Env, options: LinearAttentionOptions) -> Decision:
+        for key, allowed in _CHOICES.items():
+            if getattr(options, key) not in allowed:
+                raise ValueError(f"{NAME} option {key!r} must be one of {allowed}, got {getattr(options, key)!r}")
+        lay = _layout(match.module)
+        if isinstance(lay, str):
+            return Decision.skip(lay)
+        if env.device_type == "cuda":
+            found = _fast_path_packages()
+            if found:
+                return Decision.skip(
+                    f"{' and '.join(found)} importable: transformers runs those CUDA kernels "
+                    "(is_fast_path_available); the recipe steps aside"
+                )
+        solve = check("solve_triangular_fast", env)
+        prefill = options.prefill if options.prefill != "auto" else ("triangular" if solve.ok else "matmul")
+        compiled = (
+            options.compiled if options.compiled != "auto" else ("recipe" if env.device_type == "mps" else "stock")
+        )
+        backing = "projections into one buffer, recurrent step in fp32"
+        backing += {
+            "matmul": "; prefill chunked, matmul triangular inverse",
+            "triangular": "; prefill chunked, solve_triangular",
+            "stock": "; prefill stock (solve_triangular)",
+        }[prefill]
+        why = [
+            (
+                "eager decode: projections, conv roll, gates and state update in few ops on per-layer buffers "
+                "(stock: 103 aten ops per step); "
+                f"prefill: {'forced by options' if options.prefill != 'auto' else solve.reason}"
+            )
+        ]
+        if compiled == "recipe":
+            why.append(
+                "compiled: the recipe's forward, traced (weights read from the Parameters)"
+                + (
+                    "; solve_triangular is slow on this build under compile too"
+                    if env.device_type == "mps" and prefill == "matmul"
+                    else ""
+                )
+            )
+        else:
+            why.append("compiled: stock forward (inductor fuses it; no compiled measurement of the recipe's path yet)")
+        fused, fused_why = _fused_choice(match.module, lay, env, options.fused_step)
+        if fused:
+            backing += "; decode step mpsboost::deltanet_step (Metal, 1 dispatch)"
+        why.append(fused_why)
+        return Decision.apply(
+            backing,
+            "; ".join(why),
+            plan=LinearAttentionPlan(family=lay.family, prefill=prefill, compiled=compiled, fused=fused),
+        )
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: LinearAttentionOptions) -> Patch:
+        mod = match.module
+        lay = _layout(mod)
+        if isinstance(lay, str):
+            raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
+        with Changes() as ch:
+            plan: LinearAttentionPlan = decision.plan
+            state = _State(lay, plan.prefill, plan.compiled, plan.fused)
+            ch.add(set_instance_attr(mod, NAME, _STATE, state))
+            ch.add(bind_forward(mod, NAME, _forward))
+            _eager_derived(mod, state)  # now, not inside the first decode step
+        return ch.patch(description=f"{NAME}: restore forward")
 
 
 @dataclass(frozen=True)
 class _Layout:
-    family: str
+    family: str  # the row's layout: "split", "qkvz" or "olmo"
     hk: int
     hv: int
     dk: int
@@ -163,6 +290,7 @@ class _Layout:
     hidden: int
     beta_scale: float  # 2.0 where the model allows negative eigenvalues (OLMo-Hybrid option), else 1.0
     norm_eps: float
+    row: DeltaNetFamily  # its family's row: the names of its projections, norm and output projection
 
     @property
     def r(self) -> int:
@@ -220,7 +348,7 @@ class _State:
 # ---------------------------------------------------------------------------- structure
 
 
-def _family(mod: torch.nn.Module) -> str | None:
+def _family(mod: torch.nn.Module) -> DeltaNetFamily | None:
     return next((_FAMILIES[class_path(c)] for c in type(mod).__mro__ if class_path(c) in _FAMILIES), None)
 
 
@@ -348,8 +476,8 @@ def _linear_kind(m: Any, n_in: int, n_out: int) -> str:
 
 def _layout(mod: torch.nn.Module) -> _Layout | str:
     """The layer's layout, or why the recipe cannot rely on it."""
-    fam = _family(mod)
-    if fam is None:
+    row = _family(mod)
+    if row is None:
         return f"{class_path(type(mod))} is not a known Gated DeltaNet class"
     try:
         ints = [
@@ -363,7 +491,7 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
         return f"value heads {hv} are not a multiple of key heads {hk}"
     if getattr(mod, "activation", None) not in _SILU:
         return f"conv activation {getattr(mod, 'activation', None)!r}; the recipe implements silu"
-    norm = getattr(mod, _NORM[fam], None)
+    norm = getattr(mod, row.norm, None)
     if (
         getattr(norm, "activation", None) not in _SILU
         or not isinstance(getattr(norm, "variance_epsilon", None), (int, float))
@@ -371,7 +499,7 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
     ):
         return f"gated norm {type(norm).__name__} is not silu-gated RMSNorm of width {dv}"
     layout = _Layout(
-        fam,
+        row.layout,
         hk,
         hv,
         dk,
@@ -380,6 +508,7 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
         hidden,
         2.0 if getattr(mod, "allow_neg_eigval", False) else 1.0,
         float(norm.variance_epsilon),
+        row,
     )
     conv = getattr(mod, "conv1d", None)
     c = layout.conv_dim
@@ -393,15 +522,15 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
     ):
         return f"conv1d is not a depthwise causal Conv1d over {c} channels with kernel {width}"
     params = []
-    for name, rows in zip(_PROJ[fam], layout.widths):
+    for name, rows in zip(row.proj, layout.widths):
         kind = _linear_kind(getattr(mod, name, None), hidden, rows)
         if kind not in ("plain", "stored"):
             return f"{name}: {kind}"
         if kind == "plain":
             params.append(getattr(mod, name).weight)
-    kind = _linear_kind(getattr(mod, _OUT[fam], None), hv * dv, hidden)
+    kind = _linear_kind(getattr(mod, row.out, None), hv * dv, hidden)
     if kind not in ("plain", "stored"):
-        return f"{_OUT[fam]}: {kind}"
+        return f"{row.out}: {kind}"
     if len({(p.dtype, p.device) for p in params}) > 1 or len({id(p) for p in params}) != len(params):
         return "input projections differ in dtype or device, or share a weight"
     for pname in ("A_log", "dt_bias"):
@@ -421,7 +550,7 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
 
 
 def _proj_params(mod: torch.nn.Module, layout: _Layout) -> list[torch.nn.Parameter]:
-    return [getattr(mod, n).weight for n in _PROJ[layout.family]]
+    return [getattr(mod, n).weight for n in layout.row.proj]
 
 
 # ---------------------------------------------------------------------------- derived tensors
@@ -475,8 +604,8 @@ def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
     f32 = torch.float32
     r = lay.r
     conv = mod.conv1d
-    mods = [getattr(mod, n) for n in _PROJ[lay.family]]
-    out_mod = getattr(mod, _OUT[lay.family])
+    mods = [getattr(mod, n) for n in lay.row.proj]
+    out_mod = getattr(mod, lay.row.out)
     # A projection stored by another recipe (fp8 codes and scales) runs its own forward: its codes stay where
     # that recipe put them (concatenating them would copy them, sharing one storage would read as a tie).
     stored = any(_stored_linear(m, lay.hidden, w) for m, w in zip(mods, lay.widths))
@@ -494,7 +623,7 @@ def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
         # The query's dk ** -0.5 is folded into the output norm's epsilon (gd.gated_rms_norm).
         "norm_eps": torch.tensor(math.sqrt(lay.norm_eps * lay.dk * lay.dv), dtype=f32, device=dev),
         # The norm's own weight (gd.gated_rms_norm scales the gate's product by sqrt(dv) in the same op).
-        "norm_w": getattr(mod, _NORM[lay.family]).weight,
+        "norm_w": getattr(mod, lay.row.norm).weight,
         "zero": torch.zeros((), dtype=f32, device=dev),
         # The fused step (mpsboost::deltanet_step) reads the module's own A_log and dt_bias at every step.
         "dt_bias": mod.dt_bias,
@@ -526,7 +655,7 @@ def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
 def _watch(mod: torch.nn.Module, lay: _Layout) -> Watch:
     """Where and at which version every tensor the decode constants come from is (host-side metadata only,
     resolved once; eager mode alone checks it)."""
-    names = (*_PROJ[lay.family], "conv1d", _OUT[lay.family], _NORM[lay.family])
+    names = (*lay.row.proj, "conv1d", lay.row.out, lay.row.norm)
     attrs = ("weight", "bias", "weight_scale", "scales", "biases")  # fp8's scale, low-bit's scales and biases
     return Watch(mod, [(n, a) for n in names for a in attrs] + [("A_log",), ("dt_bias",)])
 
@@ -537,8 +666,8 @@ def _eager_derived(mod: torch.nn.Module, state: _State) -> dict[str, Any] | None
     lay = state.layout
     if state.derived is not None and state.watch is not None and state.watch.fresh():
         return state.derived
-    linears = [(getattr(mod, name, None), lay.hidden, rows) for name, rows in zip(_PROJ[lay.family], lay.widths)]
-    linears.append((getattr(mod, _OUT[lay.family], None), lay.hv * lay.dv, lay.hidden))
+    linears = [(getattr(mod, name, None), lay.hidden, rows) for name, rows in zip(lay.row.proj, lay.widths)]
+    linears.append((getattr(mod, lay.row.out, None), lay.hv * lay.dv, lay.hidden))
     kinds = [_linear_kind(*x) for x in linears]
     plain = [m.weight for (m, _, _), k in zip(linears, kinds) if k == "plain"]
     if any(k not in ("plain", "stored") for k in kinds) or len({(w.dtype, w.device) for w in plain}) > 1:
@@ -839,9 +968,9 @@ def _prefill(
     )
     if cache is not None:
         cache.update_recurrent_state(state, mod.layer_idx)
-    norm = getattr(mod, _NORM[lay.family])
+    norm = getattr(mod, lay.row.norm)
     out = norm(o.reshape(-1, dv), z.reshape(-1, dv)).reshape(b, s, vd)
-    return getattr(mod, _OUT[lay.family])(out)
+    return getattr(mod, lay.row.out)(out)
 
 
 def _forward(
@@ -953,100 +1082,6 @@ def _fused_choice(mod: torch.nn.Module, lay: _Layout, env: Env, mode: str) -> tu
         mode="static" if mode == "static" else "auto",
     )
     return choice.taken, f"decode step: {choice.describe()}; {_STATIC_WHY}"
-
-
-@dataclass(frozen=True)
-class LinearAttentionPlan:
-    """What one Gated DeltaNet layer gets: its model ``family`` (a key of the families table), the prefill
-    path (``"matmul"``: chunked, matmul triangular inverse; ``"stock"``) and what runs while torch.compile
-    traces (``"recipe"``: the recipe's forward; ``"stock"``: the module's own)."""
-
-    family: str
-    prefill: str
-    compiled: str
-    fused: bool = False  # the decode step after the projections is mpsboost::deltanet_step (else composed)
-
-
-@register
-class LinearAttention(Recipe):
-    name = NAME
-    summary = (
-        "Gated DeltaNet layers: a few-op decode step on per-layer buffers; a chunked prefill in few ops per "
-        "chunk, its triangular solves by matmuls where solve_triangular is slow"
-    )
-    targets = tuple(_FAMILIES)
-    lossless = True
-    reversible = True
-    requires = ()
-    default = True
-    order = 100
-    Options = LinearAttentionOptions
-
-    def decide(self, match: Match, env: Env, options: LinearAttentionOptions) -> Decision:
-        for field, allowed in _CHOICES.items():
-            if getattr(options, field) not in allowed:
-                raise ValueError(f"{NAME} option {field!r} must be one of {allowed}, got {getattr(options, field)!r}")
-        lay = _layout(match.module)
-        if isinstance(lay, str):
-            return Decision.skip(lay)
-        if env.device_type == "cuda":
-            found = _fast_path_packages()
-            if found:
-                return Decision.skip(
-                    f"{' and '.join(found)} importable: transformers runs those CUDA kernels "
-                    "(is_fast_path_available); the recipe steps aside"
-                )
-        solve = check("solve_triangular_fast", env)
-        prefill = options.prefill if options.prefill != "auto" else ("triangular" if solve.ok else "matmul")
-        compiled = (
-            options.compiled if options.compiled != "auto" else ("recipe" if env.device_type == "mps" else "stock")
-        )
-        backing = "projections into one buffer, recurrent step in fp32"
-        backing += {
-            "matmul": "; prefill chunked, matmul triangular inverse",
-            "triangular": "; prefill chunked, solve_triangular",
-            "stock": "; prefill stock (solve_triangular)",
-        }[prefill]
-        why = [
-            (
-                "eager decode: projections, conv roll, gates and state update in few ops on per-layer buffers "
-                "(stock: 103 aten ops per step); "
-                f"prefill: {'forced by options' if options.prefill != 'auto' else solve.reason}"
-            )
-        ]
-        if compiled == "recipe":
-            why.append(
-                "compiled: the recipe's forward, traced (weights read from the Parameters)"
-                + (
-                    "; solve_triangular is slow on this build under compile too"
-                    if env.device_type == "mps" and prefill == "matmul"
-                    else ""
-                )
-            )
-        else:
-            why.append("compiled: stock forward (inductor fuses it; no compiled measurement of the recipe's path yet)")
-        fused, fused_why = _fused_choice(match.module, lay, env, options.fused_step)
-        if fused:
-            backing += "; decode step mpsboost::deltanet_step (Metal, 1 dispatch)"
-        why.append(fused_why)
-        return Decision.apply(
-            backing,
-            "; ".join(why),
-            plan=LinearAttentionPlan(family=lay.family, prefill=prefill, compiled=compiled, fused=fused),
-        )
-
-    def apply(self, match: Match, decision: Decision, env: Env, options: LinearAttentionOptions) -> Patch:
-        mod = match.module
-        lay = _layout(mod)
-        if isinstance(lay, str):
-            raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
-        with Changes() as ch:
-            plan: LinearAttentionPlan = decision.plan
-            state = _State(lay, plan.prefill, plan.compiled, plan.fused)
-            ch.add(set_instance_attr(mod, NAME, _STATE, state))
-            ch.add(bind_forward(mod, NAME, _forward))
-            _eager_derived(mod, state)  # now, not inside the first decode step
-        return ch.patch(description=f"{NAME}: restore forward")
 
 
 # ---------------------------------------------------------------------------- compiled decoding on a Mac

@@ -81,8 +81,8 @@ instead of four matmuls), at the memory of that copy (named in the report; Qwen3
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 from torch.nn.modules import module as _nn_module
@@ -91,8 +91,9 @@ from .. import ondevice
 from ..gate import Env, check
 from ..ops import moe as moe_ops
 from ..ops import moe_route
-from ..registry import Decision, Match, Recipe, class_path, register
+from ..registry import Decision, Match, Recipe, class_path, option_choices, register
 from ..patching import Changes, Patch, bind_forward, call_original, set_instance_attr
+from ._rows import CLASS_PATH, by_class, check_row
 from ._watch import Watch
 from .fp8.layers import decode_operand, fp8_state
 from .low_bit.layers import affine_state
@@ -103,48 +104,71 @@ _STATE = "_mpsboost_moe_block"
 _TM = "transformers.models."
 _DEFAULT_IMPL = "grouped_mm"
 
-# block class -> (router class, norm: "attr" reads router.norm_topk_prob, True always; weights cast to the
-# model dtype (transformers' ``.to(router_logits.dtype)``), shared expert)
-_FAMILIES: dict[str, tuple[str, Any, bool, bool]] = {
-    _TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeSparseMoeBlock": (
+
+@dataclass(frozen=True)
+class MoeFamily:
+    """One softmax-routed sparse MoE block family: one row of :data:`FAMILIES`. Class names are dotted paths."""
+
+    block: str = field(metadata=CLASS_PATH)  # the sparse MoE block class (a target of the recipe)
+    router: str = field(metadata=CLASS_PATH)  # its router class (``block.gate``), checked exactly
+    # Top-k weights renormalised: True always, "attr" as ``router.norm_topk_prob`` says (False: never).
+    norm: bool | Literal["attr"]
+    # The routing weights cast to the model dtype (transformers' ``.to(router_logits.dtype)``); False: kept float32.
+    cast: bool
+    # A shared expert (``block.shared_expert``, a gated MLP) with its sigmoid gate (``block.shared_expert_gate``).
+    shared: bool
+
+    def __post_init__(self) -> None:
+        check_row(self)
+
+
+#: Every block family the recipe serves (its targets, in this order). A new family is one row here, plus its tiny
+#: config in ``_lm`` and ``FAMILIES`` of tests/recipes/moe/test_moe_block.py.
+FAMILIES: tuple[MoeFamily, ...] = (
+    MoeFamily(
+        _TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeSparseMoeBlock",
         _TM + "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeTopKRouter",
-        True,
-        True,
-        True,
+        norm=True,
+        cast=True,
+        shared=True,
     ),
-    _TM + "qwen3_next.modeling_qwen3_next.Qwen3NextSparseMoeBlock": (
+    MoeFamily(
+        _TM + "qwen3_next.modeling_qwen3_next.Qwen3NextSparseMoeBlock",
         _TM + "qwen3_next.modeling_qwen3_next.Qwen3NextTopKRouter",
-        "attr",
-        True,
-        True,
+        norm="attr",
+        cast=True,
+        shared=True,
     ),
-    _TM + "qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock": (
+    MoeFamily(
+        _TM + "qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
         _TM + "qwen2_moe.modeling_qwen2_moe.Qwen2MoeTopKRouter",
-        "attr",
-        True,
-        True,
+        norm="attr",
+        cast=True,
+        shared=True,
     ),
-    _TM + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock": (
+    MoeFamily(
+        _TM + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
         _TM + "qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter",
-        "attr",
-        True,
-        False,
+        norm="attr",
+        cast=True,
+        shared=False,
     ),
-    _TM + "olmoe.modeling_olmoe.OlmoeSparseMoeBlock": (
+    MoeFamily(
+        _TM + "olmoe.modeling_olmoe.OlmoeSparseMoeBlock",
         _TM + "olmoe.modeling_olmoe.OlmoeTopKRouter",
-        "attr",
-        True,
-        False,
+        norm="attr",
+        cast=True,
+        shared=False,
     ),
-    _TM + "mixtral.modeling_mixtral.MixtralSparseMoeBlock": (
+    MoeFamily(
+        _TM + "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
         _TM + "mixtral.modeling_mixtral.MixtralTopKRouter",
-        True,
-        False,
-        False,
+        norm=True,
+        cast=False,
+        shared=False,
     ),
-}
-_PATHS = ("auto", "grouped_mm", "gather")
-_FUSED = ("auto", "static", "off")
+)
+_FAMILIES: dict[str, MoeFamily] = by_class(FAMILIES, "block")
 
 
 @dataclass(frozen=True)
@@ -152,9 +176,113 @@ class MoeBlockOptions:
     """``options={"moe_block": {...}}`` (see the module docstring)."""
 
     max_tokens: int = 4
-    path: str = "auto"
+    path: Literal["auto", "grouped_mm", "gather"] = "auto"
     fused_inputs: bool = False
-    fused: str = "auto"
+    fused: Literal["auto", "static", "off"] = "auto"
+
+
+_PATHS = option_choices(MoeBlockOptions, "path")
+_FUSED = option_choices(MoeBlockOptions, "fused")
+
+
+@register
+class MoeBlock(Recipe):
+    name = NAME
+    summary = (
+        "softmax-routed sparse MoE blocks at decode: router and shared expert by plain matmuls, "
+        "top-k and combine in few ops, routed experts read once"
+    )
+    targets = tuple(_FAMILIES)
+    lossless = True
+    reversible = True
+    requires = ()
+    order = 100
+    Options = MoeBlockOptions
+
+    def decide(self, match: Match, env: Env, options: MoeBlockOptions) -> Decision:
+        if not isinstance(options.max_tokens, int) or options.max_tokens < 1:
+            raise ValueError(f"{NAME} option max_tokens={options.max_tokens!r}: expected an int >= 1 (tokens per call)")
+        if options.path not in _PATHS:
+            raise ValueError(f"{NAME} option path={options.path!r}: expected one of {', '.join(_PATHS)}")
+        if options.fused not in _FUSED:
+            raise ValueError(f"{NAME} option fused={options.fused!r}: expected one of {', '.join(_FUSED)}")
+        lay = _layout(match.module)
+        if isinstance(lay, str):
+            return Decision.skip(lay)
+        if env.device_type == "cuda":
+            return Decision.skip(
+                "eager decode on CUDA: no measurement of the recipe's path against stock's kernels there "
+                "(the Mac path is measured on a GPU under simulated Mac decisions)"
+            )
+        native = check("grouped_mm", env)
+        dtype = match.module.experts.gate_up_proj.dtype
+        if not dtype.is_floating_point or dtype.itemsize == 1:  # fp8 experts: the module runs them (path unused)
+            dtype = match.module.gate.weight.dtype
+        widths = {lay.hidden, 2 * lay.inter, lay.inter}
+        fits, why_not = moe_ops.grouped_mm_widths_ok(widths, dtype, env.device_type)
+        path = options.path
+        if path == "auto":
+            path = "grouped_mm" if native.ok and fits else "gather"
+        if path == "grouped_mm" and not fits:
+            # The kernel's own input check would raise (its widths, not the build): the path that works, and why.
+            path, forced = "gather", f"option path='grouped_mm' not taken: {why_not}"
+        else:
+            forced = "forced by option path"
+        if path == "grouped_mm":
+            reason = (
+                f"{native.reason}: two grouped matmuls read each routed expert once, offsets by searchsorted on the "
+                "device"
+            )
+        else:
+            reason = (
+                (native.reason if not native.ok else why_not) if options.path == "auto" else forced
+            ) + ": the routed experts' weights gathered (one copy each), then bmm"
+        fused = options.fused_inputs and lay.shared_inter > 0
+        inputs = (
+            "router and shared expert in one matmul (fused copy)" if fused else "router and shared expert by matmuls"
+        )
+        if options.fused == "off":
+            fuse, fusion = False, "option fused='off': router, activations and combine as composed aten ops"
+        elif env.device_type == "mps" and not (gate := check("moe_metal_route", env)).ok:
+            fuse, fusion = False, f"{gate.reason}: router, activations and combine as composed aten ops"
+        else:
+            choice = fusion_choice(lay, dtype, env, options.fused)
+            fuse, fusion = choice.taken, choice.describe()
+        backing = inputs + ", " + ("grouped_mm" if path == "grouped_mm" else "gathered bmm")
+        if fuse:
+            backing += ", router/activations/combine fused (mpsboost::moe_*)"
+            # one token, counted on the CPU under Mac decisions (tests/recipes/moe/test_moe_block_fused.py)
+            if path == "grouped_mm":
+                n_ops = (11 if fused else 12) if lay.shared_inter else 7
+            else:
+                n_ops = (16 if fused else 17) if lay.shared_inter else 12
+            ops = f"about {n_ops} aten ops per block (stock 46)"
+        else:
+            ops = "about 22 aten ops per block (stock 46)" if fused else "about 24 aten ops per block (stock 46)"
+        if fused:
+            rows = lay.experts + 1 + 2 * lay.shared_inter
+            nbytes = rows * lay.hidden * match.module.gate.weight.element_size()
+            ops += (
+                f"; option fused_inputs: a copy of the router's and shared expert's input weights side by side "
+                f"({rows} x {lay.hidden}, {_size(nbytes)} per block, held while the recipe is applied)"
+            )
+        return Decision.apply(
+            backing + f" (<= {options.max_tokens} tokens)",
+            f"decode in {ops}; {reason}; fusion: {fusion}; prefill: the block's own forward",
+            plan=MoeBlockPlan(path=path, max_tokens=options.max_tokens, fused_inputs=fused, fused=fuse, fusion=fusion),
+        )
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: MoeBlockOptions) -> Patch:
+        mod = match.module
+        lay = _layout(mod)
+        if isinstance(lay, str):
+            raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
+        with Changes() as ch:
+            state = _State(lay, decision.plan)
+            ch.add(set_instance_attr(mod, NAME, _STATE, state))
+            ch.add(bind_forward(mod, NAME, _forward))
+            _eager_weights(mod, state)
+        return ch.patch(description=f"{NAME}: restore forward")
 
 
 @dataclass(frozen=True)
@@ -245,7 +373,8 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
     fam = next((class_path(c) for c in type(mod).__mro__ if class_path(c) in _FAMILIES), None)
     if fam is None:
         return f"{type(mod).__name__} is not a known sparse MoE block"
-    router_path, norm, cast, has_shared = _FAMILIES[fam]
+    row = _FAMILIES[fam]
+    router_path = row.router
     router, experts = getattr(mod, "gate", None), getattr(mod, "experts", None)
     if router is None or class_path(type(router)) != router_path:
         return f"router {type(router).__name__} is not {router_path.rsplit('.', 1)[-1]}"
@@ -275,7 +404,7 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
     if getattr(type(experts), "_apply_gate", None) is not _default_apply_gate:
         return "experts use their own gate function"
     shared_inter = 0
-    if has_shared:
+    if row.shared:
         shared_inter = _is_plain_mlp(getattr(mod, "shared_expert", None), hidden)
         if not shared_inter or not _usable_linear(getattr(mod, "shared_expert_gate", None), hidden, 1):
             return "shared expert or its gate is not plain nn.Linear layers without bias"
@@ -286,8 +415,8 @@ def _layout(mod: torch.nn.Module) -> _Layout | str:
         hidden=hidden,
         inter=gu.shape[1] // 2,
         shared_inter=shared_inter,
-        norm=bool(router.norm_topk_prob) if norm == "attr" else bool(norm),
-        cast=cast,
+        norm=bool(router.norm_topk_prob) if row.norm == "attr" else bool(row.norm),
+        cast=row.cast,
     )
 
 
@@ -666,103 +795,3 @@ def fusion_choice(
         )
     finally:
         pair.clear()  # nothing made for the timing outlives the choice
-
-
-@register
-class MoeBlock(Recipe):
-    name = NAME
-    summary = (
-        "softmax-routed sparse MoE blocks at decode: router and shared expert by plain matmuls, "
-        "top-k and combine in few ops, routed experts read once"
-    )
-    targets = tuple(_FAMILIES)
-    lossless = True
-    reversible = True
-    requires = ()
-    order = 100
-    Options = MoeBlockOptions
-
-    def decide(self, match: Match, env: Env, options: MoeBlockOptions) -> Decision:
-        if not isinstance(options.max_tokens, int) or options.max_tokens < 1:
-            raise ValueError(f"{NAME} option max_tokens={options.max_tokens!r}: expected an int >= 1 (tokens per call)")
-        if options.path not in _PATHS:
-            raise ValueError(f"{NAME} option path={options.path!r}: expected one of {', '.join(_PATHS)}")
-        if options.fused not in _FUSED:
-            raise ValueError(f"{NAME} option fused={options.fused!r}: expected one of {', '.join(_FUSED)}")
-        lay = _layout(match.module)
-        if isinstance(lay, str):
-            return Decision.skip(lay)
-        if env.device_type == "cuda":
-            return Decision.skip(
-                "eager decode on CUDA: no measurement of the recipe's path against stock's kernels there "
-                "(the Mac path is measured on a GPU under simulated Mac decisions)"
-            )
-        native = check("grouped_mm", env)
-        dtype = match.module.experts.gate_up_proj.dtype
-        if not dtype.is_floating_point or dtype.itemsize == 1:  # fp8 experts: the module runs them (path unused)
-            dtype = match.module.gate.weight.dtype
-        widths = {lay.hidden, 2 * lay.inter, lay.inter}
-        fits, why_not = moe_ops.grouped_mm_widths_ok(widths, dtype, env.device_type)
-        path = options.path
-        if path == "auto":
-            path = "grouped_mm" if native.ok and fits else "gather"
-        if path == "grouped_mm" and not fits:
-            # The kernel's own input check would raise (its widths, not the build): the path that works, and why.
-            path, forced = "gather", f"option path='grouped_mm' not taken: {why_not}"
-        else:
-            forced = "forced by option path"
-        if path == "grouped_mm":
-            reason = (
-                f"{native.reason}: two grouped matmuls read each routed expert once, offsets by searchsorted on the "
-                "device"
-            )
-        else:
-            reason = (
-                (native.reason if not native.ok else why_not) if options.path == "auto" else forced
-            ) + ": the routed experts' weights gathered (one copy each), then bmm"
-        fused = options.fused_inputs and lay.shared_inter > 0
-        inputs = (
-            "router and shared expert in one matmul (fused copy)" if fused else "router and shared expert by matmuls"
-        )
-        if options.fused == "off":
-            fuse, fusion = False, "option fused='off': router, activations and combine as composed aten ops"
-        elif env.device_type == "mps" and not (gate := check("moe_metal_route", env)).ok:
-            fuse, fusion = False, f"{gate.reason}: router, activations and combine as composed aten ops"
-        else:
-            choice = fusion_choice(lay, dtype, env, options.fused)
-            fuse, fusion = choice.taken, choice.describe()
-        backing = inputs + ", " + ("grouped_mm" if path == "grouped_mm" else "gathered bmm")
-        if fuse:
-            backing += ", router/activations/combine fused (mpsboost::moe_*)"
-            # one token, counted on the CPU under Mac decisions (tests/recipes/moe/test_moe_block_fused.py)
-            if path == "grouped_mm":
-                n_ops = (11 if fused else 12) if lay.shared_inter else 7
-            else:
-                n_ops = (16 if fused else 17) if lay.shared_inter else 12
-            ops = f"about {n_ops} aten ops per block (stock 46)"
-        else:
-            ops = "about 22 aten ops per block (stock 46)" if fused else "about 24 aten ops per block (stock 46)"
-        if fused:
-            rows = lay.experts + 1 + 2 * lay.shared_inter
-            nbytes = rows * lay.hidden * match.module.gate.weight.element_size()
-            ops += (
-                f"; option fused_inputs: a copy of the router's and shared expert's input weights side by side "
-                f"({rows} x {lay.hidden}, {_size(nbytes)} per block, held while the recipe is applied)"
-            )
-        return Decision.apply(
-            backing + f" (<= {options.max_tokens} tokens)",
-            f"decode in {ops}; {reason}; fusion: {fusion}; prefill: the block's own forward",
-            plan=MoeBlockPlan(path=path, max_tokens=options.max_tokens, fused_inputs=fused, fused=fuse, fusion=fusion),
-        )
-
-    def apply(self, match: Match, decision: Decision, env: Env, options: MoeBlockOptions) -> Patch:
-        mod = match.module
-        lay = _layout(mod)
-        if isinstance(lay, str):
-            raise RuntimeError(f"{class_path(type(mod))} changed between plan and apply: {lay}")
-        with Changes() as ch:
-            state = _State(lay, decision.plan)
-            ch.add(set_instance_attr(mod, NAME, _STATE, state))
-            ch.add(bind_forward(mod, NAME, _forward))
-            _eager_weights(mod, state)
-        return ch.patch(description=f"{NAME}: restore forward")
