@@ -76,6 +76,90 @@ class SplitPlan:
     dense: bool = False  # every split call gets contiguous q/k/v (gate feature sdpa_strided_correct)
 
 
+@register
+class AttentionSplit(Recipe):
+    name = NAME
+    summary = "SDPA split along the queries so that no call holds more than 2^31 scores (wrong results on MPS beyond)"
+    targets = (_PRETRAINED, _MODELMIXIN)
+    lossless = True
+    reversible = True
+    requires = ()
+    default = True
+    order = 110  # after metal_attention: it wraps whatever attention implementation that one chose
+    Options = AttentionSplitOptions
+
+    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
+        covered: list[torch.nn.Module] = []
+        for name, mod in root.named_modules():
+            if any(any(m is mod for m in c.modules()) for c in covered):
+                continue
+            path = ".".join(p for p in (prefix, name) if p) or "<root>"
+            if matches_class(mod, (_PRETRAINED,)):
+                covered.append(mod)
+                yield Match(mod, path, SplitTarget("transformers"))
+            elif matches_class(mod, (_MODELMIXIN,)) and _attention_modules(mod):
+                covered.append(mod)
+                yield Match(mod, path, SplitTarget("diffusers"))
+
+    def decide(self, match: Match, env: Env, options: AttentionSplitOptions) -> Decision:
+        limit, force = _options(options)
+        if match.data.kind == "transformers":
+            impl = getattr(getattr(match.module, "config", None), "_attn_implementation", None)
+            if impl != "sdpa":
+                return Decision.skip(
+                    f"attention implementation {impl!r}: only 'sdpa' calls the kernel this recipe splits"
+                )
+            mods = [m for _, m in _hf.attention_modules(match.module) if _hf.implementation(m) == "sdpa"]
+            if not mods:
+                return Decision.skip("no attention module on 'sdpa' that looks up transformers' attention functions")
+            found = Decision.apply(
+                "sdpa split along queries (attention module forwards)",
+                f"'sdpa' kept in the config; {len(mods)} attention modules",
+                plan=SplitPlan(max_scores=limit, attention_modules=len(mods)),
+            )
+        else:
+            n = len(_attention_modules(match.module))
+            found = Decision.apply(
+                "sdpa split along queries (attention processors)",
+                f"{n} attention modules",
+                plan=SplitPlan(max_scores=limit, attention_modules=n),
+            )
+        if force:
+            return Decision.apply(found.backing, f"forced by options (force=True); {found.reason}", plan=found.plan)
+        if env.device_type != "mps":
+            return Decision.skip(f"SDPA is correct beyond 2^31 scores on {env.device_type}; stock kept")
+        if "sdpa_large_scores_correct" in FEATURES:
+            v = check("sdpa_large_scores_correct", env)
+            if v.ok:
+                return Decision.skip(f"{v.reason}; stock kept")
+            why = v.reason
+        else:
+            why = "no MPS build is known to compute SDPA over more than 2^31 scores correctly (ComfyUI#14837)"
+        plan, strided = found.plan, check("sdpa_strided_correct", env)
+        if not strided.ok:  # a query slice is a strided view: each split call gets contiguous inputs
+            plan, why = replace(plan, dense=True), f"{why}; each split call gets contiguous q/k/v ({strided.reason})"
+        return Decision.apply(found.backing, f"{why}; calls above {limit} scores are split; {found.reason}", plan=plan)
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: AttentionSplitOptions) -> Patch:
+        plan: SplitPlan = decision.plan
+        limit = plan.max_scores
+        if match.data.kind == "transformers":
+            modules = [m for _, m in _hf.attention_modules(match.module) if _hf.implementation(m) == "sdpa"]
+            bounds: dict[type, Callable] = {}
+            forwards = [
+                _split_forward(limit, bounds.setdefault(type(m), _hf_may_exceed_for(m)), plan.dense) for m in modules
+            ]
+        else:
+            modules = _attention_modules(match.module)
+            forwards = [_split_forward(limit, _may_exceed, plan.dense)] * len(modules)
+        with Changes() as ch:
+            # A mark on the model itself: patch() sees it patched (a second call is a no-op).
+            ch.add(set_instance_attr(match.module, NAME, "_mpsboost_split_limit", limit))
+            for m, forward in zip(modules, forwards):
+                ch.add(bind_forward(m, NAME, forward))
+        return ch.patch(description=f"{NAME}: restore attention forwards")
+
+
 def _options(options: AttentionSplitOptions) -> tuple[int, bool]:
     limit = options.max_scores
     if limit < 1:
@@ -160,87 +244,3 @@ def _may_exceed(module: torch.nn.Module, args: tuple, kwargs: dict, limit: int) 
 
 def _attention_modules(root: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in root.modules() if matches_class(m, _DIFFUSERS_ATTENTION)]
-
-
-@register
-class AttentionSplit(Recipe):
-    name = NAME
-    summary = "SDPA split along the queries so that no call holds more than 2^31 scores (wrong results on MPS beyond)"
-    targets = (_PRETRAINED, _MODELMIXIN)
-    lossless = True
-    reversible = True
-    requires = ()
-    default = True
-    order = 110  # after metal_attention: it wraps whatever attention implementation that one chose
-    Options = AttentionSplitOptions
-
-    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
-        covered: list[torch.nn.Module] = []
-        for name, mod in root.named_modules():
-            if any(any(m is mod for m in c.modules()) for c in covered):
-                continue
-            path = ".".join(p for p in (prefix, name) if p) or "<root>"
-            if matches_class(mod, (_PRETRAINED,)):
-                covered.append(mod)
-                yield Match(mod, path, SplitTarget("transformers"))
-            elif matches_class(mod, (_MODELMIXIN,)) and _attention_modules(mod):
-                covered.append(mod)
-                yield Match(mod, path, SplitTarget("diffusers"))
-
-    def decide(self, match: Match, env: Env, options: AttentionSplitOptions) -> Decision:
-        limit, force = _options(options)
-        if match.data.kind == "transformers":
-            impl = getattr(getattr(match.module, "config", None), "_attn_implementation", None)
-            if impl != "sdpa":
-                return Decision.skip(
-                    f"attention implementation {impl!r}: only 'sdpa' calls the kernel this recipe splits"
-                )
-            mods = [m for _, m in _hf.attention_modules(match.module) if _hf.implementation(m) == "sdpa"]
-            if not mods:
-                return Decision.skip("no attention module on 'sdpa' that looks up transformers' attention functions")
-            found = Decision.apply(
-                "sdpa split along queries (attention module forwards)",
-                f"'sdpa' kept in the config; {len(mods)} attention modules",
-                plan=SplitPlan(max_scores=limit, attention_modules=len(mods)),
-            )
-        else:
-            n = len(_attention_modules(match.module))
-            found = Decision.apply(
-                "sdpa split along queries (attention processors)",
-                f"{n} attention modules",
-                plan=SplitPlan(max_scores=limit, attention_modules=n),
-            )
-        if force:
-            return Decision.apply(found.backing, f"forced by options (force=True); {found.reason}", plan=found.plan)
-        if env.device_type != "mps":
-            return Decision.skip(f"SDPA is correct beyond 2^31 scores on {env.device_type}; stock kept")
-        if "sdpa_large_scores_correct" in FEATURES:
-            v = check("sdpa_large_scores_correct", env)
-            if v.ok:
-                return Decision.skip(f"{v.reason}; stock kept")
-            why = v.reason
-        else:
-            why = "no MPS build is known to compute SDPA over more than 2^31 scores correctly (ComfyUI#14837)"
-        plan, strided = found.plan, check("sdpa_strided_correct", env)
-        if not strided.ok:  # a query slice is a strided view: each split call gets contiguous inputs
-            plan, why = replace(plan, dense=True), f"{why}; each split call gets contiguous q/k/v ({strided.reason})"
-        return Decision.apply(found.backing, f"{why}; calls above {limit} scores are split; {found.reason}", plan=plan)
-
-    def apply(self, match: Match, decision: Decision, env: Env, options: AttentionSplitOptions) -> Patch:
-        plan: SplitPlan = decision.plan
-        limit = plan.max_scores
-        if match.data.kind == "transformers":
-            modules = [m for _, m in _hf.attention_modules(match.module) if _hf.implementation(m) == "sdpa"]
-            bounds: dict[type, Callable] = {}
-            forwards = [
-                _split_forward(limit, bounds.setdefault(type(m), _hf_may_exceed_for(m)), plan.dense) for m in modules
-            ]
-        else:
-            modules = _attention_modules(match.module)
-            forwards = [_split_forward(limit, _may_exceed, plan.dense)] * len(modules)
-        with Changes() as ch:
-            # A mark on the model itself: patch() sees it patched (a second call is a no-op).
-            ch.add(set_instance_attr(match.module, NAME, "_mpsboost_split_limit", limit))
-            for m, forward in zip(modules, forwards):
-                ch.add(bind_forward(m, NAME, forward))
-        return ch.patch(description=f"{NAME}: restore attention forwards")

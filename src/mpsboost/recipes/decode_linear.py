@@ -27,7 +27,7 @@ Options (``options={"decode_linear": {...}}``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Literal
 
 import torch
 
@@ -35,7 +35,7 @@ from .. import tuning
 from ..gate import Env, check
 from ..ops import gemv_triton
 from ..ops.linear import make_forward
-from ..registry import Decision, Match, Recipe, class_path, matches_class, recipe_names, register
+from ..registry import Decision, Match, Recipe, class_path, matches_class, option_choices, recipe_names, register
 from ..patching import Patch, bind_forward, saved_state
 
 _MODEL_ROOTS = (
@@ -43,7 +43,6 @@ _MODEL_ROOTS = (
     "diffusers.models.modeling_utils.ModelMixin",
 )
 _LINEAR = "torch.nn.modules.linear.Linear"
-_PATHS = ("auto", "fold", "triton")
 _NO_COMPILED_GAIN = "compiled: stock F.linear; no compiled end-to-end measurement shows a gain"
 
 # The Triton GEMV is used only where measured faster: cuBLAS is already close to the bandwidth limit for
@@ -59,27 +58,16 @@ MIN_SPEEDUP = 1.05
 GEMV_PROGRAMS = 264
 
 
-def measured(env: Env, mode: str) -> tuple[dict[tuple[int, int, bool, str], float] | None, str]:
-    """``({(N, K, has_bias, dtype name): speedup}, "")`` measured in ``mode`` for this kind of GPU.
-
-    ``mode`` is ``"cuda_graph"`` (eager decode replayed as CUDA graphs) or ``"compiled"`` (the forward
-    under ``torch.compile``). ``(None, why)`` where the file speaks for another device. Patch time only.
-    """
-    t, why = tuning.for_env(TUNING, env)
-    if t is None:
-        return None, why
-    rows = t.entries.get(mode, [])
-    table = {(int(r["n"]), int(r["k"]), bool(r["bias"]), str(r["dtype"])): float(r["speedup"]) for r in rows}
-    return table, t.describe()
-
-
 @dataclass(frozen=True)
 class DecodeLinearOptions:
     """``options={"decode_linear": {...}}``."""
 
-    path: str = "auto"  # "auto", "fold" or "triton"
+    path: Literal["auto", "fold", "triton"] = "auto"
     cuda_eager: bool = False
     cuda_graphs: bool = False
+
+
+_PATHS = option_choices(DecodeLinearOptions, "path")
 
 
 @dataclass(frozen=True)
@@ -98,17 +86,6 @@ class DecodeLinearPlan:
         """The report's details as they always read: ``speedup`` only where one was measured."""
         gain = {} if self.speedup is None else {"speedup": self.speedup}
         return {"n": self.n, "k": self.k, **gain, "eager": self.eager, "compiled": self.compiled}
-
-
-def _bound_by(mod: torch.nn.Module) -> str | None:
-    """The mpsboost recipe whose forward this instance carries (bound through ``patching.bind_forward``), or None
-    when its instance forward is another library's."""
-    fwd = mod.__dict__.get("forward")
-    for name in recipe_names():
-        state = saved_state(mod, name)
-        if state is not None and state.get("bound") is fwd:
-            return name
-    return None
 
 
 @register
@@ -254,3 +231,28 @@ class DecodeLinear(Recipe):
                         torch.ones(1, w.shape[1], device=w.device, dtype=w.dtype), w, match.module.bias, block_n
                     )
         return bind_forward(match.module, self.name, fwd)
+
+
+def measured(env: Env, mode: str) -> tuple[dict[tuple[int, int, bool, str], float] | None, str]:
+    """``({(N, K, has_bias, dtype name): speedup}, "")`` measured in ``mode`` for this kind of GPU.
+
+    ``mode`` is ``"cuda_graph"`` (eager decode replayed as CUDA graphs) or ``"compiled"`` (the forward
+    under ``torch.compile``). ``(None, why)`` where the file speaks for another device. Patch time only.
+    """
+    t, why = tuning.for_env(TUNING, env)
+    if t is None:
+        return None, why
+    rows = t.entries.get(mode, [])
+    table = {(int(r["n"]), int(r["k"]), bool(r["bias"]), str(r["dtype"])): float(r["speedup"]) for r in rows}
+    return table, t.describe()
+
+
+def _bound_by(mod: torch.nn.Module) -> str | None:
+    """The mpsboost recipe whose forward this instance carries (bound through ``patching.bind_forward``), or None
+    when its instance forward is another library's."""
+    fwd = mod.__dict__.get("forward")
+    for name in recipe_names():
+        state = saved_state(mod, name)
+        if state is not None and state.get("bound") is fwd:
+            return name
+    return None

@@ -68,103 +68,6 @@ _SWITCHABLE = ("eager", "sdpa")
 METAL_HEAD_DIMS = (32, 64, 72, 80, 96, 128, 256)
 
 
-def metal_head_dim_ok(head_dim: int) -> bool:
-    return int(head_dim) in METAL_HEAD_DIMS
-
-
-def _uncovered(module: torch.nn.Module, kwargs: dict, collector: Any) -> bool:
-    """Cases SDPA does not cover. Attention weights count however they were asked for: the call's flag, the
-    config's ``output_attentions``, or transformers' output capture (hooks on the attention modules,
-    driven by the config; nothing in the call's arguments says so)."""
-    return (
-        kwargs.get("softcap") is not None
-        or kwargs.get("position_bias") is not None
-        or kwargs.get("s_aux") is not None
-        or kwargs.get("sinks") is not None
-        or _hf.weights_wanted(module, kwargs, collector)
-    )
-
-
-def _sdpa_routed(collector: Any, dense: bool):
-    """The function an ``sdpa`` model's attention modules get (``collector``: transformers' output capture,
-    read at patch time: see :func:`mpsboost.recipes._hf.weights_wanted`; ``dense``: q/k/v made contiguous)."""
-
-    def metal_attention_forward(
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        dropout: float = 0.0,
-        scaling: float | None = None,
-        is_causal: bool | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        """transformers attention function: ``[B, H, L, D]`` in, ``[B, L, H, D]`` out, as ``sdpa_attention_forward``."""
-        if _uncovered(module, kwargs, collector):
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-            return sdpa_attention_forward(
-                module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
-            )
-        return _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal, dense)
-
-    return metal_attention_forward
-
-
-def _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal, dense):
-    q_len, kv_len = query.shape[2], key.shape[2]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    # As transformers' SDPA function: the causal flag only for a prefill without mask; an empty static
-    # cache's slots past the prompt are cropped (upper-left aligned causal mask).
-    causal = bool(q_len > 1 and attention_mask is None and causal)
-    if causal and kv_len > q_len:
-        key, value = key[:, :, :q_len], value[:, :, :q_len]
-    out = sdpa(
-        query,
-        key,
-        value,
-        attention_mask,
-        dropout_p=dropout if module.training else 0.0,
-        is_causal=causal,
-        scale=scaling,
-        dense=dense,
-    )
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _eager_routed(eager: Any, dense: bool):
-    """The function an eager model's attention modules get: Metal SDPA on transformers' eager mask (a
-    query-dtype additive mask, always materialised); the modeling file's own eager function for the cases
-    SDPA does not cover (returned attention weights among them: an eager model's users may read them)."""
-    collector = _hf.attention_collector()
-
-    def eager_to_metal(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        if _uncovered(module, kwargs, collector):
-            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        return _metal(module, query, key, value, attention_mask, dropout, scaling, kwargs.get("is_causal"), dense)
-
-    return eager_to_metal
-
-
-def _routes(module: torch.nn.Module, dense: bool) -> dict[str, Any]:
-    """implementation name -> the function ``module``'s forward gets for it (``dense``: SDPA's inputs made
-    contiguous first)."""
-    if _hf.implementation(module) == "eager":
-        return {"eager": _eager_routed(_hf.eager_function(module), dense)}
-    return {"sdpa": _sdpa_routed(_hf.attention_collector(), dense)}
-
-
-def _head_dim(cfg: Any) -> int | None:
-    hd = getattr(cfg, "head_dim", None)
-    if isinstance(hd, int) and hd > 0:
-        return hd
-    hidden, heads = getattr(cfg, "hidden_size", None), getattr(cfg, "num_attention_heads", None)
-    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
-        return hidden // heads
-    return None
-
-
 @dataclass(frozen=True)
 class MetalAttentionOptions:
     """``options={"metal_attention": {...}}``: ``force`` applies it on any env (tests, CUDA)."""
@@ -322,6 +225,103 @@ class MetalAttention(Recipe):
                 if _hf.implementation(m) in _SWITCHABLE:
                     ch.add(_hf.route_attention(m, self.name, _routes(m, dense)))
         return ch.patch(description="metal_attention: restore attention forwards")
+
+
+def metal_head_dim_ok(head_dim: int) -> bool:
+    return int(head_dim) in METAL_HEAD_DIMS
+
+
+def _uncovered(module: torch.nn.Module, kwargs: dict, collector: Any) -> bool:
+    """Cases SDPA does not cover. Attention weights count however they were asked for: the call's flag, the
+    config's ``output_attentions``, or transformers' output capture (hooks on the attention modules,
+    driven by the config; nothing in the call's arguments says so)."""
+    return (
+        kwargs.get("softcap") is not None
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("s_aux") is not None
+        or kwargs.get("sinks") is not None
+        or _hf.weights_wanted(module, kwargs, collector)
+    )
+
+
+def _sdpa_routed(collector: Any, dense: bool):
+    """The function an ``sdpa`` model's attention modules get (``collector``: transformers' output capture,
+    read at patch time: see :func:`mpsboost.recipes._hf.weights_wanted`; ``dense``: q/k/v made contiguous)."""
+
+    def metal_attention_forward(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """transformers attention function: ``[B, H, L, D]`` in, ``[B, L, H, D]`` out, as ``sdpa_attention_forward``."""
+        if _uncovered(module, kwargs, collector):
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+            )
+        return _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal, dense)
+
+    return metal_attention_forward
+
+
+def _metal(module, query, key, value, attention_mask, dropout, scaling, is_causal, dense):
+    q_len, kv_len = query.shape[2], key.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # As transformers' SDPA function: the causal flag only for a prefill without mask; an empty static
+    # cache's slots past the prompt are cropped (upper-left aligned causal mask).
+    causal = bool(q_len > 1 and attention_mask is None and causal)
+    if causal and kv_len > q_len:
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out = sdpa(
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout_p=dropout if module.training else 0.0,
+        is_causal=causal,
+        scale=scaling,
+        dense=dense,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _eager_routed(eager: Any, dense: bool):
+    """The function an eager model's attention modules get: Metal SDPA on transformers' eager mask (a
+    query-dtype additive mask, always materialised); the modeling file's own eager function for the cases
+    SDPA does not cover (returned attention weights among them: an eager model's users may read them)."""
+    collector = _hf.attention_collector()
+
+    def eager_to_metal(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if _uncovered(module, kwargs, collector):
+            return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return _metal(module, query, key, value, attention_mask, dropout, scaling, kwargs.get("is_causal"), dense)
+
+    return eager_to_metal
+
+
+def _routes(module: torch.nn.Module, dense: bool) -> dict[str, Any]:
+    """implementation name -> the function ``module``'s forward gets for it (``dense``: SDPA's inputs made
+    contiguous first)."""
+    if _hf.implementation(module) == "eager":
+        return {"eager": _eager_routed(_hf.eager_function(module), dense)}
+    return {"sdpa": _sdpa_routed(_hf.attention_collector(), dense)}
+
+
+def _head_dim(cfg: Any) -> int | None:
+    hd = getattr(cfg, "head_dim", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    hidden, heads = getattr(cfg, "hidden_size", None), getattr(cfg, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
 
 
 def _strided_inputs(env: Env) -> str | None:

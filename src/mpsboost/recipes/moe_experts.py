@@ -55,7 +55,7 @@ import contextlib
 import os
 import types
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterator, Literal
 
 import torch
 
@@ -84,7 +84,7 @@ class MoeExpertsOptions:
 
     batched_max_tokens: int | None = None
     compiled_batched_max_tokens: int | None = None
-    compiled_batched_form: str | None = None
+    compiled_batched_form: Literal["fused", "bmm"] | None = None
     path: str = "auto"
     cuda_eager: bool = False
 
@@ -96,6 +96,248 @@ class MoeExpertsOptions:
 # compiled forwards, where the static-cache decode measured faster, keep the recipe's paths.
 _CUDA_EAGER_RECORD = "benchmarks/results/superseded/e2e-cuda-2026-11-30-moe-eager-final.jsonl"
 _CUDA_EAGER_DEFAULT_RECORD = "benchmarks/results/e2e-cuda-2026-11-30b-moe48.jsonl"
+
+
+# ----------------------------------------------------------------------------------------- the recipe
+
+
+@dataclass(frozen=True, eq=False)
+class ExpertsTarget:
+    """What ``find`` saw: the kind of experts module (``"hf"``: transformers' experts classes, ``"dbrx"``,
+    ``"stacked"`` (Step3p7), ``"jetmoe"``) and, for ``"hf"``, the root module searched (the model whose
+    ``generate()`` decode switch the recipe holds)."""
+
+    kind: str
+    root: torch.nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """What ``apply`` binds: the path for many routed tokens and the batched_mm thresholds (reported), and
+    the whole static choice the bound forward reads (not reported: it is what the fields above summarise)."""
+
+    kind: str
+    large_path: str
+    batched_max_tokens: int
+    compiled_batched_max_tokens: int
+    choice: _Choice = field(metadata=NOT_REPORTED)
+
+
+@register
+class MoeExperts(Recipe):
+    name = NAME
+    summary = (
+        "routed experts by one grouped matmul with offsets on the device; "
+        "grouped_mm / batched_mm / sync-free fallback (CPU: per-expert loop) chosen per call"
+    )
+    targets = (
+        # Found by transformers' use_experts_implementation decorator (every such class), e.g.:
+        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts",
+        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeExperts",
+        "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextExperts",
+        "transformers.models.mixtral.modeling_mixtral.MixtralExperts",
+        "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts",
+        "transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts",
+        # Blocks that loop over experts in Python:
+        _DBRX,
+        _STEP3P7,
+        *_JETMOE,
+    )
+    lossless = True
+    reversible = True
+    requires = ()
+    order = 100
+    Options = MoeExpertsOptions
+
+    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
+        for name, mod in root.named_modules():
+            if _is_hf_experts(mod):
+                yield Match(mod, join_path(prefix, name), ExpertsTarget("hf", root))
+            elif matches_class(mod, (_DBRX,)):
+                yield Match(mod, join_path(prefix, name), ExpertsTarget("dbrx"))
+            elif matches_class(mod, (_STEP3P7,)):
+                yield Match(mod, join_path(prefix, name), ExpertsTarget("stacked"))
+            elif matches_class(mod, _JETMOE):
+                yield Match(mod, join_path(prefix, name), ExpertsTarget("jetmoe"))
+
+    # ------------------------------------------------------------------ deciding
+    def _choice(self, match: Match, env: Env, options: MoeExpertsOptions) -> tuple[_Choice, str, str]:
+        """(the static choice for this module, why, why the native kernel is out for its dtype or "")."""
+        native = check("grouped_mm", env)
+        thr = thresholds_for_env(env, native.ok)
+        forced = options.path
+        if forced not in ("auto", *moe_ops.PATHS):
+            raise ValueError(
+                f"moe_experts option path={forced!r}: expected 'auto' or one of {', '.join(moe_ops.PATHS)}"
+            )
+        weights = self._weights(match)
+        widths = {n for w in weights for n in w.shape[1:]}
+        aligned = all(w.data_ptr() % 16 == 0 for w in weights)
+        dtypes = (torch.float32, torch.bfloat16, torch.float16)
+        # Every operand of both projections, decided here once: (device type, dtype) pairs that may
+        # take the native kernel. A simulated env runs on CPU tensors: its rule and CPU's must both hold.
+        native_pairs = {
+            (env.device_type, dt)
+            for dt in dtypes
+            if native.ok and aligned and moe_ops.grouped_mm_widths_ok(widths, dt, env.device_type)[0]
+        }
+        if env.simulated and env.device_type != "cpu":
+            native_pairs |= {
+                ("cpu", dt) for d, dt in native_pairs if moe_ops.grouped_mm_widths_ok(widths, dt, "cpu")[0]
+            }
+            native_pairs |= self._stand_in_pairs(weights[0].device, env, native_pairs, widths)
+        limit = ""
+        dtype = weights[0].dtype
+        if native.ok and (env.device_type, dtype) not in native_pairs:
+            ok, limit = moe_ops.grouped_mm_widths_ok(widths, dtype, env.device_type)
+            limit = "; " + (limit if not ok else "expert weights are not 16-byte aligned in memory")
+        choice = _Choice(
+            native=frozenset(native_pairs),
+            batched_max_tokens=_int_option(options, "batched_max_tokens", thr.batched_max_tokens),
+            compiled_batched_max_tokens=_int_option(
+                options, "compiled_batched_max_tokens", thr.compiled_batched_max_tokens
+            ),
+            forced=None if forced == "auto" else forced,
+            histc_int=check("histc_int", env).ok,
+            compiled_form=options.compiled_batched_form
+            if options.compiled_batched_form is not None
+            else thr.compiled_batched_form,
+            follow_decode_switch=thr.follow_decode_switch,
+            eager_stock=(
+                env.device_type == "cuda" and forced == "auto" and match.data.kind == "hf" and not options.cuda_eager
+            ),
+            sim_device=env.device_type if env.simulated else None,
+        )
+        if choice.compiled_form not in ("fused", "bmm"):
+            raise ValueError(
+                f"moe_experts option compiled_batched_form={choice.compiled_form!r}: expected 'fused' or 'bmm'"
+            )
+        return choice, f"{native.reason}; thresholds: {thr.source}", limit
+
+    @staticmethod
+    def _stand_in_pairs(device: torch.device, env: Env, native_pairs: set, widths: set) -> set:
+        """Simulated decisions on another real GPU (the proxy: Mac 2.15 decisions computed on CUDA tensors):
+        where the simulated device has the grouped kernel, the real device's own kernel stands in for it
+        (when its gate and widths allow), so a Mac's grouped path is timed as a grouped path. Without
+        this the CUDA tensors missed the (mps, dtype) pairs and every call ran the dense fallback (every
+        expert on every token): experts 35 -> 115 ms at prefill 512 on the proxy, 31 -> 48 ms/token at
+        decode. CPU tensors are covered above; a simulated device without the kernel adds nothing."""
+        real = device.type
+        if real in ("cpu", "meta", env.device_type) or not native_pairs:
+            return set()
+        try:
+            real_native = check("grouped_mm", Env.detect(device)).ok
+        except GateError:  # no such device in this process (a plan for another machine)
+            return set()
+        if not real_native:
+            return set()
+        return {
+            (real, dt)
+            for d, dt in native_pairs
+            if d == env.device_type and moe_ops.grouped_mm_widths_ok(widths, dt, real)[0]
+        }
+
+    @staticmethod
+    def _weights(match: Match) -> tuple[torch.Tensor, ...]:
+        """Every weight a grouped matmul of this module reads, as stored (``[E, a, b]``), up first."""
+        m, kind = match.module, match.data.kind
+        if kind == "hf":
+            return (m.gate_up_proj if m.has_gate else m.up_proj, m.down_proj)
+        if kind == "dbrx":
+            e, f, h = m.num_experts, m.ffn_hidden_size, m.hidden_size
+            return (m.mlp.w1.view(e, f, h), m.mlp.v1.view(e, f, h), m.mlp.w2.view(e, f, h))
+        if kind == "stacked":
+            return (m.gate_up_proj, m.down_proj)
+        return (m.input_linear.weight, m.output_linear.weight)
+
+    @staticmethod
+    def _user_choice(match: Match) -> str | None:
+        """The experts implementation the user chose explicitly for this module's config, if any."""
+        if match.data.kind != "hf":
+            return None
+        impl = getattr(match.module.config, "_experts_implementation", _DEFAULT_IMPL)
+        return None if impl == _DEFAULT_IMPL else impl
+
+    def decide(self, match: Match, env: Env, options: MoeExpertsOptions) -> Decision:
+        stored = _stored_by_layer(match.module, self._weights(match))
+        if stored is not None:
+            return Decision.skip(stored, kind=match.data.kind, stored=type(match.module).__name__)
+        chosen = self._user_choice(match)
+        if chosen is not None:
+            return Decision.skip(
+                f"experts_implementation={chosen!r} was chosen explicitly "
+                "(from_pretrained(experts_implementation=...), "
+                "set_experts_implementation() or the config): "
+                "the user's choice outranks the recipe, which steps aside; "
+                f"to let it run, set_experts_implementation({_DEFAULT_IMPL!r}) before patching",
+                kind=match.data.kind,
+                user_choice=chosen,
+            )
+        choice, why, limit = self._choice(match, env, options)
+        native = (env.device_type, self._weights(match)[0].dtype) in choice.native
+        unforced = "grouped_mm" if native else {"cpu": "cpu_loop", "mps": "host_loop"}.get(env.device_type, "fallback")
+        large = choice.forced or unforced
+        if choice.forced == "grouped_mm" and not native:
+            large = unforced
+        if choice.forced == "cpu_loop" and env.device_type != "cpu":
+            large = "fallback"
+        backing = moe_ops.BACKING[large]
+        if large == "host_loop":
+            backing += "; the sync-free fallback while torch.compile traces"
+        if choice.forced is None and choice.batched_max_tokens > 0:
+            backing += f" (batched_mm at <= {choice.batched_max_tokens} routed tokens)"
+        reason = ("forced by option path; " if choice.forced else "") + why + limit
+        if choice.eager_stock:
+            reason += (
+                f"; eager on CUDA: transformers' own batched_mm / grouped_mm kernels (the recipe's own eager paths "
+                f"showed no gain in a whole generate(), {_CUDA_EAGER_RECORD}; "
+                f"this default: {_CUDA_EAGER_DEFAULT_RECORD}; "
+                "options cuda_eager=True takes the recipe's paths); compiled forwards take the recipe's paths"
+            )
+        if match.data.kind == "hf":
+            reason += (
+                "; generate()'s decode switch to batched_mm kept (steps aside while decoding)"
+                if choice.follow_decode_switch
+                else "; a later set_experts_implementation() takes over from the recipe"
+            )
+        return Decision.apply(
+            backing,
+            reason,
+            plan=ExpertsPlan(
+                kind=match.data.kind,
+                large_path=large,
+                batched_max_tokens=choice.batched_max_tokens,
+                compiled_batched_max_tokens=choice.compiled_batched_max_tokens,
+                choice=choice,
+            ),
+        )
+
+    # ------------------------------------------------------------------ applying
+    def apply(self, match: Match, decision: Decision, env: Env, options: MoeExpertsOptions) -> Patch:
+        plan: ExpertsPlan = decision.plan
+        choice, m, kind = plan.choice, match.module, plan.kind
+        if kind == "stacked":
+            return bind_forward(m, NAME, _stacked_forward(choice))
+        if kind == "dbrx":
+            return bind_forward(m, NAME, _dbrx_forward(choice))
+        with Changes() as ch:
+            if kind == "hf":
+                if choice.eager_stock:
+                    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+                    choice = dataclasses.replace(
+                        choice,
+                        stock_functions=(ALL_EXPERTS_FUNCTIONS["batched_mm"], ALL_EXPERTS_FUNCTIONS["grouped_mm"]),
+                    )
+                ch.add(_own_config(m.config))
+                ch.add(_hold_decode_switch(match.data.root, choice.follow_decode_switch))
+                ch.add(bind_forward(m, NAME, _hf_forward(choice)))
+                return ch.patch(description=f"{NAME}: restore experts forward, config and decode switch")
+            # JetMoE: the router keeps sizes on the device, both parallel-expert layers take them as a tensor.
+            ch.add(bind_forward(m.router, NAME, _jetmoe_router_forward))
+            for lin in (m.input_linear, m.output_linear):
+                ch.add(bind_forward(lin, NAME, _jetmoe_experts_forward(choice)))
+        return ch.patch(description=f"{NAME}: restore JetMoE router and experts forwards")
 
 
 def _is_hf_experts(module: torch.nn.Module) -> bool:
@@ -407,248 +649,6 @@ def _own_config(config) -> Patch:
         restore=_DEFAULT_IMPL,
         description=f"{NAME}: restore config._experts_implementation",
     )
-
-
-# ----------------------------------------------------------------------------------------- the recipe
-
-
-@dataclass(frozen=True, eq=False)
-class ExpertsTarget:
-    """What ``find`` saw: the kind of experts module (``"hf"``: transformers' experts classes, ``"dbrx"``,
-    ``"stacked"`` (Step3p7), ``"jetmoe"``) and, for ``"hf"``, the root module searched (the model whose
-    ``generate()`` decode switch the recipe holds)."""
-
-    kind: str
-    root: torch.nn.Module | None = None
-
-
-@dataclass(frozen=True)
-class ExpertsPlan:
-    """What ``apply`` binds: the path for many routed tokens and the batched_mm thresholds (reported), and
-    the whole static choice the bound forward reads (not reported: it is what the fields above summarise)."""
-
-    kind: str
-    large_path: str
-    batched_max_tokens: int
-    compiled_batched_max_tokens: int
-    choice: _Choice = field(metadata=NOT_REPORTED)
-
-
-@register
-class MoeExperts(Recipe):
-    name = NAME
-    summary = (
-        "routed experts by one grouped matmul with offsets on the device; "
-        "grouped_mm / batched_mm / sync-free fallback (CPU: per-expert loop) chosen per call"
-    )
-    targets = (
-        # Found by transformers' use_experts_implementation decorator (every such class), e.g.:
-        "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts",
-        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeExperts",
-        "transformers.models.qwen3_next.modeling_qwen3_next.Qwen3NextExperts",
-        "transformers.models.mixtral.modeling_mixtral.MixtralExperts",
-        "transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Experts",
-        "transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts",
-        # Blocks that loop over experts in Python:
-        _DBRX,
-        _STEP3P7,
-        *_JETMOE,
-    )
-    lossless = True
-    reversible = True
-    requires = ()
-    order = 100
-    Options = MoeExpertsOptions
-
-    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
-        for name, mod in root.named_modules():
-            if _is_hf_experts(mod):
-                yield Match(mod, join_path(prefix, name), ExpertsTarget("hf", root))
-            elif matches_class(mod, (_DBRX,)):
-                yield Match(mod, join_path(prefix, name), ExpertsTarget("dbrx"))
-            elif matches_class(mod, (_STEP3P7,)):
-                yield Match(mod, join_path(prefix, name), ExpertsTarget("stacked"))
-            elif matches_class(mod, _JETMOE):
-                yield Match(mod, join_path(prefix, name), ExpertsTarget("jetmoe"))
-
-    # ------------------------------------------------------------------ deciding
-    def _choice(self, match: Match, env: Env, options: MoeExpertsOptions) -> tuple[_Choice, str, str]:
-        """(the static choice for this module, why, why the native kernel is out for its dtype or "")."""
-        native = check("grouped_mm", env)
-        thr = thresholds_for_env(env, native.ok)
-        forced = options.path
-        if forced not in ("auto", *moe_ops.PATHS):
-            raise ValueError(
-                f"moe_experts option path={forced!r}: expected 'auto' or one of {', '.join(moe_ops.PATHS)}"
-            )
-        weights = self._weights(match)
-        widths = {n for w in weights for n in w.shape[1:]}
-        aligned = all(w.data_ptr() % 16 == 0 for w in weights)
-        dtypes = (torch.float32, torch.bfloat16, torch.float16)
-        # Every operand of both projections, decided here once: (device type, dtype) pairs that may
-        # take the native kernel. A simulated env runs on CPU tensors: its rule and CPU's must both hold.
-        native_pairs = {
-            (env.device_type, dt)
-            for dt in dtypes
-            if native.ok and aligned and moe_ops.grouped_mm_widths_ok(widths, dt, env.device_type)[0]
-        }
-        if env.simulated and env.device_type != "cpu":
-            native_pairs |= {
-                ("cpu", dt) for d, dt in native_pairs if moe_ops.grouped_mm_widths_ok(widths, dt, "cpu")[0]
-            }
-            native_pairs |= self._stand_in_pairs(weights[0].device, env, native_pairs, widths)
-        limit = ""
-        dtype = weights[0].dtype
-        if native.ok and (env.device_type, dtype) not in native_pairs:
-            ok, limit = moe_ops.grouped_mm_widths_ok(widths, dtype, env.device_type)
-            limit = "; " + (limit if not ok else "expert weights are not 16-byte aligned in memory")
-        choice = _Choice(
-            native=frozenset(native_pairs),
-            batched_max_tokens=_int_option(options, "batched_max_tokens", thr.batched_max_tokens),
-            compiled_batched_max_tokens=_int_option(
-                options, "compiled_batched_max_tokens", thr.compiled_batched_max_tokens
-            ),
-            forced=None if forced == "auto" else forced,
-            histc_int=check("histc_int", env).ok,
-            compiled_form=options.compiled_batched_form
-            if options.compiled_batched_form is not None
-            else thr.compiled_batched_form,
-            follow_decode_switch=thr.follow_decode_switch,
-            eager_stock=(
-                env.device_type == "cuda" and forced == "auto" and match.data.kind == "hf" and not options.cuda_eager
-            ),
-            sim_device=env.device_type if env.simulated else None,
-        )
-        if choice.compiled_form not in ("fused", "bmm"):
-            raise ValueError(
-                f"moe_experts option compiled_batched_form={choice.compiled_form!r}: expected 'fused' or 'bmm'"
-            )
-        return choice, f"{native.reason}; thresholds: {thr.source}", limit
-
-    @staticmethod
-    def _stand_in_pairs(device: torch.device, env: Env, native_pairs: set, widths: set) -> set:
-        """Simulated decisions on another real GPU (the proxy: Mac 2.15 decisions computed on CUDA tensors):
-        where the simulated device has the grouped kernel, the real device's own kernel stands in for it
-        (when its gate and widths allow), so a Mac's grouped path is timed as a grouped path. Without
-        this the CUDA tensors missed the (mps, dtype) pairs and every call ran the dense fallback (every
-        expert on every token): experts 35 -> 115 ms at prefill 512 on the proxy, 31 -> 48 ms/token at
-        decode. CPU tensors are covered above; a simulated device without the kernel adds nothing."""
-        real = device.type
-        if real in ("cpu", "meta", env.device_type) or not native_pairs:
-            return set()
-        try:
-            real_native = check("grouped_mm", Env.detect(device)).ok
-        except GateError:  # no such device in this process (a plan for another machine)
-            return set()
-        if not real_native:
-            return set()
-        return {
-            (real, dt)
-            for d, dt in native_pairs
-            if d == env.device_type and moe_ops.grouped_mm_widths_ok(widths, dt, real)[0]
-        }
-
-    @staticmethod
-    def _weights(match: Match) -> tuple[torch.Tensor, ...]:
-        """Every weight a grouped matmul of this module reads, as stored (``[E, a, b]``), up first."""
-        m, kind = match.module, match.data.kind
-        if kind == "hf":
-            return (m.gate_up_proj if m.has_gate else m.up_proj, m.down_proj)
-        if kind == "dbrx":
-            e, f, h = m.num_experts, m.ffn_hidden_size, m.hidden_size
-            return (m.mlp.w1.view(e, f, h), m.mlp.v1.view(e, f, h), m.mlp.w2.view(e, f, h))
-        if kind == "stacked":
-            return (m.gate_up_proj, m.down_proj)
-        return (m.input_linear.weight, m.output_linear.weight)
-
-    @staticmethod
-    def _user_choice(match: Match) -> str | None:
-        """The experts implementation the user chose explicitly for this module's config, if any."""
-        if match.data.kind != "hf":
-            return None
-        impl = getattr(match.module.config, "_experts_implementation", _DEFAULT_IMPL)
-        return None if impl == _DEFAULT_IMPL else impl
-
-    def decide(self, match: Match, env: Env, options: MoeExpertsOptions) -> Decision:
-        stored = _stored_by_layer(match.module, self._weights(match))
-        if stored is not None:
-            return Decision.skip(stored, kind=match.data.kind, stored=type(match.module).__name__)
-        chosen = self._user_choice(match)
-        if chosen is not None:
-            return Decision.skip(
-                f"experts_implementation={chosen!r} was chosen explicitly "
-                "(from_pretrained(experts_implementation=...), "
-                "set_experts_implementation() or the config): "
-                "the user's choice outranks the recipe, which steps aside; "
-                f"to let it run, set_experts_implementation({_DEFAULT_IMPL!r}) before patching",
-                kind=match.data.kind,
-                user_choice=chosen,
-            )
-        choice, why, limit = self._choice(match, env, options)
-        native = (env.device_type, self._weights(match)[0].dtype) in choice.native
-        unforced = "grouped_mm" if native else {"cpu": "cpu_loop", "mps": "host_loop"}.get(env.device_type, "fallback")
-        large = choice.forced or unforced
-        if choice.forced == "grouped_mm" and not native:
-            large = unforced
-        if choice.forced == "cpu_loop" and env.device_type != "cpu":
-            large = "fallback"
-        backing = moe_ops.BACKING[large]
-        if large == "host_loop":
-            backing += "; the sync-free fallback while torch.compile traces"
-        if choice.forced is None and choice.batched_max_tokens > 0:
-            backing += f" (batched_mm at <= {choice.batched_max_tokens} routed tokens)"
-        reason = ("forced by option path; " if choice.forced else "") + why + limit
-        if choice.eager_stock:
-            reason += (
-                f"; eager on CUDA: transformers' own batched_mm / grouped_mm kernels (the recipe's own eager paths "
-                f"showed no gain in a whole generate(), {_CUDA_EAGER_RECORD}; "
-                f"this default: {_CUDA_EAGER_DEFAULT_RECORD}; "
-                "options cuda_eager=True takes the recipe's paths); compiled forwards take the recipe's paths"
-            )
-        if match.data.kind == "hf":
-            reason += (
-                "; generate()'s decode switch to batched_mm kept (steps aside while decoding)"
-                if choice.follow_decode_switch
-                else "; a later set_experts_implementation() takes over from the recipe"
-            )
-        return Decision.apply(
-            backing,
-            reason,
-            plan=ExpertsPlan(
-                kind=match.data.kind,
-                large_path=large,
-                batched_max_tokens=choice.batched_max_tokens,
-                compiled_batched_max_tokens=choice.compiled_batched_max_tokens,
-                choice=choice,
-            ),
-        )
-
-    # ------------------------------------------------------------------ applying
-    def apply(self, match: Match, decision: Decision, env: Env, options: MoeExpertsOptions) -> Patch:
-        plan: ExpertsPlan = decision.plan
-        choice, m, kind = plan.choice, match.module, plan.kind
-        if kind == "stacked":
-            return bind_forward(m, NAME, _stacked_forward(choice))
-        if kind == "dbrx":
-            return bind_forward(m, NAME, _dbrx_forward(choice))
-        with Changes() as ch:
-            if kind == "hf":
-                if choice.eager_stock:
-                    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-                    choice = dataclasses.replace(
-                        choice,
-                        stock_functions=(ALL_EXPERTS_FUNCTIONS["batched_mm"], ALL_EXPERTS_FUNCTIONS["grouped_mm"]),
-                    )
-                ch.add(_own_config(m.config))
-                ch.add(_hold_decode_switch(match.data.root, choice.follow_decode_switch))
-                ch.add(bind_forward(m, NAME, _hf_forward(choice)))
-                return ch.patch(description=f"{NAME}: restore experts forward, config and decode switch")
-            # JetMoE: the router keeps sizes on the device, both parallel-expert layers take them as a tensor.
-            ch.add(bind_forward(m.router, NAME, _jetmoe_router_forward))
-            for lin in (m.input_linear, m.output_linear):
-                ch.add(bind_forward(lin, NAME, _jetmoe_experts_forward(choice)))
-        return ch.patch(description=f"{NAME}: restore JetMoE router and experts forwards")
 
 
 # ----------------------------------------------------------------------------------------- thresholds

@@ -65,6 +65,85 @@ class RmsNormOptions:
     devices: tuple[str, ...] = ("mps", "cuda")
 
 
+@dataclass(frozen=True)
+class NormTarget:
+    """What ``find`` saw: the form (:data:`mpsboost.ops.norm.FORMS`) the module's class computes."""
+
+    form: str
+
+
+@dataclass(frozen=True)
+class RmsNormPlan:
+    """The forward one norm gets: ``form`` with the module's ``eps`` (read once: transformers sets it at
+    construction and never changes it); ``compiled_stock``: while torch.compile traces, the module's own
+    code runs (CUDA). Nothing of it shows in the report (the backing path names the form)."""
+
+    form: str = field(metadata=NOT_REPORTED)
+    eps: float = field(metadata=NOT_REPORTED)
+    compiled_stock: bool = field(metadata=NOT_REPORTED)
+
+
+@register
+class RmsNorm(Recipe):
+    name = NAME
+    summary = "transformers RMSNorm layers as one F.rms_norm call (one Metal kernel on MPS)"
+    # The reference classes; find() matches every class whose forward is the same code as one of them.
+    targets = tuple(f"{m}.{c}" for refs in REFERENCES.values() for m, c in refs)
+    lossless = True
+    reversible = True
+    requires = ()
+    default = True
+    order = 100
+    Options = RmsNormOptions
+
+    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
+        for name, mod in root.named_modules():
+            if type(mod).__name__.endswith("RMSNorm") and type(mod).__module__.startswith("transformers."):
+                form = form_of(mod)
+                if form is not None:
+                    yield Match(mod, join_path(prefix, name), NormTarget(form))
+
+    def decide(self, match: Match, env: Env, options: RmsNormOptions) -> Decision:
+        bad = [d for d in options.devices if d not in DEVICES]
+        if bad:
+            raise ValueError(
+                f"rms_norm option devices={options.devices!r}: unknown {bad}; accepted: {', '.join(DEVICES)}"
+            )
+        mod = match.module
+        eps = _eps(mod)
+        if eps is None or not isinstance(getattr(mod, "weight", None), torch.Tensor) or mod.weight.dim() != 1:
+            return Decision.skip("no float eps or 1-D weight on this instance")
+        form = match.data.form
+        plan = RmsNormPlan(form=form, eps=eps, compiled_stock=env.device_type == "cuda")
+        if env.device_type not in options.devices:
+            why = {
+                "cpu": "on the CPU F.rms_norm is the same composite of ops as the module's code: nothing to gain",
+                "cuda": "CUDA left out by options devices",
+                "mps": "MPS left out by options devices",
+            }[env.device_type]
+            return Decision.skip(why)
+        if env.device_type == "mps":
+            v = check("rms_norm_fused", env)
+            if not v.ok:
+                return Decision.skip(v.reason)
+            return Decision.apply(f"F.rms_norm, one Metal kernel ({form})", v.reason, plan=plan)
+        if env.device_type == "cuda":
+            return Decision.apply(
+                f"F.rms_norm, fused kernel in eager mode ({form})",
+                "eager generate() of the Qwen3.6 shape on an H200 decoded 1.08x faster with it "
+                "(e2e-cuda-2026-12-01b); under torch.compile the module's own code is traced",
+                plan=plan,
+            )
+        return Decision.apply(f"F.rms_norm ({form})", f"asked for on {env.device_type} by options devices", plan=plan)
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: RmsNormOptions) -> Patch:
+        plan: RmsNormPlan = decision.plan
+        with Changes() as ch:
+            ch.add(set_instance_attr(match.module, NAME, _STATE, _NormState()))
+            ch.add(bind_forward(match.module, NAME, _forward(plan.form, plan.eps, plan.compiled_stock)))
+        return ch.patch(description=f"{NAME}: restore forward")
+
+
 def _code_key(fn: Any) -> str | None:
     """The syntax tree of a function without its name, decorators, docstring, annotations and comments."""
     try:
@@ -222,85 +301,6 @@ def _forward(form: str, eps: float, compiled_stock: bool):
         return rms_norm(hidden_states, w, eps, form, st.w32)
 
     return forward
-
-
-@dataclass(frozen=True)
-class NormTarget:
-    """What ``find`` saw: the form (:data:`mpsboost.ops.norm.FORMS`) the module's class computes."""
-
-    form: str
-
-
-@dataclass(frozen=True)
-class RmsNormPlan:
-    """The forward one norm gets: ``form`` with the module's ``eps`` (read once: transformers sets it at
-    construction and never changes it); ``compiled_stock``: while torch.compile traces, the module's own
-    code runs (CUDA). Nothing of it shows in the report (the backing path names the form)."""
-
-    form: str = field(metadata=NOT_REPORTED)
-    eps: float = field(metadata=NOT_REPORTED)
-    compiled_stock: bool = field(metadata=NOT_REPORTED)
-
-
-@register
-class RmsNorm(Recipe):
-    name = NAME
-    summary = "transformers RMSNorm layers as one F.rms_norm call (one Metal kernel on MPS)"
-    # The reference classes; find() matches every class whose forward is the same code as one of them.
-    targets = tuple(f"{m}.{c}" for refs in REFERENCES.values() for m, c in refs)
-    lossless = True
-    reversible = True
-    requires = ()
-    default = True
-    order = 100
-    Options = RmsNormOptions
-
-    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
-        for name, mod in root.named_modules():
-            if type(mod).__name__.endswith("RMSNorm") and type(mod).__module__.startswith("transformers."):
-                form = form_of(mod)
-                if form is not None:
-                    yield Match(mod, join_path(prefix, name), NormTarget(form))
-
-    def decide(self, match: Match, env: Env, options: RmsNormOptions) -> Decision:
-        bad = [d for d in options.devices if d not in DEVICES]
-        if bad:
-            raise ValueError(
-                f"rms_norm option devices={options.devices!r}: unknown {bad}; accepted: {', '.join(DEVICES)}"
-            )
-        mod = match.module
-        eps = _eps(mod)
-        if eps is None or not isinstance(getattr(mod, "weight", None), torch.Tensor) or mod.weight.dim() != 1:
-            return Decision.skip("no float eps or 1-D weight on this instance")
-        form = match.data.form
-        plan = RmsNormPlan(form=form, eps=eps, compiled_stock=env.device_type == "cuda")
-        if env.device_type not in options.devices:
-            why = {
-                "cpu": "on the CPU F.rms_norm is the same composite of ops as the module's code: nothing to gain",
-                "cuda": "CUDA left out by options devices",
-                "mps": "MPS left out by options devices",
-            }[env.device_type]
-            return Decision.skip(why)
-        if env.device_type == "mps":
-            v = check("rms_norm_fused", env)
-            if not v.ok:
-                return Decision.skip(v.reason)
-            return Decision.apply(f"F.rms_norm, one Metal kernel ({form})", v.reason, plan=plan)
-        if env.device_type == "cuda":
-            return Decision.apply(
-                f"F.rms_norm, fused kernel in eager mode ({form})",
-                "eager generate() of the Qwen3.6 shape on an H200 decoded 1.08x faster with it "
-                "(e2e-cuda-2026-12-01b); under torch.compile the module's own code is traced",
-                plan=plan,
-            )
-        return Decision.apply(f"F.rms_norm ({form})", f"asked for on {env.device_type} by options devices", plan=plan)
-
-    def apply(self, match: Match, decision: Decision, env: Env, options: RmsNormOptions) -> Patch:
-        plan: RmsNormPlan = decision.plan
-        with Changes() as ch:
-            ch.add(set_instance_attr(match.module, NAME, _STATE, _NormState()))
-            ch.add(bind_forward(match.module, NAME, _forward(plan.form, plan.eps, plan.compiled_stock)))
-        return ch.patch(description=f"{NAME}: restore forward")
 
 
 assert set(REFERENCES) == set(FORMS)

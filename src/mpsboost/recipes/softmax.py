@@ -41,21 +41,119 @@ import inspect
 import re
 import types
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 import torch
 
 from .. import tuning
 from ..gate import Env, check
 from ._hf_sample import CURRENT, SamplingState, sampling_globals, with_globals
-from ..registry import Decision, Match, Recipe, class_path, matches_class, register
+from ..registry import Decision, Match, Recipe, class_path, matches_class, option_choices, register
 from ..patching import Patch, swap_class, swapped_class_key, without_record
 
 _GENERATIVE = "transformers.generation.utils.GenerationMixin"
-_PATHS = ("auto", "probs", "logits")
 _SOFTMAX_LINE = re.compile(r"(\w+)\s*=\s*nn\.functional\.softmax\(\s*next_token_scores\s*,\s*dim\s*=\s*-1\s*\)")
 _TUNING = "softmax_sampling"  # mpsboost/data/tuning/softmax_sampling.json
 _DRAW_LINE = r"torch\.multinomial\(\s*{probs}\s*,\s*num_samples\s*=\s*1\s*\)"
+
+
+@dataclass(frozen=True)
+class SoftmaxOptions:
+    """``options={"softmax": {...}}``: ``path`` "auto", "probs" or "logits" (see the module docstring)."""
+
+    path: Literal["auto", "probs", "logits"] = "auto"
+
+
+_PATHS = option_choices(SoftmaxOptions, "path")
+
+
+@dataclass(frozen=True)
+class SoftmaxPlan:
+    """``logits``: the draw races on the logits (no softmax at all); else native softmax, sync-free draw."""
+
+    logits: bool
+
+
+@register
+class Softmax(Recipe):
+    name = "softmax"
+    summary = (
+        "sampling step of generate(): native softmax and a sync-free multinomial draw (no softmax at all on MPS < 2.15)"
+    )
+    targets = (_GENERATIVE,)
+    lossless = True
+    reversible = True
+    requires = ()
+    default = True
+    order = 100
+    Options = SoftmaxOptions
+
+    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
+        for name, mod in root.named_modules():
+            if matches_class(mod, self.targets) and hasattr(type(mod), "_sample"):
+                yield Match(mod, ".".join(p for p in (prefix, name) if p) or "<root>")
+
+    def decide(self, match: Match, env: Env, options: SoftmaxOptions) -> Decision:
+        path = options.path
+        if path not in _PATHS:
+            raise ValueError(f"softmax option 'path' must be one of {_PATHS}, got {path!r}")
+        cls = type(match.module)
+        if getattr(cls, "_mpsboost_base_class", None) is not None:
+            return Decision.skip("this model's class was already given the sync-free sampling step")
+        fn = getattr(cls, "_sample", None)
+        if not isinstance(fn, types.FunctionType):
+            return Decision.skip(f"{class_path(cls)}._sample is not a plain function; left alone")
+        unknown = _known_sampling_step(fn)
+        if unknown is not None:
+            return Decision.skip(f"{class_path(cls)}: {unknown}; this transformers version is left alone")
+
+        syncs = _reads_text(fn, env.device_type)
+        if path == "probs":
+            return Decision.apply(
+                "native softmax, sync-free draw",
+                f"forced by options (path='probs'); {syncs}",
+                plan=SoftmaxPlan(logits=False),
+            )
+        if path == "logits":
+            return Decision.apply(
+                "draw on logits (no softmax), sync-free",
+                f"forced by options (path='logits'); {syncs}",
+                plan=SoftmaxPlan(logits=True),
+            )
+        v = check("softmax_native", env)
+        if env.device_type == "mps" and not v.ok:
+            return Decision.apply(
+                "draw on logits (no softmax), sync-free", f"{v.reason}; {syncs}", plan=SoftmaxPlan(logits=True)
+            )
+        if env.device_type == "cuda":
+            # A faster sampling step is not a faster generate(): the whole-job measurement on the one GPU
+            # measured (tuning file softmax_sampling, entry end_to_end) decides, and stock is kept where it
+            # shows no gain; a GPU not measured keeps stock too. options path='probs'|'logits' forces it.
+            t, why = tuning.for_env(_TUNING, env)
+            if t is None:
+                return Decision.skip(
+                    f"{why}; stock sampling kept (options={{'softmax': {{'path': 'probs'}}}} forces the sync-free draw)"
+                )
+            e = t.entries
+            e2e = e.get("end_to_end") or {}
+            if e2e.get("default") == "off":
+                return Decision.skip(
+                    f"no end-to-end gain measured: {e2e['finding']} ({e2e['source']}); "
+                    "stock sampling kept (options={'softmax': {'path': 'logits'}} forces it)"
+                )
+            step = e["step_us"]
+            return Decision.apply(
+                "draw on logits (no softmax), sync-free",
+                f"one {e['dtype']} row of {e['vocab']:,}: sampling step {step['stock']} us stock, "
+                f"{step['logits']} us on logits ({_TUNING}: {t.describe()}); {syncs}",
+                plan=SoftmaxPlan(logits=True),
+            )
+        return Decision.apply("native softmax, sync-free draw", f"{v.reason}; {syncs}", plan=SoftmaxPlan(logits=False))
+
+    def apply(self, match: Match, decision: Decision, env: Env, options: SoftmaxOptions) -> Patch:
+        model = match.module
+        plan: SoftmaxPlan = decision.plan
+        return swap_class(model, self.name, _subclass(type(model), plan.logits))
 
 
 @functools.lru_cache(maxsize=16)
@@ -164,99 +262,3 @@ def _reads_text(fn: types.FunctionType, device_type: str) -> str:
         f"host reads per sampled token: {stock} stock (torch.multinomial's input check: {MULTINOMIAL_HOST_READS}; "
         f"{where}), {patched} patched; the rows are checked once per generate()"
     )
-
-
-@dataclass(frozen=True)
-class SoftmaxOptions:
-    """``options={"softmax": {...}}``: ``path`` "auto", "probs" or "logits" (see the module docstring)."""
-
-    path: str = "auto"
-
-
-@dataclass(frozen=True)
-class SoftmaxPlan:
-    """``logits``: the draw races on the logits (no softmax at all); else native softmax, sync-free draw."""
-
-    logits: bool
-
-
-@register
-class Softmax(Recipe):
-    name = "softmax"
-    summary = (
-        "sampling step of generate(): native softmax and a sync-free multinomial draw (no softmax at all on MPS < 2.15)"
-    )
-    targets = (_GENERATIVE,)
-    lossless = True
-    reversible = True
-    requires = ()
-    default = True
-    order = 100
-    Options = SoftmaxOptions
-
-    def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
-        for name, mod in root.named_modules():
-            if matches_class(mod, self.targets) and hasattr(type(mod), "_sample"):
-                yield Match(mod, ".".join(p for p in (prefix, name) if p) or "<root>")
-
-    def decide(self, match: Match, env: Env, options: SoftmaxOptions) -> Decision:
-        path = options.path
-        if path not in _PATHS:
-            raise ValueError(f"softmax option 'path' must be one of {_PATHS}, got {path!r}")
-        cls = type(match.module)
-        if getattr(cls, "_mpsboost_base_class", None) is not None:
-            return Decision.skip("this model's class was already given the sync-free sampling step")
-        fn = getattr(cls, "_sample", None)
-        if not isinstance(fn, types.FunctionType):
-            return Decision.skip(f"{class_path(cls)}._sample is not a plain function; left alone")
-        unknown = _known_sampling_step(fn)
-        if unknown is not None:
-            return Decision.skip(f"{class_path(cls)}: {unknown}; this transformers version is left alone")
-
-        syncs = _reads_text(fn, env.device_type)
-        if path == "probs":
-            return Decision.apply(
-                "native softmax, sync-free draw",
-                f"forced by options (path='probs'); {syncs}",
-                plan=SoftmaxPlan(logits=False),
-            )
-        if path == "logits":
-            return Decision.apply(
-                "draw on logits (no softmax), sync-free",
-                f"forced by options (path='logits'); {syncs}",
-                plan=SoftmaxPlan(logits=True),
-            )
-        v = check("softmax_native", env)
-        if env.device_type == "mps" and not v.ok:
-            return Decision.apply(
-                "draw on logits (no softmax), sync-free", f"{v.reason}; {syncs}", plan=SoftmaxPlan(logits=True)
-            )
-        if env.device_type == "cuda":
-            # A faster sampling step is not a faster generate(): the whole-job measurement on the one GPU
-            # measured (tuning file softmax_sampling, entry end_to_end) decides, and stock is kept where it
-            # shows no gain; a GPU not measured keeps stock too. options path='probs'|'logits' forces it.
-            t, why = tuning.for_env(_TUNING, env)
-            if t is None:
-                return Decision.skip(
-                    f"{why}; stock sampling kept (options={{'softmax': {{'path': 'probs'}}}} forces the sync-free draw)"
-                )
-            e = t.entries
-            e2e = e.get("end_to_end") or {}
-            if e2e.get("default") == "off":
-                return Decision.skip(
-                    f"no end-to-end gain measured: {e2e['finding']} ({e2e['source']}); "
-                    "stock sampling kept (options={'softmax': {'path': 'logits'}} forces it)"
-                )
-            step = e["step_us"]
-            return Decision.apply(
-                "draw on logits (no softmax), sync-free",
-                f"one {e['dtype']} row of {e['vocab']:,}: sampling step {step['stock']} us stock, "
-                f"{step['logits']} us on logits ({_TUNING}: {t.describe()}); {syncs}",
-                plan=SoftmaxPlan(logits=True),
-            )
-        return Decision.apply("native softmax, sync-free draw", f"{v.reason}; {syncs}", plan=SoftmaxPlan(logits=False))
-
-    def apply(self, match: Match, decision: Decision, env: Env, options: SoftmaxOptions) -> Patch:
-        model = match.module
-        plan: SoftmaxPlan = decision.plan
-        return swap_class(model, self.name, _subclass(type(model), plan.logits))
