@@ -1445,6 +1445,59 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/quant/test_low_bit_operand.py", "-k", "column_range"),
         quick=True,
     ),
+    # Typed family rows and Literal options (issue 39, item 2): the registry refuses a value outside an option's
+    # Literal and a default outside it; the decode recipes' rows check their fields when they are made.
+    Mutation(
+        name="options-literal-value-unchecked",
+        why="make_options lets a value outside an option's Literal through to the generic type error (no values named)",
+        edits=(
+            Edit(
+                "src/mpsboost/registry.py",
+                "        if parts is not None and not _fits(value, types_[key]):\n",
+                "        if False:\n",
+            ),
+        ),
+        tests=("tests/core/test_family_rows.py", "-k", "outside_the_literal_is_refused"),
+        quick=True,
+    ),
+    Mutation(
+        name="options-literal-defaults-unchecked",
+        why="register() no longer checks a recipe's Options defaults against their Literals",
+        edits=(
+            Edit(
+                "src/mpsboost/registry.py", "        check_option_defaults(cls.name, cls.Options)\n", "        pass\n"
+            ),
+        ),
+        tests=("tests/core/test_family_rows.py", "-k", "default_outside_its_literal"),
+    ),
+    Mutation(
+        name="family-row-field-types-unchecked",
+        why="a family row's fields are no longer checked against their annotations (norm='always' accepted)",
+        edits=(
+            Edit("src/mpsboost/recipes/_rows.py", "        if not value_fits(value, tp):\n", "        if False:\n"),
+        ),
+        tests=("tests/core/test_family_rows.py", "-k", "malformed_row"),
+    ),
+    Mutation(
+        name="family-row-class-paths-unchecked",
+        why="a family row's class-path fields take any string (a bare class name never matches an MRO)",
+        edits=(
+            Edit("src/mpsboost/recipes/_rows.py", '        if f.metadata.get("class_path"):\n', "        if False:\n"),
+        ),
+        tests=("tests/core/test_family_rows.py", "-k", "malformed_row"),
+    ),
+    Mutation(
+        name="moe-family-row-unchecked",
+        why="MoeFamily rows are not checked when made (a malformed moe_block row imports silently)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/moe_block.py",
+                "    def __post_init__(self) -> None:\n        check_row(self)\n",
+                "    def __post_init__(self) -> None:\n        pass\n",
+            ),
+        ),
+        tests=("tests/core/test_family_rows.py", "-k", "malformed_row"),
+    ),
 )
 
 
