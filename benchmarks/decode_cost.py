@@ -24,9 +24,11 @@ MPSGraph dispatches * c_graph, every constant with its source. Counts at the med
 widths; ops per block equal the tiny size's), under Mac 2.15.0 decisions and the 2.15.0 wheel's dispatch kinds,
 scaled to the real model: each block's counts per block times its real number (30 Gated DeltaNet, 10 attention,
 40 MoE), the rest as counted, plus the bytes the medium widths leave out (the 248,320-row lm_head, the 256-expert
-router). Rows: stock, patched bf16, fp8 as published (``load_fp8``), and 4-bit (MLX affine g64, 4.5 bits a
-weight with scales and biases, routers 8.5): the 4-bit row's bytes are computed from the layer shapes and its
-dispatches are bf16's (no 4-bit decode step is counted yet), and it says so.
+router). Rows: stock, patched bf16, fp8 as published (``load_fp8``), and 4-bit: the medium model quantised by
+``low_bit_weights`` (MLX affine, 4 bits, groups of 64, its lm_head too; the router kept in bf16, the shared expert's
+gate at 8 bits) and patched, its step counted like the others; the bytes the medium widths leave out are added at
+MLX 4-bit's rates (4.5 bits a weight for the lm_head with its scales and biases, 8.5 for the router, as mlx-lm
+writes it).
 
     python benchmarks/decode_cost.py --predict --out benchmarks/results   # decode_cost-predict-<date>.json
 """
@@ -105,7 +107,8 @@ def measure(workdir: Path) -> list[dict]:
 
 
 REAL = {"hidden": 2048, "vocab": 248_320, "experts": 256, "top_k": 8}  # Qwen3.6-35B-A3B (shared/FACTS.md)
-PREDICT_VARIANTS = ("stock", "patched, bfloat16", "fp8 as published")
+FOUR_BIT = "4-bit (MLX affine g64, low_bit_weights)"
+PREDICT_VARIANTS = ("stock", "patched, bfloat16", "fp8 as published", FOUR_BIT)
 BITS = 4.5  # MLX affine 4-bit, group 64, bf16 scales and biases (shared/FACTS.md, MLX's format)
 ROUTER_BITS = 8.5  # mlx-lm gives mlp.gate and mlp.shared_expert_gate 8 bits
 SEED = {"before": 38.7, "after": 51.7}  # tok/s, the seed's M3 Ultra, bf16, torch.compile (issue 37)
@@ -152,6 +155,14 @@ def _predict_model(variant: str, env, workdir: Path):
 
     if variant == "stock":
         return build("medium", torch.bfloat16)
+    if variant == FOUR_BIT:
+        import mpsboost
+
+        m = build("medium", torch.bfloat16)
+        opts = {"low_bit_weights": {"bits": 4, "group_size": 64}}
+        mpsboost.patch(m, device=env, recipes=["low_bit_weights"], options=opts)
+        mpsboost.patch(m, device=env)
+        return m
     return _model(variant, "medium", torch.bfloat16, env, workdir)
 
 
@@ -163,12 +174,14 @@ def predict_rows(workdir: Path) -> dict:
     steps, extra = {}, {}
     for variant in PREDICT_VARIANTS:
         m = _predict_model(variant, env, workdir)
-        head = m.get_output_embeddings().weight
-        router = m.model.layers[0].mlp.gate.weight
-        # what the medium widths leave out: the real vocabulary's lm_head rows, the real router's experts (bf16)
-        extra[variant] = (REAL["vocab"] - head.shape[0]) * REAL["hidden"] * 2 + 40 * REAL["hidden"] * (
-            REAL["experts"] - router.shape[0]
-        ) * 2
+        head_rows = m.get_output_embeddings().out_features
+        router_rows = m.model.layers[0].mlp.gate.weight.shape[0]
+        # what the medium widths leave out: the real vocabulary's lm_head rows, the real router's experts (bf16; at
+        # MLX 4-bit's rates for the 4-bit row)
+        head_b, router_b = (BITS / 8, ROUTER_BITS / 8) if variant == FOUR_BIT else (2, 2)
+        extra[variant] = (REAL["vocab"] - head_rows) * REAL["hidden"] * head_b + 40 * REAL["hidden"] * (
+            REAL["experts"] - router_rows
+        ) * router_b
         cost = decode_cost(m, release="2.15.0")
         steps[variant] = scale(cost, blocks_of(m), extra_bytes=extra[variant])
         steps[variant]["counted"] = {k: cost[k] for k in ("ops", "bytes", "dispatches", "pointwise")}
@@ -176,13 +189,6 @@ def predict_rows(workdir: Path) -> dict:
             weights = weight_bytes(m)
         print(f"{variant:20s} {steps[variant]['bytes'] / 1e9:7.2f} GB {steps[variant]['ops']:7.0f} ops", flush=True)
         del m
-    # 4-bit: bf16's step with its weight bytes at 4.5 bits (routers 8.5): computed, not counted
-    w = sum(v for k, v in weights.items() if k != "router")
-    q = (w - weights["router"]) * BITS / 16 + weights["router"] * ROUTER_BITS / 16
-    four = dict(steps["patched, bfloat16"])
-    four.pop("counted")
-    four["bytes"] = four["bytes"] - w + q
-    steps["4-bit (bytes from shapes, dispatches = patched bf16's)"] = four
     c = {k: v for k, (v, _) in CONSTANTS.items()}
     rows = []
     for variant, step in steps.items():
@@ -226,6 +232,7 @@ def main_predict(out: Path) -> int:
             "python": platform.python_version(),
             "decisions": "mac-2.15.0",
             "dispatch kinds": "src/mpsboost/data/mps_dispatch_kinds.json, torch 2.15.0 macOS wheel",
+            "counting": "as a Mac dispatches (decode_cost as_on_mps: F.rms_norm as one _fused_rms_norm)",
         },
         "model": (
             "ms = bytes / (eta * bandwidth) + metal * c_metal + mpsgraph * c_graph; 'mixed' ops (both paths ship) "
@@ -242,6 +249,10 @@ def main_predict(out: Path) -> int:
     }
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"decode_cost-predict-{dt.date.today().isoformat()}.json"
+    for suffix in "bcdefghijklmnopqrstuvwxyz":  # a record of the same day is kept: the next letter
+        if not path.exists():
+            break
+        path = out / f"decode_cost-predict-{dt.date.today().isoformat()}{suffix}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"record written to {path}")
     return 0

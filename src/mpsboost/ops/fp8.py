@@ -771,6 +771,42 @@ def choose_linear_path(
     )
 
 
+def gemv_contenders(n: int, k: int, dtype: torch.dtype, *, rows: int = 1, device: str = "mps") -> tuple:
+    """``(stock_run, metal_run)`` at one ``[n, k]`` layer's decode shape (``rows`` activations in ``dtype``), for
+    :func:`mpsboost.ondevice.choose`: ``stock_run`` makes one product by torch's own few-rows fp8 kernels
+    (``mps_scaled_mm``: the activation quantised per row, then ``F.scaled_mm``), ``metal_run`` one by mpsboost's
+    Metal fp8 GEMV (``fused``), both on the same random codes and rowwise scales on ``device``, made at the first
+    call (nothing is allocated where nothing is timed). The Metal kernel's correctness is its own self-check's
+    (:func:`metal_verdict`), taken before this is asked."""
+    made: list[tuple] = []
+
+    def inputs() -> tuple:
+        if not made:
+            g = torch.Generator().manual_seed(0)
+            w = torch.randn(n, k, generator=g) * 0.05
+            q, scale = quantize(w, "rowwise")
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            made.append((x.to(device), q.to(device), scale.to(device)))
+        return made[0]
+
+    def stock() -> torch.Tensor:
+        x, q, scale = inputs()
+        return fp8_linear(x, q, scale, None, kind="mps_scaled_mm", compute_dtype=dtype, gemv_max_m=FEW_ROWS_MAX)
+
+    def metal() -> torch.Tensor:
+        x, q, scale = inputs()
+        return fp8_linear(x, q, scale, None, kind="fused", compute_dtype=dtype, gemv_max_m=FEW_ROWS_MAX)
+
+    return stock, metal
+
+
+def mps_path_without_metal(env: Env, *, n: int, k: int, dtype: torch.dtype) -> LinearPath:
+    """The MPS path of an ``[n, k]`` layer from torch's own kernels alone (what mpsboost's Metal GEMV is timed
+    against on a Mac)."""
+    st = check("float8_storage", env)
+    return _mps_path_without_metal(env, n=n, k=k, dtype=dtype, st=st, storage=storage_for(env))
+
+
 def _mps_path_without_metal(env: Env, *, n: int, k: int, dtype: torch.dtype, st, storage: str) -> LinearPath:
     """The MPS path from torch's own kernels alone (before mpsboost's Metal kernel, or without it)."""
     if not st.ok:

@@ -204,7 +204,8 @@ class Fp8WeightsOptions:
     moe_path: str = "auto"
     activations: str = "bf16"  # above the GEMV: "bf16" dequantises the layer (exact), "fp8" quantises activations
     # MPS decode: "auto" (mpsboost's Metal kernel where the gate and its patch-time self-check allow it, else torch's
-    # scaled_mm few-rows kernels where they exist), "metal" (the same), "scaled_mm" (torch's kernels only)
+    # scaled_mm few-rows kernels where they exist; where both serve a linear, on a real Mac the faster at its shape,
+    # timed at patch time), "metal" (the Metal kernel untimed: the static choice), "scaled_mm" (torch's kernels only)
     mps_kernel: str = "auto"
 
 
@@ -315,6 +316,31 @@ def _metal_decode(env: Env, ws: list[torch.Tensor], transposed: bool, opts: Fp8W
     if not all(fp8_ops.metal_ok(w.shape[-1], ws[0].dtype) for w in ws):
         return Verdict(False, f"K {[w.shape[-1] for w in ws]} not multiples of 16, or {ws[0].dtype} activations")
     return v
+
+
+def _metal_or_scaled_mm(env: Env, metal: Any, n: int, k: int, dtype: torch.dtype) -> Any:
+    """Where both mpsboost's Metal fp8 GEMV (``metal``, the path :func:`fp8_ops.choose_linear_path` chose) and
+    torch's own few-rows fp8 kernels serve an ``[n, k]`` layer on MPS: the faster one at this shape on the user's
+    Mac (:func:`mpsboost.ondevice.choose`, cached per chip, macOS, torch and shape). The static choice, taken where
+    nothing is timed (a simulated Mac, option ``mps_kernel="metal"``), is the Metal GEMV: one dispatch reading the
+    codes as stored, where torch's path quantises the activation first (five dispatches, then ``F.scaled_mm``)."""
+    from ... import ondevice
+
+    alt = fp8_ops.mps_path_without_metal(env, n=n, k=k, dtype=dtype)
+    if alt.kind != "mps_scaled_mm":  # nothing to time against: torch has no few-rows fp8 kernel for it here
+        return metal
+    stock, candidate = fp8_ops.gemv_contenders(n, k, dtype)
+    choice = ondevice.choose(
+        "fp8_gemv",
+        f"M1 N{n} K{k} {str(dtype).removeprefix('torch.')}",
+        env=env,
+        stock=ondevice.Contender("torch's scaled_mm few-rows kernels", stock),
+        candidate=ondevice.Contender("mpsboost's Metal fp8 GEMV", candidate),
+        static=True,
+    )
+    if choice.taken:
+        return dataclasses.replace(metal, reason=f"{metal.reason}; {choice.describe()}")
+    return dataclasses.replace(alt, reason=f"{alt.reason}; {choice.describe()}")
 
 
 def _compiled_path(large: str) -> str:
@@ -621,6 +647,8 @@ class Fp8Weights(Recipe):
         lp = fp8_ops.choose_linear_path(
             env, n=n, k=k, dtype=dtype, gemv_max_m=gemv_max, activations=opts.activations, mps_kernel=opts.mps_kernel
         )
+        if lp.kind == "fused" and env.device_type == "mps" and opts.mps_kernel == "auto":
+            lp = _metal_or_scaled_mm(env, lp, n, k, dtype)
         extra = f"; {where}" if where and lp.kind == "fused" else ""
         comp = "compiled: the same path (registered operators)" if lp.kind == "fused" else "compiled: the same path"
         plan = Fp8Plan(
