@@ -95,7 +95,6 @@ import torch.nn.functional as F
 
 from ..gate import Env, check
 from ..ops import deltanet_step as dn
-from ..ops.affine import affine_gemv_out
 from ..ops import gated_delta as gd
 from ..registry import Decision, Match, Recipe, class_path, option_choices, register
 from ._rows import CLASS_PATH, by_class, check_row
@@ -449,25 +448,6 @@ def _operands(mods: list[Any], widths: tuple[int, ...], fuse_last: bool) -> tupl
     return ops, widths
 
 
-class _AffineOut:
-    """A low-bit projection's decode operand (:class:`mpsboost.recipes.low_bit.layers.AffineOperand`) writing its
-    product into the caller's columns by ``mpsboost::affine_gemv_out`` (one dispatch, as fp8's GemvOperand does;
-    the operand's own ``out=`` is a product then a copy); every other call goes to the operand."""
-
-    __slots__ = ("op",)
-    writes_out = True
-
-    def __init__(self, op: AffineOperand):
-        self.op = op
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        op = self.op
-        rows = math.prod(x.shape[:-1])
-        if out is None or x.dtype != op.dtype or not 0 < rows <= op.max_rows or not x.is_contiguous():
-            return op(x, out=out)
-        return affine_gemv_out(x, op.q, op.scales, op.biases, op.params.bits, op.params.group_size, out)
-
-
 def _linear_kind(m: Any, n_in: int, n_out: int) -> str:
     """ "plain", "stored" (see :func:`_stored_linear`) or why the recipe cannot use the layer."""
     why = _plain_linear(m, n_in, n_out)
@@ -641,7 +621,7 @@ def _derive(mod: torch.nn.Module, lay: _Layout, eager: bool) -> dict[str, Any]:
     }
     if eager and stored:
         ops, d["proj_widths"] = _operands(mods, lay.widths, lay.family != "qkvz")
-        d["proj_mods"] = [_AffineOut(o) if isinstance(o, AffineOperand) else o for o in ops]
+        d["proj_mods"] = ops
     if eager:
         for k in ("norm_w", "conv_w", "conv_b", "out_w", "dt_bias", "a_log"):
             d[k] = None if d[k] is None else d[k].detach()
