@@ -31,6 +31,10 @@ MLX 4-bit's rates (4.5 bits a weight for the lm_head with its scales and biases,
 writes it).
 
     python benchmarks/decode_cost.py --predict --out benchmarks/results   # decode_cost-predict-<date>.json
+
+``--calibrate FILE...`` (with ``--predict``) adds, per Mac selftest file, the same steps predicted with the constants
+that Mac measured (probe ``dispatch_cost``: c_metal, c_graph, eta), on the chip it names; a file that is not a
+validated Mac run, or whose constants are outside their physical bounds, is refused before anything is counted.
 """
 
 from __future__ import annotations
@@ -166,6 +170,34 @@ def _predict_model(variant: str, env, workdir: Path):
     return _model(variant, "medium", torch.bfloat16, env, workdir)
 
 
+def calibrated_rows(steps: dict, cal: dict) -> list[dict]:
+    """The prediction of each step with the constants a Mac's selftest measured (``decode_cost.calibration``): on
+    the chip it names (its bandwidth from :data:`CHIPS`), with its measured eta where it has one."""
+    from mpsboost.bench.decode_cost import CHIPS, CONSTANTS, predict
+
+    chip = cal["chip"]
+    if chip not in CHIPS:
+        raise SystemExit(f"{cal['file']}: chip {chip!r} is not one the model names ({', '.join(CHIPS)})")
+    bw, eta_key, _ = CHIPS[chip]
+    eta = cal["eta"] if cal["eta"] is not None else CONSTANTS[eta_key][0]
+    rows = []
+    for variant, step in steps.items():
+        lo = predict(step, bw, eta, cal["c_metal_us"], cal["c_graph_us"], mixed="metal")
+        hi = predict(step, bw, eta, cal["c_metal_us"], cal["c_graph_us"], mixed="mpsgraph")
+        rows.append(
+            {
+                "variant": variant,
+                "chip": chip,
+                "file": cal["file"],
+                "constants": {k: cal[k] for k in ("c_metal_us", "c_graph_us", "eta")},
+                "ms_mixed_as_metal": round(lo, 2),
+                "ms_mixed_as_mpsgraph": round(hi, 2),
+                "tok_s": [round(1e3 / hi, 1), round(1e3 / lo, 1)],
+            }
+        )
+    return rows
+
+
 def predict_rows(workdir: Path) -> dict:
     from mpsboost.bench.decode_cost import CHIPS, CONSTANTS, blocks_of, decode_cost, predict, scale
     from mpsboost.gate import Env
@@ -211,14 +243,17 @@ def predict_rows(workdir: Path) -> dict:
     return {"steps": steps, "weight_bytes": weights, "rows": rows}
 
 
-def main_predict(out: Path) -> int:
+def main_predict(out: Path, calibrate: list[Path] = ()) -> int:
     import transformers
 
     import mpsboost
-    from mpsboost.bench.decode_cost import CHIPS, CONSTANTS
+    from mpsboost.bench.decode_cost import CHIPS, CONSTANTS, calibration
 
+    cals = [calibration(f) for f in calibrate]  # refused before anything is counted
     with tempfile.TemporaryDirectory() as work:
         got = predict_rows(Path(work))
+    if cals:
+        got["calibrated"] = [row for cal in cals for row in calibrated_rows(got["steps"], cal)]
     record = {
         "name": "decode_cost-predict",
         "label": "predicted, not measured",
@@ -262,10 +297,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder for decode_cost-cpu-<date>.json")
     p.add_argument("--predict", action="store_true", help="write decode_cost-predict-<date>.json: a prediction")
+    p.add_argument(
+        "--calibrate",
+        type=Path,
+        nargs="+",
+        default=[],
+        metavar="SELFTEST.jsonl",
+        help="with --predict: also predict with the constants these Macs' selftest files measured",
+    )
     a = p.parse_args(argv)
     warnings.filterwarnings("ignore")
+    if a.calibrate and not a.predict:
+        p.error("--calibrate goes with --predict")
     if a.predict:
-        return main_predict(a.out)
+        return main_predict(a.out, a.calibrate)
     import transformers
 
     import mpsboost

@@ -1505,6 +1505,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/recipes/fp8/test_fp8_metal_choice.py", "-k", "tie_or_slower"),
         quick=True,
     ),
+    Mutation(
+        name="decode-cost-calibration-ignores-the-macs-constants",
+        why="a Mac's selftest file calibrates the prediction with the model's own c_metal, not the one it measured",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                '"c_metal_us": float(m["c_metal_us"]),',
+                '"c_metal_us": CONSTANTS["c_metal_us"][0],',
+            ),
+        ),
+        tests=("tests/bench/test_decode_predict.py", "-k", "calibrates_the_prediction"),
+        quick=True,
+    ),
 )
 
 

@@ -203,3 +203,62 @@ def test_the_probe_measures_the_constants_here():
     assert m["c_metal_us"] > 0 and m["c_graph_us"] > 0 and m["achieved_gbs"] > 0 and m["eta"] is None
     # Not held to the validator's physical bounds: those are a Mac's, and a dispatch on a loaded CPU can take
     # longer than 200 us (a wall-clock bound); the bounds' own tests feed them values.
+
+
+def _mac_file(path, **measured):
+    from mpsboost.selftest import SCHEMA
+
+    machine = {
+        "os": "Darwin", "arch": "arm64", "macos": "15.1", "chip": "Apple M3 Max", "memory_bytes": 64 * 2**30,
+        "cpu_count": 16, "torch": "2.15.0", "torch_build": "no cuda, git 0123456789, release", "mps_built": True,
+        "mps_available": True, "python": "3.12.7", "mpsboost": "0.1.0",
+        "libraries": {"diffusers": "0.42.1", "transformers": "5.24.0"}, "device": "mps",
+        "device_name": "Apple MPS (Apple M3 Max)", "simulated": False,
+    }  # fmt: skip
+    head = {"kind": "selftest", "schema": SCHEMA, "machine": machine, "size": "quick", "processes": 1,
+            "repeats": 3, "budget_s": 480, "duration_s": 60.0, "date": "2026-12-02",
+            "command": "mpsboost selftest"}  # fmt: skip
+    path.write_text("".join(json.dumps(x) + "\n" for x in (head, _probe_line(**measured))))
+    return path
+
+
+def test_a_macs_selftest_file_calibrates_the_prediction(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    f = _mac_file(tmp_path / "m.jsonl", c_metal_us=4.0, c_graph_us=30.0, eta=0.5, achieved_gbs=200.0,
+                  chip_model="M3 Max")  # fmt: skip
+    cal = dc.calibration(f)
+    assert cal["chip"] == "M3 Max" and cal["c_metal_us"] == 4.0 and cal["c_graph_us"] == 30.0 and cal["eta"] == 0.5
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("mpsboost_decode_cost_bench", root / "benchmarks" / "decode_cost.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    step = _step(bytes=4e8, metal=1000, mpsgraph=10)
+    (row,) = bench.calibrated_rows({"patched": step}, cal)
+    # 400 MB at 0.5 of 400 GB/s: 2 ms; 1000 Metal at 4 us: 4 ms; 10 MPSGraph at 30 us: 0.3 ms
+    assert row["ms_mixed_as_metal"] == pytest.approx(6.3) and row["chip"] == "M3 Max" and row["file"] == str(f)
+
+
+@pytest.mark.parametrize(
+    "measured, match",
+    [
+        ({"c_metal_us": 500.0, "c_graph_us": 20.0, "eta": 0.5}, "dispatch_cost"),  # outside physical bounds
+        ({"eta": 0.5}, "no measured dispatch_cost"),  # the probe line without the constants
+    ],
+)
+def test_a_selftest_file_outside_bounds_or_without_the_probe_calibrates_nothing(tmp_path, measured, match):
+    from mpsboost.selftest.report import SelftestFormatError
+
+    with pytest.raises(SelftestFormatError, match=match):
+        dc.calibration(_mac_file(tmp_path / "m.jsonl", **measured))
+
+
+def test_a_selftest_file_from_another_device_calibrates_nothing(tmp_path):
+    from mpsboost.selftest.report import SelftestFormatError
+
+    f = _mac_file(tmp_path / "m.jsonl", c_metal_us=4.0, c_graph_us=30.0, eta=0.5)
+    text = f.read_text().replace('"device": "mps"', '"device": "cpu"').replace("Apple MPS (Apple M3 Max)", "cpu")
+    f.write_text(text)
+    with pytest.raises(SelftestFormatError):
+        dc.calibration(f)
