@@ -171,8 +171,9 @@ def _predict_model(variant: str, env, workdir: Path):
 
 
 def calibrated_rows(steps: dict, cal: dict) -> list[dict]:
-    """The prediction of each step with the constants a Mac's selftest measured (``decode_cost.calibration``): on
-    the chip it names (its bandwidth from :data:`CHIPS`), with its measured eta where it has one."""
+    """The prediction of each step with the constants a Mac's selftest measured
+    (``mpsboost.selftest.report.calibration``): on the chip it names (its bandwidth from :data:`CHIPS`), with its
+    measured eta where it has one."""
     from mpsboost.bench.decode_cost import CHIPS, CONSTANTS, predict
 
     chip = cal["chip"]
@@ -247,7 +248,8 @@ def main_predict(out: Path, calibrate: list[Path] = ()) -> int:
     import transformers
 
     import mpsboost
-    from mpsboost.bench.decode_cost import CHIPS, CONSTANTS, calibration
+    from mpsboost.bench.decode_cost import CHIPS, CONSTANTS
+    from mpsboost.selftest.report import calibration
 
     cals = [calibration(f) for f in calibrate]  # refused before anything is counted
     with tempfile.TemporaryDirectory() as work:

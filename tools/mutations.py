@@ -1510,9 +1510,9 @@ MUTATIONS: tuple[Mutation, ...] = (
         why="a Mac's selftest file calibrates the prediction with the model's own c_metal, not the one it measured",
         edits=(
             Edit(
-                "src/mpsboost/bench/decode_cost.py",
+                "src/mpsboost/selftest/report.py",
                 '"c_metal_us": float(m["c_metal_us"]),',
-                '"c_metal_us": CONSTANTS["c_metal_us"][0],',
+                '"c_metal_us": 2.05,',
             ),
         ),
         tests=("tests/bench/test_decode_predict.py", "-k", "calibrates_the_prediction"),

@@ -226,9 +226,11 @@ def test_a_macs_selftest_file_calibrates_the_prediction(tmp_path):
     import importlib.util
     from pathlib import Path
 
+    from mpsboost.selftest.report import calibration
+
     f = _mac_file(tmp_path / "m.jsonl", c_metal_us=4.0, c_graph_us=30.0, eta=0.5, achieved_gbs=200.0,
                   chip_model="M3 Max")  # fmt: skip
-    cal = dc.calibration(f)
+    cal = calibration(f)
     assert cal["chip"] == "M3 Max" and cal["c_metal_us"] == 4.0 and cal["c_graph_us"] == 30.0 and cal["eta"] == 0.5
     root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("mpsboost_decode_cost_bench", root / "benchmarks" / "decode_cost.py")
@@ -248,17 +250,29 @@ def test_a_macs_selftest_file_calibrates_the_prediction(tmp_path):
     ],
 )
 def test_a_selftest_file_outside_bounds_or_without_the_probe_calibrates_nothing(tmp_path, measured, match):
-    from mpsboost.selftest.report import SelftestFormatError
+    from mpsboost.selftest.report import SelftestFormatError, calibration
 
     with pytest.raises(SelftestFormatError, match=match):
-        dc.calibration(_mac_file(tmp_path / "m.jsonl", **measured))
+        calibration(_mac_file(tmp_path / "m.jsonl", **measured))
 
 
 def test_a_selftest_file_from_another_device_calibrates_nothing(tmp_path):
-    from mpsboost.selftest.report import SelftestFormatError
+    from mpsboost.selftest.report import SelftestFormatError, calibration
 
     f = _mac_file(tmp_path / "m.jsonl", c_metal_us=4.0, c_graph_us=30.0, eta=0.5)
     text = f.read_text().replace('"device": "mps"', '"device": "cpu"').replace("Apple MPS (Apple M3 Max)", "cpu")
     f.write_text(text)
     with pytest.raises(SelftestFormatError):
-        dc.calibration(f)
+        calibration(f)
+
+
+@pytest.mark.parametrize("verdict", ["not applicable", "error", "skipped"])
+def test_a_probe_that_measured_no_mac_is_not_held_to_a_macs_bounds(verdict):
+    # A fast CPU dispatches under 0.1 us: its selftest file is valid, and never evidence (calibration refuses it).
+    from mpsboost.selftest.report import SelftestFormatError, _check_line
+
+    _check_line("f.jsonl:3", dict(_probe_line(c_metal_us=0.04, c_graph_us=0.08), verdict=verdict), {})
+    with pytest.raises(SelftestFormatError, match="outside its physical bounds"):
+        _check_line("f.jsonl:3", _probe_line(c_metal_us=0.04, c_graph_us=0.08), {})
+    with pytest.raises(SelftestFormatError, match="c_metal_us"):
+        _check_line("f.jsonl:3", dict(_probe_line(c_metal_us=math.nan), verdict=verdict), {})

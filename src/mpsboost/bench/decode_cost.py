@@ -58,7 +58,6 @@ __all__ = [
     "MPS_ROUTES",
     "OpRecorder",
     "build",
-    "calibration",
     "decode_cost",
     "kind",
     "launches",
@@ -367,33 +366,6 @@ CHIPS = {
 }
 # The real Qwen3.6-35B-A3B (shared/FACTS.md): how many of each block a decode step runs.
 REAL_BLOCKS = {"linear_attn": 30, "self_attn": 10, "mlp": 40}
-
-
-def calibration(path) -> dict:
-    """The cost model's constants as a Mac's selftest file measured them (probe ``dispatch_cost``):
-    ``{"file", "chip", "c_metal_us", "c_graph_us", "eta"}`` (``eta`` None where the chip is not one of
-    :data:`CHIPS`). The file is validated first as evidence from a Mac (``selftest.report.validate`` with
-    ``require_mps``: an Apple-silicon Mac's facts, every constant within its physical bounds); a file without the
-    probe's measurement is refused, naming it."""
-    from ..selftest.report import SelftestFormatError, read_lines, validate
-
-    validate(path, require_mps=True)
-    for rec in read_lines(path):
-        if rec["kind"] == "probe" and rec.get("name") == "dispatch_cost":
-            m = rec.get("measured") or {}
-            if m.get("c_metal_us") is None or m.get("c_graph_us") is None:
-                break
-            return {
-                "file": str(path),
-                "chip": m.get("chip_model"),
-                "c_metal_us": float(m["c_metal_us"]),
-                "c_graph_us": float(m["c_graph_us"]),
-                "eta": None if m.get("eta") is None else float(m["eta"]),
-            }
-    raise SelftestFormatError(
-        f"{path}: no measured dispatch_cost probe (c_metal_us, c_graph_us): run `mpsboost selftest` on the Mac "
-        "(its probe dispatch_cost measures the cost model's constants)"
-    )
 
 
 def blocks_of(model: torch.nn.Module) -> dict[str, int]:

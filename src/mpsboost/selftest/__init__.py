@@ -26,13 +26,13 @@ size, in one process, within 200 s (the default run took 159 s there).
 from __future__ import annotations
 
 from .probes import PROBES, VERDICTS, Probe, decisions
-from .recipes import (
+from .recipe_checks import (
     LOSSY,
     STATUSES,
     TOLERANCE,
     WORKLOADS,
     RecipeResult,
-    Workload,
+    RecipeWorkload,
     format_table,
 )
 from .report import (
@@ -71,7 +71,7 @@ __all__ = [
     "RecipeResult",
     "SeedWorkload",
     "SelftestFormatError",
-    "Workload",
+    "RecipeWorkload",
     "build_parser",
     "decisions",
     "format_table",

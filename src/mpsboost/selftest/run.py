@@ -147,7 +147,7 @@ def run_selftest(  # noqa: C901  (issue 39: split it below complexity 25)
 
     from .machine import device_absent, facts, scrub_all
     from .probes import PROBES, gemm_sample, gemm_verdict, run_probes
-    from .recipes import DTYPES
+    from .recipe_checks import DTYPES
     from .workloads import SEED_WORKLOADS, SIZES, BudgetSpent, run_workload
 
     if size not in SIZES:
@@ -315,7 +315,7 @@ def _recipe_lines(
     from ..bench import Workload as BenchWorkload
     from ..gate import Env
     from ..registry import all_recipes
-    from .recipes import KIND, RecipeResult, check_recipe
+    from .recipe_checks import KIND, RecipeResult, check_recipe
 
     env = Env.detect(device)
     known = {r.name: r for r in all_recipes()}

@@ -19,7 +19,16 @@ from typing import Any
 
 from .machine import fp32_tolerance
 
-__all__ = ["LOSSY", "STATUSES", "TOLERANCE", "WORKLOADS", "RecipeResult", "Workload", "check_recipe", "format_table"]
+__all__ = [
+    "LOSSY",
+    "STATUSES",
+    "TOLERANCE",
+    "WORKLOADS",
+    "RecipeResult",
+    "RecipeWorkload",
+    "check_recipe",
+    "format_table",
+]
 
 KIND = "selftest"
 STATUSES = ("pass", "fail", "not applicable", "no workload", "error")
@@ -163,7 +172,7 @@ def _lm_sample(model, device, dtype, *, tiled: bool = False, **_: Any):
 
 
 @dataclass(frozen=True)
-class Workload:
+class RecipeWorkload:
     """A tiny real-architecture workload for one recipe."""
 
     name: str
@@ -175,8 +184,8 @@ class Workload:
     kw: dict = field(default_factory=dict)  # extra arguments of the runner
 
 
-WORKLOADS: dict[str, Workload] = {
-    "wan_vae_pad": Workload(
+WORKLOADS: dict[str, RecipeWorkload] = {
+    "wan_vae_pad": RecipeWorkload(
         "wan22_vae_decode",
         _wan22_vae,
         _vae_decode,
@@ -184,7 +193,7 @@ WORKLOADS: dict[str, Workload] = {
         shape={"latent": [1, 48, 2, 2, 2], "pixels": 32},
         kw={"pixels": 32},
     ),
-    "mps_streams": Workload(
+    "mps_streams": RecipeWorkload(
         "wan22_vae_tiled_decode",
         _wan22_vae,
         _vae_decode,
@@ -193,7 +202,7 @@ WORKLOADS: dict[str, Workload] = {
         shape={"latent": [1, 48, 2, 4, 4], "pixels": 64, "tile": 32, "stride": 16},
         kw={"pixels": 64},
     ),
-    "qwen_image_vae": Workload(
+    "qwen_image_vae": RecipeWorkload(
         "qwen_image_vae_roundtrip",
         _qwen_image_vae,
         _vae_roundtrip,
@@ -201,22 +210,22 @@ WORKLOADS: dict[str, Workload] = {
         shape={"image": [1, 3, 1, 32, 32]},
         kw={"pixels": 32},
     ),
-    "moe_experts": Workload(
+    "moe_experts": RecipeWorkload(
         "qwen3_moe_prefill_decode", _qwen3_moe, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}
     ),
-    "fp8_weights": Workload(
+    "fp8_weights": RecipeWorkload(
         "qwen3_moe_prefill_decode", _qwen3_moe, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}
     ),
-    "decode_linear": Workload(
+    "decode_linear": RecipeWorkload(
         "qwen3_prefill_decode", _qwen3, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}
     ),
-    "metal_attention": Workload(
+    "metal_attention": RecipeWorkload(
         "llama_eager_prefill_decode", _llama_eager, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}
     ),
-    "softmax": Workload(
+    "softmax": RecipeWorkload(
         "qwen3_generate_sampled", _qwen3, _lm_sample, "ids", shape={"batch": 2, "prompt": 5, "new_tokens": 8}
     ),
-    "video_vae_pad": Workload(
+    "video_vae_pad": RecipeWorkload(
         "hunyuan_video_vae_roundtrip",
         _hunyuan_video_vae,
         _video_roundtrip,
@@ -224,7 +233,7 @@ WORKLOADS: dict[str, Workload] = {
         shape={"video": [1, 3, 5, 32, 32]},
         kw={"pixels": 32, "frames": 5},
     ),
-    "attention_split": Workload(
+    "attention_split": RecipeWorkload(
         "qwen3_prefill_decode", _qwen3, _lm_logits, shape={"batch": 2, "prompt": 6, "decode_steps": 3}
     ),
 }
