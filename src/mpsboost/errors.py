@@ -62,8 +62,14 @@ class IrreversiblePatchError(MpsboostError):
     """unpatch() met a recipe that cannot be undone (weights converted in place)."""
 
 
-class Fp8FileError(MpsboostError, ValueError):
-    """The path is not a readable mpsboost fp8 safetensors file (not safetensors, truncated, other format)."""
+class QuantFileError(MpsboostError, ValueError):
+    """A checkpoint that cannot be read: not safetensors, truncated, a shard missing, or of no format mpsboost knows.
+    Raised by the quantized-weights package (:mod:`mpsboost.quant`; also there as ``mpsboost.quant.errors``)."""
+
+
+class Fp8FileError(QuantFileError):
+    """The path is not a readable fp8 safetensors checkpoint (not safetensors, truncated, partial, other format).
+    A :class:`QuantFileError` (fp8's formats are rows of :mod:`mpsboost.quant`), and a ValueError."""
 
 
 class Fp8MismatchError(MpsboostError, ValueError):

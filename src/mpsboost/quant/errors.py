@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from ..errors import MpsboostError
+from ..errors import Fp8FileError, MpsboostError, QuantFileError
 
-__all__ = ["QuantFileError", "QuantMismatchError"]
+__all__ = ["QuantFileError", "QuantMismatchError", "Fp8FileError"]
 
-
-class QuantFileError(MpsboostError, ValueError):
-    """A checkpoint that cannot be read: not safetensors, truncated, a shard missing, or of no format mpsboost knows."""
+# QuantFileError is defined in mpsboost.errors, next to its subclass Fp8FileError (what the fp8 rows raise): an
+# ``except QuantFileError`` catches both, an ``except Fp8FileError`` what fp8 checkpoints raise, as before.
 
 
 class QuantMismatchError(MpsboostError, ValueError):

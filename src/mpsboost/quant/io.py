@@ -1,10 +1,13 @@
 """File I/O that knows no format: safetensors headers, shard indexes, tensors streamed onto a device, and a writer.
 
-:func:`open_folder` reads the headers of every shard of a folder (or of one file) and its ``config.json``; no tensor
-data is read. :func:`read_tensor` reads one tensor straight into its own CPU memory (or into a caller's buffer) and
+The one safetensors reader of mpsboost: the low-bit rows (:mod:`mpsboost.quant.formats`) and the fp8 rows
+(:mod:`mpsboost.quant.fp8_formats`) read through it. :func:`open_folder` reads the headers of every shard of a folder
+(or of one file) and its ``config.json``; no tensor data is read. A :class:`Layout` says which file names a folder's
+weights go by (the shard index, the single file), which error class the messages are raised as and what they call
+the checkpoint. :func:`read_tensor` reads one tensor straight into its own CPU memory (or into a caller's buffer) and
 :func:`read_to` puts it on a device, so a load holds at most one tensor on the host at a time. :func:`write_folder`
 writes tensors shard by shard, each tensor from the device as it is written (never a second copy of the model).
-What the tensors mean is the formats' business (:mod:`mpsboost.quant.formats`).
+What the tensors mean is the rows' business (:mod:`mpsboost.quant.formats`, :mod:`mpsboost.quant.fp8_formats`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -26,7 +29,10 @@ __all__ = [
     "TORCH_TO_ST",
     "TensorEntry",
     "Folder",
+    "Layout",
+    "HF_LAYOUT",
     "open_folder",
+    "safetensors_header",
     "read_tensor",
     "read_rows",
     "read_to",
@@ -53,7 +59,27 @@ if hasattr(torch, "float8_e8m0fnu"):
     ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 TORCH_TO_ST = {v: k for k, v in ST_DTYPES.items()}
 _ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in ST_DTYPES.items()}
-_INDEX = re.compile(r".*\.safetensors\.index\.json$")
+_ITEMSIZE.setdefault("F8_E8M0", 1)  # UE8M0 scales are read (as bytes) even where torch has no float8_e8m0fnu
+_SHARD = re.compile(r"-\d{5}-of-\d{5}\.safetensors$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The file names of a family of checkpoints and how their errors read.
+
+    ``index_names`` and ``single_names`` are looked for in a folder in this order (the first index found is the
+    folder's, unless every shard it names carries ``decoy_mark``: an index written to stop other loaders, not this
+    folder's own); ``error`` is the class every message is raised as (a :class:`QuantFileError`) and ``noun`` what
+    they call the checkpoint ("checkpoint", "fp8 checkpoint")."""
+
+    index_names: tuple[str, ...] = ("model.safetensors.index.json",)
+    single_names: tuple[str, ...] = ("model.safetensors",)
+    decoy_mark: Optional[str] = None
+    error: type = QuantFileError
+    noun: str = "checkpoint"
+
+
+HF_LAYOUT = Layout()
 
 
 @dataclass(frozen=True)
@@ -97,22 +123,33 @@ class Folder:
         return sum(f.stat().st_size for f in self.files)
 
 
-def _header(path: Path) -> tuple[dict[str, str], dict[str, TensorEntry]]:
-    what = f"{path.name} is not a readable safetensors file"
+def safetensors_header(path: Path, what: str, error: type = QuantFileError) -> tuple[int, dict]:
+    """(header length, the JSON header as a dict) of a safetensors file, read from its first bytes only; ``what``
+    opens every error message (a truncated file, a wrong length, a header that is not JSON)."""
     size = path.stat().st_size
     with open(path, "rb") as fh:
         head = fh.read(8)
         if len(head) < 8:
-            raise QuantFileError(f"{what}: it has {size} bytes, fewer than a safetensors header")
+            raise error(f"{what}: it has {size} bytes, fewer than a safetensors header")
         (n,) = struct.unpack("<Q", head)
         if n > min(size - 8, 100 * 2**20):
-            raise QuantFileError(f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file")
+            raise error(
+                f"{what}: its first 8 bytes announce a {n}-byte header in a {size}-byte file "
+                "(truncated, or not safetensors)"
+            )
         try:
             header = json.loads(fh.read(n).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise QuantFileError(f"{what}: its header is not JSON ({exc})") from None
+            raise error(f"{what}: its header is not JSON ({exc})") from None
     if not isinstance(header, dict):
-        raise QuantFileError(f"{what}: its header is not a JSON object")
+        raise error(f"{what}: its header is not a JSON object")
+    return n, header
+
+
+def _header(path: Path, error: type = QuantFileError) -> tuple[dict[str, str], dict[str, TensorEntry]]:
+    what = f"{path.name} is not a readable safetensors file"
+    n, header = safetensors_header(path, what, error)
+    size = path.stat().st_size
     meta = header.pop("__metadata__", None) or {}
     entries: dict[str, TensorEntry] = {}
     base, end = 8 + n, 0
@@ -121,23 +158,28 @@ def _header(path: Path) -> tuple[dict[str, str], dict[str, TensorEntry]]:
             dt, shape, (a, b) = info["dtype"], tuple(int(x) for x in info["shape"]), info["data_offsets"]
             a, b = int(a), int(b)
         except (KeyError, TypeError, ValueError):
-            raise QuantFileError(f"{what}: malformed header entry for tensor {key!r}") from None
+            raise error(f"{what}: malformed header entry for tensor {key!r}") from None
         if dt not in _ITEMSIZE:
-            raise QuantFileError(f"{path.name}: tensor {key!r} has dtype {dt}, which mpsboost does not read")
+            raise error(f"{path.name}: tensor {key!r} has dtype {dt}, which mpsboost does not read")
         numel = 1
         for s in shape:
             numel *= s
         if b - a != numel * _ITEMSIZE[dt] or a < 0:
-            raise QuantFileError(f"{what}: tensor {key!r} {dt} {list(shape)} spans {b - a} bytes")
+            raise error(
+                f"{what}: tensor {key!r} {dt} {list(shape)} spans {b - a} bytes, expected {numel * _ITEMSIZE[dt]}"
+            )
         entries[key] = TensorEntry(key, path, dt, shape, base + a, base + b)
         end = max(end, b)
     if base + end != size:
-        raise QuantFileError(f"{path.name}: the header describes {base + end} bytes but the file has {size}")
+        raise error(
+            f"{path.name}: the header describes {base + end} bytes but the file has {size} (truncated or padded)"
+        )
     return {str(k): str(v) for k, v in meta.items()}, entries
 
 
-def _shards(folder: Path, index_names: Iterable[str]) -> tuple[list[Path], Optional[dict[str, str]]]:
-    for name in index_names:
+def _index(folder: Path, layout: Layout) -> Optional[tuple[list[Path], dict[str, str]]]:
+    """The shards and weight map of the folder's own shard index (the first of ``layout.index_names``), or None."""
+    for name in layout.index_names:
         idx = folder / name
         if not idx.is_file():
             continue
@@ -146,59 +188,77 @@ def _shards(folder: Path, index_names: Iterable[str]) -> tuple[list[Path], Optio
             if not isinstance(weight_map, dict):
                 raise TypeError
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise QuantFileError(f"{idx}: not a shard index (a JSON object with a 'weight_map')") from None
+            raise layout.error(f"{idx}: not a shard index (a JSON object with a 'weight_map')") from None
         files = sorted({str(v) for v in weight_map.values()})
+        if layout.decoy_mark and files and all(layout.decoy_mark in f for f in files):
+            continue  # an index that stops other loaders (save_fp8's guard), not an index of this folder's weights
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
-            raise QuantFileError(
-                f"{folder.name}: partial checkpoint: the index {name} lists shard(s) {missing[:3]} that are not there"
+            raise layout.error(
+                f"{folder.name}: partial checkpoint: the index {name} lists shard(s) {missing[:3]} "
+                "that are not in the folder"
             )
         return [folder / f for f in files], {str(k): str(v) for k, v in weight_map.items()}
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single], None
+    return None
+
+
+def _shards(folder: Path, layout: Layout) -> tuple[list[Path], Optional[dict[str, str]]]:
+    indexed = _index(folder, layout)
+    if indexed is not None:
+        return indexed
+    for name in layout.single_names:
+        if (folder / name).is_file():
+            return [folder / name], None
     found = sorted(folder.glob("*.safetensors"))
     if len(found) == 1:
         return found, None
     if not found:
-        raise QuantFileError(f"{folder}: no safetensors file (model.safetensors or a shard index)")
-    raise QuantFileError(f"{folder}: several safetensors files {[f.name for f in found[:4]]} and no index")
+        raise layout.error(f"{folder}: no safetensors file ({', '.join(layout.single_names)}, or a shard index)")
+    if all(_SHARD.search(f.name) for f in found):
+        raise layout.error(
+            f"{folder}: shards {[f.name for f in found[:3]]} without their index "
+            f"({layout.index_names[0]}): partial checkpoint"
+        )
+    raise layout.error(
+        f"{folder}: several safetensors files {[f.name for f in found[:4]]} and no index; pass the one to load"
+    )
 
 
-def open_folder(path: Any, *, index_names: Iterable[str] = ("model.safetensors.index.json",)) -> Folder:
-    """The headers of every shard at ``path`` (a folder or a ``.safetensors`` file) and its ``config.json``."""
+def open_folder(path: Any, *, layout: Layout = HF_LAYOUT, config: Optional[dict] = None) -> Folder:
+    """The headers of every shard at ``path`` (a folder or a ``.safetensors`` file) and its ``config.json`` (not
+    read where the caller gives ``config``). Every error is a ``layout.error``."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}: {path!r}")
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"checkpoint {str(p)!r} does not exist")
+        raise FileNotFoundError(f"{layout.noun} {str(p)!r} does not exist")
     if p.is_dir():
-        files, weight_map = _shards(p, index_names)
+        files, weight_map = _shards(p, layout)
         cfg_file = p / "config.json"
     else:
         files, weight_map = [p], None
         cfg_file = p.parent / "config.json"
-    config = None
-    if cfg_file.is_file():
+    if config is None and cfg_file.is_file():
         try:
             config = json.loads(cfg_file.read_text())
         except json.JSONDecodeError as exc:
-            raise QuantFileError(f"{cfg_file}: not JSON ({exc})") from None
+            raise layout.error(f"{cfg_file}: not JSON ({exc})") from None
     entries: dict[str, TensorEntry] = {}
     metadata: dict[str, str] = {}
     for f in files:
-        meta, ents = _header(f)
+        meta, ents = _header(f, layout.error)
         dup = next((k for k in ents if k in entries), None)
         if dup is not None:
-            raise QuantFileError(f"{p.name}: tensor {dup!r} is in both {entries[dup].file.name} and {f.name}")
+            raise layout.error(f"{p.name}: tensor {dup!r} is in both {entries[dup].file.name} and {f.name}")
         entries.update(ents)
         for k, v in meta.items():
             metadata.setdefault(k, v)
     if weight_map is not None:
         lost = [k for k, f in weight_map.items() if k not in entries or entries[k].file.name != Path(f).name]
         if lost:
-            raise QuantFileError(
-                f"{p.name}: partial checkpoint: tensor(s) {lost[:3]} of the index are not in their shard"
+            raise layout.error(
+                f"{p.name}: partial checkpoint: {len(lost)} tensor(s) of the index are not in their shard, "
+                f"e.g. {lost[:3]}"
             )
     return Folder(p, files, entries, metadata, config)
 
@@ -216,7 +276,8 @@ def read_tensor(entry: TensorEntry, out: Optional[torch.Tensor] = None) -> torch
             got = fh.readinto(buf)
         if got != entry.nbytes:
             raise QuantFileError(
-                f"{entry.file.name}: short read of {entry.key} ({got} of {entry.nbytes} bytes): the file changed"
+                f"{entry.file.name}: short read of {entry.key} at byte {entry.begin} ({got} of {entry.nbytes} bytes): "
+                "the file changed or is truncated"
             )
     return t
 
