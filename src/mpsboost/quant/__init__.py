@@ -4,6 +4,8 @@
 * :mod:`.codec` - MLX's affine code in plain torch (bit for bit ``mx.quantize`` / ``mx.dequantize``);
 * :mod:`.formats` - formats as rows (detection, the model they hold, key map and tensor decoders, checks);
   :mod:`.families` - the model families of MLX checkpoints and every rewrite mlx-lm's converter made;
+* :mod:`.fp8_formats` - the fp8 formats as rows (detection, scale keys and layouts, key maps, what each ignores);
+  :mod:`.fp8_plan` - their load plan, generic over the row (``mpsboost.load_fp8`` reads it);
 * :mod:`.plan` - the load plan, generic over the row; :mod:`.load` - :func:`from_pretrained`;
 * :mod:`.layers` - the quantized layer family (linear, experts, embedding) and its decode operand;
   :mod:`.operand` - the one decode-operand protocol decode recipes read;

@@ -6,7 +6,11 @@ device, asks the row for a :class:`Source` per model tensor, checks that every t
 every file tensor is used (or named as not part of the model), and builds the layers. Adding a format is a row, its
 decoders and its tests.
 
-Rows: ``mlx-affine`` (what mlx-lm's converter writes: ``mlx-community/...-4bit`` / ``-8bit`` folders).
+Rows: ``mlx-affine`` (what mlx-lm's converter writes: ``mlx-community/...-4bit`` / ``-8bit`` folders), in
+:data:`FORMATS`. The fp8 formats (``mpsboost``, ``transformers-fp8``, ``compressed-tensors``, ``scaled_fp8``) are rows
+of the same package, :class:`~mpsboost.quant.fp8_formats.Fp8Format` rows of
+:data:`~mpsboost.quant.fp8_formats.FP8_FORMATS` with their own plan (:mod:`mpsboost.quant.fp8_plan`: fp8 layers are
+the ``fp8_weights`` recipe's); :data:`ROWS` lists every row of both kinds, each read through :mod:`mpsboost.quant.io`.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import torch
 from . import codec
 from .errors import QuantFileError, QuantMismatchError
 from .families import Family, family_for
+from .fp8_formats import FP8_FORMATS, Fp8Format
 from .io import Folder, TensorEntry, read_tensor
 from ..recipes.low_bit.layers import QParams
 
-__all__ = ["Format", "Source", "ModelView", "FORMATS", "detect", "MLX_AFFINE"]
+__all__ = ["Format", "Source", "ModelView", "FORMATS", "ROWS", "detect", "MLX_AFFINE"]
 
 
 @dataclass(frozen=True)
@@ -354,6 +359,9 @@ MLX_AFFINE = Format(
 )
 
 FORMATS: tuple[Format, ...] = (MLX_AFFINE,)
+# Every weight format mpsboost reads, one row each: the low-bit rows above (from_pretrained) and the fp8 rows
+# (load_fp8). Their names are unique across both.
+ROWS: tuple[Format | Fp8Format, ...] = FORMATS + FP8_FORMATS
 
 
 def detect(folder: Folder) -> Format:
