@@ -1518,6 +1518,37 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/bench/test_decode_predict.py", "-k", "calibrates_the_prediction"),
         quick=True,
     ),
+    Mutation(
+        name="fp8-row-transformers-scale-key",
+        why="the transformers-fp8 row names a weight's scale <key>_scale, not <key>_scale_inv as the format does",
+        edits=(Edit("src/mpsboost/quant/fp8_formats.py", 'scale_suffix="_scale_inv",', 'scale_suffix="_scale",'),),
+        tests=("tests/quant/test_fp8_rows.py", "-k", "detects_plans and transformers"),
+        quick=True,
+    ),
+    Mutation(
+        name="fp8-row-scaled-fp8-scale-leaf",
+        why="the scaled_fp8 row looks for <module>.weight_scale_weight instead of the format's <module>.scale_weight",
+        edits=(Edit("src/mpsboost/quant/fp8_formats.py", '    scale_leaf="scale_weight",\n', ""),),
+        tests=("tests/quant/test_fp8_rows.py", "-k", "detects_plans and scaled"),
+    ),
+    Mutation(
+        name="fp8-rows-detection-order",
+        why="detection asks compressed-tensors before mpsboost: save_fp8's files (their *.weight_scale) read as it",
+        edits=(
+            Edit(
+                "src/mpsboost/quant/fp8_formats.py",
+                "(MPSBOOST, TRANSFORMERS_FP8, COMPRESSED_TENSORS, SCALED_FP8)\n",
+                "(COMPRESSED_TENSORS, MPSBOOST, TRANSFORMERS_FP8, SCALED_FP8)\n",
+            ),
+        ),
+        tests=("tests/quant/test_fp8_rows.py", "-k", "detects_plans and mpsboost"),
+    ),
+    Mutation(
+        name="fp8-ue8m0-exponent-bias",
+        why="UE8M0 block scales decode with exponent bias 128, not 127: every scale half its value",
+        edits=(Edit("src/mpsboost/quant/fp8_formats.py", "(raw - 127).float()", "(raw - 128).float()"),),
+        tests=("tests/quant/test_fp8_rows.py", "-k", "ue8m0"),
+    ),
 )
 
 
