@@ -915,7 +915,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "src/mpsboost/selftest/report.py",
-                '        _check_costs(where, name, rec.get("measured") or {})\n',
+                '        _check_costs(where, name, rec.get("measured") or {}, bounds=measured_here)\n',
                 "",
             ),
         ),
