@@ -1069,3 +1069,37 @@ def decode_step_ops(model: Any, modules: Iterable[torch.nn.Module], batch: int, 
         with ModuleOps(modules) as counter:
             model(ids[:, 8:], past_key_values=past, use_cache=True)
     return counter.names
+
+
+# ------------------------------------------------------------------------------------------ patch-time timing
+
+
+def real_mac(torch_version: str = "2.15.0", macos=(26, 1)):
+    """A real (not simulated) Mac environment, for the patch-time choice (``mpsboost.ondevice.choose``) without a
+    Mac: the recipe's contenders and the timer are stubbed by the test."""
+    from mpsboost.gate import Env, parse_torch_version
+
+    return Env(torch_version=parse_torch_version(torch_version), device_type="mps", simulated=False, macos=macos)
+
+
+class FakeTimer:
+    """An injected ``ondevice`` timer: seconds per call by the contender function's ``__name__`` (one value, or a
+    list taken in turn), every call's name in ``calls``; ``error``: raised at every call instead."""
+
+    def __init__(self, times: Mapping[str, Any], error: Exception | None = None):
+        self.times = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in times.items()}
+        self.error = error
+        self.calls: list[str] = []
+
+    def __call__(self, fn):
+        name = fn.__name__
+        self.calls.append(name)
+        if self.error is not None:
+            raise self.error
+        seq = self.times[name]
+        return seq[(self.calls.count(name) - 1) % len(seq)]
+
+
+def no_timing(fn):
+    """A timer that fails the test: nothing may be timed here."""
+    raise AssertionError("nothing may be timed here")

@@ -6,28 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import tiny_models as tm
 
 from mpsboost import ondevice
 from mpsboost.gate import Env, parse_torch_version
 from mpsboost.ondevice import Contender, TimingCache, choose
 
 
-def real_mac(torch_version: str = "2.15.0", macos=(26, 1)) -> Env:
-    return Env(torch_version=parse_torch_version(torch_version), device_type="mps", simulated=False, macos=macos)
-
-
-class FakeTimer:
-    """Seconds per call by contender name; counts the calls."""
-
-    def __init__(self, times: dict[str, list[float] | float]):
-        self.times = {k: (v if isinstance(v, list) else [v]) for k, v in times.items()}
-        self.calls: list[str] = []
-
-    def __call__(self, fn):
-        name = fn.__name__
-        self.calls.append(name)
-        seq = self.times[name]
-        return seq[(self.calls.count(name) - 1) % len(seq)]
+real_mac = tm.real_mac
+FakeTimer = tm.FakeTimer
 
 
 def contenders():

@@ -19,7 +19,7 @@ from recipes.test_linear_attention import (
 
 import mpsboost
 from mpsboost import ondevice
-from mpsboost.gate import Env, parse_torch_version
+from mpsboost.gate import Env
 from mpsboost.ops import deltanet_step as dn
 from mpsboost.recipes import linear_attention as la
 
@@ -151,34 +151,12 @@ def test_unpatch_restores_the_class_forward():
 # ------------------------------------------------------------------------------------------ the choice
 
 
-def real_mac() -> Env:
-    return Env(torch_version=parse_torch_version("2.15.0"), device_type="mps", simulated=False, macos=(26, 1))
-
-
-class FakeTimer:
-    """Seconds per call by the contender's function name (``stock_run`` / ``fused_run``); counts the calls."""
-
-    def __init__(self, stock: float, fused: float | None = None, error: Exception | None = None):
-        self.times = {"stock_run": stock, "fused_run": fused}
-        self.error, self.calls = error, []
-
-    def __call__(self, fn):
-        self.calls.append(fn.__name__)
-        if self.error is not None:
-            raise self.error
-        return self.times[fn.__name__]
-
-
-def _no_timing(fn):
-    raise AssertionError("nothing may be timed here")
-
-
 @pytest.fixture
 def stub_mac(monkeypatch, tmp_path):
     """The real-Mac path of the choice without a Mac: contenders whose runs do nothing and whose check passes (or
     what ``state["check"]`` says), the timing cache in tmp_path, the timer what ``state["timer"]`` is."""
     monkeypatch.setenv("MPSBOOST_CACHE_DIR", str(tmp_path))
-    state = {"check": None, "timer": _no_timing, "built": []}
+    state = {"check": None, "timer": tm.no_timing, "built": []}
 
     def contenders(**kw):
         state["built"].append(kw)
@@ -223,39 +201,39 @@ def test_cpu_and_cuda_keep_the_composed_step(stub_mac):
 
 
 def test_real_mac_takes_the_fused_step_where_it_is_faster_and_caches_it(stub_mac):
-    stub_mac["timer"] = FakeTimer(10e-6, 6e-6)
-    rows = _plan_rows(real_mac())
+    stub_mac["timer"] = tm.FakeTimer({"stock_run": 10e-6, "fused_run": 6e-6})
+    rows = _plan_rows(tm.real_mac())
     assert all("mpsboost::deltanet_step" in r.backing and "0.60x" in r.reason for r in rows), [r.reason for r in rows]
     assert stub_mac["timer"].calls.count("fused_run") == ondevice.ROUNDS  # the layers share one shape: timed once
     assert stub_mac["built"][0]["dtype"] == torch.float32 and stub_mac["built"][0]["r"] == 2
-    stub_mac["timer"] = _no_timing  # a second patch of the same shape reads the verdict from the cache
-    rows = _plan_rows(real_mac())
+    stub_mac["timer"] = tm.no_timing  # a second patch of the same shape reads the verdict from the cache
+    rows = _plan_rows(tm.real_mac())
     assert all("mpsboost::deltanet_step" in r.backing and "(cache)" in r.reason for r in rows)
 
 
 @pytest.mark.parametrize("fused", [10e-6, 12e-6])
 def test_real_mac_keeps_the_composed_step_on_a_tie_or_slower(stub_mac, fused):
-    stub_mac["timer"] = FakeTimer(10e-6, fused)
-    rows = _plan_rows(real_mac())
+    stub_mac["timer"] = tm.FakeTimer({"stock_run": 10e-6, "fused_run": fused})
+    rows = _plan_rows(tm.real_mac())
     assert all("mpsboost::deltanet_step" not in r.backing and "not faster on this Mac" in r.reason for r in rows)
 
 
 def test_real_mac_keeps_the_composed_step_when_the_self_check_fails(stub_mac):
     stub_mac["check"] = "the fused step's state differs"
-    stub_mac["timer"] = FakeTimer(10e-6, 1e-6)
-    rows = _plan_rows(real_mac())
+    stub_mac["timer"] = tm.FakeTimer({"stock_run": 10e-6, "fused_run": 1e-6})
+    rows = _plan_rows(tm.real_mac())
     assert all("mpsboost::deltanet_step" not in r.backing and "self-check" in r.reason for r in rows)
     assert stub_mac["timer"].calls == []
 
 
 def test_real_mac_keeps_the_composed_step_on_a_timing_error(stub_mac):
-    stub_mac["timer"] = FakeTimer(10e-6, error=RuntimeError("command buffer failed"))
-    rows = _plan_rows(real_mac())
+    stub_mac["timer"] = tm.FakeTimer({"stock_run": 10e-6}, error=RuntimeError("command buffer failed"))
+    rows = _plan_rows(tm.real_mac())
     assert all("mpsboost::deltanet_step" not in r.backing and "timing failed" in r.reason for r in rows)
 
 
 def test_static_option_on_a_real_mac_times_nothing(stub_mac):
-    rows = _plan_rows(real_mac(), fused_step="static")
+    rows = _plan_rows(tm.real_mac(), fused_step="static")
     assert all("mpsboost::deltanet_step" in r.backing and "option keeps the static choice" in r.reason for r in rows)
 
 

@@ -9,35 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+import tiny_models as tm
+
 import mpsboost
 from mpsboost import gate, ondevice
-from mpsboost.gate import Env, parse_torch_version
+from mpsboost.gate import Env
 from mpsboost.ops import fp8 as fp8_ops
 from mpsboost.ops import fp8_metal
 
 N, K = 48, 64
-
-
-def real_mac() -> Env:
-    return Env(torch_version=parse_torch_version("2.15.0"), device_type="mps", simulated=False, macos=(26, 1))
-
-
-class FakeTimer:
-    """Seconds per call by the contender's function name (``stock`` / ``metal``); counts the calls."""
-
-    def __init__(self, stock: float, metal: float, error: Exception | None = None):
-        self.times = {"stock": stock, "metal": metal}
-        self.error, self.calls = error, []
-
-    def __call__(self, fn):
-        self.calls.append(fn.__name__)
-        if self.error is not None:
-            raise self.error
-        return self.times[fn.__name__]
-
-
-def _no_timing(fn):
-    raise AssertionError("nothing may be timed here")
 
 
 @pytest.fixture
@@ -47,7 +27,7 @@ def stub_mac(monkeypatch, tmp_path):
     monkeypatch.setattr(fp8_ops, "_METAL_CHECKED", {})
     for feature in ("fp8_metal_gemv", "fp8_gemv", "scaled_mm", "float8_storage"):
         monkeypatch.setitem(gate._PROBE_CACHE, (feature, "mps", "2.15.0"), None)
-    state = {"timer": _no_timing, "built": []}
+    state = {"timer": tm.no_timing, "built": []}
     real = fp8_ops.gemv_contenders
 
     def contenders(n, k, dtype, **kw):
@@ -86,40 +66,40 @@ def test_simulated_mac_takes_the_metal_gemv_and_times_nothing(stub_mac):
 
 
 def test_real_mac_takes_the_metal_gemv_where_it_is_faster_and_caches_it(stub_mac):
-    stub_mac["timer"] = FakeTimer(10e-6, 6e-6)
-    rows = _rows(real_mac())
+    stub_mac["timer"] = tm.FakeTimer({"stock": 10e-6, "metal": 6e-6})
+    rows = _rows(tm.real_mac())
     assert all(_metal(r) and "0.60x" in r.reason for r in rows), [r.reason for r in rows]
     assert stub_mac["timer"].calls.count("metal") == ondevice.ROUNDS  # two layers of one shape: timed once
     assert stub_mac["built"][0] == (N, K, torch.bfloat16)
-    stub_mac["timer"] = _no_timing
-    rows = _rows(real_mac())
+    stub_mac["timer"] = tm.no_timing
+    rows = _rows(tm.real_mac())
     assert all(_metal(r) and "(cache)" in r.reason for r in rows)
 
 
 @pytest.mark.parametrize("metal", [10e-6, 14e-6])
 def test_real_mac_keeps_torchs_kernels_on_a_tie_or_slower(stub_mac, metal):
-    stub_mac["timer"] = FakeTimer(10e-6, metal)
-    rows = _rows(real_mac())
+    stub_mac["timer"] = tm.FakeTimer({"stock": 10e-6, "metal": metal})
+    rows = _rows(tm.real_mac())
     assert all(not _metal(r) and "scaled_mm" in r.backing for r in rows), [r.backing for r in rows]
     assert all("not faster on this Mac" in r.reason for r in rows)
 
 
 def test_real_mac_keeps_torchs_kernels_on_a_timing_error(stub_mac):
-    stub_mac["timer"] = FakeTimer(10e-6, 1e-6, error=RuntimeError("command buffer failed"))
-    rows = _rows(real_mac())
+    stub_mac["timer"] = tm.FakeTimer({"stock": 10e-6, "metal": 1e-6}, error=RuntimeError("command buffer failed"))
+    rows = _rows(tm.real_mac())
     assert all(not _metal(r) and "timing failed" in r.reason for r in rows)
 
 
 def test_option_metal_keeps_the_static_choice_untimed(stub_mac):
-    rows = _rows(real_mac(), mps_kernel="metal")
+    rows = _rows(tm.real_mac(), mps_kernel="metal")
     assert all(_metal(r) for r in rows) and stub_mac["built"] == []
 
 
 def test_the_timed_choice_is_the_path_the_layer_runs(stub_mac):
     # The plan's verdict reaches the layer: torch's kernels chosen -> the converted layer's kind is mps_scaled_mm.
-    stub_mac["timer"] = FakeTimer(10e-6, 20e-6)
+    stub_mac["timer"] = tm.FakeTimer({"stock": 10e-6, "metal": 20e-6})
     m = torch.nn.Sequential(torch.nn.Linear(K, N, bias=False)).to(torch.bfloat16)
-    mpsboost.patch(m, recipes=["fp8_weights"], fp8="rowwise", device=real_mac())
+    mpsboost.patch(m, recipes=["fp8_weights"], fp8="rowwise", device=tm.real_mac())
     from mpsboost.recipes.fp8.layers import fp8_state
 
     assert fp8_state(m[0]).kind == "mps_scaled_mm"
