@@ -618,7 +618,7 @@ def _wheel_facts(env: Any) -> str:
 def _describe_fp8(path: str, env: Any) -> str:
     """Which format a fp8 checkpoint file or folder is in, and the path its layers take in ``env``."""
     from .errors import UserInputError
-    from .recipes.fp8.formats import describe_checkpoint
+    from .quant.fp8_plan import describe_checkpoint
 
     try:
         return describe_checkpoint(path, env)
