@@ -16,7 +16,7 @@ Offline, with a file this script writes in each format from a real architecture 
     python recipes/fp8_checkpoint.py --random-weights tiny --write-format scaled_fp8
 
 What the offline mode does: writes the checkpoint (layouts below), prints what
-``mpsboost.recipes.fp8.formats.describe_checkpoint`` says about it for this machine, builds the model on
+``mpsboost.quant.fp8_plan.describe_checkpoint`` says about it for this machine, builds the model on
 the meta device, ``mpsboost.load_fp8(model, path)``, and compares its forward against the stock
 model holding the file's exact dequantisation (codes x scales in float32, rounded once): four
 records (throughput, operator time, correctness, memory) of stock vs mpsboost.
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
 
     device, dtype = C.resolve(args)
     import mpsboost
-    from mpsboost.recipes.fp8.formats import describe_checkpoint
+    from mpsboost.quant.fp8_plan import describe_checkpoint
 
     if args.model is not None:
         with C.timed("build on meta"):

@@ -135,7 +135,7 @@ def main(argv=None) -> int:
 
     device, dtype = C.resolve(args)
     import mpsboost
-    from mpsboost.recipes.fp8.formats import describe_checkpoint
+    from mpsboost.quant.fp8_plan import describe_checkpoint
 
     if args.model is not None:
         folder = Path(args.model)

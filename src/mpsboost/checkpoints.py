@@ -18,12 +18,12 @@ module, its kind, scales (granularity, block) and compute dtype. Files are writt
 saving never holds a second copy.
 
 ``load_fp8`` reads mpsboost's own checkpoints and the formats people publish
-(:mod:`mpsboost.recipes.fp8.formats`: transformers' fine-grained FP8, compressed-tensors, ``scaled_fp8``
+(:mod:`mpsboost.quant.fp8_formats`: transformers' fine-grained FP8, compressed-tensors, ``scaled_fp8``
 single files) into a model built on the meta device, tensor by tensor, straight into fp8 storage
 (uint8 bytes on MPS before torch 2.15, pytorch#194074): the bf16 weights of the fp8 layers never
 exist. Every tensor is checked against the model before anything changes (:class:`Fp8MismatchError`,
 or :class:`Fp8FileError` for a file that is unreadable, truncated, partial or of no known format,
-each naming the format and what is missing). It reads a plan (:func:`~mpsboost.recipes.fp8.formats.plan_load`),
+each naming the format and what is missing). It reads a plan (:func:`~mpsboost.quant.fp8_plan.plan_load`),
 asks the ``fp8_weights`` recipe to decide each fp8 layer, builds the changes with the helpers of
 :mod:`mpsboost.patching` and commits them through :func:`mpsboost.api.adopt`, patch()'s transaction: a
 failure while reading puts every tensor back. Loaded layers are the recipe's own (the layer class, state
@@ -48,8 +48,8 @@ import torch
 
 from .errors import Fp8ConversionError, Fp8FileError, Fp8MismatchError, Fp8StateError  # noqa: F401 (re-exported)
 from .patching import is_patched_by, replace_tensors
-from .recipes.fp8.formats import ST_DTYPES, TORCH_TO_ST
-from .recipes.fp8.formats import describe_checkpoint  # noqa: F401 (re-exported: which path a file takes here)
+from .quant.io import ST_DTYPES, TORCH_TO_ST
+from .quant.fp8_plan import describe_checkpoint  # noqa: F401 (re-exported: which path a file takes here)
 from .recipes.fp8.layers import RECIPE as _RECIPE, LoadedLayer, fp8_state, weight_names
 
 __all__ = [
@@ -342,7 +342,7 @@ def _target_env(obj: Any, roots, device: Any):
 
 
 def _read_codes(entry, storage: str, dev: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-    from .recipes.fp8.formats import read_tensor
+    from .quant.io import read_tensor
 
     if out is not None and out.device.type == "cpu":
         return read_tensor(entry, out=out)
@@ -353,7 +353,7 @@ def _read_codes(entry, storage: str, dev: torch.device, out: torch.Tensor | None
 
 def _assemble(qt, ckpt, storage: str, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The codes and float32 scales of one model tensor, read part by part into their final buffers."""
-    from .recipes.fp8.formats import scale_to_float32
+    from .quant.fp8_formats import scale_to_float32
 
     ents = ckpt.entries
     qdtype = torch.float8_e4m3fn if storage == "float8" else torch.uint8
@@ -433,7 +433,8 @@ def _donor_buffers(root: torch.nn.Module, pairs, dev: torch.device) -> dict:
 
 
 def _load_plans(obj: Any, target: Path, roots) -> list:
-    from .recipes.fp8.formats import open_checkpoint, plan_load
+    from .quant.fp8_formats import open_checkpoint
+    from .quant.fp8_plan import plan_load
 
     pipeline = not (len(roots) == 1 and roots[0][0] == "")
     plans = []
@@ -502,7 +503,7 @@ def load_fp8(
     ``obj``: a model built without weights (``from_config`` under ``torch.device("meta")`` or
     ``accelerate.init_empty_weights()``), a model with weights, or a diffusers pipeline (then ``path``
     is a folder with one subfolder per component). ``path``: a safetensors file or a folder (sharded
-    or not) in any of :data:`mpsboost.recipes.fp8.formats.FORMATS`: mpsboost's own (:func:`save_fp8`),
+    or not) in any of :data:`mpsboost.quant.fp8_formats.FORMATS`: mpsboost's own (:func:`save_fp8`),
     transformers' fine-grained FP8, compressed-tensors float-quantized, or a ``scaled_fp8`` single
     file. Tensors are read one at a time straight into their final storage: fp8 layers never exist
     in bf16. Block scales are kept and applied exactly (:mod:`mpsboost.ops.fp8_block`), per-tensor and
@@ -628,15 +629,15 @@ def _changes(plan, env, dev: torch.device, dtype, requantize: str | None = None)
     time), then the fp8 layers the recipe builds on them. Every layer's decision is made here, before
     any change."""
     from .api import Adopted
-    from .ops import fp8 as fp8_ops
     from .patching import Changes
-    from .recipes.fp8.formats import read_tensor
+    from .quant.io import read_tensor
+    from .recipes.fp8.paths import storage_for
     from .registry import get_recipe
 
     recipe = get_recipe(_RECIPE)  # through the registry: this module imports no recipe module
     ckpt = plan.ckpt
     ents = ckpt.entries
-    storage = fp8_ops.storage_for(env)
+    storage = storage_for(env)
     compute = dtype or plan.compute_dtype
     steps: list = []
     # fp8 tensors: codes and scales straight into buffers.

@@ -1,6 +1,6 @@
 """`import mpsboost` stays light (neither diffusers nor transformers), and the package keeps its layers:
-the gate (a package) and patching are leaves, ops import only errors, the gate and tuning, recipes never the
-API, no import cycle."""
+the gate (a package) and patching are leaves, ops import only errors (the exception classes), recipes never
+the API, no import cycle."""
 
 from __future__ import annotations
 
@@ -30,15 +30,16 @@ def test_public_api_is_exported():
 
 def test_ops_hold_tensor_functions_only():
     """ops/ is the shared kernel layer (its package docstring says the same): of mpsboost it imports only
-    errors, the gate and tuning (_MAY_IMPORT["ops"]; no registry, patching, recipe or API module), and it
-    names no diffusers or transformers module (the integrations live next to their recipes)."""
+    errors, the exception classes (_MAY_IMPORT["ops"]; not the gate: which path a layer takes is the recipes'
+    policy; no registry, patching, recipe or API module), and it names no diffusers or transformers module (the
+    integrations live next to their recipes)."""
     import ast
     from pathlib import Path
 
     import mpsboost.ops
 
     allowed = _MAY_IMPORT["ops"]
-    assert allowed == {"errors", "gate", "tuning"}
+    assert allowed == {"errors"}
     offenders = []
     for path in sorted(Path(mpsboost.ops.__file__).parent.glob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -131,7 +132,12 @@ def test_import_graph_has_no_fp8_io_recipe_cycle():
     io, recipe = "mpsboost.checkpoints", "mpsboost.recipes.fp8.recipe"
     assert io in graph and recipe in graph and "mpsboost.recipes.fp8.layers" in graph[recipe]
     assert recipe not in graph[io] and io not in graph[recipe]
-    for a, b in ((io, recipe), (recipe, io), ("mpsboost.recipes.fp8.formats", recipe)):
+    for a, b in (
+        (io, recipe),
+        (recipe, io),
+        ("mpsboost.recipes.fp8.formats", recipe),
+        ("mpsboost.quant.fp8_plan", recipe),
+    ):
         path = _reaches(graph, a, b)
         back = _reaches(graph, b, a)
         assert path is None or back is None, f"import cycle: {' -> '.join(path)} and back {' -> '.join(back or [])}"
@@ -221,10 +227,10 @@ def test_import_graph_of_the_whole_package_has_no_cycle():
 def test_cycle_finder_sees_a_cycle_through_function_level_imports():
     """The check above could pass by seeing nothing: on a graph with the old fp8 cycle put back it fails."""
     graph = {k: set(v) for k, v in _import_graph().items()}
-    graph["mpsboost.recipes.fp8.formats"].add("mpsboost.checkpoints")
-    assert "mpsboost.recipes.fp8.formats" in graph["mpsboost.checkpoints"]  # fp8_io imports it inside functions
+    graph["mpsboost.quant.fp8_plan"].add("mpsboost.checkpoints")
+    assert "mpsboost.quant.fp8_plan" in graph["mpsboost.checkpoints"]  # checkpoints imports it inside functions
     cycles = _cycles(graph)
-    assert len(cycles) == 1 and set(cycles[0]) == {"mpsboost.checkpoints", "mpsboost.recipes.fp8.formats"}
+    assert len(cycles) == 1 and set(cycles[0]) == {"mpsboost.checkpoints", "mpsboost.quant.fp8_plan"}
     assert not _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) and _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}})
 
 
@@ -251,8 +257,9 @@ _MAY_IMPORT: dict[str, set[str]] = {
     # ondevice: the patch-time choice a real Mac makes by timing; it asks the gate only.
     "ondevice": {"errors", "gate"},
     "report": {"errors", "gate"},
-    # ops: tensor functions. Nothing above the gate; tuning is the measured-data reader, at the gate's level.
-    "ops": {"errors", "gate", "tuning"},
+    # ops: tensor functions, deciding nothing: the paths a layer may take arrive as arguments, chosen by the
+    # recipes from the gate, the tuning files and the Mac's timings. Of mpsboost only the exception classes.
+    "ops": {"errors"},
     # registry imports the package mpsboost.recipes (see _EXACT) to register the built-in recipes lazily.
     "registry": {"errors", "gate", "patching"},
     # recipes: never the API, checkpoints, bench or the command line; each other only within recipes/.

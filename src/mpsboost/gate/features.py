@@ -171,7 +171,7 @@ FEATURES.update(
                         upstream="def compile_shader in torch/mps/__init__.py of every macOS wheel read (public "
                         "since 2.7); the kernel is mpsboost's (mpsboost.ops.fp8_metal)",
                         note="on a Mac the fp8 recipe also compiles it and checks it against the reference at patch "
-                        "time (mpsboost.ops.fp8.metal_verdict)",
+                        "time (mpsboost.recipes.fp8.paths.metal_verdict)",
                         evidence="mps_compile_shader",
                     ),
                 )
@@ -190,7 +190,7 @@ FEATURES.update(
                         upstream="def compile_shader in torch/mps/__init__.py of every macOS wheel read (public "
                         "since 2.7); the kernels are mpsboost's (mpsboost.ops.affine_metal)",
                         note="on a Mac they are also compiled and checked against the reference at patch time "
-                        "(mpsboost.ops.affine.metal_verdict)",
+                        "(mpsboost.recipes.low_bit.paths.metal_verdict)",
                         evidence="mps_compile_shader",
                     ),
                 )

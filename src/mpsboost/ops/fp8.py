@@ -12,8 +12,8 @@ mantissa: :func:`encode_e4m3` is bit-identical to ``x.clamp(-448, 448).to(torch.
 and :func:`decode_e4m3` to ``codes.view(torch.float8_e4m3fn).to(dtype)``, so both storages hold and
 compute exactly the same numbers.
 
-Forward paths (chosen by :func:`choose_linear_path` from the gate, and per call by M, the number of
-input rows):
+Forward paths (chosen per layer by the fp8 recipe's policy, :func:`mpsboost.recipes.fp8.paths.choose_linear_path`,
+from the gate, and per call by M, the number of input rows; nothing here asks the gate):
 
 * ``fused`` (CUDA, compute capability >= 8.9, Triton): M <= ``gemv_max_m`` through the fp8 GEMV
   (``torch.ops.mpsboost.fp8_gemv``: fp8 weight loaded, widened and accumulated in fp32 in registers,
@@ -21,12 +21,11 @@ input rows):
   weights exactly, activations untouched; two plain torch ops, which ``torch.compile`` fuses into one
   kernel), or, with ``activations="fp8"``, one fused
   activation-quantisation kernel (``torch.ops.mpsboost.fp8_quantize_rows``) plus ``torch._scaled_mm``
-  with rowwise scales. Quantising activations is not the same math as the stored weights: on the
-  Qwen-Image transformer it gave a relative error of 5.9e-2 against the file's exact dequantisation,
-  and the step was slower than bf16 on the H200 (benchmarks/results/fp8_load-cuda-2026-11-30b.jsonl),
-  so it is an opt-in;
+  with rowwise scales. Quantising activations is not the same math as the stored weights (it adds the
+  activations' own rounding to the weights'), so it is an opt-in;
 * ``fused`` on MPS (torch 2.7+, where the gate's ``fp8_metal_gemv`` passes and, on a real Mac, the kernel's
-  patch-time self-check, :func:`metal_verdict`): M <= 4 through the same ``torch.ops.mpsboost.fp8_gemv``, whose
+  patch-time self-check, :func:`mpsboost.recipes.fp8.paths.metal_verdict`): M <= 4 through the same
+  ``torch.ops.mpsboost.fp8_gemv``, whose
   MPS kernel is mpsboost's own Metal GEMV (:mod:`mpsboost.ops.fp8_metal`: activations as they are, the weight read
   once as its fp8 bytes, float8 or uint8 storage alike); larger M dequantise then ``F.linear``;
 * ``mps_scaled_mm`` (MPS with option ``mps_kernel="scaled_mm"``, where the gate's ``fp8_gemv`` says the few-rows
@@ -49,18 +48,15 @@ This module never imports diffusers or transformers, and imports Triton only on 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from ..gate import Env, check
 
 __all__ = [
     "FP8_DTYPE",
@@ -72,9 +68,6 @@ __all__ = [
     "compute_scale",
     "quantize",
     "dequantize",
-    "storage_for",
-    "LinearPath",
-    "choose_linear_path",
     "fp8_linear",
     "quantize_rows",
     "quantize_rows_few",
@@ -156,11 +149,6 @@ def decode_e4m3(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torc
 
 
 # --------------------------------------------------------------------------------- quantisation
-
-
-def storage_for(env: Env) -> str:
-    """``"float8"`` where float8 tensors can live on the device (gate ``float8_storage``), else ``"uint8"``."""
-    return "float8" if check("float8_storage", env).ok else "uint8"
 
 
 def _check_args(granularity: str, storage: str) -> None:
@@ -495,7 +483,7 @@ def _fp8_gemv_cuda(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: 
 @_fp8_gemv_op.register_kernel("mps")
 def _fp8_gemv_mps(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     # mpsboost's Metal kernel (mpsboost.ops.fp8_metal): the activation as it is, each weight read once as its fp8
-    # byte. The recipe chooses this path only where metal_verdict allowed it (compiled and checked on this Mac).
+    # byte. The recipe chooses this path only where its metal_verdict allowed it (compiled and checked on this Mac).
     from . import fp8_metal
 
     y = fp8_metal.dense(x, w, *fp8_metal.dense_scale(scale, *w.shape))
@@ -624,151 +612,10 @@ def fused_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------------- forward paths
 
 
-@dataclass(frozen=True)
-class LinearPath:
-    """How a converted linear layer computes in one environment."""
-
-    kind: str  # "fused", "mps_scaled_mm", "dequant"
-    backing: str  # the report's backing path text
-    reason: str
-    storage: str  # "float8" or "uint8"
-    gemv_max_m: int = 16
-    large: str = "dequant"  # above gemv_max_m on the fused path: "dequant" or "scaled_mm" (activations in fp8)
-
-
-ACTIVATIONS = ("bf16", "fp8")
-
-
-MPS_KERNELS = ("auto", "metal", "scaled_mm")
-
-# (torch version) -> None (the kernel compiled and matched the reference on this Mac) or why not; once per process.
-_METAL_CHECKED: dict[str, Optional[str]] = {}
-
-
-def metal_verdict(env: Env):
-    """Whether mpsboost's Metal fp8 GEMV runs here: the gate's ``fp8_metal_gemv`` (torch.mps.compile_shader in this
-    build), and on a real Mac its patch-time self-check (:func:`mpsboost.ops.fp8_metal.self_check`: compiled, then
-    compared with the reference on shapes that cover its branches, every finite code decoded exactly), once per
-    process. A simulated Mac is decided by the gate alone, and says so."""
-    v = check("fp8_metal_gemv", env)
-    if not v.ok or env.simulated or env.device_type != "mps":
-        return v
-    key = env.torch_version.raw
-    if key not in _METAL_CHECKED:
-        from . import fp8_metal
-
-        _METAL_CHECKED[key] = fp8_metal.self_check("mps")
-    why = _METAL_CHECKED[key]
-    if why is not None:
-        return dataclasses.replace(v, ok=False, reason=f"mpsboost's Metal fp8 GEMV failed its self-check here: {why}")
-    return dataclasses.replace(v, reason=f"{v.reason}; compiled and checked against the reference on this Mac")
-
-
 def metal_ok(k: int, dtype: torch.dtype) -> bool:
     """Static facts for mpsboost's Metal fp8 GEMV (:mod:`mpsboost.ops.fp8_metal`): K a multiple of 16 and an
     activation dtype it has."""
     return k % 16 == 0 and dtype in (torch.float32, torch.bfloat16, torch.float16)
-
-
-def choose_linear_path(
-    env: Env,
-    *,
-    n: int,
-    k: int,
-    dtype: torch.dtype,
-    gemv_max_m: int = 16,
-    activations: str = "bf16",
-    mps_kernel: str = "auto",
-) -> LinearPath:
-    """The forward path for an ``[n, k]`` layer computing in ``dtype`` in ``env`` (pure: asks only the gate).
-
-    The backing text names what actually runs here: the GEMV's activation dtype (fp32 activations go
-    through tf32 tensor cores in the 16-row tile kernel), and the large-M path by alignment, dtype and ``activations``
-    (``"bf16"``: dequantise then linear, exact; ``"fp8"``: quantise activations rowwise for scaled_mm).
-    """
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
-    if mps_kernel not in MPS_KERNELS:
-        raise ValueError(f"mps_kernel must be one of {MPS_KERNELS}, got {mps_kernel!r}")
-    storage = storage_for(env)
-    st = check("float8_storage", env)
-    if env.device_type == "cuda":
-        sm = check("scaled_mm", env)
-        gv = check("fp8_gemv", env)
-        if sm.ok and gv.ok:
-            aligned = n % 16 == 0 and k % 16 == 0
-            use_sm = activations == "fp8" and aligned and dtype == torch.bfloat16
-            if use_sm:
-                large = "fused activation quantisation + scaled_mm rowwise"
-            elif activations == "bf16":
-                large = (
-                    "dequantize then linear (exact: activations stay bf16)"
-                    if dtype == torch.bfloat16
-                    else "dequantize then linear"
-                )
-            else:
-                large = (
-                    "dequantize then linear"
-                    + ("" if aligned else " (shape not 16-aligned for scaled_mm)")
-                    + (
-                        ""
-                        if dtype == torch.bfloat16
-                        else f" ({str(dtype)[6:]} output: scaled_mm rowwise gives bf16 only)"
-                    )
-                )
-            acts = (
-                ""
-                if dtype == torch.bfloat16
-                else (
-                    ", float32 activations; tf32 in its 16-row tile kernel"
-                    if dtype == torch.float32
-                    else f", {str(dtype)[6:]} activations"
-                )
-            )
-            small = f"fp8 GEMV (triton{acts}) for M<={gemv_max_m}" if gemv_max_m > 0 else "no fp8 GEMV (gemv_max_m=0)"
-            return LinearPath(
-                "fused",
-                f"{small}; {large} above",
-                f"{gv.reason}; {sm.reason}",
-                storage,
-                gemv_max_m,
-                "scaled_mm" if use_sm else "dequant",
-            )
-        why = sm.reason if not sm.ok else gv.reason
-        return LinearPath("dequant", "dequantize then linear", f"no fused fp8 path here: {why}", storage)
-    if env.device_type == "mps":
-        metal = None
-        if mps_kernel != "scaled_mm":
-            metal = metal_verdict(env)
-            if metal.ok and metal_ok(k, dtype):
-                rows = min(gemv_max_m, FEW_ROWS_MAX)
-                return LinearPath(
-                    "fused",
-                    f"fp8 GEMV (mpsboost's Metal kernel: activations as they are, the weight read once as its fp8 "
-                    f"bytes, 1 byte per weight) for M<={rows}; dequantize then linear above",
-                    metal.reason
-                    + ("; forced by option mps_kernel" if mps_kernel == "metal" else "")
-                    + ("" if st.ok else f"; {st.reason}: the fp8 bytes are kept as uint8, which the kernel reads"),
-                    storage,
-                    rows,
-                )
-        why_not = ""
-        if metal is not None:
-            why_not = (
-                f"; not mpsboost's Metal kernel: {metal.reason}"
-                if not metal.ok
-                else f"; not mpsboost's Metal kernel: K={k} is not a multiple of 16 or {str(dtype)[6:]} activations"
-            )
-        elif mps_kernel == "scaled_mm":
-            why_not = "; option mps_kernel='scaled_mm'"
-        lp = _mps_path_without_metal(env, n=n, k=k, dtype=dtype, st=st, storage=storage)
-        return dataclasses.replace(lp, reason=lp.reason + why_not)
-    return LinearPath(
-        "dequant",
-        "dequantize then linear",
-        f"{env.device_type}: FP8 is a storage format; each layer is dequantised just before its matmul",
-        storage,
-    )
 
 
 def gemv_contenders(n: int, k: int, dtype: torch.dtype, *, rows: int = 1, device: str = "mps") -> tuple:
@@ -777,7 +624,7 @@ def gemv_contenders(n: int, k: int, dtype: torch.dtype, *, rows: int = 1, device
     (``mps_scaled_mm``: the activation quantised per row, then ``F.scaled_mm``), ``metal_run`` one by mpsboost's
     Metal fp8 GEMV (``fused``), both on the same random codes and rowwise scales on ``device``, made at the first
     call (nothing is allocated where nothing is timed). The Metal kernel's correctness is its own self-check's
-    (:func:`metal_verdict`), taken before this is asked."""
+    (:func:`mpsboost.recipes.fp8.paths.metal_verdict`), taken before this is asked."""
     made: list[tuple] = []
 
     def inputs() -> tuple:
@@ -798,49 +645,6 @@ def gemv_contenders(n: int, k: int, dtype: torch.dtype, *, rows: int = 1, device
         return fp8_linear(x, q, scale, None, kind="fused", compute_dtype=dtype, gemv_max_m=FEW_ROWS_MAX)
 
     return stock, metal
-
-
-def mps_path_without_metal(env: Env, *, n: int, k: int, dtype: torch.dtype) -> LinearPath:
-    """The MPS path of an ``[n, k]`` layer from torch's own kernels alone (what mpsboost's Metal GEMV is timed
-    against on a Mac)."""
-    st = check("float8_storage", env)
-    return _mps_path_without_metal(env, n=n, k=k, dtype=dtype, st=st, storage=storage_for(env))
-
-
-def _mps_path_without_metal(env: Env, *, n: int, k: int, dtype: torch.dtype, st, storage: str) -> LinearPath:
-    """The MPS path from torch's own kernels alone (before mpsboost's Metal kernel, or without it)."""
-    if not st.ok:
-        return LinearPath(
-            "dequant",
-            "uint8 storage, integer decode then linear",
-            f"{st.reason}; the fp8 bytes are kept as uint8 and decoded with integer ops",
-            "uint8",
-        )
-    gv = check("fp8_gemv", env)
-    sm = check("scaled_mm", env)
-    if gv.ok and sm.ok and few_rows_ok(n, k, dtype):
-        return LinearPath(
-            "mps_scaled_mm",
-            f"scaled_mm rowwise for M<={FEW_ROWS_MAX} (activations quantised per row; the weight read once as fp8, "
-            "1 byte per weight); dequantize then linear above",
-            f"{gv.reason}; {sm.reason}",
-            storage,
-            FEW_ROWS_MAX,
-        )
-    if gv.ok and sm.ok:
-        return LinearPath(
-            "dequant",
-            "dequantize then linear",
-            f"scaled_mm needs K and N multiples of {FEW_ROWS_ALIGN} and a float32/bfloat16/float16 output; "
-            f"this layer is [{n}, {k}] in {str(dtype)[6:]}",
-            storage,
-        )
-    return LinearPath(
-        "dequant",
-        "dequantize then linear",
-        f"{st.reason}; FP8 is a storage format here: {gv.reason if not gv.ok else sm.reason}",
-        storage,
-    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -907,7 +711,8 @@ def fp8_linear(
     bias_in_mm: bool = True,
     large: str = "dequant",
 ) -> torch.Tensor:
-    """``F.linear(x, dequantize(q, scale), bias)`` by the path ``kind`` (see :func:`choose_linear_path`).
+    """``F.linear(x, dequantize(q, scale), bias)`` by the path ``kind`` (see
+    :func:`mpsboost.recipes.fp8.paths.choose_linear_path`).
 
     Traceable by ``torch.compile(fullgraph=True)``: every branch is on static facts (dtype, shapes,
     arguments fixed at patch time); the kernels are registered operators. ``kind="fused"`` on tensors

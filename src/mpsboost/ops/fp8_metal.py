@@ -34,7 +34,7 @@ PYTORCH_MPS_FAST_MATH is set; the self-check's NaN cases refuse the kernel where
 The source is compiled once per process by ``torch.mps.compile_shader`` (public since torch 2.7), at patch
 time: :func:`self_check` compiles it and compares it with the reference on shapes that run every branch (30
 launches, under 1 MiB), and
-the fp8 recipe uses the kernel on a Mac only if that passes (:func:`mpsboost.ops.fp8.metal_verdict`, after the
+the fp8 recipe uses the kernel on a Mac only if that passes (:func:`mpsboost.recipes.fp8.paths.metal_verdict`, after the
 gate's feature ``fp8_metal_gemv``). It is reached only through the registered operators ``mpsboost::fp8_gemv``,
 ``mpsboost::grouped_mm``, ``mpsboost::fp8_block_gemv`` and their ``_out`` variants (their MPS kernels), so
 ``torch.compile`` sees an opaque call. :data:`SOURCE` is plain Metal with no torch headers, so CPU tests compile
@@ -534,7 +534,8 @@ def self_check(device: str = "mps") -> Optional[str]:
     Cost, bounded by construction rather than timed: 6 + 3 x 8 = 30 launches, each followed by one read back to the
     host, and under 1 MiB copied to the device in all (``tests/ops/test_fp8_metal_emulated.py`` counts both), plus the
     one ``torch.mps.compile_shader`` of the source; the reference is float64 products of at most [150, 272].
-    Returns None, or what failed. Patch time only (:func:`mpsboost.ops.fp8.metal_verdict`, and the selftest's probe)."""
+    Returns None, or what failed. Patch time only (:func:`mpsboost.recipes.fp8.paths.metal_verdict`, and the
+    selftest's probe)."""
     try:
         _library()
     except Exception as exc:  # noqa: BLE001 - a compiler error of any kind is the answer

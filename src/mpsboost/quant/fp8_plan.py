@@ -459,7 +459,7 @@ def describe_checkpoint(path: Any, env: Any = None) -> str:
     string, or None for this machine), read from its headers only: format, scale layouts, storage and
     forward. For ``mpsboost plan`` and ``mpsboost doctor``."""
     from ..gate import Env, check
-    from ..ops import fp8 as fp8_ops
+    from ..recipes.fp8.paths import storage_for
 
     if env is None:
         env = Env.detect()
@@ -478,7 +478,7 @@ def describe_checkpoint(path: Any, env: Any = None) -> str:
         if not folders:
             raise Fp8FileError(f"{p}: no safetensors checkpoint in it or in its subfolders")
     lines = [f"fp8 checkpoint {p} for {env.describe()}:"]
-    storage = fp8_ops.storage_for(env)
+    storage = storage_for(env)
     st = check("float8_storage", env)
     for folder in folders:
         lines += _describe_one(open_checkpoint(folder), f"{folder.name}: " if folder is not p else "", env, storage, st)
@@ -486,7 +486,7 @@ def describe_checkpoint(path: Any, env: Any = None) -> str:
 
 
 def _describe_one(ckpt: Checkpoint, head: str, env: Any, storage: str, st: Any) -> list[str]:
-    from ..ops import fp8 as fp8_ops
+    from ..recipes.fp8.paths import choose_linear_path
 
     ents, row = ckpt.entries, ckpt.row
     schemes: dict[str, int] = {}
@@ -520,7 +520,7 @@ def _describe_one(ckpt: Checkpoint, head: str, env: Any, storage: str, st: Any) 
         )
     if shapes:
         (n, k), _ = max(shapes.items(), key=lambda kv: kv[1])
-        lp = fp8_ops.choose_linear_path(env, n=n, k=k, dtype=torch.bfloat16)
+        lp = choose_linear_path(env, n=n, k=k, dtype=torch.bfloat16)
         if any(not s.startswith("block") for s in schemes):
             lines.append(f"  {head}per-tensor/per-row layers: {lp.backing} ({lp.reason})")
     if experts:

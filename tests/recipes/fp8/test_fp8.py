@@ -20,6 +20,7 @@ import tiny_models as tm
 from mpsboost.errors import IrreversiblePatchError, PatchError
 from mpsboost.gate import Env
 from mpsboost.ops import fp8 as fp8_ops
+from mpsboost.recipes.fp8 import paths as fp8_paths
 from mpsboost.ops import fp8_moe
 
 FP8 = torch.float8_e4m3fn
@@ -273,10 +274,10 @@ def test_mps_scaled_mm_path_runs_small_m_through_scaled_mm_and_large_m_dequantis
     # The gate's fp8_gemv passes on MPS 2.15 (scaled_mm_few_rows_{1..4} in the 2.15.0 macOS wheel): the path of
     # option mps_kernel="scaled_mm"; by default mpsboost's Metal GEMV (the "fused" kind) comes first.
     mac = Env.simulate("mps", "2.15.0")
-    lp = fp8_ops.choose_linear_path(mac, n=64, k=128, dtype=torch.bfloat16, mps_kernel="scaled_mm")
+    lp = fp8_paths.choose_linear_path(mac, n=64, k=128, dtype=torch.bfloat16, mps_kernel="scaled_mm")
     assert lp.kind == "mps_scaled_mm" and lp.backing.startswith("scaled_mm rowwise for M<=4") and lp.gemv_max_m == 4
     assert "option mps_kernel='scaled_mm'" in lp.reason
-    lp = fp8_ops.choose_linear_path(mac, n=64, k=128, dtype=torch.bfloat16)
+    lp = fp8_paths.choose_linear_path(mac, n=64, k=128, dtype=torch.bfloat16)
     assert lp.kind == "fused" and lp.backing.startswith("fp8 GEMV (mpsboost's Metal kernel") and lp.gemv_max_m == 4
 
 

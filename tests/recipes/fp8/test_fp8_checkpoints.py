@@ -525,7 +525,7 @@ def test_save_of_a_loaded_published_checkpoint_round_trips(tmp_path):
 
 
 def test_describe_checkpoint_names_format_storage_and_path(tmp_path):
-    from mpsboost.recipes.fp8.formats import describe_checkpoint
+    from mpsboost.quant.fp8_plan import describe_checkpoint
 
     write_transformers_fp8(_lm(_qwen3_moe_config), tmp_path / "tf", block=(16, 48))
     old = describe_checkpoint(tmp_path / "tf", Env.simulate("mps", "2.14.1"))
@@ -677,7 +677,7 @@ def test_scaled_fp8_without_scales_and_compressed_tensors_wrong_scales(tmp_path)
 @pytest.mark.parametrize("fmt", ["mpsboost", "compressed-tensors"])
 @pytest.mark.parametrize("fail_at", ["early", "late"])
 def test_a_failure_while_reading_puts_every_tensor_back(fp8_folder, tmp_path, monkeypatch, fail_at, fmt):
-    from mpsboost.recipes.fp8 import formats as fp8_formats
+    from mpsboost.quant import io as fp8_formats  # the one tensor reader every loader calls
 
     if fmt == "compressed-tensors":  # published formats are read by load_fp8 itself, layer by layer
         write_compressed_tensors(_lm(_qwen3_config), tmp_path / "ct", strategy="channel")

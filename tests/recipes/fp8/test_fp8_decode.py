@@ -16,6 +16,7 @@ import mpsboost
 from fp8_decode_cost import AtenOps, build, decode_cost
 from mpsboost.gate import Env
 from mpsboost.ops import fp8 as fp8_ops
+from mpsboost.recipes.fp8 import paths as fp8_paths
 from mpsboost.ops import fp8_moe
 from mpsboost.ops.fp8_grouped import GemvOperand
 
@@ -85,17 +86,17 @@ def test_shared_expert_gate_stays_in_bf16():
 
 def test_few_rows_path_only_for_16_aligned_layers_and_named_in_the_plan():
     sm = "scaled_mm"
-    lp = fp8_ops.choose_linear_path(MAC, n=64, k=128, dtype=torch.bfloat16, mps_kernel=sm)
+    lp = fp8_paths.choose_linear_path(MAC, n=64, k=128, dtype=torch.bfloat16, mps_kernel=sm)
     assert lp.kind == "mps_scaled_mm" and lp.gemv_max_m == 4 and lp.backing.startswith("scaled_mm rowwise for M<=4")
-    lp = fp8_ops.choose_linear_path(MAC, n=1, k=128, dtype=torch.bfloat16, mps_kernel=sm)  # a shared-expert gate
+    lp = fp8_paths.choose_linear_path(MAC, n=1, k=128, dtype=torch.bfloat16, mps_kernel=sm)  # a shared-expert gate
     assert lp.kind == "dequant" and "multiples of 16" in lp.reason
-    old = fp8_ops.choose_linear_path(Env.simulate("mps", "2.14.1"), n=64, k=128, dtype=torch.bfloat16, mps_kernel=sm)
+    old = fp8_paths.choose_linear_path(Env.simulate("mps", "2.14.1"), n=64, k=128, dtype=torch.bfloat16, mps_kernel=sm)
     assert old.kind == "dequant" and old.storage == "uint8"
     # mpsboost's Metal GEMV takes any N and K a multiple of 16, on 2.14 too (uint8 storage, read as it is).
     for env in (MAC, Env.simulate("mps", "2.14.1")):
-        lp = fp8_ops.choose_linear_path(env, n=1, k=128, dtype=torch.bfloat16)
+        lp = fp8_paths.choose_linear_path(env, n=1, k=128, dtype=torch.bfloat16)
         assert lp.kind == "fused" and "mpsboost's Metal kernel" in lp.backing and lp.gemv_max_m == 4
-    lp = fp8_ops.choose_linear_path(MAC, n=64, k=72, dtype=torch.bfloat16)
+    lp = fp8_paths.choose_linear_path(MAC, n=64, k=72, dtype=torch.bfloat16)
     assert lp.kind == "dequant" and "K=72 is not a multiple of 16" in lp.reason
 
 

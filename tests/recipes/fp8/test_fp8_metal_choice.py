@@ -15,6 +15,7 @@ import mpsboost
 from mpsboost import gate, ondevice
 from mpsboost.gate import Env
 from mpsboost.ops import fp8 as fp8_ops
+from mpsboost.recipes.fp8 import paths as fp8_paths
 from mpsboost.ops import fp8_metal
 
 N, K = 48, 64
@@ -24,7 +25,7 @@ N, K = 48, 64
 def stub_mac(monkeypatch, tmp_path):
     monkeypatch.setenv("MPSBOOST_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(fp8_metal, "self_check", lambda device="mps": None)
-    monkeypatch.setattr(fp8_ops, "_METAL_CHECKED", {})
+    monkeypatch.setattr(fp8_paths, "_METAL_CHECKED", {})
     for feature in ("fp8_metal_gemv", "fp8_gemv", "scaled_mm", "float8_storage"):
         monkeypatch.setitem(gate._PROBE_CACHE, (feature, "mps", "2.15.0"), None)
     state = {"timer": tm.no_timing, "built": []}

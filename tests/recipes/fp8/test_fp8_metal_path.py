@@ -18,6 +18,7 @@ from mpsboost.errors import PatchError
 from fp8_decode_cost import AtenOps, build, decode_cost
 from mpsboost.gate import Env
 from mpsboost.ops import fp8 as fp8_ops
+from mpsboost.recipes.fp8 import paths as fp8_paths
 from mpsboost.ops import fp8_moe
 from mpsboost.ops.fp8_block import dequantize_block
 from mpsboost.ops.fp8_grouped import grouped_mm
@@ -237,25 +238,25 @@ def test_medium_decode_step_moves_at_most_0_6x_the_bytes_of_patched_bf16():
 
 def test_a_mac_whose_self_check_fails_keeps_torchs_kernels_and_says_why(monkeypatch):
     # On a real Mac the recipe compiles the kernel and checks it against the reference at patch time, once per
-    # process (mpsboost.ops.fp8.metal_verdict). A failure is never silent: the layers take torch's own paths and
-    # the report carries the self-check's words. (The gate's probe of compile_shader is stubbed: no Mac here.)
+    # process (mpsboost.recipes.fp8.paths.metal_verdict). A failure is never silent: the layers take torch's own
+    # paths and the report carries the self-check's words. (The gate's probe of compile_shader is stubbed: no Mac here.)
     from mpsboost import gate
     from mpsboost.ops import fp8_metal
 
     real = Env(torch_version=gate.parse_torch_version("2.15.0"), device_type="mps", device_name="Apple MPS (test)")
     calls = []
     monkeypatch.setattr(fp8_metal, "self_check", lambda device="mps": calls.append(device) or "decodes 14 codes")
-    monkeypatch.setattr(fp8_ops, "_METAL_CHECKED", {})
+    monkeypatch.setattr(fp8_paths, "_METAL_CHECKED", {})
     monkeypatch.setitem(gate._PROBE_CACHE, ("fp8_metal_gemv", "mps", "2.15.0"), None)
     monkeypatch.setitem(gate._PROBE_CACHE, ("fp8_gemv", "mps", "2.15.0"), None)
-    v = fp8_ops.metal_verdict(real)
+    v = fp8_paths.metal_verdict(real)
     assert not v.ok and "failed its self-check here: decodes 14 codes" in v.reason
-    lp = fp8_ops.choose_linear_path(real, n=64, k=128, dtype=torch.bfloat16)
+    lp = fp8_paths.choose_linear_path(real, n=64, k=128, dtype=torch.bfloat16)
     assert lp.kind != "fused" and "failed its self-check" in lp.reason
     assert calls == ["mps"]  # once per process, not per layer
-    monkeypatch.setattr(fp8_ops, "_METAL_CHECKED", {})
+    monkeypatch.setattr(fp8_paths, "_METAL_CHECKED", {})
     monkeypatch.setattr(fp8_metal, "self_check", lambda device="mps": None)
-    v = fp8_ops.metal_verdict(real)
+    v = fp8_paths.metal_verdict(real)
     assert v.ok and "compiled and checked against the reference on this Mac" in v.reason
 
 

@@ -10,7 +10,7 @@ import pytest
 
 import mpsboost
 from mpsboost.gate import Env, Verdict
-from mpsboost.ops import fp8 as fp8_ops
+from mpsboost.recipes.fp8 import paths as fp8_paths
 from test_fp8_qwen36 import _meta_model, write_qwen36_fp8
 
 LINEAR = "model.layers.0.linear_attn.in_proj_qkv"
@@ -29,7 +29,7 @@ def _backing(folder, env, requantize):
 
 
 def test_where_the_metal_kernel_is_off_rowwise_takes_the_few_rows_scaled_mm(folder, monkeypatch):
-    monkeypatch.setattr(fp8_ops, "metal_verdict", lambda env: Verdict(False, "self-check failed (test)"))
+    monkeypatch.setattr(fp8_paths, "metal_verdict", lambda env: Verdict(False, "self-check failed (test)"))
     mac = Env.simulate("mps", "2.15.0")
     assert _backing(folder, mac, None) == "block-scaled fp8 128x128, dequantise then linear"
     assert _backing(folder, mac, "rowwise").startswith("scaled_mm rowwise for M<=4")

@@ -63,6 +63,7 @@ import torch
 from ... import tuning
 from ...gate import Env, Verdict, check
 from ...ops import fp8 as fp8_ops
+from . import paths as fp8_paths
 from ...ops import fp8_moe
 from ...errors import Fp8ConversionError, PatchError
 from .layers import (  # noqa: F401  (FP8Linear re-exported: the class a converted nn.Linear prints as)
@@ -222,14 +223,14 @@ def _parse(options: Fp8WeightsOptions) -> Fp8WeightsOptions:
         raise ValueError(
             f"fp8_weights option moe_path={options.moe_path!r}: expected 'auto' or one of {', '.join(fp8_moe.PATHS)}"
         )
-    if options.activations not in fp8_ops.ACTIVATIONS:
+    if options.activations not in fp8_paths.ACTIVATIONS:
         raise ValueError(
             f"fp8_weights option activations={options.activations!r}: expected 'bf16' (dequantise large "
             "batches, exact) or 'fp8' (quantise activations for scaled_mm)"
         )
-    if options.mps_kernel not in fp8_ops.MPS_KERNELS:
+    if options.mps_kernel not in fp8_paths.MPS_KERNELS:
         raise ValueError(
-            f"fp8_weights option mps_kernel={options.mps_kernel!r}: expected one of {', '.join(fp8_ops.MPS_KERNELS)}"
+            f"fp8_weights option mps_kernel={options.mps_kernel!r}: expected one of {', '.join(fp8_paths.MPS_KERNELS)}"
         )
     return dataclasses.replace(
         options, fp8=gran, include=_patterns(options.include, "include"), exclude=_patterns(options.exclude, "exclude")
@@ -308,7 +309,7 @@ def _metal_decode(env: Env, ws: list[torch.Tensor], transposed: bool, opts: Fp8W
     or a ``moe_path`` forced), else the verdict. Reads only shapes and dtypes."""
     if env.device_type != "mps" or opts.mps_kernel == "scaled_mm" or opts.moe_path != "auto":
         return None
-    v = fp8_ops.metal_verdict(env)
+    v = fp8_paths.metal_verdict(env)
     if not v.ok:
         return v
     if transposed:
@@ -319,14 +320,14 @@ def _metal_decode(env: Env, ws: list[torch.Tensor], transposed: bool, opts: Fp8W
 
 
 def _metal_or_scaled_mm(env: Env, metal: Any, n: int, k: int, dtype: torch.dtype) -> Any:
-    """Where both mpsboost's Metal fp8 GEMV (``metal``, the path :func:`fp8_ops.choose_linear_path` chose) and
+    """Where both mpsboost's Metal fp8 GEMV (``metal``, the path :func:`fp8_paths.choose_linear_path` chose) and
     torch's own few-rows fp8 kernels serve an ``[n, k]`` layer on MPS: the faster one at this shape on the user's
     Mac (:func:`mpsboost.ondevice.choose`, cached per chip, macOS, torch and shape). The static choice, taken where
     nothing is timed (a simulated Mac, option ``mps_kernel="metal"``), is the Metal GEMV: one dispatch reading the
     codes as stored, where torch's path quantises the activation first (five dispatches, then ``F.scaled_mm``)."""
     from ... import ondevice
 
-    alt = fp8_ops.mps_path_without_metal(env, n=n, k=k, dtype=dtype)
+    alt = fp8_paths.mps_path_without_metal(env, n=n, k=k, dtype=dtype)
     if alt.kind != "mps_scaled_mm":  # nothing to time against: torch has no few-rows fp8 kernel for it here
         return metal
     stock, candidate = fp8_ops.gemv_contenders(n, k, dtype)
@@ -519,7 +520,7 @@ class Fp8Weights(Recipe):
         if hit is not None:
             return Decision.skip(f"excluded by pattern {hit!r}")
         gran = opts.fp8
-        storage = fp8_ops.storage_for(env)
+        storage = fp8_paths.storage_for(env)
         if data["kind"] == "linear":
             w = mod.weight
             n, k = w.shape
@@ -568,7 +569,7 @@ class Fp8Weights(Recipe):
         """The decision for a module that :func:`mpsboost.load_fp8` fills with a file's codes and scales:
         the path :meth:`decide` takes for the same shapes, dtype and device (default options), or, for
         block scales, the block-scaled forward that applies them as they are. Reads no data."""
-        storage = fp8_ops.storage_for(env)
+        storage = fp8_paths.storage_for(env)
         opts = _parse(Fp8WeightsOptions())
         details: dict[str, Any] = {
             "kind": layer.kind,
@@ -644,7 +645,7 @@ class Fp8Weights(Recipe):
         """(plan, backing, why) of a linear layer ``[N, K]`` computing in ``dtype``."""
         n, k = shape
         gemv_max, _, where = _thresholds(env, opts)
-        lp = fp8_ops.choose_linear_path(
+        lp = fp8_paths.choose_linear_path(
             env, n=n, k=k, dtype=dtype, gemv_max_m=gemv_max, activations=opts.activations, mps_kernel=opts.mps_kernel
         )
         if lp.kind == "fused" and env.device_type == "mps" and opts.mps_kernel == "auto":
