@@ -100,8 +100,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "src/mpsboost/quant/formats.py",
-                "                t = t.float() - 1.0  # transformers computes x * (1 + w): mlx-lm stored 1 + w\n",
-                "                t = t.float()\n",
+                "            t = t.float() - 1.0  # transformers computes x * (1 + w): mlx-lm stored 1 + w\n",
+                "            t = t.float()\n",
             ),
         ),
         tests=("tests/quant/test_mlx_affine.py", "-k", "every_family and qwen3_5_moe"),
@@ -1548,6 +1548,88 @@ MUTATIONS: tuple[Mutation, ...] = (
         why="UE8M0 block scales decode with exponent bias 128, not 127: every scale half its value",
         edits=(Edit("src/mpsboost/quant/fp8_formats.py", "(raw - 127).float()", "(raw - 128).float()"),),
         tests=("tests/quant/test_fp8_rows.py", "-k", "ue8m0"),
+    ),
+    Mutation(
+        name="low-bit-choice-static-is-torch",
+        why="the low-bit Metal-or-int4pack choice's static choice is torch's pack: a simulated Mac leaves Metal",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/low_bit/recipe.py",
+                "        static=True,\n",
+                "        static=False,\n",
+            ),
+        ),
+        tests=("tests/quant/test_low_bit_choice.py", "-k", "simulated_mac_takes_the_metal"),
+        quick=True,
+    ),
+    Mutation(
+        name="low-bit-choice-verdict-ignored",
+        why="a timed low-bit choice that is not faster keeps the Metal GEMV anyway (ties and slower go to torch's)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/low_bit/recipe.py",
+                "    return pack_path(pack, choice.describe())\n",
+                "    return dataclasses.replace(static, note=choice.describe())\n",
+            ),
+        ),
+        tests=("tests/quant/test_low_bit_choice.py", "-k", "tie_or_slower or timing_error"),
+        quick=True,
+    ),
+    Mutation(
+        name="low-bit-self-check-ignored",
+        why="the low-bit Metal kernels' failed patch-time self-check is ignored: they run on a Mac that failed it",
+        edits=(Edit("src/mpsboost/recipes/low_bit/paths.py", "    if why is not None:\n", "    if False:\n"),),
+        tests=("tests/quant/test_low_bit_choice.py", "-k", "failed_self_check"),
+        quick=True,
+    ),
+    Mutation(
+        name="low-bit-int8-unrepresentable-ignored",
+        why="an 8-bit layer whose groups int8pack cannot hold is planned on torch's int8pack anyway",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/low_bit/paths.py",
+                "    if pack is not None and unrepresentable is not None:\n",
+                "    if False:\n",
+            ),
+        ),
+        tests=("tests/quant/test_low_bit_choice.py", "-k", "int8pack_only_where"),
+        quick=True,
+    ),
+    Mutation(
+        name="low-bit-int4pack-forward-unused",
+        why="a layer planned on torch's int4pack never calls it (its few rows are dequantised instead)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/low_bit/layers.py",
+                "        if state.pack and 0 < _rows(input) <= state.max_rows",
+                "        if state.pack and 0 < _rows(input) <= 0",
+            ),
+        ),
+        tests=("tests/quant/test_low_bit_choice.py", "-k", "int4pack_path_computes"),
+    ),
+    Mutation(
+        name="low-bit-pack-buffers-persistent",
+        why="torch's packed copy of a low-bit linear goes into its state_dict (and so into a saved folder)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/low_bit/layers.py",
+                "    mod._non_persistent_buffers_set.update(added)\n",
+                "",
+            ),
+        ),
+        tests=("tests/quant/test_low_bit_choice.py", "-k", "int4pack_path_computes and float32"),
+    ),
+    Mutation(
+        name="low-bit-inexact-repack-kept",
+        why="a 4-bit repack whose zeros round in the compute dtype is kept (int4pack on numbers not the file's)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/low_bit/layers.py",
+                "    if why is None:\n        return state, pack\n",
+                "    return state, pack\n",
+            ),
+        ),
+        tests=("tests/quant/test_low_bit_choice.py", "-k", "inexact_4_bit"),
     ),
 )
 

@@ -193,161 +193,189 @@ def _read_q(entries: list[tuple[TensorEntry, TensorEntry, TensorEntry]], dim: in
     return read
 
 
-def _mlx_sources(folder: Folder, view: ModelView, info: dict) -> tuple[dict[str, Source], list[str]]:  # noqa: C901  (issue 39: split it below complexity 25)
-    fam: Family = info["family"]
-    qcfg: dict = info["quantization"]
-    default: Optional[QParams] = info["default"]
-    ents = folder.entries
-    sources: dict[str, Source] = {}
-    used: set[str] = set()
-    ignored = [k for k in ents if any(k.startswith(p) or f".{p}" in k for p in fam.ignored)]
-    used.update(ignored)
+@dataclass
+class _MlxRead:
+    """One MLX folder being mapped onto a model: what every step of :func:`_mlx_sources` shares."""
 
-    def params_for(file_module: str) -> tuple[Optional[QParams], str]:
-        entry = qcfg.get(file_module)
+    folder: Folder
+    view: ModelView
+    info: dict
+    used: set = field(default_factory=set)  # file keys placed (or deliberately ignored)
+    ignored: list = field(default_factory=list)
+
+    @property
+    def fam(self) -> Family:
+        return self.info["family"]
+
+    @property
+    def ents(self) -> dict:
+        return self.folder.entries
+
+    def params_for(self, file_module: str) -> tuple[Optional[QParams], str]:
+        """The config's (bits, group size) for a file module where it names one (else None: inferred from the
+        shapes), and the config field it came from (for errors)."""
+        entry = self.info["quantization"].get(file_module)
         if isinstance(entry, dict):
-            return QParams(int(entry.get("bits", default.bits)), int(entry.get("group_size", default.group_size))), (
-                f"quantization[{file_module!r}]"
-            )
-        return default, "quantization.bits/group_size"
+            default: QParams = self.info["default"]
+            given = QParams(int(entry.get("bits", default.bits)), int(entry.get("group_size", default.group_size)))
+            return given, f"quantization[{file_module!r}]"
+        return None, "quantization.bits/group_size"
 
-    # Quantized modules: <module>.weight (uint32) with <module>.scales and <module>.biases.
-    qmods = sorted(k[: -len(".scales")] for k in ents if k.endswith(".scales"))
-    for fm in qmods:
+    def infer(self, file_module: str, k: int, w: TensorEntry, s: TensorEntry) -> QParams:
+        given, fname = self.params_for(file_module)
+        return _infer(f"{file_module}.weight", k, w.shape[-1], s.shape[-1], given, fname)
+
+    def triple(self, fm: str) -> tuple[TensorEntry, ...]:
+        """``(weight, scales, biases)`` of a quantized file module, or ``(weight,)`` of a plain one."""
+        if f"{fm}.scales" in self.ents:
+            return (
+                _entry(self.folder, f"{fm}.weight"),
+                _entry(self.folder, f"{fm}.scales"),
+                _entry(self.folder, f"{fm}.biases"),
+            )
+        self.used.add(f"{fm}.weight")
+        return (_entry(self.folder, f"{fm}.weight"),)
+
+
+def _mlx_sources(folder: Folder, view: ModelView, info: dict) -> tuple[dict[str, Source], list[str]]:
+    """Every model tensor's source in an MLX folder: the quantized modules, the experts' stacks, the plain tensors
+    (with the converter's rewrites undone), in that order; and the file keys the family ignores."""
+    r = _MlxRead(folder, view, info)
+    r.ignored = [k for k in r.ents if any(k.startswith(p) or f".{p}" in k for p in r.fam.ignored)]
+    r.used.update(r.ignored)
+    sources: dict[str, Source] = {}
+    _mlx_quantized_modules(r, sources)
+    for pre in sorted({k.split(".switch_mlp.")[0] for k in r.ents if ".switch_mlp." in k and k not in r.ignored}):
+        _mlx_expert_stacks(r, pre, sources)
+    for key, e in r.ents.items():
+        if key not in r.used:
+            mk, src = _mlx_plain(r, key, e)
+            sources[mk] = src
+    return sources, r.ignored
+
+
+def _mlx_quantized_modules(r: _MlxRead, sources: dict[str, Source]) -> None:
+    """Quantized modules: ``<module>.weight`` (uint32) with ``<module>.scales`` and ``<module>.biases``. The experts'
+    stacks are checked here and placed by :func:`_mlx_expert_stacks`."""
+    ents = r.ents
+    ignored_mods = {k[: -len(".scales")] for k in r.ignored if k.endswith(".scales")}
+    for fm in sorted(k[: -len(".scales")] for k in ents if k.endswith(".scales")):
         wk, sk, bk = f"{fm}.weight", f"{fm}.scales", f"{fm}.biases"
-        if fm in set(k[: -len(".scales")] for k in ignored if k.endswith(".scales")):
+        if fm in ignored_mods:
             continue
-        w, s, b = _entry(folder, wk), _entry(folder, sk), _entry(folder, bk)
+        w, s, b = _entry(r.folder, wk), _entry(r.folder, sk), _entry(r.folder, bk)
         if w.dtype != "U32":
             raise QuantMismatchError(f"{wk}: dtype {w.dtype}; MLX affine codes are U32 words")
         if s.shape != b.shape or s.shape[:-1] != w.shape[:-1]:
             raise QuantMismatchError(f"{sk} {list(s.shape)} and {bk} {list(b.shape)} do not fit {wk} {list(w.shape)}")
-        used.update((wk, sk, bk))
+        r.used.update((wk, sk, bk))
         if ".switch_mlp." in fm:
-            continue  # the experts' stacks, below
-        mk = fam.to_model_key(wk)
-        if mk not in view.shapes:
+            continue
+        mk = r.fam.to_model_key(wk)
+        if mk not in r.view.shapes:
             raise QuantMismatchError(
-                f"{wk}: the quantized module {fm!r} is {mk!r} in this {info['model_class']}, which has no such tensor"
+                f"{wk}: the quantized module {fm!r} is {mk!r} in this {r.info['model_class']}, which has no such tensor"
             )
-        shape = view.shapes[mk][0]
-        given, fname = params_for(fm)
-        p = _infer(wk, shape[-1], w.shape[-1], s.shape[-1], given if isinstance(qcfg.get(fm), dict) else None, fname)
+        shape = r.view.shapes[mk][0]
+        p = r.infer(fm, shape[-1], w, s)
         if tuple(w.shape[:-1]) != tuple(shape[:-1]):
             raise QuantMismatchError(f"{wk} {list(w.shape)}: the model's {mk} is {list(shape)}")
         sources[mk] = Source((wk, sk, bk), tuple(shape), _read_q([(w, s, b)], 0), p, w.nbytes + s.nbytes + b.nbytes)
-    # The experts' stacks: switch_mlp.{gate,up,down}_proj -> experts.gate_up_proj / experts.down_proj.
-    stacks = sorted({k.split(".switch_mlp.")[0] for k in ents if ".switch_mlp." in k and k not in ignored})
-    for pre in stacks:
-        mpre = fam.to_model_key(pre + ".")[:-1]
-        up_key, down_key = f"{mpre}.experts.gate_up_proj", f"{mpre}.experts.down_proj"
-        if up_key not in view.shapes or down_key not in view.shapes:
-            raise QuantMismatchError(
-                f"{pre}.switch_mlp.*: this {info['model_class']} has no fused experts {up_key} / {down_key}"
-            )
-        parts = {}
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            fm = f"{pre}.switch_mlp.{proj}"
-            if f"{fm}.scales" in ents:
-                parts[proj] = (
-                    _entry(folder, f"{fm}.weight"),
-                    _entry(folder, f"{fm}.scales"),
-                    _entry(folder, f"{fm}.biases"),
-                )
-            else:
-                parts[proj] = (_entry(folder, f"{fm}.weight"),)
-                used.add(f"{fm}.weight")
-        quantized = {p: len(v) == 3 for p, v in parts.items()}
-        if quantized["gate_proj"] != quantized["up_proj"]:
-            raise QuantMismatchError(
-                f"{pre}.switch_mlp: gate_proj and up_proj are stored differently (one quantized, one not); "
-                "transformers fuses them into one gate_up_proj stack"
-            )
-        for name, projs, mkey in (
-            ("gate_up_proj", ("gate_proj", "up_proj"), up_key),
-            ("down_proj", ("down_proj",), down_key),
-        ):
-            shape = view.shapes[mkey][0]
-            e_, n_, k_ = shape
-            if quantized[projs[0]]:
-                ps = []
-                for proj in projs:
-                    w, s, b = parts[proj]
-                    fm = f"{pre}.switch_mlp.{proj}"
-                    given, fname = params_for(fm)
-                    ps.append(
-                        _infer(
-                            f"{fm}.weight",
-                            k_,
-                            w.shape[-1],
-                            s.shape[-1],
-                            given if isinstance(qcfg.get(fm), dict) else None,
-                            fname,
-                        )
-                    )
-                    if w.shape[0] != e_:
-                        raise QuantMismatchError(f"{fm}.weight {list(w.shape)}: the model has {e_} experts ({mkey})")
-                if len(set(ps)) > 1:
-                    raise QuantMismatchError(
-                        f"{pre}.switch_mlp: gate_proj {ps[0]} and up_proj {ps[1]} differ; transformers fuses them "
-                        "into one gate_up_proj stack, which takes one bits/group size"
-                    )
-                rows = sum(parts[p][0].shape[1] for p in projs)
-                if rows != n_:
-                    raise QuantMismatchError(
-                        f"{pre}.switch_mlp.{'+'.join(projs)}: {rows} rows, the model's {mkey} has {n_}"
-                    )
-                sources[mkey] = Source(
-                    tuple(e.key for p in projs for e in parts[p]),
-                    tuple(shape),
-                    _read_q([parts[p] for p in projs], 1),
-                    ps[0],
-                    sum(e.nbytes for p in projs for e in parts[p]),
-                    note="switch_mlp stacks fused" if len(projs) > 1 else "",
-                )
-            else:
-                ws = [parts[p][0] for p in projs]
 
-                def read_plain(device, dtype, ws=ws, name=name):
-                    t = torch.cat([read_tensor(w) for w in ws], dim=1)
-                    return {name: t.to(dtype).to(device)}
 
-                sources[mkey] = Source(
-                    tuple(w.key for w in ws), tuple(shape), read_plain, None, sum(w.nbytes for w in ws)
-                )
-    # Plain tensors.
-    for key, e in ents.items():
-        if key in used:
-            continue
-        mk = fam.to_model_key(key)
-        if mk not in view.shapes:
-            raise QuantMismatchError(
-                f"{folder.name}: tensor {key!r} (as {mk!r}) has no place in this {info['model_class']}; "
-                "the checkpoint and its config.json disagree"
-            )
-        shape, mdtype = view.shapes[mk]
-        rewrite = ""
-        if fam.conv1d and key.endswith("conv1d.weight") and e.shape[-1] == 1 and len(shape) == 3 and shape[1] == 1:
-            rewrite = "conv1d [C, K, 1] -> [C, 1, K]"
-        elif fam.zero_centred and any(key.endswith(s) for s in fam.zero_centred) and len(e.shape) == 1:
-            rewrite = "norm stored +1 -> -1"
-        keep32 = any(key.endswith(s) for s in fam.keep_float32)
-        want = (shape[0], shape[2], 1) if rewrite.startswith("conv1d") else shape
-        if tuple(e.shape) != tuple(want):
-            raise QuantMismatchError(f"{key} {list(e.shape)}: the model's {mk} is {list(shape)}")
+def _mlx_expert_stacks(r: _MlxRead, pre: str, sources: dict[str, Source]) -> None:
+    """The experts' stacks of one block: ``switch_mlp.{gate,up,down}_proj`` -> ``experts.gate_up_proj`` (gate rows
+    then up rows) / ``experts.down_proj``."""
+    mpre = r.fam.to_model_key(pre + ".")[:-1]
+    up_key, down_key = f"{mpre}.experts.gate_up_proj", f"{mpre}.experts.down_proj"
+    if up_key not in r.view.shapes or down_key not in r.view.shapes:
+        raise QuantMismatchError(
+            f"{pre}.switch_mlp.*: this {r.info['model_class']} has no fused experts {up_key} / {down_key}"
+        )
+    parts = {proj: r.triple(f"{pre}.switch_mlp.{proj}") for proj in ("gate_proj", "up_proj", "down_proj")}
+    quantized = {p: len(v) == 3 for p, v in parts.items()}
+    if quantized["gate_proj"] != quantized["up_proj"]:
+        raise QuantMismatchError(
+            f"{pre}.switch_mlp: gate_proj and up_proj are stored differently (one quantized, one not); "
+            "transformers fuses them into one gate_up_proj stack"
+        )
+    for name, projs, mkey in (
+        ("gate_up_proj", ("gate_proj", "up_proj"), up_key),
+        ("down_proj", ("down_proj",), down_key),
+    ):
+        shape = tuple(r.view.shapes[mkey][0])
+        if quantized[projs[0]]:
+            sources[mkey] = _mlx_quantized_stack(r, pre, projs, mkey, shape, parts)
+        else:
+            ws = [parts[p][0] for p in projs]
 
-        def read_plain(device, dtype, e=e, rewrite=rewrite, keep32=keep32, leaf=mk.rsplit(".", 1)[-1]):
-            t = read_tensor(e)
-            if rewrite.startswith("conv1d"):
-                t = t.permute(0, 2, 1).contiguous()
-            elif rewrite.startswith("norm"):
-                t = t.float() - 1.0  # transformers computes x * (1 + w): mlx-lm stored 1 + w
-            if t.is_floating_point():
-                t = t.to(torch.float32 if keep32 else dtype)
-            return {leaf: t.to(device)}
+            def read_plain(device, dtype, ws=ws, name=name):
+                t = torch.cat([read_tensor(w) for w in ws], dim=1)
+                return {name: t.to(dtype).to(device)}
 
-        sources[mk] = Source((key,), tuple(shape), read_plain, None, e.nbytes, note=rewrite)
-    return sources, ignored
+            sources[mkey] = Source(tuple(w.key for w in ws), shape, read_plain, None, sum(w.nbytes for w in ws))
+
+
+def _mlx_quantized_stack(r: _MlxRead, pre: str, projs: tuple, mkey: str, shape: tuple, parts: dict) -> Source:
+    """One quantized experts' stack from its file projections (one, or gate and up fused along the rows)."""
+    e_, n_, k_ = shape
+    ps = []
+    for proj in projs:
+        w, s, _ = parts[proj]
+        fm = f"{pre}.switch_mlp.{proj}"
+        ps.append(r.infer(fm, k_, w, s))
+        if w.shape[0] != e_:
+            raise QuantMismatchError(f"{fm}.weight {list(w.shape)}: the model has {e_} experts ({mkey})")
+    if len(set(ps)) > 1:
+        raise QuantMismatchError(
+            f"{pre}.switch_mlp: gate_proj {ps[0]} and up_proj {ps[1]} differ; transformers fuses them "
+            "into one gate_up_proj stack, which takes one bits/group size"
+        )
+    rows = sum(parts[p][0].shape[1] for p in projs)
+    if rows != n_:
+        raise QuantMismatchError(f"{pre}.switch_mlp.{'+'.join(projs)}: {rows} rows, the model's {mkey} has {n_}")
+    return Source(
+        tuple(e.key for p in projs for e in parts[p]),
+        shape,
+        _read_q([parts[p] for p in projs], 1),
+        ps[0],
+        sum(e.nbytes for p in projs for e in parts[p]),
+        note="switch_mlp stacks fused" if len(projs) > 1 else "",
+    )
+
+
+def _mlx_plain(r: _MlxRead, key: str, e: TensorEntry) -> tuple[str, Source]:
+    """A plain (unquantized) tensor, with mlx-lm's rewrites undone: conv1d ``[C, K, 1]`` back to ``[C, 1, K]``,
+    a zero-centred norm stored ``1 + w`` back to ``w``, float32 kept where the family keeps it."""
+    fam = r.fam
+    mk = fam.to_model_key(key)
+    if mk not in r.view.shapes:
+        raise QuantMismatchError(
+            f"{r.folder.name}: tensor {key!r} (as {mk!r}) has no place in this {r.info['model_class']}; "
+            "the checkpoint and its config.json disagree"
+        )
+    shape, _ = r.view.shapes[mk]
+    rewrite = ""
+    if fam.conv1d and key.endswith("conv1d.weight") and e.shape[-1] == 1 and len(shape) == 3 and shape[1] == 1:
+        rewrite = "conv1d [C, K, 1] -> [C, 1, K]"
+    elif fam.zero_centred and any(key.endswith(s) for s in fam.zero_centred) and len(e.shape) == 1:
+        rewrite = "norm stored +1 -> -1"
+    keep32 = any(key.endswith(s) for s in fam.keep_float32)
+    want = (shape[0], shape[2], 1) if rewrite.startswith("conv1d") else shape
+    if tuple(e.shape) != tuple(want):
+        raise QuantMismatchError(f"{key} {list(e.shape)}: the model's {mk} is {list(shape)}")
+
+    def read_plain(device, dtype, e=e, rewrite=rewrite, keep32=keep32, leaf=mk.rsplit(".", 1)[-1]):
+        t = read_tensor(e)
+        if rewrite.startswith("conv1d"):
+            t = t.permute(0, 2, 1).contiguous()
+        elif rewrite.startswith("norm"):
+            t = t.float() - 1.0  # transformers computes x * (1 + w): mlx-lm stored 1 + w
+        if t.is_floating_point():
+            t = t.to(torch.float32 if keep32 else dtype)
+        return {leaf: t.to(device)}
+
+    return mk, Source((key,), tuple(shape), read_plain, None, e.nbytes, note=rewrite)
 
 
 MLX_AFFINE = Format(
