@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from mpsboost.errors import UserInputError
-from mpsboost.gate import Env
 from mpsboost.ops import affine as A
 
 mx = pytest.importorskip("mlx.core", reason="mlx (mlx[cpu] on Linux) is the reference of MLX's format")
@@ -322,11 +321,3 @@ def test_int8pack_exact_where_representable_refused_otherwise(rng_seed):
     w8, sc = A.to_int8pack(q, s, b, gs, dtype=torch.float32, exact=False)
     ref = x.double() @ _exact(q, s, b, 8, gs).t()
     assert _rel(A.int8pack_linear(x, w8, sc), ref) <= 3e-2
-
-
-def test_metal_verdict_follows_the_gate():
-    assert A.metal_verdict(Env.simulate("mps", "2.15.0")).ok
-    assert A.metal_verdict(Env.simulate("mps", "2.14.1")).ok
-    v = A.metal_verdict(Env.simulate("mps", "2.6.0"))
-    assert not v.ok and "2.7" in v.reason
-    assert not A.metal_verdict(Env.simulate("cuda", "2.15.0")).ok

@@ -37,7 +37,8 @@ Registered operators (``torch.library.custom_op`` with fakes, so ``torch.compile
 one opaque call): ``mpsboost::affine_gemv``, ``mpsboost::affine_gemv_out`` (into a caller's buffer, e.g. the
 columns of a wider one), ``mpsboost::affine_grouped_gemv`` (rows sorted by expert, int32 cumulative ends on the
 device, as ``torch._grouped_mm`` takes them; no host synchronisation) and ``mpsboost::affine_embedding``. Their
-MPS kernels run the Metal source where :func:`metal_verdict` allowed it; elsewhere the reference above.
+MPS kernels run the Metal source (the low_bit_weights recipe chooses this path only where its patch-time verdict,
+:func:`mpsboost.recipes.low_bit.paths.metal_verdict`, allowed it); elsewhere the reference above.
 
 Also here: torch's own ``_weight_int4pack_mm`` / ``_weight_int8pack_mm`` fed from MLX's layout
 (:func:`to_int4pack`, :func:`int4pack_linear`, :func:`to_int8pack`, :func:`int8pack_linear`), so that a Mac can
@@ -47,19 +48,20 @@ the same codes and ``zero = bias + 8 * scale``, exact wherever that sum is repre
 int8pack is one scale per output channel and no zero: MLX's 8-bit affine maps onto it exactly only if every
 group of a row has the same scale and ``bias = -128 * scale``; otherwise :func:`to_int8pack` refuses, or, with
 ``exact=False``, requantises per channel (lossy: a timing stand-in, not the checkpoint's numbers).
+:func:`torch_pack_for` says which of the two serves a layer's shape, :func:`gemv_contenders` makes one decode call
+of torch's pack and one of mpsboost's Metal GEMV at a shape, for a patch-time timing (:mod:`mpsboost.ondevice`).
 
-This module never imports diffusers or transformers, nor anything of mpsboost above ``gate``/``errors``.
+Tensor functions only: which path a layer takes is the recipe's (:mod:`mpsboost.recipes.low_bit.paths`). This module
+never imports diffusers or transformers, nor anything of mpsboost outside ``ops/`` (its layout lives in
+:mod:`.affine_codec`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
-from ..gate import Env, check
 
 __all__ = [
     "BITS",
@@ -79,11 +81,12 @@ __all__ = [
     "affine_grouped_gemv_reference",
     "affine_embedding_reference",
     "check_affine",
-    "metal_verdict",
     "to_int4pack",
     "int4pack_linear",
     "to_int8pack",
     "int8pack_linear",
+    "torch_pack_for",
+    "gemv_contenders",
 ]
 
 from .affine_codec import (  # noqa: F401 - re-exported: the layout lives in the leaf module
@@ -190,8 +193,8 @@ def _affine_gemv_op(
 def _affine_gemv_mps(
     x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group_size: int
 ) -> torch.Tensor:
-    # mpsboost's Metal GEMV (mpsboost.ops.affine_metal): the codes read once as they are stored. The caller chooses
-    # this path only where metal_verdict allowed it (compiled and checked on this Mac).
+    # mpsboost's Metal GEMV (mpsboost.ops.affine_metal): the codes read once as they are stored. The recipe chooses
+    # this path only where its metal_verdict allowed it (compiled and checked on this Mac).
     am = _metal()
     if am.supported(x, q, scales, biases, bits, group_size) is not None:
         return affine_gemv_reference(x, q, scales, biases, bits, group_size)
@@ -445,29 +448,6 @@ def affine_embedding(
     return torch.ops.mpsboost.affine_embedding(ids, q, scales, biases, bits, group_size, dtype)
 
 
-# ------------------------------------------------------------------------------------------ the Mac's verdict
-
-# (torch version) -> None (the kernels compiled and matched the reference on this Mac) or why not; once per process.
-_METAL_CHECKED: dict[str, Optional[str]] = {}
-
-
-def metal_verdict(env: Env):
-    """Whether mpsboost's Metal low-bit kernels run here: the gate's ``affine_metal_gemv`` (torch.mps.compile_shader
-    in this build), and on a real Mac their patch-time self-check (:func:`mpsboost.ops.affine_metal.self_check`:
-    compiled, then every branch compared with the reference, every code decoded exactly), once per process. A
-    simulated Mac is decided by the gate alone, and says so."""
-    v = check("affine_metal_gemv", env)
-    if not v.ok or env.simulated or env.device_type != "mps":
-        return v
-    key = env.torch_version.raw
-    if key not in _METAL_CHECKED:
-        _METAL_CHECKED[key] = _metal().self_check("mps")
-    why = _METAL_CHECKED[key]
-    if why is not None:
-        return dataclasses.replace(v, ok=False, reason=f"mpsboost's Metal low-bit GEMV failed its self-check: {why}")
-    return dataclasses.replace(v, reason=f"{v.reason}; compiled and checked against the reference on this Mac")
-
-
 # ------------------------------------------------------------------------------------------ torch's int4/int8 packs
 
 
@@ -542,9 +522,16 @@ def to_int8pack(
     codes = unpack_codes(q, 8)
     s = scales.double()
     same = bool((s == s[:, :1]).all()) and bool((biases.double() == -128.0 * s).all())
-    if same:
+    # the kernel reads its scales in the activation dtype: a scale that rounds there is not the checkpoint's
+    cast = scales[:, 0].to(dtype)
+    if same and bool((cast.double() == s[:, 0]).all()):
         # contiguous: torch 2.13's CPU kernel reads a strided scales tensor as if it were contiguous
-        return (codes.to(torch.int16) - 128).to(torch.int8), scales[:, 0].to(dtype).contiguous()
+        return (codes.to(torch.int16) - 128).to(torch.int8), cast.contiguous()
+    if exact and same:
+        _fail(
+            f"this 8-bit affine weight's scales ({scales.dtype}) do not all survive the cast to {dtype}, in which "
+            "torch's _weight_int8pack_mm reads them (pass exact=False to requantise per channel, lossy)"
+        )
     if exact:
         _fail(
             "this 8-bit affine weight has a scale per group of "
@@ -562,3 +549,78 @@ def int8pack_linear(x: torch.Tensor, w8: torch.Tensor, scales: torch.Tensor) -> 
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch._weight_int8pack_mm(x2, w8.contiguous(), scales.contiguous())  # strides are ignored (CPU, 2.13)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def torch_pack_for(bits: int, n: int, k: int, group_size: int, dtype: torch.dtype) -> tuple[Optional[str], str]:
+    """Which of torch's own kernels takes an ``[n, k]`` MLX affine layer of ``bits`` with activations in ``dtype``:
+    ``("int4pack", "")``, ``("int8pack", "")``, or ``(None, why not)``. Shapes only: whether an 8-bit layer's
+    codes are representable is :func:`to_int8pack`'s (``exact=True``) to say, and a 4-bit layer's repack
+    :func:`to_int4pack`'s (its ``inexact`` count). The rules are those of the kernels' own checks: int4pack (MPS:
+    ``_weight_int4pack_mm``, a 4-D packed tensor of ``N / 8`` tiles, ``K`` a multiple of 32 with two inner K
+    tiles, groups of 32-256; CPU: ``_weight_int4pack_mm_for_cpu``, ``N`` a multiple of 16), int8pack (MPS:
+    ``N`` and ``K`` multiples of 32)."""
+    if dtype not in ACT_DTYPES:
+        return None, f"activations in {dtype}: torch's int4pack/int8pack take {', '.join(map(str, ACT_DTYPES))}"
+    if bits == 4:
+        if group_size not in (32, 64, 128, 256):
+            return None, f"groups of {group_size}: torch's int4pack takes groups of 32, 64, 128 or 256"
+        if n % 16 or k % 32:
+            return None, f"[{n}, {k}]: torch's int4pack takes N a multiple of 16 and K a multiple of 32"
+        return "int4pack", ""
+    if bits == 8:
+        if n % 32 or k % 32:
+            return None, f"[{n}, {k}]: torch's int8pack (MPS) takes N and K multiples of 32"
+        return "int8pack", ""
+    return None, f"{bits}-bit: torch has int4pack and int8pack kernels only (4 and 8 bits)"
+
+
+def gemv_contenders(
+    n: int,
+    k: int,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+    *,
+    rows: int = 1,
+    device: str = "mps",
+) -> tuple:
+    """``(stock_run, metal_run)`` at one ``[n, k]`` layer's decode shape (``rows`` activations in ``dtype``), for
+    :func:`mpsboost.ondevice.choose`: ``stock_run`` makes one product by torch's own kernel for ``bits``
+    (:func:`int4pack_linear` at 4 bits, :func:`int8pack_linear` at 8), ``metal_run`` one by
+    :func:`affine_gemv` (on MPS mpsboost's Metal GEMV; elsewhere its reference), both from the same random codes,
+    scales and biases on ``device`` (at 8 bits codes that int8pack represents exactly: one scale a row,
+    ``bias = -128 * scale``), made at the first call: nothing is allocated where nothing is timed. The Metal
+    kernel's correctness is its self-check's, taken before this is asked."""
+    if bits not in (4, 8):
+        _fail(f"bits={bits}: torch's packs are int4pack (4 bits) and int8pack (8 bits)")
+    made: list[tuple] = []
+
+    def inputs() -> tuple:
+        if not made:
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            if bits == 4:
+                q, s, b = affine_quantize((torch.randn(n, k, generator=g) * 0.05).to(dtype), 4, group_size)
+            else:
+                codes = torch.randint(0, 256, (n, k), generator=g)
+                s = (torch.rand(n, 1, generator=g) * 1e-3 + 1e-4).to(dtype).expand(n, k // group_size).contiguous()
+                q, b = pack_codes(codes, 8), -128 * s
+            dev = torch.device(device)
+            q, s, b, x = q.to(dev), s.to(dev), b.to(dev), x.to(dev)
+            if bits == 4:
+                packed, sz, _ = to_int4pack(q, s, b, group_size, dtype=dtype, device_type=dev.type)
+                pack = (packed, sz)
+            else:
+                pack = to_int8pack(q, s, b, group_size, dtype=dtype)
+            made.append((x, q, s, b, pack))
+        return made[0]
+
+    def stock() -> torch.Tensor:
+        x, _, _, _, pack = inputs()
+        return int4pack_linear(x, *pack, group_size) if bits == 4 else int8pack_linear(x, *pack)
+
+    def metal() -> torch.Tensor:
+        x, q, s, b, _ = inputs()
+        return affine_gemv(x, q, s, b, bits, group_size)
+
+    return stock, metal

@@ -35,10 +35,11 @@ contiguous.
 
 The source is compiled once per process by ``torch.mps.compile_shader`` at patch time: :func:`self_check`
 compiles it and compares every kernel with the reference on shapes that cover its branches, and the caller uses
-the kernels on a Mac only if that passes (:func:`mpsboost.ops.affine.metal_verdict`, after the gate's feature
-``affine_metal_gemv``). They are reached only through the registered operators ``mpsboost::affine_gemv``,
-``mpsboost::affine_gemv_out``, ``mpsboost::affine_grouped_gemv`` and ``mpsboost::affine_embedding`` (their MPS
-kernels), so ``torch.compile`` sees opaque calls. :data:`SOURCE` is plain Metal with no torch headers, so CPU
+the kernels on a Mac only if that passes (the low_bit_weights recipe's
+:func:`mpsboost.recipes.low_bit.paths.metal_verdict`, after the gate's feature ``affine_metal_gemv``). They are
+reached only through the registered operators ``mpsboost::affine_gemv``, ``mpsboost::affine_gemv_out``,
+``mpsboost::affine_grouped_gemv`` and ``mpsboost::affine_embedding`` (their MPS kernels), so ``torch.compile``
+sees opaque calls. :data:`SOURCE` is plain Metal with no torch headers, so CPU
 tests compile the same text as C++ against a small emulation of the Metal built-ins and run it.
 """
 
@@ -531,7 +532,8 @@ def self_check(device: str = "mps") -> Optional[str]:
     branches: every code of every width decoded exactly (one-hot rows), each scale dtype, 1-4 rows and a partial
     row group, a partial feature group, K not a multiple of the 512-code step, an expert with no rows, rows past
     the last offset, a shared row of stride 0; each activation dtype; and the embedding gather bit for bit.
-    Returns None, or what failed. Patch time only (:func:`mpsboost.ops.affine.metal_verdict`, the selftest probe)."""
+    Returns None, or what failed. Patch time only (:func:`mpsboost.recipes.low_bit.paths.metal_verdict`, the
+    selftest probe)."""
     from .affine_codec import affine_dequantize, affine_quantize, pack_codes
 
     try:

@@ -26,6 +26,7 @@ Imports neither diffusers nor transformers, nor api, registry or checkpoint modu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -35,7 +36,9 @@ import torch.nn.functional as F
 
 from ...ops.affine_codec import out_fits
 from ...ops.affine import take_rows, BITS, GROUP_SIZES, affine_dequantize, affine_gemv, affine_gemv_out, affine_quantize
+from ...ops.affine import int4pack_linear, int8pack_linear, to_int4pack, to_int8pack
 from ...patching import saved_state
+from .paths import DEQUANT, METAL
 
 __all__ = [
     "RECIPE",
@@ -52,7 +55,6 @@ __all__ = [
     "quantize",
     "check_params",
     "build_layer",
-    "kernels_available",
     "stored_names",
 ]
 
@@ -86,6 +88,9 @@ class AffineState:
     source: str = ""
     converted: bool = True
     extra: dict = field(default_factory=dict)
+    # a dense linear's few rows on torch's own kernel instead: "int4pack" / "int8pack", reading the layer's
+    # non-persistent buffers pack_weight and pack_scales (made by build_layer); "" for none
+    pack: str = ""
 
     def mark_converted(self) -> None:
         self.converted = True
@@ -125,14 +130,6 @@ def quantize(w: torch.Tensor, bits: int = 4, group_size: int = 64) -> tuple[torc
     return out_q.reshape(*lead, -1), out_s.reshape(*lead, -1), out_b.reshape(*lead, -1)
 
 
-def kernels_available() -> bool:
-    """``torch.ops.mpsboost.affine_gemv`` and its siblings are registered (``mpsboost.ops.affine``)."""
-    from ...ops import affine as _affine  # noqa: F401  (registers them)
-
-    ns = torch.ops.mpsboost
-    return all(hasattr(ns, n) for n in ("affine_gemv", "affine_grouped_gemv", "affine_embedding"))
-
-
 def dequantize(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, p: QParams, dtype: torch.dtype):
     """The weights ``[..., N, K]`` in ``dtype``: ``scales * q + biases`` in float32, rounded once."""
     return affine_dequantize(q, scales.float(), biases.float(), p.bits, p.group_size, dtype)
@@ -169,6 +166,13 @@ def _linear_forward(state: AffineState) -> Callable[..., Any]:
         q, s, b = self.weight, self.scales, self.biases
         if state.kernel and 0 < _rows(input) <= state.max_rows and input.dtype == state.compute_dtype:
             y = torch.ops.mpsboost.affine_gemv(input, q, s, b, p.bits, p.group_size)
+            return y if self.bias is None else y + self.bias
+        if state.pack and 0 < _rows(input) <= state.max_rows and input.dtype == state.compute_dtype:
+            # torch's own kernel on its packed copy (plain aten calls, branching on the state only: traceable)
+            if state.pack == "int4pack":
+                y = int4pack_linear(input, self.pack_weight, self.pack_scales, p.group_size)
+            else:
+                y = int8pack_linear(input, self.pack_weight, self.pack_scales)
             return y if self.bias is None else y + self.bias
         # Prefill (or no kernel): the layer dequantised for this call, N * K * itemsize bytes, then the matmul.
         return F.linear(input, dequantize(q, s, b, p, input.dtype), self.bias)
@@ -365,17 +369,68 @@ def decode_operand(module: Any) -> Any:
 _HINT = "the weights were stored in low bits; load the model again (from_pretrained, or mpsboost.from_pretrained)"
 
 
+def _torch_pack(state: AffineState, tensors: dict) -> tuple[AffineState, dict]:
+    """``(state, {pack_weight, pack_scales})``: torch's packed copy of a dense linear's codes for ``state.pack``
+    on the codes' device, or, where the repack would not be exact (a 4-bit zero ``bias + 8 * scale`` or a scale
+    not representable in the compute dtype; an 8-bit layer not in int8pack's format), ``state`` on its static
+    path instead (the Metal kernels where the recipe allowed them, else dequantise then matmul), with a warning
+    naming why. Codes that ``mx.quantize`` writes repack exactly at 4 bits."""
+    import warnings
+
+    from ...errors import UserInputError
+
+    if not state.pack or state.kind != "linear":
+        return state, {}
+    p = state.params["weight"]
+    q, s, b = tensors["weight"], tensors["scales"], tensors["biases"]
+    why = None
+    if state.pack == "int4pack":
+        packed, sz, inexact = to_int4pack(q, s, b, p.group_size, dtype=state.compute_dtype, device_type=q.device.type)
+        if inexact:
+            why = f"{inexact} group scale(s)/zero(s) of the 4-bit repack are not representable in {state.compute_dtype}"
+        pack = {"pack_weight": packed, "pack_scales": sz}
+    else:
+        try:
+            w8, sc = to_int8pack(q, s, b, p.group_size, dtype=state.compute_dtype)
+            pack = {"pack_weight": w8, "pack_scales": sc}
+        except UserInputError as exc:
+            why = str(exc)
+    if why is None:
+        return state, pack
+    kernel = bool(state.extra.get("static_kernel", False))
+    static = METAL if kernel else DEQUANT
+    warnings.warn(f"low_bit_weights: torch's {state.pack} not taken ({why}); {static} instead", stacklevel=3)
+    return dataclasses.replace(state, pack="", kernel=kernel, backing=f"{static} ({state.pack}: {why})"), {}
+
+
 def build_layer(mod: torch.nn.Module, state: AffineState, tensors: dict, description: str):
     """Put the codes, scales and biases ``tensors`` into ``mod``, swap its class to its low-bit class and bind the
-    forward of ``state``: one Patch (irreversible once committed)."""
+    forward of ``state``: one Patch (irreversible once committed). A dense linear whose decode is torch's
+    int4pack/int8pack (``state.pack``) also gets their packed copy, as non-persistent buffers (not saved)."""
     from ...patching import Changes, bind_forward, replace_tensors, swap_class
 
     base = type(mod)
+    state, pack = _torch_pack(state, tensors)
     with Changes() as ch:
-        ch.add(replace_tensors(mod, tensors, explanation=_HINT, description=description))
+        ch.add(replace_tensors(mod, {**tensors, **pack}, explanation=_HINT, description=description))
+        if pack:
+            ch.add(_non_persistent(mod, tuple(pack)))
         ch.add(swap_class(mod, RECIPE, affine_class(base)))
         ch.add(bind_forward(mod, RECIPE, forward_for(state), affine=state))
     return ch.patch(reversible=False, description=description)
+
+
+def _non_persistent(mod: torch.nn.Module, names: tuple[str, ...]):
+    """Mark the buffers ``names`` of ``mod`` non-persistent (out of ``state_dict`` and of a saved folder)."""
+    from ...patching import Patch
+
+    added = [n for n in names if n not in mod._non_persistent_buffers_set]
+    mod._non_persistent_buffers_set.update(added)
+
+    def undo() -> None:
+        mod._non_persistent_buffers_set.difference_update(added)
+
+    return Patch(undo, reversible=False, explanation=_HINT, description=f"{', '.join(names)} not persistent")
 
 
 # ------------------------------------------------------------------------------------------ the classes

@@ -11,23 +11,36 @@ Opt-in and lossy. Two ways in:
   multiple of the group size (the head included; routers and norms stay) and the experts' stacks; codes equal to
   ``mx.quantize``'s.
 
-Paths (the report names the one each layer takes): decode (at most 4 rows) on ``torch.ops.mpsboost.affine_*`` where
-those operators are registered (``mpsboost.ops.affine``: mpsboost's Metal kernels on a Mac), else and for more rows
-the layer dequantised per call, then the matmul (``dequantize then linear``; for experts in eager mode only the hit
-experts). Irreversible: ``unpatch`` says to reload.
+Paths (the report names the one each layer takes; the policy is :mod:`.paths`): decode (at most 4 rows) on
+``torch.ops.mpsboost.affine_*`` where those operators are registered (``mpsboost.ops.affine``: mpsboost's Metal
+kernels on a Mac), else and for more rows the layer dequantised per call, then the matmul (``dequantize then
+linear``; for experts in eager mode only the hit experts). Irreversible: ``unpatch`` says to reload.
+
+A dense linear on MPS may instead decode on torch's own kernels, fed from MLX's layout: ``_weight_int4pack_mm`` at
+4 bits (the same codes, ``zero = bias + 8 * scale``), ``_weight_int8pack_mm`` at 8 bits where the codes are exactly
+its format (one scale a row, ``bias = -128 * scale``; MLX's ordinary 8-bit groups are not, and stay). Option
+``mps_kernel``: "auto" (default): where both serve a layer, on a real Mac the two are timed at the layer's decode
+shape at patch time (:func:`mpsboost.ondevice.choose`, cached per chip, macOS, torch build and shape) and the Metal
+GEMV is taken only where faster (a tie, a slower kernel or a timing error keeps torch's); a simulated Mac, or nothing
+to time against, keeps the static choice, mpsboost's Metal GEMV. "metal": the static choice, untimed. "torch":
+torch's kernel wherever it serves the layer. The layer then also holds torch's packed copy of its weight
+(non-persistent buffers ``pack_weight`` and ``pack_scales``; the codes stay for longer inputs and for saving).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterator
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Literal, Optional
 
 import torch
 
 from ...gate import Env
+from ...ops.affine import torch_pack_for
 from ...patching import is_patched_by
-from ...registry import Decision, Match, Recipe, matches_class, register
-from .layers import RECIPE, AffineState, QParams, affine_state, build_layer, check_params, kernels_available, quantize
+from ...registry import NOT_REPORTED, Decision, Match, Recipe, matches_class, register
+from .layers import RECIPE, AffineState, QParams, affine_state, build_layer, check_params, quantize
+from .paths import LayerPath, linear_path, module_path, pack_path
 
 __all__ = ["LowBitWeights", "LowBitOptions", "LowBitPlan"]
 
@@ -39,6 +52,10 @@ class LowBitOptions:
     bits: int = 4
     group_size: int = 64
     include_lm_head: bool = True
+    # A dense linear's decode on MPS: "auto" (where both mpsboost's Metal GEMV and torch's int4pack/int8pack serve
+    # it, on a real Mac the faster at its shape, timed at patch time; else the Metal GEMV), "metal" (the Metal GEMV
+    # untimed: the static choice), "torch" (torch's _weight_int4pack_mm / _weight_int8pack_mm wherever they serve it)
+    mps_kernel: Literal["auto", "metal", "torch"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -47,21 +64,82 @@ class LowBitPlan:
     bits: int
     group_size: int
     kernel: bool
+    # a dense linear's few rows on torch's "int4pack" / "int8pack" (else ""; the backing names it), and whether its
+    # static choice is the Metal kernel (where a repack turns out inexact at build time)
+    pack: str = field(default="", metadata=NOT_REPORTED)
+    static_kernel: bool = field(default=False, metadata=NOT_REPORTED)
 
 
-def _path(env: Env) -> tuple[bool, str]:
-    """(decode on the registered kernels?, the backing text) for ``env``. On a Mac whose gate and patch-time
-    self-check allow mpsboost's Metal low-bit kernels (``mpsboost.ops.affine.metal_verdict``), decode runs on them;
-    elsewhere the layer is dequantised exactly (float32, rounded once) and multiplied: on the CPU and CUDA that is
-    both faster and closer to MLX than the operators' reference, which rounds each weight in the scales' dtype."""
-    if env.device_type == "mps" and kernels_available():
-        from ...ops.affine import metal_verdict
+def _metal_or_pack(env: Env, static: LayerPath, pack: str, n: int, k: int, p: QParams, dtype: torch.dtype):
+    """Where both mpsboost's Metal GEMV (``static``, the static choice) and torch's ``pack`` serve an ``[n, k]``
+    linear on MPS: the faster at its decode shape on the user's Mac (:func:`mpsboost.ondevice.choose`, cached per
+    chip, macOS, torch and shape); a tie, a slower Metal GEMV or a timing error keeps torch's kernel. Nothing is timed
+    on a simulated Mac: the static choice, the Metal GEMV (one dispatch on the codes as stored, with MLX's own
+    numerics, and no second copy of the weight)."""
+    from ... import ondevice
+    from ...ops import affine as affine_ops
 
-        v = metal_verdict(env)
-        if v.ok:
-            return True, "affine GEMV (metal) at <= 4 rows, dequantize then matmul above"
-        return False, f"dequantize then matmul (the Metal low-bit kernels: {v.reason})"
-    return False, "dequantize then matmul"
+    stock, metal = affine_ops.gemv_contenders(n, k, p.bits, p.group_size, dtype)
+    choice = ondevice.choose(
+        "affine_gemv",
+        f"M1 N{n} K{k} {p.bits}-bit g{p.group_size} {str(dtype).removeprefix('torch.')} vs {pack}",
+        env=env,
+        stock=ondevice.Contender(f"torch's {pack}", stock),
+        candidate=ondevice.Contender("mpsboost's Metal affine GEMV", metal),
+        static=True,
+    )
+    if choice.source == "static":
+        return static
+    if choice.taken:
+        return dataclasses.replace(static, note=choice.describe())
+    return pack_path(pack, choice.describe())
+
+
+def _int8_unrepresentable(w: torch.Tensor, p: QParams, dtype: torch.dtype) -> Optional[str]:
+    """Why the 8-bit codes ``quantize`` gives ``w`` are not torch's int8pack's, or None (patch time, MPS, only where
+    int8pack is a candidate: the weight is quantised once more for this check)."""
+    from ...errors import UserInputError
+    from ...ops.affine import to_int8pack
+
+    q, s, b = quantize(w.detach(), p.bits, p.group_size)
+    try:
+        to_int8pack(q, s, b, p.group_size, dtype=dtype)
+    except UserInputError as exc:
+        return str(exc)
+    return None
+
+
+def _linear(
+    env: Env,
+    n: int,
+    k: int,
+    p: QParams,
+    dtype: torch.dtype,
+    mps_kernel: str,
+    unrepresentable: Optional[str] = None,
+) -> LayerPath:
+    path, pack = linear_path(
+        env,
+        n=n,
+        k=k,
+        bits=p.bits,
+        group_size=p.group_size,
+        dtype=dtype,
+        mps_kernel=mps_kernel,
+        unrepresentable=unrepresentable,
+    )
+    return _metal_or_pack(env, path, pack, n, k, p, dtype) if pack is not None else path
+
+
+def _with_note(reason: str, path: LayerPath) -> str:
+    return f"{reason}; {path.note}" if path.note else reason
+
+
+def _params(path: str, options: Any) -> QParams:
+    """The quantisation of the layer at ``path`` (``options``: the options or the plan, with bits and group_size)."""
+    if path.endswith("shared_expert_gate"):
+        return QParams(8, 64)  # as mlx-lm's quant_predicate and quantize-at-load
+    return QParams(options.bits, options.group_size)
 
 
 @register
@@ -79,14 +157,36 @@ class LowBitWeights(Recipe):
         return "load the model again (from_pretrained, or mpsboost.from_pretrained for a low-bit folder)"
 
     # ------------------------------------------------------------------ loaded layers
-    def decide_loaded(self, kind: str, params: dict, compute: torch.dtype, env: Env, source: str):
-        kernel, backing = _path(env)
+    def decide_loaded(
+        self,
+        kind: str,
+        params: dict,
+        compute: torch.dtype,
+        env: Env,
+        source: str,
+        *,
+        shape: Optional[tuple[int, int]] = None,
+        mps_kernel: str = "auto",
+    ):
+        """The state and decision of a layer filled from a file. ``shape`` (``[out, in]`` of a dense linear) lets a
+        4-bit linear on MPS take torch's int4pack (:func:`_metal_or_pack`); without it the static path. An 8-bit
+        loaded layer keeps the static path: its codes are read after the plan, and MLX's 8-bit groups each carry a
+        scale and bias that int8pack cannot hold."""
+        path = module_path(env)
+        if kind == "linear" and shape is not None and env.device_type == "mps":
+            p = params["weight"]
+            why = "a loaded 8-bit layer's codes are read after the plan" if p.bits == 8 else None
+            path = _linear(env, shape[0], shape[1], p, compute, mps_kernel, why)
         bits = sorted({p.bits for p in params.values()})
         groups = sorted({p.group_size for p in params.values()})
-        state = AffineState(kind, dict(params), compute, kernel=kernel, backing=backing, source=source)
+        static = module_path(env).kernel
+        state = AffineState(
+            kind, dict(params), compute, kernel=path.kernel, backing=path.backing, source=source, pack=path.pack
+        )
+        state.extra["static_kernel"] = static
         reason = f"{'/'.join(map(str, bits))}-bit affine, groups of {'/'.join(map(str, groups))}, from {source}"
-        plan = LowBitPlan(kind, bits[0], groups[0], kernel)
-        return state, Decision.apply(backing, reason, plan=plan)
+        plan = LowBitPlan(kind, bits[0], groups[0], path.kernel, path.pack, static)
+        return state, Decision.apply(path.backing, _with_note(reason, path), plan=plan)
 
     # ------------------------------------------------------------------ patch(): quantize in memory
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
@@ -129,11 +229,18 @@ class LowBitWeights(Recipe):
             return Decision.skip("the weight is not a floating tensor (quantized already?)")
         if k % options.group_size:
             return Decision.skip(f"in_features {k} is not a multiple of group_size={options.group_size}")
-        kernel, backing = _path(env)
+        path = static = module_path(env)
+        if kind == "linear" and env.device_type == "mps":
+            p = _params(match.path, options)
+            why = None
+            if p.bits == 8 and options.mps_kernel != "metal":
+                pack, _ = torch_pack_for(8, mod.out_features, k, p.group_size, w.dtype)
+                why = _int8_unrepresentable(w, p, w.dtype) if pack == "int8pack" else None
+            path = _linear(env, mod.out_features, k, p, w.dtype, options.mps_kernel, why)
         return Decision.apply(
-            backing,
-            f"{options.bits}-bit affine, groups of {options.group_size}",
-            plan=LowBitPlan(kind, options.bits, options.group_size, kernel),
+            path.backing,
+            _with_note(f"{options.bits}-bit affine, groups of {options.group_size}", path),
+            plan=LowBitPlan(kind, options.bits, options.group_size, path.kernel, path.pack, static.kernel),
         )
 
     def apply(self, match: Match, decision: Decision, env: Env, options: Any):
@@ -145,14 +252,19 @@ class LowBitWeights(Recipe):
                 "fp8_weights stores this layer's weights already (fp8= and low_bit_weights in one patch() call); "
                 "choose one weight format"
             )
-        p = QParams(plan.bits, plan.group_size)
-        if match.path.endswith("shared_expert_gate"):
-            p = QParams(8, 64)  # as mlx-lm's quant_predicate and quantize-at-load
+        p = _params(match.path, plan)
         if plan.kind in ("linear", "embedding"):
             w = mod.weight.detach()
             q, s, b = quantize(w, p.bits, p.group_size)
             state = AffineState(
-                plan.kind, {"weight": p}, w.dtype, kernel=plan.kernel, backing=decision.backing, source="patch()"
+                plan.kind,
+                {"weight": p},
+                w.dtype,
+                kernel=plan.kernel,
+                backing=decision.backing,
+                source="patch()",
+                pack=plan.pack,
+                extra={"static_kernel": plan.static_kernel},
             )
             return build_layer(mod, state, {"weight": q, "scales": s, "biases": b}, f"quantize {match.path}")
         up, down = expert_weight_names(mod)
