@@ -1617,7 +1617,7 @@ MUTATIONS: tuple[Mutation, ...] = (
                 "",
             ),
         ),
-        tests=("tests/quant/test_low_bit_choice.py", "-k", "int4pack_path_computes and float32"),
+        tests=("tests/quant/test_low_bit_choice.py", "-k", "int4pack_path_computes"),
     ),
     Mutation(
         name="low-bit-inexact-repack-kept",

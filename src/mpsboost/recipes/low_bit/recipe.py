@@ -88,10 +88,8 @@ def _metal_or_pack(env: Env, static: LayerPath, pack: str, n: int, k: int, p: QP
         candidate=ondevice.Contender("mpsboost's Metal affine GEMV", metal),
         static=True,
     )
-    if choice.source == "static":
-        return static
-    if choice.taken:
-        return dataclasses.replace(static, note=choice.describe())
+    if choice.taken:  # the static choice (nothing timed) keeps the reason as it was
+        return static if choice.source == "static" else dataclasses.replace(static, note=choice.describe())
     return pack_path(pack, choice.describe())
 
 
