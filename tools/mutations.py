@@ -825,6 +825,44 @@ MUTATIONS: tuple[Mutation, ...] = (
         quick=True,
     ),
     Mutation(
+        name="decode-linear-counted-as-the-cpu-composite",
+        why="a Mac's one aten::linear kernel is counted as the CPU's t + mm/addmm (one op too many per linear)",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                "    return [(torch.ops.aten.linear.default, (x, w, b), None)]\n",
+                "    return None\n",
+            ),
+        ),
+        tests=("tests/bench/test_decode_step_target.py", "-k", "linear_is_one_op"),
+        quick=True,
+    ),
+    Mutation(
+        name="decode-records-inside-a-recorded-op",
+        why="what runs inside a registered operator's reference kernel is recorded again beside the operator",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                "        self.quiet += 1  # what runs inside this op",
+                "        self.quiet += 0  # what runs inside this op",
+            ),
+        ),
+        tests=("tests/bench/test_decode_step_target.py", "-k", "inside_a_recorded_op"),
+        quick=True,
+    ),
+    Mutation(
+        name="decode-bytes-of-ops-that-launch-nothing",
+        why="the decode cost counts bytes for ops that launch nothing (an _unsafe_view's output)",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/decode_cost.py",
+                "        if launches(func, args, kwargs, out):  # an op that launches nothing",
+                "        if True:  # an op that launches nothing",
+            ),
+        ),
+        tests=("tests/bench/test_decode_step_target.py", "-k", "only_ops_that_launch"),
+    ),
+    Mutation(
         name="decode-predict-drops-mpsgraph-term",
         why="the Mac cost model leaves out the MPSGraph dispatches' time",
         edits=(
@@ -1412,8 +1450,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "src/mpsboost/bench/decode_cost.py",
-                "MPS_ROUTES = {F.rms_norm: _rms_norm_route, torch.rms_norm: _rms_norm_route}",
-                "MPS_ROUTES = {}",
+                "MPS_ROUTES = {F.rms_norm: _rms_norm_route, torch.rms_norm: _rms_norm_route, F.linear: _linear_route}",
+                "MPS_ROUTES = {F.linear: _linear_route}",
             ),
         ),
         tests=("tests/bench/test_decode_step_target.py", "-k", "same_dtype_weight or bf16"),

@@ -1,8 +1,9 @@
 """The whole decode step of the tiny Qwen3.5-MoE under Mac 2.15.0 decisions, counted as a Mac dispatches it
 (``mpsboost.bench.decode_cost``, ``as_on_mps``): at most 160 aten ops, at most 10 a Gated DeltaNet layer, 12 a MoE
 block and 16 the attention layer, with bf16, fp8 and 4-bit operands; bytes no more than stock's. And the counting
-rule it rests on: an ``F.rms_norm`` that MPS runs as one ``_fused_rms_norm`` Metal kernel counts as that one op,
-one whose conditions send MPS to the composite counts the composite."""
+rules it rests on: an ``F.rms_norm`` that MPS runs as one ``_fused_rms_norm`` Metal kernel counts as that one op,
+an ``F.linear`` as MPS's own ``linear`` kernel, one whose conditions send MPS to the composite counts the composite,
+and nothing inside a recorded op is recorded again."""
 
 from __future__ import annotations
 
@@ -77,6 +78,61 @@ def test_without_as_on_mps_the_cpu_composite_is_counted():
     assert "_fused_rms_norm" not in names and {"rsqrt", "mean"} <= names
 
 
+@pytest.mark.parametrize(
+    "shape, bias",
+    [((1, 96), True), ((1, 96), False), ((2, 1, 96), True), ((2, 3, 96), False), ((96,), True)],
+    ids=["2d-bias", "2d", "3d-bias", "3d", "1d-bias"],
+)
+def test_linear_is_one_op_reading_input_weight_and_bias(shape, bias):
+    # On a Mac aten::linear is its own MPS kernel (_mps_linear); the CPU composes it of t, mm/addmm and views.
+    lin = torch.nn.Linear(96, 40, bias=bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        out, seen = _recorded(lambda: lin(x))
+        _, cpu = _recorded(lambda: lin(x), as_on_mps=False)
+    assert [f for f, _, _ in seen] == [aten.linear.default]
+    torch.testing.assert_close(out, F.linear(x, lin.weight, lin.bias), rtol=0, atol=0)  # the call runs as it does
+    f, a, o = seen[0]
+    want = (x.numel() + lin.weight.numel() + (40 if bias else 0) + out.numel()) * 4
+    launched = [(g, b_, p) for g, b_, p in cpu if dc.launches(g, b_, {}, p)]  # what the CPU's composite moves
+    assert dc._moved(f, a, {}, o) == want == sum(dc._moved(g, b_, {}, p) for g, b_, p in launched)
+    assert len(cpu) >= 2 and dc.launches(f, a, {}, o) and dc.kind(f) == "mixed"
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(lambda x, w: F.linear(x.requires_grad_(), w), id="autograd"),
+        pytest.param(lambda x, w: F.linear(x.to(torch.int64), w.to(torch.int64)), id="integer"),
+    ],
+)
+def test_linear_that_mps_does_not_take_counts_the_composite(case):
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    _, seen = _recorded(lambda: case(x.clone(), w))
+    assert aten.linear.default not in [f for f, _, _ in seen] and len(seen) >= 2
+
+
+def test_what_runs_inside_a_recorded_op_is_not_recorded_again():
+    # A registered operator whose reference kernel calls F.linear and F.rms_norm: one op, its own.
+    lib = torch.library.Library("mpsboost_test_decode", "FRAGMENT")
+    lib.define("lin_norm(Tensor x, Tensor w) -> Tensor")
+    lib.impl("lin_norm", lambda x, w: F.rms_norm(F.linear(x, w), (w.shape[0],), None), "CompositeExplicitAutograd")
+    x, w = torch.randn(2, 64), torch.randn(8, 64)
+    with torch.no_grad():
+        _, seen = _recorded(lambda: torch.ops.mpsboost_test_decode.lin_norm(x, w))
+    assert [f for f, _, _ in seen] == [torch.ops.mpsboost_test_decode.lin_norm.default]
+
+
+def test_only_ops_that_launch_a_kernel_move_bytes(monkeypatch):
+    # Each op "moves" one byte here: the step's bytes are then its dispatches, not its ops (views, aliases and bare
+    # allocations launch nothing and move nothing).
+    m = _bf16()
+    monkeypatch.setattr(dc, "_moved", lambda *a: 1)
+    cost = dc.decode_cost(m, as_on_mps=False)
+    dispatches = sum(sum(kinds.values()) for kinds in cost["dispatches"].values())
+    assert sum(cost["bytes"].values()) == dispatches < sum(cost["ops"].values())
+
+
 def test_a_wheel_row_takes_precedence_over_the_source_kind(monkeypatch):
     table = dict(dc._table("2.15.0"), _fused_rms_norm="mixed")
     monkeypatch.setattr(dc, "_table", lambda release: table)
@@ -123,10 +179,13 @@ def test_tiny_step_within_the_op_targets_and_stock_bytes(make, stock_bf16):
     assert sum(cost["ops"].values()) < sum(stock_bf16["ops"].values()) / 3  # stock: 674 ops
 
 
-def test_the_rest_of_the_step_counts_each_rms_norm_once():
+def test_the_rest_of_the_step_counts_each_rms_norm_once(monkeypatch):
     # The model's 9 RMS norms outside the blocks (4 input, 4 post-attention, the final one): one op each on a Mac.
+    # (The rms_norm route alone here; the linear route's count is the tests' above.)
     m = _bf16()
-    mapped, cpu = dc.decode_cost(m), dc.decode_cost(m, as_on_mps=False)
+    cpu = dc.decode_cost(m, as_on_mps=False)
+    monkeypatch.setattr(dc, "MPS_ROUTES", {k: v for k, v in dc.MPS_ROUTES.items() if v is dc._rms_norm_route})
+    mapped = dc.decode_cost(m)
     fused = mapped["names"]["metal"].get("aten::_fused_rms_norm", 0)
     assert fused >= 9
     assert sum(cpu["ops"].values()) - sum(mapped["ops"].values()) == 5 * fused  # six CPU ops become one

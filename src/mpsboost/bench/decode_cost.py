@@ -5,11 +5,12 @@ moves are device time, so both counts are device-independent proxies of a Mac's 
 with ``Env.simulate``). The counting rules of the project's decode-ops tool (``shared/tools/decode_ops.py``), so
 that tests and ``benchmarks/decode_cost.py`` report the same figures: every aten op dispatched counts one; an op
 moves the bytes of its tensor inputs and of its outputs that are not views of an input (in-place and ``out=`` ops
-write into an input); views move nothing; row picking ops (``index_select``, ``embedding``, ``index``, ``gather``)
-read what they pick; a grouped matmul (``_grouped_mm``, and mpsboost's ``grouped_mm`` whose weights are fp8 codes,
-and ``affine_grouped_gemv`` whose are low-bit codes with their scales and biases) reads the weights of the groups
-that have rows. ``tiny`` and ``medium`` are the tool's two sizes (medium: the real
-model's widths, 4 layers, 32 experts top-8, a small vocabulary).
+write into an input); an op that launches nothing (below: views, aliases, bare allocations) moves nothing,
+where the tool counted the bytes of an ``_unsafe_view``'s or an ``empty``'s output; row picking ops
+(``index_select``, ``embedding``, ``index``, ``gather``) read what they pick; a grouped matmul (``_grouped_mm``,
+and mpsboost's ``grouped_mm`` whose weights are fp8 codes, and ``affine_grouped_gemv`` whose are low-bit codes with
+their scales and biases) reads the weights of the groups that have rows. ``tiny`` and ``medium`` are the tool's two
+sizes (medium: the real model's widths, 4 layers, 32 experts top-8, a small vocabulary).
 
 Dispatches beside ops (:func:`launches`, :func:`kind`): an aten op launches a kernel unless its schema says it
 only relabels memory or allocates it:
@@ -30,14 +31,19 @@ found); ops of the ``mpsboost`` namespace are mpsboost's own Metal kernels; an a
 
 Counted as a Mac dispatches, not as the CPU does (``as_on_mps``, on by default in :func:`decode_cost`): where
 torch's MPS backend runs one kernel for a call that the CPU runs as a composite of several ops, the call counts
-as that one op (:data:`MPS_ROUTES`). Today one: ``F.rms_norm`` with a weight of the input's dtype, which
+as that one op (:data:`MPS_ROUTES`). Two today. ``F.rms_norm`` with a weight of the input's dtype, which
 ``rms_norm_symint`` (``aten/src/ATen/native/layer_norm.cpp``) sends to ``_fused_rms_norm`` on MPS (a Metal
 kernel: ``_fused_rms_norm_mps_dispatch.h`` in every macOS wheel since 2.12, ``data/mps_ops.json``) and to a
 six-op composite (``pow``, ``mean``, ``add_``, ``rsqrt``, ``mul``, ``mul``) on the CPU; it reads the input and
 the weight and writes the output (plus one ``clone`` for a non-contiguous input, its ``contiguous()``).
-``F.linear`` stays as the CPU counts it: ``t`` (a view, no dispatch) and ``mm``/``addmm``, where a Mac
-dispatches one ``linear``: one op too many per linear in ``ops``, none in dispatches or bytes.
-``shared/tools/decode_ops.py`` counts the CPU's composite: its figures are higher by five ops per RMS norm.
+And ``F.linear`` of floating tensors: ``aten::linear`` has an MPS kernel of its own in every macOS wheel since 2.12
+(``linear_mps_dispatch.h``, ``data/mps_ops.json``; ``_mps_linear`` in ``Linear.mm``: one
+``MPSNDArrayMatrixMultiplication`` for contiguous operands on macOS 15+, an MPSGraph matmul otherwise, so its kind
+is ``mixed``), where the CPU runs the composite ``t`` (a view) and ``mm``/``addmm`` (with ``view``\s around a
+3-D input): one op, the same bytes. Not modelled: an M1/M2 with K above 32768, where ``_mps_linear`` falls back
+to ``mm`` and ``add_``. Anything that runs inside one recorded op (a registered operator's reference kernel)
+is that op's, never recorded again. ``shared/tools/decode_ops.py`` counts the CPU's composites: its figures are
+higher by five ops per RMS norm and one or more per linear.
 """
 
 from __future__ import annotations
@@ -100,6 +106,11 @@ def _table(release: str) -> dict[str, str]:
 # kind their MPS source shows, until tools/mps_dispatch_kinds.py (which has their rule) is rerun on the wheels;
 # a row read from a wheel takes precedence.
 _SOURCE_KINDS = {
+    "linear": (
+        "mixed",
+        "aten/src/ATen/native/mps/operations/Linear.mm: _mps_linear encodes one MPSNDArrayMatrixMultiplication for "
+        "contiguous operands on macOS 15+, an MPSGraph matmul otherwise",
+    ),
     "_fused_rms_norm": (
         "metal",
         "aten/src/ATen/native/mps/operations/RMSNorm.mm: one compute pipeline rms_norm_<dtype> (rms_norm_looped_ "
@@ -217,11 +228,27 @@ def _rms_norm_route(args, kwargs):
     return ops
 
 
+def _linear_route(args, kwargs):
+    """The op a Mac dispatches for ``F.linear(input, weight, bias)``: its own ``aten::linear`` kernel (MPS's
+    ``_mps_linear``), for plain floating tensors with no autograd graph to record; None (the composite, as the
+    CPU) otherwise."""
+    bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
+    x, w, b = bound.get("input"), bound.get("weight"), bound.get("bias")
+    ts = [t for t in (x, w, b) if t is not None]
+    if x is None or w is None or any(type(t) not in (torch.Tensor, torch.nn.Parameter) for t in ts):
+        return None
+    if any(not t.is_floating_point() for t in ts):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in ts):
+        return None
+    return [(torch.ops.aten.linear.default, (x, w, b), None)]
+
+
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 # Python-level calls that MPS runs as fewer ops than the CPU: function -> the ops a Mac dispatches (None: the
 # same as the CPU). See the module docstring for the evidence.
-MPS_ROUTES = {F.rms_norm: _rms_norm_route, torch.rms_norm: _rms_norm_route}
+MPS_ROUTES = {F.rms_norm: _rms_norm_route, torch.rms_norm: _rms_norm_route, F.linear: _linear_route}
 
 
 class _MpsRoutes(TorchFunctionMode):
@@ -278,7 +305,11 @@ class OpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        self.quiet += 1  # what runs inside this op (a registered operator's reference kernel) is this op's
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.quiet -= 1
         if not self.quiet:
             self.record(func, args, kwargs, out)
         return out
@@ -308,8 +339,9 @@ def decode_cost(
 
     def count(func, args, kwargs, out) -> None:
         ops[cur[0]] = ops.get(cur[0], 0) + 1
-        moved[cur[0]] = moved.get(cur[0], 0) + _moved(func, args, kwargs, out)
-        if launches(func, args, kwargs, out):
+        moved.setdefault(cur[0], 0)
+        if launches(func, args, kwargs, out):  # an op that launches nothing moves no bytes (a view, an alias)
+            moved[cur[0]] = moved.get(cur[0], 0) + _moved(func, args, kwargs, out)
             k = kind(func, release)
             block = disp.setdefault(cur[0], dict.fromkeys(KINDS, 0))
             block[k] += 1
