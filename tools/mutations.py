@@ -283,8 +283,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         edits=(
             Edit(
                 "src/mpsboost/ops/affine.py",
-                "    zero = biases.to(torch.float64) + 8.0 * s\n",
-                "    zero = biases.to(torch.float64)\n",
+                '    zero = biases.to("cpu", torch.float64) + 8.0 * s\n',
+                '    zero = biases.to("cpu", torch.float64)\n',
             ),
         ),
         tests=("tests/ops/test_affine_ops.py", "-k", "int4pack_conversion"),
@@ -861,6 +861,32 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=("tests/bench/test_decode_step_target.py", "-k", "only_ops_that_launch"),
+    ),
+    Mutation(
+        name="low-bit-loaded-linear-shape-dropped",
+        why="from_pretrained asks the low-bit recipe without a linear's shape: no loaded layer gets the Mac's choice",
+        edits=(
+            Edit(
+                "src/mpsboost/quant/load.py",
+                "compute, env, where, shape=shape)",
+                "compute, env, where, shape=None)",
+            ),
+        ),
+        tests=("tests/quant/test_low_bit_choice.py", "-k", "from_pretrained_hands"),
+        quick=True,
+    ),
+    Mutation(
+        name="int4pack-float64-on-the-device",
+        why="the int4pack conversion's exactness check runs in float64 on the codes' device (MPS has no float64)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/affine.py",
+                '    s = scales.to("cpu", torch.float64)\n    zero',
+                "    s = scales.to(torch.float64)\n    zero",
+            ),
+        ),
+        tests=("tests/ops/test_affine_ops.py", "-k", "off_the_device"),
+        quick=True,
     ),
     Mutation(
         name="decode-predict-drops-mpsgraph-term",

@@ -292,6 +292,30 @@ def test_int4pack_conversion_numerics_on_cpu(rng_seed):
         assert _rel(A.int4pack_linear(x.bfloat16(), packed, sz16, gs), ref) <= 3e-2
 
 
+def test_torch_packs_check_exactness_off_the_device_and_pack_where_the_kernel_reads(monkeypatch):
+    """MPS has no float64: the packs' exactness checks run on the CPU, whatever device the codes are on; int4pack
+    packs the codes where they are, and refuses codes on another device than the kernel it packs for."""
+    g = torch.Generator().manual_seed(0)
+    q, s, b = A.affine_quantize(_weight(g, 16, 64, dtype=torch.bfloat16), 4, 32)
+    with pytest.raises(ValueError, match="the codes are on cpu"):
+        A.to_int4pack(q, s, b, 32, dtype=torch.bfloat16, device_type="mps")
+    real_to = torch.Tensor.to
+    seen = []
+
+    def to(self, *args, **kwargs):  # every float64 conversion must land on the CPU
+        if torch.float64 in args or kwargs.get("dtype") is torch.float64:
+            seen.append(args)
+            assert "cpu" in args or torch.device("cpu") in args or self.device.type == "cpu"
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    A.to_int4pack(q, s, b, 32, dtype=torch.bfloat16, device_type="cpu")
+    codes = torch.randint(0, 256, (16, 64), generator=g)
+    s8 = torch.full((16, 2), 2.0**-8, dtype=torch.bfloat16)
+    A.to_int8pack(A.pack_codes(codes, 8), s8, -128 * s8, 32, dtype=torch.bfloat16)
+    assert all("cpu" in a for a in seen) and len(seen) >= 4
+
+
 def test_int4pack_mps_byte_order_is_mlxs():
     """The bytes handed to MPS's _convert_weight_to_int4pack (even code in the high nibble) become, after its kernel's
     nibble swap (aten/src/ATen/native/mps/kernels/Quantized.metal weight_to_int4pack), MLX's own bytes, which its

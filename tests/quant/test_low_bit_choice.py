@@ -198,6 +198,32 @@ def test_a_loaded_linear_takes_the_same_choice(stub_mac):
     assert state.kernel and "codes are read after the plan" in d.reason
 
 
+def test_from_pretrained_hands_each_loaded_linear_its_shape(tmp_path, monkeypatch):
+    # The one-call load asks the recipe per layer with the linear's [out, in] (what the choice above needs); the
+    # experts, embeddings and norms without one. The folder: a tiny Qwen3 quantised by mpsboost and saved as MLX.
+    from conftest import hf_model
+
+    from mpsboost.registry import get_recipe
+
+    m = hf_model("qwen3")
+    want = {(mod.out_features, mod.in_features) for mod in m.modules() if isinstance(mod, torch.nn.Linear)}
+    mpsboost.patch(m, recipes=["low_bit_weights"], options={"low_bit_weights": {"bits": 4, "group_size": GS}})
+    mpsboost.save_mlx(m, tmp_path / "mlx")
+    recipe = type(get_recipe("low_bit_weights"))
+    real = recipe.decide_loaded
+    asked = []
+
+    def spy(self, kind, params, compute, env, source, **kw):
+        asked.append((kind, kw.get("shape")))
+        return real(self, kind, params, compute, env, source, **kw)
+
+    monkeypatch.setattr(recipe, "decide_loaded", spy)
+    mpsboost.from_pretrained(tmp_path / "mlx", dtype=torch.float32, device="cpu")
+    shapes = {shape for kind, shape in asked if kind == "linear"}
+    assert shapes == want and len(want) >= 3
+    assert all(shape is None for kind, shape in asked if kind != "linear")
+
+
 def _patched(dtype, bits=4, model=None):
     m = model if model is not None else _llama(dtype)
     options = {"low_bit_weights": {"bits": bits, "group_size": GS, "mps_kernel": "torch"}}

@@ -472,22 +472,26 @@ def to_int4pack(
     k = check_affine(q, scales, biases, 4, group_size)
     if q.dim() != 2:
         _fail("int4pack takes one 2-D weight")
-    s = scales.to(torch.float64)
-    zero = biases.to(torch.float64) + 8.0 * s
-    sz_t = torch.stack([scales.to(dtype), zero.to(dtype)], -1).transpose(0, 1).contiguous()  # [K/g, N, 2]
+    if device_type not in ("mps", "cpu"):
+        _fail(f"device_type={device_type!r}: torch's int4pack has MPS and CPU kernels here ('mps', 'cpu')")
+    if q.device.type != device_type:
+        _fail(f"the codes are on {q.device.type}; int4pack for {device_type!r} packs them where its kernel reads them")
+    dev = q.device
+    # The zeros and the exactness count in float64 on the CPU (MPS has no float64); patch time only.
+    s = scales.to("cpu", torch.float64)
+    zero = biases.to("cpu", torch.float64) + 8.0 * s
+    sz_t = torch.stack([scales.cpu().to(dtype), zero.to(dtype)], -1).transpose(0, 1).contiguous()  # [K/g, N, 2]
     inexact = int((sz_t[..., 1].double().transpose(0, 1) != zero).sum()) + int(
         (sz_t[..., 0].double().transpose(0, 1) != s).sum()
     )
     codes = unpack_codes(q, 4)  # [N, K]
     if device_type == "mps":
         by = (codes[:, 0::2] << 4) | codes[:, 1::2]
-        packed = torch._convert_weight_to_int4pack(by.contiguous().to(q.device), inner_k_tiles)
-    elif device_type == "cpu":
-        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), inner_k_tiles)
+        packed = torch._convert_weight_to_int4pack(by.contiguous(), inner_k_tiles)
     else:
-        _fail(f"device_type={device_type!r}: torch's int4pack has MPS and CPU kernels here ('mps', 'cpu')")
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), inner_k_tiles)
     del k
-    return packed, sz_t, inexact
+    return packed, sz_t.to(dev), inexact
 
 
 def int4pack_linear(
@@ -520,11 +524,11 @@ def to_int8pack(
     stand-in for torch's kernel, not the checkpoint's numbers)."""
     check_affine(q, scales, biases, 8, group_size)
     codes = unpack_codes(q, 8)
-    s = scales.double()
-    same = bool((s == s[:, :1]).all()) and bool((biases.double() == -128.0 * s).all())
+    s = scales.to("cpu", torch.float64)  # the exactness checks in float64 on the CPU (MPS has no float64)
+    same = bool((s == s[:, :1]).all()) and bool((biases.to("cpu", torch.float64) == -128.0 * s).all())
     # the kernel reads its scales in the activation dtype: a scale that rounds there is not the checkpoint's
     cast = scales[:, 0].to(dtype)
-    if same and bool((cast.double() == s[:, 0]).all()):
+    if same and bool((cast.to("cpu", torch.float64) == s[:, 0]).all()):
         # contiguous: torch 2.13's CPU kernel reads a strided scales tensor as if it were contiguous
         return (codes.to(torch.int16) - 128).to(torch.int8), cast.contiguous()
     if exact and same:

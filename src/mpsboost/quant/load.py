@@ -137,7 +137,10 @@ def from_pretrained(
     recipe = get_recipe(RECIPE)
 
     def decide(item, compute):
-        return recipe.decide_loaded(item.kind, item.params, compute, env, where)
+        # A dense linear's [out, in] lets its decode path be chosen at its shape (torch's int4pack on a Mac).
+        src = item.sources.get("weight") if item.kind == "linear" else None
+        shape = tuple(src.shape) if src is not None and len(src.shape) == 2 else None
+        return recipe.decide_loaded(item.kind, item.params, compute, env, where, shape=shape)
 
     steps = changes(plan, dev, dtype, decide)
     try:

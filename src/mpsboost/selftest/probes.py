@@ -356,14 +356,13 @@ def _affine_metal_gemv(ctx: Ctx) -> dict:
             )
             try:
                 if bits == 4:
-                    pk, sz, _ = affine.to_int4pack(q.cpu(), s.cpu(), b.cpu(), gs, dtype=x.dtype, device_type="mps")
-                    pk, sz = ctx.to(pk), ctx.to(sz)
+                    pk, sz, _ = affine.to_int4pack(q, s, b, gs, dtype=x.dtype, device_type=q.device.type)
                     row["int4pack_s"] = _time(ctx, lambda: affine.int4pack_linear(x, pk, sz, gs), calls=20)
                 else:
                     w8, sc = affine.to_int8pack(q.cpu(), s.cpu(), b.cpu(), gs, dtype=x.dtype, exact=False)
                     w8, sc = ctx.to(w8), ctx.to(sc)
                     row["int8pack_s"] = _time(ctx, lambda: affine.int8pack_linear(x, w8, sc), calls=20)
-            except (NotImplementedError, RuntimeError, TypeError) as e:
+            except (NotImplementedError, RuntimeError, TypeError, ValueError) as e:  # ValueError: no pack here
                 row[f"int{bits}pack_error"] = f"{type(e).__name__}: {str(e)[:120]}"
         measured[f"dense_{n}x{k}"] = row
         parts.append(
