@@ -889,6 +889,32 @@ MUTATIONS: tuple[Mutation, ...] = (
         quick=True,
     ),
     Mutation(
+        name="fp8-experts-choice-verdict-ignored",
+        why="a timed fp8 experts choice that is not faster keeps mpsboost's grouped GEMV anyway",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/fp8/recipe.py",
+                '    return ("grouped" if choice.taken else "scaled_mm"), choice.describe()\n',
+                '    return "grouped", choice.describe()\n',
+            ),
+        ),
+        tests=("tests/recipes/fp8/test_fp8_experts_metal_choice.py", "-k", "tie_or_slower or timing_error"),
+        quick=True,
+    ),
+    Mutation(
+        name="fp8-experts-choice-never-asked",
+        why="an fp8 experts module a Mac could time keeps the grouped GEMV untimed (the choice is never asked)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/fp8/recipe.py",
+                '            if torch_few_rows and opts.mps_kernel == "auto":\n',
+                "            if False:\n",
+            ),
+        ),
+        tests=("tests/recipes/fp8/test_fp8_experts_metal_choice.py", "-k", "faster_and_caches or experts_run"),
+        quick=True,
+    ),
+    Mutation(
         name="decode-predict-drops-mpsgraph-term",
         why="the Mac cost model leaves out the MPSGraph dispatches' time",
         edits=(

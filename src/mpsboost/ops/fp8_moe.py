@@ -46,6 +46,7 @@ from .fp8 import (
     metal_ok,
     fused_quantize_rows,
     quantize_rows,
+    quantize,
     quantize_rows_few,
     scaled_mm_v2,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "few_rows_experts_ok",
     "few_rows_experts",
     "grouped_rows_experts",
+    "experts_contenders",
 ]
 
 PATHS = ("scaled_grouped_mm", "gather", "hit", "stack")
@@ -467,3 +469,49 @@ def fp8_routed_experts(
     if post is not None:
         y = post(y)
     return moe_ops.unroute(y, routing).to(hidden_states.dtype)
+
+
+def experts_contenders(
+    experts: int, up_rows: int, hidden: int, inter: int, top_k: int, dtype: torch.dtype, *, device: str = "mps"
+) -> tuple:
+    """``(stock_run, metal_run)`` at one experts module's decode shape (one token, ``top_k`` routed experts of
+    ``experts``; stacks up ``[E, up_rows, hidden]``, down ``[E, hidden, inter]``; ``up_rows = 2 * inter`` gate and
+    up fused, a SiLU-GLU between them), for :func:`mpsboost.ondevice.choose`: ``stock_run`` by torch's own few-rows
+    fp8 kernels (:func:`few_rows_experts`, ``kernel="scaled_mm"``: the routed experts' codes gathered, activations
+    quantised per row), ``metal_run`` by mpsboost's Metal grouped GEMV (:func:`grouped_rows_experts`: the routed
+    experts read in place). Both on the same random rowwise-scaled codes and routing on ``device``, made at the first
+    call (nothing is allocated where nothing is timed). The Metal kernel's correctness is its self-check's."""
+    if not 0 < top_k <= experts or up_rows != 2 * inter:
+        raise ValueError(
+            f"experts_contenders: top_k={top_k} of {experts} experts, up_rows={up_rows} for inter={inter} "
+            "(gate and up fused: up_rows = 2 * inter)"
+        )
+    made: list[tuple] = []
+
+    def inputs() -> tuple:
+        if not made:
+            g = torch.Generator().manual_seed(0)
+            up_q, up_s = quantize(torch.randn(experts, up_rows, hidden, generator=g) * 0.05, "rowwise")
+            dn_q, dn_s = quantize(torch.randn(experts, hidden, inter, generator=g) * 0.05, "rowwise")
+            x = torch.randn(1, hidden, generator=g).to(dtype)
+            ids = torch.randperm(experts, generator=g)[:top_k].view(1, top_k)
+            w = torch.softmax(torch.randn(1, top_k, generator=g), -1).to(dtype)
+            dev = torch.device(device)
+            up = Fp8Stack(up_q.to(dev), up_s.to(dev))
+            down = Fp8Stack(dn_q.to(dev), dn_s.to(dev))
+            made.append((x.to(dev), ids.to(dev), w.to(dev), up, down))
+        return made[0]
+
+    def glu(h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    def stock() -> torch.Tensor:
+        x, ids, w, up, down = inputs()
+        return few_rows_experts(x, ids, w, up=up, down=down, activation=glu, kernel="scaled_mm")
+
+    def metal() -> torch.Tensor:
+        x, ids, w, up, down = inputs()
+        return grouped_rows_experts(x, ids, w, up=up, down=down, activation=glu)
+
+    return stock, metal

@@ -344,6 +344,51 @@ def _metal_or_scaled_mm(env: Env, metal: Any, n: int, k: int, dtype: torch.dtype
     return dataclasses.replace(alt, reason=f"{alt.reason}; {choice.describe()}")
 
 
+def _torch_few_rows(env: Env, ws: list[torch.Tensor], tr: bool, storage: str, opts: Fp8WeightsOptions) -> bool:
+    """Whether torch's own few-rows fp8 kernels (MPS 2.15's ``scaled_mm_few_rows_*`` behind ``F.scaled_mm``) serve
+    an experts module's decode here: float8 codes in the [E, out, in] layout, 16-aligned, ``moe_path='auto'``."""
+    return (
+        env.device_type == "mps"
+        and opts.moe_path == "auto"
+        and storage == "float8"
+        and not tr
+        and check("fp8_gemv", env).ok
+        and check("scaled_mm", env).ok
+        and all(fp8_ops.few_rows_ok(w.shape[1], w.shape[2], ws[0].dtype) for w in ws)
+    )
+
+
+# Routed experts a decode token reads, for the timing of an experts module's two decode paths: the module does not
+# know its router's top-k; 8 is Qwen3.5/3.6-MoE's, Qwen3-MoE's, OLMoE's and Qwen2-MoE's top-k is 8 or less.
+_TIMED_TOP_K = 8
+
+
+def _grouped_or_scaled_mm(env: Env, ws: list[torch.Tensor]) -> tuple[str, str]:
+    """Where both mpsboost's Metal grouped GEMV and torch's few-rows fp8 kernels serve an experts module's decode on
+    MPS: the faster at its shape on the user's Mac (:func:`mpsboost.ondevice.choose`, cached per chip, macOS, torch
+    and shape), as ``(few_rows, what was decided)``. The static choice (a simulated Mac; nothing timed) is the Metal
+    grouped GEMV: one dispatch per projection reading the routed experts in place, where torch's path gathers their
+    codes first (a copy of each routed expert) and quantises the activations."""
+    from ... import ondevice
+
+    up, down = ws[0], ws[-1]
+    e, n_up, h = up.shape
+    inter = down.shape[2]
+    k = min(_TIMED_TOP_K, e)
+    if n_up != 2 * inter:  # not a fused gate-up stack: nothing this timing models
+        return "grouped", "not timed: the up stack is not gate and up fused"
+    stock, candidate = fp8_moe.experts_contenders(e, n_up, h, inter, k, ws[0].dtype)
+    choice = ondevice.choose(
+        "fp8_grouped_gemv",
+        f"T1 E{e} top{k} up{n_up}x{h} down{h}x{inter} {str(ws[0].dtype).removeprefix('torch.')}",
+        env=env,
+        stock=ondevice.Contender("torch's scaled_mm few-rows kernels (routed experts gathered)", stock),
+        candidate=ondevice.Contender("mpsboost's Metal fp8 grouped GEMV", candidate),
+        static=True,
+    )
+    return ("grouped" if choice.taken else "scaled_mm"), choice.describe()
+
+
 def _compiled_path(large: str) -> str:
     return large if large in fp8_moe.TRACEABLE else "stack"
 
@@ -685,23 +730,23 @@ class Fp8Weights(Recipe):
             why += f"; {where}"
         few_rows = ""
         metal = _metal_decode(env, ws, tr, opts)
+        torch_few_rows = _torch_few_rows(env, ws, tr, storage, opts)
         if metal is not None and metal.ok:
             few_rows = "grouped"  # mpsboost's Metal grouped GEMV: routed experts read in place, 1 byte per weight
+            if torch_few_rows and opts.mps_kernel == "auto":
+                few_rows, timed = _grouped_or_scaled_mm(env, ws)
+                metal = dataclasses.replace(metal, reason=f"{metal.reason}; {timed}")
+        elif torch_few_rows and opts.mps_kernel != "metal":
+            few_rows = "scaled_mm"
         elif opts.moe_path == "auto" and storage == "float8" and not tr:
-            if (
-                env.device_type == "mps"
-                and opts.mps_kernel != "metal"
-                and check("fp8_gemv", env).ok
-                and check("scaled_mm", env).ok
-                and all(fp8_ops.few_rows_ok(w.shape[1], w.shape[2], ws[0].dtype) for w in ws)
-            ):
-                few_rows = "scaled_mm"
-            elif env.device_type == "cuda" and check("fp8_gemv", env).ok and check("scaled_mm", env).ok:
+            if env.device_type == "cuda" and check("fp8_gemv", env).ok and check("scaled_mm", env).ok:
                 few_rows = "gemv"  # mpsboost's Triton fp8 GEMV: the weights read once as fp8, activations untouched
         if few_rows:
             backing = f"{fp8_moe.FEW_ROWS_BACKING[few_rows]}; {backing} above"
         if few_rows == "grouped":
             why = f"{why}; decode: {metal.reason}"
+        elif few_rows == "scaled_mm" and metal is not None and metal.ok:
+            why = f"{why}; decode on torch's few-rows kernels, not mpsboost's Metal grouped GEMV: {metal.reason}"
         elif metal is not None:
             why = f"{why}; decode not on mpsboost's Metal kernel: {metal.reason}"
         plan = Fp8Plan(
