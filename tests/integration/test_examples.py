@@ -38,7 +38,6 @@ TESTED_ELSEWHERE = {"qwen36_4bit": "tests/quant/test_low_bit_docs.py"}
 # stop at argument checks: 2.8 s of CPU, 22.6 s of wall there) could expire on a loaded machine while the
 # same run passed on a quiet one.
 TIMEOUT = 900
-QUICK_TIMEOUT = 600
 
 
 def _run(script: str, *args: str, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
@@ -131,16 +130,22 @@ def test_fp8_any_saves_where_asked_and_reloads_other_architectures(tmp_path):
     assert "reloaded output identical to the converted model: True" in proc.stdout
 
 
-def test_missing_local_model_fails_with_a_clear_message(tmp_path):
+def test_missing_local_model_fails_with_a_clear_message(tmp_path, monkeypatch, capsys):
+    # In this process (the scripts' runs as a user runs them are the subprocess tests above): the error a
+    # missing folder raises out of the script, the last line of the traceback a user would see.
     missing = tmp_path / "no-such-model"
-    proc = _run("qwen3_moe_chat", "--model", str(missing), "--device", "cpu", timeout=QUICK_TIMEOUT)
-    assert proc.returncode != 0
-    assert str(missing) in proc.stderr or "no-such-model" in proc.stderr
+    try:
+        args = ("--model", str(missing), "--device", "cpu")
+        rc, _, _, message = _in_process_streams(monkeypatch, capsys, "qwen3_moe_chat", *args)
+    except Exception as exc:  # an uncaught error: a user's run exits 1 with this as its traceback's last line
+        rc, message = 1, f"{type(exc).__name__}: {exc}"
+    assert rc != 0
+    assert str(missing) in message or "no-such-model" in message
 
 
-def test_model_and_random_weights_exclude_each_other():
-    proc = _run("wan22_video", "--model", "x", "--random-weights", "tiny", timeout=QUICK_TIMEOUT)
-    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+def test_model_and_random_weights_exclude_each_other(monkeypatch, capsys):
+    rc, _, _, err = _in_process_streams(monkeypatch, capsys, "wan22_video", "--model", "x", "--random-weights", "tiny")
+    assert rc == 2 and "not allowed with argument" in err
 
 
 #: Each script's recipe-level benchmark (`mpsboost bench NAME`, run by its --bench).
@@ -165,6 +170,12 @@ def test_the_recipe_scripts_live_in_the_top_level_recipes_folder():
 def _in_process(monkeypatch, capsys, script: str, *args: str) -> tuple[int, str, dict]:
     """``python recipes/SCRIPT.py ARGS`` in this process (its --help needs no fresh interpreter; that it imports
     no torch is tests/core/test_cli.py's fresh-interpreter check): (exit status, stdout, its globals)."""
+    return _in_process_streams(monkeypatch, capsys, script, *args)[:3]
+
+
+def _in_process_streams(monkeypatch, capsys, script: str, *args: str) -> tuple[int, str, dict, str]:
+    """As ``_in_process``, with stderr as well: (exit status, stdout, its globals, stderr). An exception other
+    than SystemExit propagates (what a user's run would print as its traceback)."""
     import runpy
 
     monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts recipes/ first; undone after the test
@@ -177,8 +188,10 @@ def _in_process(monkeypatch, capsys, script: str, *args: str) -> tuple[int, str,
         rc = 0
     except SystemExit as exc:
         rc = exc.code if isinstance(exc.code, int) else 1
-    sys.modules.pop("_common", None)
-    return rc, capsys.readouterr().out, names
+    finally:
+        sys.modules.pop("_common", None)
+    out, err = capsys.readouterr()
+    return rc, out, names, err
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
