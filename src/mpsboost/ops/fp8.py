@@ -243,10 +243,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     is bit for bit that of ``codes.float() * scale`` without a float32 copy of the layer on CUDA and
     MPS (CPU's TensorIterator still makes one) and with 7 bytes of traffic per weight instead of 19.
     Two dispatches of a few microseconds each: a one-pass Triton kernel (3 bytes per weight) cut the
-    GPU time of an eager Qwen-Image forward on the H200 but made the call slower, its launcher adding
-    tens of microseconds of host time per layer to a host-bound forward
-    (benchmarks/results/profile_decode-cuda-2026-11-30b.jsonl against -30c); under torch.compile these
-    two ops fuse into one kernel anyway."""
+    GPU time of an eager forward but made the call slower, its launcher adding host time per layer to a
+    host-bound forward (the profile records in benchmarks/results); under torch.compile these two ops fuse into
+    one kernel anyway."""
     s = scale.float()
     if s.dim() == 0:
         # A 0-dim tensor does not take part in type promotion: the product would be computed in

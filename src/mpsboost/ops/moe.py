@@ -59,7 +59,7 @@ BACKING = {
     "batched_mm": "batched_mm",
     "fallback": "sync-free fallback",
     # CPU tensors only: reading offsets there is no device synchronisation, and one matmul per
-    # expert beats the dense fallback by far (measured, benchmarks/results/moe-cpu-*.jsonl).
+    # expert beats the dense fallback by far (the moe-cpu records).
     "cpu_loop": "per-expert loop (CPU, offsets read on the host)",
     # A device without a grouped kernel (MPS before 2.15), many tokens, eager: one host read of the offsets
     # per projection, then one mm per expert that has rows. The dense fallback would do E/k times the routed
@@ -681,9 +681,8 @@ class BlockWeights:
 # _ascending: the decode step orders its few routed ids with ``topk(largest=False)``, not ``sort``. On MPS both
 # run the same one-dispatch block-sort body (aten/src/ATen/native/mps/kernels: ``sort_block_*`` and
 # ``sort_block_topk_*``, both in the 2.15.0 macOS wheel, long included). On CUDA ``sort`` of a few elements
-# goes through cub's segmented sort with three device-to-device copies: 110 us of host time a call on the H200
-# proxy against 62 us for ``topk`` (stock's own calls, cProfile in
-# ``benchmarks/results/profile_decode-cuda-2026-12-01g-qwen36-eager.jsonl``). Not stable: ties (one
+# goes through cub's segmented sort with three device-to-device copies, nearly twice ``topk``'s host time a
+# call (stock's own calls, profiled: the profile_decode records). Not stable: ties (one
 # expert routed by several tokens) keep no token order, which the steps do not need (rows are put back by
 # the permutation itself).
 def _lin(x: torch.Tensor, w: Any) -> torch.Tensor:

@@ -54,9 +54,8 @@ difference grows with the prompt (128 chunks at 8k tokens). Its two unit lower-t
 are ``solve_triangular`` where the gate's ``solve_triangular_fast`` says the build solves small triangular
 systems at matmul speed (its verdict names the evidence), else (MPS before 2.15: about 15 ms per call)
 matmuls (block doubling of the inverse, 6 levels per 64-token chunk). On the H200 proxy (Qwen3.6 shape, 40
-layers, eager ``generate()``), this prefill was faster than the stock prefill it replaced in 13 of 14 paired
-rounds (Mac 2.15.0 decisions and native; ``e2e-cuda-2026-12-01h-qwen36-prefill-*.jsonl``). Option
-``prefill="stock"`` keeps transformers' own.
+layers, eager ``generate()``) this prefill measured faster than the stock prefill it replaced (the figures
+page has the paired rounds). Option ``prefill="stock"`` keeps transformers' own.
 
 Exactness (tested): float32 layer outputs within 1e-5 relative of stock, prefill and decode; bfloat16
 relative error against a float32 reference no worse than 1.5x stock's (it is lower: the recipe keeps

@@ -93,9 +93,8 @@ class MoeExpertsOptions:
 # the recipe's own paths: decode per token no different (that run's time-to-first-token figures included
 # the patch call and are void). There the eager forward runs transformers' own kernels (chosen per call
 # size as generate() chooses them per phase), which measured no different from stock in a later run;
-# compiled forwards, where the static-cache decode measured faster, keep the recipe's paths.
-_CUDA_EAGER_RECORD = "benchmarks/results/superseded/e2e-cuda-2026-11-30-moe-eager-final.jsonl"
-_CUDA_EAGER_DEFAULT_RECORD = "benchmarks/results/e2e-cuda-2026-11-30b-moe48.jsonl"
+# compiled forwards, where the static-cache decode measured faster, keep the recipe's paths. (The e2e
+# records of the figures page hold both runs.)
 
 
 # ----------------------------------------------------------------------------------------- the recipe
@@ -289,9 +288,9 @@ class MoeExperts(Recipe):
         reason = ("forced by option path; " if choice.forced else "") + why + limit
         if choice.eager_stock:
             reason += (
-                f"; eager on CUDA: transformers' own batched_mm / grouped_mm kernels (the recipe's own eager paths "
-                f"showed no gain in a whole generate(), {_CUDA_EAGER_RECORD}; "
-                f"this default: {_CUDA_EAGER_DEFAULT_RECORD}; "
+                "; eager on CUDA: transformers' own batched_mm / grouped_mm kernels (the recipe's own eager paths "
+                "showed no gain in a whole generate(), a record now in benchmarks/results/superseded; this "
+                "default's run: docs/figures.md; "
                 "options cuda_eager=True takes the recipe's paths); compiled forwards take the recipe's paths"
             )
         if match.data.kind == "hf":

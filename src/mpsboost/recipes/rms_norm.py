@@ -12,14 +12,13 @@ about 140 classes), gpt-oss's and Helium's (``scale_in_fp32``), Gemma's and Qwen
 A class whose code differs in any way (a hub kernel bound by ``kernelize``, another formula) is left alone.
 
 Where: on MPS (torch >= 2.7), and on CUDA in eager mode: there the whole eager ``generate()`` of the
-Qwen3.6-35B-A3B shape on an H200 decoded faster with it (54.25 -> 50.03 ms/token, medians of 5 rounds
-in one run, spreads apart: ``benchmarks/results/e2e-cuda-2026-12-01b-qwen36-eager.jsonl``). While
+Qwen3.6-35B-A3B shape on an H200 decoded faster with it (paired rounds, spreads apart: the figures page). While
 ``torch.compile`` traces a CUDA model the module's own code is traced instead (inductor fuses it; the
 compiled mode was not measured with the recipe). On the CPU ``F.rms_norm`` is the same composite as the
 module's code: nothing to gain, it steps aside. ``options={"rms_norm": {"devices": (...)}}`` chooses the
 device types. The result equals the module's bit for bit on the CPU; on MPS and CUDA the fused kernel
-sums the squares in its own order (float32 rounding of the mean: on the H200, at most 5.6e-5 relative
-on one norm of that model, ``sensitivity-cuda-2026-12-01-qwen36.json``).
+sums the squares in its own order (float32 rounding of the mean: a few 1e-5 relative on the H200, the
+sensitivity record).
 """
 
 from __future__ import annotations
@@ -130,8 +129,8 @@ class RmsNorm(Recipe):
         if env.device_type == "cuda":
             return Decision.apply(
                 f"F.rms_norm, fused kernel in eager mode ({form})",
-                "eager generate() of the Qwen3.6 shape on an H200 decoded 1.08x faster with it "
-                "(e2e-cuda-2026-12-01b); under torch.compile the module's own code is traced",
+                "eager generate() of the Qwen3.6 shape on an H200 decoded faster with it (docs/figures.md); "
+                "under torch.compile the module's own code is traced",
                 plan=plan,
             )
         return Decision.apply(f"F.rms_norm ({form})", f"asked for on {env.device_type} by options devices", plan=plan)

@@ -24,8 +24,7 @@ binds the forward; nothing is converted while the ``patch()`` transaction can st
 rollback restores the very same weights. The transaction's commit then converts layer by layer,
 dropping each original weight as soon as its codes exist: the peak during conversion is the model
 plus one layer's codes and a bounded scratch (quantisation works on 16M-element slices), never a
-second copy of the model. Measured on the H200 (benchmarks/results/fp8-cuda-2026-11-29-NOTES.md):
-589 MB over an 11.7 GB Qwen3-30B-A3B-shaped model whose largest layer is 805 MB in bf16.
+second copy of the model (measured on the H200 at the Qwen3-30B-A3B shape: the fp8 records' NOTES).
 
 Options (``mpsboost.patch(m, fp8="rowwise", options={"fp8_weights": {...}})``):
 ``include`` / ``exclude``: glob patterns (``fnmatch``) on the module path in the report (e.g.
@@ -714,9 +713,8 @@ class Fp8Weights(Recipe):
         """(plan, backing, why) of an experts module with stacks ``ws`` (only shapes and dtype are read)."""
         _, gather_max, where = _thresholds(env, opts)
         large, why = self._experts_path(env, ws, tr, storage, opts)
-        # Few routed pairs (decoding) gather their experts in fp8: on the H200 a Qwen3-30B-A3B-shaped decode
-        # step took 15.1 ms this way vs 16.2 (scaled_grouped_mm) and 17.4 (hit experts); stock batched_mm
-        # 51.8 ms (benchmarks/results/fp8-cuda-2026-11-29-run2.jsonl).
+        # Few routed pairs (decoding) gather their experts in fp8: on the H200 the fastest of the three at the
+        # Qwen3-30B-A3B shape's decode step (the fp8 records).
         gather = gather_max if opts.moe_path == "auto" else (1 << 62 if opts.moe_path == "gather" else 0)
         backing = fp8_moe.BACKING[large]
         if large != "gather" and gather > 0:

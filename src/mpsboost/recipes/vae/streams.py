@@ -16,8 +16,8 @@ Opt-in everywhere (``default = False``: a plain ``patch()`` never selects it; na
 measured harmless, and this one has no such record: on MPS it has never been measured (no MPS device
 has run it; the first builds where it can run are those with events across streams), and on an H200
 it bought nothing: the side stream left a stock tiled decode's time unchanged and, next to
-``wan_vae_pad``, measured slower in one series (1.48 s vs 1.19 s, 2026-11-29) and no different in the
-next (0.99x, 2026-11-30; ``benchmarks/results/mps_streams-cuda-*.jsonl``). On CUDA, where it exists to
+``wan_vae_pad``, was slower in one series and no different in the next (the mps_streams records, on
+the figures page). On CUDA, where it exists to
 measure the code that MPS 2.16 will run, it also needs ``options={"mps_streams": {"on_cuda": True}}``.
 
 Targets: the Wan and Qwen-Image VAEs (``tiled_decode``). With ``wan_vae_pad`` / ``qwen_image_vae``
@@ -83,10 +83,7 @@ class MpsStreams(Recipe):
         if not v.ok:
             return Decision.skip(v.reason)
         if env.device_type == "cuda" and not on_cuda:
-            # Measured on one H200 (torch 2.11.0+cu130, Wan2.2 VAE 480x832x21 tiled, fp32): the side
-            # stream alone left the time unchanged (1.833 s vs 1.841 s stock; 1.01x in the next series);
-            # next to wan_vae_pad it was slower than wan_vae_pad alone in one series (1.479 s vs 1.189 s,
-            # 2026-11-29) and no different in the next (1.086 s vs 1.079 s, 2026-11-30): no gain either way.
+            # The H200 series (the mps_streams records): no gain alone or next to wan_vae_pad.
             return Decision.skip(
                 f"{v.reason}, but on CUDA the side stream bought nothing (H200, Wan2.2 480x832x21 tiled decode: "
                 "0.99x-1.01x, once 0.80x next to wan_vae_pad); opt in with options={'mps_streams': {'on_cuda': True}}"
