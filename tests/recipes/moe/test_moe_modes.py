@@ -246,11 +246,9 @@ def _grouped_mm_calls(gm: torch.fx.GraphModule) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and "grouped_mm" in str(n.target))
 
 
-# Inductor (C++ code generation and compilation on the CPU: 15-60 s a test) where its lowering is what is checked:
-# the native grouped matmul in bf16 under Mac 2.15.0 decisions, in test_compiled_forward_equals_eager_patched
-# (once per run). Everywhere else the model traces through AOT autograd with the eager backend: the same
-# fullgraph capture (dynamo's frame and graph counts, the grouped_mm nodes of the captured graph) and
-# functionalisation, the ops run as they are.
+# Inductor (C++ code generation and compilation on the CPU: 15-30 s a test) where its lowering is what is checked,
+# the native grouped matmul in bf16 under Mac 2.15.0 decisions; the other envs trace through AOT autograd with
+# the eager backend: the same fullgraph capture and functionalisation, the ops run as they are.
 INDUCTOR_ENVS = ("mps_2.15.0",)
 
 
@@ -274,9 +272,7 @@ def test_several_layers_compile_into_one_graph_without_recompiles(rng_seed):
         mpsboost.patch(model, recipes=["moe_experts"])
         eager = model(ids).logits
         torch._dynamo.reset()
-        # What is counted (frames, the captured graph's grouped_mm nodes) is dynamo's; inductor's lowering of the
-        # same bf16 grouped_mm is checked by test_compiled_forward_equals_eager_patched[mps_2.15.0].
-        cnt = CompileCounterWithBackend("aot_eager")
+        cnt = CompileCounterWithBackend("inductor")
         compiled = torch.compile(model, backend=cnt, fullgraph=True, dynamic=False)
         out = compiled(ids).logits
         ids2 = torch.randint(0, 96, (2, 24))
@@ -323,8 +319,7 @@ def test_compiled_forward_equals_eager_patched(env_name, rng_seed):
 def test_static_cache_generate_compiled_equals_eager(env_name, rng_seed):
     """transformers compiles the decode step for a static cache on CUDA/XPU only; on CPU the same
     compilation is asked for with CompileConfig(_compile_all_devices=True), fullgraph. fp32, so greedy
-    tokens are comparable exactly. Backend aot_eager in every env: in fp32 no native grouped_mm is traced (the
-    one lowering inductor is used for in this file), and the decode step's capture is what is checked."""
+    tokens are comparable exactly."""
     from torch._dynamo.utils import counters
     from transformers import CompileConfig
 
@@ -345,7 +340,7 @@ def test_static_cache_generate_compiled_equals_eager(env_name, rng_seed):
         eager = model.generate(ids, disable_compile=True, **kw)
         torch._dynamo.reset()
         counters.clear()
-        cc = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
+        cc = CompileConfig(fullgraph=True, dynamic=False, backend=_backend(env_name))
         cc._compile_all_devices = True
         with _spy_recipe() as paths:
             compiled = model.generate(ids, compile_config=cc, **kw)
