@@ -120,7 +120,7 @@ def child_main(device: str, size: str, names: Sequence[str], repeats: int) -> in
     return 0
 
 
-def run_selftest(  # noqa: C901  (issue 39: split it below complexity 25)
+def run_selftest(
     device: str | None = None,
     *,
     size: str = "quick",
@@ -143,46 +143,11 @@ def run_selftest(  # noqa: C901  (issue 39: split it below complexity 25)
     checked on ``clock`` before each probe, each step of a workload, each fresh process and each recipe
     check; what does not fit is recorded as skipped.
     """
-    import torch
-
-    from .machine import device_absent, facts, scrub_all
     from .probes import PROBES, gemm_sample, gemm_verdict, run_probes
-    from .recipe_checks import DTYPES
-    from .workloads import SEED_WORKLOADS, SIZES, BudgetSpent, run_workload
+    from .workloads import SEED_WORKLOADS
 
-    if size not in SIZES:
-        raise ValueError(f"size {size!r} is not accepted; pass one of {', '.join(SIZES)}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not accepted; pass one of {', '.join(DTYPES)}")
-    if device is None:
-        from ..bench.harness import best_device
-
-        device = best_device()
-    why = device_absent(device)
-    if why:
-        raise DeviceAbsentError(f"--device {device}: {why}; nothing was run or written")
-    for label, chosen, known in (("probe", probes, PROBES), ("workload", workloads, SEED_WORKLOADS)):
-        unknown = sorted(set(chosen or ()) - set(known))
-        if unknown:
-            raise ValueError(f"unknown {label}(s) {unknown}; known: {', '.join(known)}")
-    from ..registry import all_recipes
-
-    known_recipes = {r.name: r for r in all_recipes()}
-    unknown = sorted(set(recipes or ()) - set(known_recipes))
-    if unknown:
-        raise ValueError(f"unknown recipe(s) {unknown}; known: {', '.join(sorted(known_recipes))}")
-    # Fresh processes show MPS's per-process GEMM kernel choice (pytorch#182815); on the CPU one is enough.
-    processes = (1 if device == "cpu" else PROCESSES[size]) if processes is None else processes
-    # On the CPU the run is no evidence (tiny models, one process): one timed repeat, and a budget that
-    # ends it within four minutes on two busy cores.
-    repeats = (1 if device == "cpu" else REPEATS[size]) if repeats is None else repeats
-    budget_s = (
-        (min(BUDGET_S[size], CPU_BUDGET_S) if device == "cpu" else BUDGET_S[size]) if budget_s is None else budget_s
-    )
-    if processes < 1 or repeats < 1 or budget_s <= 0:
-        raise ValueError(
-            f"processes ({processes}) and repeats ({repeats}) must be at least 1 and the budget ({budget_s}) positive"
-        )
+    device = _checked_request(device, size, dtype, probes, workloads, recipes)
+    processes, repeats, budget_s = _settings(device, size, processes, repeats, budget_s)
     small = size == "test" or device == "cpu"
     # On the CPU the run is no evidence and the quick and full sizes would take many minutes: the
     # workloads run at their test size there, as the probes do (``small``).
@@ -202,33 +167,143 @@ def run_selftest(  # noqa: C901  (issue 39: split it below complexity 25)
         else []
     )
     names = list(SEED_WORKLOADS) if workloads is None else list(workloads)
-    wl_lines = []
-    for name in names:
-        skipped = {"kind": "workload", "name": name, "what": SEED_WORKLOADS[name].what, "size": wl_size}
-        if clock() > deadline:
-            rec = dict(skipped, status="skipped", reason="time budget spent")
-        else:
-            echo(f"  workload {name}: started ({clock() - t0:.0f} s of {budget_s:.0f} s)")
-            try:
-                rec = run_workload(
-                    SEED_WORKLOADS[name], device, wl_size, repeats, deadline=deadline, clock=clock, progress=echo
-                )
-            except BudgetSpent as e:
-                rec = dict(skipped, status="skipped", reason=str(e))
-            except Exception as e:  # noqa: BLE001 - one workload's failure is a finding, not the end of the run
-                first = (str(e).strip().splitlines() or [""])[0][:300]
-                rec = {
-                    "kind": "workload",
-                    "name": name,
-                    "what": SEED_WORKLOADS[name].what,
-                    "size": wl_size,
-                    "status": "error",
-                    "reason": f"{type(e).__name__}: {first}",
-                }
-        echo(f"  workload {name}: {rec['status']} ({rec.get('seconds', 0):.1f} s)")
-        wl_lines.append(rec)
+    wl_lines = [_one_workload(name, device, wl_size, repeats, deadline, t0, budget_s, echo, clock) for name in names]
     # Repeats in fresh processes: the timings only (no reference, no memory), each in a new interpreter.
     gemm = [gemm_sample(device, small)] if "gemm_fresh_process" in chosen_probes else []
+    child_notes = _repeat_in_fresh_processes(device, wl_size, wl_lines, gemm, processes, repeats, deadline, echo, clock)
+    for w in wl_lines:
+        if w["status"] in ("pass", "fail"):
+            w["ratio"] = _ratio(w["stock"]["seconds"], w["patched"]["seconds"])
+        elif "stock" in w:
+            w["ratio"] = None
+    if gemm:
+        for p in probe_lines:
+            if p["name"] == "gemm_fresh_process":
+                p.update(gemm_verdict(gemm, device))
+    lines += probe_lines + wl_lines
+    if recipes is None or recipes:
+        lines += _recipe_lines(device, dtype, recipes, repeats, deadline, echo, clock, covered=_covered(wl_lines))
+    head = {
+        "kind": "selftest",
+        "schema": SCHEMA,
+        "machine": None,  # filled below, once the run is over
+        "size": size,
+        "workload_size": wl_size,
+        "processes": processes,
+        "repeats": repeats,
+        "budget_s": budget_s,
+        "duration_s": round(clock() - t0, 1),
+        "evidence": device == "mps",
+        "date": _dt.date.today().isoformat(),
+        "command": command,
+        "process_notes": child_notes,
+    }
+    return _write([head] + lines, device, out_dir, echo)
+
+
+def _checked_request(
+    device: str | None,
+    size: str,
+    dtype: str,
+    probes: Sequence[str] | None,
+    workloads: Sequence[str] | None,
+    recipes: Sequence[str] | None,
+) -> str:
+    """The device to run on (the best present where None), after every argument is checked: nothing runs or is
+    written on a bad one."""
+    from ..registry import all_recipes
+    from .machine import device_absent
+    from .probes import PROBES
+    from .recipe_checks import DTYPES
+    from .workloads import SEED_WORKLOADS, SIZES
+
+    if size not in SIZES:
+        raise ValueError(f"size {size!r} is not accepted; pass one of {', '.join(SIZES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not accepted; pass one of {', '.join(DTYPES)}")
+    if device is None:
+        from ..bench.harness import best_device
+
+        device = best_device()
+    why = device_absent(device)
+    if why:
+        raise DeviceAbsentError(f"--device {device}: {why}; nothing was run or written")
+    for label, chosen, known in (("probe", probes, PROBES), ("workload", workloads, SEED_WORKLOADS)):
+        unknown = sorted(set(chosen or ()) - set(known))
+        if unknown:
+            raise ValueError(f"unknown {label}(s) {unknown}; known: {', '.join(known)}")
+    known_recipes = {r.name: r for r in all_recipes()}
+    unknown = sorted(set(recipes or ()) - set(known_recipes))
+    if unknown:
+        raise ValueError(f"unknown recipe(s) {unknown}; known: {', '.join(sorted(known_recipes))}")
+    return device
+
+
+def _settings(
+    device: str, size: str, processes: int | None, repeats: int | None, budget_s: float | None
+) -> tuple[int, int, float]:
+    """``(processes, repeats, budget_s)``: those given, else the size's (on the CPU: one process, one repeat, a
+    budget that ends the run within four minutes on two busy cores)."""
+    # Fresh processes show MPS's per-process GEMM kernel choice (pytorch#182815); on the CPU one is enough.
+    processes = (1 if device == "cpu" else PROCESSES[size]) if processes is None else processes
+    # On the CPU the run is no evidence (tiny models, one process): one timed repeat, and a budget that
+    # ends it within four minutes on two busy cores.
+    repeats = (1 if device == "cpu" else REPEATS[size]) if repeats is None else repeats
+    budget_s = (
+        (min(BUDGET_S[size], CPU_BUDGET_S) if device == "cpu" else BUDGET_S[size]) if budget_s is None else budget_s
+    )
+    if processes < 1 or repeats < 1 or budget_s <= 0:
+        raise ValueError(
+            f"processes ({processes}) and repeats ({repeats}) must be at least 1 and the budget ({budget_s}) positive"
+        )
+    return processes, repeats, budget_s
+
+
+def _one_workload(
+    name: str,
+    device: str,
+    wl_size: str,
+    repeats: int,
+    deadline: float,
+    t0: float,
+    budget_s: float,
+    echo: Callable[[str], None],
+    clock: Callable[[], float],
+) -> dict:
+    """One seed workload's line: run, skipped (the budget) or an error (a finding, not the end of the run)."""
+    from .workloads import SEED_WORKLOADS, BudgetSpent, run_workload
+
+    skipped = {"kind": "workload", "name": name, "what": SEED_WORKLOADS[name].what, "size": wl_size}
+    if clock() > deadline:
+        rec = dict(skipped, status="skipped", reason="time budget spent")
+    else:
+        echo(f"  workload {name}: started ({clock() - t0:.0f} s of {budget_s:.0f} s)")
+        try:
+            rec = run_workload(
+                SEED_WORKLOADS[name], device, wl_size, repeats, deadline=deadline, clock=clock, progress=echo
+            )
+        except BudgetSpent as e:
+            rec = dict(skipped, status="skipped", reason=str(e))
+        except Exception as e:  # noqa: BLE001 - one workload's failure is a finding, not the end of the run
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            rec = dict(skipped, status="error", reason=f"{type(e).__name__}: {first}")
+    echo(f"  workload {name}: {rec['status']} ({rec.get('seconds', 0):.1f} s)")
+    return rec
+
+
+def _repeat_in_fresh_processes(
+    device: str,
+    wl_size: str,
+    wl_lines: list[dict],
+    gemm: list,
+    processes: int,
+    repeats: int,
+    deadline: float,
+    echo: Callable[[str], None],
+    clock: Callable[[], float],
+) -> list[str]:
+    """Processes 2..``processes``: each a new interpreter timing the workloads that ran (and the GEMM sample),
+    their seconds appended to ``wl_lines`` and ``gemm``; returns the notes of those that did not run."""
     ran = [w["name"] for w in wl_lines if w["status"] in ("pass", "fail")]
     child_notes = []
     for i in range(1, processes):
@@ -250,34 +325,16 @@ def run_selftest(  # noqa: C901  (issue 39: split it below complexity 25)
             elif t and "error" in t:
                 w.setdefault("repeat_errors", []).append(t["error"])
         echo(f"  process {i + 1}: timed {len(got['workloads'])} workload(s)")
-    for w in wl_lines:
-        if w["status"] in ("pass", "fail"):
-            w["ratio"] = _ratio(w["stock"]["seconds"], w["patched"]["seconds"])
-        elif "stock" in w:
-            w["ratio"] = None
-    if gemm:
-        for p in probe_lines:
-            if p["name"] == "gemm_fresh_process":
-                p.update(gemm_verdict(gemm, device))
-    lines += probe_lines + wl_lines
-    if recipes is None or recipes:
-        lines += _recipe_lines(device, dtype, recipes, repeats, deadline, echo, clock, covered=_covered(wl_lines))
-    head = {
-        "kind": "selftest",
-        "schema": SCHEMA,
-        "machine": facts(device),
-        "size": size,
-        "workload_size": wl_size,
-        "processes": processes,
-        "repeats": repeats,
-        "budget_s": budget_s,
-        "duration_s": round(clock() - t0, 1),
-        "evidence": device == "mps",
-        "date": _dt.date.today().isoformat(),
-        "command": command,
-        "process_notes": child_notes,
-    }
-    lines = [head] + lines
+    return child_notes
+
+
+def _write(lines: list[dict], device: str, out_dir: str | Path, echo: Callable[[str], None]) -> tuple:
+    """The machine's facts into the head line, every local path scrubbed, then the JSONL and the markdown."""
+    import torch
+
+    from .machine import facts, scrub_all
+
+    lines[0]["machine"] = facts(device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lines = scrub_all(lines, (str(out.resolve()),))
