@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from .errors import EnvMismatchError, RecordError
 from .records import OpTime, Record, RecordEnv, Throughput, Workload
@@ -178,38 +178,50 @@ def _ratio_text(r: float | None, kind: str) -> str:
     return f" [{r:.2f}x]" if kind == "speed" else f" [{r:.2f}x of stock]"
 
 
-def _rows(group: Group) -> list[tuple[str, list[str]]]:  # noqa: C901  (issue 39: split it below complexity 25)
-    """(label, cell per variant) for every metric any variant of the group has."""
+def _rows(group: Group) -> list[tuple[str, list[str]]]:
+    """(label, cell per variant) for every metric any variant of the group has: throughput, operator times,
+    correctness per reference, memory per counter (the four sections, never folded into one)."""
     variants = list(group.variants.values())
     base = group.baseline
-    rows: list[tuple[str, list[str]]] = []
+    return (
+        _throughput_rows(variants, base)
+        + _op_rows(variants, base)
+        + _correctness_rows(variants)
+        + _memory_rows(variants, base)
+    )
 
-    if any(r.throughput is not None for r in variants):
-        cells = []
-        for r in variants:
-            t = r.throughput
-            if t is None:
-                cells.append(NA)
-                continue
-            text = f"{fmt_number(t.value)} {t.unit}"
-            iqr = t.spread.get("iqr_s") if t.spread else None
-            if iqr is not None and t.seconds_per_call:
-                # The spread of the per-call time, relative: noise on a shared machine shows here.
-                text += f" ±{100 * iqr / 2 / t.seconds_per_call:.0f}%"
-            if r is not base and base is not None and base.throughput is not None:
-                ratio = speed_ratio(base.throughput, t)
-                if ratio is None and base.throughput.unit != t.unit:
-                    text += f" [unit differs from stock's {base.throughput.unit}: no ratio]"
-                else:
-                    text += _ratio_text(ratio, "speed")
-            cells.append(text)
-        rows.append(("throughput (median, ±IQR/2)", cells))
 
+def _throughput_rows(variants: list, base: Any) -> list[tuple[str, list[str]]]:
+    if not any(r.throughput is not None for r in variants):
+        return []
+    cells = []
+    for r in variants:
+        t = r.throughput
+        if t is None:
+            cells.append(NA)
+            continue
+        text = f"{fmt_number(t.value)} {t.unit}"
+        iqr = t.spread.get("iqr_s") if t.spread else None
+        if iqr is not None and t.seconds_per_call:
+            # The spread of the per-call time, relative: noise on a shared machine shows here.
+            text += f" ±{100 * iqr / 2 / t.seconds_per_call:.0f}%"
+        if r is not base and base is not None and base.throughput is not None:
+            ratio = speed_ratio(base.throughput, t)
+            if ratio is None and base.throughput.unit != t.unit:
+                text += f" [unit differs from stock's {base.throughput.unit}: no ratio]"
+            else:
+                text += _ratio_text(ratio, "speed")
+        cells.append(text)
+    return [("throughput (median, ±IQR/2)", cells)]
+
+
+def _op_rows(variants: list, base: Any) -> list[tuple[str, list[str]]]:
     op_names: list[str] = []
     for r in variants:
         for k in r.op_time or {}:
             if k not in op_names:
                 op_names.append(k)
+    rows = []
     for op in op_names:
         cells = []
         for r in variants:
@@ -224,18 +236,25 @@ def _rows(group: Group) -> list[tuple[str, list[str]]]:  # noqa: C901  (issue 39
                 text += _ratio_text(speed_ratio((base.op_time or {}).get(op), o), "speed")
             cells.append(text)
         rows.append((f"op {op} (median, ±IQR/2)", cells))
+    return rows
 
+
+_CORRECTNESS = (
+    ("psnr_db", "PSNR dB", lambda v: fmt_number(v)),
+    ("sqnr_db", "SQNR dB", lambda v: fmt_number(v)),
+    ("rel_error", "rel error", lambda v: fmt_number(v, 3)),
+    ("max_abs", "max abs", lambda v: fmt_number(v, 3)),
+)
+
+
+def _correctness_rows(variants: list) -> list[tuple[str, list[str]]]:
     refs: list[str] = []
     for r in variants:
         if r.correctness is not None and r.correctness.reference not in refs:
             refs.append(r.correctness.reference)
+    rows = []
     for ref in refs:
-        for metric, label, fmt in (
-            ("psnr_db", "PSNR dB", lambda v: fmt_number(v)),
-            ("sqnr_db", "SQNR dB", lambda v: fmt_number(v)),
-            ("rel_error", "rel error", lambda v: fmt_number(v, 3)),
-            ("max_abs", "max abs", lambda v: fmt_number(v, 3)),
-        ):
+        for metric, label, fmt in _CORRECTNESS:
             values = [
                 getattr(r.correctness, metric) if r.correctness is not None and r.correctness.reference == ref else None
                 for r in variants
@@ -243,14 +262,21 @@ def _rows(group: Group) -> list[tuple[str, list[str]]]:  # noqa: C901  (issue 39
             if all(v is None for v in values):
                 continue
             rows.append((f"vs {ref}: {label}", [NA if v is None else fmt(v) for v in values]))
+    return rows
 
-    for metric, label in (
-        ("tensor_allocated", "mem tensor-allocated peak"),
-        ("allocator_reserved", "mem allocator-reserved peak"),
-        ("driver_level", "mem driver-level peak"),
-    ):
-        if not any(r.memory is not None for r in variants):
-            break
+
+_MEMORY = (
+    ("tensor_allocated", "mem tensor-allocated peak"),
+    ("allocator_reserved", "mem allocator-reserved peak"),
+    ("driver_level", "mem driver-level peak"),
+)
+
+
+def _memory_rows(variants: list, base: Any) -> list[tuple[str, list[str]]]:
+    if not any(r.memory is not None for r in variants):
+        return []
+    rows = []
+    for metric, label in _MEMORY:
         cells = []
         for r in variants:
             m = r.memory
