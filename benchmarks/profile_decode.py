@@ -205,7 +205,66 @@ _SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchroniz
 _KINDS = {"linear_attn": "Gated DeltaNet", "self_attn": "attention", "mlp": "MoE block"}
 
 
-def _qwen36_eager(a) -> int:  # noqa: C901  (issue 39: split it below complexity 25)
+def _profile_summary(prof, n_steps: int) -> tuple:
+    """``(kernel_ms, launches, kinds, kernels, copies, syncs, own)`` of a profile of ``n_steps`` decode steps: device
+    kernel time and count, host ms per module kind, per-kernel device ms a step, device copies a step, host syncs by
+    the outermost aten op that issued them, and each aten op's calls and own host ms a step."""
+    kernel_ms = launches = 0.0
+    kinds: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    copies: dict[str, float] = {}
+    syncs: dict[str, int] = {}
+    own: dict[str, list] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name.startswith("## "):
+            continue  # the device-side range of a module kind, not a kernel
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name.startswith(("Memcpy", "Memset")):
+            copies[ev.name] = copies.get(ev.name, 0) + 1 / n_steps
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernel_ms += ev.device_time_total / 1e3
+            launches += 1
+            kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time_total / 1e3 / n_steps
+        elif ev.name.startswith("## "):
+            kinds[ev.name[3:]] = kinds.get(ev.name[3:], 0.0) + ev.cpu_time_total / 1e3
+        elif ev.name.startswith(_SYNCS):
+            parent = ev.cpu_parent
+            while parent is not None and not parent.name.startswith("aten::"):
+                parent = parent.cpu_parent
+            # the outermost aten op that issued it
+            while parent is not None and parent.cpu_parent is not None and parent.cpu_parent.name.startswith("aten::"):
+                parent = parent.cpu_parent
+            key = f"{ev.name} in {parent.name if parent is not None else '(no aten op)'}"
+            syncs[key] = syncs.get(key, 0) + 1
+    for ev in prof.key_averages():
+        if ev.key.startswith("aten::"):
+            own[ev.key] = [ev.count / n_steps, ev.self_cpu_time_total / 1e3 / n_steps]
+    return kernel_ms, launches, kinds, kernels, copies, syncs, own
+
+
+def _kind_scopes(inner, record_function) -> list:
+    """Forward hooks that open a profiler range ``## <kind>`` around each decoder layer's Gated DeltaNet, attention
+    and MoE block (:data:`_KINDS`); returns the hook handles."""
+    hooks = []
+    scopes: list = []
+    for layer in inner:
+        for attr, kind in _KINDS.items():
+            mod = getattr(layer, attr, None)
+            if mod is None:
+                continue
+
+            def pre(m, args, kind=kind):
+                scopes.append(record_function(f"## {kind}"))
+                scopes[-1].__enter__()
+
+            def post(m, args, out):
+                scopes.pop().__exit__(None, None, None)
+
+            hooks.append(mod.register_forward_pre_hook(pre))
+            hooks.append(mod.register_forward_hook(post))
+    return hooks
+
+
+def _qwen36_eager(a) -> int:
     """Eager decode steps of the Qwen3.6 shape, stock / default patch / Mac 2.15.0 decisions (see the docstring)."""
     import e2e
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -260,23 +319,7 @@ def _qwen36_eager(a) -> int:  # noqa: C901  (issue 39: split it below complexity
                 report = fp8_report  # patched once above; kept
             elif variant != "stock":
                 report = mpsboost.patch(model, device=env) if env is not None else mpsboost.patch(model)
-            hooks = []
-            scopes: list = []
-            for layer in inner:
-                for attr, kind in _KINDS.items():
-                    mod = getattr(layer, attr, None)
-                    if mod is None:
-                        continue
-
-                    def pre(m, args, kind=kind):
-                        scopes.append(record_function(f"## {kind}"))
-                        scopes[-1].__enter__()
-
-                    def post(m, args, out):
-                        scopes.pop().__exit__(None, None, None)
-
-                    hooks.append(mod.register_forward_pre_hook(pre))
-                    hooks.append(mod.register_forward_hook(post))
+            hooks = _kind_scopes(inner, record_function)
             try:
                 with torch.no_grad():
                     steps(3)
@@ -320,39 +363,7 @@ def _qwen36_eager(a) -> int:  # noqa: C901  (issue 39: split it below complexity
                     h.remove()
                 if report is not None and not fp8:
                     mpsboost.unpatch(model)
-            kernel_ms = launches = 0.0
-            kinds: dict[str, float] = {}
-            kernels: dict[str, float] = {}
-            copies: dict[str, float] = {}
-            syncs: dict[str, int] = {}
-            own: dict[str, list] = {}
-            for ev in prof.events():
-                if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name.startswith("## "):
-                    continue  # the device-side range of a module kind, not a kernel
-                if ev.device_type == torch.autograd.DeviceType.CUDA and ev.name.startswith(("Memcpy", "Memset")):
-                    copies[ev.name] = copies.get(ev.name, 0) + 1 / n_steps
-                if ev.device_type == torch.autograd.DeviceType.CUDA:
-                    kernel_ms += ev.device_time_total / 1e3
-                    launches += 1
-                    kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time_total / 1e3 / n_steps
-                elif ev.name.startswith("## "):
-                    kinds[ev.name[3:]] = kinds.get(ev.name[3:], 0.0) + ev.cpu_time_total / 1e3
-                elif ev.name.startswith(_SYNCS):
-                    parent = ev.cpu_parent
-                    while parent is not None and not parent.name.startswith("aten::"):
-                        parent = parent.cpu_parent
-                    # the outermost aten op that issued it
-                    while (
-                        parent is not None
-                        and parent.cpu_parent is not None
-                        and parent.cpu_parent.name.startswith("aten::")
-                    ):
-                        parent = parent.cpu_parent
-                    key = f"{ev.name} in {parent.name if parent is not None else '(no aten op)'}"
-                    syncs[key] = syncs.get(key, 0) + 1
-            for ev in prof.key_averages():
-                if ev.key.startswith("aten::"):
-                    own[ev.key] = [ev.count / n_steps, ev.self_cpu_time_total / 1e3 / n_steps]
+            kernel_ms, launches, kinds, kernels, copies, syncs, own = _profile_summary(prof, n_steps)
             top = dict(sorted(own.items(), key=lambda kv: -kv[1][1])[:15])
             plain.sort()
             row = {
