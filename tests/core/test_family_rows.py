@@ -168,6 +168,13 @@ def test_the_fixed_string_options_are_literals():
         ("decode_linear", "path"),
         ("softmax", "path"),
         ("moe_experts", "compiled_batched_form"),
+        ("moe_experts", "path"),
+        ("fp8_weights", "moe_path"),
+        ("fp8_weights", "activations"),
+        ("fp8_weights", "mps_kernel"),
+        ("wan_vae_pad", "layout"),
+        ("qwen_image_vae", "layout"),
+        ("low_bit_weights", "mps_kernel"),
     }
     assert registry.option_choices(moe_block.MoeBlockOptions, "fused") == ("auto", "static", "off")
     assert registry.option_choices(type(registry.get_recipe("moe_experts").Options()), "compiled_batched_form") == (
@@ -182,6 +189,18 @@ def test_the_fixed_string_options_are_literals():
         "stock",
     )
     assert linear_attention._CHOICES["prefill"] == ("auto", "matmul", "triangular", "stock")
+    from mpsboost.ops import fp8_moe, moe as moe_ops
+    from mpsboost.recipes.fp8 import paths as fp8_paths
+    from mpsboost.recipes.vae import common as vae_common
+
+    def choices(recipe, field):
+        return registry.option_choices(type(registry.get_recipe(recipe).Options()), field)
+
+    assert choices("moe_experts", "path") == ("auto", *moe_ops.PATHS)
+    assert choices("fp8_weights", "moe_path") == ("auto", *fp8_moe.PATHS)
+    assert choices("fp8_weights", "activations") == fp8_paths.ACTIVATIONS
+    assert choices("fp8_weights", "mps_kernel") == fp8_paths.MPS_KERNELS
+    assert choices("wan_vae_pad", "layout") == choices("qwen_image_vae", "layout") == vae_common.LAYOUTS
 
 
 @pytest.mark.parametrize("recipe,field,allowed", _literal_fields(), ids=lambda v: v if isinstance(v, str) else "")

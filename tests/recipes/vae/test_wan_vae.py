@@ -289,7 +289,7 @@ def test_bad_option_is_refused_with_the_accepted_ones():
     vae = wan21()
     with pytest.raises(PatchError, match="accepted: layout, fused_norm, single_frame_2d, tile_loop"):
         mpsboost.patch(vae, recipes=[RECIPE], options={RECIPE: {"layuot": "channels_last"}})
-    with pytest.raises(PatchError, match="layout='nhwc' is not accepted"):
+    with pytest.raises(PatchError, match="layout='nhwc': expected one of auto, channels_last, contiguous"):
         mpsboost.patch(vae, recipes=[RECIPE], options={RECIPE: {"layout": "nhwc"}})
     assert "forward" not in vae.decoder.conv_in.__dict__
 

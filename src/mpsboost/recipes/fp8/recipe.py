@@ -55,7 +55,7 @@ import re
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Literal, Optional
 
 import torch
 
@@ -201,12 +201,13 @@ class Fp8WeightsOptions:
     experts: bool = True
     gemv_max_m: int | None = None  # None: from the tuning file (see _thresholds)
     moe_gather_max_pairs: int | None = None
-    moe_path: str = "auto"
-    activations: str = "bf16"  # above the GEMV: "bf16" dequantises the layer (exact), "fp8" quantises activations
+    moe_path: Literal["auto", "scaled_grouped_mm", "gather", "hit", "stack"] = "auto"
+    activations: Literal["bf16", "fp8"] = "bf16"  # above the GEMV: "bf16" dequantises the layer (exact), "fp8"
+    # quantises the activations for scaled_mm
     # MPS decode: "auto" (mpsboost's Metal kernel where the gate and its patch-time self-check allow it, else torch's
     # scaled_mm few-rows kernels where they exist; where both serve a linear, on a real Mac the faster at its shape,
     # timed at patch time), "metal" (the Metal kernel untimed: the static choice), "scaled_mm" (torch's kernels only)
-    mps_kernel: str = "auto"
+    mps_kernel: Literal["auto", "metal", "scaled_mm"] = "auto"
 
 
 def _parse(options: Fp8WeightsOptions) -> Fp8WeightsOptions:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 import types
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 
@@ -93,7 +93,7 @@ class VaePadOptions:
     device's default); ``memory_watch`` also takes a :class:`~mpsboost.recipes.vae.tiles.MemoryWatcher`.
     """
 
-    layout: str = "auto"
+    layout: Literal["auto", "channels_last", "contiguous"] = "auto"
     fused_norm: bool | str | None = None
     single_frame_2d: bool | str | None = None
     tile_loop: bool | str | None = None
