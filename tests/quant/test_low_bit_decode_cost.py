@@ -5,6 +5,8 @@ the rules of the decode-ops tool) against patched bf16: ops at most 1.05x, bytes
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import tiny_models as tm
 import torch
@@ -20,8 +22,9 @@ BYTES = {4: 0.33, 8: 0.6}
 OPS = 1.05
 
 
-def _low_bit(size: str, bits: int, env: Env, **patch_kw):
-    m = build(size)
+def _low_bit(size: str, bits: int, env: Env, base=None, **patch_kw):
+    # ``base``: an unpatched build(size) to copy (the same weights: build seeds itself) instead of building again.
+    m = copy.deepcopy(base) if base is not None else build(size)
     group = 32 if size == "tiny" else 64
     opts = {"low_bit_weights": {"bits": bits, "group_size": group}}
     mpsboost.patch(m, device=env, recipes=["low_bit_weights"], options=opts)
@@ -36,12 +39,13 @@ def _cost(m) -> tuple[int, int]:
 
 def _targets(size: str, tv: str) -> None:
     env = Env.simulate("mps", tv)
-    bf16 = build(size)
+    base = build(size)  # built once (a medium model takes seconds); each variant patches a copy
+    bf16 = copy.deepcopy(base)
     mpsboost.patch(bf16, device=env)
     ops_bf16, bytes_bf16 = _cost(bf16)
     del bf16
     for bits, share in BYTES.items():
-        m, report = _low_bit(size, bits, env)
+        m, report = _low_bit(size, bits, env, base=base)
         rows = [r for r in report.rows if r.recipe == "attention_decode"]
         assert rows and all(r.status == "applied" for r in rows), str(report)
         ops, moved = _cost(m)

@@ -121,8 +121,9 @@ def test_medium_size_same_ops_and_no_more_bytes():
     from mpsboost.bench import decode_cost
 
     rows = {}
+    base = decode_cost.build("medium")  # built once (seconds at this size); each variant patches a copy
     for label, opts in (("fused", None), ("composed", OFF)):
-        m = decode_cost.build("medium")
+        m = copy.deepcopy(base)
         mpsboost.patch(m, device=MPS215, options=opts)
         rows[label] = decode_cost.decode_cost(m)
     ops = {k: v["ops"]["mlp"] for k, v in rows.items()}
