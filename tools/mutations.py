@@ -1666,10 +1666,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         quick=True,
     ),
     Mutation(
-        name="low-bit-self-check-ignored",
-        why="the low-bit Metal kernels' failed patch-time self-check is ignored: they run on a Mac that failed it",
-        edits=(Edit("src/mpsboost/recipes/low_bit/paths.py", "    if why is not None:\n", "    if False:\n"),),
-        tests=("tests/quant/test_low_bit_choice.py", "-k", "failed_self_check"),
+        name="metal-self-check-ignored",
+        why="a Metal kernel's failed patch-time self-check is ignored: it runs on a Mac that failed it (low-bit, fp8)",
+        edits=(Edit("src/mpsboost/recipes/_metal.py", "    if why is not None:\n", "    if False:\n"),),
+        tests=(
+            "tests/quant/test_low_bit_choice.py",
+            "tests/recipes/fp8/test_fp8_metal_path.py",
+            "-k",
+            "failed_self_check or self_check_fails",
+        ),
         quick=True,
     ),
     Mutation(

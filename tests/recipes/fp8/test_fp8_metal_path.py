@@ -250,7 +250,7 @@ def test_a_mac_whose_self_check_fails_keeps_torchs_kernels_and_says_why(monkeypa
     monkeypatch.setitem(gate._PROBE_CACHE, ("fp8_metal_gemv", "mps", "2.15.0"), None)
     monkeypatch.setitem(gate._PROBE_CACHE, ("fp8_gemv", "mps", "2.15.0"), None)
     v = fp8_paths.metal_verdict(real)
-    assert not v.ok and "failed its self-check here: decodes 14 codes" in v.reason
+    assert not v.ok and "failed its self-check on this Mac: decodes 14 codes" in v.reason
     lp = fp8_paths.choose_linear_path(real, n=64, k=128, dtype=torch.bfloat16)
     assert lp.kind != "fused" and "failed its self-check" in lp.reason
     assert calls == ["mps"]  # once per process, not per layer

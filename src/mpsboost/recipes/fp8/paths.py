@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from .._metal import self_checked
 from ...gate import Env, check
 from ...ops.fp8 import FEW_ROWS_ALIGN, FEW_ROWS_MAX, few_rows_ok, metal_ok
 
@@ -60,18 +61,11 @@ def metal_verdict(env: Env):
     build), and on a real Mac its patch-time self-check (:func:`mpsboost.ops.fp8_metal.self_check`: compiled, then
     compared with the reference on shapes that cover its branches, every finite code decoded exactly), once per
     process. A simulated Mac is decided by the gate alone, and says so."""
-    v = check("fp8_metal_gemv", env)
-    if not v.ok or env.simulated or env.device_type != "mps":
-        return v
-    key = env.torch_version.raw
-    if key not in _METAL_CHECKED:
-        from ...ops import fp8_metal
+    from ...ops import fp8_metal
 
-        _METAL_CHECKED[key] = fp8_metal.self_check("mps")
-    why = _METAL_CHECKED[key]
-    if why is not None:
-        return dataclasses.replace(v, ok=False, reason=f"mpsboost's Metal fp8 GEMV failed its self-check here: {why}")
-    return dataclasses.replace(v, reason=f"{v.reason}; compiled and checked against the reference on this Mac")
+    return self_checked(
+        "fp8_metal_gemv", env, _METAL_CHECKED, lambda: fp8_metal.self_check("mps"), "mpsboost's Metal fp8 GEMV"
+    )
 
 
 def choose_linear_path(

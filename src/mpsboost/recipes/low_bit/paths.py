@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from ...gate import Env, check
+from .._metal import self_checked
+from ...gate import Env
 
 __all__ = [
     "LayerPath",
@@ -60,18 +61,15 @@ def metal_verdict(env: Env):
     in this build), and on a real Mac their patch-time self-check (:func:`mpsboost.ops.affine_metal.self_check`:
     compiled, then every branch compared with the reference, every code decoded exactly), once per process. A
     simulated Mac is decided by the gate alone, and says so."""
-    v = check("affine_metal_gemv", env)
-    if not v.ok or env.simulated or env.device_type != "mps":
-        return v
-    key = env.torch_version.raw
-    if key not in _METAL_CHECKED:
-        from ...ops import affine_metal
+    from ...ops import affine_metal
 
-        _METAL_CHECKED[key] = affine_metal.self_check("mps")
-    why = _METAL_CHECKED[key]
-    if why is not None:
-        return dataclasses.replace(v, ok=False, reason=f"mpsboost's Metal low-bit GEMV failed its self-check: {why}")
-    return dataclasses.replace(v, reason=f"{v.reason}; compiled and checked against the reference on this Mac")
+    return self_checked(
+        "affine_metal_gemv",
+        env,
+        _METAL_CHECKED,
+        lambda: affine_metal.self_check("mps"),
+        "mpsboost's Metal low-bit GEMV",
+    )
 
 
 def kernels_available() -> bool:
