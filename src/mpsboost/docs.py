@@ -60,142 +60,30 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Sample:
-    """One workload of the tables: a label for people and a builder of a tiny real model."""
+    """One workload of the tables: a label for people and the row of the tiny-model zoo
+    (:data:`mpsboost.bench.models.MODELS`) that builds it, in bfloat16."""
 
     key: str
     label: str
-    build: Callable[[], Any]
+    model: str
 
+    def build(self) -> Any:
+        import torch
 
-def _bf16(module: Any) -> Any:
-    import torch
+        from .bench.models import build
 
-    return module.to(torch.bfloat16)
-
-
-def _qwen36_text() -> Any:
-    # Qwen3.6-35B-A3B's text model at toy width: Gated DeltaNet ("linear_attention") and full
-    # attention layers, 256 -> 8 routed experts with top-8 -> 2, one shared expert with its gate.
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-
-    cfg = Qwen3_5MoeTextConfig(
-        vocab_size=128,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        num_experts=8,
-        num_experts_per_tok=2,
-    )
-    return _bf16(Qwen3_5MoeForCausalLM(cfg))
-
-
-def _wan22_vae() -> Any:
-    # The Wan2.2 TI2V-5B VAE structure (residual, patch size 2, z 48) at base_dim 3, as in diffusers'
-    # Wan225BPipelineFastTests.
-    from diffusers import AutoencoderKLWan
-
-    return _bf16(
-        AutoencoderKLWan(
-            base_dim=3,
-            z_dim=48,
-            in_channels=12,
-            out_channels=12,
-            is_residual=True,
-            patch_size=2,
-            latents_mean=[0.0] * 48,
-            latents_std=[1.0] * 48,
-            dim_mult=[1, 1, 1, 1],
-            num_res_blocks=1,
-            scale_factor_spatial=16,
-            scale_factor_temporal=4,
-            temperal_downsample=[False, True, True],
-        )
-    )
-
-
-def _qwen_image_vae() -> Any:
-    from diffusers import AutoencoderKLQwenImage
-
-    # diffusers' tests/pipelines/qwenimage/test_qwenimage.py.
-    return _bf16(
-        AutoencoderKLQwenImage(
-            base_dim=24,
-            z_dim=4,
-            dim_mult=[1, 2, 4],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
-            latents_mean=[0.0] * 4,
-            latents_std=[1.0] * 4,
-        )
-    )
-
-
-def _qwen_image21_vae() -> Any:
-    from diffusers import AutoencoderKLQwenImage21
-
-    return _bf16(
-        AutoencoderKLQwenImage21(
-            base_dim=8,
-            decoder_base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
-            latents_mean=[0.0] * 4,
-            latents_std=[1.0] * 4,
-        )
-    )
-
-
-def _wan_transformer() -> Any:
-    from diffusers import WanTransformer3DModel
-
-    return _bf16(
-        WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=12,
-            in_channels=48,
-            out_channels=48,
-            text_dim=32,
-            freq_dim=256,
-            ffn_dim=32,
-            num_layers=2,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            rope_max_seq_len=32,
-        )
-    )
-
-
-def _hunyuan_video_vae() -> Any:
-    from diffusers import AutoencoderKLHunyuanVideo
-
-    return _bf16(
-        AutoencoderKLHunyuanVideo(
-            block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4
-        )
-    )
+        return build(self.model).to(torch.bfloat16)
 
 
 #: The seed's workloads, and one other video VAE (``video_vae_pad``'s targets). Labels name the
-#: published model; the classes are the real ones at toy width.
+#: published model; the classes are the real ones at toy width (the zoo's ``:docs`` rows).
 SAMPLES: tuple[Sample, ...] = (
-    Sample("qwen3_6", "Qwen3.6-35B-A3B text model (`Qwen3_5MoeForCausalLM`)", _qwen36_text),
-    Sample("wan2_2_vae", "Wan2.2 VAE (`AutoencoderKLWan`)", _wan22_vae),
-    Sample("wan2_2_dit", "Wan2.2 transformer (`WanTransformer3DModel`)", _wan_transformer),
-    Sample("qwen_image_vae", "Qwen-Image VAE (`AutoencoderKLQwenImage`)", _qwen_image_vae),
-    Sample("qwen_image_2_1_vae", "Qwen-Image-2.1 VAE (`AutoencoderKLQwenImage21`)", _qwen_image21_vae),
-    Sample("hunyuanvideo_vae", "HunyuanVideo VAE (`AutoencoderKLHunyuanVideo`)", _hunyuan_video_vae),
+    Sample("qwen3_6", "Qwen3.6-35B-A3B text model (`Qwen3_5MoeForCausalLM`)", "qwen3_5_moe:docs"),
+    Sample("wan2_2_vae", "Wan2.2 VAE (`AutoencoderKLWan`)", "wan22_vae:docs"),
+    Sample("wan2_2_dit", "Wan2.2 transformer (`WanTransformer3DModel`)", "wan22_transformer:docs"),
+    Sample("qwen_image_vae", "Qwen-Image VAE (`AutoencoderKLQwenImage`)", "qwen_image_vae:docs"),
+    Sample("qwen_image_2_1_vae", "Qwen-Image-2.1 VAE (`AutoencoderKLQwenImage21`)", "qwen_image21_vae:docs"),
+    Sample("hunyuanvideo_vae", "HunyuanVideo VAE (`AutoencoderKLHunyuanVideo`)", "hunyuan_video_vae:docs"),
 )
 
 

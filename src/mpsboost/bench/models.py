@@ -362,6 +362,106 @@ MODELS: dict[str, ModelSpec] = {
             "max_position_embeddings": 64,
         },
     ),
+    # The support tables' workloads (mpsboost.docs.SAMPLES), built on the meta device in bfloat16 and never run.
+    # Qwen3.6-35B-A3B's text model at toy width: Gated DeltaNet and full attention layers, 256 -> 8 routed experts
+    # with top-8 -> 2, one shared expert with its gate.
+    "qwen3_5_moe:docs": ModelSpec(
+        "transformers",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeTextConfig",
+        override={
+            "vocab_size": 128,
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+        what="the support tables (mpsboost.docs.SAMPLES)",
+    ),
+    # The Wan2.2 TI2V-5B VAE structure (residual, patch size 2, z 48) at base_dim 3, as in diffusers'
+    # Wan225BPipelineFastTests.
+    "wan22_vae:docs": ModelSpec(
+        "diffusers",
+        "AutoencoderKLWan",
+        override={
+            "base_dim": 3,
+            "z_dim": 48,
+            "in_channels": 12,
+            "out_channels": 12,
+            "is_residual": True,
+            "patch_size": 2,
+            **_latents(48),
+            "dim_mult": [1, 1, 1, 1],
+            "num_res_blocks": 1,
+            "scale_factor_spatial": 16,
+            "scale_factor_temporal": 4,
+            "temperal_downsample": [False, True, True],
+        },
+        what="the support tables (mpsboost.docs.SAMPLES)",
+    ),
+    # diffusers' tests/pipelines/qwenimage/test_qwenimage.py.
+    "qwen_image_vae:docs": ModelSpec(
+        "diffusers",
+        "AutoencoderKLQwenImage",
+        override={
+            "base_dim": 24,
+            "z_dim": 4,
+            "dim_mult": [1, 2, 4],
+            "num_res_blocks": 1,
+            "temperal_downsample": [False, True],
+            **_latents(4),
+        },
+        what="the support tables (mpsboost.docs.SAMPLES)",
+    ),
+    "qwen_image21_vae:docs": ModelSpec(
+        "diffusers",
+        "AutoencoderKLQwenImage21",
+        override={
+            "base_dim": 8,
+            "decoder_base_dim": 8,
+            "z_dim": 4,
+            "dim_mult": [1, 1, 1],
+            "num_res_blocks": 1,
+            "temperal_downsample": [False, True],
+            **_latents(4),
+        },
+        what="the support tables (mpsboost.docs.SAMPLES)",
+    ),
+    "wan22_transformer:docs": ModelSpec(
+        "diffusers",
+        "WanTransformer3DModel",
+        override={
+            "patch_size": [1, 2, 2],
+            "num_attention_heads": 2,
+            "attention_head_dim": 12,
+            "in_channels": 48,
+            "out_channels": 48,
+            "text_dim": 32,
+            "freq_dim": 256,
+            "ffn_dim": 32,
+            "num_layers": 2,
+            "cross_attn_norm": True,
+            "qk_norm": "rms_norm_across_heads",
+            "rope_max_seq_len": 32,
+        },
+        what="the support tables (mpsboost.docs.SAMPLES)",
+    ),
+    "hunyuan_video_vae:docs": ModelSpec(
+        "diffusers",
+        "AutoencoderKLHunyuanVideo",
+        base="hunyuan_video_vae:tiny",
+        what="the support tables (mpsboost.docs.SAMPLES)",
+    ),
 }
 
 
