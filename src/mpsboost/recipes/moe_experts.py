@@ -85,7 +85,7 @@ class MoeExpertsOptions:
     batched_max_tokens: int | None = None
     compiled_batched_max_tokens: int | None = None
     compiled_batched_form: Literal["fused", "bmm"] | None = None
-    path: str = "auto"
+    path: Literal["auto", "grouped_mm", "batched_mm", "fallback", "cpu_loop", "host_loop"] = "auto"
     cuda_eager: bool = False
 
 

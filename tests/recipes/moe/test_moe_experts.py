@@ -351,7 +351,8 @@ def test_option_errors_name_what_is_accepted():
     with pytest.raises(mpsboost.PatchError, match="batched_max_tokens=-1"):
         mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"batched_max_tokens": -1}})
     with pytest.raises(
-        mpsboost.PatchError, match="expected 'auto' or one of grouped_mm, batched_mm, fallback, cpu_loop, host_loop"
+        mpsboost.PatchError,
+        match="path='loop': expected one of auto, grouped_mm, batched_mm, fallback, cpu_loop, host_loop",
     ):
         mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"path": "loop"}})
     with pytest.raises(mpsboost.PatchError, match="unknown moe_experts option"):
