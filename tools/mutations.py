@@ -1707,8 +1707,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         why="torch's packed copy of a low-bit linear goes into its state_dict (and so into a saved folder)",
         edits=(
             Edit(
-                "src/mpsboost/recipes/low_bit/layers.py",
-                "    mod._non_persistent_buffers_set.update(added)\n",
+                "src/mpsboost/patching.py",
+                "    hidden_set.update(hidden)\n",
                 "",
             ),
         ),

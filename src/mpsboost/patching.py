@@ -600,11 +600,13 @@ def replace_tensors(
     *,
     explanation: str,
     description: str = "",
+    non_persistent: Iterable[str] = (),
 ) -> Patch:
     """Put ``tensors`` into ``module`` now (values read from a file at load time): a
     ``torch.nn.Parameter`` becomes a parameter, any other tensor a buffer (taking the place of a
     parameter of that name), ``None`` removes the name. A name that stays a parameter or a buffer keeps
-    its place in the module (and in ``state_dict``).
+    its place in the module (and in ``state_dict``). ``non_persistent``: buffers of ``tensors`` kept out of
+    ``state_dict`` (a derived copy that no saved file may hold), as ``register_buffer(..., persistent=False)``.
 
     Until the transaction commits, the undo gives back the very same parameters and buffers, in their
     order. At commit the originals are let go (nothing keeps a second copy of a loaded model): the
@@ -613,8 +615,13 @@ def replace_tensors(
     bad = next(((n, v) for n, v in tensors.items() if v is not None and not isinstance(v, torch.Tensor)), None)
     if bad is not None:
         raise TypeError(f"replace_tensors takes tensors or None, got {type(bad[1]).__name__} for {bad[0]!r}")
+    hidden = tuple(non_persistent)
+    bad = next((n for n in hidden if tensors.get(n) is None or isinstance(tensors[n], torch.nn.Parameter)), None)
+    if bad is not None:
+        raise ValueError(f"replace_tensors: non_persistent names {bad!r}, which is not a buffer of this call")
     params, bufs = module._parameters, module._buffers
-    saved: list[dict] = [dict(params), dict(bufs)]
+    hidden_set = module._non_persistent_buffers_set
+    saved: list = [dict(params), dict(bufs), set(hidden_set)]
     for name, value in tensors.items():
         home, other = (params, bufs) if isinstance(value, torch.nn.Parameter) else (bufs, params)
         other.pop(name, None)
@@ -622,6 +629,7 @@ def replace_tensors(
             home.pop(name, None)
         else:
             home[name] = value
+    hidden_set.update(hidden)
 
     def undo() -> None:
         if not saved:
@@ -630,6 +638,8 @@ def replace_tensors(
         params.update(saved[0])
         bufs.clear()
         bufs.update(saved[1])
+        hidden_set.clear()
+        hidden_set.update(saved[2])
         saved.clear()
 
     def commit() -> None:

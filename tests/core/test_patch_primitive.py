@@ -426,7 +426,7 @@ def _chain_names(node: ast.AST) -> list[str]:
     return names
 
 
-def _offences(path: Path, rel: str | None = None) -> list[str]:  # noqa: C901  (issue 39: split it below complexity 25)
+def _offences(path: Path, rel: str | None = None) -> list[str]:
     """Statements of ``path`` that change a torch module's state without a helper of mpsboost.patching.
 
     An offence writes (assigns, deletes, updates in place):
@@ -455,105 +455,124 @@ def _offences(path: Path, rel: str | None = None) -> list[str]:  # noqa: C901  (
         for fn in (f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))):
             own_self.update(id(n) for n in ast.walk(fn))
     found: dict[tuple[int, str], str] = {}
+    for scope in _scopes(tree):
+        scan = _Scan(rel, own_self, found)
+        nodes = list(ast.walk(scope))
+        for node in nodes:
+            scan.bind(node)
+        for node in nodes:
+            scan.check_writes(node)
+            if isinstance(node, ast.Call):
+                scan.check_call(node)
+    return sorted(found.values(), key=lambda o: int(o.split(":")[1]))
 
-    def offend(node: ast.AST) -> None:
-        text = ast.unparse(node)
+
+class _Scan:
+    """One scope of :func:`_offences`: the local names it binds to a module's state container (``aliases``) or to
+    an evident torch module (``modules``), then the offences of its statements, into ``found``."""
+
+    def __init__(self, rel: str, own_self: set[int], found: dict[tuple[int, str], str]):
+        self.rel, self.own_self, self.found = rel, own_self, found
+        self.aliases: set[str] = set()  # local names bound to a module's state container
+        self.modules: set[str] = set()  # local names that evidently hold a torch module
+
+    def offend(self, node: ast.AST) -> None:
+        rel, text = self.rel, ast.unparse(node)
         if (rel, None) in _ALLOWED or (rel, text) in _ALLOWED:
             _used.add((rel, None) if (rel, None) in _ALLOWED else (rel, text))
             return
-        found[(node.lineno, text)] = f"{rel}:{node.lineno}: {text[:100]}"
+        self.found[(node.lineno, text)] = f"{rel}:{node.lineno}: {text[:100]}"
 
-    def is_self(node: ast.AST, at: ast.AST) -> bool:
-        own = id(at) in own_self
+    def is_self(self, node: ast.AST, at: ast.AST) -> bool:
+        own = id(at) in self.own_self
         if isinstance(node, ast.Name) and node.id == "self":
             return own
         return own and isinstance(node, ast.Call) and ast.unparse(node.func) == "super"
 
-    for scope in _scopes(tree):
-        nodes = list(ast.walk(scope))
-        aliases: set[str] = set()  # local names bound to a module's state container
-        modules: set[str] = set()  # local names that evidently hold a torch module
+    def container(self, node: ast.AST) -> bool:
+        if isinstance(node, ast.Attribute):
+            return node.attr in _CONTAINERS
+        if isinstance(node, ast.Call):
+            fn = ast.unparse(node.func)
+            named = node.args[1] if fn == "getattr" and len(node.args) > 1 else None
+            return fn == "vars" or (isinstance(named, ast.Constant) and named.value in _CONTAINERS)
+        return isinstance(node, ast.Name) and node.id in self.aliases
 
-        def container(node: ast.AST) -> bool:
-            if isinstance(node, ast.Attribute):
-                return node.attr in _CONTAINERS
-            if isinstance(node, ast.Call):
-                fn = ast.unparse(node.func)
-                named = node.args[1] if fn == "getattr" and len(node.args) > 1 else None
-                return fn == "vars" or (isinstance(named, ast.Constant) and named.value in _CONTAINERS)
-            return isinstance(node, ast.Name) and node.id in aliases
+    def evident_module(self, node: ast.AST) -> bool:
+        root = _root(node)
+        return (isinstance(root, ast.Name) and root.id in self.modules) or "module" in _chain_names(node)[1:]
 
-        def evident_module(node: ast.AST) -> bool:
-            root = _root(node)
-            return (isinstance(root, ast.Name) and root.id in modules) or "module" in _chain_names(node)[1:]
-
-        for node in nodes:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                args = node.args
-                for a in (*args.posonlyargs, *args.args, *args.kwonlyargs):
-                    if a.annotation is not None and _MODULE_ANNOTATION.search(ast.unparse(a.annotation)):
-                        modules.add(a.arg)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for t in targets:
-                    if isinstance(t, ast.Name):
-                        if container(node.value):
-                            aliases.add(t.id)
-                        # x.module, and what hangs off an evident module (its config, its submodules)
-                        if isinstance(node.value, (ast.Attribute, ast.Subscript)) and (
-                            evident_module(node.value) or _chain_names(node.value)[:1] == ["module"]
-                        ):
-                            modules.add(t.id)
-            elif isinstance(node, (ast.For, ast.comprehension)):
-                it = node.iter
-                over = it.func.attr if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) else None
-                if over in _MODULE_ITERATORS:
-                    t = node.target
-                    last = t.elts[-1] if isinstance(t, ast.Tuple) and t.elts else t
-                    if isinstance(last, ast.Name):
-                        modules.add(last.id)
-
-        for node in nodes:
-            targets: list[ast.AST] = []
-            value = None
-            if isinstance(node, ast.Assign):
-                targets, value = list(node.targets), node.value
-            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
-                targets, value = [node.target], node.value
-            elif isinstance(node, ast.Delete):
-                targets = list(node.targets)
-            flat: list[ast.AST] = []
+    def bind(self, node: ast.AST) -> None:
+        """The names ``node`` binds: an annotated module parameter, an alias of a state container, a module taken
+        off another (``x.module``, its config, a submodule), a loop variable over a module iterator."""
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            args = node.args
+            for a in (*args.posonlyargs, *args.args, *args.kwonlyargs):
+                if a.annotation is not None and _MODULE_ANNOTATION.search(ast.unparse(a.annotation)):
+                    self.modules.add(a.arg)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
-                flat += list(t.elts) if isinstance(t, (ast.Tuple, ast.List)) else [t]
-            for t in flat:
-                if isinstance(t, ast.Attribute):
-                    if is_self(t.value, node) and t.attr != "__class__":
-                        continue
-                    parameter = isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] == "Parameter"
-                    if t.attr in _STATE_ATTRS or evident_module(t) or parameter:
-                        offend(node)
-                elif isinstance(t, ast.Subscript) and container(t.value):
-                    offend(node)
-                elif isinstance(t, ast.Name) and isinstance(node, ast.AugAssign) and t.id in aliases:
-                    offend(node)
-            if not isinstance(node, ast.Call):
-                continue
-            name = ast.unparse(node.func)
-            first = node.args[0] if node.args else None
-            if name in ("Patch", "patching.Patch", "mpsboost.patching.Patch"):
-                offend(node)
-            elif name in _SETATTR_CALLS or (
-                isinstance(node.func, ast.Attribute) and node.func.attr in ("__setattr__", "__delattr__")
-            ):
-                receiver = node.func.value if name.endswith(("super().__setattr__", "super().__delattr__")) else first
-                if not (receiver is not None and is_self(receiver, node)):
-                    offend(node)
-            elif isinstance(node.func, ast.Attribute) and node.func.attr in _REGISTER_METHODS:
-                if not is_self(node.func.value, node):
-                    offend(node)
-            elif isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS and container(node.func.value):
-                offend(node)
-    return sorted(found.values(), key=lambda o: int(o.split(":")[1]))
+                if isinstance(t, ast.Name):
+                    if self.container(node.value):
+                        self.aliases.add(t.id)
+                    # x.module, and what hangs off an evident module (its config, its submodules)
+                    if isinstance(node.value, (ast.Attribute, ast.Subscript)) and (
+                        self.evident_module(node.value) or _chain_names(node.value)[:1] == ["module"]
+                    ):
+                        self.modules.add(t.id)
+        elif isinstance(node, (ast.For, ast.comprehension)):
+            it = node.iter
+            over = it.func.attr if isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) else None
+            if over in _MODULE_ITERATORS:
+                t = node.target
+                last = t.elts[-1] if isinstance(t, ast.Tuple) and t.elts else t
+                if isinstance(last, ast.Name):
+                    self.modules.add(last.id)
+
+    def check_writes(self, node: ast.AST) -> None:
+        """An assignment, augmented assignment or ``del`` that writes a module's state."""
+        targets: list[ast.AST] = []
+        value = None
+        if isinstance(node, ast.Assign):
+            targets, value = list(node.targets), node.value
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets, value = [node.target], node.value
+        elif isinstance(node, ast.Delete):
+            targets = list(node.targets)
+        flat: list[ast.AST] = []
+        for t in targets:
+            flat += list(t.elts) if isinstance(t, (ast.Tuple, ast.List)) else [t]
+        for t in flat:
+            if isinstance(t, ast.Attribute):
+                if self.is_self(t.value, node) and t.attr != "__class__":
+                    continue
+                parameter = isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] == "Parameter"
+                if t.attr in _STATE_ATTRS or self.evident_module(t) or parameter:
+                    self.offend(node)
+            elif isinstance(t, ast.Subscript) and self.container(t.value):
+                self.offend(node)
+            elif isinstance(t, ast.Name) and isinstance(node, ast.AugAssign) and t.id in self.aliases:
+                self.offend(node)
+
+    def check_call(self, node: ast.Call) -> None:
+        """A call that changes a module: a hand-built ``Patch``, ``setattr``-like calls, ``register_*``, a
+        mutating method of a state container."""
+        name = ast.unparse(node.func)
+        first = node.args[0] if node.args else None
+        if name in ("Patch", "patching.Patch", "mpsboost.patching.Patch"):
+            self.offend(node)
+        elif name in _SETATTR_CALLS or (
+            isinstance(node.func, ast.Attribute) and node.func.attr in ("__setattr__", "__delattr__")
+        ):
+            receiver = node.func.value if name.endswith(("super().__setattr__", "super().__delattr__")) else first
+            if not (receiver is not None and self.is_self(receiver, node)):
+                self.offend(node)
+        elif isinstance(node.func, ast.Attribute) and node.func.attr in _REGISTER_METHODS:
+            if not self.is_self(node.func.value, node):
+                self.offend(node)
+        elif isinstance(node.func, ast.Attribute) and node.func.attr in _MUTATORS and self.container(node.func.value):
+            self.offend(node)
 
 
 _used: set[tuple[str, str | None]] = set()
@@ -657,3 +676,20 @@ def test_only_patching_names_the_per_module_store():
                 found.add(rel)
     assert found - set(_STORE_READERS) == set(), sorted(found - set(_STORE_READERS))
     assert set(_STORE_READERS) - found == set(), f"remove {sorted(set(_STORE_READERS) - found)} from _STORE_READERS"
+
+
+def test_replace_tensors_keeps_non_persistent_buffers_out_of_the_state_dict_until_undone():
+    # A derived copy (torch's int4pack of low-bit codes) rides along as a buffer that no saved file may hold.
+    from mpsboost.patching import replace_tensors
+
+    lin = torch.nn.Linear(4, 3)
+    keys = set(lin.state_dict())
+    packed = torch.arange(6.0)
+    p = replace_tensors(lin, {"pack": packed, "extra": torch.ones(2)}, explanation="reload", non_persistent=("pack",))
+    assert lin.pack is packed and "pack" not in lin.state_dict() and set(lin.state_dict()) == keys | {"extra"}
+    p()
+    assert "pack" not in lin._buffers and not lin._non_persistent_buffers_set and set(lin.state_dict()) == keys
+    for bad in ({"pack": None}, {"pack": torch.nn.Parameter(torch.ones(1))}, {}):
+        with pytest.raises(ValueError, match="non_persistent names 'pack'"):
+            replace_tensors(lin, bad, explanation="reload", non_persistent=("pack",))
+    assert set(lin.state_dict()) == keys and not lin._non_persistent_buffers_set

@@ -412,25 +412,14 @@ def build_layer(mod: torch.nn.Module, state: AffineState, tensors: dict, descrip
     base = type(mod)
     state, pack = _torch_pack(state, tensors)
     with Changes() as ch:
-        ch.add(replace_tensors(mod, {**tensors, **pack}, explanation=_HINT, description=description))
-        if pack:
-            ch.add(_non_persistent(mod, tuple(pack)))
+        ch.add(
+            replace_tensors(
+                mod, {**tensors, **pack}, explanation=_HINT, description=description, non_persistent=tuple(pack)
+            )
+        )
         ch.add(swap_class(mod, RECIPE, affine_class(base)))
         ch.add(bind_forward(mod, RECIPE, forward_for(state), affine=state))
     return ch.patch(reversible=False, description=description)
-
-
-def _non_persistent(mod: torch.nn.Module, names: tuple[str, ...]):
-    """Mark the buffers ``names`` of ``mod`` non-persistent (out of ``state_dict`` and of a saved folder)."""
-    from ...patching import Patch
-
-    added = [n for n in names if n not in mod._non_persistent_buffers_set]
-    mod._non_persistent_buffers_set.update(added)
-
-    def undo() -> None:
-        mod._non_persistent_buffers_set.difference_update(added)
-
-    return Patch(undo, reversible=False, explanation=_HINT, description=f"{', '.join(names)} not persistent")
 
 
 # ------------------------------------------------------------------------------------------ the classes
