@@ -151,7 +151,9 @@ def test_real_mac_keeps_torchs_kernel_on_a_timing_error(stub_mac):
 def test_a_failed_self_check_keeps_the_metal_kernels_off(stub_mac, monkeypatch):
     monkeypatch.setattr(affine_metal, "self_check", lambda device="mps": "row 3 differs")
     rows, head = _rows(tm.real_mac())  # nothing timed: the Metal GEMV is not a contender
-    assert all(_torch(r) and "failed its self-check on this Mac: row 3 differs" in r.reason for r in rows), [r.reason for r in rows]
+    assert all(_torch(r) and "failed its self-check on this Mac: row 3 differs" in r.reason for r in rows), [
+        r.reason for r in rows
+    ]
     assert not head.backing.startswith("affine GEMV") and "failed its self-check" in head.backing
     assert paths.metal_verdict(tm.real_mac()).ok is False
 
