@@ -388,41 +388,6 @@ MODELS: dict[str, ModelSpec] = {
         },
         what="the support tables (mpsboost.docs.SAMPLES)",
     ),
-    # The Wan2.2 TI2V-5B VAE structure (residual, patch size 2, z 48) at base_dim 3, as in diffusers'
-    # Wan225BPipelineFastTests.
-    "wan22_vae:docs": ModelSpec(
-        "diffusers",
-        "AutoencoderKLWan",
-        override={
-            "base_dim": 3,
-            "z_dim": 48,
-            "in_channels": 12,
-            "out_channels": 12,
-            "is_residual": True,
-            "patch_size": 2,
-            **_latents(48),
-            "dim_mult": [1, 1, 1, 1],
-            "num_res_blocks": 1,
-            "scale_factor_spatial": 16,
-            "scale_factor_temporal": 4,
-            "temperal_downsample": [False, True, True],
-        },
-        what="the support tables (mpsboost.docs.SAMPLES)",
-    ),
-    # diffusers' tests/pipelines/qwenimage/test_qwenimage.py.
-    "qwen_image_vae:docs": ModelSpec(
-        "diffusers",
-        "AutoencoderKLQwenImage",
-        override={
-            "base_dim": 24,
-            "z_dim": 4,
-            "dim_mult": [1, 2, 4],
-            "num_res_blocks": 1,
-            "temperal_downsample": [False, True],
-            **_latents(4),
-        },
-        what="the support tables (mpsboost.docs.SAMPLES)",
-    ),
     "qwen_image21_vae:docs": ModelSpec(
         "diffusers",
         "AutoencoderKLQwenImage21",
@@ -454,12 +419,6 @@ MODELS: dict[str, ModelSpec] = {
             "qk_norm": "rms_norm_across_heads",
             "rope_max_seq_len": 32,
         },
-        what="the support tables (mpsboost.docs.SAMPLES)",
-    ),
-    "hunyuan_video_vae:docs": ModelSpec(
-        "diffusers",
-        "AutoencoderKLHunyuanVideo",
-        base="hunyuan_video_vae:tiny",
         what="the support tables (mpsboost.docs.SAMPLES)",
     ),
 }
