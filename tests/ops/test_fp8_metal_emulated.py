@@ -285,12 +285,17 @@ def test_fp8_decode_is_exact(emulated, dtype, tie):
 # ------------------------------------------------------------------------------------------ NaN codes (item 5)
 
 
-def _with_nan_codes(g: torch.Generator, e: int, n: int, k: int) -> tuple[torch.Tensor, list]:
-    """Codes [e, n, k] with no NaN code, then 0x7F and 0xFF at a few random places (expert, feature, k)."""
+def _with_nan_codes(
+    g: torch.Generator, e: int, n: int, k: int, experts: tuple[int, ...] | None = None
+) -> tuple[torch.Tensor, list]:
+    """Codes [e, n, k] with no NaN code, then 0x7F and 0xFF at a few random places (expert among ``experts``, all by
+    default; feature; k)."""
     c = _codes(g, e, n, k).view(torch.uint8).clone()
+    experts = tuple(range(e)) if experts is None else experts
     where = []
     for i in range(4):
-        at = (int(torch.randint(0, e, (1,), generator=g)), int(torch.randint(0, n, (1,), generator=g)))
+        ex = experts[int(torch.randint(0, len(experts), (1,), generator=g))]
+        at = (ex, int(torch.randint(0, n, (1,), generator=g)))
         kk = int(torch.randint(0, k, (1,), generator=g))
         c[at[0], at[1], kk] = 0x7F if i % 2 else 0xFF
         where.append((*at, kk))
@@ -329,7 +334,8 @@ def test_nan_codes_give_nan(emulated, rng_seed, dtype, mode):
         ref = fp8_grouped._block_gemv_reference(x, codes[0], scale, 16, 32)
     else:
         e = 4
-        codes, where = _with_nan_codes(g, e, n, k)
+        # on experts with rows (not expert 1): four NaN codes all on expert 1 would reach no output (seed 1365527213)
+        codes, where = _with_nan_codes(g, e, n, k, experts=(0, 2, 3))
         codes.view(torch.uint8)[1, 3, 17] = 0x7F  # expert 1 has no rows: its NaN code must reach no output
         offs = torch.tensor([1, 1, 2, 3], dtype=torch.int32)
         scale = torch.rand(e, n, 1, generator=g) + 0.5

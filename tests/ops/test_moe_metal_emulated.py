@@ -210,8 +210,14 @@ def test_route_in_each_dtype_equals_reference(emulated, rng_seed, dt, norm):
     (rounded once) or float32; the registered operator's MPS kernel path, strided logits (a column slice)."""
     g = torch.Generator().manual_seed(rng_seed)
     n, e, k, h = 2, 40, 4, 300  # h: two column groups of the rows copy, the second partial
-    wide = torch.randn(n, e + 8, generator=g).to(dt)
-    logits = wide[:, 4 : 4 + e]
+    # Ties among the k + 1 largest logits are redrawn: torch.topk (the reference) orders tied values as its sort
+    # leaves them, the kernel lower expert first (the ties test below); bf16 logits tie often (seed 419368189).
+    while True:
+        wide = torch.randn(n, e + 8, generator=g).to(dt)
+        logits = wide[:, 4 : 4 + e]
+        top = logits.float().topk(k + 1, dim=-1).values
+        if bool((top[:, :-1] > top[:, 1:]).all()):
+            break
     x = torch.randn(n, h, generator=g).to(dt)
     for wdt in (dt, torch.float32):
         got = moe_route._route_mps(logits, x, k, norm, wdt, True)
