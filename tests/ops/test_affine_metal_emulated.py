@@ -18,45 +18,26 @@ dtype's (relative to the output's largest magnitude): 1e-5 float32, 2e-3 float16
 
 from __future__ import annotations
 
-import shutil
 import struct
 import subprocess
 from pathlib import Path
 
+import metal_emulation
 import pytest
 import torch
 
 from mpsboost.ops import affine_metal
 from mpsboost.ops.affine import affine_dequantize, affine_quantize, pack_codes, unpack_codes
 
-EMU = Path(__file__).parent / "metal_emu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 XDT = (torch.float32, torch.float16, torch.bfloat16)
 SDT = (torch.bfloat16, torch.float16, torch.float32)
-BASE_FLAGS = ["-std=c++20", "-O1", "-pthread", "-Wno-attributes", "-fno-strict-aliasing"]
-SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 NAMES = [*affine_metal.KERNELS.values(), *affine_metal.EMBED_KERNELS.values()]
-
-
-def _compile(source: str, tmp: Path) -> Path:
-    (tmp / "kernels.metal").write_text(source)
-    (tmp / "kernels_table.inc").write_text(
-        "".join(f'if (k == "{n}") {{ dispatch({n}, threads, group, sc, bufs); }} else\n' for n in NAMES)
-    )
-    exe = tmp / "driver"
-    for extra in (SANITIZE, []):
-        cmd = ["g++", *BASE_FLAGS, *extra, "-I", str(EMU), "-I", str(tmp), str(EMU / "driver.cpp"), "-o", str(exe)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode == 0:
-            return exe
-    pytest.fail(f"g++ could not compile affine_metal.SOURCE against the Metal emulation:\n{proc.stderr[-6000:]}")
 
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> Path:
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found: the emulated Metal kernel test compiles SOURCE as C++20 with g++")
-    return _compile(affine_metal.SOURCE, tmp_path_factory.mktemp("affine_metal_emu"))
+    return metal_emulation.driver(affine_metal.SOURCE, NAMES, tmp_path_factory, what="affine_metal.SOURCE")
 
 
 def _extent(t: torch.Tensor) -> torch.Tensor:

@@ -11,44 +11,25 @@ caches keep their contents except the one position written. Float32 within 1e-5 
 
 from __future__ import annotations
 
-import shutil
 import struct
 import subprocess
 from pathlib import Path
 
+import metal_emulation
 import pytest
 import torch
 
 from mpsboost.ops import attn_metal, attn_step
 
-EMU = Path(__file__).parent / "metal_emu"
-BASE_FLAGS = ["-std=c++20", "-O1", "-pthread", "-Wno-attributes", "-fno-strict-aliasing"]
-SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 NAMES = list(attn_metal.KERNELS.values())
 FRESH = (5, 6)  # q and k outputs: filled with NaN first
 INOUT = (8, 9)  # the caches: read back, their other positions must stay
 TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def _compile(tmp: Path) -> Path:
-    (tmp / "kernels.metal").write_text(attn_metal.SOURCE)
-    (tmp / "kernels_table.inc").write_text(
-        "".join(f'if (k == "{n}") {{ dispatch({n}, threads, group, sc, bufs); }} else\n' for n in NAMES)
-    )
-    exe = tmp / "driver"
-    for extra in (SANITIZE, []):
-        cmd = ["g++", *BASE_FLAGS, *extra, "-I", str(EMU), "-I", str(tmp), str(EMU / "driver.cpp"), "-o", str(exe)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode == 0:
-            return exe
-    pytest.fail(f"g++ could not compile attn_metal.SOURCE against the Metal emulation:\n{proc.stderr[-6000:]}")
-
-
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> Path:
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found: the emulated Metal kernel test compiles SOURCE as C++20 with g++")
-    return _compile(tmp_path_factory.mktemp("attn_metal_emu"))
+    return metal_emulation.driver(attn_metal.SOURCE, NAMES, tmp_path_factory, what="attn_metal.SOURCE")
 
 
 def _extent(t: torch.Tensor) -> torch.Tensor:

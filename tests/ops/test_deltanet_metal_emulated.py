@@ -19,11 +19,11 @@ dtype (the reference's output rounded to the dtype, then compared within 1e-5 pl
 
 from __future__ import annotations
 
-import shutil
 import struct
 import subprocess
 from pathlib import Path
 
+import metal_emulation
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: F401
@@ -32,32 +32,13 @@ from mpsboost.ops import deltanet_metal as dm
 from deltanet_reference import compare, independent
 from mpsboost.ops.deltanet_step import _deltanet_step_mps, random_inputs
 
-EMU = Path(__file__).parent / "metal_emu"
-BASE_FLAGS = ["-std=c++20", "-O1", "-pthread", "-Wno-attributes", "-fno-strict-aliasing"]
-SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 NAMES = list(dm.KERNELS.values())
 MUTATED = (1, 2, 8)  # conv_state, state, out
 
 
-def _compile(source: str, tmp: Path) -> Path:
-    (tmp / "kernels.metal").write_text(source)
-    (tmp / "kernels_table.inc").write_text(
-        "".join(f'if (k == "{n}") {{ dispatch({n}, threads, group, sc, bufs); }} else\n' for n in NAMES)
-    )
-    exe = tmp / "driver"
-    for extra in (SANITIZE, []):
-        cmd = ["g++", *BASE_FLAGS, *extra, "-I", str(EMU), "-I", str(tmp), str(EMU / "driver.cpp"), "-o", str(exe)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode == 0:
-            return exe
-    pytest.fail(f"g++ could not compile deltanet_metal.SOURCE against the Metal emulation:\n{proc.stderr[-6000:]}")
-
-
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> Path:
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found: the emulated Metal kernel test compiles SOURCE as C++20 with g++")
-    return _compile(dm.SOURCE, tmp_path_factory.mktemp("deltanet_metal_emu"))
+    return metal_emulation.driver(dm.SOURCE, NAMES, tmp_path_factory, what="deltanet_metal.SOURCE")
 
 
 def _extent(t: torch.Tensor) -> torch.Tensor:

@@ -17,41 +17,24 @@ load); outputs start as NaN, so one the kernel never writes fails too.
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 import subprocess
 from pathlib import Path
 
+import metal_emulation
 import pytest
 import torch
 
 from mpsboost.ops import fp8_metal
 from mpsboost.ops.fp8_grouped import grouped_mm_reference
 
-EMU = Path(__file__).parent / "metal_emu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = list(TOL)
-BASE_FLAGS = ["-std=c++20", "-O1", "-pthread", "-Wno-attributes", "-fno-strict-aliasing"]
-SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
-
-
-def _compile(source: str, tmp: Path, *, sanitize: bool = True) -> Path:
-    """SOURCE as ``kernels.metal``, included by the driver; with the sanitizers if they link, else without."""
-    (tmp / "kernels.metal").write_text(source)
-    exe = tmp / "driver"
-    for extra in (SANITIZE, []) if sanitize else ([],):
-        cmd = ["g++", *BASE_FLAGS, *extra, "-I", str(EMU), "-I", str(tmp), str(EMU / "driver.cpp"), "-o", str(exe)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if proc.returncode == 0:
-            return exe
-    pytest.fail(f"g++ could not compile fp8_metal.SOURCE against the Metal emulation:\n{proc.stderr[-6000:]}")
 
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> Path:
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found: the emulated Metal kernel test compiles SOURCE as C++20 with g++")
-    return _compile(fp8_metal.SOURCE, tmp_path_factory.mktemp("fp8_metal_emu"))
+    return metal_emulation.driver(fp8_metal.SOURCE, (), tmp_path_factory, what="fp8_metal.SOURCE", table=False)
 
 
 def _extent(t: torch.Tensor) -> torch.Tensor:
@@ -552,13 +535,12 @@ LAUNCH_MUTANTS = {
 
 @pytest.fixture(scope="module")
 def mutant_driver(tmp_path_factory) -> Path:
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found")
     src = fp8_metal.SOURCE
     for _, old, new, _ in KERNEL_MUTANTS.values():
         assert old in src, old
         src = src.replace(old, new)
-    return _compile(_MUTANT_HEAD + src, tmp_path_factory.mktemp("fp8_metal_mutants"), sanitize=False)
+    what = "fp8_metal.SOURCE with its mutants"
+    return metal_emulation.driver(_MUTANT_HEAD + src, (), tmp_path_factory, what=what, sanitize=False, table=False)
 
 
 @pytest.mark.parametrize("mutant", [*KERNEL_MUTANTS, *LAUNCH_MUTANTS])

@@ -16,44 +16,25 @@ within 1e-5 relative (the kernels sum in another order, and their exp is the C l
 
 from __future__ import annotations
 
-import shutil
 import struct
 import subprocess
 from pathlib import Path
 
+import metal_emulation
 import pytest
 import torch
 
 from mpsboost.ops import moe_metal, moe_route
 
-EMU = Path(__file__).parent / "metal_emu"
-BASE_FLAGS = ["-std=c++20", "-O1", "-pthread", "-Wno-attributes", "-fno-strict-aliasing"]
-SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 NAMES = [*moe_metal.ROUTE_KERNELS.values(), *moe_metal.GLU_KERNELS.values(), *moe_metal.COMBINE_KERNELS.values()]
 OUTPUTS = {"route": (2, 3, 4, 5, 6), "glu": (2,), "combine": (5,)}  # the buffers each kernel writes
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _compile(tmp: Path) -> Path:
-    (tmp / "kernels.metal").write_text(moe_metal.SOURCE)
-    (tmp / "kernels_table.inc").write_text(
-        "".join(f'if (k == "{n}") {{ dispatch({n}, threads, group, sc, bufs); }} else\n' for n in NAMES)
-    )
-    exe = tmp / "driver"
-    for extra in (SANITIZE, []):
-        cmd = ["g++", *BASE_FLAGS, *extra, "-I", str(EMU), "-I", str(tmp), str(EMU / "driver.cpp"), "-o", str(exe)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode == 0:
-            return exe
-    pytest.fail(f"g++ could not compile moe_metal.SOURCE against the Metal emulation:\n{proc.stderr[-6000:]}")
-
-
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> Path:
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not found: the emulated Metal kernel test compiles SOURCE as C++20 with g++")
-    return _compile(tmp_path_factory.mktemp("moe_metal_emu"))
+    return metal_emulation.driver(moe_metal.SOURCE, NAMES, tmp_path_factory, what="moe_metal.SOURCE")
 
 
 def _extent(t: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ the weight and writes the output (plus one ``clone`` for a non-contiguous input,
 And ``F.linear`` of floating tensors: ``aten::linear`` has an MPS kernel of its own in every macOS wheel since 2.12
 (``linear_mps_dispatch.h``, ``data/mps_ops.json``; ``_mps_linear`` in ``Linear.mm``: one
 ``MPSNDArrayMatrixMultiplication`` for contiguous operands on macOS 15+, an MPSGraph matmul otherwise, so its kind
-is ``mixed``), where the CPU runs the composite ``t`` (a view) and ``mm``/``addmm`` (with ``view``\s around a
+is ``mixed``), where the CPU runs the composite ``t`` (a view) and ``mm``/``addmm`` (with ``view`` ops around a
 3-D input): one op, the same bytes. Not modelled: an M1/M2 with K above 32768, where ``_mps_linear`` falls back
 to ``mm`` and ``add_``. Anything that runs inside one recorded op (a registered operator's reference kernel)
 is that op's, never recorded again. ``shared/tools/decode_ops.py`` counts the CPU's composites: its figures are

@@ -10,7 +10,7 @@
 // MTLBuffer's contents (so AddressSanitizer, when built with it, catches a read one byte past any of them).
 // OUT: the bytes of every buffer after the launch, in order.
 // Each threadgroup's threads run concurrently, one std::thread each (metal_stdlib's simd_sum synchronises the 32
-// lanes of each simdgroup); threadgroups run one after another.
+// lanes of each simdgroup); threadgroups run one after another on the same threads.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -98,34 +98,37 @@ void dispatch(void (*fn)(P...), const long threads[2], const long group[2], std:
   const long tgx = threads[0] / group[0], tgy = threads[1] / group[1];
   const int nthreads = int(group[0]);
   const int nsg = nthreads / metal::emu::SIMD_WIDTH;
-  for (long gy = 0; gy < tgy; ++gy) {
-    for (long gx = 0; gx < tgx; ++gx) {
-      metal::emu::Threadgroup ctx{};
-      std::barrier<> all(nthreads);  // threadgroup_barrier
-      ctx.all = &all;
-      std::vector<std::unique_ptr<std::barrier<>>> bars;
-      for (int s = 0; s < nsg; ++s) {
-        bars.push_back(std::make_unique<std::barrier<>>(metal::emu::SIMD_WIDTH));
-        ctx.bars[s] = bars.back().get();
+  // One std::thread per thread of a threadgroup, made once per launch and reused for every threadgroup in turn (the
+  // order of a loop over y then x): a threadgroup starts when every thread has left the one before it.
+  const long ngroups = tgx * tgy;
+  metal::emu::Threadgroup ctx{};
+  std::barrier<> all(nthreads);  // threadgroup_barrier
+  std::barrier<> next(nthreads);  // between threadgroups
+  ctx.all = &all;
+  std::vector<std::unique_ptr<std::barrier<>>> bars;
+  for (int s = 0; s < nsg; ++s) {
+    bars.push_back(std::make_unique<std::barrier<>>(metal::emu::SIMD_WIDTH));
+    ctx.bars[s] = bars.back().get();
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(nthreads);
+  for (int tid = 0; tid < nthreads; ++tid) {
+    pool.emplace_back([&, tid] {
+      metal::emu::tg_ctx = &ctx;
+      metal::emu::tl_simdgroup = metal::uint(tid / metal::emu::SIMD_WIDTH);
+      metal::emu::tl_lane = metal::uint(tid % metal::emu::SIMD_WIDTH);
+      const metal::uint sg = metal::emu::tl_simdgroup, lane = metal::emu::tl_lane;
+      for (long g = 0; g < ngroups; ++g) {
+        const metal::uint2 tg{metal::uint(g % tgx), metal::uint(g / tgx)};
+        [&]<size_t... I>(std::index_sequence<I...>) {
+          fn(argument<I, std::tuple_element_t<I, Params>, nptr, nsc>(bufs, sc, tg, sg, lane)...);
+        }(std::make_index_sequence<n>{});
+        next.arrive_and_wait();
       }
-      const metal::uint2 tg{metal::uint(gx), metal::uint(gy)};
-      std::vector<std::thread> pool;
-      pool.reserve(nthreads);
-      for (int tid = 0; tid < nthreads; ++tid) {
-        pool.emplace_back([&, tid] {
-          metal::emu::tg_ctx = &ctx;
-          metal::emu::tl_simdgroup = metal::uint(tid / metal::emu::SIMD_WIDTH);
-          metal::emu::tl_lane = metal::uint(tid % metal::emu::SIMD_WIDTH);
-          const metal::uint sg = metal::emu::tl_simdgroup, lane = metal::emu::tl_lane;
-          [&]<size_t... I>(std::index_sequence<I...>) {
-            fn(argument<I, std::tuple_element_t<I, Params>, nptr, nsc>(bufs, sc, tg, sg, lane)...);
-          }(std::make_index_sequence<n>{});
-        });
-      }
-      for (auto &t : pool) {
-        t.join();
-      }
-    }
+    });
+  }
+  for (auto &t : pool) {
+    t.join();
   }
 }
 
