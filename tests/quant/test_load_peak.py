@@ -71,12 +71,11 @@ def _measure(folder: Path, quantize) -> dict:
 
 
 @pytest.fixture(scope="module")
-def medium_folders(tmp_path_factory):
+def medium_folders(tmp_path_factory, medium):
     import mpsboost
-    from mpsboost.bench.decode_cost import build
 
     root = tmp_path_factory.mktemp("medium")
-    model = build("medium", torch.bfloat16)
+    model = medium.copy()  # bf16
     model.save_pretrained(root / "hf")
     del model
     q = mpsboost.from_pretrained(root / "hf", dtype=torch.bfloat16, device="cpu", quantize={"bits": 4}, patch=False)

@@ -5,8 +5,6 @@ the rules of the decode-ops tool) against patched bf16: ops at most 1.05x, bytes
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import tiny_models as tm
 import torch
@@ -22,53 +20,61 @@ BYTES = {4: 0.33, 8: 0.6}
 OPS = 1.05
 
 
-def _low_bit(size: str, bits: int, env: Env, base=None, **patch_kw):
-    # ``base``: an unpatched build(size) to copy (the same weights: build seeds itself) instead of building again.
-    m = copy.deepcopy(base) if base is not None else build(size)
-    group = 32 if size == "tiny" else 64
-    opts = {"low_bit_weights": {"bits": bits, "group_size": group}}
+def _low_bit(bits: int, env: Env, **patch_kw):
+    m = build("tiny")
+    opts = {"low_bit_weights": {"bits": bits, "group_size": 32}}
     mpsboost.patch(m, device=env, recipes=["low_bit_weights"], options=opts)
     report = mpsboost.patch(m, device=env, **patch_kw)
     return m, report
 
 
-def _cost(m) -> tuple[int, int]:
-    c = decode_cost(m)
+def _total(c: dict) -> tuple[int, int]:
     return sum(c["ops"].values()), sum(c["bytes"].values())
 
 
-def _targets(size: str, tv: str) -> None:
+def _tiny_cost(*patches: dict) -> dict:
+    """As the ``medium`` fixture's ``cost``, at the tiny size (built in a moment: not kept)."""
+    m = build("tiny")
+    for kw in patches:
+        report = mpsboost.patch(m, **kw)
+    return dict(decode_cost(m), rows=[(r.recipe, r.status) for r in report.rows])
+
+
+def _targets(size: str, tv: str, cost) -> None:
+    """``cost(*patches)``: decode_cost of a ``size`` model patched by each ``mpsboost.patch`` keywords in turn."""
     env = Env.simulate("mps", tv)
-    base = build(size)  # built once (a medium model takes seconds); each variant patches a copy
-    bf16 = copy.deepcopy(base)
-    mpsboost.patch(bf16, device=env)
-    ops_bf16, bytes_bf16 = _cost(bf16)
-    del bf16
+    ops_bf16, bytes_bf16 = _total(cost({"device": env}))
+    group = 32 if size == "tiny" else 64
     for bits, share in BYTES.items():
-        m, report = _low_bit(size, bits, env, base=base)
-        rows = [r for r in report.rows if r.recipe == "attention_decode"]
-        assert rows and all(r.status == "applied" for r in rows), str(report)
-        ops, moved = _cost(m)
+        low_bit = {
+            "device": env,
+            "recipes": ["low_bit_weights"],
+            "options": {"low_bit_weights": {"bits": bits, "group_size": group}},
+        }
+        c = cost(low_bit, {"device": env})
+        rows = [status for recipe, status in c["rows"] if recipe == "attention_decode"]
+        assert rows and all(status == "applied" for status in rows), c["rows"]
+        ops, moved = _total(c)
         assert ops <= OPS * ops_bf16, (bits, ops, ops_bf16)
         assert moved <= share * bytes_bf16, (bits, moved / bytes_bf16)
 
 
 @pytest.mark.parametrize("tv", ["2.14.1", "2.15.0"])
 def test_tiny_low_bit_step_costs_against_bf16(tv):
-    _targets("tiny", tv)
+    _targets("tiny", tv, _tiny_cost)
 
 
-@pytest.mark.slow  # three medium models built (about 6 s each on the CPU)
-def test_medium_low_bit_step_costs_against_bf16():
-    _targets("medium", "2.15.0")
+@pytest.mark.slow
+def test_medium_low_bit_step_costs_against_bf16(medium):
+    _targets("medium", "2.15.0", medium.cost)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_attention_step_on_low_bit_projections_equals_the_low_bit_model_without_it(bits, rng_seed):
     env = Env.simulate("mps", "2.15.0")
-    with_step, report = _low_bit("tiny", bits, env)
+    with_step, report = _low_bit(bits, env)
     assert all(r.status == "applied" for r in report.rows if r.recipe == "attention_decode"), str(report)
-    without, _ = _low_bit("tiny", bits, env, exclude=["attention_decode"])
+    without, _ = _low_bit(bits, env, exclude=["attention_decode"])
     assert not any(r.recipe == "attention_decode" and r.status == "applied" for r in mpsboost.last_report(without).rows)
     got = tm._run_lm(with_step, rng_seed, batch=2, prompt=6, steps=3)
     ref = tm._run_lm(without, rng_seed, batch=2, prompt=6, steps=3)

@@ -39,11 +39,17 @@ def _as_bytes(q: torch.Tensor) -> torch.Tensor:
 
 def unpack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     """The codes ``[..., K]`` (uint8) of packed words ``q [..., K * bits / 32]``: code ``j`` is bits
-    ``[j * bits, (j + 1) * bits)`` of the row's little-endian bytes. Eight codes fill ``bits`` bytes exactly, so
-    each run of ``bits`` bytes is read as one little-endian integer and cut into eight codes."""
-    by = _as_bytes(q).to(torch.int64)
+    ``[j * bits, (j + 1) * bits)`` of the row's little-endian bytes. At 2, 4 and 8 bits a byte holds whole codes,
+    low bits first, and is cut in uint8; otherwise eight codes fill ``bits`` bytes exactly, so each run of ``bits``
+    bytes is read as one little-endian integer and cut into eight codes."""
+    by = _as_bytes(q)
     lead = by.shape[:-1]
-    by = by.reshape(*lead, -1, bits)  # [..., K / 8, bits]: eight codes
+    if 8 % bits == 0:
+        if bits == 8:
+            return by.clone()
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=q.device)
+        return ((by.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(*lead, -1)
+    by = by.to(torch.int64).reshape(*lead, -1, bits)  # [..., K / 8, bits]: eight codes
     word = (by << (8 * torch.arange(bits, device=q.device))).sum(-1, keepdim=True)  # <= 64 bits: fits int64
     shifts = bits * torch.arange(8, device=q.device)
     codes = (word >> shifts) & ((1 << bits) - 1)
@@ -53,8 +59,14 @@ def unpack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of :func:`unpack_codes`: integer codes ``[..., K]`` in ``[0, 2^bits)`` as uint32 words
     ``[..., K * bits / 32]`` (K a multiple of 32)."""
+    lead = codes.shape[:-1]
+    if 8 % bits == 0:  # whole codes a byte: OR them into uint8, low bits first
+        c = codes.to(torch.uint8).reshape(*lead, -1, 8 // bits)
+        by = c[..., 0].clone()
+        for j in range(1, 8 // bits):
+            by |= c[..., j] << (j * bits)
+        return by.reshape(*lead, -1).view(torch.uint32)
     c = codes.to(torch.int64)
-    lead = c.shape[:-1]
     c = c.reshape(*lead, -1, 8)
     word = (c << (bits * torch.arange(8, device=c.device))).sum(-1, keepdim=True)
     by = (word >> (8 * torch.arange(bits, device=c.device))) & 0xFF

@@ -287,13 +287,17 @@ def test_experts_layer_takes_the_few_rows_path_on_a_simulated_mac_and_not_on_2_1
 # quantised once per input, per-pair down projections summed in bf16): 1.20x and 1.56x.
 
 
-def _costs(size, exclude=()):
-    out = {}
-    for label, kw in (("bf16", {}), ("fp8", {"fp8": "rowwise"})):
-        m = build(size)
-        mpsboost.patch(m, device=MAC, exclude=list(exclude), **kw)
-        out[label] = decode_cost(m)
-    return out
+def _costs(cost, exclude=()) -> dict:
+    """``{"bf16": ..., "fp8": ...}``: ``cost(patch keywords)`` of the default patch under Mac 2.15.0 decisions, without
+    and with ``fp8="rowwise"``."""
+    skip = {"exclude": list(exclude)} if exclude else {}
+    return {label: cost(dict(device=MAC, **skip, **kw)) for label, kw in (("bf16", {}), ("fp8", {"fp8": "rowwise"}))}
+
+
+def _tiny_cost(kw: dict) -> dict:
+    m = build("tiny")
+    mpsboost.patch(m, **kw)
+    return decode_cost(m)
 
 
 def _ratio(c, what, blocks=None):
@@ -310,14 +314,14 @@ def test_tiny_decode_step_quantises_each_activation_once():
     # view keeps each pair's columns, one mm weights and sums them). Measured: self_attn 1.17x, mlp 1.36x.
     # attention_decode and moe_block step aside for fp8 layers: compare the fp8 layers with the bf16 paths they
     # stand beside (the recipes' own fp8 composition is counted by the whole-step figures in docs/fp8-checkpoints.md).
-    c = _costs("tiny", exclude=["attention_decode", "moe_block"])
+    c = _costs(_tiny_cost, exclude=["attention_decode", "moe_block"])
     assert _ratio(c, "ops", ("self_attn",)) <= 1.18, c
     assert _ratio(c, "ops", ("mlp",)) <= 1.4, c
 
 
 @pytest.mark.slow
-def test_medium_decode_step_moves_fp8_bytes():
-    c = _costs("medium")
+def test_medium_decode_step_moves_fp8_bytes(medium):
+    c = _costs(medium.cost)
     # Dense layers read their fp8 bytes once (scaled_mm few rows): half of bf16.
     assert _ratio(c, "bytes", ("self_attn",)) <= 0.52, c  # measured 0.51 (26.7 / 52.8 MiB)
     # Routed experts: gather (1 byte read + 1 written per routed weight) + scaled_mm (1 read) = 3 bytes per

@@ -115,17 +115,13 @@ def test_every_family_fewer_ops_fused_than_composed(family):
 
 
 @pytest.mark.slow
-def test_medium_size_same_ops_and_no_more_bytes():
+def test_medium_size_same_ops_and_no_more_bytes(medium):
     """At the medium size of the decode-ops tool (the real model's widths, 32 experts top-8, bf16): the same ops per
     block as tiny, and the bytes one decode step moves in the MoE blocks do not grow against the composed path."""
-    from mpsboost.bench import decode_cost
-
-    rows = {}
-    base = decode_cost.build("medium")  # built once (seconds at this size); each variant patches a copy
-    for label, opts in (("fused", None), ("composed", OFF)):
-        m = copy.deepcopy(base)
-        mpsboost.patch(m, device=MPS215, options=opts)
-        rows[label] = decode_cost.decode_cost(m)
+    rows = {
+        label: medium.cost(dict(device=MPS215, **opts))
+        for label, opts in (("fused", {}), ("composed", {"options": OFF}))
+    }
     ops = {k: v["ops"]["mlp"] for k, v in rows.items()}
     moved = {k: v["bytes"]["mlp"] for k, v in rows.items()}
     assert ops["fused"] <= 12 * 4 < ops["composed"], ops  # 4 blocks

@@ -144,7 +144,9 @@ def test_jetmoe_router_keeps_sizes_on_device_and_matches(rng_seed):
 
 
 def test_patched_forward_compiles_fullgraph(rng_seed):
-    """No graph break (so no .item()/.tolist()/nonzero host sync) on each path, fp32 and bf16."""
+    """No graph break (so no .item()/.tolist()/nonzero host sync) on each path, fp32 and bf16. The backend is
+    ``aot_eager`` (dynamo's capture, AOT autograd's functionalisation over the fakes, then torch's kernels):
+    inductor's lowering of the recipe is tests/recipes/moe/test_moe_modes.py's, once."""
     torch._dynamo.reset()
     for name, dtype, n in (
         ("qwen3_moe", torch.bfloat16, 40),
@@ -156,7 +158,7 @@ def test_patched_forward_compiles_fullgraph(rng_seed):
         idx, w = routing(n, case.num_experts, case.top_k, dtype=dtype)
         ref = case.call(case.module, x, idx, w)
         with _patched(case.module):
-            compiled = torch.compile(case.module, fullgraph=True, dynamic=False)
+            compiled = torch.compile(case.module, fullgraph=True, dynamic=False, backend="aot_eager")
             out = compiled(x, idx, w)
         assert _rel(out, ref) <= (BF16_TOL if dtype == torch.bfloat16 else FP32_TOL), name
 
@@ -414,7 +416,7 @@ def test_compiled_batched_form_option(rng_seed):
     ref = case.call(case.module, x, idx, w)
     torch._dynamo.reset()
     with _patched(case.module, compiled_batched_form="bmm"):
-        out = torch.compile(case.module, fullgraph=True)(x, idx, w)
+        out = torch.compile(case.module, fullgraph=True, backend="aot_eager")(x, idx, w)
     assert _rel(out, ref) <= FP32_TOL
     with pytest.raises(mpsboost.PatchError, match="compiled_batched_form='gemv'"):
         mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"compiled_batched_form": "gemv"}})
