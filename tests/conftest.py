@@ -41,44 +41,9 @@ def rng_seed(request) -> int:
     return seed
 
 
-class MediumModel:
-    """The decode-cost tool's ``medium`` model (Qwen3.6's widths in bf16: ``mpsboost.bench.decode_cost.build``), built
-    once per worker, and the cost of one decode step of its patched copies, each counted once per worker. Building
-    takes about 10 s on the CPU and a copy about 4."""
-
-    def __init__(self) -> None:
-        self._base = None
-        self._costs: dict[str, dict] = {}
-
-    def copy(self) -> torch.nn.Module:
-        """A fresh copy of the unpatched model (``build`` seeds itself: the same weights every build)."""
-        import copy
-
-        from mpsboost.bench.decode_cost import build
-
-        if self._base is None:
-            self._base = build("medium")
-        return copy.deepcopy(self._base)
-
-    def cost(self, *patches: dict) -> dict:
-        """``decode_cost`` of a copy patched by ``mpsboost.patch(m, **kw)`` for each ``kw`` of ``patches`` in turn, with
-        ``"rows"``: the ``(recipe, status)`` of each row of the last patch's report."""
-        import copy
-
-        import mpsboost
-        from mpsboost.bench.decode_cost import decode_cost
-
-        key = repr(patches)
-        if key not in self._costs:
-            m = self.copy()
-            report = None
-            for kw in patches:
-                report = mpsboost.patch(m, **kw)
-            self._costs[key] = dict(decode_cost(m), rows=[(r.recipe, r.status) for r in report.rows] if report else [])
-            del m
-        return copy.deepcopy(self._costs[key])
-
-
 @pytest.fixture(scope="session")
-def medium() -> MediumModel:
+def medium():
+    """The medium model and its decode-step costs, once per worker (tests/step_costs.py)."""
+    from step_costs import MediumModel
+
     return MediumModel()

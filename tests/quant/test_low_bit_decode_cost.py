@@ -1,7 +1,8 @@
 """A low-bit model's decode step under Mac decisions: the attention step composes with low-bit projections (equal to
 the low-bit model without it), and the step's counted cost (``mpsboost.bench.decode_cost``: aten ops and bytes moved,
 the rules of the decode-ops tool) against patched bf16: ops at most 1.05x, bytes at most 0.33x at 4 bits and 0.6x at
-8 bits (issue 36's targets), tiny under Mac 2.14.1 and 2.15.0, medium under 2.15.0."""
+8 bits (issue 36's targets, tests/step_costs.py), tiny under Mac 2.14.1 and 2.15.0 (medium under 2.15.0:
+tests/integration/test_medium_size.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ import tiny_models as tm
 import torch
 
 import mpsboost
-from mpsboost.bench.decode_cost import build, decode_cost
+from mpsboost.bench.decode_cost import build
 from mpsboost.gate import Env
+from step_costs import low_bit_targets, tiny_cost
 
 pytest.importorskip("transformers")
 
 FP32_TOL = 1e-5  # the same low-bit layers on both sides: only the step's summation order differs
-BYTES = {4: 0.33, 8: 0.6}
-OPS = 1.05
 
 
 def _low_bit(bits: int, env: Env, **patch_kw):
@@ -28,45 +28,9 @@ def _low_bit(bits: int, env: Env, **patch_kw):
     return m, report
 
 
-def _total(c: dict) -> tuple[int, int]:
-    return sum(c["ops"].values()), sum(c["bytes"].values())
-
-
-def _tiny_cost(*patches: dict) -> dict:
-    """As the ``medium`` fixture's ``cost``, at the tiny size (built in a moment: not kept)."""
-    m = build("tiny")
-    for kw in patches:
-        report = mpsboost.patch(m, **kw)
-    return dict(decode_cost(m), rows=[(r.recipe, r.status) for r in report.rows])
-
-
-def _targets(size: str, tv: str, cost) -> None:
-    """``cost(*patches)``: decode_cost of a ``size`` model patched by each ``mpsboost.patch`` keywords in turn."""
-    env = Env.simulate("mps", tv)
-    ops_bf16, bytes_bf16 = _total(cost({"device": env}))
-    group = 32 if size == "tiny" else 64
-    for bits, share in BYTES.items():
-        low_bit = {
-            "device": env,
-            "recipes": ["low_bit_weights"],
-            "options": {"low_bit_weights": {"bits": bits, "group_size": group}},
-        }
-        c = cost(low_bit, {"device": env})
-        rows = [status for recipe, status in c["rows"] if recipe == "attention_decode"]
-        assert rows and all(status == "applied" for status in rows), c["rows"]
-        ops, moved = _total(c)
-        assert ops <= OPS * ops_bf16, (bits, ops, ops_bf16)
-        assert moved <= share * bytes_bf16, (bits, moved / bytes_bf16)
-
-
 @pytest.mark.parametrize("tv", ["2.14.1", "2.15.0"])
 def test_tiny_low_bit_step_costs_against_bf16(tv):
-    _targets("tiny", tv, _tiny_cost)
-
-
-@pytest.mark.slow
-def test_medium_low_bit_step_costs_against_bf16(medium):
-    _targets("medium", "2.15.0", medium.cost)
+    low_bit_targets("tiny", tv, tiny_cost)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

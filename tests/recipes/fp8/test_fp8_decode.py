@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import mpsboost
-from fp8_decode_cost import AtenOps, build, decode_cost
+from fp8_decode_cost import AtenOps, build
 from mpsboost.gate import Env
+from step_costs import fp8_costs, fp8_ratio, tiny_cost
 from mpsboost.ops import fp8 as fp8_ops
 from mpsboost.recipes.fp8 import paths as fp8_paths
 from mpsboost.ops import fp8_moe
@@ -287,26 +288,6 @@ def test_experts_layer_takes_the_few_rows_path_on_a_simulated_mac_and_not_on_2_1
 # quantised once per input, per-pair down projections summed in bf16): 1.20x and 1.56x.
 
 
-def _costs(cost, exclude=()) -> dict:
-    """``{"bf16": ..., "fp8": ...}``: ``cost(patch keywords)`` of the default patch under Mac 2.15.0 decisions, without
-    and with ``fp8="rowwise"``."""
-    skip = {"exclude": list(exclude)} if exclude else {}
-    return {label: cost(dict(device=MAC, **skip, **kw)) for label, kw in (("bf16", {}), ("fp8", {"fp8": "rowwise"}))}
-
-
-def _tiny_cost(kw: dict) -> dict:
-    m = build("tiny")
-    mpsboost.patch(m, **kw)
-    return decode_cost(m)
-
-
-def _ratio(c, what, blocks=None):
-    def total(x):
-        return sum(v for b, v in x[what].items() if blocks is None or b in blocks)
-
-    return total(c["fp8"]) / total(c["bf16"])
-
-
 def test_tiny_decode_step_quantises_each_activation_once():
     # 5 dispatches per distinct input quantised, 4 per fp8 layer reading a remembered one (view, t, scaled_mm, view):
     # q/k/v share one quantisation, as do the shared expert's gate and up and the routed experts' up projection.
@@ -314,21 +295,9 @@ def test_tiny_decode_step_quantises_each_activation_once():
     # view keeps each pair's columns, one mm weights and sums them). Measured: self_attn 1.17x, mlp 1.36x.
     # attention_decode and moe_block step aside for fp8 layers: compare the fp8 layers with the bf16 paths they
     # stand beside (the recipes' own fp8 composition is counted by the whole-step figures in docs/fp8-checkpoints.md).
-    c = _costs(_tiny_cost, exclude=["attention_decode", "moe_block"])
-    assert _ratio(c, "ops", ("self_attn",)) <= 1.18, c
-    assert _ratio(c, "ops", ("mlp",)) <= 1.4, c
-
-
-@pytest.mark.slow
-def test_medium_decode_step_moves_fp8_bytes(medium):
-    c = _costs(medium.cost)
-    # Dense layers read their fp8 bytes once (scaled_mm few rows): half of bf16.
-    assert _ratio(c, "bytes", ("self_attn",)) <= 0.52, c  # measured 0.51 (26.7 / 52.8 MiB)
-    # Routed experts: gather (1 byte read + 1 written per routed weight) + scaled_mm (1 read) = 3 bytes per
-    # weight against bf16 grouped_mm's 2; the shared expert at 1. No bf16 copy of an expert.
-    assert _ratio(c, "bytes", ("mlp",)) <= 1.42, c  # measured 1.39 (303.3 / 218.2 MiB)
-    # Measured 1.03 (524.3 / 506.9 MiB): linear_attn runs transformers' path on fp8 projections (0.82x of bf16's).
-    assert _ratio(c, "bytes") <= 1.06, c
+    c = fp8_costs(tiny_cost, exclude=["attention_decode", "moe_block"])
+    assert fp8_ratio(c, "ops", ("self_attn",)) <= 1.18, c
+    assert fp8_ratio(c, "ops", ("mlp",)) <= 1.4, c
 
 
 @pytest.mark.parametrize("t, k", [(1, 8), (2, 3)])
@@ -434,6 +403,6 @@ def test_tiny_decode_step_with_every_recipe_on_fp8_layers():
     # With attention_decode, moe_block and linear_attention composed on fp8 layers (Mac 2.15.0 decisions), the
     # dense projections are one F.scaled_mm each on the activation quantised once per input: no per-call
     # transpose or scale view. Measured: self_attn 42 ops (bf16 31; 50 before the operands), mlp 192 / 96.
-    c = _costs("tiny")
+    c = fp8_costs(tiny_cost)
     assert c["fp8"]["ops"]["self_attn"] <= c["bf16"]["ops"]["self_attn"] + 11, c
-    assert _ratio(c, "ops") <= 1.62, c  # measured 504 / 313 (563 / 322 before the operands)
+    assert fp8_ratio(c, "ops") <= 1.62, c  # measured 504 / 313 (563 / 322 before the operands)
