@@ -173,6 +173,31 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/quant/test_quantize_save.py", "-k", "saved_folder and mixtral"),
     ),
     Mutation(
+        name="affine-codes-unpacked-high-bits-first",
+        why="the uint8 unpacking of 2- and 4-bit codes reads a byte's codes from its high bits down",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/affine_codec.py",
+                "        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=q.device)\n",
+                "        shifts = torch.arange(8 - bits, -1, -bits, dtype=torch.uint8, device=q.device)\n",
+            ),
+        ),
+        tests=("tests/ops/test_affine_ops.py", "-k", "equal_mlx_bit_for_bit and bfloat16"),
+        quick=True,
+    ),
+    Mutation(
+        name="affine-codes-packed-one-code-short",
+        why="the uint8 packing of 2-, 4- and 8-bit codes ORs one code fewer into each byte",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/affine_codec.py",
+                "        for j in range(1, 8 // bits):\n",
+                "        for j in range(1, 8 // bits - 1):\n",
+            ),
+        ),
+        tests=("tests/ops/test_affine_ops.py", "-k", "equal_mlx_bit_for_bit and bfloat16"),
+    ),
+    Mutation(
         name="affine-metal-decode-shift",
         why="the Metal low-bit kernels cut codes at the wrong shift within a word (o & 15 for o & 31)",
         edits=(Edit("src/mpsboost/ops/affine_metal.py", "  const int sh = o & 31;\n", "  const int sh = o & 15;\n"),),

@@ -4,6 +4,7 @@ the API, no import cycle."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -73,7 +74,13 @@ def test_ops_hold_tensor_functions_only():
 
 def _import_graph() -> dict[str, set[str]]:
     """{module: modules it imports} over src/mpsboost, module-level and function-level imports alike
-    (every ``import`` / ``from ... import`` statement anywhere in the file), internal modules only."""
+    (every ``import`` / ``from ... import`` statement anywhere in the file), internal modules only: a fresh copy
+    each call of the graph parsed once per process."""
+    return {k: set(v) for k, v in _parsed_import_graph().items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _parsed_import_graph() -> dict[str, frozenset[str]]:
     import ast
     from pathlib import Path
 
@@ -110,7 +117,7 @@ def _import_graph() -> dict[str, set[str]]:
                 if t in names and t != mod and not mod.startswith(t + "."):
                     deps.add(t)
         graph[mod] = deps
-    return graph
+    return {k: frozenset(v) for k, v in graph.items()}
 
 
 def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> list[str] | None:

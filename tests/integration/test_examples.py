@@ -18,6 +18,8 @@ import pytest
 
 from mpsboost.bench import read_jsonl
 
+import cookbook
+
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ROOT / "recipes"
 SCRIPTS = {
@@ -198,24 +200,8 @@ def _in_process(monkeypatch, capsys, script: str, *args: str) -> tuple[int, str,
 
 
 def _in_process_streams(monkeypatch, capsys, script: str, *args: str) -> tuple[int, str, dict, str]:
-    """As ``_in_process``, with stderr as well: (exit status, stdout, its globals, stderr). An exception other
-    than SystemExit propagates (what a user's run would print as its traceback)."""
-    import runpy
-
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts recipes/ first; undone after the test
-    monkeypatch.setattr(sys, "argv", [str(RECIPES / f"{script}.py"), *args])
-    monkeypatch.delitem(sys.modules, "_common", raising=False)
-    capsys.readouterr()
-    names: dict = {}
-    try:
-        names = runpy.run_path(str(RECIPES / f"{script}.py"), run_name="__main__")
-        rc = 0
-    except SystemExit as exc:
-        rc = exc.code if isinstance(exc.code, int) else 1
-    finally:
-        sys.modules.pop("_common", None)
-    out, err = capsys.readouterr()
-    return rc, out, names, err
+    """As ``_in_process``, with stderr as well: (exit status, stdout, its globals, stderr)."""
+    return cookbook.run_script(monkeypatch, capsys, script, *args)
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))

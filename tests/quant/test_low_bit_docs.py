@@ -33,24 +33,11 @@ def test_cookbook_help_imports_no_torch():
 
 
 @pytest.mark.slow
-def test_cookbook_random_weights_runs(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "recipes/qwen36_4bit.py"),
-            "--random-weights",
-            "tiny",
-            "--write",
-            str(tmp_path),
-            "--new-tokens",
-            "4",
-            "--device",
-            "cpu",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "low_bit_weights" in out.stdout and "tokens:" in out.stdout
+def test_cookbook_random_weights_runs(tmp_path, monkeypatch, capsys):
+    from cookbook import run_script
+
+    args = ("--random-weights", "tiny", "--write", str(tmp_path), "--new-tokens", "4", "--device", "cpu")
+    rc, out, _, err = run_script(monkeypatch, capsys, "qwen36_4bit", *args)
+    assert rc == 0, err[-2000:]
+    assert "low_bit_weights" in out and "tokens:" in out
     assert (tmp_path / "config.json").is_file() and (tmp_path / "model.safetensors").is_file()

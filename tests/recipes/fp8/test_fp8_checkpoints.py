@@ -845,39 +845,18 @@ def test_peak_memory_while_loading_stays_under_file_plus_largest_layer(tmp_path)
 
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "scaled_fp8"])
-def test_cookbook_script_writes_and_loads_each_format(tmp_path, fmt):
-    root = Path(__file__).resolve().parents[3]
-    env = dict(os.environ, PYTHONWARNINGS="ignore", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(root / "recipes" / "fp8_checkpoint.py"),
-            "--random-weights",
-            "tiny",
-            "--write-format",
-            fmt,
-            "--device",
-            "cpu",
-            "--repeats",
-            "1",
-            "--warmup",
-            "0",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=root,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+def test_cookbook_script_writes_and_loads_each_format(tmp_path, fmt, monkeypatch, capsys):
+    from cookbook import run_script
+
+    args = ("--random-weights", "tiny", "--write-format", fmt, "--device", "cpu", "--repeats", "1", "--warmup", "0")
+    rc, out, _, err = run_script(monkeypatch, capsys, "fp8_checkpoint", *args, "--out", str(tmp_path))
+    assert rc == 0, out[-3000:] + err[-3000:]
     from mpsboost.bench import read_jsonl
 
     recs = read_jsonl(tmp_path / "fp8_checkpoint.jsonl")
     patched = next(r for r in recs if r.variant != "stock")
     assert patched.extra["format"] == fmt and patched.correctness.rel_error <= RTOL
-    assert f"format {'scaled_fp8' if fmt == 'scaled_fp8' else fmt}" in proc.stdout
+    assert f"format {'scaled_fp8' if fmt == 'scaled_fp8' else fmt}" in out
 
 
 @pytest.mark.parametrize("env", list(ENVS))
