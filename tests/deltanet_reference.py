@@ -11,6 +11,7 @@ value); the conv state exactly (it is a copy of values).
 from __future__ import annotations
 
 import torch
+from tiny_models import max_relative_error
 import torch.nn.functional as F
 
 ULP = {torch.float32: 0.0, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
@@ -51,17 +52,12 @@ def independent(args, kw):
     return out.double(), cs64.to(cs.dtype), state
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    want = want.double()
-    return float((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
-
-
 def compare(args, want, what=""):
     out, cs, st = args[8], args[1], args[2]
     ref_out, ref_cs, ref_st = want
     assert not out.isnan().any(), f"{what}: an output the kernel never wrote (or a NaN)"
     assert torch.equal(cs, ref_cs), f"{what}: the conv state rolled wrongly"
-    assert _rel(st, ref_st) <= 1e-5, f"{what}: state differs by {_rel(st, ref_st):.2e}"
+    assert max_relative_error(st, ref_st) <= 1e-5, f"{what}: state differs by {max_relative_error(st, ref_st):.2e}"
     dt = out.dtype
-    err = _rel(out, ref_out.to(dt) if dt != torch.float32 else ref_out)
+    err = max_relative_error(out, ref_out.to(dt) if dt != torch.float32 else ref_out)
     assert err <= 1e-5 + ULP[dt], f"{what}: output differs by {err:.2e} ({dt})"

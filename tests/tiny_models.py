@@ -35,6 +35,7 @@ __all__ = [
     "snapshot",
     "same_snapshot",
     "diff_snapshot",
+    "max_relative_error",
     "relative_error",
 ]
 
@@ -756,9 +757,17 @@ def same_snapshot(a: dict, b: dict) -> bool:
 
 def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref|| / ||ref|| in fp64 (0 when both are zero)."""
-    x, ref = x.double(), ref.double()
+    x, ref = x.detach().double(), ref.detach().double()
     den = ref.norm().item()
     num = (x - ref).norm().item()
+    return num / den if den > 0 else num
+
+
+def max_relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |x - ref| / max |ref| in fp64 (0 when both are zero): the worst element against the reference's scale."""
+    x, ref = x.detach().double(), ref.detach().double()
+    den = ref.abs().max().item() if ref.numel() else 0.0
+    num = (x - ref).abs().max().item() if x.numel() else 0.0
     return num / den if den > 0 else num
 
 
@@ -1025,7 +1034,8 @@ def fake_versions(monkeypatch: Any, **installed: str | None) -> None:
 
 class ModuleOps(TorchDispatchMode):
     """The aten ops dispatched inside ``modules`` (between each module's pre- and post-forward hooks; with no
-    modules, every op while the mode is active): ``count``, and their ``names`` (``aten.mm``, ``mpsboost.*``).
+    modules, every op while the mode is active): ``count``, and their ``names`` (``aten.mm``, ``mpsboost.*``). The
+    suite's one op counter (a decode step's whole cost, ops and bytes: ``mpsboost.bench.decode_cost``).
     The hooks are removed by :meth:`remove` (or on leaving a ``with``)."""
 
     def __init__(self, modules: Iterable[torch.nn.Module] = ()):
@@ -1041,6 +1051,11 @@ class ModuleOps(TorchDispatchMode):
     @property
     def count(self) -> int:
         return len(self.names)
+
+    @property
+    def bare(self) -> list[str]:
+        """The names without their namespace (``mm``, ``_scaled_mm_v2``, ``fp8_gemv``)."""
+        return [n.split(".", 1)[-1] for n in self.names]
 
     def remove(self) -> None:
         for h in self.hooks:

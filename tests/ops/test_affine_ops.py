@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_models import max_relative_error
 
 from mpsboost.errors import UserInputError
 from mpsboost.ops import affine as A
@@ -92,10 +93,6 @@ def test_codes_roundtrip_and_stacks(rng_seed, bits):
 TOL32 = 1e-5
 
 
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-12))
-
-
 @pytest.mark.parametrize("gs", A.GROUP_SIZES)
 @pytest.mark.parametrize("bits", A.BITS)
 def test_gemv_reference_equals_mx_quantized_matmul(rng_seed, bits, gs):
@@ -109,7 +106,7 @@ def test_gemv_reference_equals_mx_quantized_matmul(rng_seed, bits, gs):
             mx.quantized_matmul(to_mx(x), to_mx(q), to_mx(s), to_mx(b), transpose=True, group_size=gs, bits=bits)
         )
         assert got.shape == (rows, n)
-        assert _rel(got, ref) <= TOL32, (rows, _rel(got, ref))
+        assert max_relative_error(got, ref) <= TOL32, (rows, max_relative_error(got, ref))
     # leading dims are rows
     x3 = torch.randn(2, 1, k, generator=g)
     assert torch.equal(
@@ -142,7 +139,7 @@ def test_grouped_reference_equals_mx_gather_qmm(rng_seed, bits, gs):
         )
         ref = to_t(ref)[:, 0]
         assert got.shape == (m, n)
-        assert _rel(got[: m - 2], ref) <= TOL32
+        assert max_relative_error(got[: m - 2], ref) <= TOL32
         assert bool((got[m - 2 :] == 0).all())
 
 
@@ -155,8 +152,10 @@ def test_grouped_stride0_rows_and_both_branches_agree(rng_seed):
     y = A.affine_grouped_gemv(x, q, s, b, ends, bits, gs)  # M=8 > E=3: grouped_mm branch
     y2 = A.affine_grouped_gemv_reference(x[:3], q, s, b, torch.tensor([1, 1, 3], dtype=torch.int32), bits, gs)
     w = A.affine_dequantize(q, s, b, bits, gs, torch.float32)
-    assert _rel(y[0], w[0] @ x[0].float()) <= 1e-2 and _rel(y[4], w[2] @ x[0].float()) <= 1e-2
-    assert _rel(y2[0], y[0]) <= 1e-2 and _rel(y2[2], y[4]) <= 1e-2
+    assert (
+        max_relative_error(y[0], w[0] @ x[0].float()) <= 1e-2 and max_relative_error(y[4], w[2] @ x[0].float()) <= 1e-2
+    )
+    assert max_relative_error(y2[0], y[0]) <= 1e-2 and max_relative_error(y2[2], y[4]) <= 1e-2
     assert bool((y[7] == 0).all())
 
 
@@ -282,14 +281,14 @@ def test_int4pack_conversion_numerics_on_cpu(rng_seed):
         assert inexact == 0 and sz.shape == (k // gs, n, 2)
         x = torch.randn(3, k, generator=g)
         ref = x.double() @ _exact(q, s, b, 4, gs).t()
-        assert _rel(A.int4pack_linear(x, packed, sz, gs), ref) <= TOL32
+        assert max_relative_error(A.int4pack_linear(x, packed, sz, gs), ref) <= TOL32
         eye = A.int4pack_linear(torch.eye(k), packed, sz, gs)
         assert torch.equal(eye.double().t(), _exact(q, s, b, 4, gs)), "a weight of the conversion is not exact"
         # in bfloat16 a zero may round (the function counts those), and the product stays within bf16's rounding
         packed, sz16, inexact16 = A.to_int4pack(q, s, b, gs, dtype=torch.bfloat16, device_type="cpu")
         zero = b.double() + 8 * s.double()
         assert inexact16 == int((zero.to(torch.bfloat16).double() != zero).sum())
-        assert _rel(A.int4pack_linear(x.bfloat16(), packed, sz16, gs), ref) <= 3e-2
+        assert max_relative_error(A.int4pack_linear(x.bfloat16(), packed, sz16, gs), ref) <= 3e-2
 
 
 def test_torch_packs_check_exactness_off_the_device_and_pack_where_the_kernel_reads(monkeypatch):
@@ -337,11 +336,11 @@ def test_int8pack_exact_where_representable_refused_otherwise(rng_seed):
     w8, sc = A.to_int8pack(q, s, -128 * s, gs, dtype=torch.float32)
     x = torch.randn(2, k, generator=g)
     ref = x.double() @ _exact(q, s, -128 * s, 8, gs).t()
-    assert _rel(A.int8pack_linear(x, w8, sc), ref) <= TOL32
+    assert max_relative_error(A.int8pack_linear(x, w8, sc), ref) <= TOL32
     # an ordinary 8-bit checkpoint has a scale per group and a bias: refused, or requantised (lossy) on request
     q, s, b = A.affine_quantize(_weight(g, n, k), 8, gs)
     with pytest.raises(UserInputError, match="one scale per output channel"):
         A.to_int8pack(q, s, b, gs, dtype=torch.float32)
     w8, sc = A.to_int8pack(q, s, b, gs, dtype=torch.float32, exact=False)
     ref = x.double() @ _exact(q, s, b, 8, gs).t()
-    assert _rel(A.int8pack_linear(x, w8, sc), ref) <= 3e-2
+    assert max_relative_error(A.int8pack_linear(x, w8, sc), ref) <= 3e-2

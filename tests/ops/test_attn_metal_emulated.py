@@ -18,6 +18,7 @@ from pathlib import Path
 import metal_emulation
 import pytest
 import torch
+from tiny_models import max_relative_error
 
 from mpsboost.ops import attn_metal, attn_step
 
@@ -108,10 +109,6 @@ def _expected(family, y, nq, nk, cos, sin, hq, hkv, d, gated):
     return q, k
 
 
-def _rel(got, ref):
-    return float((got.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-6))
-
-
 CASES = [
     # family, batch, hq, hkv, d, rotary, cos batch (1: shared), dtype
     ("gated", 1, 4, 2, 64, 16, 1, torch.float32),
@@ -159,9 +156,9 @@ def test_kernel_equals_transformers(emulated, case):
         got_q, got_k = attn_step._op_mps(y, wq, wk, cos, sin, v, kc, vc, pos, hq, hkv, d, qs, 1e-6, mode)
     assert emulated.calls == 1, "the MPS implementation must launch the kernel, not its reference"
     assert got_q.is_contiguous() and got_k.is_contiguous()
-    assert _rel(got_q, want_q) <= TOL[dt], _rel(got_q, want_q)
-    assert _rel(got_k, want_k) <= TOL[dt], _rel(got_k, want_k)
-    assert _rel(kc[:, :, 4:5], want_k) <= TOL[dt]
+    assert max_relative_error(got_q, want_q) <= TOL[dt], max_relative_error(got_q, want_q)
+    assert max_relative_error(got_k, want_k) <= TOL[dt], max_relative_error(got_k, want_k)
+    assert max_relative_error(kc[:, :, 4:5], want_k) <= TOL[dt]
     assert torch.equal(vc[:, :, 4], v.view(b, hkv, d))
     keep = [i for i in range(6) if i != 4]
     assert torch.equal(kc[:, :, keep], kc0[:, :, keep]) and torch.equal(vc[:, :, keep], vc0[:, :, keep])
@@ -195,4 +192,4 @@ def test_without_a_cache_through_the_operator_on_cpu_reference(emulated):
     want = attn_step.qk_rope_cache(y, w, w, cos, sin, hq=hq, hkv=hkv, d=d, q_stride=2 * d, eps=1e-6, mode=1)
     assert emulated.calls == 1
     for a, e in zip(got, want):
-        assert _rel(a, e) <= 1e-5
+        assert max_relative_error(a, e) <= 1e-5

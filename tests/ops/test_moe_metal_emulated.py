@@ -305,16 +305,7 @@ def test_combine_equals_weighted_sum_and_gated_shared(emulated, rng_seed, dt, sh
 def test_operators_on_cpu_are_one_call_and_trace_fullgraph():
     """The registered operators: one aten-level call each on the CPU (their reference inside), and a function of
     all three traces with torch.compile(fullgraph=True), equal to eager."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Names(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
+    from tiny_models import ModuleOps
 
     g = torch.Generator().manual_seed(0)
     logits, x = torch.randn(2, 16, generator=g), torch.randn(2, 32, generator=g)
@@ -325,7 +316,7 @@ def test_operators_on_cpu_are_one_call_and_trace_fullgraph():
         a = moe_route.moe_glu(h)
         return moe_route.moe_combine(a.repeat(1, 1), w, pos, None, None, [2, 32]), offs, rows
 
-    with Names() as seen:
+    with ModuleOps() as seen:
         step(logits, x, h)
     assert seen.names == ["mpsboost.moe_route", "mpsboost.moe_glu", "aten.repeat", "mpsboost.moe_combine"]
     torch._dynamo.reset()

@@ -187,27 +187,18 @@ def test_combine_slots_matches_weighted_sum(dtype, wdtype, tol, rng_seed):
 def test_unroute_runs_fewer_kernels_than_multiply_then_sum(rng_seed):
     """The prefill trim: un-sorting and combining the top-k slots takes one scatter and one bmm
     (no gather of sorted weights, no [S, H] product), counted as aten calls."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
+    from tiny_models import ModuleOps
 
     n, k, e, h = 16, 4, 8, 32
     idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)])
     w = torch.rand(n, k).softmax(-1)
     routing = moe.route(idx, w, e)
     rows = torch.randn(n * k, h)
-    with Count() as c:
+    with ModuleOps() as c:
         out = moe.unroute(rows, routing, sentinels=False)
     heavy = [
         op
-        for op in c.ops
+        for op in c.names
         if op
         not in (
             "aten.view",

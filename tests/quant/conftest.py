@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_models import relative_error  # noqa: F401  (the suite's one helper, named here for the quant tests)
 
 try:  # mlx is an optional test dependency: skip (with the reason) only where it cannot be imported
     import mlx.core as mx
@@ -212,7 +213,3 @@ def torch_greedy(model, ids: torch.Tensor, steps: int, last: list | None = None)
     if last is not None:
         last.append(out.logits[0, -1].float())
     return toks
-
-
-def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30))

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import relative_error
 
 import mpsboost
 import tiny_models as tm
@@ -292,10 +293,6 @@ def _lm_out(model, seed=5):
         return model(input_ids=ids).logits.float()
 
 
-def _rel(a, b) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
 def _all_fp8_rows_loaded(report, count: int) -> list:
     rows = [r for r in report.rows if r.recipe == "fp8_weights" and r.status == "applied"]
     assert len(rows) == count, [r.target for r in rows]
@@ -321,7 +318,7 @@ def test_transformers_fp8_moe_blocks(tmp_path, env, experts):
     assert experts_mod.gate_up_proj_scale.shape == (8, 2, 2)  # [E, ceil(32/16), ceil(64/48)]: kept, not folded
     assert not any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
     ref = _reference(lambda: _lm(_qwen3_moe_config, seed=1), ref_state)
-    assert _rel(_lm_out(model), _lm_out(ref)) < RTOL
+    assert relative_error(_lm_out(model), _lm_out(ref)) < RTOL
     with pytest.raises(IrreversiblePatchError, match="fp8_weights"):
         mpsboost.unpatch(model)
     # The loaded layers print as what they are, as after patch(fp8=...).
@@ -344,7 +341,7 @@ def test_block_scaled_moe_compiles_fullgraph(tmp_path, env):
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         compiled = torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids).logits.float()
-    assert _rel(compiled, eager) < RTOL
+    assert relative_error(compiled, eager) < RTOL
 
 
 @pytest.mark.parametrize("env", list(ENVS))
@@ -360,7 +357,7 @@ def test_transformers_fp8_dense_block_codes_are_the_files(tmp_path, env):
     assert torch.equal(q.weight.view(torch.uint8), f["model.layers.1.mlp.down_proj.weight"].view(torch.uint8))
     assert torch.equal(q.weight_scale, f["model.layers.1.mlp.down_proj.weight_scale_inv"])
     ref = _reference(lambda: _lm(_qwen3_config, seed=1), ref_state)
-    assert _rel(_lm_out(model), _lm_out(ref)) < RTOL
+    assert relative_error(_lm_out(model), _lm_out(ref)) < RTOL
 
 
 @pytest.mark.parametrize("env", [*ENVS, "cuda-sm90-simulated"])
@@ -387,7 +384,7 @@ def test_compressed_tensors(tmp_path, env, strategy):
     assert experts.gate_up_proj_scale.shape == (8, 32, 1) and experts.down_proj_scale.shape == (8, 1, 1)
     assert {r.details["granularity"] for r in rows if r.details["kind"] == "experts"} == {"rowwise+tensorwise"}
     ref = _reference(lambda: _lm(_qwen3_moe_config, seed=1), ref_state)
-    assert _rel(_lm_out(model), _lm_out(ref)) < RTOL
+    assert relative_error(_lm_out(model), _lm_out(ref)) < RTOL
 
 
 def _wan_out(model, seed=3):
@@ -410,7 +407,7 @@ def test_scaled_fp8_wan_through_diffusers_key_conversion(tmp_path, env):
     torch.manual_seed(1)
     ref = tm._wan_transformer(16).eval()
     ref.load_state_dict(ref_state)
-    assert _rel(_wan_out(model), _wan_out(ref)) < RTOL
+    assert relative_error(_wan_out(model), _wan_out(ref)) < RTOL
 
 
 def test_scaled_fp8_qwen_image(tmp_path):
@@ -428,7 +425,7 @@ def test_scaled_fp8_qwen_image(tmp_path):
     ref = tm._qwen_image_transformer().eval()
     ref.load_state_dict(ref_state)
     out = tm._run_qwen_image_transformer(model, 2)
-    assert _rel(out, tm._run_qwen_image_transformer(ref, 2)) < RTOL
+    assert relative_error(out, tm._run_qwen_image_transformer(ref, 2)) < RTOL
 
 
 @pytest.mark.cuda
@@ -450,7 +447,7 @@ def test_published_checkpoints_on_cuda(tmp_path, fmt):
     with torch.no_grad():
         got, want = model(input_ids=ids).logits.float(), ref(input_ids=ids).logits.float()
     # fp32 compute on both sides; the fused CUDA paths quantise activations for M > 16 rows (rowwise scales).
-    assert _rel(got, want) < (RTOL if fmt == "transformers" else 5e-2)
+    assert relative_error(got, want) < (RTOL if fmt == "transformers" else 5e-2)
 
 
 # ---------------------------------------------------------------------------------- mpsboost's own complete checkpoints
@@ -508,7 +505,10 @@ def test_complete_checkpoint_of_a_pipeline(tmp_path):
         )
     # The rotary tables differ: the source was cast to bf16 whole, a fresh build keeps them in float32.
     assert (
-        _rel(tm.run("wan22_ti2v_pipeline", fresh, 4, steps=1), tm.run("wan22_ti2v_pipeline", pipe, 4, steps=1)) < 2e-2
+        relative_error(
+            tm.run("wan22_ti2v_pipeline", fresh, 4, steps=1), tm.run("wan22_ti2v_pipeline", pipe, 4, steps=1)
+        )
+        < 2e-2
     )
 
 

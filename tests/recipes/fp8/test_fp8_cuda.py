@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import relative_error
 import torch.nn.functional as F
 
 from mpsboost.ops import fp8 as fp8_ops
@@ -24,10 +25,6 @@ def _cc_ok() -> bool:
 
 
 needs_fp8 = pytest.mark.skipif(not _cc_ok(), reason="needs a CUDA device of compute capability >= 8.9")
-
-
-def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @needs_fp8
@@ -51,7 +48,7 @@ def test_gemv_matches_dequantised_reference(m, n, k, granularity, bias, rng_seed
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     assert not torch.isnan(y).any(), "every output element must be written"
     ref = F.linear(x.float(), fp8_ops.dequantize(q, s, torch.float32), None if b is None else b.float())
-    assert _rel(y, ref) < 1e-2, (m, n, k, granularity, bias, _rel(y, ref))
+    assert relative_error(y, ref) < 1e-2, (m, n, k, granularity, bias, relative_error(y, ref))
 
 
 @needs_fp8
@@ -66,7 +63,7 @@ def test_gemv_every_config_and_split_k(cfg, rng_seed):
     q, s = fp8_ops.quantize(w, "rowwise", "float8")
     y = fp8_triton.fp8_gemv(x, q, s, b, config=fp8_triton.GemvConfig(*cfg))
     ref = F.linear(x.float(), fp8_ops.dequantize(q, s, torch.float32), b.float())
-    assert _rel(y, ref) < 1e-2
+    assert relative_error(y, ref) < 1e-2
 
 
 @needs_fp8
@@ -85,7 +82,7 @@ def test_single_row_kernel_every_config(cfg, granularity, rng_seed):
     q, s = fp8_ops.quantize(w, granularity, "float8")
     y = fp8_triton.fp8_gemv(x, q, s, b, config=fp8_triton.GemvConfig(bn, bk, sk, 4, 1, "row"))
     same = F.linear(x, fp8_ops.dequantize(q, s, torch.bfloat16), b)
-    assert _rel(y, same) < 2e-3  # summation order only
+    assert relative_error(y, same) < 2e-3  # summation order only
     with pytest.raises(ValueError, match="one activation row"):
         fp8_triton.fp8_gemv(
             torch.randn(2, k, device="cuda", dtype=torch.bfloat16),
@@ -107,7 +104,7 @@ def test_gemv_other_activation_dtypes(dtype, rng_seed):
     y = fp8_triton.fp8_gemv(x, q, s, None)
     ref = F.linear(x.float(), fp8_ops.dequantize(q, s, torch.float32))
     # fp32 activations go through tf32 tensor cores in tl.dot: about 1e-3.
-    assert y.dtype == dtype and _rel(y, ref) < (1e-2 if dtype == torch.float16 else 5e-3)
+    assert y.dtype == dtype and relative_error(y, ref) < (1e-2 if dtype == torch.float16 else 5e-3)
 
 
 @needs_fp8
@@ -270,7 +267,7 @@ def test_fused_linear_compiles_fullgraph_with_inductor(m, mode, rng_seed):
         got = compiled(x)
     torch.cuda.synchronize()
     torch._dynamo.reset()
-    assert _rel(got, eager) < 1e-2, _rel(got, eager)
+    assert relative_error(got, eager) < 1e-2, relative_error(got, eager)
 
 
 @needs_fp8
@@ -312,6 +309,6 @@ def test_grouped_gemv_matches_the_reference(scales, r, e, n, k, rng_seed):
         y = fp8_triton.grouped_gemv(x, q, offs, scale, bn, bk)
         ref = grouped_mm_reference(x, q, offs, scale, bn, bk)
         assert not torch.isnan(y).any()
-        assert _rel(y, ref) < 1e-2, (scales, r, e, n, k, shared, _rel(y, ref))
+        assert relative_error(y, ref) < 1e-2, (scales, r, e, n, k, shared, relative_error(y, ref))
         past = int(offs[-1])
         assert torch.equal(y[past:], torch.zeros_like(y[past:]))

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import mpsboost
-from fp8_decode_cost import AtenOps, build
+from fp8_decode_cost import build
+from tiny_models import ModuleOps
 from mpsboost.gate import Env
 from step_costs import fp8_costs, fp8_ratio, tiny_cost
 from mpsboost.ops import fp8 as fp8_ops
@@ -42,10 +43,10 @@ def test_few_rows_linear_is_scaled_mm_within_the_activation_quantisation_bound(d
     for m, bias, shape in ((1, True, (1, 1)), (2, False, (2,)), (3, True, (3,)), (4, False, (2, 2))):
         b = torch.randn(n, dtype=dtype) if bias else None
         x = torch.randn(*shape, k, dtype=dtype)
-        with AtenOps() as seen:
+        with ModuleOps() as seen:
             y = fp8_ops.fp8_linear(x, q, s, b, kind="mps_scaled_mm", compute_dtype=dtype, gemv_max_m=4)
         # MPS has a kernel for aten::_scaled_mm_v2 only (F.scaled_mm), never for torch._scaled_mm.
-        assert seen.names.count("_scaled_mm_v2") == 1 and "_scaled_mm" not in seen.names
+        assert seen.bare.count("_scaled_mm_v2") == 1 and "_scaled_mm" not in seen.bare
         assert y.shape == (*shape, n) and y.dtype == dtype
         assert fp8_ops.sqnr_db(y, _ref_linear(x, q, s, b)) >= 25.0, (m, bias)
     # Five rows: the layer is dequantised (exact with respect to the stored weights).
@@ -68,10 +69,10 @@ def test_mac_decode_step_calls_scaled_mm_v2_never_torch_scaled_mm(rng_seed):
     ids = torch.randint(0, 512, (1, 12))
     with torch.no_grad():
         out = m(ids, use_cache=True)
-        with AtenOps() as seen:
+        with ModuleOps() as seen:
             m(out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
-    assert seen.names.count("_scaled_mm_v2") >= 4 * 7, seen.names.count("_scaled_mm_v2")  # 4 layers, >= 7 each
-    assert "_scaled_mm" not in seen.names
+    assert seen.bare.count("_scaled_mm_v2") >= 4 * 7, seen.bare.count("_scaled_mm_v2")  # 4 layers, >= 7 each
+    assert "_scaled_mm" not in seen.bare
 
 
 def test_shared_expert_gate_stays_in_bf16():
@@ -340,10 +341,10 @@ def test_few_rows_operand_equals_the_layers_own_forward(gran, shape, rng_seed):
     assert isinstance(op, fp8_ops.FewRowsOperand), op
     x = torch.randn(*shape).to(torch.bfloat16)
     torch.testing.assert_close(op(x), layer(x), rtol=0, atol=0)
-    with AtenOps() as ops:
+    with ModuleOps() as ops:
         op(x)
     if shape[0] * (shape[1] if len(shape) == 3 else 1) <= fp8_ops.FEW_ROWS_MAX:
-        assert "t" not in ops.names and ops.names.count("_scaled_mm_v2") == 1, ops.names
+        assert "t" not in ops.bare and ops.bare.count("_scaled_mm_v2") == 1, ops.bare
 
 
 def test_decode_operand_follows_the_layers_path():

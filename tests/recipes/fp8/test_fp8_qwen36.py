@@ -516,21 +516,21 @@ def test_qwen36_fp8_decodes_on_the_metal_kernel_with_the_files_block_scales(qwen
     # decode steps run mpsboost's Metal GEMV with the block scales applied in it (here its reference operators),
     # every lossless recipe on. Against the file's exact dequantisation run by transformers' own code: the same
     # weight values, only the order of the bf16/fp32 sums differs (stated bound: 2e-2 of the logits' norm).
-    from fp8_decode_cost import AtenOps
+    from tiny_models import ModuleOps
 
     folder, ref_state = qwen36_folder
     model = _meta_model()
     report = mpsboost.load_fp8(model, folder, device=Env.simulate("mps", ver))
     assert {"linear_attention", "moe_block"} <= {r.recipe for r in report.applied}
     ref = _reference(ref_state)
-    with AtenOps() as seen:
+    with ModuleOps() as seen:
         got = _decode_logits(model)
     want = _decode_logits(ref)
     for a, b in zip(got, want):
         assert ((a - b).norm() / b.norm()).item() < 2e-2
     # Every fp8 projection one call of the block GEMV, the experts two grouped calls: no layer dequantised.
-    assert {"fp8_block_gemv", "fp8_block_gemv_out", "grouped_mm"} <= set(seen.names), set(seen.names)
-    assert "_to_copy" not in {n for n in seen.names if n.startswith("fp8")}
+    assert {"fp8_block_gemv", "fp8_block_gemv_out", "grouped_mm"} <= set(seen.bare), set(seen.bare)
+    assert "_to_copy" not in {n for n in seen.bare if n.startswith("fp8")}
 
 
 def test_qwen36_fp8_file_decode_step_ops_within_1_1x_of_patched_bf16(qwen36_folder):

@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpsboost
 from mpsboost.gate import Env, parse_torch_version
@@ -18,21 +17,11 @@ from mpsboost.ondevice import TimingCache
 from mpsboost.recipes import moe_block
 
 from recipes.moe.test_moe_block import FAMILIES, _blocks, _decode_logits, _inputs, _lm
-from tiny_models import gated_deltanet_lm
+from tiny_models import ModuleOps, gated_deltanet_lm
 
 MPS215 = Env.simulate("mps", "2.15.0")
 MPS214 = Env.simulate("mps", "2.14.1")
 OFF = {"moe_block": {"fused": "off"}}
-
-
-class _Names(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 def _step_ops(block, hidden, dtype=torch.float32, tokens=1):
@@ -40,7 +29,7 @@ def _step_ops(block, hidden, dtype=torch.float32, tokens=1):
     with torch.no_grad():
         block(torch.randn(1, 8, hidden, dtype=dtype))
         x = torch.randn(1, tokens, hidden, dtype=dtype)
-        with _Names() as seen:
+        with ModuleOps() as seen:
             block(x)
     return seen.names
 
@@ -171,18 +160,6 @@ def test_fused_equals_composed_fp32_more_tokens(family):
 # ------------------------------------------------------------------ never more than stock
 
 
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.moe = self.total = 0
-        self.inside = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.total += 1
-        self.moe += self.inside
-        return func(*args, **(kwargs or {}))
-
-
 def _generate_ops(m):
     """Aten ops of a whole generate() (prompt 70, 4 new tokens, batch 2, the second row left-padded by 9, fp32):
     (all, inside the MoE blocks)."""
@@ -191,16 +168,9 @@ def _generate_ops(m):
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
     ids[1, :9] = 0
-    c = _Count()
-    hooks = []
-    for b in _blocks(m):
-        hooks.append(b.register_forward_pre_hook(lambda *a: setattr(c, "inside", True)))
-        hooks.append(b.register_forward_hook(lambda *a: setattr(c, "inside", False)))
-    with torch.no_grad(), c:
+    with torch.no_grad(), ModuleOps() as total, ModuleOps(_blocks(m)) as moe:
         out = m.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
-    for h in hooks:
-        h.remove()
-    return c.total, c.moe, out
+    return total.count, moe.count, out
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
+from tiny_models import relative_error
 
 import mpsboost
 from mpsboost.ops import moe as moe_ops
@@ -16,10 +17,6 @@ from test_moe_zoo import ALL_NAMES, build, routing, tiny_causal_lm
 
 FP32_TOL = 1e-5  # relative, patched vs transformers eager, fp32
 BF16_TOL = 2e-2  # relative, patched vs transformers eager, bf16 (different accumulation order and rounding points)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 @contextlib.contextmanager
@@ -53,7 +50,7 @@ def test_patched_matches_eager_fp32_on_every_path(name, rng_seed):
             with _patched(case.module, path=path):
                 out = case.call(case.module, x, idx, w)
             assert out.shape == ref.shape and out.dtype == ref.dtype
-            err = _rel(out, ref)
+            err = relative_error(out, ref)
             assert err <= FP32_TOL, f"{name} {scenario} n={n} k={k} path={path}: rel error {err:.2e}"
 
 
@@ -68,7 +65,7 @@ def test_patched_matches_eager_bf16(name, rng_seed):
             out = case.call(case.module, x, idx, w)
         assert report.rows[0].status == "applied"
         assert out.dtype == torch.bfloat16
-        assert _rel(out, ref) <= BF16_TOL
+        assert relative_error(out, ref) <= BF16_TOL
 
 
 def test_odd_hidden_size_breaks_the_16_byte_rule_and_still_runs(rng_seed):
@@ -86,7 +83,7 @@ def test_odd_hidden_size_breaks_the_16_byte_rule_and_still_runs(rng_seed):
         mpsboost.unpatch(case.module)
         mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"path": "grouped_mm"}})
         forced = case.call(case.module, x, idx, w)
-    assert _rel(out, ref) <= BF16_TOL and _rel(forced, ref) <= BF16_TOL
+    assert relative_error(out, ref) <= BF16_TOL and relative_error(forced, ref) <= BF16_TOL
 
 
 def test_batch_above_one_whole_model_and_unpatch_identity(rng_seed):
@@ -102,7 +99,7 @@ def test_batch_above_one_whole_model_and_unpatch_identity(rng_seed):
         assert len(rows) == 2 and all(r.status == "applied" for r in rows)
         assert all("forward" in m.__dict__ for m in experts)
         out = model(ids).logits
-    assert _rel(out, ref) <= FP32_TOL
+    assert relative_error(out, ref) <= FP32_TOL
     mpsboost.unpatch(model)
     for m in experts:
         assert "forward" not in m.__dict__
@@ -137,7 +134,7 @@ def test_jetmoe_router_keeps_sizes_on_device_and_matches(rng_seed):
                 sizes = router(torch.randn(5, 32))[3]
                 assert isinstance(sizes, torch.Tensor) and sizes.dtype == torch.int32
                 out = model(ids).logits
-            assert _rel(out, ref) <= FP32_TOL, path
+            assert relative_error(out, ref) <= FP32_TOL, path
     for m in model.modules():
         if id(m) in originals:
             assert "forward" not in m.__dict__
@@ -160,7 +157,7 @@ def test_patched_forward_compiles_fullgraph(rng_seed):
         with _patched(case.module):
             compiled = torch.compile(case.module, fullgraph=True, dynamic=False, backend="aot_eager")
             out = compiled(x, idx, w)
-        assert _rel(out, ref) <= (BF16_TOL if dtype == torch.bfloat16 else FP32_TOL), name
+        assert relative_error(out, ref) <= (BF16_TOL if dtype == torch.bfloat16 else FP32_TOL), name
 
 
 def _force_decode_switch(original):
@@ -392,7 +389,7 @@ def test_expert_parallel_sentinels_contribute_nothing(rng_seed):
     for path in ("grouped_mm", "batched_mm", "fallback", "cpu_loop"):
         with _patched(case.module, path=path):
             out = case.call(case.module, x, idx, w)
-        assert torch.isfinite(out).all() and _rel(out, ref) <= FP32_TOL, path
+        assert torch.isfinite(out).all() and relative_error(out, ref) <= FP32_TOL, path
 
 
 def test_deterministic_mode_gives_the_same_result(rng_seed):
@@ -417,7 +414,7 @@ def test_compiled_batched_form_option(rng_seed):
     torch._dynamo.reset()
     with _patched(case.module, compiled_batched_form="bmm"):
         out = torch.compile(case.module, fullgraph=True, backend="aot_eager")(x, idx, w)
-    assert _rel(out, ref) <= FP32_TOL
+    assert relative_error(out, ref) <= FP32_TOL
     with pytest.raises(mpsboost.PatchError, match="compiled_batched_form='gemv'"):
         mpsboost.patch(case.module, recipes=["moe_experts"], options={"moe_experts": {"compiled_batched_form": "gemv"}})
 

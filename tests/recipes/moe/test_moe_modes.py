@@ -13,6 +13,7 @@ from unittest import mock
 
 import pytest
 import torch
+from tiny_models import relative_error
 
 import mpsboost
 from mpsboost import patching
@@ -27,11 +28,6 @@ BF16_TOL = 2e-2  # bf16: different accumulation order and rounding points
 # the other (a token near a top-k tie can take another expert). A broken path is at ~1.
 COMPILED_BF16_TOL = 5e-2
 COMPILED_FP32_TOL = 1e-4  # inductor's fused reductions reorder fp32 sums
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def _lm(
@@ -139,7 +135,7 @@ def test_explicit_choice_after_patch_takes_effect(kind, device, rng_seed):
         with _spy_recipe() as recipe_calls:
             ours = model(ids).logits
         assert len(recipe_calls) == 2  # both layers ran the recipe
-        assert _rel(ours, eager) <= FP32_TOL
+        assert relative_error(ours, eager) <= FP32_TOL
 
         mocks = {
             "batched_mm": mock.Mock(wraps=batched_mm_experts_forward),
@@ -160,7 +156,7 @@ def test_explicit_choice_after_patch_takes_effect(kind, device, rng_seed):
                     m.reset_mock()
         assert recipe_calls == [], "the recipe ran after an explicit choice"
     for impl, out in outs.items():
-        assert _rel(out, eager) <= FP32_TOL, impl
+        assert relative_error(out, eager) <= FP32_TOL, impl
     mpsboost.unpatch(model)
     assert model.config._experts_implementation == "grouped_mm"  # the user's last choice stays
 
@@ -231,8 +227,8 @@ def test_misaligned_down_projection_takes_a_working_path(rng_seed):
             out = model(ids).logits
             out_experts = experts(x, k_idx, k_w)
     assert set(calls) == {"cpu_loop"}
-    assert _rel(out_experts, ref_experts) <= BF16_TOL
-    assert _rel(out, ref) <= BF16_TOL
+    assert relative_error(out_experts, ref_experts) <= BF16_TOL
+    assert relative_error(out, ref) <= BF16_TOL
     mpsboost.unpatch(model)
 
 
@@ -286,7 +282,7 @@ def test_several_layers_compile_into_one_graph_without_recompiles(rng_seed):
         eager2 = model(ids2).logits
     assert cnt.frame_count == 1, f"{cnt.frame_count} frames compiled"
     assert _grouped_mm_calls(cnt.graphs[0]) == 8  # up and down projections of 4 layers
-    assert _rel(out, eager) <= COMPILED_BF16_TOL and _rel(out2, eager2) <= COMPILED_BF16_TOL
+    assert relative_error(out, eager) <= COMPILED_BF16_TOL and relative_error(out2, eager2) <= COMPILED_BF16_TOL
     mpsboost.unpatch(model)
     torch._dynamo.reset()
 
@@ -313,10 +309,10 @@ def test_compiled_forward_equals_eager_patched(env_name, rng_seed):
     assert _grouped_mm_calls(cnt.graphs[0]) == (4 if native else 0)
     if dtype == torch.bfloat16:
         # Both held to the fp32 truth as well as to each other (see COMPILED_BF16_TOL).
-        assert _rel(out, truth) <= COMPILED_BF16_TOL and _rel(eager, truth) <= COMPILED_BF16_TOL
-        assert _rel(out, eager) <= COMPILED_BF16_TOL
+        assert relative_error(out, truth) <= COMPILED_BF16_TOL and relative_error(eager, truth) <= COMPILED_BF16_TOL
+        assert relative_error(out, eager) <= COMPILED_BF16_TOL
     else:
-        assert _rel(out, eager) <= COMPILED_FP32_TOL
+        assert relative_error(out, eager) <= COMPILED_FP32_TOL
     mpsboost.unpatch(model)
     torch._dynamo.reset()
 
@@ -416,7 +412,7 @@ def test_cuda_bf16_forward_and_static_cache_generate(rng_seed):
         assert paths == ["grouped_mm", "grouped_mm"]
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True, dynamic=False)(ids).logits
-    assert _rel(eager, ref) <= BF16_TOL and _rel(compiled, eager) <= COMPILED_BF16_TOL
+    assert relative_error(eager, ref) <= BF16_TOL and relative_error(compiled, eager) <= COMPILED_BF16_TOL
     mpsboost.unpatch(model)
     # Greedy tokens compared in fp32 (bf16 rounding differences could flip an argmax).
     model = _lm("qwen3_moe").eval().cuda()

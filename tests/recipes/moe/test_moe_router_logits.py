@@ -8,13 +8,12 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpsboost
 from mpsboost.gate import Env
 from mpsboost.ops import moe as moe_ops
 
-from tiny_models import _LM_COMMON, gated_deltanet_lm, relative_error
+from tiny_models import _LM_COMMON, ModuleOps, gated_deltanet_lm, relative_error
 
 MPS215 = Env.simulate("mps", "2.15.0")
 MPS214 = Env.simulate("mps", "2.14.1")
@@ -102,20 +101,10 @@ def test_router_logits_and_aux_loss_equal_stock(family, rng_seed):
             assert torch.equal(m.generate(ids[:1], **kw), ref_tokens), name
 
 
-class _Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def _decode_ops(m, past, tok, **kw) -> list[str]:
-    with torch.no_grad(), _Count() as c:
+    with torch.no_grad(), ModuleOps() as c:
         m(input_ids=tok, past_key_values=copy.deepcopy(past), use_cache=True, **kw)
-    return c.ops
+    return c.bare
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "mixtral"])
