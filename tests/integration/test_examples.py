@@ -1,4 +1,5 @@
-"""The recipe scripts (recipes/*.py, the cookbook) in their tiny offline mode, as a user runs them: subprocesses.
+"""The recipe scripts (recipes/*.py, the cookbook) in their tiny offline mode, as a user runs them: in this process
+(tests/cookbook.py), and one in a fresh interpreter.
 
 Each script builds its real architecture from the shipped tiny config with random weights, runs the
 job stock and patched, prints the patch report and the records, and writes them as JSON Lines; the
@@ -12,16 +13,13 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from mpsboost.bench import read_jsonl
 
-import cookbook
+from cookbook import RECIPES, ROOT, run_script
 
-ROOT = Path(__file__).resolve().parents[2]
-RECIPES = ROOT / "recipes"
 SCRIPTS = {
     "wan22_video": ["wan22_video"],
     "qwen_image": ["qwen_image_vae_roundtrip", "qwen_image_generate"],
@@ -83,7 +81,7 @@ def test_script_runs_offline_and_writes_the_four_records(script, tmp_path, monke
     logger = logging.getLogger("diffusers.models.modeling_utils")
     logger.addHandler(seen)
     try:
-        rc, out, _, err = _in_process_streams(
+        rc, out, _, err = run_script(
             monkeypatch,
             capsys,
             script,
@@ -162,7 +160,7 @@ def test_missing_local_model_fails_with_a_clear_message(tmp_path, monkeypatch, c
     missing = tmp_path / "no-such-model"
     try:
         args = ("--model", str(missing), "--device", "cpu")
-        rc, _, _, message = _in_process_streams(monkeypatch, capsys, "qwen3_moe_chat", *args)
+        rc, _, _, message = run_script(monkeypatch, capsys, "qwen3_moe_chat", *args)
     except Exception as exc:  # an uncaught error: a user's run exits 1 with this as its traceback's last line
         rc, message = 1, f"{type(exc).__name__}: {exc}"
     assert rc != 0
@@ -170,7 +168,7 @@ def test_missing_local_model_fails_with_a_clear_message(tmp_path, monkeypatch, c
 
 
 def test_model_and_random_weights_exclude_each_other(monkeypatch, capsys):
-    rc, _, _, err = _in_process_streams(monkeypatch, capsys, "wan22_video", "--model", "x", "--random-weights", "tiny")
+    rc, _, _, err = run_script(monkeypatch, capsys, "wan22_video", "--model", "x", "--random-weights", "tiny")
     assert rc == 2 and "not allowed with argument" in err
 
 
@@ -196,12 +194,7 @@ def test_the_recipe_scripts_live_in_the_top_level_recipes_folder():
 def _in_process(monkeypatch, capsys, script: str, *args: str) -> tuple[int, str, dict]:
     """``python recipes/SCRIPT.py ARGS`` in this process (its --help needs no fresh interpreter; that it imports
     no torch is tests/core/test_cli.py's fresh-interpreter check): (exit status, stdout, its globals)."""
-    return _in_process_streams(monkeypatch, capsys, script, *args)[:3]
-
-
-def _in_process_streams(monkeypatch, capsys, script: str, *args: str) -> tuple[int, str, dict, str]:
-    """As ``_in_process``, with stderr as well: (exit status, stdout, its globals, stderr)."""
-    return cookbook.run_script(monkeypatch, capsys, script, *args)
+    return run_script(monkeypatch, capsys, script, *args)[:3]
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
@@ -233,7 +226,7 @@ def test_fp8_checkpoint_offers_every_published_format(monkeypatch):
 @pytest.mark.slow
 def test_bench_runs_the_recipe_level_benchmark_after_the_job(tmp_path, monkeypatch, capsys):
     args = ("--random-weights", "tiny", "--device", "cpu", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path))
-    rc, out, _, err = _in_process_streams(monkeypatch, capsys, "qwen3_moe_chat", *args, "--bench")
+    rc, out, _, err = run_script(monkeypatch, capsys, "qwen3_moe_chat", *args, "--bench")
     assert rc == 0, out[-3000:] + err[-3000:]
     assert "recipe-level benchmark: mpsboost bench moe_experts --device cpu --size tiny" in out
     assert read_jsonl(tmp_path / "qwen3_moe_chat.jsonl")  # the job's own records

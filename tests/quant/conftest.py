@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import relative_error  # noqa: F401  (the suite's one helper, named here for the quant tests)
 
 try:  # mlx is an optional test dependency: skip (with the reason) only where it cannot be imported
     import mlx.core as mx

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import mpsboost
+from tiny_models import relative_error
 from conftest import (
     FAMILIES,
     mlx_greedy,
     mlx_logits,
     mlx_model,
     needs_mlx,
-    relative_error,
     torch_greedy,
     write_mlx,
 )

@@ -3,7 +3,7 @@ has the few-rows kernels (MPS, torch 2.15: ``scaled_mm_few_rows_{1..4}``), dense
 
 CPU runs the same code (torch has a reference ``_scaled_mm_v2`` kernel on CPU, which ``F.scaled_mm`` calls),
 decisions are those of a simulated Mac. The whole-model bounds count one decode step as the project's decode-ops
-tool does (fp8_decode_cost.py).
+tool does (``mpsboost.bench.decode_cost``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import mpsboost
-from fp8_decode_cost import build
+from mpsboost.bench.decode_cost import build
 from tiny_models import ModuleOps
 from mpsboost.gate import Env
 from step_costs import fp8_costs, fp8_ratio, tiny_cost

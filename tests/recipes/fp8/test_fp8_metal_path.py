@@ -4,7 +4,7 @@ No Mac here: decisions are a simulated Mac's (2.15.0 and 2.14.1), and the regist
 backs (``mpsboost::fp8_gemv``, ``fp8_gemv_out``, ``grouped_mm``, ``fp8_block_gemv``) run their CPU reference, the
 same numerics as the kernel (tests/ops/test_fp8_metal_emulated.py runs the kernel's own source against that
 reference). The whole-step bounds count one decode step by the project's decode-ops tool's rules
-(fp8_decode_cost.py): the issue's targets, 1.1x the ops of patched bf16 (tiny) and 0.6x its bytes (medium).
+(``mpsboost.bench.decode_cost``): the issue's targets, 1.1x the ops of patched bf16 (tiny) and 0.6x its bytes (medium).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import mpsboost
 from mpsboost.errors import PatchError
-from fp8_decode_cost import build, decode_cost
+from mpsboost.bench.decode_cost import build, decode_cost
 from tiny_models import ModuleOps
 from mpsboost.gate import Env
 from mpsboost.ops import fp8 as fp8_ops

@@ -535,7 +535,7 @@ def test_qwen36_fp8_decodes_on_the_metal_kernel_with_the_files_block_scales(qwen
 
 def test_qwen36_fp8_file_decode_step_ops_within_1_1x_of_patched_bf16(qwen36_folder):
     # Issue 28's op target on the published layout as it is, Mac 2.15.0 decisions, every recipe on both sides.
-    from fp8_decode_cost import decode_cost
+    from mpsboost.bench.decode_cost import decode_cost
 
     folder, ref_state = qwen36_folder
     mac = Env.simulate("mps", "2.15.0")
