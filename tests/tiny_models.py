@@ -1,16 +1,17 @@
 """Tiny real diffusers and transformers models with random weights, for the cross-recipe tests.
 
-Every entry of :data:`TINY` builds a real library class (``AutoencoderKLWan``, ``Qwen3MoeForCausalLM``,
-``WanPipeline``, ...) from a small config, seeded, in fp32 on the CPU, and knows how to run it on
-fresh inputs drawn from a seed. The cross-recipe tests (compatibility, reliability, properties) never
-name a recipe's targets themselves: :func:`covering` asks each registered recipe's own ``find`` which
-tiny models hold its targets, so a recipe that lands later is covered without editing the tests, and
-:func:`uncovered_recipes` names a recipe whose targets no tiny model holds (that test fails, pointing
-here).
+The models are rows of ``mpsboost.bench.models.MODELS`` (the one table the demo, the selftest, the support tables
+and the benchmarks build from too); :data:`mpsboost.bench.models.ZOO` names the ones the tests use. This module
+knows how to run each on fresh inputs drawn from a seed, by the row's kind (``vae``, ``dit``, ``lm``, ``encoder``,
+``pipeline``) or, where two classes of a kind take different inputs, by its class. The cross-recipe tests
+(compatibility, reliability, properties) never name a recipe's targets themselves: :func:`covering` asks each
+registered recipe's own ``find`` which tiny models hold its targets, so a recipe that lands later is covered without
+editing the tests, and :func:`uncovered_recipes` names a recipe whose targets no tiny model holds (that test fails,
+pointing here). A new tiny model is a row and a ``ZOO`` entry in ``mpsboost.bench.models``.
 
-Shapes: each entry has a ``space`` (parameter -> allowed values) that the property tests draw from
-with hypothesis, and a ``default`` shape for everything else. Sizes are chosen so that one run takes
-well under a second on a 2-core CPU.
+Shapes: each model has a ``space`` (parameter -> allowed values) that the property tests draw from with
+hypothesis, and a ``default`` shape for everything else; a row's ``shape`` fixes dimensions (images only:
+``frames`` 1). Sizes are chosen so that one run takes well under a second on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpsboost.bench import models
 
 __all__ = [
     "Tiny",
@@ -44,61 +47,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class Tiny:
-    """One tiny model: how to build it and how to run it on inputs drawn from a seed."""
+    """One tiny model: its row of ``mpsboost.bench.models``, and how to run it on inputs drawn from a seed."""
 
     name: str
+    row: str  # the row of mpsboost.bench.models.MODELS
     library: str  # "diffusers" or "transformers"
     kind: str  # "vae", "dit", "lm", "encoder", "pipeline"
-    make: Callable[[], Any]  # a fresh fp32 instance on the CPU, weights from a fixed seed
     runner: Callable[..., torch.Tensor]  # runner(obj, seed, **shape) -> output tensor
     default: Mapping[str, Any] = field(default_factory=dict)
     space: Mapping[str, tuple] = field(default_factory=dict)  # for hypothesis: parameter -> values
 
+    def make(self) -> Any:
+        """A fresh fp32 instance on the CPU, weights from torch's global generator (:func:`build` seeds it);
+        Gated DeltaNet layers get slow-decay gates (:func:`slow_decay_gates`)."""
+        obj = models.build(self.row)
+        return slow_decay_gates(obj) if self.kind == "lm" else obj
+
 
 # ------------------------------------------------------------------------------------ diffusers VAEs
-
-
-def _wan21_vae():
-    from diffusers import AutoencoderKLWan
-
-    # diffusers' own test config for the Wan2.1 VAE (tests/pipelines/wan/test_wan_22.py, A14B part).
-    return AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    )
-
-
-def _wan22_vae():
-    from mpsboost.bench.models import build
-
-    # The Wan2.2 TI2V-5B structure (residual, patch size 2, z 48, spatial factor 16) at base_dim 3,
-    # as in diffusers' Wan225BPipelineFastTests: the row the selftest and the cookbook build too.
-    return build("wan22_vae:tiny")
-
-
-def _qwen_image_vae():
-    from mpsboost.bench.models import build
-
-    # diffusers' tests/pipelines/qwenimage/test_qwenimage.py.
-    return build("qwen_image_vae:tiny")
-
-
-def _qwen_image21_vae():
-    from diffusers import AutoencoderKLQwenImage21
-
-    # The Qwen-Image-2.1 structure (residual blocks, AvgDown3D with time and space factors, DupUp3D,
-    # RGBA in and out, 2-D causal convolutions) at base_dim 8, three downsamplings (spatial factor 8:
-    # the tiled runs then have 4x4 tiles, as the Qwen-Image one).
-    return AutoencoderKLQwenImage21(
-        base_dim=8,
-        decoder_base_dim=12,
-        z_dim=4,
-        dim_mult=[1, 2, 2, 2],
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        scale_factor_spatial=8,
-        latents_mean=[0.0] * 4,
-        latents_std=[1.0] * 4,
-    )
 
 
 def _run_vae(
@@ -162,25 +128,6 @@ _VAE_SPACE = {
 # ------------------------------------------------------------------------------------ diffusers DiTs
 
 
-def _wan_transformer(in_channels: int = 48):
-    from diffusers import WanTransformer3DModel
-
-    return WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=in_channels,
-        out_channels=in_channels,
-        text_dim=32,
-        freq_dim=256,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
-
-
 def _run_wan_transformer(
     tr, seed: int, *, batch: int = 1, frames: int = 2, size: int = 4, text: int = 7, dtype: str = "float32"
 ) -> torch.Tensor:
@@ -192,22 +139,6 @@ def _run_wan_transformer(
     t = torch.randint(0, 1000, (batch,), generator=g)
     with torch.no_grad():
         return tr(hidden_states=hs, timestep=t, encoder_hidden_states=enc, return_dict=False)[0].float()
-
-
-def _qwen_image_transformer():
-    from diffusers import QwenImageTransformer2DModel
-
-    return QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=16,
-        out_channels=4,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=3,
-        joint_attention_dim=16,
-        guidance_embeds=False,
-        axes_dims_rope=(8, 4, 4),
-    )
 
 
 def _run_qwen_image_transformer(
@@ -231,100 +162,6 @@ def _run_qwen_image_transformer(
 
 
 # ------------------------------------------------------------------------------------ transformers LMs
-
-# head_dim 32: the smallest head size with a Metal attention kernel (mpsboost.ops.attention), so that
-# metal_attention applies to these models too; two query heads share one K/V head (GQA).
-_LM_COMMON = dict(
-    vocab_size=128,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    max_position_embeddings=64,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-
-
-def _qwen3_moe():
-    from mpsboost.bench.models import build
-
-    return build("qwen3_moe:selftest")  # _LM_COMMON with 8 experts top-2, head_dim 32
-
-
-def _mixtral():
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    cfg = MixtralConfig(**_LM_COMMON, head_dim=32, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)
-    return MixtralForCausalLM(cfg)
-
-
-def _gpt_oss():
-    from transformers import GptOssConfig, GptOssForCausalLM
-
-    cfg = GptOssConfig(
-        **_LM_COMMON,
-        head_dim=32,
-        intermediate_size=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=16,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    return GptOssForCausalLM(cfg)
-
-
-def _deepseek_v3():
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    common = dict(_LM_COMMON, num_key_value_heads=2)
-    cfg = DeepseekV3Config(
-        **common,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        n_routed_experts=8,
-        n_shared_experts=1,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
-        v_head_dim=32,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
-    return DeepseekV3ForCausalLM(cfg)
-
-
-def _qwen3_dense():
-    from mpsboost.bench.models import build
-
-    return build("qwen3:selftest")  # _LM_COMMON, head_dim 32
-
-
-def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(**_LM_COMMON, intermediate_size=64))
-
-
-# Gated DeltaNet hybrids (linear_attention): one DeltaNet layer, then one full-attention layer; two key
-# heads shared by four value heads (grouped values, as in Qwen3.6: 16 key / 32 value heads).
-_GDN = dict(
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_conv_kernel_dim=4,
-    layer_types=["linear_attention", "full_attention"],
-)
-_GDN_MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
-
 
 # Slow-decay gates for the DeltaNet layers of test models. transformers initialises A_log = log U(0, 16) and
 # dt_bias = 1: g = -exp(A_log) * softplus(a + dt_bias) is about -9.5 a token, so the recurrent state of one
@@ -350,27 +187,17 @@ def slow_decay_gates(model: Any, generator: torch.Generator | None = None) -> An
 
 
 def gated_deltanet_lm(family: str = "qwen3_5_moe", *, gates: str = "slow", **overrides: Any):
-    """A tiny transformers LM with a Gated DeltaNet layer: ``qwen3_5_moe`` (Qwen3.6-35B-A3B's classes),
-    ``qwen3_5`` (dense), ``qwen3_next`` (fused qkvz/ba projections) or ``olmo_hybrid`` (separate
-    projections, beta in [0, 2]). ``overrides`` replace config fields (e.g. ``linear_num_key_heads``).
-    ``gates``: ``"slow"`` (default: :func:`slow_decay_gates`, state carried across chunks) or ``"stock"``
-    (transformers' initialisation: every chunk's state decays to 0)."""
-    import transformers as t
-
+    """A tiny transformers LM with a Gated DeltaNet layer (row ``<family>:test`` of ``mpsboost.bench.models``):
+    ``qwen3_5_moe`` (Qwen3.6-35B-A3B's classes), ``qwen3_5`` (dense), ``qwen3_next`` (fused qkvz/ba projections) or
+    ``olmo_hybrid`` (separate projections, beta in [0, 2]). ``overrides`` replace config fields (e.g.
+    ``linear_num_key_heads``). ``gates``: ``"slow"`` (default: :func:`slow_decay_gates`, state carried across
+    chunks) or ``"stock"`` (transformers' initialisation: every chunk's state decays to 0)."""
     if gates not in ("slow", "stock"):
         raise ValueError(f"gates must be 'slow' or 'stock', got {gates!r}")
-
-    cfg, cls, extra = {
-        "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(head_dim=32, **_GDN_MOE)),
-        "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(head_dim=32, intermediate_size=64)),
-        "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(head_dim=32, intermediate_size=64, **_GDN_MOE)),
-        "olmo_hybrid": (
-            "OlmoHybridConfig",
-            "OlmoHybridForCausalLM",
-            dict(intermediate_size=64, linear_allow_neg_eigval=True),
-        ),
-    }[family]
-    model = getattr(t, cls)(getattr(t, cfg)(**(_LM_COMMON | _GDN | extra | overrides)))
+    families = ("qwen3_5_moe", "qwen3_5", "qwen3_next", "olmo_hybrid")
+    if family not in families:
+        raise ValueError(f"family must be one of {families}, got {family!r}")
+    model = models.build(f"{family}:test", **overrides)
     return slow_decay_gates(model) if gates == "slow" else model
 
 
@@ -421,23 +248,6 @@ def generate(
 _LM_SPACE = {"batch": (1, 2, 3), "prompt": (1, 5, 12), "steps": (0, 1, 3), "dtype": ("float32", "bfloat16")}
 
 
-def _umt5_encoder():
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    return UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=64,
-            d_model=32,
-            d_kv=8,
-            d_ff=32,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=0,
-        )
-    )
-
-
 def _run_encoder(model, seed: int, *, batch: int = 2, tokens: int = 7, dtype: str = "float32") -> torch.Tensor:
     del dtype
     g = torch.Generator().manual_seed(seed)
@@ -447,59 +257,6 @@ def _run_encoder(model, seed: int, *, batch: int = 2, tokens: int = 7, dtype: st
 
 
 # ------------------------------------------------------------------------------------ pipelines
-
-
-def _wan22_ti2v_pipeline():
-    """WanPipeline shaped like Wan2.2 TI2V-5B: one transformer, the z-48 VAE, expand_timesteps."""
-    from diffusers import UniPCMultistepScheduler, WanPipeline
-
-    torch.manual_seed(0)
-    vae = _wan22_vae()
-    tr = _wan_transformer(48)
-    enc = _umt5_encoder()
-    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-    return WanPipeline(
-        tokenizer=None,
-        text_encoder=enc,
-        vae=vae,
-        scheduler=sched,
-        transformer=tr,
-        transformer_2=None,
-        boundary_ratio=None,
-        expand_timesteps=True,
-    )
-
-
-def _wan22_a14b_pipeline():
-    """WanPipeline shaped like Wan2.2 T2V-A14B: two transformers (high/low noise), the z-16 VAE."""
-    from diffusers import UniPCMultistepScheduler, WanPipeline
-
-    torch.manual_seed(0)
-    vae = _wan21_vae()
-    tr, tr2 = _wan_transformer(16), _wan_transformer(16)
-    sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-    return WanPipeline(
-        tokenizer=None,
-        text_encoder=None,
-        vae=vae,
-        scheduler=sched,
-        transformer=tr,
-        transformer_2=tr2,
-        boundary_ratio=0.875,
-    )
-
-
-def _qwen_image_pipeline():
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-
-    torch.manual_seed(0)
-    return QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=_qwen_image_vae(),
-        text_encoder=None,
-        tokenizer=None,
-        transformer=_qwen_image_transformer(),
-    )
 
 
 def _text_dim(pipe) -> int:
@@ -547,94 +304,51 @@ def _run_pipeline(
 
 _PIPE_SPACE = {"frames": (1, 5), "size": (32,), "steps": (1, 2)}
 
+
+def _run_video_vae(vae, seed: int, *, frames: int = 5, size: int = 32, dtype: str = "float32") -> torch.Tensor:
+    """Encode and decode a random video with a VAE of another layout than Wan's (no ``z_dim``, no tiling options)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(1, 3, frames, size, size, generator=g) * 2 - 1).to(DTYPES[dtype])
+    with torch.no_grad():
+        return vae(x, sample_posterior=False).sample.float()
+
+
 # ------------------------------------------------------------------------------------ the table
 
-TINY: dict[str, Tiny] = {
-    t.name: t
-    for t in [
-        Tiny("wan21_vae", "diffusers", "vae", _wan21_vae, _run_vae, {"frames": 5, "size": 32}, _VAE_SPACE),
-        Tiny("wan22_vae", "diffusers", "vae", _wan22_vae, _run_vae, {"frames": 5, "size": 32}, _VAE_SPACE),
-        Tiny(
-            "qwen_image_vae",
-            "diffusers",
-            "vae",
-            _qwen_image_vae,
-            _run_vae,
-            {"frames": 1, "size": 32},
-            dict(_VAE_SPACE, frames=(1,)),
-        ),  # single images: the Qwen-Image case (its 3-D path costs 10x on a CPU)
-        Tiny(
-            "qwen_image21_vae",
-            "diffusers",
-            "vae",
-            _qwen_image21_vae,
-            _run_vae,
-            {"frames": 1, "size": 32},
-            dict(_VAE_SPACE, frames=(1,)),
-        ),  # images only: its convolutions refuse a cache (more frames raise in diffusers)
-        Tiny(
-            "wan_transformer",
-            "diffusers",
-            "dit",
-            _wan_transformer,
-            _run_wan_transformer,
-            {},
-            {"batch": (1, 2), "frames": (1, 2, 3), "size": (2, 4), "text": (1, 7), "dtype": ("float32", "bfloat16")},
-        ),
-        Tiny(
-            "qwen_image_transformer",
-            "diffusers",
-            "dit",
-            _qwen_image_transformer,
-            _run_qwen_image_transformer,
-            {},
-            {"batch": (1, 2), "size": (2, 4), "text": (1, 7), "dtype": ("float32", "bfloat16")},
-        ),
-        Tiny("qwen3_moe", "transformers", "lm", _qwen3_moe, _run_lm, {}, _LM_SPACE),
-        Tiny("mixtral", "transformers", "lm", _mixtral, _run_lm, {}, _LM_SPACE),
-        Tiny("gpt_oss", "transformers", "lm", _gpt_oss, _run_lm, {}, _LM_SPACE),
-        Tiny("deepseek_v3", "transformers", "lm", _deepseek_v3, _run_lm, {}, _LM_SPACE),
-        Tiny("qwen3", "transformers", "lm", _qwen3_dense, _run_lm, {}, _LM_SPACE),
-        Tiny("llama", "transformers", "lm", _llama, _run_lm, {}, _LM_SPACE),
-        Tiny("qwen3_5_moe", "transformers", "lm", gated_deltanet_lm, _run_lm, {}, _LM_SPACE),
-        Tiny(
-            "umt5_encoder",
-            "transformers",
-            "encoder",
-            _umt5_encoder,
-            _run_encoder,
-            {},
-            {"batch": (1, 2), "tokens": (1, 7, 16), "dtype": ("float32", "bfloat16")},
-        ),
-        Tiny(
-            "wan22_ti2v_pipeline",
-            "diffusers",
-            "pipeline",
-            _wan22_ti2v_pipeline,
-            _run_pipeline,
-            {"frames": 5},
-            _PIPE_SPACE,
-        ),
-        Tiny(
-            "wan22_a14b_pipeline",
-            "diffusers",
-            "pipeline",
-            _wan22_a14b_pipeline,
-            _run_pipeline,
-            {"frames": 5},
-            _PIPE_SPACE,
-        ),
-        Tiny(
-            "qwen_image_pipeline",
-            "diffusers",
-            "pipeline",
-            _qwen_image_pipeline,
-            _run_pipeline,
-            {"frames": 1},
-            _PIPE_SPACE,
-        ),
-    ]
+# How the tests run a model: by its class where two classes of a kind take different inputs, else by its kind.
+# (runner, default shape, value space)
+_RUNS: dict[str, tuple[Callable[..., torch.Tensor], dict, dict]] = {
+    "vae": (_run_vae, {"frames": 5, "size": 32}, _VAE_SPACE),
+    "AutoencoderKLHunyuanVideo": (
+        _run_video_vae,
+        {"frames": 5, "size": 32},
+        {"frames": (1, 5), "size": (32,), "dtype": ("float32", "bfloat16")},
+    ),
+    "WanTransformer3DModel": (
+        _run_wan_transformer,
+        {},
+        {"batch": (1, 2), "frames": (1, 2, 3), "size": (2, 4), "text": (1, 7), "dtype": ("float32", "bfloat16")},
+    ),
+    "QwenImageTransformer2DModel": (
+        _run_qwen_image_transformer,
+        {},
+        {"batch": (1, 2), "size": (2, 4), "text": (1, 7), "dtype": ("float32", "bfloat16")},
+    ),
+    "lm": (_run_lm, {}, _LM_SPACE),
+    "encoder": (_run_encoder, {}, {"batch": (1, 2), "tokens": (1, 7, 16), "dtype": ("float32", "bfloat16")}),
+    "pipeline": (_run_pipeline, {"frames": 5}, _PIPE_SPACE),
 }
+
+
+def _tiny(name: str, row: str) -> Tiny:
+    spec = models.MODELS[row]
+    runner, default, space = _RUNS.get(spec.model_class) or _RUNS[spec.kind]
+    default = {**default, **spec.shape}
+    space = {k: ((spec.shape[k],) if k in spec.shape else v) for k, v in space.items()}
+    return Tiny(name, row, spec.library, spec.kind, runner, default, space)
+
+
+TINY: dict[str, Tiny] = {name: _tiny(name, row) for name, row in models.ZOO.items()}
 
 
 def build(name: str, dtype: str = "float32", seed: int = 0) -> Any:
@@ -822,118 +536,19 @@ def applying_env(
 
 
 # ------------------------------------------------------------------------------------ other video VAEs
-# Tiny configs of diffusers' video VAEs besides Wan / Qwen-Image (video_vae_pad), each with an input
-# that runs every padding module: (builder, input shape [B, C, T, H, W]).
+# diffusers' video VAEs besides Wan / Qwen-Image (video_vae_pad): rows of mpsboost.bench.models (VIDEO_VAES), each
+# with an input that runs every padding module.
 
-
-def _video_vaes() -> dict:
-    import diffusers as d
-
-    return {
-        "hunyuan_video": (
-            lambda: d.AutoencoderKLHunyuanVideo(
-                block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4
-            ),
-            (1, 3, 9, 32, 32),
-        ),
-        "hunyuan_video15": (
-            lambda: d.AutoencoderKLHunyuanVideo15(
-                block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1, latent_channels=4
-            ),
-            (1, 3, 9, 32, 32),
-        ),
-        "hunyuan_image_refiner": (
-            lambda: d.AutoencoderKLHunyuanImageRefiner(
-                block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1, latent_channels=4
-            ),
-            (1, 3, 5, 32, 32),
-        ),
-        "mochi": (
-            lambda: d.AutoencoderKLMochi(
-                encoder_block_out_channels=(32, 32, 32, 32),
-                decoder_block_out_channels=(32, 32, 32, 32),
-                layers_per_block=(1, 1, 1, 1, 1),
-            ),
-            (1, 3, 7, 16, 16),
-        ),
-        "cogvideox": (
-            lambda: d.AutoencoderKLCogVideoX(
-                block_out_channels=(8, 8, 8, 8), norm_num_groups=4, layers_per_block=1, latent_channels=4
-            ),
-            (1, 3, 9, 32, 32),
-        ),
-        "cosmos": (
-            lambda: d.AutoencoderKLCosmos(
-                encoder_block_out_channels=(8, 8, 8, 8),
-                decode_block_out_channels=(8, 8, 8, 8),
-                latent_channels=4,
-                num_layers=1,
-                resolution=32,
-                attention_resolutions=(8,),
-                latents_mean=None,
-                latents_std=None,
-            ),
-            (1, 3, 9, 32, 32),
-        ),
-        "magvit": (
-            lambda: d.AutoencoderKLMagvit(
-                block_out_channels=[8, 8, 8, 8], norm_num_groups=4, layers_per_block=1, latent_channels=4
-            ),
-            (1, 3, 9, 32, 32),
-        ),
-        "kvae_video": (
-            lambda: d.AutoencoderKLKVAEVideo(ch=32, ch_mult=(1, 1, 1), num_res_blocks=1, z_channels=4),
-            (1, 3, 9, 32, 32),
-        ),
-        "ltx2": (
-            lambda: d.AutoencoderKLLTX2Video(
-                block_out_channels=(8, 16, 32, 64),
-                decoder_block_out_channels=(8, 16, 32),
-                latent_channels=8,
-                layers_per_block=(1, 1, 1, 1, 1),
-                decoder_layers_per_block=(1, 1, 1, 1),
-            ),
-            (1, 3, 9, 64, 64),
-        ),
-        "vidtok": (lambda: d.AutoencoderVidTok(ch=8, ch_mult=[1, 1, 1, 1], num_res_blocks=1), (1, 3, 9, 32, 32)),
-        "minimax_h3": (
-            lambda: d.AutoencoderKLMiniMaxH3(
-                block_out_channels=(8, 8, 8, 8, 8, 8),
-                norm_num_groups=4,
-                layers_per_block=1,
-                decoder_num_layers=1,
-                decoder_num_attention_heads=2,
-                decoder_attention_head_dim=8,
-                clip_length=5,
-                token_drop=1,
-            ),
-            (1, 3, 17, 32, 32),
-        ),
-    }
-
-
-VIDEO_VAE_NAMES = (
-    "hunyuan_video",
-    "hunyuan_video15",
-    "hunyuan_image_refiner",
-    "mochi",
-    "cogvideox",
-    "cosmos",
-    "magvit",
-    "kvae_video",
-    "ltx2",
-    "vidtok",
-    "minimax_h3",
-)
+VIDEO_VAE_NAMES = tuple(models.VIDEO_VAES)
 
 
 def build_video_vae(name: str, seed: int = 0) -> Any:
     torch.manual_seed(seed)
-    return _video_vaes()[name][0]().eval()
+    return models.build(models.VIDEO_VAES[name][0]).eval()
 
 
 def video_vae_input(name: str, seed: int) -> torch.Tensor:
-    shape = _video_vaes()[name][1]
+    shape = models.VIDEO_VAES[name][1]
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
@@ -945,28 +560,6 @@ def video_vae_roundtrip(vae: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.
         z = dist.mode() if dist is not None else (post if torch.is_tensor(post) else post[0])
         y = vae.decode(z)
         return z, (y if torch.is_tensor(y) else y[0])
-
-
-def _hunyuan_video_vae():
-    return _video_vaes()["hunyuan_video"][0]()
-
-
-def _run_video_vae(vae, seed: int, *, frames: int = 5, size: int = 32, dtype: str = "float32") -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.rand(1, 3, frames, size, size, generator=g) * 2 - 1).to(DTYPES[dtype])
-    with torch.no_grad():
-        return vae(x, sample_posterior=False).sample.float()
-
-
-TINY["hunyuan_video_vae"] = Tiny(
-    "hunyuan_video_vae",
-    "diffusers",
-    "vae",
-    _hunyuan_video_vae,
-    _run_video_vae,
-    {"frames": 5, "size": 32},
-    {"frames": (1, 5), "size": (32,), "dtype": ("float32", "bfloat16")},
-)
 
 
 class Pad5dCounter:
@@ -999,17 +592,6 @@ class Pad5dCounter:
                 return func(*args, **(kwargs or {}))
 
         return _Counter()
-
-
-def _llama_eager():
-    """A Llama on transformers' eager attention: the models metal_attention routes to the Metal SDPA
-    kernels on MPS 2.13-2.15 (models already on ``sdpa`` reach those kernels without mpsboost)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(**_LM_COMMON, intermediate_size=64, attn_implementation="eager"))
-
-
-TINY["llama_eager"] = Tiny("llama_eager", "transformers", "lm", _llama_eager, _run_lm, {}, _LM_SPACE)
 
 
 def fake_versions(monkeypatch: Any, **installed: str | None) -> None:

@@ -80,7 +80,7 @@ class Sample:
 SAMPLES: tuple[Sample, ...] = (
     Sample("qwen3_6", "Qwen3.6-35B-A3B text model (`Qwen3_5MoeForCausalLM`)", "qwen3_5_moe:docs"),
     Sample("wan2_2_vae", "Wan2.2 VAE (`AutoencoderKLWan`)", "wan22_vae:tiny"),
-    Sample("wan2_2_dit", "Wan2.2 transformer (`WanTransformer3DModel`)", "wan22_transformer:docs"),
+    Sample("wan2_2_dit", "Wan2.2 transformer (`WanTransformer3DModel`)", "wan22_transformer:tiny"),
     Sample("qwen_image_vae", "Qwen-Image VAE (`AutoencoderKLQwenImage`)", "qwen_image_vae:tiny"),
     Sample("qwen_image_2_1_vae", "Qwen-Image-2.1 VAE (`AutoencoderKLQwenImage21`)", "qwen_image21_vae:docs"),
     Sample("hunyuanvideo_vae", "HunyuanVideo VAE (`AutoencoderKLHunyuanVideo`)", "hunyuan_video_vae:tiny"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mpsboost.bench import BenchError
-from mpsboost.bench.models import CONFIGS, MODELS, build, config, model_config, read_config
+from mpsboost.bench.models import CONFIGS, MODELS, VIDEO_VAES, ZOO, ModelSpec, build, config, model_config, read_config
 
 
 def test_every_shipped_config_is_json_and_names_its_source():
@@ -41,14 +41,18 @@ def test_rows_derive_from_the_one_structure():
     assert model_config("wan22_vae:real")["dim_mult"] == [1, 2, 4, 4]
 
 
-@pytest.mark.parametrize("name", [n for n, s in MODELS.items() if not n.endswith(":real") and s.library == "diffusers"])
+def _small_diffusers_rows():
+    return [n for n, s in MODELS.items() if not n.endswith(":real") and s.library == "diffusers" and not s.components]
+
+
+@pytest.mark.parametrize("name", _small_diffusers_rows())
 def test_every_small_diffusers_row_builds(name):
     pytest.importorskip("diffusers")
     torch.manual_seed(0)
     model = build(name)
     assert type(model).__name__ == MODELS[name].model_class
-    scalars = {k: v for k, v in model_config(name).items() if isinstance(v, (int, float))}
-    assert scalars and all(model.config[k] == v for k, v in scalars.items()), name
+    scalars = {k: v for k, v in model_config(name).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert all(model.config[k] == v for k, v in scalars.items()), name
 
 
 @pytest.mark.parametrize("name", [n for n, s in MODELS.items() if s.library == "transformers"])
@@ -57,7 +61,62 @@ def test_every_transformers_row_builds(name):
     torch.manual_seed(0)
     model = build(name)
     assert type(model).__name__ == MODELS[name].model_class
-    assert model.config.hidden_size == model_config(name)["hidden_size"]
+    scalars = {k: v for k, v in model_config(name).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert scalars and all(getattr(model.config, k) == v for k, v in scalars.items()), name
+
+
+@pytest.mark.parametrize("name", [n for n, s in MODELS.items() if s.components])
+def test_a_pipeline_row_builds_its_components_from_their_rows(name):
+    pytest.importorskip("diffusers")
+    spec = MODELS[name]
+    torch.manual_seed(0)
+    pipe = build(name)
+    assert type(pipe).__name__ == spec.model_class
+    for part, comp in spec.components.items():
+        row, changed = comp if isinstance(comp, tuple) else (comp, {})
+        got = getattr(pipe, part)
+        if row is None:
+            assert got is None, (name, part)
+            continue
+        assert type(got).__name__ == MODELS[row].model_class, (name, part)
+        for k, v in {**model_config(row), **changed}.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                cfg = got.config
+                assert (cfg[k] if isinstance(cfg, dict) else getattr(cfg, k)) == v, (name, part, k)
+    assert type(pipe.scheduler).__name__ == spec.scheduler[0]
+
+
+def test_the_kind_comes_from_the_class_name():
+    assert MODELS["wan22_vae:tiny"].kind == "vae"
+    assert MODELS["wan22_transformer:tiny"].kind == "dit"
+    assert MODELS["qwen3_5_moe:test"].kind == "lm"
+    assert MODELS["umt5_encoder:tiny"].kind == "encoder"
+    assert MODELS["wan22_ti2v_pipeline:test"].kind == "pipeline"
+    with pytest.raises(ValueError, match="no kind of"):
+        ModelSpec("diffusers", "UNet2DConditionModel")
+    with pytest.raises(ValueError, match="names its config class"):
+        ModelSpec("transformers", "LlamaForCausalLM")
+    with pytest.raises(ValueError, match="only one, names its components"):
+        ModelSpec("diffusers", "WanPipeline")
+    with pytest.raises(ValueError, match="library must be"):
+        ModelSpec("mlx", "LlamaForCausalLM", "LlamaConfig")
+
+
+def test_the_zoos_name_rows(monkeypatch):
+    from mpsboost.bench import models
+
+    assert set(ZOO.values()) <= set(MODELS) and {row for row, _ in VIDEO_VAES.values()} <= set(MODELS)
+    monkeypatch.setitem(models.ZOO, "ghost", "ghost:tiny")
+    with pytest.raises(ValueError, match="ZOO names rows that MODELS lacks: ghost:tiny"):
+        models._check_table()
+    monkeypatch.delitem(models.ZOO, "ghost")
+    monkeypatch.setitem(models.MODELS, "bad", ModelSpec("diffusers", "AutoencoderKLWan"))
+    with pytest.raises(ValueError, match="named family:size"):
+        models._check_table()
+    monkeypatch.delitem(models.MODELS, "bad")
+    monkeypatch.setitem(models.MODELS, "x:y", ModelSpec("diffusers", "AutoencoderKLWan", base="nope:tiny"))
+    with pytest.raises(ValueError, match="base 'nope:tiny' is no row"):
+        models._check_table()
 
 
 def test_build_on_a_device_and_with_overrides():

@@ -6,9 +6,13 @@ Two kinds of config, one table:
   Wan2.2-TI2V-5B, Qwen-Image, Qwen3-30B-A3B, Qwen3-8B, Qwen3.6-35B-A3B, each naming its source; ``tiny``:
   the same structure at toy width), read by :func:`config`. The recipe scripts (``recipes/``), the end-to-end
   benchmark and the fp8 load benchmark build from them;
-* the reduced configs of the demo, the selftest and the recipe benchmarks, each written once in
-  :data:`MODELS` as a row: family, the classes, and the config (a shipped file with fields changed, or
-  written out here), read by :func:`model_config` and built by :func:`build`.
+* the reduced configs of the demo, the selftest, the support tables, the recipe benchmarks and the tests, each
+  written once in :data:`MODELS` as a row: family, the classes, and the config (a shipped file with fields changed,
+  another row with fields changed, or written out here), read by :func:`model_config` and built by :func:`build`.
+  A pipeline row names its components' rows.
+
+:data:`ZOO` names the rows the tests build (``tests/tiny_models.py`` runs them by their :attr:`ModelSpec.kind`): a
+tiny model for the tests is a row here and an entry there.
 
 Nothing here imports diffusers or transformers until a model is built. Weights are random: these
 models exercise every kernel at their shapes; their outputs are noise.
@@ -19,13 +23,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .errors import BenchError
 
 __all__ = [
     "CONFIGS",
+    "KINDS",
     "MODELS",
+    "TINY_LM",
+    "VIDEO_VAES",
+    "ZOO",
     "ModelSpec",
     "build",
     "config",
@@ -82,12 +90,25 @@ def dtype_name(dtype: Any) -> str:
 # ------------------------------------------------------------------------------------------ the table
 
 
+#: What a row's model takes as input, read from its class name (:attr:`ModelSpec.kind`).
+KINDS = {
+    "pipeline": "Pipeline",  # a diffusers pipeline: prompt embeddings in, images or frames out
+    "vae": "Autoencoder",  # pixels (or a latent) in, pixels out
+    "lm": "ForCausalLM",  # token ids in, logits out, with a KV cache
+    "encoder": "EncoderModel",  # token ids in, hidden states out
+    "dit": "Transformer",  # a diffusion transformer: latents, a timestep and text embeddings in
+}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One model of the table: the library and classes that build it, and where its config comes from.
 
     ``base`` names a shipped file (family, size, file) or another row (``"wan22_vae:tiny"``) whose config
-    ``override`` changes; without a base, ``override`` is the whole config.
+    ``override`` changes; without a base, ``override`` is the whole config. A pipeline row (``model_class``
+    ending in ``Pipeline``) names its ``components`` (built in order, after one another from the caller's seed) and
+    its ``scheduler`` (class name, keyword arguments); ``override`` is then the pipeline's own keyword arguments.
+    ``shape``: input dimensions the tests run the model at whatever else they vary (``{"frames": 1}``: images only).
     """
 
     library: str  # "diffusers" or "transformers"
@@ -96,6 +117,27 @@ class ModelSpec:
     base: tuple[str, str, str] | str | None = None
     override: dict = field(default_factory=dict)
     what: str = ""
+    # name -> a row, (a row, config fields changed), or None (the component left out)
+    components: Mapping[str, Any] = field(default_factory=dict)
+    scheduler: tuple[str, dict] | None = None
+    shape: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.library not in ("diffusers", "transformers"):
+            raise ValueError(f"{self.model_class}: library must be 'diffusers' or 'transformers', got {self.library!r}")
+        self.kind  # noqa: B018 - raises for a class of no known kind
+        if (self.kind == "pipeline") != bool(self.components):
+            raise ValueError(f"{self.model_class}: a pipeline row, and only one, names its components")
+        if self.library == "transformers" and self.config_class is None:
+            raise ValueError(f"{self.model_class}: a transformers row names its config class")
+
+    @property
+    def kind(self) -> str:
+        """``"pipeline"``, ``"vae"``, ``"lm"``, ``"encoder"`` or ``"dit"``: what the model takes (:data:`KINDS`)."""
+        for kind, marker in KINDS.items():
+            if marker in self.model_class:
+                return kind
+        raise ValueError(f"{self.model_class}: no kind of {sorted(KINDS)} matches the class name ({KINDS})")
 
 
 def _latents(z_dim: int) -> dict:
@@ -103,8 +145,9 @@ def _latents(z_dim: int) -> dict:
     return {"latents_mean": [0.0] * z_dim, "latents_std": [1.0] * z_dim}
 
 
-# The small transformers LM the selftest's recipe checks share (every attention path applies at head_dim 32).
-_SELFTEST_LM = {
+# The small transformers LM the selftest's recipe checks and the tests' LMs share (with head_dim 32, the smallest
+# head size of a Metal attention kernel, every attention path applies; two query heads share one K/V head).
+TINY_LM = {
     "vocab_size": 128,
     "hidden_size": 64,
     "num_hidden_layers": 2,
@@ -116,6 +159,24 @@ _SELFTEST_LM = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
+
+# The Gated DeltaNet layout of the tests' hybrids, and their experts.
+_GDN = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "layer_types": ["linear_attention", "full_attention"],
+}
+_GDN_MOE = {
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 16,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+}
+# Wan's flow-matching UniPC scheduler.
+_FLOW_UNIPC = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0}
 
 MODELS: dict[str, ModelSpec] = {
     # Wan2.2 VAE (diffusers AutoencoderKLWan): residual blocks, patch 2, z 48, 12 channels, 16x / 4x compression.
@@ -156,7 +217,10 @@ MODELS: dict[str, ModelSpec] = {
     ),
     # Qwen-Image VAE: the class defaults are Qwen-Image's; tiny is diffusers' tests/pipelines/qwenimage config.
     "qwen_image_vae:real": ModelSpec("diffusers", "AutoencoderKLQwenImage", base=("qwen_image", "real", "vae.json")),
-    "qwen_image_vae:tiny": ModelSpec("diffusers", "AutoencoderKLQwenImage", base=("qwen_image", "tiny", "vae.json")),
+    # Single images in the tests: the Qwen-Image case (its 3-D path costs 10x on a CPU).
+    "qwen_image_vae:tiny": ModelSpec(
+        "diffusers", "AutoencoderKLQwenImage", base=("qwen_image", "tiny", "vae.json"), shape={"frames": 1}
+    ),
     # mpsboost demo: the Qwen-Image VAE structure (z 16, dim_mult [1, 2, 4, 4], 2 residual blocks, 8x spatial) at a
     # sixth of its width (base_dim 16 for 96): a 16x16 latent decodes to a 128x128 image.
     "qwen_image_vae:demo": ModelSpec(
@@ -248,6 +312,95 @@ MODELS: dict[str, ModelSpec] = {
             "latent_channels": 4,
         },
     ),
+    # diffusers' other video VAEs at test widths (VIDEO_VAES names their inputs).
+    "hunyuan_video15_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLHunyuanVideo15",
+        override={"block_out_channels": (8, 8, 8, 8, 8), "layers_per_block": 1, "latent_channels": 4},
+    ),
+    "hunyuan_image_refiner_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLHunyuanImageRefiner",
+        override={"block_out_channels": (8, 8, 8, 8, 8), "layers_per_block": 1, "latent_channels": 4},
+    ),
+    "mochi_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLMochi",
+        override={
+            "encoder_block_out_channels": (32, 32, 32, 32),
+            "decoder_block_out_channels": (32, 32, 32, 32),
+            "layers_per_block": (1, 1, 1, 1, 1),
+        },
+    ),
+    "cogvideox_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLCogVideoX",
+        override={
+            "block_out_channels": (8, 8, 8, 8),
+            "norm_num_groups": 4,
+            "layers_per_block": 1,
+            "latent_channels": 4,
+        },
+    ),
+    "cosmos_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLCosmos",
+        override={
+            "encoder_block_out_channels": (8, 8, 8, 8),
+            "decode_block_out_channels": (8, 8, 8, 8),
+            "latent_channels": 4,
+            "num_layers": 1,
+            "resolution": 32,
+            "attention_resolutions": (8,),
+            "latents_mean": None,
+            "latents_std": None,
+        },
+    ),
+    "magvit_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLMagvit",
+        override={
+            "block_out_channels": [8, 8, 8, 8],
+            "norm_num_groups": 4,
+            "layers_per_block": 1,
+            "latent_channels": 4,
+        },
+    ),
+    "kvae_video_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLKVAEVideo",
+        override={"ch": 32, "ch_mult": (1, 1, 1), "num_res_blocks": 1, "z_channels": 4},
+    ),
+    "ltx2_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLLTX2Video",
+        override={
+            "block_out_channels": (8, 16, 32, 64),
+            "decoder_block_out_channels": (8, 16, 32),
+            "latent_channels": 8,
+            "layers_per_block": (1, 1, 1, 1, 1),
+            "decoder_layers_per_block": (1, 1, 1, 1),
+        },
+    ),
+    "vidtok_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderVidTok",
+        override={"ch": 8, "ch_mult": [1, 1, 1, 1], "num_res_blocks": 1},
+    ),
+    "minimax_h3_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLMiniMaxH3",
+        override={
+            "block_out_channels": (8, 8, 8, 8, 8, 8),
+            "norm_num_groups": 4,
+            "layers_per_block": 1,
+            "decoder_num_layers": 1,
+            "decoder_num_attention_heads": 2,
+            "decoder_attention_head_dim": 8,
+            "clip_length": 5,
+            "token_drop": 1,
+        },
+    ),
     # Qwen3-30B-A3B's layout (every layer sparse, top-k routing over many small experts, GQA with head_dim set
     # apart from hidden/heads) at toy widths.
     "qwen3_moe:demo": ModelSpec(
@@ -278,7 +431,7 @@ MODELS: dict[str, ModelSpec] = {
         "Qwen3MoeForCausalLM",
         "Qwen3MoeConfig",
         override={
-            **_SELFTEST_LM,
+            **TINY_LM,
             "head_dim": 32,
             "intermediate_size": 64,
             "moe_intermediate_size": 16,
@@ -292,7 +445,7 @@ MODELS: dict[str, ModelSpec] = {
         "transformers",
         "Qwen3ForCausalLM",
         "Qwen3Config",
-        override={**_SELFTEST_LM, "head_dim": 32, "intermediate_size": 64},
+        override={**TINY_LM, "head_dim": 32, "intermediate_size": 64},
     ),
     # head_dim 64 (a Metal kernel size), grouped K/V (4 heads, 2 K/V heads), eager attention.
     "llama_eager:selftest": ModelSpec(
@@ -300,7 +453,7 @@ MODELS: dict[str, ModelSpec] = {
         "LlamaForCausalLM",
         "LlamaConfig",
         override={
-            **_SELFTEST_LM,
+            **TINY_LM,
             "hidden_size": 256,
             "num_attention_heads": 4,
             "num_key_value_heads": 2,
@@ -402,7 +555,7 @@ MODELS: dict[str, ModelSpec] = {
         },
         what="the support tables (mpsboost.docs.SAMPLES)",
     ),
-    "wan22_transformer:docs": ModelSpec(
+    "wan22_transformer:tiny": ModelSpec(
         "diffusers",
         "WanTransformer3DModel",
         override={
@@ -419,9 +572,265 @@ MODELS: dict[str, ModelSpec] = {
             "qk_norm": "rms_norm_across_heads",
             "rope_max_seq_len": 32,
         },
-        what="the support tables (mpsboost.docs.SAMPLES)",
+        what="the support tables (mpsboost.docs.SAMPLES) and the tests",
+    ),
+    # ------------------------------------------------------------------------ the tests' zoo (besides the rows above)
+    # diffusers' own test config of the Wan2.1 VAE (tests/pipelines/wan/test_wan_22.py, A14B part).
+    "wan21_vae:tiny": ModelSpec(
+        "diffusers",
+        "AutoencoderKLWan",
+        override={
+            "base_dim": 3,
+            "z_dim": 16,
+            "dim_mult": [1, 1, 1, 1],
+            "num_res_blocks": 1,
+            "temperal_downsample": [False, True, True],
+        },
+        what="the tests",
+    ),
+    # The Qwen-Image-2.1 structure (residual blocks, AvgDown3D with time and space factors, DupUp3D, RGBA in and out,
+    # 2-D causal convolutions) with three downsamplings (spatial factor 8: tiled runs have 4x4 tiles, as Qwen-Image's).
+    # Images only: its convolutions refuse a cache (more frames raise in diffusers).
+    "qwen_image21_vae:test": ModelSpec(
+        "diffusers",
+        "AutoencoderKLQwenImage21",
+        base="qwen_image21_vae:bench_tiny",
+        override={"base_dim": 8, "decoder_base_dim": 12},
+        shape={"frames": 1},
+        what="the tests",
+    ),
+    "qwen_image_transformer:tiny": ModelSpec(
+        "diffusers",
+        "QwenImageTransformer2DModel",
+        override={
+            "patch_size": 2,
+            "in_channels": 16,
+            "out_channels": 4,
+            "num_layers": 2,
+            "attention_head_dim": 16,
+            "num_attention_heads": 3,
+            "joint_attention_dim": 16,
+            "guidance_embeds": False,
+            "axes_dims_rope": [8, 4, 4],
+        },
+        what="the tests",
+    ),
+    "umt5_encoder:tiny": ModelSpec(
+        "transformers",
+        "UMT5EncoderModel",
+        "UMT5Config",
+        override={
+            "vocab_size": 64,
+            "d_model": 32,
+            "d_kv": 8,
+            "d_ff": 32,
+            "num_layers": 2,
+            "num_heads": 4,
+            "relative_attention_num_buckets": 8,
+            "pad_token_id": 0,
+        },
+        what="the tests (Wan's text encoder)",
+    ),
+    "mixtral:test": ModelSpec(
+        "transformers",
+        "MixtralForCausalLM",
+        "MixtralConfig",
+        override={**TINY_LM, "head_dim": 32, "intermediate_size": 16, "num_local_experts": 8, "num_experts_per_tok": 2},
+        what="the tests",
+    ),
+    "gpt_oss:test": ModelSpec(
+        "transformers",
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        override={
+            **TINY_LM,
+            "head_dim": 32,
+            "intermediate_size": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 16,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        what="the tests",
+    ),
+    # Multi-head latent attention (q/kv LoRA ranks), grouped routing, one dense layer first, a shared expert.
+    "deepseek_v3:test": ModelSpec(
+        "transformers",
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        override={
+            **TINY_LM,
+            "num_key_value_heads": 2,
+            "intermediate_size": 64,
+            "moe_intermediate_size": 16,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 16,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 32,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        what="the tests",
+    ),
+    "llama:test": ModelSpec(
+        "transformers",
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        override={**TINY_LM, "intermediate_size": 64},
+        what="the tests",
+    ),
+    # A Llama on transformers' eager attention: what metal_attention routes to the Metal SDPA kernels on MPS 2.13-2.15
+    # (models already on sdpa reach those kernels without mpsboost).
+    "llama_eager:test": ModelSpec(
+        "transformers",
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        base="llama:test",
+        override={"attn_implementation": "eager"},
+        what="the tests",
+    ),
+    # Gated DeltaNet hybrids: one DeltaNet layer, then one full-attention layer; two key heads shared by four value
+    # heads (grouped values, as in Qwen3.6: 16 key / 32 value heads).
+    "qwen3_5_moe:test": ModelSpec(
+        "transformers",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeTextConfig",
+        override={**TINY_LM, **_GDN, "head_dim": 32, **_GDN_MOE},
+        what="the tests (Qwen3.6-35B-A3B's classes)",
+    ),
+    "qwen3_5:test": ModelSpec(
+        "transformers",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5TextConfig",
+        override={**TINY_LM, **_GDN, "head_dim": 32, "intermediate_size": 64},
+        what="the tests (dense)",
+    ),
+    "qwen3_next:test": ModelSpec(
+        "transformers",
+        "Qwen3NextForCausalLM",
+        "Qwen3NextConfig",
+        override={**TINY_LM, **_GDN, "head_dim": 32, "intermediate_size": 64, **_GDN_MOE},
+        what="the tests (fused qkvz/ba projections)",
+    ),
+    "olmo_hybrid:test": ModelSpec(
+        "transformers",
+        "OlmoHybridForCausalLM",
+        "OlmoHybridConfig",
+        override={**TINY_LM, **_GDN, "intermediate_size": 64, "linear_allow_neg_eigval": True},
+        what="the tests (separate projections, beta in [0, 2])",
+    ),
+    # Pipelines from precomputed prompt embeddings (no tokenizer).
+    # Wan2.2 TI2V-5B's shape: one transformer, the z-48 VAE, expand_timesteps.
+    "wan22_ti2v_pipeline:test": ModelSpec(
+        "diffusers",
+        "WanPipeline",
+        components={
+            "vae": "wan22_vae:tiny",
+            "transformer": "wan22_transformer:tiny",
+            "text_encoder": "umt5_encoder:tiny",
+            "tokenizer": None,
+            "transformer_2": None,
+        },
+        scheduler=("UniPCMultistepScheduler", _FLOW_UNIPC),
+        override={"boundary_ratio": None, "expand_timesteps": True},
+        what="the tests",
+    ),
+    # Wan2.2 T2V-A14B's shape: two transformers (high and low noise), the z-16 VAE.
+    "wan22_a14b_pipeline:test": ModelSpec(
+        "diffusers",
+        "WanPipeline",
+        components={
+            "vae": "wan21_vae:tiny",
+            "transformer": ("wan22_transformer:tiny", {"in_channels": 16, "out_channels": 16}),
+            "transformer_2": ("wan22_transformer:tiny", {"in_channels": 16, "out_channels": 16}),
+            "text_encoder": None,
+            "tokenizer": None,
+        },
+        scheduler=("UniPCMultistepScheduler", _FLOW_UNIPC),
+        override={"boundary_ratio": 0.875},
+        what="the tests",
+    ),
+    "qwen_image_pipeline:test": ModelSpec(
+        "diffusers",
+        "QwenImagePipeline",
+        components={
+            "vae": "qwen_image_vae:tiny",
+            "transformer": "qwen_image_transformer:tiny",
+            "text_encoder": None,
+            "tokenizer": None,
+        },
+        scheduler=("FlowMatchEulerDiscreteScheduler", {}),
+        shape={"frames": 1},
+        what="the tests",
     ),
 }
+
+
+#: The tests' zoo: the name a test builds (``tests/tiny_models.build(name)``) -> its row. The cross-model tests
+#: (compatibility, reliability, properties) run every recipe on each of these that holds its targets.
+ZOO: dict[str, str] = {
+    "wan21_vae": "wan21_vae:tiny",
+    "wan22_vae": "wan22_vae:tiny",
+    "qwen_image_vae": "qwen_image_vae:tiny",
+    "qwen_image21_vae": "qwen_image21_vae:test",
+    "hunyuan_video_vae": "hunyuan_video_vae:tiny",
+    "wan_transformer": "wan22_transformer:tiny",
+    "qwen_image_transformer": "qwen_image_transformer:tiny",
+    "qwen3_moe": "qwen3_moe:selftest",
+    "mixtral": "mixtral:test",
+    "gpt_oss": "gpt_oss:test",
+    "deepseek_v3": "deepseek_v3:test",
+    "qwen3": "qwen3:selftest",
+    "llama": "llama:test",
+    "llama_eager": "llama_eager:test",
+    "qwen3_5_moe": "qwen3_5_moe:test",
+    "umt5_encoder": "umt5_encoder:tiny",
+    "wan22_ti2v_pipeline": "wan22_ti2v_pipeline:test",
+    "wan22_a14b_pipeline": "wan22_a14b_pipeline:test",
+    "qwen_image_pipeline": "qwen_image_pipeline:test",
+}
+#: diffusers' other video VAEs (the pad check of every VAE, ``tests/recipes/vae/test_video_vae_pad.py``): the name a
+#: test uses -> its row and the input shape (batch, channels, frames, height, width) that runs every padding module.
+VIDEO_VAES: dict[str, tuple[str, tuple[int, ...]]] = {
+    "hunyuan_video": ("hunyuan_video_vae:tiny", (1, 3, 9, 32, 32)),
+    "hunyuan_video15": ("hunyuan_video15_vae:tiny", (1, 3, 9, 32, 32)),
+    "hunyuan_image_refiner": ("hunyuan_image_refiner_vae:tiny", (1, 3, 5, 32, 32)),
+    "mochi": ("mochi_vae:tiny", (1, 3, 7, 16, 16)),
+    "cogvideox": ("cogvideox_vae:tiny", (1, 3, 9, 32, 32)),
+    "cosmos": ("cosmos_vae:tiny", (1, 3, 9, 32, 32)),
+    "magvit": ("magvit_vae:tiny", (1, 3, 9, 32, 32)),
+    "kvae_video": ("kvae_video_vae:tiny", (1, 3, 9, 32, 32)),
+    "ltx2": ("ltx2_vae:tiny", (1, 3, 9, 64, 64)),
+    "vidtok": ("vidtok_vae:tiny", (1, 3, 9, 32, 32)),
+    "minimax_h3": ("minimax_h3_vae:tiny", (1, 3, 17, 32, 32)),
+}
+
+
+def _check_table() -> None:
+    for name, spec in MODELS.items():
+        family, sep, size = name.partition(":")
+        if not (sep and family and size):
+            raise ValueError(f"row {name!r}: a row is named family:size")
+        if isinstance(spec.base, str) and spec.base not in MODELS:
+            raise ValueError(f"row {name!r}: base {spec.base!r} is no row")
+        for comp in spec.components.values():
+            row = comp[0] if isinstance(comp, tuple) else comp
+            if row is not None and row not in MODELS:
+                raise ValueError(f"row {name!r}: component {row!r} is no row")
+    for table, rows in (("ZOO", set(ZOO.values())), ("VIDEO_VAES", {row for row, _ in VIDEO_VAES.values()})):
+        missing = sorted(rows - set(MODELS))
+        if missing:
+            raise ValueError(f"{table} names rows that MODELS lacks: {', '.join(missing)}")
+
+
+_check_table()
 
 
 def model_config(name: str) -> dict:
@@ -452,6 +861,15 @@ def build(name: str, *, device: Any = None, **override: Any) -> Any:
     cfg = {**model_config(name), **override}
     lib = importlib.import_module(spec.library)
     cls: Callable[..., Any] = getattr(lib, spec.model_class)
+    if spec.components:
+        parts: dict[str, Any] = {}
+        for part, comp in spec.components.items():
+            row, changed = comp if isinstance(comp, tuple) else (comp, {})
+            parts[part] = None if row is None else build(row, device=device, **changed)
+        if spec.scheduler is not None:
+            sched_class, sched_kwargs = spec.scheduler
+            parts["scheduler"] = getattr(lib, sched_class)(**sched_kwargs)
+        return cls(**parts, **cfg)
     import torch
 
     with torch.device(device) if device is not None else contextlib.nullcontext():

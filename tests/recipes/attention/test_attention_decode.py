@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from mpsboost.bench.models import TINY_LM
 import tiny_models as tm
 import torch
 
@@ -36,7 +37,7 @@ def _model(family: str = "qwen3_5_moe", impl: str = "sdpa", seed: int = 0, **cfg
     elif family == "qwen3_sliding":  # sliding-window layers (the mask carries the window)
         model = t.Qwen3ForCausalLM(
             t.Qwen3Config(
-                **tm._LM_COMMON,
+                **TINY_LM,
                 head_dim=32,
                 intermediate_size=64,
                 use_sliding_window=True,
@@ -45,7 +46,7 @@ def _model(family: str = "qwen3_5_moe", impl: str = "sdpa", seed: int = 0, **cfg
             )
         )
     else:
-        model = {"qwen3": tm._qwen3_dense, "qwen3_moe": tm._qwen3_moe, "llama": tm._llama}[family]()
+        model = tm.TINY[family].make()
     for k, v in cfg.items():
         setattr(model.config, k, v)
     model.config._attn_implementation = impl

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from mpsboost.bench.models import TINY_LM
 import tiny_models as tm
 import torch
 import torch.nn.functional as F
@@ -37,7 +38,7 @@ def _model(family: str, seed: int = 0) -> torch.nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(LlamaConfig(**tm._LM_COMMON, intermediate_size=64, attention_bias=True))
+        model = LlamaForCausalLM(LlamaConfig(**TINY_LM, intermediate_size=64, attention_bias=True))
         model.config._attn_implementation = "sdpa"
         model.eval()
     else:

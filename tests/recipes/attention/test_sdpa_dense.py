@@ -37,7 +37,7 @@ class SdpaInputs(TorchFunctionMode):
 
 def _lm(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = tm.gated_deltanet_lm(family) if family.startswith("qwen3_5") else tm._llama()
+    model = tm.gated_deltanet_lm(family) if family.startswith("qwen3_5") else tm.TINY["llama"].make()
     model.config._attn_implementation = "sdpa"
     return model.eval()
 

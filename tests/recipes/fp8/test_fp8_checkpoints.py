@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mpsboost.bench.models import TINY_LM, build as build_row
 from tiny_models import relative_error
 
 import mpsboost
@@ -247,7 +248,7 @@ def _qwen3_moe_config():
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        **tm._LM_COMMON,
+        **TINY_LM,
         head_dim=32,
         intermediate_size=64,
         moe_intermediate_size=16,
@@ -261,7 +262,7 @@ def _qwen3_moe_config():
 def _qwen3_config():
     from transformers import Qwen3Config
 
-    return Qwen3Config(**tm._LM_COMMON, head_dim=32, intermediate_size=64)
+    return Qwen3Config(**TINY_LM, head_dim=32, intermediate_size=64)
 
 
 def _lm(cfg_fn, seed=0):
@@ -396,7 +397,7 @@ def test_scaled_fp8_wan_through_diffusers_key_conversion(tmp_path, env):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(0)
-    src = tm._wan_transformer(16).eval()
+    src = build_row("wan22_transformer:tiny", in_channels=16, out_channels=16).eval()
     ref_state = write_scaled_fp8(src, tmp_path / "wan_fp8_scaled.safetensors")
     with torch.device("meta"):
         model = WanTransformer3DModel.from_config(src.config).eval()
@@ -405,7 +406,7 @@ def test_scaled_fp8_wan_through_diffusers_key_conversion(tmp_path, env):
     assert all(r.details["format"] == "scaled_fp8" and r.details["granularity"] == "tensorwise" for r in rows)
     assert model.blocks[0].attn1.to_q.weight_scale.shape == ()
     torch.manual_seed(1)
-    ref = tm._wan_transformer(16).eval()
+    ref = build_row("wan22_transformer:tiny", in_channels=16, out_channels=16).eval()
     ref.load_state_dict(ref_state)
     assert relative_error(_wan_out(model), _wan_out(ref)) < RTOL
 
@@ -414,7 +415,7 @@ def test_scaled_fp8_qwen_image(tmp_path):
     from diffusers import QwenImageTransformer2DModel
 
     torch.manual_seed(0)
-    src = tm._qwen_image_transformer().eval()
+    src = build_row("qwen_image_transformer:tiny").eval()
     ref_state = write_scaled_fp8(src, tmp_path / "qwen_image_fp8_scaled.safetensors", original_names=False)
     from accelerate import init_empty_weights
 
@@ -422,7 +423,7 @@ def test_scaled_fp8_qwen_image(tmp_path):
         model = QwenImageTransformer2DModel.from_config(src.config).eval()
     mpsboost.load_fp8(model, tmp_path / "qwen_image_fp8_scaled.safetensors", device=Env.simulate("mps", "2.14.1"))
     torch.manual_seed(1)
-    ref = tm._qwen_image_transformer().eval()
+    ref = build_row("qwen_image_transformer:tiny").eval()
     ref.load_state_dict(ref_state)
     out = tm._run_qwen_image_transformer(model, 2)
     assert relative_error(out, tm._run_qwen_image_transformer(ref, 2)) < RTOL
@@ -621,7 +622,7 @@ def test_bad_files_are_refused_by_format_and_change_nothing(fp8_folder, tmp_path
     from transformers import Qwen3Config
 
     def other():
-        return Qwen3Config(**dict(tm._LM_COMMON, hidden_size=96), head_dim=32, intermediate_size=64)
+        return Qwen3Config(**dict(TINY_LM, hidden_size=96), head_dim=32, intermediate_size=64)
 
     wrong = _meta_lm(other)
     _unchanged_after(wrong, lambda: mpsboost.load_fp8(wrong, fp8_folder, device="cpu"), Fp8MismatchError, "shape")
@@ -639,7 +640,7 @@ def test_sharded_folder_with_a_shard_missing(tmp_path):
 
 def test_scaled_fp8_without_scales_and_compressed_tensors_wrong_scales(tmp_path):
     torch.manual_seed(0)
-    src = tm._wan_transformer(16).eval()
+    src = build_row("wan22_transformer:tiny", in_channels=16, out_channels=16).eval()
     write_scaled_fp8(src, tmp_path / "w.safetensors")
     from safetensors.torch import load_file
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import mpsboost
+from mpsboost.bench.models import TINY_LM
 import tiny_models as tm
 from mpsboost import api
 from mpsboost.errors import IrreversiblePatchError, PatchError
@@ -43,7 +44,7 @@ def _moe_config():
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        **tm._LM_COMMON,
+        **TINY_LM,
         head_dim=32,
         intermediate_size=64,
         moe_intermediate_size=16,

@@ -10,7 +10,8 @@ import torch
 import mpsboost
 from mpsboost.gate import Env
 
-from tiny_models import _LM_COMMON, ModuleOps, gated_deltanet_lm
+from mpsboost.bench.models import TINY_LM
+from tiny_models import ModuleOps, gated_deltanet_lm
 
 MPS215 = Env.simulate("mps", "2.15.0")
 MPS214 = Env.simulate("mps", "2.14.1")
@@ -25,17 +26,15 @@ def _lm(family: str, **extra):
     elif family == "qwen3_next":
         m = gated_deltanet_lm("qwen3_next")
     elif family in ("qwen3_moe", "qwen3_moe_norm"):
-        cfg = t.Qwen3MoeConfig(**_LM_COMMON, head_dim=32, norm_topk_prob=family.endswith("norm"), **moe, **extra)
+        cfg = t.Qwen3MoeConfig(**TINY_LM, head_dim=32, norm_topk_prob=family.endswith("norm"), **moe, **extra)
         m = t.Qwen3MoeForCausalLM(cfg)
     elif family == "qwen2_moe":
-        cfg = t.Qwen2MoeConfig(**_LM_COMMON, shared_expert_intermediate_size=32, **moe, **extra)
+        cfg = t.Qwen2MoeConfig(**TINY_LM, shared_expert_intermediate_size=32, **moe, **extra)
         m = t.Qwen2MoeForCausalLM(cfg)
     elif family == "olmoe":
-        m = t.OlmoeForCausalLM(t.OlmoeConfig(**_LM_COMMON, intermediate_size=16, num_experts=8, num_experts_per_tok=2))
+        m = t.OlmoeForCausalLM(t.OlmoeConfig(**TINY_LM, intermediate_size=16, num_experts=8, num_experts_per_tok=2))
     elif family == "mixtral":
-        cfg = t.MixtralConfig(
-            **_LM_COMMON, head_dim=32, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2
-        )
+        cfg = t.MixtralConfig(**TINY_LM, head_dim=32, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2)
         m = t.MixtralForCausalLM(cfg)
     else:
         raise KeyError(family)

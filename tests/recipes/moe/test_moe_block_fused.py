@@ -17,6 +17,7 @@ from mpsboost.ondevice import TimingCache
 from mpsboost.recipes import moe_block
 
 from recipes.moe.test_moe_block import FAMILIES, _blocks, _decode_logits, _inputs, _lm
+from mpsboost.bench.models import TINY_LM
 from tiny_models import ModuleOps, gated_deltanet_lm
 
 MPS215 = Env.simulate("mps", "2.15.0")
@@ -42,11 +43,7 @@ def _lowbit_lm(family="qwen3_5_moe"):
     if family == "qwen3_5_moe":
         m = gated_deltanet_lm("qwen3_5_moe", moe_intermediate_size=64, shared_expert_intermediate_size=64)
     else:
-        from tiny_models import _LM_COMMON
-
-        cfg = t.Qwen3MoeConfig(
-            **_LM_COMMON, head_dim=32, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2
-        )
+        cfg = t.Qwen3MoeConfig(**TINY_LM, head_dim=32, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2)
         m = t.Qwen3MoeForCausalLM(cfg)
     torch.manual_seed(0)
     with torch.no_grad():

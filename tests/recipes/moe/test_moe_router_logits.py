@@ -13,7 +13,8 @@ import mpsboost
 from mpsboost.gate import Env
 from mpsboost.ops import moe as moe_ops
 
-from tiny_models import _LM_COMMON, ModuleOps, gated_deltanet_lm, relative_error
+from mpsboost.bench.models import TINY_LM
+from tiny_models import ModuleOps, gated_deltanet_lm, relative_error
 
 MPS215 = Env.simulate("mps", "2.15.0")
 MPS214 = Env.simulate("mps", "2.14.1")
@@ -30,16 +31,16 @@ def _lm(family: str, inter: int = 16, dtype: torch.dtype = torch.float32, **extr
     if family in ("qwen3_5_moe", "qwen3_next"):
         m = gated_deltanet_lm(family, moe_intermediate_size=inter, **extra)
     elif family in ("qwen3_moe", "qwen3_moe_norm"):
-        cfg = t.Qwen3MoeConfig(**_LM_COMMON, head_dim=32, norm_topk_prob=family.endswith("norm"), **moe, **extra)
+        cfg = t.Qwen3MoeConfig(**TINY_LM, head_dim=32, norm_topk_prob=family.endswith("norm"), **moe, **extra)
         m = t.Qwen3MoeForCausalLM(cfg)
     elif family == "qwen2_moe":
-        m = t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(**_LM_COMMON, shared_expert_intermediate_size=32, **moe, **extra))
+        m = t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(**TINY_LM, shared_expert_intermediate_size=32, **moe, **extra))
     elif family == "olmoe":
-        cfg = t.OlmoeConfig(**_LM_COMMON, intermediate_size=inter, num_experts=8, num_experts_per_tok=2, **extra)
+        cfg = t.OlmoeConfig(**TINY_LM, intermediate_size=inter, num_experts=8, num_experts_per_tok=2, **extra)
         m = t.OlmoeForCausalLM(cfg)
     elif family == "mixtral":
         cfg = t.MixtralConfig(
-            **_LM_COMMON, head_dim=32, intermediate_size=inter, num_local_experts=8, num_experts_per_tok=2, **extra
+            **TINY_LM, head_dim=32, intermediate_size=inter, num_local_experts=8, num_experts_per_tok=2, **extra
         )
         m = t.MixtralForCausalLM(cfg)
     else:
