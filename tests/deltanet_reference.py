@@ -11,7 +11,7 @@ value); the conv state exactly (it is a copy of values).
 from __future__ import annotations
 
 import torch
-from tiny_models import max_relative_error
+from mpsboost.bench import max_relative_error
 import torch.nn.functional as F
 
 ULP = {torch.float32: 0.0, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}

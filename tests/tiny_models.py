@@ -23,9 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from mpsboost.bench import models
+from mpsboost.bench import ModuleOps, models
 
 __all__ = [
     "Tiny",
@@ -38,8 +36,6 @@ __all__ = [
     "snapshot",
     "same_snapshot",
     "diff_snapshot",
-    "max_relative_error",
-    "relative_error",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -194,9 +190,6 @@ def gated_deltanet_lm(family: str = "qwen3_5_moe", *, gates: str = "slow", **ove
     chunks) or ``"stock"`` (transformers' initialisation: every chunk's state decays to 0)."""
     if gates not in ("slow", "stock"):
         raise ValueError(f"gates must be 'slow' or 'stock', got {gates!r}")
-    families = ("qwen3_5_moe", "qwen3_5", "qwen3_next", "olmo_hybrid")
-    if family not in families:
-        raise ValueError(f"family must be one of {families}, got {family!r}")
     model = models.build(f"{family}:test", **overrides)
     return slow_decay_gates(model) if gates == "slow" else model
 
@@ -469,22 +462,6 @@ def same_snapshot(a: dict, b: dict) -> bool:
     return not diff_snapshot(a, b)
 
 
-def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref|| in fp64 (0 when both are zero)."""
-    x, ref = x.detach().double(), ref.detach().double()
-    den = ref.norm().item()
-    num = (x - ref).norm().item()
-    return num / den if den > 0 else num
-
-
-def max_relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |x - ref| / max |ref| in fp64 (0 when both are zero): the worst element against the reference's scale."""
-    x, ref = x.detach().double(), ref.detach().double()
-    den = ref.abs().max().item() if ref.numel() else 0.0
-    num = (x - ref).abs().max().item() if x.numel() else 0.0
-    return num / den if den > 0 else num
-
-
 def clone(obj: Any) -> Any:
     """A deep copy (the stock twin of a model that a test patches)."""
     return copy.deepcopy(obj)
@@ -609,51 +586,6 @@ def fake_versions(monkeypatch: Any, **installed: str | None) -> None:
         return real(dist)
 
     monkeypatch.setattr(md, "version", version)
-
-
-# ------------------------------------------------------------------------------ the one op counter of the tests
-
-
-class ModuleOps(TorchDispatchMode):
-    """The aten ops dispatched inside ``modules`` (between each module's pre- and post-forward hooks; with no
-    modules, every op while the mode is active): ``count``, and their ``names`` (``aten.mm``, ``mpsboost.*``). The
-    suite's one op counter (a decode step's whole cost, ops and bytes: ``mpsboost.bench.decode_cost``).
-    The hooks are removed by :meth:`remove` (or on leaving a ``with``)."""
-
-    def __init__(self, modules: Iterable[torch.nn.Module] = ()):
-        super().__init__()
-        modules = list(modules)
-        self.names: list[str] = []
-        self.inside = not modules
-        self.hooks = []
-        for m in modules:
-            self.hooks.append(m.register_forward_pre_hook(lambda *_: setattr(self, "inside", True)))
-            self.hooks.append(m.register_forward_hook(lambda *_: setattr(self, "inside", False)))
-
-    @property
-    def count(self) -> int:
-        return len(self.names)
-
-    @property
-    def bare(self) -> list[str]:
-        """The names without their namespace (``mm``, ``_scaled_mm_v2``, ``fp8_gemv``)."""
-        return [n.split(".", 1)[-1] for n in self.names]
-
-    def remove(self) -> None:
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self.remove()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.inside:
-            self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 def decode_step_ops(model: Any, modules: Iterable[torch.nn.Module], batch: int, *, cache: Any = None) -> list[str]:

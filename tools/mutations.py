@@ -83,6 +83,18 @@ def _leak(recipe: str, signature: str, quick: bool = False) -> Mutation:
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
+        name="call-original-type-forward",
+        why="call_original resolves type(module).forward inside traced code (dynamo cannot trace diffusers' Attention)",
+        edits=(
+            Edit(
+                "src/mpsboost/patching.py",
+                'return entry["class_forward"](module, *args, **kwargs)',
+                "return type(module).forward(module, *args, **kwargs)",
+            ),
+        ),
+        tests=("tests/core/test_patch_primitive.py", "-k", "in_graph"),
+    ),
+    Mutation(
         name="attn-metal-rotate-half-sign",
         why="the fused attention kernel's rotate_half loses its negation on the first half",
         edits=(Edit("src/mpsboost/ops/attn_metal.py", "e < hr ? -buf[e + hr]", "e < hr ? buf[e + hr]"),),

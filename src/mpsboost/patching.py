@@ -291,7 +291,9 @@ def bind_forward(module: torch.nn.Module, recipe: str, new_forward: Callable[...
     _record(
         module,
         recipe,
-        {"forward": previous, "slot": slot, "bound": bound, **saved},
+        # The class's forward as a plain function: call_original calls it without resolving type(module) inside
+        # traced code (dynamo treats some classes, diffusers' Attention, as in-graph callables: type(m).forward breaks).
+        {"forward": previous, "class_forward": type(module).forward, "slot": slot, "bound": bound, **saved},
         again=f"{recipe} already patched this module",
     )
     object.__setattr__(module, slot, bound)
@@ -331,18 +333,20 @@ def saved_state(module: torch.nn.Module, recipe: str) -> dict | None:
 
 def original_forward(module: torch.nn.Module, recipe: str) -> Callable[..., Any]:
     """The forward ``module`` had before ``recipe`` bound its own (instance attribute or class method)."""
-    prev = module.__dict__[ATTR][recipe]["forward"]
+    entry = module.__dict__[ATTR][recipe]
+    prev = entry["forward"]
     if prev is _MISSING:
-        return types.MethodType(type(module).forward, module)
+        return types.MethodType(entry["class_forward"], module)
     return prev
 
 
 def call_original(module: torch.nn.Module, recipe: str, *args: Any, **kwargs: Any) -> Any:
     """Call the forward ``recipe`` replaced on ``module``, without building a bound method first (so that
     torch.compile traces straight through it): the saved instance attribute, or the class's forward."""
-    prev = module.__dict__[ATTR][recipe]["forward"]
+    entry = module.__dict__[ATTR][recipe]
+    prev = entry["forward"]
     if prev is _MISSING:
-        return type(module).forward(module, *args, **kwargs)
+        return entry["class_forward"](module, *args, **kwargs)
     return prev(*args, **kwargs)
 
 

@@ -7,6 +7,7 @@ import types
 from pathlib import Path
 
 import pytest
+from mpsboost.bench import relative_error
 import torch
 from torch import nn
 
@@ -721,7 +722,7 @@ def test_inner_then_outer_computes_like_stock():
     mpsboost.patch(model.model, device=mac)
     mpsboost.patch(model, device=mac)
     for seed in (1, 2):
-        assert tm.relative_error(tm.run("qwen3_5_moe", model, seed), tm.run("qwen3_5_moe", stock, seed)) < 1e-4
+        assert relative_error(tm.run("qwen3_5_moe", model, seed), tm.run("qwen3_5_moe", stock, seed)) < 1e-4
 
 
 # ------------------------------------------------------------------ device= and options= read the same everywhere

@@ -26,6 +26,7 @@ from mpsboost.patching import (
     Patch,
     at_commit,
     bind_forward,
+    call_original,
     held_by,
     hold_instance_attr,
     keep_attrs,
@@ -693,3 +694,31 @@ def test_replace_tensors_keeps_non_persistent_buffers_out_of_the_state_dict_unti
         with pytest.raises(ValueError, match="non_persistent names 'pack'"):
             replace_tensors(lin, bad, explanation="reload", non_persistent=("pack",))
     assert set(lin.state_dict()) == keys and not lin._non_persistent_buffers_set
+
+
+def test_call_original_traces_where_dynamo_calls_the_class_an_in_graph_function():
+    # dynamo resolves type(module) of diffusers' Attention (the mid-block attention of HunyuanVideo's VAE and of
+    # every classic diffusers VAE) to an in-graph callable, whose `.forward` it cannot trace: call_original calls
+    # the class's forward saved at patch time instead.
+    pytest.importorskip("diffusers")
+    from diffusers.models.attention_processor import Attention
+
+    torch.manual_seed(0)
+    attn = Attention(query_dim=8, heads=2, dim_head=4).eval()
+    x = torch.randn(1, 5, 8)
+    with torch.no_grad():
+        want = attn(x)
+
+    def through(self_, *args, **kwargs):
+        return 2 * call_original(self_, "t", *args, **kwargs)
+
+    undo = bind_forward(attn, "t", through)
+    try:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got = torch.compile(attn, fullgraph=True, backend="eager")(x)
+        torch.testing.assert_close(got, 2 * want, rtol=1e-5, atol=1e-6)
+    finally:
+        undo()
+        torch._dynamo.reset()
+    assert "forward" not in attn.__dict__

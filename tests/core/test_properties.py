@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mpsboost
+from mpsboost.bench import relative_error
 import tiny_models as tm
 from mpsboost.registry import all_recipes
 
@@ -121,7 +122,7 @@ def _property(name: str, model_name: str, data, seed: int) -> None:
     out = tm.run(model_name, twin, seed, **shape)
     assert out.shape == ref.shape
     assert torch.isfinite(ref).all()
-    err = tm.relative_error(out, ref)
+    err = relative_error(out, ref)
     tol = tolerance(name, dtype)
     assert err <= tol, (
         f"{name} on {model_name} ({label}, {n} targets), shape {shape}, seed {seed}: relative error {err:.3g} > {tol:g}"

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import mpsboost
+from mpsboost.bench import relative_error
 import tiny_models as tm
 from mpsboost.registry import all_recipes
 
@@ -144,7 +145,7 @@ PIPES = ["wan22_ti2v_pipeline", "qwen_image_pipeline"]
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
-    err = tm.relative_error(out, ref)
+    err = relative_error(out, ref)
     # Lossless recipes on fp32: the order of a few additions at most.
     assert err <= 1e-5, f"{what}: relative error {err:.3g}"
 
@@ -254,7 +255,7 @@ def test_diffusers_offload_on_an_accelerator(pipe_name, kind, order):
         offload(pipe)
         _quiet_patch(pipe, device="cuda")
     out = tm.run(pipe_name, pipe, 3)
-    assert tm.relative_error(out, ref) <= 1e-3  # TF32 convolutions may differ in order
+    assert relative_error(out, ref) <= 1e-3  # TF32 convolutions may differ in order
 
 
 # ---------------------------------------------------------------------------------- isolation
@@ -375,6 +376,6 @@ def test_device_map_auto_across_two_gpus(model_name, tmp_path):
         out = patched(input_ids=ids).logits.float().cpu()
         gen_ref = stock.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
         gen_out = patched.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert tm.relative_error(out, ref) <= 1e-4
+    assert relative_error(out, ref) <= 1e-4
     assert torch.equal(gen_out, gen_ref)
     mpsboost.unpatch(patched)

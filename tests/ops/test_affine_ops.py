@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny_models import max_relative_error
+from mpsboost.bench import max_relative_error
 
 from mpsboost.errors import UserInputError
 from mpsboost.ops import affine as A

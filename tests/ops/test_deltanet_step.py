@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltanet_reference import compare, independent
-from tiny_models import ModuleOps
+from mpsboost.bench import ModuleOps
 from mpsboost.ops.deltanet_step import check, deltanet_step, random_inputs
 
 CASES = [

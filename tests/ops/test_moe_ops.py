@@ -187,7 +187,7 @@ def test_combine_slots_matches_weighted_sum(dtype, wdtype, tol, rng_seed):
 def test_unroute_runs_fewer_kernels_than_multiply_then_sum(rng_seed):
     """The prefill trim: un-sorting and combining the top-k slots takes one scatter and one bmm
     (no gather of sorted weights, no [S, H] product), counted as aten calls."""
-    from tiny_models import ModuleOps
+    from mpsboost.bench import ModuleOps
 
     n, k, e, h = 16, 4, 8, 32
     idx = torch.stack([torch.randperm(e)[:k] for _ in range(n)])

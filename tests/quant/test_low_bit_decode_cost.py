@@ -7,6 +7,7 @@ tests/integration/test_medium_size.py)."""
 from __future__ import annotations
 
 import pytest
+from mpsboost.bench import relative_error
 import tiny_models as tm
 import torch
 
@@ -42,5 +43,5 @@ def test_attention_step_on_low_bit_projections_equals_the_low_bit_model_without_
     assert not any(r.recipe == "attention_decode" and r.status == "applied" for r in mpsboost.last_report(without).rows)
     got = tm._run_lm(with_step, rng_seed, batch=2, prompt=6, steps=3)
     ref = tm._run_lm(without, rng_seed, batch=2, prompt=6, steps=3)
-    assert tm.relative_error(got, ref) <= FP32_TOL
+    assert relative_error(got, ref) <= FP32_TOL
     assert torch.isfinite(got).all()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mpsboost
-from tiny_models import relative_error
+from mpsboost.bench import relative_error
 from conftest import (
     FAMILIES,
     mlx_greedy,

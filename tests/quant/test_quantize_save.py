@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import mpsboost
 from conftest import hf_model, mlx_greedy, mlx_logits, mlx_model, needs_mlx, torch_greedy, write_mlx
-from tiny_models import relative_error
+from mpsboost.bench import relative_error
 from mpsboost.recipes.low_bit.layers import affine_state
 from mpsboost.quant.save import _family
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from mpsboost.bench import relative_error
 import tiny_models as tm
 import torch
 
@@ -110,7 +111,7 @@ def _params(model: torch.nn.Module, family: str) -> list[str]:
 def _check(stock, patched, ids, what, edit_after_first_step=None):
     ref = _run(stock, ids, edit_after_first_step and (lambda: edit_after_first_step(stock)))
     got = _run(patched, ids, edit_after_first_step and (lambda: edit_after_first_step(patched)))
-    err = tm.relative_error(got, ref)
+    err = relative_error(got, ref)
     assert err <= TOL, f"{what}: logits {err:.2e} from stock (tolerance {TOL:.0e})"
 
 

@@ -8,6 +8,7 @@ import gc
 import weakref
 
 import pytest
+from mpsboost.bench import ModuleOps, relative_error
 import tiny_models as tm
 import torch
 
@@ -89,7 +90,7 @@ def _assert_layers_match(stock, patched, ids, prompt, what):
     _steps(patched, ids, prompt, outputs=got)
     assert len(ref) == len(got) == 1 + ids.shape[1] - prompt
     for step, (r, g) in enumerate(zip(ref, got)):
-        err = tm.relative_error(g, r)
+        err = relative_error(g, r)
         assert err <= FP32_TOL, f"{what} step {step}: relative error {err:.2e}"
 
 
@@ -149,7 +150,7 @@ def test_patched_decode_uses_the_cache_tensors_in_place(ratio):
             m = patched if i % 2 == 0 else stock
             out = m(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits
             ref = stock(ids[:, i : i + 1], past_key_values=ref_cache, use_cache=True).logits
-            assert tm.relative_error(out, ref) <= FP32_TOL
+            assert relative_error(out, ref) <= FP32_TOL
         assert cache.layers[0].recurrent_states[0] is state and cache.layers[0].conv_states[0] is conv
 
 
@@ -198,7 +199,7 @@ def test_two_sequences_decoded_in_turn_keep_their_own_state(fused_step):
                     outs[j] = m(x[:, i : i + 1], past_key_values=outs[j].past_key_values, use_cache=True)
                     logits.append(outs[j].logits)
         runs.append(torch.cat(logits, dim=1))
-    assert tm.relative_error(runs[1], runs[0]) <= FP32_TOL
+    assert relative_error(runs[1], runs[0]) <= FP32_TOL
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -216,12 +217,12 @@ def test_generate_left_padded_batch_equals_stock(family, ratio):
             ref_tokens, ref_logits = _generate(stock, ids, mask, **kw)
             tokens, logits = _generate(patched, ids, mask, **kw)
             assert torch.equal(tokens, ref_tokens), kw
-            assert tm.relative_error(logits, ref_logits) <= FP32_TOL, kw
+            assert relative_error(logits, ref_logits) <= FP32_TOL, kw
         ids1, mask1 = _left_padded((7,), 7, seed=32)  # a second call, one sequence: the buffers change size
         ref_tokens, ref_logits = _generate(stock, ids1, mask1)
         tokens, logits = _generate(patched, ids1, mask1)
     assert torch.equal(tokens, ref_tokens)
-    assert tm.relative_error(logits, ref_logits) <= FP32_TOL
+    assert relative_error(logits, ref_logits) <= FP32_TOL
 
 
 def test_greedy_tokens_equal_over_32_new_tokens():
@@ -290,8 +291,8 @@ def _decode_step_compiles(stock, patched, backend="aot_eager"):
         got = compiled(x, cache)
         ref = ref_layer(x, cache=twin)
     torch._dynamo.reset()
-    assert tm.relative_error(got, ref) <= FP32_TOL
-    assert tm.relative_error(cache.layers[0].recurrent_states[0], twin.layers[0].recurrent_states[0]) <= FP32_TOL
+    assert relative_error(got, ref) <= FP32_TOL
+    assert relative_error(cache.layers[0].recurrent_states[0], twin.layers[0].recurrent_states[0]) <= FP32_TOL
     assert torch.equal(cache.layers[0].conv_states[0], twin.layers[0].conv_states[0])
 
 
@@ -327,7 +328,7 @@ def test_no_tie_appears_and_save_pretrained_round_trips(family, tmp_path):
     sd, rd = model.state_dict(), reloaded.state_dict()
     assert list(sd) == list(rd) and all(torch.equal(sd[k], rd[k]) for k in sd)
     for a, b in zip(logits, _steps(reloaded, ids, 6)):
-        assert tm.relative_error(a, b) <= FP32_TOL
+        assert relative_error(a, b) <= FP32_TOL
 
 
 def test_unpatch_restores_the_same_objects():
@@ -400,7 +401,7 @@ def test_bf16_error_no_worse_than_stock(ratio):
     _steps(stock, ids, 16, outputs=s)
     _steps(patched, ids, 16, outputs=p)
     flat = [torch.cat([t.flatten().float() for t in ts]) for ts in (ref, s, p)]
-    e_stock, e_patched = tm.relative_error(flat[1], flat[0]), tm.relative_error(flat[2], flat[0])
+    e_stock, e_patched = relative_error(flat[1], flat[0]), relative_error(flat[2], flat[0])
     assert 0 < e_stock < 0.1
     assert e_patched <= BF16_FACTOR * e_stock, (e_patched, e_stock)
 
@@ -414,9 +415,7 @@ def test_moved_after_patch_derives_again_and_unpatches():
     ref, got = [], []
     _steps(stock, ids, 5, outputs=ref)
     _steps(patched, ids, 5, outputs=got)
-    assert len(got) == 3 and all(
-        tm.relative_error(g, r) <= FP32_TOL for g, r in zip(got, ref)
-    )  # float32 inside the step
+    assert len(got) == 3 and all(relative_error(g, r) <= FP32_TOL for g, r in zip(got, ref))  # float32 inside the step
     layer = _deltanets(patched)[0]
     assert layer.in_proj_z.weight.dtype == torch.float64
     assert layer.__dict__[la._STATE].derived["proj"][0].dtype == torch.float64  # derived from the moved weights
@@ -496,7 +495,7 @@ def test_unit_lower_solve_matches_solve_triangular(n):
     a = torch.randn(3, n, n, generator=g, dtype=torch.float64) * 0.3
     rhs = torch.randn(3, n, 7, generator=g, dtype=torch.float64)
     ref = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True)
-    assert tm.relative_error(gd.unit_lower_solve(a, rhs), ref) <= 1e-12
+    assert relative_error(gd.unit_lower_solve(a, rhs), ref) <= 1e-12
 
 
 def test_chunked_rule_matches_transformers_reference():
@@ -518,7 +517,7 @@ def test_chunked_rule_matches_transformers_reference():
         out, state = gd.chunk_gated_delta_rule(
             q, k, v, gate, beta, initial_state=init, output_final_state=True, solve=solve
         )
-        assert tm.relative_error(out, ref) <= FP32_TOL and tm.relative_error(state, ref_state) <= FP32_TOL
+        assert relative_error(out, ref) <= FP32_TOL and relative_error(state, ref_state) <= FP32_TOL
 
 
 @pytest.mark.parametrize(
@@ -554,7 +553,7 @@ def test_chunked_rule_equals_transformers_over_many_chunks(b, s, hk, hv, init, d
         q, k, v, gate, beta, initial_state=state0, output_final_state=True, solve="triangular"
     )
     assert out.shape == ref.shape and state.shape == ref_state.shape
-    assert tm.relative_error(out, ref) <= FP32_TOL and tm.relative_error(state, ref_state) <= FP32_TOL
+    assert relative_error(out, ref) <= FP32_TOL and relative_error(state, ref_state) <= FP32_TOL
     if init:
         assert torch.equal(state0, kept)
 
@@ -567,7 +566,7 @@ def test_scan_is_five_ops_per_chunk():
     def ops(s):
         q, k, v = (torch.randn(1, s, 2, 16, generator=g) for _ in range(3))
         gate, beta = -torch.rand(1, s, 2, generator=g), torch.rand(1, s, 2, generator=g)
-        with tm.ModuleOps() as c:
+        with ModuleOps() as c:
             gd.chunk_gated_delta_rule(
                 q, k, v, gate, beta, initial_state=None, output_final_state=True, solve="triangular"
             )
@@ -585,7 +584,7 @@ def test_prefill_in_fewer_ops_than_stock_and_equal():
     ids = torch.randint(3, 128, (1, 512), generator=torch.Generator().manual_seed(2))
     counts = []
     for m in (stock, patched):
-        counter = tm.ModuleOps(_deltanets(m)[:1])
+        counter = ModuleOps(_deltanets(m)[:1])
         try:
             with torch.no_grad(), counter:
                 logits = m(ids, use_cache=True).logits
@@ -595,7 +594,7 @@ def test_prefill_in_fewer_ops_than_stock_and_equal():
         counts.append((counter.count, logits))
     (n_stock, ref), (n_patched, got) = counts
     assert n_patched <= 0.6 * n_stock, (n_patched, n_stock)
-    assert tm.relative_error(got, ref) <= FP32_TOL
+    assert relative_error(got, ref) <= FP32_TOL
 
 
 @pytest.mark.slow
@@ -664,7 +663,7 @@ def test_composes_with_fp8_layers(env_name, ratio):
     assert layer.in_proj_qkv.weight.dtype in (torch.float8_e4m3fn, torch.uint8)  # the fp8 layers are there
     assert layer.__dict__[la._STATE].derived["proj_mods"] is not None  # and the recipe's step used them
     r, s, p = [torch.cat([x.flatten() for x in _steps(m, ids, 7)]) for m in (ref, stock, patched)]
-    assert tm.relative_error(p, r) <= tm.relative_error(s, r) + FP32_TOL
+    assert relative_error(p, r) <= relative_error(s, r) + FP32_TOL
 
 
 @pytest.mark.parametrize("env_name", ["mps-2.15.0", "mps-2.14.1"])
@@ -690,7 +689,7 @@ def test_applies_after_load_fp8_of_the_qwen36_fp8_layout(tmp_path, env_name):
         outs.append([])
         _steps(m, ids, 7, outputs=outs[-1])
     flat = [torch.cat([t.flatten().float() for t in ts]) for ts in outs]
-    e_stock, e_patched = tm.relative_error(flat[1], flat[0]), tm.relative_error(flat[2], flat[0])
+    e_stock, e_patched = relative_error(flat[1], flat[0]), relative_error(flat[2], flat[0])
     assert 0 < e_stock < 0.1
     assert e_patched <= BF16_FACTOR * e_stock, (e_patched, e_stock)
     assert all(m.__dict__[la._STATE].derived["proj_mods"] is not None for m in _deltanets(patched))

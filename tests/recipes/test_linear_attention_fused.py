@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from mpsboost.bench import relative_error
 import tiny_models as tm
 import torch
 from recipes.test_linear_attention import (
@@ -100,7 +101,7 @@ def test_at_most_ten_ops_per_layer_with_low_bit_projections():
     _steps(ref, ids, 7, outputs=ref_out)
     _steps(model, ids, 7, outputs=got)
     for step, (r, g) in enumerate(zip(ref_out, got)):
-        assert tm.relative_error(g.float(), r.float()) <= 2e-2, step
+        assert relative_error(g.float(), r.float()) <= 2e-2, step
 
 
 # the fused step equal to stock: head ratios, padded and continued batches, slow-decay gates (tiny_models' default),
@@ -129,7 +130,7 @@ def test_left_padded_generate_equals_stock():
         ref_tokens, ref_logits = _generate(stock, ids, mask)
         tokens, logits = _generate(patched, ids, mask)
     assert torch.equal(tokens, ref_tokens)
-    assert tm.relative_error(logits, ref_logits) <= FP32_TOL
+    assert relative_error(logits, ref_logits) <= FP32_TOL
 
 
 def test_fused_step_traces_with_fullgraph():

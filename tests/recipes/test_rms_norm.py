@@ -6,6 +6,7 @@ import gc
 import weakref
 
 import pytest
+from mpsboost.bench import ModuleOps
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -170,14 +171,13 @@ def test_one_fused_call_per_norm(mod, name, form):
 def test_float32_round_then_scale_dispatches_no_more_aten_ops_than_the_module(mod, name, form, rng_seed):
     # In float32 the module's rounding is the identity, so the weight goes into F.rms_norm itself: on the CPU
     # (where F.rms_norm is the module's composite) no more aten ops than the module, on MPS one kernel.
-    import tiny_models as tm
 
     model = _norm(mod, name, 64, torch.float32)
     x = torch.randn(2, 5, 64)
-    with tm.ModuleOps() as stock:
+    with ModuleOps() as stock:
         ref = model(x)
     mpsboost.patch(model, device=MAC)
-    with tm.ModuleOps() as patched, _Calls() as calls:
+    with ModuleOps() as patched, _Calls() as calls:
         out = model(x)
     assert patched.count <= stock.count and calls.names.count("rms_norm") == 1, (patched.names, stock.names)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)

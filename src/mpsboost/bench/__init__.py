@@ -27,7 +27,7 @@ from .errors import (
 )
 from .memory import MemoryProbe, measure_memory
 from .progressbar import progress
-from .quality import as_tensor, correctness, cpu_reference, max_abs, psnr, relative_error, sqnr
+from .quality import as_tensor, correctness, cpu_reference, max_abs, max_relative_error, psnr, relative_error, sqnr
 from .records import (
     SCHEMA_VERSION,
     Correctness,
@@ -56,6 +56,7 @@ _LAZY = {
     "ratio_lines": "harness",
     "paired_rounds": "harness",
     "round_ratios": "harness",
+    "ModuleOps": "decode_cost",
 }
 
 
@@ -90,6 +91,7 @@ __all__ = [
     "progress",
     "psnr",
     "relative_error",
+    "max_relative_error",
     "sqnr",
     "max_abs",
     "correctness",
@@ -107,6 +109,7 @@ __all__ = [
     "ratio_lines",
     "paired_rounds",
     "round_ratios",
+    "ModuleOps",
     "BenchError",
     "RecordError",
     "EnvMismatchError",

@@ -51,6 +51,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 from importlib import resources
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,7 @@ __all__ = [
     "BLOCKS",
     "KINDS",
     "MPS_ROUTES",
+    "ModuleOps",
     "OpRecorder",
     "build",
     "decode_cost",
@@ -313,6 +315,47 @@ class OpRecorder(TorchDispatchMode):
         if not self.quiet:
             self.record(func, args, kwargs, out)
         return out
+
+
+class ModuleOps(OpRecorder):
+    """The aten ops dispatched inside ``modules`` (between each module's pre- and post-forward hooks; with no
+    modules, every op while the mode is active): ``count``, and their ``names`` (``aten.mm``, ``mpsboost.*``). The
+    tests' one op counter; a decode step's whole cost, ops and bytes, is :func:`decode_cost`'s. The hooks are
+    removed by :meth:`remove` (or on leaving a ``with``)."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module] = ()) -> None:
+        super().__init__(self._note)
+        modules = list(modules)
+        self.names: list[str] = []
+        self.inside = not modules
+        self.hooks: list[Any] = []
+        for m in modules:
+            self.hooks.append(m.register_forward_pre_hook(lambda *_: setattr(self, "inside", True)))
+            self.hooks.append(m.register_forward_hook(lambda *_: setattr(self, "inside", False)))
+
+    def _note(self, func, args, kwargs, out) -> None:
+        if self.inside:
+            self.names.append(str(func.overloadpacket))
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    @property
+    def bare(self) -> list[str]:
+        """The names without their namespace (``mm``, ``_scaled_mm_v2``, ``fp8_gemv``)."""
+        return [n.split(".", 1)[-1] for n in self.names]
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.remove()
 
 
 def decode_cost(

@@ -21,7 +21,17 @@ from typing import Any, Callable, Mapping
 from .errors import QualityError
 from .records import Correctness
 
-__all__ = ["psnr", "relative_error", "sqnr", "max_abs", "correctness", "as_tensor", "cpu_reference", "to_cpu_fp32"]
+__all__ = [
+    "psnr",
+    "relative_error",
+    "max_relative_error",
+    "sqnr",
+    "max_abs",
+    "correctness",
+    "as_tensor",
+    "cpu_reference",
+    "to_cpu_fp32",
+]
 
 # Elements per chunk when reducing: keeps float64 temporaries small for video-sized tensors.
 _CHUNK = 1 << 24
@@ -126,6 +136,17 @@ def relative_error(x: Any, ref: Any) -> float:
     if sig2 == 0.0:
         return 0.0 if err2 == 0.0 else math.inf
     return math.sqrt(err2 / sig2)
+
+
+def max_relative_error(x: Any, ref: Any) -> float:
+    """max |x − ref| / max |ref|: the worst element against the reference's scale (0.0 when identical, ``inf`` when
+    ref is all zeros and x is not)."""
+    x, ref = _pair(x, ref)
+    _, _, mx, lo, hi = _sums(x, ref)
+    scale = max(abs(lo), abs(hi))
+    if scale == 0.0:
+        return 0.0 if mx == 0.0 else math.inf
+    return mx / scale
 
 
 def sqnr(x: Any, ref: Any) -> float:

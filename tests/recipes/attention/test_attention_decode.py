@@ -8,6 +8,7 @@ import copy
 
 import pytest
 from mpsboost.bench.models import TINY_LM
+from mpsboost.bench import relative_error
 import tiny_models as tm
 import torch
 
@@ -142,10 +143,10 @@ def _compare(stock, patched, ids, prompt, mask=None, what=""):
     lg = _steps(patched, ids, prompt, mask=mask, outputs=got)
     assert len(ref) == len(got) > 0
     for step, (r, g) in enumerate(zip(ref, got)):
-        err = tm.relative_error(g, r)
+        err = relative_error(g, r)
         assert err <= FP32_TOL, f"{what} layer output {step}: relative error {err:.2e}"
     for r, g in zip(lr, lg):
-        assert tm.relative_error(g, r) <= FP32_TOL
+        assert relative_error(g, r) <= FP32_TOL
 
 
 CASES = [(f, i, "mps-2.15.0") for f in FAMILIES for i in ("sdpa", "eager")] + [
@@ -189,7 +190,7 @@ def test_sliding_window_layers_match_stock():
     _steps(stock, ids, 2, outputs=ref, cache=StaticCache(config=stock.config, max_cache_len=16))
     _steps(patched, ids, 2, outputs=got, cache=StaticCache(config=patched.config, max_cache_len=16))
     assert len(ref) == len(got) == 2 * 11
-    assert all(tm.relative_error(g, r) <= FP32_TOL for g, r in zip(got, ref))
+    assert all(relative_error(g, r) <= FP32_TOL for g, r in zip(got, ref))
 
 
 def test_packed_query_heads_match_stock():
@@ -217,7 +218,7 @@ def test_greedy_generate_twice_left_padding_and_use_cache_false():
         assert torch.equal(patched.generate(ids, **kw), ref)  # a second call: the same tokens
         a = stock(ids, attention_mask=mask, use_cache=False).logits
         b = patched(ids, attention_mask=mask, use_cache=False).logits
-    assert tm.relative_error(b, a) <= FP32_TOL
+    assert relative_error(b, a) <= FP32_TOL
 
 
 def test_static_cache_generate_and_steps_match_stock():
@@ -236,7 +237,7 @@ def test_static_cache_generate_and_steps_match_stock():
     _steps(stock, ids, 5, outputs=ref, cache=StaticCache(config=stock.config, max_cache_len=16))
     _steps(patched, ids, 5, outputs=got, cache=StaticCache(config=patched.config, max_cache_len=16))
     assert len(ref) == len(got) == 5
-    assert all(tm.relative_error(g, r) <= FP32_TOL for g, r in zip(got, ref))
+    assert all(relative_error(g, r) <= FP32_TOL for g, r in zip(got, ref))
 
 
 def test_bf16_error_no_worse_than_stock():
@@ -250,7 +251,7 @@ def test_bf16_error_no_worse_than_stock():
     _steps(stock, ids, 12, outputs=s)
     _steps(patched, ids, 12, outputs=p)
     flat = [torch.cat([t[:, -1:].flatten().float() for t in ts[1:]]) for ts in (ref, s, p)]  # decode steps
-    e_stock, e_patched = tm.relative_error(flat[1], flat[0]), tm.relative_error(flat[2], flat[0])
+    e_stock, e_patched = relative_error(flat[1], flat[0]), relative_error(flat[2], flat[0])
     assert 0 < e_stock < 0.1
     assert e_patched <= 1.5 * e_stock, (e_patched, e_stock)
 
@@ -282,7 +283,7 @@ def test_attention_weights_however_asked_for(how, recipes, mac):
         outs.append((first.attentions, step.attentions))
     for ref, got in zip(*outs):
         assert len(ref) == len(got) == 1  # one full-attention layer
-        assert tm.relative_error(got[0], ref[0]) <= FP32_TOL
+        assert relative_error(got[0], ref[0]) <= FP32_TOL
 
 
 # ------------------------------------------------------------------------------------------ compile, unpatch
@@ -327,11 +328,11 @@ def test_decode_step_compiles_fullgraph(cache_kind):
         compiled = torch.compile(step, fullgraph=True, backend=backend)
         got = compiled(x, cache)
         ref = ad.call_original(layer, ad.NAME, x, position_embeddings=pe, attention_mask=mask, cache=twin)[0]
-    assert tm.relative_error(got, ref) <= FP32_TOL
+    assert relative_error(got, ref) <= FP32_TOL
     # one graph, and it is the recipe's step (the rotate-half permutation), not the module's own forward
     assert len(graphs) == 1 and "index_select" in str(graphs[0].graph)
     k, tk = cache.layers[layer.layer_idx].keys, twin.layers[layer.layer_idx].keys
-    assert k.shape == tk.shape and tm.relative_error(k, tk) <= FP32_TOL
+    assert k.shape == tk.shape and relative_error(k, tk) <= FP32_TOL
     torch._dynamo.reset()
 
 

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 from mpsboost.bench.models import TINY_LM
+from mpsboost.bench import ModuleOps, relative_error
 import tiny_models as tm
 import torch
 import torch.nn.functional as F
@@ -67,7 +68,7 @@ def _step_ops(model, batch: int) -> list[str]:
     return tm.decode_step_ops(model, _attentions(model), batch)
 
 
-def _calls(counter: tm.ModuleOps) -> int:
+def _calls(counter: ModuleOps) -> int:
     """How many times the fused operator ran while ``counter`` (over the whole model) was active."""
     return counter.names.count(OP)
 
@@ -87,10 +88,10 @@ def test_fused_step_equals_stock_fp32(family, mac, rng_seed):
     steps = 4
     for batch in (1, 2):
         ref = tm._run_lm(stock, rng_seed + batch, batch=batch, prompt=6, steps=steps)
-        with tm.ModuleOps() as calls:
+        with ModuleOps() as calls:
             got = tm._run_lm(patched, rng_seed + batch, batch=batch, prompt=6, steps=steps)
         assert _calls(calls) == steps * len(_attentions(patched)), _calls(calls)  # every decode step, no prefill
-        err = tm.relative_error(got, ref)
+        err = relative_error(got, ref)
         assert err <= FP32_TOL, f"{family} mac {mac} batch {batch}: logits {err:.2e} from stock"
 
 
@@ -109,15 +110,15 @@ def test_bf16_error_no_worse_than_stock(family):
     ref, s, p = [], [], []
     _steps(ref_model, ids, 10, outputs=ref)
     _steps(stock, ids, 10, outputs=s)
-    with tm.ModuleOps() as calls:
+    with ModuleOps() as calls:
         _steps(patched, ids, 10, outputs=p)
     assert _calls(calls) == 6 * len(_attentions(patched))
     flat = [torch.cat([t[:, -1:].flatten().float() for t in ts[len(_attentions(stock)) :]]) for ts in (ref, s, p)]
-    e_stock, e_patched = tm.relative_error(flat[1], flat[0]), tm.relative_error(flat[2], flat[0])
+    e_stock, e_patched = relative_error(flat[1], flat[0]), relative_error(flat[2], flat[0])
     assert 0 < e_stock < 0.1
     assert e_patched <= 1.5 * e_stock, (e_patched, e_stock)
     for step, (a, b) in enumerate(zip(s, p)):
-        assert tm.relative_error(b.float(), a.float()) <= 1e-3, step
+        assert relative_error(b.float(), a.float()) <= 1e-3, step
 
 
 # ------------------------------------------------------------------------------------------ op counts
@@ -158,7 +159,7 @@ def test_the_composed_path_under_mps_still_hands_sdpa_a_dense_query(rng_seed, mo
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     got = tm._run_lm(patched, rng_seed, batch=1, prompt=5, steps=2)
     assert len(seen) == 2 and all(seen), seen
-    assert tm.relative_error(got, ref) <= FP32_TOL
+    assert relative_error(got, ref) <= FP32_TOL
 
 
 # ------------------------------------------------------------------------------------------ the report, options
@@ -227,9 +228,9 @@ def test_a_data_edit_of_the_qk_norms_is_followed_from_the_next_prompt(family, fu
             for j, norm in enumerate((layer.q_norm, layer.k_norm)):
                 norm.weight.data += _norm_delta(norm.weight, 40 + 2 * i + j)
     ref = tm._run_lm(stock, rng_seed + 1, batch=2, prompt=5, steps=3)
-    assert tm.relative_error(ref, before) > 1e-3  # the edit changes what stock computes
+    assert relative_error(ref, before) > 1e-3  # the edit changes what stock computes
     got = tm._run_lm(patched, rng_seed + 1, batch=2, prompt=5, steps=3)
-    assert tm.relative_error(got, ref) <= FP32_TOL
+    assert relative_error(got, ref) <= FP32_TOL
 
 
 # ------------------------------------------------------------------------------------------ compile, unpatch
@@ -264,9 +265,9 @@ def test_fused_step_traces_with_fullgraph():
         ref = ad.call_original(layer, ad.NAME, x, position_embeddings=pe, attention_mask=None, cache=twin)[0]
     torch._dynamo.reset()
     assert len(graphs) == 1 and "attn_qk_rope_cache" in str(graphs[0].graph), graphs
-    assert tm.relative_error(got, ref) <= FP32_TOL
+    assert relative_error(got, ref) <= FP32_TOL
     k, tk = cache.layers[layer.layer_idx].keys, twin.layers[layer.layer_idx].keys
-    assert k.shape == tk.shape and tm.relative_error(k, tk) <= FP32_TOL
+    assert k.shape == tk.shape and relative_error(k, tk) <= FP32_TOL
 
 
 def test_a_copy_keeps_the_fused_path_and_unpatch_restores_the_forward(rng_seed):
@@ -275,16 +276,16 @@ def test_a_copy_keeps_the_fused_path_and_unpatch_restores_the_forward(rng_seed):
     _patch(patched)
     twin = copy.deepcopy(patched)
     assert all(m.__dict__[ad._STATE].fused for m in _attentions(twin))
-    with tm.ModuleOps() as calls:
+    with ModuleOps() as calls:
         got = tm._run_lm(twin, rng_seed, batch=1, prompt=5, steps=2)
     assert _calls(calls) == 2 * len(_attentions(twin))
     ref = tm._run_lm(stock, rng_seed, batch=1, prompt=5, steps=2)
-    assert tm.relative_error(got, ref) <= FP32_TOL
+    assert relative_error(got, ref) <= FP32_TOL
     layers = _attentions(patched)
     assert all("forward" in m.__dict__ for m in layers)
     mpsboost.unpatch(patched)
     assert all("forward" not in m.__dict__ and ad._STATE not in m.__dict__ for m in layers)
-    with tm.ModuleOps() as calls:
+    with ModuleOps() as calls:
         after = tm._run_lm(patched, rng_seed, batch=1, prompt=5, steps=2)
     assert _calls(calls) == 0 and torch.equal(after, ref)
 

@@ -26,6 +26,7 @@ import mpsboost
 from mpsboost.gate import Env
 from mpsboost.recipes import _hf
 
+from mpsboost.bench import relative_error
 import tiny_models as tm
 
 pytest.importorskip("transformers")
@@ -109,7 +110,7 @@ def test_patched_equals_stock_and_unpatch_restores(family, impl, rng_seed):
     assert applied == ({"attention_split", "metal_attention"} if impl == "sdpa" else {"metal_attention"}), str(report)
     assert model.config._attn_implementation == impl
     got = tm.run(family, model, rng_seed)
-    assert tm.relative_error(got, ref) < 1e-5
+    assert relative_error(got, ref) < 1e-5
     mpsboost.unpatch(model)
     assert tm.same_snapshot(before, tm.snapshot(model)), tm.diff_snapshot(before, tm.snapshot(model))
     assert model.config._attn_implementation == impl
@@ -143,7 +144,7 @@ def test_split_runs_in_transformers_attention_modules():
     with torch.no_grad(), _RecordSdpa() as rec:
         got = model(ids).logits
     assert len(rec.scores) > len(stock.scores) and max(rec.scores) <= budget
-    assert tm.relative_error(got, ref) < 1e-5
+    assert relative_error(got, ref) < 1e-5
     mpsboost.unpatch(model)
 
 

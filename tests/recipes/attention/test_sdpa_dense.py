@@ -9,6 +9,7 @@ results equal stock within float32 rounding (relative 1e-5). Off MPS nothing is 
 from __future__ import annotations
 
 import pytest
+from mpsboost.bench import relative_error
 import tiny_models as tm
 import torch
 import torch.nn.functional as F
@@ -58,7 +59,7 @@ def test_every_sdpa_call_gets_contiguous_inputs_under_mps(family, tv, rng_seed):
         with SdpaInputs() as calls:
             out = tm._run_lm(model, rng_seed, batch=2, prompt=6, steps=2)
     assert len(calls.calls) >= 2 and all(all(c) for c in calls.calls), calls.calls
-    assert tm.relative_error(out, ref) <= TOL
+    assert relative_error(out, ref) <= TOL
 
 
 def test_no_copy_off_mps(rng_seed):
@@ -101,7 +102,7 @@ def test_split_calls_get_contiguous_slices_when_dense(dense):
         out = sdpa_split(q, k, v, is_causal=True, max_scores=2 * 4 * 3 * 10, dense=dense)
     assert len(calls.calls) == 4  # 10 query rows, 3 per call
     assert all(all(c) for c in calls.calls) == dense, calls.calls
-    assert tm.relative_error(out, ref) <= TOL
+    assert relative_error(out, ref) <= TOL
 
 
 def test_attention_split_decides_dense_under_mps():

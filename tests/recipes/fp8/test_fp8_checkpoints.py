@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from mpsboost.bench.models import TINY_LM, build as build_row
-from tiny_models import relative_error
+from mpsboost.bench import relative_error
 
 import mpsboost
 import tiny_models as tm

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import relative_error
+from mpsboost.bench import relative_error
 import torch.nn.functional as F
 
 from mpsboost.ops import fp8 as fp8_ops

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import mpsboost
 from mpsboost.bench.decode_cost import build
-from tiny_models import ModuleOps
+from mpsboost.bench import ModuleOps
 from mpsboost.gate import Env
 from step_costs import fp8_costs, fp8_ratio, tiny_cost
 from mpsboost.ops import fp8 as fp8_ops

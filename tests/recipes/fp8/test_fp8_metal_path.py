@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import mpsboost
 from mpsboost.errors import PatchError
 from mpsboost.bench.decode_cost import build, decode_cost
-from tiny_models import ModuleOps
+from mpsboost.bench import ModuleOps
 from mpsboost.gate import Env
 from mpsboost.ops import fp8 as fp8_ops
 from mpsboost.recipes.fp8 import paths as fp8_paths

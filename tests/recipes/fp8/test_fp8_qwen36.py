@@ -516,7 +516,7 @@ def test_qwen36_fp8_decodes_on_the_metal_kernel_with_the_files_block_scales(qwen
     # decode steps run mpsboost's Metal GEMV with the block scales applied in it (here its reference operators),
     # every lossless recipe on. Against the file's exact dequantisation run by transformers' own code: the same
     # weight values, only the order of the bf16/fp32 sums differs (stated bound: 2e-2 of the logits' norm).
-    from tiny_models import ModuleOps
+    from mpsboost.bench import ModuleOps
 
     folder, ref_state = qwen36_folder
     model = _meta_model()

@@ -11,7 +11,8 @@ import mpsboost
 from mpsboost.gate import Env
 
 from mpsboost.bench.models import TINY_LM
-from tiny_models import ModuleOps, gated_deltanet_lm
+from tiny_models import gated_deltanet_lm
+from mpsboost.bench import ModuleOps
 
 MPS215 = Env.simulate("mps", "2.15.0")
 MPS214 = Env.simulate("mps", "2.14.1")

@@ -18,7 +18,8 @@ from mpsboost.recipes import moe_block
 
 from recipes.moe.test_moe_block import FAMILIES, _blocks, _decode_logits, _inputs, _lm
 from mpsboost.bench.models import TINY_LM
-from tiny_models import ModuleOps, gated_deltanet_lm
+from tiny_models import gated_deltanet_lm
+from mpsboost.bench import ModuleOps
 
 MPS215 = Env.simulate("mps", "2.15.0")
 MPS214 = Env.simulate("mps", "2.14.1")

@@ -8,7 +8,7 @@ from unittest import mock
 
 import pytest
 import torch
-from tiny_models import relative_error
+from mpsboost.bench import relative_error
 
 import mpsboost
 from mpsboost.ops import moe as moe_ops

@@ -14,7 +14,8 @@ from mpsboost.gate import Env
 from mpsboost.ops import moe as moe_ops
 
 from mpsboost.bench.models import TINY_LM
-from tiny_models import ModuleOps, gated_deltanet_lm, relative_error
+from tiny_models import gated_deltanet_lm
+from mpsboost.bench import ModuleOps, relative_error
 
 MPS215 = Env.simulate("mps", "2.15.0")
 MPS214 = Env.simulate("mps", "2.14.1")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import mpsboost
+from mpsboost.bench import relative_error
 import tiny_models as tm
 from mpsboost.bench import count_pad5d
 from mpsboost.errors import NotPatchedError, PatchError
@@ -57,7 +58,7 @@ def roundtrip(vae, x):
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return tm.relative_error(a, b)
+    return relative_error(a, b)
 
 
 # Tiled only where the code differs (contiguous vs channels-last with the fused norm): the tile loop is the same.

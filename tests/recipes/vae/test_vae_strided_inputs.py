@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import mpsboost
+from mpsboost.bench import relative_error
 import tiny_models as tm
 from mpsboost.bench.decode_cost import OpRecorder
 from mpsboost.gate import Env
@@ -63,6 +64,6 @@ def test_under_mac_decisions_every_folded_convolution_gets_a_dense_input(name, r
     assert not strided_mac, strided_mac
     for out in (out_cpu, out_mac):  # the copy changes no value: the same as stock, each batch element
         for b in range(2):
-            assert tm.relative_error(out[b], ref[b]) < 1e-5
+            assert relative_error(out[b], ref[b]) < 1e-5
     mpsboost.unpatch(mac)
     assert not _run(mac, x)[1]  # stock again: diffusers' F.pad copies every input

@@ -23,8 +23,8 @@ Adding a VAE family is adding a row to ``FAMILIES`` in ``families.py``:
   on a tiny config of the VAE and tracing them to their callers.
 
 Tests to copy: ``tests/recipes/vae/test_qwen_image21_vae.py`` (a causal row: zero pads, numerics against
-stock, decisions per simulated environment, unpatch) or, for a pad row, a tiny config in
-``tests/tiny_models.py``'s ``VIDEO_VAE_NAMES`` (then ``tests/recipes/vae/test_video_vae_pad.py`` runs it).
+stock, decisions per simulated environment, unpatch) or, for a pad row, a tiny config as a row of
+``mpsboost.bench.models`` named in its ``VIDEO_VAES`` (then ``tests/recipes/vae/test_video_vae_pad.py`` runs it).
 """
 
 from . import qwen_image, streams, video, wan  # noqa: F401  (each registers its recipe)
