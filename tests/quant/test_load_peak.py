@@ -1,10 +1,12 @@
 """The load's memory peak at the medium size (Qwen3.6's widths: hidden 2048, 32 experts of 512, 4 layers; the
 decode-cost tool's ``medium``): the one-call load of an MLX 4-bit folder, and quantize-at-load of the bf16
 checkpoint, each peak at most 1.15x the quantized file (the low-bit model plus one tensor of the checkpoint at a
-time; no bf16 copy of the model). Measured as the process's peak resident set (VmHWM, reset before the load) over
-its size just before it, in a fresh process, with the bench memory tools' reader of the resident set. Seen
-(2026-12-02, this 2-core Linux machine, torch 2.13.0+cpu): file 293.5 MiB; one-call load 304.8 MiB (1.04x),
-quantize at load 330.5 MiB (1.13x)."""
+time; no bf16 copy of the model, which alone would be about 4x). Measured in one fresh process, with the bench
+memory tools' reader of the resident set: quantize at load of the bf16 folder first (the model it loads is then
+saved as the MLX folder), then, the model dropped, the one-call load of that folder; each load's peak resident set
+(VmHWM, reset before it) over the process's size just before its first load. Seen (2026-12-03, this 2-core Linux
+machine, torch 2.13.0+cpu): file 293.5 MiB; quantize at load 314.5 MiB (1.07x), one-call load 313.5 MiB (1.07x,
+counting about 18 MiB the process kept from the first load)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 LIMIT = 1.15
 
@@ -26,7 +27,6 @@ _MEASURE = textwrap.dedent(
     import transformers, mpsboost
     from mpsboost.bench.memory import process_rss_bytes
     from mpsboost.quant import load
-    from mpsboost.quant.formats import detect
     from mpsboost.quant.io import open_folder
     from mpsboost.quant.quantize import dense_row
     from mpsboost.recipes.low_bit.layers import QParams
@@ -36,20 +36,31 @@ _MEASURE = textwrap.dedent(
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
 
-    folder, quantize = sys.argv[1], json.loads(sys.argv[2])
+    def measured(folder, quantize):
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # resets the peak resident set size (VmHWM) to the current one
+        base = process_rss_bytes()
+        model = mpsboost.from_pretrained(folder, dtype=torch.bfloat16, device="cpu", quantize=quantize)
+        tensors = list(model.parameters()) + list(model.buffers())
+        held = sum(t.numel() * t.element_size() for t in tensors)
+        del tensors
+        return model, {"base": base, "peak": hwm(), "after": process_rss_bytes(), "tensors": held}
+
+    hf, mlx, quantize = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     # Code is not the load's memory: transformers' modeling module and every recipe imported before the baseline.
-    f = open_folder(folder)
-    row = dense_row(QParams(4, 64)) if quantize else detect(f)
-    warm = load.build_meta_model(row.model_config(f)[0], torch.bfloat16)
-    del warm
+    f = open_folder(hf)
+    warm = load.build_meta_model(dense_row(QParams(4, 64)).model_config(f)[0], torch.bfloat16)
+    del warm, f
     mpsboost.recipe_names()
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")  # resets the peak resident set size (VmHWM) to the current one
-    base = process_rss_bytes()
-    model = mpsboost.from_pretrained(folder, dtype=torch.bfloat16, device="cpu", quantize=quantize)
-    held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    print(json.dumps({"base": base, "peak": hwm(), "after": process_rss_bytes(), "tensors": held}))
+    out = {}
+    model, out["quantize"] = measured(hf, quantize)
+    # The quantized-at-load model is the MLX folder the one-call load then reads (the same weights).
+    mpsboost.save_mlx(model, mlx)
+    del model
+    model, out["mlx"] = measured(mlx, None)
+    del model
+    print(json.dumps(out))
     """
 )
 # glibc's malloc raises its mmap threshold as large blocks are freed and then keeps freed memory in its heap: the
@@ -58,30 +69,32 @@ _MEASURE = textwrap.dedent(
 _ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
-def _measure(folder: Path, quantize) -> dict:
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory, medium) -> dict:
+    """Both loads measured in one fresh process, each from its own reset of the peak: quantize at load of the
+    medium model's bf16 folder, whose model is then saved as the MLX folder, then the one-call load of that."""
+    root = tmp_path_factory.mktemp("medium")
+    model = medium.copy()  # bf16
+    model.save_pretrained(root / "hf")
+    del model
     out = subprocess.run(
-        [sys.executable, "-c", _MEASURE, str(folder), json.dumps(quantize)],
+        [
+            sys.executable,
+            "-c",
+            _MEASURE,
+            str(root / "hf"),
+            str(root / "mlx"),
+            json.dumps({"bits": 4, "group_size": 64}),
+        ],
         env={**os.environ, **_ENV},
         capture_output=True,
         text=True,
         timeout=600,
         check=True,
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def medium_folders(tmp_path_factory, medium):
-    import mpsboost
-
-    root = tmp_path_factory.mktemp("medium")
-    model = medium.copy()  # bf16
-    model.save_pretrained(root / "hf")
-    del model
-    q = mpsboost.from_pretrained(root / "hf", dtype=torch.bfloat16, device="cpu", quantize={"bits": 4}, patch=False)
-    mpsboost.save_mlx(q, root / "mlx")
-    del q
-    return root
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    m["size"] = _file_bytes(root / "mlx")
+    return m
 
 
 def _file_bytes(folder: Path) -> int:
@@ -91,13 +104,12 @@ def _file_bytes(folder: Path) -> int:
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="VmHWM reset needs Linux /proc")
 @pytest.mark.parametrize("what", ["one-call load of the MLX folder", "quantize at load of the bf16 folder"])
-def test_load_peak_is_the_quantized_file_and_little_more(medium_folders, what):
-    size = _file_bytes(medium_folders / "mlx")
-    if what.startswith("one-call"):
-        m = _measure(medium_folders / "mlx", None)
-    else:
-        m = _measure(medium_folders / "hf", {"bits": 4, "group_size": 64})
-    peak = m["peak"] - m["base"]
+def test_load_peak_is_the_quantized_file_and_little_more(measured, what):
+    size = measured["size"]
+    m = measured["mlx" if what.startswith("one-call") else "quantize"]
+    # Over the process's level before its first load: for the one-call load, which runs second, that also counts
+    # what the first load left resident (about 18 MiB), so memory the process kept cannot hide part of its peak.
+    peak = m["peak"] - measured["quantize"]["base"]
     print(
         f"{what}: quantized file {size / 2**20:.1f} MiB, peak over baseline {peak / 2**20:.1f} MiB "
         f"({peak / size:.3f}x), resident after {(m['after'] - m['base']) / 2**20:.1f} MiB"
