@@ -18,7 +18,7 @@ from pathlib import Path
 import metal_emulation
 import pytest
 import torch
-from tiny_models import max_relative_error
+from mpsboost.bench import max_relative_error
 
 from mpsboost.ops import attn_metal, attn_step
 

@@ -305,7 +305,7 @@ def test_combine_equals_weighted_sum_and_gated_shared(emulated, rng_seed, dt, sh
 def test_operators_on_cpu_are_one_call_and_trace_fullgraph():
     """The registered operators: one aten-level call each on the CPU (their reference inside), and a function of
     all three traces with torch.compile(fullgraph=True), equal to eager."""
-    from tiny_models import ModuleOps
+    from mpsboost.bench import ModuleOps
 
     g = torch.Generator().manual_seed(0)
     logits, x = torch.randn(2, 16, generator=g), torch.randn(2, 32, generator=g)
