@@ -342,7 +342,8 @@ def original_forward(module: torch.nn.Module, recipe: str) -> Callable[..., Any]
 
 def call_original(module: torch.nn.Module, recipe: str, *args: Any, **kwargs: Any) -> Any:
     """Call the forward ``recipe`` replaced on ``module``, without building a bound method first (so that
-    torch.compile traces straight through it): the saved instance attribute, or the class's forward."""
+    torch.compile traces straight through it): the saved instance attribute, or the class's forward as it was when
+    the forward was bound (a later ``swap_class`` keeps it: mpsboost's swapped classes inherit their base's forward)."""
     entry = module.__dict__[ATTR][recipe]
     prev = entry["forward"]
     if prev is _MISSING:
