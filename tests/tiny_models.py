@@ -588,6 +588,16 @@ def fake_versions(monkeypatch: Any, **installed: str | None) -> None:
     monkeypatch.setattr(md, "version", version)
 
 
+def pin_kernels_bounds(monkeypatch: Any, lo: str = "0.18.2", hi: str = "0.19.0") -> None:
+    """transformers' own bounds on the ``kernels`` package (``import_utils.KERNELS_MIN_VERSION`` / ``_MAX_``), which
+    ``mpsboost doctor`` reads, set to ``lo``/``hi`` (default: transformers 5.24's), so that a test's expected words
+    do not move with the installed transformers (5.25 asks for >=0.19.1,<0.20.0)."""
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "KERNELS_MIN_VERSION", lo)
+    monkeypatch.setattr(import_utils, "KERNELS_MAX_VERSION", hi)
+
+
 def decode_step_ops(model: Any, modules: Iterable[torch.nn.Module], batch: int, *, cache: Any = None) -> list[str]:
     """The names of the aten ops ``modules`` dispatch in one decode step after a prefill of 8 tokens (fixed ids;
     ``cache``: a cache object for the prefill, e.g. a StaticCache; default transformers' own)."""

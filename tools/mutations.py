@@ -419,6 +419,33 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/recipes/test_linear_attention.py",),
     ),
     Mutation(
+        name="deltanet-decode-uncounted",
+        why="the patched decode step no longer counts its token in the cache (transformers >= 5.25 reads the "
+        "sequence length from a linear layer: positions stall and the attention layers drift from stock)",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/linear_attention.py",
+                "                cache.increase_count(self.layer_idx, 0)\n",
+                "                pass\n",
+            ),
+        ),
+        tests=("tests/recipes/test_linear_attention.py", "-k", "in_place"),
+    ),
+    Mutation(
+        name="deltanet-recording-not-stock",
+        why="a cache recording the past (assisted decoding) no longer sends the layer to stock: a multi-token step "
+        "keeps one intermediate state, and crop() rolls back to the wrong one",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/linear_attention.py",
+                '        or (cache is not None and hasattr(cache, "is_recording_past") and '
+                "cache.is_recording_past(self.layer_idx))\n",
+                "        or False\n",
+            ),
+        ),
+        tests=("tests/recipes/test_linear_attention.py", "-k", "recording"),
+    ),
+    Mutation(
         name="vae-dense-inputs-off",
         why="under Mac decisions a folded VAE convolution gets a strided frame slice at batch > 1 (pytorch#169342)",
         edits=(

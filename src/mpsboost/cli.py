@@ -453,8 +453,8 @@ def _fits(have: str, lo: str, hi: str) -> bool:
 # transformers' hub kernels for Metal: transformers/integrations/hub_kernels.py maps RMSNorm on "mps" to
 # kernels-community/mlx-rmsnorm; gpt_oss and openai_privacy_filter ask for kernels-community/metal-flash-sdpa.
 # They load only when transformers.utils.import_utils.is_kernels_available() holds: the `kernels` package
-# installed with KERNELS_MIN_VERSION <= version < KERNELS_MAX_VERSION (0.18.2 and 0.19.0 in transformers 5.24),
-# and USE_HUB_KERNELS not set to a false value. Otherwise transformers falls back silently.
+# installed with KERNELS_MIN_VERSION <= version < KERNELS_MAX_VERSION (0.18.2 and 0.19.0 in transformers 5.24;
+# 0.19.1 and 0.20.0 in 5.25), and USE_HUB_KERNELS not set to a false value. Otherwise transformers falls back silently.
 _HUB_REPOS = ("kernels-community/metal-flash-sdpa", "kernels-community/mlx-rmsnorm")
 
 

@@ -390,12 +390,14 @@ def test_doctor_and_plan_say_which_path_an_fp8_checkpoint_takes(capsys, tmp_path
     ],
 )
 def test_doctor_says_whether_transformers_hub_kernels_would_load(monkeypatch, kernels, flag, would, words):
-    """transformers 5.24 loads kernels-community/metal-flash-sdpa and mlx-rmsnorm only with kernels>=0.18.2,<0.19."""
+    """transformers loads kernels-community/metal-flash-sdpa and mlx-rmsnorm only with `kernels` within its own bounds
+    (read from transformers; pinned to 5.24's, >=0.18.2,<0.19)."""
     from mpsboost.cli import _hub_kernels
     from mpsboost.gate import Env
 
     pytest.importorskip("transformers")
     tm.fake_versions(monkeypatch, kernels=kernels)
+    tm.pin_kernels_bounds(monkeypatch)
     if flag is None:
         monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
     else:

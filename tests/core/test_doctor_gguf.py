@@ -37,6 +37,7 @@ def test_gguf_kernels_need_kernels_0182(monkeypatch, kernels, gguf, would, words
     if not _has_gguf_path():
         pytest.skip("this transformers has no GGUF-on-MPS path (5.24+)")
     tm.fake_versions(monkeypatch, kernels=kernels, gguf=gguf)
+    tm.pin_kernels_bounds(monkeypatch)
     info = _gguf_kernels(Env.simulate("mps", "2.15.0"))
     assert info["would_load"] is would, info["why"]
     assert info["kernels"] == kernels and info["gguf"] == gguf
@@ -67,6 +68,7 @@ def test_doctor_prints_gguf_kernels_and_the_wheel(capsys, monkeypatch):
     from mpsboost.cli import main as cli_main
 
     tm.fake_versions(monkeypatch, kernels="0.17.2")
+    tm.pin_kernels_bounds(monkeypatch)
     assert cli_main(["doctor", "--device", "mps", "--torch", "2.15.0", "--all"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # --all wraps its lines at 100 characters
     assert "transformers GGUF-on-MPS kernels" in out and "would not load" in out

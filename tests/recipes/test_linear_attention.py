@@ -152,6 +152,32 @@ def test_patched_decode_uses_the_cache_tensors_in_place(ratio):
             ref = stock(ids[:, i : i + 1], past_key_values=ref_cache, use_cache=True).logits
             assert relative_error(out, ref) <= FP32_TOL
         assert cache.layers[0].recurrent_states[0] is state and cache.layers[0].conv_states[0] is conv
+        # the step updates the conv state where no cache call sees it; the cache still counts its tokens (transformers
+        # >= 5.25 reads them from layer 0, a linear one: positions would stall and the attention layers drift)
+        assert cache.get_seq_length() == ref_cache.get_seq_length() == 12
+
+
+def test_a_cache_recording_the_past_runs_stock_and_crops_back():
+    """Assisted decoding (and, on a Mac, transformers' deferred stop check when the cache is returned) records the
+    past: a multi-token step keeps its intermediate states so that crop() can take rejected tokens back. The layers
+    then run stock; the logits after a crop are stock's (float32 bound)."""
+    stock = _model(seed=50)
+    patched = copy.deepcopy(stock)
+    _patch(patched, Env.simulate("mps", "2.15.0"))
+    ids = torch.randint(3, 128, (1, 13), generator=torch.Generator().manual_seed(51))
+    runs = []
+    for m in (stock, patched):
+        with torch.no_grad():
+            cache = m(ids[:, :8], use_cache=True).past_key_values
+            keeps = hasattr(cache, "get_recurrent_states_to_keep")  # transformers >= 5.25 rolls linear layers back
+            cache.activate_past_recording(**({"recurrent_states_to_keep": 4} if keeps else {}))
+            logits = [m(ids[:, 8:12], past_key_values=cache, use_cache=True).logits]
+            if keeps:
+                cache.crop(-2)  # two of the four drafted tokens rejected
+                logits.append(m(ids[:, 10:11], past_key_values=cache, use_cache=True).logits)
+            runs.append((torch.cat(logits, dim=1), cache.get_seq_length()))
+    assert relative_error(runs[1][0], runs[0][0]) <= FP32_TOL
+    assert runs[1][1] == runs[0][1]
 
 
 def _left_padded(batch_lengths: tuple[int, ...], width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

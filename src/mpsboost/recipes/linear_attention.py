@@ -967,6 +967,8 @@ def _forward(
         or "cache_params" in kwargs
         or kwargs.get("cu_seq_lens_q") is not None
         or kwargs.get("seq_idx") is not None
+        # a cache recording the past (assisted decoding, to crop back later): stock computes the intermediate states
+        or (cache is not None and hasattr(cache, "is_recording_past") and cache.is_recording_past(self.layer_idx))
         # autograd must reach the Parameters: the stock forward uses them directly
         or (not compiling and torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
     )
@@ -994,6 +996,10 @@ def _forward(
         if attention_mask is not None:  # transformers' apply_mask_to_padding_states
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
         if decode:
+            # the step updates the conv state in place, where no cache call sees it: transformers >= 5.25 counts the
+            # linear layers' tokens (its get_seq_length reads layer 0, a linear one) through this call
+            if hasattr(cache, "increase_count"):
+                cache.increase_count(self.layer_idx, 0)
             if compiling or (torch.is_grad_enabled() and hidden_states.requires_grad):
                 return _decode(self, lay, d, hidden_states, conv_state, rec, None)
             return _eager_decode(self, state, d, hidden_states, conv_state, rec)

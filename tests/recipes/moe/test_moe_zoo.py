@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import inspect
 import torch
 
 
@@ -95,7 +96,12 @@ def build(
         cfg = T.Step3p7TextConfig(
             hidden_size=hidden, moe_intermediate_size=inter, num_local_experts=experts, num_experts_per_tok=top_k
         )
-        m = _init(C(cfg, swiglu_limit=7.0)).to(dtype)
+        if "layer_idx" in inspect.signature(C.__init__).parameters:  # transformers >= 5.25: the limit per layer
+            cfg.swiglu_limits = [7.0] * cfg.num_hidden_layers
+            m = _init(C(cfg, 0)).to(dtype)
+        else:
+            m = _init(C(cfg, swiglu_limit=7.0)).to(dtype)
+        assert m.limit == 7.0
         return Case(name, m, hidden, experts, top_k, _experts_call)
     elif name == "dbrx":
         from transformers.models.dbrx.configuration_dbrx import DbrxFFNConfig
