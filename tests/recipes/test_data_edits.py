@@ -144,6 +144,24 @@ def test_a_merge_between_prompts_is_followed(family):
         _check(stock, patched, _ids(1 + k), f"{family}: every weight edited by {style}")
 
 
+def test_a_gate_merge_between_prompts_is_followed_by_the_composed_step():
+    """The composed DeltaNet step (fused_step="off"; a Mac whose timing turned the fused kernel down) reads its
+    copies of dt_bias and exp(A_log), made again at each prompt: a merge of those two between prompts is followed
+    (the fused step reads the Parameters themselves)."""
+    stock = _model("qwen3_5_moe")
+    patched = copy.deepcopy(stock)
+    report = mpsboost.patch(
+        patched, device=Env.simulate("mps", "2.15.0"), options={"linear_attention": {"fused_step": "off"}}
+    )
+    assert any(r.recipe == "linear_attention" and r.status == "applied" for r in report.rows), str(report)
+    _run(patched, _ids(30))  # the copies exist now
+    names = [n for n, _ in stock.named_parameters() if n.endswith(("A_log", "dt_bias"))]
+    assert names
+    for k, style in enumerate(STYLES):
+        _edit_all(stock, patched, names, lambda i: style, seed=300 + k)
+        _check(stock, patched, _ids(31 + k), f"gates edited by {style}")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_merge_mid_sequence_is_read_by_the_next_step(family):
     """An edit through ``.data`` between two decode steps of one sequence, every weight but the per-prompt copies'

@@ -157,27 +157,67 @@ def test_patched_decode_uses_the_cache_tensors_in_place(ratio):
         assert cache.get_seq_length() == ref_cache.get_seq_length() == 12
 
 
-def test_a_cache_recording_the_past_runs_stock_and_crops_back():
+def _record(cache) -> bool:
+    """Turn on the cache's past recording (four recurrent states kept where transformers >= 5.25 keeps them, the
+    version that can crop a linear layer back); whether crop() can take tokens back."""
+    keeps = hasattr(cache, "get_recurrent_states_to_keep")
+    cache.activate_past_recording(**({"recurrent_states_to_keep": 4} if keeps else {}))
+    return keeps
+
+
+@pytest.mark.parametrize("fused_step", ["auto", "off"])
+def test_a_cache_recording_the_past_decodes_on_the_recipe_and_crops_back(fused_step, monkeypatch):
     """Assisted decoding (and, on a Mac, transformers' deferred stop check when the cache is returned) records the
-    past: a multi-token step keeps its intermediate states so that crop() can take rejected tokens back. The layers
-    then run stock; the logits after a crop are stock's (float32 bound)."""
+    past so that crop() can take rejected tokens back. A multi-token step then runs stock (it keeps its
+    intermediate states); a one-token step runs the recipe's step on copies and hands the cache the new conv column
+    and state. The logits, the sequence length and the state after a crop are stock's (float32 bound)."""
     stock = _model(seed=50)
     patched = copy.deepcopy(stock)
-    _patch(patched, Env.simulate("mps", "2.15.0"))
-    ids = torch.randint(3, 128, (1, 13), generator=torch.Generator().manual_seed(51))
+    _patch(patched, Env.simulate("mps", "2.15.0"), fused_step=fused_step)
+    recorded = []
+    real = la._recorded_decode
+    monkeypatch.setattr(la, "_recorded_decode", lambda *a: recorded.append(1) or real(*a))
+    ids = torch.randint(3, 128, (2, 14), generator=torch.Generator().manual_seed(51))
     runs = []
     for m in (stock, patched):
         with torch.no_grad():
             cache = m(ids[:, :8], use_cache=True).past_key_values
-            keeps = hasattr(cache, "get_recurrent_states_to_keep")  # transformers >= 5.25 rolls linear layers back
-            cache.activate_past_recording(**({"recurrent_states_to_keep": 4} if keeps else {}))
-            logits = [m(ids[:, 8:12], past_key_values=cache, use_cache=True).logits]
-            if keeps:
-                cache.crop(-2)  # two of the four drafted tokens rejected
-                logits.append(m(ids[:, 10:11], past_key_values=cache, use_cache=True).logits)
-            runs.append((torch.cat(logits, dim=1), cache.get_seq_length()))
+            crops = _record(cache)
+            logits = [m(ids[:, 8:11], past_key_values=cache, use_cache=True).logits]  # three drafted tokens
+            if crops:
+                cache.crop(-1)  # the third rejected
+            for i in range(10, 13):
+                logits.append(m(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+            if crops:
+                cache.crop(-1)  # one step taken back again
+            logits.append(m(ids[:, 12:13], past_key_values=cache, use_cache=True).logits)
+            runs.append((torch.cat(logits, dim=1), cache.get_seq_length(), cache.layers[0].recurrent_states[0]))
     assert relative_error(runs[1][0], runs[0][0]) <= FP32_TOL
     assert runs[1][1] == runs[0][1]
+    assert relative_error(runs[1][2], runs[0][2]) <= FP32_TOL
+    assert len(recorded) == 4 * len(_deltanets(patched))  # every one-token step on the recipe's step
+
+
+def test_an_assistant_cache_records_from_a_prompt_shorter_than_the_conv():
+    """An assistant model's cache records from its first token: a 2-token prompt leaves a conv state narrower than
+    the kernel (transformers pads only when it does not record). The recipe's one-token steps pad it with the
+    causal conv's zeros and give stock's logits."""
+    from transformers import DynamicCache
+
+    stock = _model(seed=52)
+    patched = copy.deepcopy(stock)
+    _patch(patched, Env.simulate("mps", "2.15.0"))
+    ids = torch.randint(3, 128, (1, 6), generator=torch.Generator().manual_seed(53))
+    runs = []
+    for m in (stock, patched):
+        cache = DynamicCache(config=m.config)
+        _record(cache)
+        with torch.no_grad():
+            logits = [m(ids[:, :2], past_key_values=cache, use_cache=True).logits]
+            for i in range(2, 6):
+                logits.append(m(ids[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+        runs.append(torch.cat(logits, dim=1))
+    assert relative_error(runs[1], runs[0]) <= FP32_TOL
 
 
 def _left_padded(batch_lengths: tuple[int, ...], width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

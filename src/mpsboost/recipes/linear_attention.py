@@ -873,6 +873,32 @@ def _eager_decode(
         state.lock.release()
 
 
+def _recorded_decode(
+    mod: torch.nn.Module,
+    lay: _Layout,
+    d: dict[str, Any],
+    hs: torch.Tensor,
+    cache: Any,
+    conv_state: torch.Tensor,
+    rec: torch.Tensor,
+) -> torch.Tensor:
+    """One token on a cache that records the past. Its conv state keeps every column until crop(), and each
+    update of its recurrent state keeps the one before: the step runs on copies (the conv state's last ``width``
+    columns, the recurrent state), then hands the new column and state to the cache's own calls, which record
+    them as they record stock's and count the token."""
+    window = conv_state[..., -lay.width :]
+    short = lay.width - window.shape[-1]  # a prompt shorter than the kernel, prefilled while recording: no padding
+    if short > 0:  # the causal conv's zeros on the left, by a concatenation (no pad op: see DESIGN.md)
+        window = torch.cat((window.new_zeros(*window.shape[:-1], short), window), dim=-1)
+    else:  # a copy even where the slice is the whole state: the step writes into it, the cache keeps its own
+        window = window.clone(memory_format=torch.contiguous_format)
+    state = rec.clone()
+    out = _decode(mod, lay, d, hs, window, state, None)
+    cache.update_conv_state(window[..., -1:], mod.layer_idx, conv_kernel_size=lay.width)
+    cache.update_recurrent_state(state, mod.layer_idx)
+    return out
+
+
 def _prepare_decode(mod: torch.nn.Module, state: _State, hs: torch.Tensor, cache: Any) -> None:
     """After an eager prefill with a cache: make the decode buffers for this batch size and dtype now, and the
     view of the cache's recurrent state the steps read, so that the decode steps that follow only compute
@@ -967,12 +993,15 @@ def _forward(
         or "cache_params" in kwargs
         or kwargs.get("cu_seq_lens_q") is not None
         or kwargs.get("seq_idx") is not None
-        # a cache recording the past (assisted decoding, to crop back later): stock computes the intermediate states
-        or (cache is not None and hasattr(cache, "is_recording_past") and cache.is_recording_past(self.layer_idx))
         # autograd must reach the Parameters: the stock forward uses them directly
         or (not compiling and torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()))
     )
     s = hidden_states.shape[1]
+    # A cache recording the past (assisted decoding; on a Mac, transformers' deferred stop check when the cache is
+    # returned) keeps what crop() rolls back to: a one-token step runs on copies (_recorded_decode); a multi-token
+    # step runs stock, which keeps its intermediate states.
+    recording = cache is not None and hasattr(cache, "is_recording_past") and cache.is_recording_past(self.layer_idx)
+    stock = stock or (recording and s != 1)
     conv_state = rec = None
     if not stock and cache is not None:
         conv_state = cache.get_conv_state(self.layer_idx, state_idx=0)
@@ -981,10 +1010,9 @@ def _forward(
         s == 1
         and conv_state is not None
         and rec is not None
-        and not cache.is_recording_past(self.layer_idx)
         and rec.dtype == torch.float32
         and rec.is_contiguous()
-        and conv_state.is_contiguous()
+        and (recording or conv_state.is_contiguous())
     )
     prefill_stock = not stock and not decode and state.prefill == "stock"
     d = None
@@ -995,6 +1023,8 @@ def _forward(
     else:
         if attention_mask is not None:  # transformers' apply_mask_to_padding_states
             hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+        if decode and recording:
+            return _recorded_decode(self, lay, d, hidden_states, cache, conv_state, rec)
         if decode:
             # the step updates the conv state in place, where no cache call sees it: transformers >= 5.25 counts the
             # linear layers' tokens (its get_seq_length reads layer 0, a linear one) through this call
