@@ -430,6 +430,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=("tests/recipes/test_linear_attention.py", "-k", "in_place"),
+        quick=True,
     ),
     Mutation(
         name="deltanet-recording-multi-token-not-stock",
@@ -456,6 +457,20 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=("tests/recipes/test_linear_attention.py", "-k", "assistant"),
+    ),
+    Mutation(
+        name="deltanet-recorded-state-not-recorded",
+        why="a one-token step on a recording cache writes its new state into the cache's tensor instead of handing "
+        "it to update_recurrent_state: the state before it is not kept, and generate()'s deferred stop check on a "
+        "Mac crops back to the wrong one",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/linear_attention.py",
+                "conv_kernel_size=lay.width)\n    cache.update_recurrent_state(state, mod.layer_idx)\n",
+                "conv_kernel_size=lay.width)\n    rec.copy_(state)\n",
+            ),
+        ),
+        tests=("tests/recipes/test_linear_attention.py", "-k", "deferred"),
     ),
     Mutation(
         name="vae-dense-inputs-off",

@@ -198,6 +198,54 @@ def test_a_cache_recording_the_past_decodes_on_the_recipe_and_crops_back(fused_s
     assert len(recorded) == 4 * len(_deltanets(patched))  # every one-token step on the recipe's step
 
 
+class _HostEvent:
+    """``torch.Event`` on the CPU, which has none: its work is done when the call returns, so record and
+    synchronize have nothing to wait for."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, *args) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_generate_with_a_mac_deferred_stop_check_returns_stock_tokens_and_cache(monkeypatch):
+    """transformers (5.25+) defers generate()'s stop check by a step on "mps", and when the cache is returned it
+    records the past so that finish() can crop the step that ran past the end. The check forced on here (its
+    device events made host no-ops): greedy tokens, logits and the returned cache's state equal stock's, the
+    steps run the recipe's recorded step, and an end-of-sequence token stops one step late and is cropped."""
+    gu = pytest.importorskip("transformers.generation.utils")
+    if not hasattr(gu, "DeferredStopCheck"):
+        pytest.skip("this transformers has no deferred stop check (5.25+)")
+    monkeypatch.setattr(gu.DeferredStopCheck, "is_supported", staticmethod(lambda *a, **k: True))
+    monkeypatch.setattr(torch, "Event", _HostEvent)
+    stock = _model(seed=70)
+    patched = copy.deepcopy(stock)
+    _patch(patched, Env.simulate("mps", "2.15.0"))
+    recorded = []
+    real = la._recorded_decode
+    monkeypatch.setattr(la, "_recorded_decode", lambda *a: recorded.append(1) or real(*a))
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(71))
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, max_new_tokens=8)
+    with torch.no_grad():
+        eos = int(stock.generate(ids, **kw)[0, 7 + 4])  # the fifth new token: generation stops there
+        outs = [
+            m.generate(ids, eos_token_id=eos, return_dict_in_generate=True, output_logits=True, **kw)
+            for m in (stock, patched)
+        ]
+    assert outs[0].sequences.shape[1] < 7 + 8 and int(outs[0].sequences[0, -1]) == eos  # stopped by the token
+    assert torch.equal(outs[1].sequences, outs[0].sequences)
+    assert relative_error(torch.stack(outs[1].logits), torch.stack(outs[0].logits)) <= FP32_TOL
+    caches = [o.past_key_values for o in outs]
+    assert caches[1].get_seq_length() == caches[0].get_seq_length()
+    states = [c.layers[0].recurrent_states[0] for c in caches]
+    assert relative_error(states[1], states[0]) <= FP32_TOL
+    assert recorded  # the decode steps ran the recipe's step, not stock
+
+
 def test_an_assistant_cache_records_from_a_prompt_shorter_than_the_conv():
     """An assistant model's cache records from its first token: a 2-token prompt leaves a conv state narrower than
     the kernel (transformers pads only when it does not record). The recipe's one-token steps pad it with the

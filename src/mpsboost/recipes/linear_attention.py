@@ -31,6 +31,9 @@ Qwen3.5/3.6 (31 for a batch; OLMo-Hybrid's six projections two more; counted on 
 - the recurrent state stays float32 in the model's own cache tensor, where stock keeps it, updated in
   place in the reference's order (decay, ``baddbmm`` for ``v - S^T k``, a rank-one update, one ``bmm``
   read for the output): stock and patched layers mix;
+- on a cache that records the past (assisted decoding; transformers' deferred stop check on a Mac when the cache
+  is returned) the step runs on copies and hands the new conv column and state to the cache's own calls, which
+  keep what ``crop()`` rolls back to; a multi-token step there runs stock (it keeps every intermediate state);
 - the gated output norm is ``vector_norm``, ``hypot``, a division and the gate's products (``sqrt(dv)``
   folded into the gate's ``addcmul``), the query's ``dk ** -0.5`` folded into its epsilon.
 
