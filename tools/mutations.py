@@ -473,6 +473,19 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/recipes/test_linear_attention.py", "-k", "deferred"),
     ),
     Mutation(
+        name="doctor-hub-kernels-not-read-from-transformers",
+        why="mpsboost doctor lists every Metal hub kernel it knows, not those the installed transformers names "
+        "(5.25 no longer maps RMSNorm on mps to mlx-rmsnorm)",
+        edits=(
+            Edit(
+                "src/mpsboost/cli.py",
+                "                    named = repo in f.read()\n",
+                "                    named = True\n",
+            ),
+        ),
+        tests=("tests/core/test_cli.py", "-k", "hub"),
+    ),
+    Mutation(
         name="vae-dense-inputs-off",
         why="under Mac decisions a folded VAE convolution gets a strided frame slice at batch > 1 (pytorch#169342)",
         edits=(

@@ -450,12 +450,45 @@ def _fits(have: str, lo: str, hi: str) -> bool:
         return False
 
 
-# transformers' hub kernels for Metal: transformers/integrations/hub_kernels.py maps RMSNorm on "mps" to
+# transformers' hub kernels for Metal: transformers 5.24's integrations/hub_kernels.py maps RMSNorm on "mps" to
 # kernels-community/mlx-rmsnorm; gpt_oss and openai_privacy_filter ask for kernels-community/metal-flash-sdpa.
 # They load only when transformers.utils.import_utils.is_kernels_available() holds: the `kernels` package
 # installed with KERNELS_MIN_VERSION <= version < KERNELS_MAX_VERSION (0.18.2 and 0.19.0 in transformers 5.24;
 # 0.19.1 and 0.20.0 in 5.25), and USE_HUB_KERNELS not set to a false value. Otherwise transformers falls back silently.
-_HUB_REPOS = ("kernels-community/metal-flash-sdpa", "kernels-community/mlx-rmsnorm")
+# Which of them the installed transformers names is read from its source (5.25 maps RMSNorm for cuda, rocm and
+# xpu only: mlx-rmsnorm left hub_kernels.py): each repository and the files that would name it.
+_HUB_REPOS = {
+    "kernels-community/metal-flash-sdpa": (
+        "models/gpt_oss/modeling_gpt_oss.py",
+        "models/openai_privacy_filter/modeling_openai_privacy_filter.py",
+    ),
+    "kernels-community/mlx-rmsnorm": ("integrations/hub_kernels.py",),
+}
+
+
+def _hub_repos(root: str | None = None) -> list[str]:
+    """The Metal hub kernels the transformers at ``root`` (default: the installed one, found without importing it)
+    names in its source, in :data:`_HUB_REPOS` order."""
+    import importlib.util
+    import os
+
+    if root is None:
+        spec = importlib.util.find_spec("transformers")
+        if spec is None or not spec.submodule_search_locations:
+            return []
+        root = list(spec.submodule_search_locations)[0]
+    found = []
+    for repo, files in _HUB_REPOS.items():
+        for rel in files:
+            try:
+                with open(os.path.join(root, rel), encoding="utf-8") as f:
+                    named = repo in f.read()
+            except OSError:
+                continue
+            if named:
+                found.append(repo)
+                break
+    return found
 
 
 def _hub_kernels(env: Any) -> dict[str, Any]:
@@ -464,7 +497,7 @@ def _hub_kernels(env: Any) -> dict[str, Any]:
     import os
 
     out: dict[str, Any] = {
-        "repos": list(_HUB_REPOS),
+        "repos": _hub_repos() if _installed("transformers") is not None else [],
         "kernels": _installed("kernels"),
         "transformers": _installed("transformers"),
         "needs": None,
@@ -497,6 +530,8 @@ def _hub_kernels(env: Any) -> dict[str, Any]:
                 f"kernels {out['kernels']} is installed; transformers {out['transformers']} "
                 f"needs {out['needs']} and skips them silently"
             )
+    if out["transformers"] is not None and not out["repos"]:
+        why.append(f"transformers {out['transformers']} names none of {', '.join(_HUB_REPOS)}")
     if flag not in ("1", "ON", "YES", "TRUE"):
         why.append(f"USE_HUB_KERNELS={os.environ.get('USE_HUB_KERNELS')} turns them off")
     if env.device_type != "mps":

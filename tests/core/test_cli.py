@@ -392,7 +392,7 @@ def test_doctor_and_plan_say_which_path_an_fp8_checkpoint_takes(capsys, tmp_path
 def test_doctor_says_whether_transformers_hub_kernels_would_load(monkeypatch, kernels, flag, would, words):
     """transformers loads kernels-community/metal-flash-sdpa and mlx-rmsnorm only with `kernels` within its own bounds
     (read from transformers; pinned to 5.24's, >=0.18.2,<0.19)."""
-    from mpsboost.cli import _hub_kernels
+    from mpsboost.cli import _hub_kernels, _hub_repos
     from mpsboost.gate import Env
 
     pytest.importorskip("transformers")
@@ -404,11 +404,32 @@ def test_doctor_says_whether_transformers_hub_kernels_would_load(monkeypatch, ke
         monkeypatch.setenv("USE_HUB_KERNELS", flag)
     info = _hub_kernels(Env.simulate("mps", "2.15.0"))
     assert info["would_load"] is would and info["kernels"] == kernels
-    assert info["repos"] == ["kernels-community/metal-flash-sdpa", "kernels-community/mlx-rmsnorm"]
+    assert info["repos"] == _hub_repos() and "kernels-community/metal-flash-sdpa" in info["repos"]  # 5.24, 5.25
     for w in words:
         assert w in info["why"], info["why"]
     off_mac = _hub_kernels(Env.simulate("cpu", "2.15.0"))
     assert off_mac["would_load"] is False and "Metal kernels and this is cpu" in off_mac["why"]
+
+
+def test_doctor_names_the_metal_hub_kernels_the_transformers_source_names(tmp_path, monkeypatch):
+    """The repositories come from transformers' source (5.25 dropped the mps RMSNorm mapping to mlx-rmsnorm): a
+    tree that names only one lists only it; one that names none would load none, and says so."""
+    import mpsboost.cli as cli
+    from mpsboost.gate import Env
+
+    (tmp_path / "integrations").mkdir()
+    (tmp_path / "integrations" / "hub_kernels.py").write_text('repo_id="kernels-community/mlx-rmsnorm"\n')
+    assert cli._hub_repos(str(tmp_path)) == ["kernels-community/mlx-rmsnorm"]
+    (tmp_path / "integrations" / "hub_kernels.py").write_text('repo_id="kernels-community/rmsnorm"\n')
+    assert cli._hub_repos(str(tmp_path)) == []
+    tm.fake_versions(monkeypatch, kernels="0.18.3", transformers="5.99.0")
+    tm.pin_kernels_bounds(monkeypatch)
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    real = cli._hub_repos
+    monkeypatch.setattr(cli, "_hub_repos", lambda root=None: real(str(tmp_path)))  # that tree as the installed one
+    info = cli._hub_kernels(Env.simulate("mps", "2.15.0"))
+    assert info["repos"] == [] and info["would_load"] is False
+    assert "transformers 5.99.0 names none of kernels-community/metal-flash-sdpa" in info["why"], info["why"]
 
 
 # ------------------------------------------------------------------------------------------ bench
