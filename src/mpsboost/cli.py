@@ -496,10 +496,11 @@ def _hub_kernels(env: Any) -> dict[str, Any]:
     import importlib.util
     import os
 
+    transformers = _installed("transformers")
     out: dict[str, Any] = {
-        "repos": _hub_repos() if _installed("transformers") is not None else [],
+        "repos": _hub_repos() if transformers is not None else [],
         "kernels": _installed("kernels"),
-        "transformers": _installed("transformers"),
+        "transformers": transformers,
         "needs": None,
         "would_load": False,
     }

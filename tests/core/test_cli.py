@@ -390,8 +390,8 @@ def test_doctor_and_plan_say_which_path_an_fp8_checkpoint_takes(capsys, tmp_path
     ],
 )
 def test_doctor_says_whether_transformers_hub_kernels_would_load(monkeypatch, kernels, flag, would, words):
-    """transformers loads kernels-community/metal-flash-sdpa and mlx-rmsnorm only with `kernels` within its own bounds
-    (read from transformers; pinned to 5.24's, >=0.18.2,<0.19)."""
+    """transformers loads its Metal hub kernels only with `kernels` within its own bounds (read from transformers;
+    pinned to 5.24's, >=0.18.2,<0.19)."""
     from mpsboost.cli import _hub_kernels, _hub_repos
     from mpsboost.gate import Env
 

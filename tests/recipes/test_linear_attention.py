@@ -165,6 +165,14 @@ def _record(cache) -> bool:
     return keeps
 
 
+def _count_recorded_steps(monkeypatch) -> list:
+    """A list that gains an entry for each one-token step the recipe runs on a recording cache."""
+    recorded = []
+    real = la._recorded_decode
+    monkeypatch.setattr(la, "_recorded_decode", lambda *a: recorded.append(1) or real(*a))
+    return recorded
+
+
 @pytest.mark.parametrize("fused_step", ["auto", "off"])
 def test_a_cache_recording_the_past_decodes_on_the_recipe_and_crops_back(fused_step, monkeypatch):
     """Assisted decoding (and, on a Mac, transformers' deferred stop check when the cache is returned) records the
@@ -174,9 +182,7 @@ def test_a_cache_recording_the_past_decodes_on_the_recipe_and_crops_back(fused_s
     stock = _model(seed=50)
     patched = copy.deepcopy(stock)
     _patch(patched, Env.simulate("mps", "2.15.0"), fused_step=fused_step)
-    recorded = []
-    real = la._recorded_decode
-    monkeypatch.setattr(la, "_recorded_decode", lambda *a: recorded.append(1) or real(*a))
+    recorded = _count_recorded_steps(monkeypatch)
     ids = torch.randint(3, 128, (2, 14), generator=torch.Generator().manual_seed(51))
     runs = []
     for m in (stock, patched):
@@ -225,9 +231,7 @@ def test_generate_with_a_mac_deferred_stop_check_returns_stock_tokens_and_cache(
     stock = _model(seed=70)
     patched = copy.deepcopy(stock)
     _patch(patched, Env.simulate("mps", "2.15.0"))
-    recorded = []
-    real = la._recorded_decode
-    monkeypatch.setattr(la, "_recorded_decode", lambda *a: recorded.append(1) or real(*a))
+    recorded = _count_recorded_steps(monkeypatch)
     ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(71))
     kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, max_new_tokens=8)
     with torch.no_grad():
