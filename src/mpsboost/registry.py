@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Iterator, Mapping
 
@@ -67,10 +68,21 @@ __all__ = [
 ]
 
 
+# The dotted paths of each class's MRO, computed once per class: ``patch()`` asks for every module of a model and
+# every recipe. Weakly keyed (a per-instance class that patching made goes with its instance); the values are strings.
+_MRO_PATHS: weakref.WeakKeyDictionary[type, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _mro_paths(cls: type) -> frozenset[str]:
+    paths = _MRO_PATHS.get(cls)
+    if paths is None:
+        paths = _MRO_PATHS[cls] = frozenset(class_path(c) for c in cls.__mro__)
+    return paths
+
+
 def matches_class(obj: Any, targets: Iterable[str]) -> bool:
     """True when any class in ``type(obj).__mro__`` has one of the dotted paths in ``targets``."""
-    wanted = set(targets)
-    return any(class_path(c) in wanted for c in type(obj).__mro__)
+    return not _mro_paths(type(obj)).isdisjoint(targets)
 
 
 @dataclass
@@ -282,8 +294,14 @@ def option_types(recipe: Recipe) -> dict[str, Any]:
     cls = recipe.Options
     if cls is None:
         return {}
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    types_ = _OPTION_TYPES.get(cls)
+    if types_ is None:
+        hints = typing.get_type_hints(cls)
+        types_ = _OPTION_TYPES[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return dict(types_)
+
+
+_OPTION_TYPES: weakref.WeakKeyDictionary[type, dict[str, Any]] = weakref.WeakKeyDictionary()
 
 
 def option_choices(options: type, name: str) -> tuple[Any, ...]:

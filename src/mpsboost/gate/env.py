@@ -5,6 +5,7 @@ torch reports (see :mod:`mpsboost.gate`), :class:`Env` is a real (``Env.detect``
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import platform
 import re
 from dataclasses import dataclass, field
@@ -41,6 +42,11 @@ def parse_torch_version(text: str) -> TorchVersion:
     anything else."""
     if not isinstance(text, str):
         raise TypeError(f"torch version must be a str such as '2.15.0', got {type(text).__name__}: {text!r}")
+    return _parse(text)
+
+
+@functools.lru_cache(maxsize=256)  # every gate rule asks; the value is frozen
+def _parse(text: str) -> TorchVersion:
     raw = text.strip()
     try:
         v = Version(raw)

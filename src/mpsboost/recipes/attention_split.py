@@ -89,16 +89,16 @@ class AttentionSplit(Recipe):
     Options = AttentionSplitOptions
 
     def find(self, root: torch.nn.Module, prefix: str = "") -> Iterator[Match]:
-        covered: list[torch.nn.Module] = []
+        covered: set[int] = set()  # the ids of every module inside a match: an outer model covers the inner ones
         for name, mod in root.named_modules():
-            if any(any(m is mod for m in c.modules()) for c in covered):
+            if id(mod) in covered:
                 continue
             path = ".".join(p for p in (prefix, name) if p) or "<root>"
             if matches_class(mod, (_PRETRAINED,)):
-                covered.append(mod)
+                covered.update(id(m) for m in mod.modules())
                 yield Match(mod, path, SplitTarget("transformers"))
             elif matches_class(mod, (_MODELMIXIN,)) and _attention_modules(mod):
-                covered.append(mod)
+                covered.update(id(m) for m in mod.modules())
                 yield Match(mod, path, SplitTarget("diffusers"))
 
     def decide(self, match: Match, env: Env, options: AttentionSplitOptions) -> Decision:
