@@ -95,6 +95,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/core/test_patch_primitive.py", "-k", "in_graph"),
     ),
     Mutation(
+        name="attention-split-walk-per-module",
+        why="attention_split's find walks the whole model again for every module a match covers (quadratic plan())",
+        edits=(
+            Edit(
+                "src/mpsboost/recipes/attention_split.py",
+                "            if id(mod) in covered:",
+                "            if id(mod) in covered and any(x is mod for x in root.modules()):",
+            ),
+        ),
+        tests=("tests/core/test_plan_scaling.py",),
+    ),
+    Mutation(
         name="attn-metal-rotate-half-sign",
         why="the fused attention kernel's rotate_half loses its negation on the first half",
         edits=(Edit("src/mpsboost/ops/attn_metal.py", "e < hr ? -buf[e + hr]", "e < hr ? buf[e + hr]"),),

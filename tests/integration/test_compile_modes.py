@@ -46,7 +46,10 @@ ENVS = {
 # softmax keeps stock sampling on CUDA by default (no end-to-end gain measured); forced here so that its
 # sampling step still runs around a compiled forward in the CUDA environment.
 FORCE_CUDA = {"decode_linear": {"path": "triton", "cuda_eager": True}, "softmax": {"path": "logits"}}
-LAYERS = 2  # more than one layer: a per-layer recompile would show as more than one graph
+LAYERS = 2  # generate(): more than one layer, so that a per-layer recompile would show as more than one graph
+# A forward compiled alone: one layer. fullgraph=True refuses a break in any layer, and the layers run the same code
+# (dynamo traces each one again: a second layer costs a third more tracing and checks nothing new).
+FORWARD_LAYERS = 1
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
 
 
@@ -110,7 +113,7 @@ CASES = [(e, f) for e in ENVS for f in (None, "rowwise")]
 
 @pytest.mark.parametrize("env_name,fp8", CASES, ids=[f"{e}-{f or 'default'}" for e, f in CASES])
 def test_fullgraph_forward_prefill_and_decode(env_name, fp8, rng_seed):
-    model, report = _patched(env_name, fp8, layers=2)
+    model, report = _patched(env_name, fp8, layers=FORWARD_LAYERS)
     applied = {r.recipe for r in report.applied}
     if fp8:
         assert "fp8_weights" in applied
@@ -206,7 +209,7 @@ def test_sampling_step_around_a_compiled_forward():
     eagerly around the compiled forward; the same seed gives the same tokens as without compilation."""
     from transformers import CompileConfig
 
-    model, report = _patched("cuda_sm90", None, layers=2)
+    model, report = _patched("cuda_sm90", None, layers=FORWARD_LAYERS)
     assert any(r.recipe == "softmax" for r in report.applied)
     ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(2))
     kw = dict(
@@ -239,7 +242,7 @@ def test_fp8_experts_forward_compiles(env_name, rng_seed):
     cfg = Qwen3MoeConfig(
         vocab_size=128,
         hidden_size=64,
-        num_hidden_layers=2,
+        num_hidden_layers=FORWARD_LAYERS,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
@@ -278,8 +281,8 @@ def test_inductor_compiles_the_forced_cuda_path(fp8):
     """
     from mpsboost.ops.fp8 import sqnr_db
 
-    model, _ = _patched("cuda_sm90", fp8, dtype=torch.bfloat16, layers=2)
-    stock = _qwen3(torch.bfloat16, layers=2)
+    model, _ = _patched("cuda_sm90", fp8, dtype=torch.bfloat16, layers=FORWARD_LAYERS)
+    stock = _qwen3(torch.bfloat16, layers=FORWARD_LAYERS)
     torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad():

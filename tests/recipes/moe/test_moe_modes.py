@@ -292,7 +292,8 @@ def test_compiled_forward_equals_eager_patched(env_name, rng_seed):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     dtype = ENVS[env_name][2]
-    model = _lm("qwen3_moe", dtype=dtype).eval()
+    # One layer: fullgraph refuses a break in any layer; one graph for several layers is the test above's.
+    model = _lm("qwen3_moe", dtype=dtype, layers=1).eval()
     ref32 = copy.deepcopy(model).float()  # the same weights, unpatched, in fp32: the truth both are held to
     ids = torch.randint(0, 96, (2, 40))  # 160 pairs: above every compiled batched threshold
     with torch.no_grad():
@@ -306,7 +307,7 @@ def test_compiled_forward_equals_eager_patched(env_name, rng_seed):
     assert cnt.frame_count == 1
     # grouped_mm traces in bf16 only (and MPS before 2.15 has none): the dense fallback otherwise.
     native = dtype == torch.bfloat16 and env_name != "mps_2.14.1"
-    assert _grouped_mm_calls(cnt.graphs[0]) == (4 if native else 0)
+    assert _grouped_mm_calls(cnt.graphs[0]) == (2 if native else 0)  # up and down projections
     if dtype == torch.bfloat16:
         # Both held to the fp32 truth as well as to each other (see COMPILED_BF16_TOL).
         assert relative_error(out, truth) <= COMPILED_BF16_TOL and relative_error(eager, truth) <= COMPILED_BF16_TOL
