@@ -1,5 +1,6 @@
 """First contact, as a new user has it: build the wheel, install it into a fresh virtual environment,
-run ``mpsboost doctor``, import the public API, use each extra, and prove that the extras resolve.
+import the public API, use each extra, run the doctor and the ``mpsboost`` command, and prove that the extras
+resolve.
 
 The fresh venv reuses the torch (and the other packages) of the environment running the tests
 through a ``.pth`` file, instead of resolving torch again: whatever build pip brought here (a CPU
@@ -62,6 +63,14 @@ probe = {{"torch_s": t1 - t0, "mpsboost_s": t2 - t1, "mpsboost_cpu_s": c2 - c1,
          "missing": missing, "heavy": heavy, "file": mpsboost.__file__,
          "third_party": [m for m in added if m not in sys.stdlib_module_names]}}
 {extras}
+# The installed package's doctor (its console script runs below, for bench): in this interpreter, torch,
+# transformers and diffusers already imported.
+import contextlib, io
+from mpsboost import cli
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    rc = cli.main(["doctor", "--json"])
+probe["doctor"] = {{"rc": rc, "json": out.getvalue()}}
 print(json.dumps(probe))
 """
 
@@ -207,11 +216,6 @@ def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_proper
     assert not torch_family, f"pip would resolve torch again: {sorted(to_install)}"
     print("resolving mpsboost[all] against this environment would add: " + (", ".join(sorted(to_install)) or "nothing"))
 
-    doctor = _run([cli, "doctor", "--json"], env=env, timeout=300)
-    info = json.loads(doctor.stdout)
-    assert info["mpsboost"] == "0.1.0" and info["features"] and info["recipes"]
-    assert {f["available"] for f in info["features"].values()} <= {True, False}
-    # (the text form of doctor is tests/core/test_cli.py's, in process: the same report)
     checks = {
         "diffusers": "import mpsboost, diffusers, torch; from diffusers import AutoencoderKLWan as A; "
         "v = A(base_dim=3, z_dim=16, dim_mult=[1,1,1,1], num_res_blocks=1, temperal_downsample=[False,True,True]); "
@@ -223,13 +227,18 @@ def test_wheel_in_a_fresh_venv_reusing_the_present_torch(tmp_path, record_proper
         "num_experts_per_tok=2)); r = mpsboost.patch(m); assert r.rows; mpsboost.unpatch(m) if r.applied else None",
     }
     # One fresh interpreter: the import probe first (what `import mpsboost` brings in, before anything else is
-    # imported), then each extra used, and the probe's record printed last.
+    # imported), then each extra used, then the doctor, and the probe's record printed last.
     script = IMPORT_PROBE.format(public=PUBLIC, extras="\n".join(checks.values()))
     probe = json.loads(_run([py, "-c", script], env=env, timeout=300).stdout.strip().splitlines()[-1])
     assert probe["torch"] == torch.__version__, (probe["torch"], torch.__version__)  # the present torch
     assert probe["file"].startswith(str(venv_dir)), probe["file"]  # the installed wheel, not src/
     assert not probe["missing"], probe["missing"]
     assert not probe["heavy"], f"import mpsboost imported {probe['heavy']}"
+    assert probe["doctor"]["rc"] == 0, probe["doctor"]
+    info = json.loads(probe["doctor"]["json"])
+    assert info["mpsboost"] == "0.1.0" and info["features"] and info["recipes"]
+    assert {f["available"] for f in info["features"].values()} <= {True, False}
+    # (the text form of doctor is tests/core/test_cli.py's, in process: the same report)
     assert [r["name"] for r in info["recipes"]] == probe["recipes"] and len(probe["recipes"]) >= 1
     # The wheel has no benchmarks: `mpsboost bench` says where they live, in one line.
     bench = subprocess.run(
