@@ -95,6 +95,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/core/test_patch_primitive.py", "-k", "in_graph"),
     ),
     Mutation(
+        name="affine-quantize-in-the-callers-weight",
+        why="affine_quantize computes its codes in place in a float32 weight it was given, not in a copy",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/affine_codec.py",
+                "g = g.float() if g.dtype != torch.float32 else g.clone()",
+                "g = g.float()",
+            ),
+        ),
+        tests=("tests/quant/test_mlx_affine.py", "-k", "bit_for_bit"),
+    ),
+    Mutation(
         name="attention-split-walk-per-module",
         why="attention_split's find walks the whole model again for every module a match covers (quadratic plan())",
         edits=(

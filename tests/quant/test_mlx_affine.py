@@ -70,7 +70,9 @@ def test_quantize_and_dequantize_equal_mlx_bit_for_bit(bits, dtype):
         w = w.to(getattr(torch, dtype))
         mw = mx.array(w.float().numpy()).astype(getattr(mx, dtype))
         mq, ms, mb = mx.quantize(mw, group_size=group, bits=bits)
+        before = w.clone()
         q, s, b = codec.quantize(w, bits, group)
+        assert torch.equal(w, before), "quantize changed the weight it was given"  # it works in its own copy
         assert np.array_equal(np.array(mq).view(np.uint32), q.view(torch.int32).numpy().view(np.uint32)), (bits, group)
         assert torch.equal(torch.from_numpy(np.array(ms.astype(mx.float32))), s.float())
         assert torch.equal(torch.from_numpy(np.array(mb.astype(mx.float32))), b.float())

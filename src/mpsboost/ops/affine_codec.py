@@ -178,9 +178,11 @@ def affine_quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.
         _fail(f"weight of shape {tuple(w.shape)}: expected 2 or more dims, the last a multiple of {group_size}")
     n_bins = float((1 << bits) - 1)
     lead = w.shape[:-1]
-    g = w.reshape(*lead, -1, group_size).float()
-    w_max = g.amax(-1, keepdim=True)
-    w_min = g.amin(-1, keepdim=True)
+    g = w.reshape(*lead, -1, group_size)
+    # A float32 work copy, never the caller's weight: the codes are computed in it, in place (one tensor of the
+    # weight's size at 4 bytes an element, where each step of the same arithmetic out of place would add one).
+    g = g.float() if g.dtype != torch.float32 else g.clone()
+    w_min, w_max = torch.aminmax(g, dim=-1, keepdim=True)
     mask = w_min.abs() > w_max.abs()
     scale = torch.clamp_min((w_max - w_min) / n_bins, 1e-7)
     scale = torch.where(mask, scale, -scale)
@@ -189,7 +191,7 @@ def affine_quantize(w: torch.Tensor, bits: int, group_size: int) -> tuple[torch.
     nz = q0 != 0
     scale = torch.where(nz, edge / torch.where(nz, q0, torch.ones_like(q0)), scale)
     bias = torch.where(nz, edge, torch.zeros_like(edge))
-    codes = torch.clamp(torch.round((g - bias) / scale), 0, n_bins)
+    codes = g.sub_(bias).div_(scale).round_().clamp_(0, n_bins)
     q = pack_codes(codes.reshape(*lead, -1).to(torch.uint8), bits)
     return q, scale.squeeze(-1).to(w.dtype), bias.squeeze(-1).to(w.dtype)
 
