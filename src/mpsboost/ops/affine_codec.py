@@ -48,7 +48,7 @@ def unpack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
         if bits == 8:
             return by.clone()
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=q.device)
-        return ((by.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(*lead, -1)
+        return (by.unsqueeze(-1) >> shifts).bitwise_and_((1 << bits) - 1).reshape(*lead, -1)
     by = by.to(torch.int64).reshape(*lead, -1, bits)  # [..., K / 8, bits]: eight codes
     word = (by << (8 * torch.arange(bits, device=q.device))).sum(-1, keepdim=True)  # <= 64 bits: fits int64
     shifts = bits * torch.arange(8, device=q.device)
@@ -160,7 +160,8 @@ def affine_dequantize(
     codes = unpack_codes(q, bits).to(scales.dtype)
     lead = codes.shape[:-1]
     g = codes.reshape(*lead, -1, group_size)
-    w = (g * scales.unsqueeze(-1) + biases.unsqueeze(-1)).reshape(*lead, -1)
+    # In place in the fresh copy of the codes: the same two roundings as ``g * scale + bias``.
+    w = g.mul_(scales.unsqueeze(-1)).add_(biases.unsqueeze(-1)).reshape(*lead, -1)
     return w if dtype is None or dtype == w.dtype else w.to(dtype)
 
 
