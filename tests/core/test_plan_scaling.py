@@ -1,10 +1,10 @@
 """``plan()``'s walk over a model grows with the model, not with its square: counted, not timed.
 
 Every recipe's ``find`` walks the model's modules, and some walk below each match. A walk that, for every module,
-walks a match again (attention_split once searched its covering model's modules for each module, 0.74 s a plan of
-Qwen3.6's 837 modules) grows with the square of the depth a model has. The count here is of modules handed out by
-``Module.named_modules`` (which ``modules()`` calls too) during one ``plan()`` of a tiny Qwen3 of 4 and of 8 layers:
-twice the layers may cost twice the visits plus a constant, not four times.
+walks a match again (attention_split once searched its covering model's modules for each module) grows with the
+square of the model's size. The count here is of modules handed out by ``Module.named_modules`` (which ``modules()``
+calls too) during one ``plan()`` of the tests' tiny Qwen3 at 4 and at 8 layers: twice the layers may cost twice the
+visits plus a constant, not four times.
 """
 
 from __future__ import annotations
@@ -21,18 +21,9 @@ pytest.importorskip("transformers")
 
 
 def _qwen3(layers: int) -> torch.nn.Module:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from mpsboost.bench import models
 
-    cfg = Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        intermediate_size=32,
-    )
-    return Qwen3ForCausalLM(cfg).eval()
+    return models.build(models.ZOO["qwen3"], num_hidden_layers=layers).eval()  # the tests' tiny Qwen3
 
 
 def _visits(model: torch.nn.Module, monkeypatch, env: Env) -> int:
