@@ -107,6 +107,30 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/quant/test_mlx_affine.py", "-k", "bit_for_bit"),
     ),
     Mutation(
+        name="selftest-release-over-the-whole-heap",
+        why="the selftest runs without its frozen heap: each probe's and workload's gc.collect() walks the libraries",
+        edits=(
+            Edit(
+                "src/mpsboost/selftest/run.py",
+                "    with frozen_heap():  # each probe",
+                "    with __import__('contextlib').nullcontext():  # each probe",
+            ),
+        ),
+        tests=("tests/integration/test_selftest.py", "-k", "frozen_heap"),
+    ),
+    Mutation(
+        name="frozen-heap-unfreezes-a-callers-freeze",
+        why="frozen_heap freezes and unfreezes even under a caller's own gc.freeze(), undoing it",
+        edits=(
+            Edit(
+                "src/mpsboost/bench/harness.py",
+                "    if gc.get_freeze_count():\n        yield\n",
+                "    if False:\n        yield\n",
+            ),
+        ),
+        tests=("tests/bench/test_bench_harness.py", "-k", "frozen_heap"),
+    ),
+    Mutation(
         name="attention-split-walk-per-module",
         why="attention_split's find walks the whole model again for every module a match covers (quadratic plan())",
         edits=(

@@ -211,3 +211,35 @@ def test_one_busy_threshold_and_one_best_device_for_every_entry_point():
     assert demo.BUSY_SPREAD is harness.BUSY_SPREAD and demo.ratio_lines is harness.ratio_lines
     assert cli.best_device is harness.best_device
     assert harness.best_device() in ("mps", "cuda", "cpu")
+
+
+def test_frozen_heap_freezes_what_lives_on_entry_collects_what_is_made_within_and_hands_back():
+    import gc
+    import weakref
+
+    from mpsboost.bench.harness import frozen_heap, release
+
+    class Node:
+        pass
+
+    assert gc.get_freeze_count() == 0, "a frozen heap left over from another test"
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # the imported libraries' objects, at least
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle made within: garbage only the collector frees
+        ref = weakref.ref(a)
+        del a, b
+        release("cpu")
+        assert ref() is None, "garbage made within the frozen heap was not collected"
+        with frozen_heap():  # nested: the outer one keeps the freezing
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # a caller's own freeze is the caller's to undo
+    try:
+        with frozen_heap():
+            pass
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -534,6 +534,30 @@ def test_a_failing_workload_is_reported_not_raised(tmp_path, monkeypatch):
     assert validate(jsonl)["workloads"] == {"fp8_linear_m1": "fail"}
 
 
+def test_each_release_collects_within_a_frozen_heap_handed_back_at_the_end(tmp_path, monkeypatch):
+    """The probes' and workloads' hand-backs run inside ``frozen_heap``: each ``gc.collect()`` traverses what the run
+    made, not torch, transformers and diffusers; the heap is handed back when the run ends."""
+    import gc
+
+    from mpsboost.bench import harness
+
+    counts: list[int] = []
+    real = harness.release
+    monkeypatch.setattr(harness, "release", lambda device: (counts.append(gc.get_freeze_count()), real(device)))
+    selftest.run_selftest(
+        "cpu",
+        size="test",
+        processes=1,
+        out_dir=tmp_path,
+        probes=["fp8_cast"],
+        workloads=["fp8_linear_m1"],
+        recipes=[],
+        echo=lambda s: None,
+    )
+    assert counts and min(counts) > 0, counts  # every release of the run, the probe's among them, frozen
+    assert gc.get_freeze_count() == 0
+
+
 def test_the_time_budget_skips_what_does_not_fit(tmp_path):
     lines, jsonl, _ = selftest.run_selftest(
         "cpu",

@@ -143,10 +143,20 @@ def run_selftest(
     checked on ``clock`` before each probe, each step of a workload, each fresh process and each recipe
     check; what does not fit is recorded as skipped.
     """
+    from ..bench.harness import frozen_heap
+
+    device = _checked_request(device, size, dtype, probes, workloads, recipes)
+    with frozen_heap():  # each probe's and workload's release collects what the run made, not the libraries
+        return _run(
+            device, size, processes, repeats, budget_s, out_dir, probes, workloads, recipes, dtype, command, echo, clock
+        )
+
+
+def _run(device, size, processes, repeats, budget_s, out_dir, probes, workloads, recipes, dtype, command, echo, clock):
+    """:func:`run_selftest` on a checked ``device``, inside its frozen heap."""
     from .probes import PROBES, gemm_sample, gemm_verdict, run_probes
     from .workloads import SEED_WORKLOADS
 
-    device = _checked_request(device, size, dtype, probes, workloads, recipes)
     processes, repeats, budget_s = _settings(device, size, processes, repeats, budget_s)
     small = size == "test" or device == "cpu"
     # On the CPU the run is no evidence and the quick and full sizes would take many minutes: the
