@@ -24,6 +24,49 @@ os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 
+# pytest-xdist's loadfile scheduling, with two changes (``--dist loadfile``, pyproject.toml's addopts). xdist hands out
+# files in order of their number of tests, so a long file of few tests (the medium model's) started last and ran on
+# alone; these start first, longest first (each some 15-60 s of a 2-core run; the rest take a few seconds apiece).
+# And the files that compile with inductor run on one worker, which pays inductor's first use (about 4 s) once.
+HEAVY_FIRST = (
+    "tests/integration/test_medium_size.py",
+    "tests/integration/test_compile_modes.py",  # with tests/recipes/moe/test_moe_modes.py (INDUCTOR)
+    "tests/ops/test_affine_metal_emulated.py",
+    "tests/integration/test_selftest.py",
+    "tests/integration/test_compat.py",
+    "tests/ops/test_fp8_metal_emulated.py",
+    "tests/recipes/test_linear_attention.py",
+    "tests/core/test_packaging.py",
+    "tests/ops/test_moe_metal_emulated.py",
+    "tests/recipes/fp8/test_fp8_checkpoints.py",
+)
+INDUCTOR = ("tests/integration/test_compile_modes.py", "tests/recipes/moe/test_moe_modes.py")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STALE = [f for f in (*HEAVY_FIRST, *INDUCTOR) if not os.path.isfile(os.path.join(_ROOT, f))]
+if _STALE:
+    raise pytest.UsageError(f"tests/conftest.py names test files that are not there: {_STALE}")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class HeavyFirst(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return INDUCTOR[0] if scope in INDUCTOR else scope
+
+        def _assign_work_unit(self, node) -> None:
+            for scope in reversed(HEAVY_FIRST):
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return HeavyFirst(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     has_mps = torch.backends.mps.is_available()
