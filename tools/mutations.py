@@ -143,6 +143,18 @@ MUTATIONS: tuple[Mutation, ...] = (
         tests=("tests/core/test_plan_scaling.py",),
     ),
     Mutation(
+        name="attn-metal-no-barrier-before-the-rotation",
+        why="the fused attention kernel rotates from threadgroup memory before every lane has written its normed row",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/attn_metal.py",
+                "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  device const XT* cr",
+                "  device const XT* cr",
+            ),
+        ),
+        tests=("tests/ops/test_attn_metal_emulated.py", "-k", "gated-b1"),
+    ),
+    Mutation(
         name="attn-metal-rotate-half-sign",
         why="the fused attention kernel's rotate_half loses its negation on the first half",
         edits=(Edit("src/mpsboost/ops/attn_metal.py", "e < hr ? -buf[e + hr]", "e < hr ? buf[e + hr]"),),
@@ -1176,6 +1188,34 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         tests=("tests/bench/test_decode_predict.py", "-k", "refuses_constants"),
         quick=True,
+    ),
+    Mutation(
+        name="metal-emulation-threads-always-in-ascending-order",
+        why="the Metal emulation runs every threadgroup's threads in one order: a stale read from below goes unseen",
+        edits=(
+            Edit("tests/ops/metal_emu/driver.cpp", "    fibers.run(ctx, g % 2 == 1);", "    fibers.run(ctx, false);"),
+        ),
+        tests=("tests/ops/test_metal_emulation.py",),
+    ),
+    Mutation(
+        name="metal-emulation-deadlock-unreported",
+        why="the Metal emulation's scheduler goes on resuming threads that wait at a barrier no other thread reaches",
+        edits=(
+            Edit("tests/ops/metal_emu/driver.cpp", "      if (left && left == left_before &&", "      if (false &&"),
+        ),
+        tests=("tests/ops/test_metal_emulation.py", "-k", "deadlock"),
+    ),
+    Mutation(
+        name="deltanet-metal-no-barrier-after-the-projections",
+        why="the fused DeltaNet kernel sums |q|^2 and |k|^2 before every thread has written q and k (a race at dk 64)",
+        edits=(
+            Edit(
+                "src/mpsboost/ops/deltanet_metal.py",
+                "  threadgroup_barrier(mem_flags::mem_threadgroup);\n\n  // 2. |q|^2",
+                "\n\n  // 2. |q|^2",
+            ),
+        ),
+        tests=("tests/ops/test_deltanet_metal_emulated.py", "-k", "continued_steps and dk64"),
     ),
     Mutation(
         name="deltanet-metal-decay-skipped-in-update",

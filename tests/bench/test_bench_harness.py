@@ -232,9 +232,9 @@ def test_frozen_heap_freezes_what_lives_on_entry_collects_what_is_made_within_an
         del a, b
         release("cpu")
         assert ref() is None, "garbage made within the frozen heap was not collected"
-        with frozen_heap():  # nested: the outer one keeps the freezing
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+        with frozen_heap():  # nested: the outer one keeps the freezing (frozen objects freed meanwhile leave it)
+            assert frozen - 100 < gc.get_freeze_count() <= frozen
+        assert frozen - 100 < gc.get_freeze_count() <= frozen
     assert gc.get_freeze_count() == 0
     gc.freeze()  # a caller's own freeze is the caller's to undo
     try:

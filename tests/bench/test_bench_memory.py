@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import time
 
 import pytest
@@ -13,12 +14,22 @@ from mpsboost.bench.memory import process_rss_bytes
 MiB = 1 << 20
 
 
+def _fresh_tensor(size: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """A byte tensor of ``size`` on anonymous pages mapped here, every page written: resident memory new to the
+    process. (``torch.ones`` of the same size may be served from memory glibc's heap kept resident after a worker's
+    earlier tests freed theirs, and then no resident set grows for any probe to see.)"""
+    mm = mmap.mmap(-1, size)
+    t = torch.frombuffer(mm, dtype=torch.uint8)
+    t.fill_(1)
+    return mm, t
+
+
 def test_cpu_rss_peak_covers_a_tensor_allocated_in_the_block():
     size = 96 * MiB
     with measure_memory("cpu") as probe:
-        t = torch.ones(size // 4, dtype=torch.float32)  # ones() touches every page: resident
+        mm, t = _fresh_tensor(size)
     mem = probe.peaks()
-    assert t.numel() * 4 == size
+    assert t.numel() == size
     assert mem.tensor_allocated is None and mem.allocator_reserved is None  # no such counters on CPU
     assert mem.driver_level_source == "process_rss"
     assert mem.driver_level_at_start is not None and mem.samples >= 2
@@ -28,9 +39,10 @@ def test_cpu_rss_peak_covers_a_tensor_allocated_in_the_block():
 def test_cpu_sampler_catches_a_peak_freed_before_the_block_ends():
     size = 128 * MiB
     with measure_memory("cpu", interval_s=0.001) as probe:
-        t = torch.ones(size // 4)
+        mm, t = _fresh_tensor(size)
         time.sleep(0.1)  # the background sampler sees it while alive
         del t
+        mm.close()  # the pages go back to the system
         time.sleep(0.02)
     mem = probe.peaks()
     assert mem.driver_level - mem.driver_level_at_start >= 0.9 * size

@@ -5,10 +5,11 @@ As tests/ops/test_affine_metal_emulated.py does for the low-bit kernels: ``SOURC
 this module by g++ against ``tests/ops/metal_emu/metal_stdlib`` and launched by ``tests/ops/metal_emu/driver.cpp``
 (its kernels named in a ``kernels_table.inc`` written here), through the real launcher :func:`deltanet_metal.step`:
 a fake of the compiled library takes the arguments it passes (buffers, int64 scalars, ``threads=`` and
-``group_size=``) and runs the driver on exactly those, every threadgroup of the grid, every thread its own
-std::thread (``simd_sum`` and ``threadgroup_barrier`` really synchronise them). Built with AddressSanitizer and
-UndefinedBehaviorSanitizer where they link (every buffer its own allocation of exactly its size); the output starts
-as NaN, so an element the kernel never writes fails; the buffers the kernel only reads must come back unchanged.
+``group_size=``) and runs the driver on exactly those, every threadgroup of the grid, every thread its own fiber
+(``simd_sum`` and ``threadgroup_barrier`` really synchronise them; tests/ops/test_metal_emulation.py). Built with
+AddressSanitizer and UndefinedBehaviorSanitizer where they link (every buffer its own allocation of exactly its
+size); the output starts as NaN, so an element the kernel never writes fails; the buffers the kernel only reads must
+come back unchanged.
 
 The reference is independent of the kernel and of mpsboost's composed step: transformers' own
 ``causal_conv1d_update`` (float64), ``torch_recurrent_gated_delta_rule`` (it computes in float32 whatever it is

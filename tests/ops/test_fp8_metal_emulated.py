@@ -2,7 +2,8 @@
 
 No Mac here, so ``SOURCE`` (verbatim) is compiled by g++ against ``tests/ops/metal_emu/metal_stdlib``, a small
 emulation of the Metal built-ins it uses (address-space qualifiers, vector types, ``half``, ``as_type`` and a real
-32-lane ``simd_sum`` over concurrently running threads), and launched by ``tests/ops/metal_emu/driver.cpp``.
+32-lane ``simd_sum`` over the threadgroup's threads, each its own fiber), and launched by
+``tests/ops/metal_emu/driver.cpp``.
 The launch itself is :func:`mpsboost.ops.fp8_metal.rows_gemv`'s: a fake of the compiled library takes the
 arguments it passes (buffers, int64 scalars, ``threads=`` and ``group_size=``) and runs the driver on exactly
 those, every threadgroup of the grid, so the argument order, the row stride, the scale strides and the grid are

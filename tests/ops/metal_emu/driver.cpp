@@ -9,15 +9,17 @@
 // and at run time against IN). Every buffer is its own allocation of exactly its size, 16-byte aligned like an
 // MTLBuffer's contents (so AddressSanitizer, when built with it, catches a read one byte past any of them).
 // OUT: the bytes of every buffer after the launch, in order.
-// Each threadgroup's threads run concurrently, one std::thread each (metal_stdlib's simd_sum synchronises the 32
-// lanes of each simdgroup); threadgroups run one after another on the same threads.
+// Each threadgroup's threads run as fibers of this one OS thread (class Fibers; metal_stdlib's simd_sum synchronises
+// the 32 lanes of each simdgroup at its barriers); threadgroups run one after another.
+#include <ucontext.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <new>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -68,6 +70,90 @@ decltype(auto) argument(std::vector<std::unique_ptr<Buffer>> &bufs, std::vector<
   }
 }
 
+// The threads of one threadgroup as fibers on this one OS thread (ucontext), each on its own stack: a thread runs
+// until it waits at a barrier (metal::emu::Barrier yields to the scheduler), and the scheduler resumes the threads in
+// turn until every one has returned. A std::thread per thread outnumbers the cores many times over, and its waiters
+// spin against the threads they wait for; a fiber switch is a function call and a signal mask.
+// Only one thread runs at a time, so the kernel's memory needs no atomics here; what concurrency would break (a
+// read of another thread's write with no barrier between) shows as a wrong value, as the threads run in an order
+// that changes between threadgroups. A barrier some thread never reaches is a deadlock, reported as one.
+class Fibers {
+ public:
+  Fibers(int n, std::function<void(int)> body) : body_(std::move(body)), fibers_(size_t(n)) {
+    for (auto &f : fibers_) {
+      f.stack = std::make_unique<unsigned char[]>(STACK);
+    }
+  }
+
+  void run(metal::emu::Threadgroup &ctx, bool descending) {
+    const int n = int(fibers_.size());
+    for (int i = 0; i < n; ++i) {
+      Fiber &f = fibers_[size_t(i)];
+      f.done = false;
+      if (getcontext(&f.uc) != 0) {
+        die("getcontext failed");
+      }
+      f.uc.uc_stack.ss_sp = f.stack.get();
+      f.uc.uc_stack.ss_size = STACK;
+      f.uc.uc_link = &sched_;
+      makecontext(&f.uc, reinterpret_cast<void (*)()>(&Fibers::entry), 0);
+    }
+    metal::emu::tg_ctx = &ctx;
+    metal::emu::yield = &Fibers::yield;
+    self_ = this;
+    for (int left = n; left;) {
+      const unsigned long before = metal::emu::arrivals;
+      const int left_before = left;
+      for (int k = 0; k < n; ++k) {
+        const int i = descending ? n - 1 - k : k;
+        Fiber &f = fibers_[size_t(i)];
+        if (f.done) {
+          continue;
+        }
+        current_ = i;
+        metal::emu::tl_simdgroup = metal::uint(i / metal::emu::SIMD_WIDTH);
+        metal::emu::tl_lane = metal::uint(i % metal::emu::SIMD_WIDTH);
+        if (swapcontext(&sched_, &f.uc) != 0) {
+          die("swapcontext failed");
+        }
+        left -= f.done ? 1 : 0;
+      }
+      if (left && left == left_before && metal::emu::arrivals == before) {
+        die("deadlock: " + std::to_string(left) + " threads wait at a barrier the others of their group never reach");
+      }
+    }
+    metal::emu::yield = nullptr;
+  }
+
+ private:
+  static constexpr size_t STACK = 256 * 1024;
+  struct Fiber {
+    ucontext_t uc{};
+    std::unique_ptr<unsigned char[]> stack;
+    bool done = false;
+  };
+
+  static void entry() {
+    Fibers *self = self_;
+    const int i = self->current_;
+    self->body_(i);
+    self->fibers_[size_t(i)].done = true;
+  }  // returns to uc_link: the scheduler
+
+  static void yield() {
+    Fibers *self = self_;
+    if (swapcontext(&self->fibers_[size_t(self->current_)].uc, &self->sched_) != 0) {
+      die("swapcontext failed");
+    }
+  }
+
+  static inline Fibers *self_ = nullptr;
+  std::function<void(int)> body_;
+  std::vector<Fiber> fibers_;
+  ucontext_t sched_{};
+  int current_ = 0;
+};
+
 template <class... P>
 void dispatch(void (*fn)(P...), const long threads[2], const long group[2], std::vector<long> &sc,
               std::vector<std::unique_ptr<Buffer>> &bufs) {
@@ -98,37 +184,27 @@ void dispatch(void (*fn)(P...), const long threads[2], const long group[2], std:
   const long tgx = threads[0] / group[0], tgy = threads[1] / group[1];
   const int nthreads = int(group[0]);
   const int nsg = nthreads / metal::emu::SIMD_WIDTH;
-  // One std::thread per thread of a threadgroup, made once per launch and reused for every threadgroup in turn (the
-  // order of a loop over y then x): a threadgroup starts when every thread has left the one before it.
-  const long ngroups = tgx * tgy;
   metal::emu::Threadgroup ctx{};
-  std::barrier<> all(nthreads);  // threadgroup_barrier
-  std::barrier<> next(nthreads);  // between threadgroups
+  metal::emu::Barrier all(nthreads);  // threadgroup_barrier
   ctx.all = &all;
-  std::vector<std::unique_ptr<std::barrier<>>> bars;
+  std::vector<std::unique_ptr<metal::emu::Barrier>> bars;
   for (int s = 0; s < nsg; ++s) {
-    bars.push_back(std::make_unique<std::barrier<>>(metal::emu::SIMD_WIDTH));
+    bars.push_back(std::make_unique<metal::emu::Barrier>(metal::emu::SIMD_WIDTH));
     ctx.bars[s] = bars.back().get();
   }
-  std::vector<std::thread> pool;
-  pool.reserve(nthreads);
-  for (int tid = 0; tid < nthreads; ++tid) {
-    pool.emplace_back([&, tid] {
-      metal::emu::tg_ctx = &ctx;
-      metal::emu::tl_simdgroup = metal::uint(tid / metal::emu::SIMD_WIDTH);
-      metal::emu::tl_lane = metal::uint(tid % metal::emu::SIMD_WIDTH);
-      const metal::uint sg = metal::emu::tl_simdgroup, lane = metal::emu::tl_lane;
-      for (long g = 0; g < ngroups; ++g) {
-        const metal::uint2 tg{metal::uint(g % tgx), metal::uint(g / tgx)};
-        [&]<size_t... I>(std::index_sequence<I...>) {
-          fn(argument<I, std::tuple_element_t<I, Params>, nptr, nsc>(bufs, sc, tg, sg, lane)...);
-        }(std::make_index_sequence<n>{});
-        next.arrive_and_wait();
-      }
-    });
-  }
-  for (auto &t : pool) {
-    t.join();
+  metal::uint2 tg{};
+  Fibers fibers(nthreads, [&](int tid) {
+    const metal::uint sg = metal::uint(tid / metal::emu::SIMD_WIDTH), lane = metal::uint(tid % metal::emu::SIMD_WIDTH);
+    [&]<size_t... I>(std::index_sequence<I...>) {
+      fn(argument<I, std::tuple_element_t<I, Params>, nptr, nsc>(bufs, sc, tg, sg, lane)...);
+    }(std::make_index_sequence<n>{});
+  });
+  // Threadgroups one after another (a loop over y then x); each one's threads resumed in ascending order, and in
+  // descending order in every other threadgroup, so that a read of another thread's threadgroup memory without the
+  // barrier before it sees the write missing whichever side of it the writer is.
+  for (long g = 0; g < tgx * tgy; ++g) {
+    tg = metal::uint2{metal::uint(g % tgx), metal::uint(g / tgx)};
+    fibers.run(ctx, g % 2 == 1);
   }
 }
 
