@@ -26,19 +26,20 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 
 # pytest-xdist's loadfile scheduling, with two changes (``--dist loadfile``, pyproject.toml's addopts). xdist hands out
 # files in order of their number of tests, so a long file of few tests (the medium model's) started last and ran on
-# alone; these start first, longest first (each some 15-60 s of a 2-core run; the rest take a few seconds apiece).
+# alone; these start first, longest first (each some 10-60 s of a 2-core run; the rest take a few seconds apiece).
 # And the files that compile with inductor run on one worker, which pays inductor's first use (about 4 s) once.
 HEAVY_FIRST = (
-    "tests/integration/test_medium_size.py",
     "tests/integration/test_compile_modes.py",  # with tests/recipes/moe/test_moe_modes.py (INDUCTOR)
-    "tests/ops/test_affine_metal_emulated.py",
-    "tests/integration/test_selftest.py",
+    "tests/integration/test_medium_size.py",
     "tests/integration/test_compat.py",
-    "tests/ops/test_fp8_metal_emulated.py",
+    "tests/ops/test_affine_metal_emulated.py",
     "tests/recipes/test_linear_attention.py",
-    "tests/core/test_packaging.py",
-    "tests/ops/test_moe_metal_emulated.py",
     "tests/recipes/fp8/test_fp8_checkpoints.py",
+    "tests/core/test_packaging.py",
+    "tests/core/test_reliability.py",
+    "tests/ops/test_fp8_metal_emulated.py",
+    "tests/recipes/fp8/test_fp8_qwen36.py",
+    "tests/integration/test_examples.py",
 )
 INDUCTOR = ("tests/integration/test_compile_modes.py", "tests/recipes/moe/test_moe_modes.py")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
