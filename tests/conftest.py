@@ -29,7 +29,7 @@ os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 # alone; these start first, longest first (each some 10-60 s of a 2-core run; the rest take a few seconds apiece).
 # And the files that compile with inductor run on one worker, which pays inductor's first use (about 4 s) once.
 HEAVY_FIRST = (
-    "tests/integration/test_compile_modes.py",  # with tests/recipes/moe/test_moe_modes.py (INDUCTOR)
+    "tests/integration/test_compile_modes.py",  # with the other INDUCTOR files
     "tests/integration/test_medium_size.py",
     "tests/integration/test_compat.py",
     "tests/ops/test_affine_metal_emulated.py",
@@ -41,7 +41,11 @@ HEAVY_FIRST = (
     "tests/recipes/fp8/test_fp8_qwen36.py",
     "tests/integration/test_examples.py",
 )
-INDUCTOR = ("tests/integration/test_compile_modes.py", "tests/recipes/moe/test_moe_modes.py")
+INDUCTOR = (
+    "tests/integration/test_compile_modes.py",
+    "tests/recipes/moe/test_moe_modes.py",
+    "tests/quant/test_low_bit_choice.py",  # the int4pack forward
+)
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STALE = [f for f in (*HEAVY_FIRST, *INDUCTOR) if not os.path.isfile(os.path.join(_ROOT, f))]
 if _STALE:
