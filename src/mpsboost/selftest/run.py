@@ -144,71 +144,70 @@ def run_selftest(
     check; what does not fit is recorded as skipped.
     """
     from ..bench.harness import frozen_heap
-
-    device = _checked_request(device, size, dtype, probes, workloads, recipes)
-    with frozen_heap():  # each probe's and workload's release collects what the run made, not the libraries
-        return _run(
-            device, size, processes, repeats, budget_s, out_dir, probes, workloads, recipes, dtype, command, echo, clock
-        )
-
-
-def _run(device, size, processes, repeats, budget_s, out_dir, probes, workloads, recipes, dtype, command, echo, clock):
-    """:func:`run_selftest` on a checked ``device``, inside its frozen heap."""
     from .probes import PROBES, gemm_sample, gemm_verdict, run_probes
     from .workloads import SEED_WORKLOADS
 
-    processes, repeats, budget_s = _settings(device, size, processes, repeats, budget_s)
-    small = size == "test" or device == "cpu"
-    # On the CPU the run is no evidence and the quick and full sizes would take many minutes: the
-    # workloads run at their test size there, as the probes do (``small``).
-    wl_size = "test" if device == "cpu" else size
-    t0 = clock()
-    deadline = t0 + budget_s
-    echo(f"mpsboost selftest on {device} (size {size}, {processes} process(es), budget {budget_s:.0f} s)")
-    if device != "mps":
-        echo(NOT_EVIDENCE.format(device=device))
-    if wl_size != size:
-        echo(f"  on the cpu the probes and workloads run at their test size (tiny models), not {size}, in one process")
-    lines: list[dict] = _gate_lines(device)
-    chosen_probes = tuple(PROBES) if probes is None else tuple(probes)
-    probe_lines = (
-        run_probes(device, small, deadline=deadline, only=chosen_probes, echo=echo, clock=clock)
-        if chosen_probes
-        else []
-    )
-    names = list(SEED_WORKLOADS) if workloads is None else list(workloads)
-    wl_lines = [_one_workload(name, device, wl_size, repeats, deadline, t0, budget_s, echo, clock) for name in names]
-    # Repeats in fresh processes: the timings only (no reference, no memory), each in a new interpreter.
-    gemm = [gemm_sample(device, small)] if "gemm_fresh_process" in chosen_probes else []
-    child_notes = _repeat_in_fresh_processes(device, wl_size, wl_lines, gemm, processes, repeats, deadline, echo, clock)
-    for w in wl_lines:
-        if w["status"] in ("pass", "fail"):
-            w["ratio"] = _ratio(w["stock"]["seconds"], w["patched"]["seconds"])
-        elif "stock" in w:
-            w["ratio"] = None
-    if gemm:
-        for p in probe_lines:
-            if p["name"] == "gemm_fresh_process":
-                p.update(gemm_verdict(gemm, device))
-    lines += probe_lines + wl_lines
-    if recipes is None or recipes:
-        lines += _recipe_lines(device, dtype, recipes, repeats, deadline, echo, clock, covered=_covered(wl_lines))
-    head = {
-        "kind": "selftest",
-        "schema": SCHEMA,
-        "machine": None,  # filled below, once the run is over
-        "size": size,
-        "workload_size": wl_size,
-        "processes": processes,
-        "repeats": repeats,
-        "budget_s": budget_s,
-        "duration_s": round(clock() - t0, 1),
-        "evidence": device == "mps",
-        "date": _dt.date.today().isoformat(),
-        "command": command,
-        "process_notes": child_notes,
-    }
-    return _write([head] + lines, device, out_dir, echo)
+    device = _checked_request(device, size, dtype, probes, workloads, recipes)
+    with frozen_heap():  # each probe's and workload's release collects what the run made, not the libraries
+        processes, repeats, budget_s = _settings(device, size, processes, repeats, budget_s)
+        small = size == "test" or device == "cpu"
+        # On the CPU the run is no evidence and the quick and full sizes would take many minutes: the
+        # workloads run at their test size there, as the probes do (``small``).
+        wl_size = "test" if device == "cpu" else size
+        t0 = clock()
+        deadline = t0 + budget_s
+        echo(f"mpsboost selftest on {device} (size {size}, {processes} process(es), budget {budget_s:.0f} s)")
+        if device != "mps":
+            echo(NOT_EVIDENCE.format(device=device))
+        if wl_size != size:
+            echo(
+                f"  on the cpu the probes and workloads run at their test size (tiny models), not {size}, "
+                "in one process"
+            )
+        lines: list[dict] = _gate_lines(device)
+        chosen_probes = tuple(PROBES) if probes is None else tuple(probes)
+        probe_lines = (
+            run_probes(device, small, deadline=deadline, only=chosen_probes, echo=echo, clock=clock)
+            if chosen_probes
+            else []
+        )
+        names = list(SEED_WORKLOADS) if workloads is None else list(workloads)
+        wl_lines = [
+            _one_workload(name, device, wl_size, repeats, deadline, t0, budget_s, echo, clock) for name in names
+        ]
+        # Repeats in fresh processes: the timings only (no reference, no memory), each in a new interpreter.
+        gemm = [gemm_sample(device, small)] if "gemm_fresh_process" in chosen_probes else []
+        child_notes = _repeat_in_fresh_processes(
+            device, wl_size, wl_lines, gemm, processes, repeats, deadline, echo, clock
+        )
+        for w in wl_lines:
+            if w["status"] in ("pass", "fail"):
+                w["ratio"] = _ratio(w["stock"]["seconds"], w["patched"]["seconds"])
+            elif "stock" in w:
+                w["ratio"] = None
+        if gemm:
+            for p in probe_lines:
+                if p["name"] == "gemm_fresh_process":
+                    p.update(gemm_verdict(gemm, device))
+        lines += probe_lines + wl_lines
+        if recipes is None or recipes:
+            lines += _recipe_lines(device, dtype, recipes, repeats, deadline, echo, clock, covered=_covered(wl_lines))
+        head = {
+            "kind": "selftest",
+            "schema": SCHEMA,
+            "machine": None,  # filled below, once the run is over
+            "size": size,
+            "workload_size": wl_size,
+            "processes": processes,
+            "repeats": repeats,
+            "budget_s": budget_s,
+            "duration_s": round(clock() - t0, 1),
+            "evidence": device == "mps",
+            "date": _dt.date.today().isoformat(),
+            "command": command,
+            "process_notes": child_notes,
+        }
+        return _write([head] + lines, device, out_dir, echo)
 
 
 def _checked_request(
