@@ -45,3 +45,26 @@ def test_attention_step_on_low_bit_projections_equals_the_low_bit_model_without_
     ref = tm._run_lm(without, rng_seed, batch=2, prompt=6, steps=3)
     assert relative_error(got, ref) <= FP32_TOL
     assert torch.isfinite(got).all()
+
+
+def test_medium_copies_share_the_weights_and_catch_a_write_into_them(monkeypatch):
+    """tests/step_costs.py's MediumModel hands out copies over the base's tensors (no 1.1 GB deep copy per cost),
+    so it must catch a patch or decode step that writes into them: shown here on the tiny model."""
+    import step_costs
+
+    monkeypatch.setattr(step_costs, "build", lambda size: build("tiny"))
+    medium = step_costs.MediumModel()
+    a, b = medium.copy(), medium.copy()
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert pa.keys() == pb.keys() and all(pa[n] is not pb[n] and pa[n].data_ptr() == pb[n].data_ptr() for n in pa)
+    assert all(m is not n for m, n in zip(a.modules(), b.modules()))
+    assert medium.cost({})["ops"]  # a default patch writes nothing
+
+    def writes(model, patches):
+        with torch.no_grad():
+            next(model.parameters()).mul_(1.0)
+        return {}
+
+    monkeypatch.setattr(step_costs, "_counted", writes)
+    with pytest.raises(AssertionError, match="wrote into the model's weights"):
+        medium.cost({"device": "cpu"})

@@ -248,6 +248,30 @@ def test_quantisation_in_slices_equals_one_pass(rng_seed):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("shape, k_dim", [((61, 45), -1), ((5, 33, 18), 2), ((5, 33, 18), 1)])
+def test_codes_are_the_float32_quotient_and_scales_the_absolute_maxima(dtype, granularity, shape, k_dim, rng_seed):
+    """Against the formula: scale = max |w| / 448 over each row (rowwise) or matrix (tensorwise), 1 where that is
+    0, and codes = (w.float() / scale) clamped and cast to e4m3, computed in float32 whatever w's dtype (a 0-dim
+    scale too), in slices of a few rows or in one pass."""
+    w = (torch.randn(shape) * torch.rand(*shape[:-1], 1) * 5).to(dtype)
+    w[1] = 0
+    wf = w.float()
+    dims = (k_dim,) if granularity == "rowwise" else tuple(range(w.dim()))[-2:]
+    amax = wf.abs().amax(dim=dims, keepdim=True)
+    want_s = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    if granularity == "tensorwise" and w.dim() == 2:
+        want_s = want_s.reshape(())
+    want_q = (wf / want_s).clamp(-448.0, 448.0).to(FP8).view(torch.uint8)
+    for chunk in (None, w[0].numel() * 2):
+        with mock.patch.object(fp8_ops, "_CHUNK_ELEMENTS", chunk or fp8_ops._CHUNK_ELEMENTS):
+            for storage in ("float8", "uint8"):
+                q, s = fp8_ops.quantize(w, granularity, storage, k_dim=k_dim)
+                assert s.shape == want_s.shape and torch.equal(s, want_s), (storage, chunk)
+                assert torch.equal(q.view(torch.uint8), want_q), (storage, chunk)
+
+
 def test_layer_quality_meets_the_issue_bound_on_random_normal_weights(rng_seed):
     for n, k in ((256, 512), (77, 1001)):
         w = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
@@ -680,6 +704,24 @@ def test_failed_validation_rolls_back_and_leaves_the_very_same_weights():
     assert all(p is weights[n] for n, p in model.named_parameters())
     diff = tm.diff_snapshot(before, tm.snapshot(model))
     assert all("down_proj:weight" in d for d in diff) and diff  # only the value planted above differs
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), 3.0e38])
+def test_only_non_finite_weights_are_refused_whatever_their_sum(value):
+    """The finite check sums each weight first: a planted inf or -inf is refused, while finite weights whose sum
+    overflows (3e38, a value bf16 holds) are converted."""
+    model = tm.build("qwen3", dtype="bfloat16")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[3, :8] = value
+    finite = value < float("inf") and value > float("-inf")
+    assert not bool(model.model.layers[1].mlp.down_proj.weight.sum().isfinite())
+    if finite:
+        report = mpsboost.patch(model, fp8="rowwise")
+        assert "fp8_weights" in report.recipes("applied")
+        assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    else:
+        with pytest.raises(PatchError, match="down_proj.*inf or NaN"):
+            mpsboost.patch(model, fp8="rowwise")
 
 
 def test_conversion_frees_each_original_before_the_next_layer():
