@@ -117,6 +117,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=("tests/integration/test_selftest.py", "-k", "frozen_heap"),
+        quick=True,
     ),
     Mutation(
         name="frozen-heap-unfreezes-a-callers-freeze",
@@ -129,6 +130,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=("tests/bench/test_bench_harness.py", "-k", "frozen_heap"),
+        quick=True,
     ),
     Mutation(
         name="attention-split-walk-per-module",
@@ -720,6 +722,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
         ),
         tests=("tests/recipes/fp8/test_fp8.py", "-k", "float32_quotient"),
+        quick=True,
     ),
     Mutation(
         name="fp8-out-operators-size-unchecked",
@@ -1240,6 +1243,7 @@ MUTATIONS: tuple[Mutation, ...] = (
             Edit("tests/ops/metal_emu/driver.cpp", "    fibers.run(ctx, g % 2 == 1);", "    fibers.run(ctx, false);"),
         ),
         tests=("tests/ops/test_metal_emulation.py",),
+        quick=True,
     ),
     Mutation(
         name="metal-emulation-deadlock-unreported",
