@@ -36,7 +36,7 @@ class MediumModel:
     A copy shares the base's tensors (new module and parameter objects over the same storage): a patch replaces a
     copy's tensors and never writes into them, and :meth:`cost` checks that it didn't, by the version counters the
     copies share with the base (an in-place write bumps them). A deep copy would write 1.1 GB of fresh pages per
-    copy, most of this file's system time on Linux."""
+    copy, much of this file's system time on Linux."""
 
     def __init__(self) -> None:
         self._base = None

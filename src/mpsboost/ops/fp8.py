@@ -92,7 +92,9 @@ GRANULARITIES = ("rowwise", "tensorwise")
 STORAGES = ("float8", "uint8")
 
 # Quantisation works on slices of at most this many elements, so that its float32 scratch stays
-# small next to the layer (the conversion-peak promise: model size + one layer).
+# small next to the layer (the conversion-peak promise: model size + one layer). 8 MiB of float32: under
+# glibc's largest mmap threshold (32 MiB), so on Linux the heap serves the next layer's scratch from pages
+# already mapped instead of mapping fresh ones.
 _CHUNK_ELEMENTS = 1 << 21
 
 
@@ -201,7 +203,7 @@ def quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise ``w`` to (codes, float32 scale); codes are float8_e4m3fn or (``storage="uint8"``) their bytes.
 
-    Works slice by slice in one float32 scratch of about 16M elements, so the only new memory of
+    Works slice by slice in one float32 scratch of at most ``_CHUNK_ELEMENTS``, so the only new memory of
     substance is the 1-byte codes. ``out_device`` puts the codes elsewhere (e.g. CPU for saving).
     """
     _check_args(granularity, storage)
