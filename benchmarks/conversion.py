@@ -70,6 +70,13 @@ def _peak(device: str, fn: Callable[[], Any]):
     return probe.peaks()
 
 
+def _record(wl: Workload, variant: str, env: RecordEnv, timing, reference: str, same, memory, extra: dict) -> Record:
+    """One variant's record: its time per call, its codes against ``reference`` (``same``: bit for bit equal, or
+    None where not compared) and its memory peak."""
+    check = None if same is None else Correctness(f"{reference}, bit for bit", max_abs=0.0 if same else None)
+    return Record(wl, variant, env, throughput=timing.throughput(), correctness=check, memory=memory, extra=extra)
+
+
 def _measure(variants: dict, device: str, repeats: int):
     return measure_variants(variants, device=device, repeats=repeats, warmup=2)
 
@@ -93,17 +100,9 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
     for variant, fn in variants.items():
         t = m.timings[variant]
-        records.append(
-            Record(
-                wl,
-                variant,
-                env,
-                throughput=t.throughput(),
-                correctness=Correctness("stock formula, bit for bit", max_abs=0.0 if same else None),
-                memory=_peak(device, fn),
-                extra={"identical": same if variant == "mpsboost" else True, **m.extra(variant)},
-            )
-        )
+        ok = same if variant == "mpsboost" else True  # the formula's codes are the reference
+        extra = {"identical": ok, **m.extra(variant)}
+        records.append(_record(wl, variant, env, t, "stock formula", ok, _peak(device, fn), extra))
         lines.append(("fp8 rowwise", variant, t.median_s))
 
     # MLX 4/8-bit affine: mpsboost's codes against mx.quantize
@@ -137,20 +136,10 @@ def run(device: str, size: str, out: Path) -> list[Record]:
         for variant, fn in variants.items():
             t = m.timings[variant]
             base = "mlx" if "mlx" in variants else variant
-            records.append(
-                Record(
-                    wl,
-                    variant,
-                    env,
-                    throughput=t.throughput(),
-                    correctness=None
-                    if same is None
-                    else Correctness("mx.quantize, bit for bit", max_abs=0.0 if same else None),
-                    # MLX's memory is in the process's resident set on the CPU; a GPU's counters are torch's.
-                    memory=_peak(device, fn) if variant == "mpsboost" or device == "cpu" else None,
-                    extra={**extra_all, "identical": same, **m.extra(variant, baseline=base)},
-                )
-            )
+            # MLX's memory is in the process's resident set on the CPU; a GPU's counters are torch's.
+            memory = _peak(device, fn) if variant == "mpsboost" or device == "cpu" else None
+            extra = {**extra_all, "identical": same, **m.extra(variant, baseline=base)}
+            records.append(_record(wl, variant, env, t, "mx.quantize", same, memory, extra))
             lines.append((f"affine {bits}-bit g{GROUP}", variant, t.median_s))
 
     print(f"\n{'conversion':20s} {'variant':10s} {'s/call':>10s}")
