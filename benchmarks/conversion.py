@@ -62,12 +62,13 @@ def _mlx():
     return mx
 
 
-def _peak(device: str, fn: Callable[[], Any]):
+def _peak(device: str, fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """One call of ``fn`` apart from the timed rounds: its output (what the codes are checked on) and its memory
+    peaks."""
     with measure_memory(device) as probe:
         out = fn()
         synchronize(device)
-    del out
-    return probe.peaks()
+    return out, probe.peaks()
 
 
 def _record(wl: Workload, variant: str, env: RecordEnv, timing, reference: str, same, memory, extra: dict) -> Record:
@@ -96,13 +97,17 @@ def run(device: str, size: str, out: Path) -> list[Record]:
     wl = Workload("conversion.fp8_rowwise", shape)
     variants = {"stock": lambda: fp8_formula(w), "mpsboost": lambda: fp8_ops.quantize(w, "rowwise")}
     m = _measure(variants, device, repeats)
-    (q_ref, s_ref), (q, s) = fp8_formula(w), fp8_ops.quantize(w, "rowwise")
-    same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    outs, mems = {}, {}
     for variant, fn in variants.items():
+        outs[variant], mems[variant] = _peak(device, fn)
+    (q_ref, s_ref), (q, s) = outs["stock"], outs["mpsboost"]
+    same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+    del outs, q_ref, s_ref, q, s
+    for variant in variants:
         t = m.timings[variant]
         ok = same if variant == "mpsboost" else True  # the formula's codes are the reference
         extra = {"identical": ok, **m.extra(variant)}
-        records.append(_record(wl, variant, env, t, "stock formula", ok, _peak(device, fn), extra))
+        records.append(_record(wl, variant, env, t, "stock formula", ok, mems[variant], extra))
         lines.append(("fp8 rowwise", variant, t.median_s))
 
     # MLX 4/8-bit affine: mpsboost's codes against mx.quantize
@@ -122,24 +127,27 @@ def run(device: str, size: str, out: Path) -> list[Record]:
                 return out
 
             variants["mlx"] = mlx_quantize
-            mq, ms, mb = mlx_quantize()
-            q, s, b = (t.cpu() for t in affine_quantize(w, bits, GROUP))
+            extra_all["mlx_device"] = str(mx.default_device())
+        else:
+            extra_all["mlx"] = "not run: " + ("torch's device is CUDA" if device.startswith("cuda") else "no mlx")
+        m = _measure(variants, device, repeats)
+        # The memory pass's outputs are the ones compared. MLX's memory is in the process's resident set on the CPU;
+        # a GPU's counters are torch's, so there MLX's call is made without a probe.
+        (q, s, b), mem = _peak(device, variants["mpsboost"])
+        mems = {"mpsboost": mem}
+        if mx is not None:
+            (mq, ms, mb), mems["mlx"] = _peak(device, mlx_quantize) if device == "cpu" else (mlx_quantize(), None)
+            q, s, b = q.cpu(), s.cpu(), b.cpu()
             same = bool(
                 np.array_equal(np.array(mq).view(np.uint32), q.view(torch.int32).numpy().view(np.uint32))
                 and torch.equal(torch.from_numpy(np.array(ms.astype(mx.float32))), s.float())
                 and torch.equal(torch.from_numpy(np.array(mb.astype(mx.float32))), b.float())
             )
-            extra_all["mlx_device"] = str(mx.default_device())
-        else:
-            extra_all["mlx"] = "not run: " + ("torch's device is CUDA" if device.startswith("cuda") else "no mlx")
-        m = _measure(variants, device, repeats)
-        for variant, fn in variants.items():
+        for variant in variants:
             t = m.timings[variant]
             base = "mlx" if "mlx" in variants else variant
-            # MLX's memory is in the process's resident set on the CPU; a GPU's counters are torch's.
-            memory = _peak(device, fn) if variant == "mpsboost" or device == "cpu" else None
             extra = {**extra_all, "identical": same, **m.extra(variant, baseline=base)}
-            records.append(_record(wl, variant, env, t, "mx.quantize", same, memory, extra))
+            records.append(_record(wl, variant, env, t, "mx.quantize", same, mems[variant], extra))
             lines.append((f"affine {bits}-bit g{GROUP}", variant, t.median_s))
 
     print(f"\n{'conversion':20s} {'variant':10s} {'s/call':>10s}")
